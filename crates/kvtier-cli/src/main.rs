@@ -1,0 +1,4 @@
+//! The `kvtier` binary: `serve`, `bench`, `inspect`.
+fn main() -> anyhow::Result<()> {
+    Ok(())
+}

@@ -1,0 +1,1 @@
+//! Sequence hashes. (Owned by the core helper; placeholder until it lands.)

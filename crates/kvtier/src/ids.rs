@@ -1,0 +1,63 @@
+//! Newtype identifiers shared by every layer.
+//!
+//! Invariant: an id of one kind is never usable where another kind is expected; the tier a
+//! block id belongs to always travels with it where the two could be confused.
+use serde::{Deserialize, Serialize};
+
+/// The engine's request id, as a string (TensorRT-LLM uses ints, vLLM strings; both map here).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RequestId(pub String);
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&str> for RequestId {
+    fn from(s: &str) -> Self {
+        RequestId(s.to_owned())
+    }
+}
+
+impl From<u64> for RequestId {
+    fn from(v: u64) -> Self {
+        RequestId(v.to_string())
+    }
+}
+
+/// A block index in the engine's own (G1) KV cache, as the engine numbers it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct DeviceBlockId(pub u32);
+
+/// A block index inside one kvtier pool (G2 host, G3 disk, G4 remote). Identical on every rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct BlockId(pub u32);
+
+/// Identifies one transfer job from the leader's plan to its completion report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct JobId(pub u64);
+
+/// The storage tiers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Tier {
+    /// G1: the engine's KV cache (GPU memory, or CPU memory for CPU engines).
+    Device,
+    /// G2: host memory owned by kvtier (pinned when CUDA is present).
+    Host,
+    /// G3: local disk.
+    Disk,
+    /// G4: shared remote store.
+    Remote,
+}
+
+impl Tier {
+    pub fn label(self) -> &'static str {
+        match self {
+            Tier::Device => "device",
+            Tier::Host => "host",
+            Tier::Disk => "disk",
+            Tier::Remote => "remote",
+        }
+    }
+}

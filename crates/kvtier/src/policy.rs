@@ -1,0 +1,1 @@
+//! Offload policy. (Owned by the core helper; placeholder until it lands.)

@@ -1,0 +1,1 @@
+//! Token blocks. (Owned by the core helper; placeholder until it lands.)

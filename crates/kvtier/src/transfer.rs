@@ -1,0 +1,101 @@
+//! The contract between the connector's workers (which decide *what* moves) and the I/O crate
+//! (which moves bytes): jobs of block pairs between two tiers, each completing with Ok or with
+//! the exact blocks that failed.
+//!
+//! Invariants:
+//! - a job never reports a block as copied unless every byte of it reached the destination;
+//! - a failure names the pair (by index into `TransferJob::pairs`) and why; other pairs of the same
+//!   job may still succeed;
+//! - `fence` is called on the engine's thread when the job is issued and captures everything the
+//!   engine has enqueued so far (CUDA: an event recorded on the engine's stream); `execute` runs
+//!   later on a kvtier thread and must not touch engine memory before that fence has passed.
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{JobId, Tier};
+
+/// One block copy: `src` in the job's source tier to `dst` in its destination tier.
+/// Device-tier numbers are the engine's block ids; others are kvtier pool block ids.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BlockPair {
+    pub src: u32,
+    pub dst: u32,
+}
+
+/// A batch of block copies between two tiers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferJob {
+    pub id: JobId,
+    pub src: Tier,
+    pub dst: Tier,
+    pub pairs: Vec<BlockPair>,
+}
+
+/// Why one pair of a job failed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockFailure {
+    /// Index into `TransferJob::pairs`.
+    pub pair_index: usize,
+    pub reason: String,
+}
+
+/// The result of a job. `Failed` lists exactly the pairs that did not complete; all others did.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TransferOutcome {
+    Ok,
+    Failed(Vec<BlockFailure>),
+}
+
+impl TransferOutcome {
+    pub fn is_ok(&self) -> bool {
+        matches!(self, TransferOutcome::Ok)
+    }
+    /// Indices of the failed pairs (empty for `Ok`).
+    pub fn failed_pairs(&self) -> Vec<usize> {
+        match self {
+            TransferOutcome::Ok => Vec::new(),
+            TransferOutcome::Failed(f) => f.iter().map(|b| b.pair_index).collect(),
+        }
+    }
+}
+
+/// An ordering token captured on the engine's thread (e.g. a CUDA event). Opaque to the core.
+pub struct Fence(pub Option<Box<dyn std::any::Any + Send>>);
+
+impl Fence {
+    pub fn none() -> Self {
+        Fence(None)
+    }
+}
+
+/// Errors of the transfer layer that concern the whole engine rather than single blocks.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransferError {
+    #[error("tier {0:?} is not configured on this worker")]
+    TierMissing(Tier),
+    #[error("cannot copy from {src:?} to {dst:?}: unsupported direction")]
+    Unsupported { src: Tier, dst: Tier },
+    #[error("CUDA error: {0}")]
+    Cuda(String),
+    #[error("I/O error on {what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Other(String),
+}
+
+/// Moves blocks between the tiers one worker (one GPU rank) owns.
+pub trait BlockTransfer: Send + Sync {
+    /// Bytes of one block on this rank (all layers, all planes), identical in every tier.
+    fn bytes_per_block(&self) -> usize;
+    /// Which tiers this worker can read and write.
+    fn has_tier(&self, tier: Tier) -> bool;
+    /// Capture the engine's progress on `engine_stream` (an opaque stream handle; `None` = the
+    /// engine is synchronous). Called on the engine's thread; cheap.
+    fn fence(&self, engine_stream: Option<u64>) -> Result<Fence, TransferError>;
+    /// Run `job` to completion on the calling thread, after `fence` has passed.
+    fn execute(&self, job: &TransferJob, fence: &Fence) -> TransferOutcome;
+}
