@@ -1,1 +1,71 @@
-//! Sequence hashes. (Owned by the core helper; placeholder until it lands.)
+//! Sequence hashes: chained, salted, 128-bit keys for full token blocks.
+//!
+//! Scheme v1 (see docs/ARCHITECTURE.md for test vectors):
+//! - `salt = xxh3_64(b"kvtier-v1\0" || model || 0 || lora || 0 || cache_salt)`;
+//! - `hash(block i) = xxh3_128_with_seed(parent_le16 || tokens_as_u32_le, seed = salt)` where
+//!   `parent_le16` is the previous block's hash as 16 little-endian bytes (16 zero bytes for block 0).
+//!
+//! Invariants: a hash identifies the whole prefix up to and including its block (chaining), so
+//! two prompts share block i's key only if they share blocks 0..=i and the salt; partial tail
+//! blocks carry no hash. The scheme is versioned: changing it changes `HASH_SCHEME_VERSION`.
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::{xxh3_128_with_seed, xxh3_64};
+
+/// Version of the hashing scheme; part of every persisted or remote key space.
+pub const HASH_SCHEME_VERSION: u32 = 1;
+
+/// The 128-bit key of a full block and, through chaining, of its whole prefix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SequenceHash(pub u128);
+
+/// What separates key spaces: model, LoRA adapter, tenant cache salt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct HashSalt(pub u64);
+
+impl HashSalt {
+    pub fn new(model: &str, lora: Option<&str>, cache_salt: Option<&str>) -> Self {
+        let mut buf = Vec::with_capacity(16 + model.len());
+        buf.extend_from_slice(b"kvtier-v1\0");
+        buf.extend_from_slice(model.as_bytes());
+        buf.push(0);
+        buf.extend_from_slice(lora.unwrap_or("").as_bytes());
+        buf.push(0);
+        buf.extend_from_slice(cache_salt.unwrap_or("").as_bytes());
+        HashSalt(xxh3_64(&buf))
+    }
+}
+
+/// Hash one full block given its parent's hash.
+pub fn chain_block(parent: Option<SequenceHash>, salt: HashSalt, block_tokens: &[u32]) -> SequenceHash {
+    let mut buf = [0u8; 16 + 4 * 64];
+    let n = 16 + 4 * block_tokens.len();
+    if n <= buf.len() {
+        buf[..16].copy_from_slice(&parent.map_or(0, |p| p.0).to_le_bytes());
+        for (i, t) in block_tokens.iter().enumerate() {
+            buf[16 + 4 * i..20 + 4 * i].copy_from_slice(&t.to_le_bytes());
+        }
+        SequenceHash(xxh3_128_with_seed(&buf[..n], salt.0))
+    } else {
+        let mut v = Vec::with_capacity(n);
+        v.extend_from_slice(&parent.map_or(0, |p| p.0).to_le_bytes());
+        for t in block_tokens {
+            v.extend_from_slice(&t.to_le_bytes());
+        }
+        SequenceHash(xxh3_128_with_seed(&v, salt.0))
+    }
+}
+
+/// Hashes of every full block of `tokens` (the partial tail is ignored).
+pub fn sequence_hashes(salt: HashSalt, tokens: &[u32], block_size: usize) -> Vec<SequenceHash> {
+    if block_size == 0 {
+        return Vec::new();
+    }
+    let mut out = Vec::with_capacity(tokens.len() / block_size);
+    let mut parent = None;
+    for block in tokens.chunks_exact(block_size) {
+        let h = chain_block(parent, salt, block);
+        out.push(h);
+        parent = Some(h);
+    }
+    out
+}

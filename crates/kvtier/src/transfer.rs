@@ -28,6 +28,9 @@ pub struct TransferJob {
     pub src: Tier,
     pub dst: Tier,
     pub pairs: Vec<BlockPair>,
+    /// For jobs whose source or destination is `Tier::Remote`: the content keys (sequence hashes);
+    /// the remote side of `pairs[i]` is an index into this list. Empty otherwise.
+    pub remote_keys: Vec<u128>,
 }
 
 /// Why one pair of a job failed.
@@ -98,4 +101,14 @@ pub trait BlockTransfer: Send + Sync {
     fn fence(&self, engine_stream: Option<u64>) -> Result<Fence, TransferError>;
     /// Run `job` to completion on the calling thread, after `fence` has passed.
     fn execute(&self, job: &TransferJob, fence: &Fence) -> TransferOutcome;
+}
+
+/// A shared, content-addressed remote store (G4): Redis/Valkey, or a shared directory.
+/// Keys are 128-bit sequence hashes; every value carries a checksum verified on `get`.
+pub trait RemoteStore: Send + Sync {
+    fn put(&self, key: u128, data: &[u8]) -> Result<(), TransferError>;
+    /// Fill `out` (exactly one block) with the value of `key`; a missing, short or corrupt value is an error.
+    fn get(&self, key: u128, out: &mut [u8]) -> Result<(), TransferError>;
+    /// Which of `keys` are present (one round trip).
+    fn contains(&self, keys: &[u128]) -> Result<Vec<bool>, TransferError>;
 }
