@@ -5,6 +5,7 @@
 //! conserved (free + evictable + pinned == capacity); the eviction order is (priority, last use);
 //! allocation takes never-registered free blocks first and evicts exactly the lowest
 //! (priority, last use) unpinned blocks; pinned blocks are never evicted; events match.
+#![allow(clippy::unwrap_used)]
 use std::collections::{BTreeMap, HashMap};
 
 use kvtier::hash::SequenceHash;

@@ -141,6 +141,7 @@ impl PriorityLru {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
