@@ -22,6 +22,8 @@
 //! let geometry = desc.trtllm_pool(16, Some(2)).unwrap();
 //! assert_eq!(geometry.bytes_per_block, 64 * 2 * 2 * 2);
 //! ```
+#![cfg_attr(test, allow(clippy::unwrap_used))]
+
 use pyo3::prelude::*;
 
 pub mod errors;

@@ -152,7 +152,7 @@ impl TensorDesc {
         if tokens_per_block == 0 {
             return bad("tokens_per_block is 0".into());
         }
-        if inner == 0 || inner % tokens_per_block != 0 {
+        if inner == 0 || !inner.is_multiple_of(tokens_per_block) {
             return bad(format!(
                 "inner size {inner} (dims 3..) is not a positive multiple of tokens_per_block {tokens_per_block}"
             ));
