@@ -411,7 +411,7 @@ impl DeviceLayout {
         for layer in 0..num_layers {
             let t = match dims.layer {
                 Some(_) => first,
-                None => &tensors[layer],
+                None => tensors.get(layer).unwrap_or(first),
             };
             let layer_off = match dims.layer {
                 Some(d) => bytes(t, d)?.checked_mul(layer as u64),
