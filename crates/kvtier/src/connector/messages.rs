@@ -107,7 +107,9 @@ impl ClusterLayout {
     /// Agree on a layout from the ranks' reports, or explain the disagreement.
     pub fn agree(ranks: &[RankLayout], expected_block_size: u32) -> Result<Self, ConnectorError> {
         let Some(first) = ranks.first() else {
-            return Err(ConnectorError::Handshake("no rank reported a layout".into()));
+            return Err(ConnectorError::Handshake(
+                "no rank reported a layout".into(),
+            ));
         };
         let world = first.world_size as usize;
         if ranks.len() != world {
@@ -182,6 +184,7 @@ pub fn remote_key_for_rank(hash: u128, rank: u32, world_size: u32) -> u128 {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -212,6 +215,9 @@ mod tests {
         assert_eq!(l.total_bytes_per_block(), 500);
         assert_eq!(l.bytes_per_block, vec![200, 300]);
         let e = ClusterLayout::agree(&[r(0, 16, 200), r(1, 32, 300)], 16).unwrap_err();
-        assert!(e.to_string().contains("rank 1 has 32 tokens per block"), "{e}");
+        assert!(
+            e.to_string().contains("rank 1 has 32 tokens per block"),
+            "{e}"
+        );
     }
 }

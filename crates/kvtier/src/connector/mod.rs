@@ -5,11 +5,21 @@
 //!
 //! Invariant: nothing the engine passes in can panic this module; invalid input becomes a
 //! [`ConnectorError`] naming the request and the field, and leaves every other request untouched.
+pub mod leader;
+pub mod messages;
 pub mod slot;
 pub mod step;
+pub mod testing;
+pub mod worker;
 
+pub use leader::{Capacity, DiskPolicy, KvEvent, Leader, LeaderConfig, LeaderStats};
+pub use messages::{
+    ClusterLayout, RankLayout, RequestLoad, RequestStore, StepMetadata, WorkerReport,
+    PROTOCOL_VERSION,
+};
 pub use slot::{MatchRecord, OffloadBlock, OnboardBlock, Slot, SlotState};
 pub use step::{SchedulerStep, StepRecord};
+pub use worker::{FinishedReport, ReportSink, Worker, WorkerLink};
 
 /// Errors of the connector (leader, workers, their channel).
 #[derive(Debug, thiserror::Error)]
@@ -43,7 +53,11 @@ pub enum ConnectorError {
 }
 
 impl ConnectorError {
-    pub(crate) fn invalid(request: &crate::ids::RequestId, field: &'static str, reason: impl Into<String>) -> Self {
+    pub(crate) fn invalid(
+        request: &crate::ids::RequestId,
+        field: &'static str,
+        reason: impl Into<String>,
+    ) -> Self {
         ConnectorError::InvalidInput {
             request: request.0.clone(),
             field,

@@ -139,7 +139,10 @@ impl Slot {
 
     /// True while matching may run: before the request is allocated, or after preemption.
     pub fn can_match(&self) -> bool {
-        matches!(self.state, SlotState::Waiting | SlotState::Preempted | SlotState::Allocated)
+        matches!(
+            self.state,
+            SlotState::Waiting | SlotState::Preempted | SlotState::Allocated
+        )
     }
 
     /// Replace or extend the known tokens with the engine's full token list, rehashing only what
@@ -248,7 +251,9 @@ impl Slot {
         if !matches!(self.state, SlotState::Waiting | SlotState::Preempted) {
             return Err(self.invalid(
                 "num_external_tokens",
-                format!("{external} external tokens for a request that is already allocated or running"),
+                format!(
+                    "{external} external tokens for a request that is already allocated or running"
+                ),
             ));
         }
         let Some(m) = m else {
@@ -272,13 +277,20 @@ impl Slot {
         if table_len < end {
             return Err(self.invalid(
                 "block_ids",
-                format!("{table_len} device blocks cannot hold {} matched tokens", end * bs),
+                format!(
+                    "{table_len} device blocks cannot hold {} matched tokens",
+                    end * bs
+                ),
             ));
         }
         if end > self.hashes.len() {
             return Err(self.invalid(
                 "num_external_tokens",
-                format!("matched {} blocks but only {} full blocks are known", end, self.hashes.len()),
+                format!(
+                    "matched {} blocks but only {} full blocks are known",
+                    end,
+                    self.hashes.len()
+                ),
             ));
         }
         self.push_ids(fresh);
@@ -345,7 +357,8 @@ impl Slot {
             && rec.new_tokens.starts_with(&self.tokens);
         let appended: &[u32] = if full_list {
             &rec.new_tokens[self.tokens.len()..]
-        } else if rec.is_new && !self.tokens.is_empty() && self.tokens.starts_with(&rec.new_tokens) {
+        } else if rec.is_new && !self.tokens.is_empty() && self.tokens.starts_with(&rec.new_tokens)
+        {
             &[]
         } else if rec.is_new && !self.tokens.is_empty() {
             return Err(self.invalid(
@@ -406,6 +419,7 @@ impl Slot {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -431,22 +445,35 @@ mod tests {
         let mut r1 = rec(prompt.clone(), &[10, 11, 12, 13, 14, 15, 16], 0, 64);
         r1.is_new = true;
         assert_eq!(idx(&s.apply(&r1).unwrap()), vec![0, 1, 2, 3]);
-        assert_eq!(idx(&s.apply(&rec(vec![], &[], 64, 36)).unwrap()), vec![4, 5]);
-        assert_eq!(idx(&s.apply(&rec(vec![100], &[], 100, 1)).unwrap()), Vec::<usize>::new());
+        assert_eq!(
+            idx(&s.apply(&rec(vec![], &[], 64, 36)).unwrap()),
+            vec![4, 5]
+        );
+        assert_eq!(
+            idx(&s.apply(&rec(vec![100], &[], 100, 1)).unwrap()),
+            Vec::<usize>::new()
+        );
         for t in 101..111u32 {
-            assert!(s.apply(&rec(vec![t], &[], t as usize, 1)).unwrap().is_empty());
+            assert!(s
+                .apply(&rec(vec![t], &[], t as usize, 1))
+                .unwrap()
+                .is_empty());
         }
         let out = s.apply(&rec(vec![111], &[], 111, 1)).unwrap();
         assert_eq!(idx(&out), vec![6]);
         assert_eq!(out[0].device, DeviceBlockId(16));
-        assert_eq!(out[0].hash, crate::hash::sequence_hashes(HashSalt(7), &(0..112).collect::<Vec<_>>(), 16)[6]);
+        assert_eq!(
+            out[0].hash,
+            crate::hash::sequence_hashes(HashSalt(7), &(0..112).collect::<Vec<_>>(), 16)[6]
+        );
     }
 
     #[test]
     fn double_reported_ids_are_recognised() {
         let mut s = Slot::new("r".into(), 4, HashSalt(1));
         s.set_all_tokens(&[1, 2, 3, 4, 5, 6, 7, 8]);
-        s.allocate(&[DeviceBlockId(3), DeviceBlockId(9)], Some(0)).unwrap();
+        s.allocate(&[DeviceBlockId(3), DeviceBlockId(9)], Some(0))
+            .unwrap();
         let mut r = rec(vec![1, 2, 3, 4, 5, 6, 7, 8], &[3, 9], 0, 8);
         r.is_new = true;
         assert_eq!(idx(&s.apply(&r).unwrap()), vec![0, 1]);
@@ -459,7 +486,13 @@ mod tests {
         let mut r = rec(vec![1, 2, 3, 4, 5], &[0], 0, 5);
         r.is_new = true;
         let e = s.apply(&r).unwrap_err();
-        assert!(matches!(e, ConnectorError::InvalidInput { field: "num_scheduled_tokens", .. }));
+        assert!(matches!(
+            e,
+            ConnectorError::InvalidInput {
+                field: "num_scheduled_tokens",
+                ..
+            }
+        ));
         assert!(s.tokens().is_empty());
         assert!(s.device_table().is_empty());
         assert_eq!(s.state(), SlotState::Waiting);
