@@ -6,7 +6,7 @@ legacy default stream) or ``None`` for engines without streams (CPU). Every erro
 ``KvtierError`` subclass; nothing here aborts the process.
 """
 
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 __version__: str
 
@@ -44,16 +44,9 @@ class TensorDesc:
     @staticmethod
     def contiguous_strides(shape: Sequence[int], itemsize: int) -> list[int]: ...
 
-class Config:
-    """kvtier's typed configuration (defaults < $KVTIER_CONFIG TOML < KVTIER_* / DYN_KVBM_* env < overrides)."""
-
-    @staticmethod
-    def from_env(overrides: Optional[dict[str, object]] = None) -> "Config":
-        """Raises ConfigError naming the setting on invalid input. ``overrides`` keys are the TOML keys."""
-    def to_json(self) -> str: ...
-
 class StepRecord:
-    """One scheduled request in one engine step (the engine-neutral step contract)."""
+    """One scheduled request in one engine step (the engine-neutral step contract). ``Leader.build_step``
+    also accepts plain dicts with these keys."""
 
     request_id: str
     new_tokens: list[int]
@@ -76,62 +69,105 @@ class StepRecord:
         resumed_from_preemption: bool = False,
     ) -> None: ...
 
-class Leader:
-    """Scheduler side: per-request slots, pools, matching. One per engine (rank 0)."""
+Settings = Mapping[str, Any]
+"""Engine-supplied settings: the adapter's keys below plus any kvtier configuration key (the TOML
+keys, dotted or nested, e.g. ``{"host.num_blocks": 64}``), layered over defaults < $KVTIER_CONFIG <
+KVTIER_* / DYN_KVBM_* environment. Adapter keys:
 
-    def __init__(self, config: Config, *, block_size: int, world_size: int = 1) -> None: ...
+- ``block_size`` (int, required): tokens per block (TensorRT-LLM ``tokens_per_block``).
+- ``world_size`` (int, default 1), ``rank`` (int, Worker only, default 0).
+- ``async_loads`` (bool, default False): loads complete through ``get_finished`` instead of before
+  the forward pass.
+- ``salt`` (str): separates key spaces (model, dtype, LoRA, tenant); default from ``hashing.*``.
+- ``bytes_per_block`` (int): one block summed over all ranks. Without it the Leader waits (up to
+  ``connector.leader_worker_timeout_secs``) for an in-process Worker's layout and assumes equal shards.
+- ``num_device_blocks`` (int): the engine's G1 block count (checked against block ids).
+- ``link`` (Worker: "engine" (default) | "in_process"): "engine" buffers job reports for
+  ``take_reports()`` -> ``Leader.apply_reports(blob)`` through the engine's own channel;
+  "in_process" hands them straight to the Leader of this process with the same ``channel`` key.
+- ``channel`` (str, default "default"): pairs an in-process Leader with its Workers.
+- ``layout`` (Worker): "trtllm_pool" | "vllm_cuda" (auto K/V-first or block-first) |
+  "vllm_cuda_kv_first" | "vllm_cuda_block_first" | "vllm_mla" | "vllm_cpu"; default: "trtllm_pool"
+  for one 4-D tensor, else "vllm_cpu" for CPU tensors, "vllm_cuda" for CUDA tensors.
+- ``dtype`` (str, Worker): overrides the tensors' dtype name.
+"""
+
+class Leader:
+    """Scheduler side, one per engine: per-request slots, pools, matching, the books of every job."""
+
+    def __init__(self, settings: Settings) -> None:
+        """Raises ConfigError naming the setting on invalid input."""
     @property
-    def endpoint(self) -> Optional[str]:
-        """ZeroMQ endpoint other ranks' workers connect to (None while world_size == 1)."""
-    def get_num_new_matched_tokens(
-        self, request_id: str, tokens: Sequence[int], num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        """Tokens kvtier can load beyond the device prefix and whether the load is async.
-        Never (0, True). Side-effect free apart from remembering the match for the request."""
+    def loads_are_async(self) -> bool: ...
+    @property
+    def block_size(self) -> int: ...
+    def get_num_new_matched_tokens(self, request_id: str, tokens: Sequence[int], num_computed_tokens: int) -> int:
+        """Tokens kvtier can load beyond the device prefix (block aligned, 0 if none); side-effect free
+        on the pools. Whether the load is async: ``loads_are_async``."""
     def update_state_after_alloc(
         self, request_id: str, block_ids: Sequence[int], num_external_tokens: Optional[int] = None
     ) -> None:
-        """The engine allocated ``block_ids`` for the request. ``num_external_tokens`` None = the
-        count of the last match (TensorRT-LLM); vLLM passes its own (0 after an async load)."""
-    def build_connector_meta(self, records: Sequence[StepRecord], finished: Sequence[str] = ()) -> bytes:
-        """Consume one step; returns the picklable metadata every worker's ``bind_metadata`` gets."""
-    def request_finished(self, request_id: str, block_ids: Sequence[int]) -> bool:
-        """True while any store of the request is unconfirmed (keep its blocks until workers report it saved)."""
+        """The engine allocated ``block_ids`` (the request's whole table; known ids are recognised).
+        ``num_external_tokens`` None = the count of the last match (TensorRT-LLM)."""
+    def build_step(
+        self, records: Sequence[Union[StepRecord, Mapping[str, Any]]], finished: Sequence[str] = ()
+    ) -> bytes:
+        """Consume one engine step; returns the metadata (picklable bytes) every worker's ``bind`` takes.
+        A record for a request the leader has never seen counts as new (TensorRT-LLM reports
+        generation-only requests in cached_requests). Invalid input raises ConnectorError; the
+        planned work stays queued for the next call."""
+    def request_finished(self, request_id: str) -> bool:
+        """True while any store of the request is unconfirmed by some rank: keep its blocks until
+        the workers report it saved."""
+    def request_preempted(self, request_id: str) -> None: ...
+    def apply_reports(self, blob: bytes) -> None:
+        """Job reports from ``Worker.take_reports()`` (link "engine")."""
+    def take_events(self) -> list[dict[str, Any]]:
+        """Tier changes since the last call: ``{"kind": "stored"|"removed", "tier": "host"|"disk"|"remote",
+        "hashes": [int]}`` (128-bit sequence hashes)."""
     def stats(self) -> dict[str, int]:
-        """Counters: offloaded/onboarded blocks per tier, matches, hits (see docs/arch/py.md)."""
+        """Counters: steps, match_queries, matched_tokens, offload_blocks, offload_confirmed,
+        offload_failed, offload_deduplicated, offload_dropped, onboard_{host,disk,remote}_blocks,
+        onboard_failed, spill_disk_blocks, spill_disk_failed, remote_put_blocks, remote_put_failed,
+        host_capacity, host_free, host_registered, disk_capacity, disk_free, disk_registered,
+        active_requests, jobs_in_flight."""
+    def shutdown(self) -> None: ...
 
 class Worker:
-    """Worker side, one per rank: owns the tier memory, executes the leader's transfers."""
+    """Worker side, one per rank: owns the tier memory (host, disk), executes the leader's jobs on
+    kvtier threads. Constructing it registers the engine's KV tensors."""
 
     def __init__(
         self,
-        config: Config,
-        *,
-        rank: int = 0,
-        world_size: int = 1,
-        leader: Optional[Leader] = None,
-        leader_endpoint: Optional[str] = None,
+        settings: Settings,
+        tensors: Union[TensorDesc, Sequence[TensorDesc], Sequence[tuple[str, TensorDesc]]],
     ) -> None:
-        """``leader``: in-process channel (rank 0). Otherwise ZeroMQ to ``leader_endpoint`` or
-        $KVTIER_LEADER_ENDPOINT."""
-    def register_trtllm_pool(self, tensor: TensorDesc, tokens_per_block: int, num_layers: Optional[int] = None) -> None:
-        """TensorRT-LLM's pool ``[num_blocks, num_layers, kv_factor, tokens_per_block*heads*head_dim]``.
-        LayoutError (a ValueError) naming the dimension that does not fit."""
-    def register_layer_tensors(self, tensors: Sequence[TensorDesc], tokens_per_block: int, block_dim: int) -> None:
-        """One tensor per layer (layer order), all of one shape; ``block_dim`` indexes blocks. The
-        dims before it are separate planes (e.g. K/V in ``[2, num_blocks, ...]``), the dims after it
-        must be contiguous. Each (layer, plane, block) is opaque bytes."""
-    def bind_metadata(self, metadata: bytes) -> None: ...
-    def start_load(self, stream: Optional[int]) -> None: ...
-    def wait_for_layer_load(self, layer: int, stream: Optional[int]) -> None: ...
-    def save_kv_layer(self, layer: int, stream: Optional[int]) -> None: ...
-    def wait_for_save(self, stream: Optional[int]) -> None: ...
-    def forward_pass_done(self, stream: Optional[int]) -> None:
+        """LayoutError (a ValueError) naming the tensor and the mismatch; TransferError if host
+        memory or disk files cannot be set up."""
+    @property
+    def rank(self) -> int: ...
+    @property
+    def bytes_per_block(self) -> int: ...
+    @property
+    def num_device_blocks(self) -> int: ...
+    def bind(self, metadata: bytes) -> None:
+        """Take one step's metadata (from ``Leader.build_step``); background copies start now."""
+    def start_load(self, stream: Optional[int] = None) -> None: ...
+    def wait_for_layer_load(self, layer: int, stream: Optional[int] = None) -> None:
+        """Returns when the step's sync loads are done; raises TransferError if any of them failed
+        (the forward pass would read wrong KV)."""
+    def forward_done(self, stream: Optional[int] = None) -> None:
         """End of the forward pass on ``stream``: this step's stores may now read device blocks."""
     def get_finished(
-        self, finished: Sequence[str], started_loading: Sequence[str]
-    ) -> tuple[list[str], list[str]]:
-        """(saved, loaded) request ids; each only after it was passed in here."""
+        self, finished: Sequence[str], started_loading: Optional[Sequence[str]] = None
+    ) -> tuple[list[str], list[str], list[str]]:
+        """(saved, loaded, load_failed) request ids. ``started_loading`` (TensorRT-LLM): only ids
+        passed in here (accumulated) are reported loaded; None reports every finished load."""
     def take_load_errors(self) -> list[int]:
-        """Device block ids whose load failed since the last call (their requests are never reported loaded)."""
-    def shutdown(self, timeout_s: float = 10.0) -> None: ...
+        """Device block ids whose load failed since the last call (never reported as loaded)."""
+    def take_reports(self) -> bytes:
+        """Job reports for ``Leader.apply_reports`` (link "engine"); empty when there are none."""
+    def wait_idle(self) -> None:
+        """Block until every job handed out has finished."""
+    def stats(self) -> dict[str, int]: ...
+    def shutdown(self) -> None: ...
