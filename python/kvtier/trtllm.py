@@ -304,6 +304,13 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         return [int(x) for x in saved], [int(x) for x in loaded]
 
 
+def _current_stream_handle() -> Optional[int]:
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.current_stream().cuda_stream)
+
+
 # --------------------------------------------------------------------------------------------
 # Configuration
 

@@ -23,7 +23,7 @@ use crate::rendezvous::Rendezvous;
 use crate::settings::Settings;
 
 /// One scheduled request in one step (see `_native.pyi`).
-#[pyclass(name = "StepRecord", module = "kvtier._native", skip_from_py_object)]
+#[pyclass(name = "StepRecord", module = "kvtier._native")]
 #[derive(Clone, Debug)]
 pub struct PyStepRecord {
     pub inner: StepRecord,
@@ -132,9 +132,8 @@ fn record_from_py(obj: &Bound<'_, PyAny>) -> PyResult<StepRecord> {
 
 /// Encodes job reports for the engine's own worker -> scheduler channel (`link = "engine"`).
 pub fn encode_reports(reports: &[WorkerReport]) -> BridgeResult<Vec<u8>> {
-    postcard::to_stdvec(&(PROTOCOL_VERSION, reports)).map_err(|e| {
-        BridgeError::local(Family::Connector, format!("encoding job reports: {e}"))
-    })
+    postcard::to_stdvec(&(PROTOCOL_VERSION, reports))
+        .map_err(|e| BridgeError::local(Family::Connector, format!("encoding job reports: {e}")))
 }
 
 fn decode_reports(blob: &[u8]) -> BridgeResult<Vec<WorkerReport>> {
@@ -143,7 +142,9 @@ fn decode_reports(blob: &[u8]) -> BridgeResult<Vec<WorkerReport>> {
     if version != PROTOCOL_VERSION {
         return Err(BridgeError::local(
             Family::Connector,
-            format!("job reports have protocol version {version}, this build speaks {PROTOCOL_VERSION}"),
+            format!(
+                "job reports have protocol version {version}, this build speaks {PROTOCOL_VERSION}"
+            ),
         ));
     }
     Ok(reports)
@@ -173,10 +174,7 @@ pub struct PyLeader {
     async_loads: bool,
 }
 
-fn capacities(
-    settings: &Settings,
-    total_bytes_per_block: u64,
-) -> BridgeResult<(usize, usize)> {
+fn capacities(settings: &Settings, total_bytes_per_block: u64) -> BridgeResult<(usize, usize)> {
     let bytes = usize::try_from(total_bytes_per_block).map_err(|_| {
         BridgeError::local(Family::Config, "bytes_per_block does not fit this machine")
     })?;
@@ -210,11 +208,17 @@ impl Inner {
     /// The Rust leader, built on first use from the in-process workers' layouts if needed.
     fn ready(&mut self, py: Python<'_>) -> BridgeResult<&mut Leader> {
         if self.shut_down {
-            return Err(BridgeError::local(Family::Connector, "the leader was shut down"));
+            return Err(BridgeError::local(
+                Family::Connector,
+                "the leader was shut down",
+            ));
         }
         if self.leader.is_none() {
             let Some(p) = self.pending.as_ref() else {
-                return Err(BridgeError::local(Family::Connector, "leader has no layout source"));
+                return Err(BridgeError::local(
+                    Family::Connector,
+                    "leader has no layout source",
+                ));
             };
             let rv = Arc::clone(&p.rendezvous);
             let timeout = p.timeout;
@@ -425,8 +429,7 @@ impl PyLeader {
 
     fn request_finished(&self, py: Python<'_>, request_id: String) -> PyResult<bool> {
         let mut g = self.lock();
-        Ok(g
-            .ready(py)?
+        Ok(g.ready(py)?
             .request_finished(&RequestId(request_id))
             .map_err(BridgeError::from)?)
     }

@@ -31,7 +31,6 @@ pub mod leader;
 pub mod rendezvous;
 pub mod settings;
 pub mod tensor;
-pub mod worker;
 
 /// Installs a `tracing` subscriber that writes kvtier's logs to stderr, filtered by `filter` (an
 /// `EnvFilter` directive such as "kvtier=debug") or else `KVTIER_LOG`. Returns False if a
@@ -58,7 +57,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tensor::TensorDesc>()?;
     m.add_class::<leader::PyStepRecord>()?;
     m.add_class::<leader::PyLeader>()?;
-    m.add_class::<worker::PyWorker>()?;
+
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     Ok(())
 }

@@ -150,7 +150,10 @@ mod tests {
         let w1b = Rendezvous::for_worker(key, 1);
         assert!(Arc::ptr_eq(&w1b, &l2));
         w1b.register(layout(1));
-        assert_eq!(l2.wait_for(1, Duration::from_millis(1)).map(|v| v.len()), Some(2));
+        assert_eq!(
+            l2.wait_for(1, Duration::from_millis(1)).map(|v| v.len()),
+            Some(2)
+        );
         assert!(l.wait_for(1, Duration::from_millis(1)).is_none());
     }
 }
