@@ -36,7 +36,11 @@ impl HashSalt {
 }
 
 /// Hash one full block given its parent's hash.
-pub fn chain_block(parent: Option<SequenceHash>, salt: HashSalt, block_tokens: &[u32]) -> SequenceHash {
+pub fn chain_block(
+    parent: Option<SequenceHash>,
+    salt: HashSalt,
+    block_tokens: &[u32],
+) -> SequenceHash {
     let mut buf = [0u8; 16 + 4 * 64];
     let n = 16 + 4 * block_tokens.len();
     if n <= buf.len() {

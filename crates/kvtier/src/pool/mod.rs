@@ -1,20 +1,35 @@
 //! Pools, one per tier: block ids, a content-addressed registry, reference-counted pins,
-//! priority-aware LRU eviction, capacity accounting. Pure data structures: no I/O.
+//! priority-aware LRU eviction, capacity accounting. Pure data structures: no I/O, no clock.
 //!
-//! API CONTRACT (implemented by the core work; the connector codes against it):
-//! - `BlockPool::new(tier, capacity_blocks)`
-//! - `peek_prefix(&self, &[SequenceHash]) -> usize`  side-effect free longest contiguous prefix
-//! - `match_prefix(&mut self, &[SequenceHash]) -> Vec<BlockId>`  pins each matched block, touches LRU
-//! - `allocate(&mut self, n) -> Result<Vec<BlockId>, PoolError>`  all-or-nothing, pinned, evicts
-//!   unpinned registered blocks in (priority, last use) order
-//! - `register(&mut self, block, hash, priority) -> BlockId`  publish a written block; if the hash is
-//!   already registered the given block is freed and the existing one returned (pinned instead)
-//! - `pin(&mut self, block)`, `release(&mut self, block)`  refcount +1 / -1
-//! - `lookup(&self, hash) -> Option<BlockId>`, `hash_of(&self, block) -> Option<SequenceHash>`
-//! - `capacity()`, `num_free()` (free + evictable), `num_registered()`, `take_events() -> Vec<PoolEvent>`
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum PoolError {
-    #[error("pool exhausted: {0}")]
-    Exhausted(String),
-}
+//! API (the connector codes against it):
+//! - `BlockPool::new(tier, capacity_blocks) -> Result<BlockPool, PoolError>`
+//! - `peek_prefix(&self, &[SequenceHash]) -> usize`: side-effect free longest contiguous prefix
+//! - `match_prefix(&mut self, &[SequenceHash]) -> Vec<BlockId>`: pins each matched block (the
+//!   caller releases each one later); the release makes it the most recently used
+//! - `allocate(&mut self, n) -> Result<Vec<BlockId>, PoolError>`: all-or-nothing, each block pinned
+//!   once and in state `Writing`; takes free blocks first, then evicts unpinned registered blocks
+//!   in (priority, last use) order, emitting `Removed` for each
+//! - `register(&mut self, block, hash, priority) -> Result<BlockId, PoolError>`: publish a written
+//!   (pinned, `Writing`) block. If `hash` is already registered elsewhere, the caller's pin moves
+//!   to the existing block (which is returned), the given block loses that pin (and becomes free
+//!   when it has no other), and the existing block keeps the higher of the two priorities
+//! - `pin(&mut self, block) -> Result<(), PoolError>`, `release(&mut self, block) -> Result<(), PoolError>`:
+//!   pin count +1 / -1. A registered block at 0 pins becomes evictable; an unregistered one free
+//! - `invalidate(&mut self, block) -> Result<(), PoolError>`: unpublish (e.g. its bytes were lost)
+//! - `lookup(&self, hash) -> Option<BlockId>`, `hash_of(&self, block) -> Option<SequenceHash>`,
+//!   `state(&self, block)`, `pin_count(&self, block)`
+//! - `capacity()`, `num_free()` (free + evictable), `num_evictable()`, `num_registered()`,
+//!   `take_events() -> Vec<PoolEvent>`
+//!
+//! Invariants (checked by the property tests in `tests/pool_model.rs`):
+//! - every block is in exactly one state; a `Free` block is on the free list and in no registry;
+//! - a block with pins is never evicted or handed out by `allocate`;
+//! - `num_free() + (pinned blocks) == capacity()`;
+//! - one hash names at most one block.
+mod block_pool;
+mod lru;
+mod registry;
+mod types;
+
+pub use block_pool::BlockPool;
+pub use types::{BlockState, PoolError, PoolEvent, Priority};

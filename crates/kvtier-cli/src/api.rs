@@ -1,0 +1,465 @@
+//! OpenAI wire types and their validation into a [`GenRequest`].
+//!
+//! Invariant: every request body goes through [`parse_completion`] / [`parse_chat`], which either return a
+//! fully validated request (non-empty prompt of valid token ids that fits the context window, greedy
+//! sampling, n = 1) or an [`ApiError`] with a 4xx status naming the offending parameter. Unknown fields are
+//! ignored, as OpenAI clients send many optional ones.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::backend::{Backend, GenRequest};
+
+/// An OpenAI-style error: `{"error":{"message","type","param","code"}}` with an HTTP status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<&'static str>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    /// 400 `invalid_request_error`.
+    pub fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param,
+            code: None,
+        }
+    }
+
+    /// 404 for an unknown model.
+    pub fn model_not_found(model: &str) -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("The model `{model}` does not exist."),
+            kind: "invalid_request_error",
+            param: Some("model"),
+            code: Some("model_not_found"),
+        }
+    }
+
+    /// 503: the engine is overloaded or stopped; the client may retry.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: Some("overloaded"),
+        }
+    }
+
+    /// 500: generation failed inside the engine.
+    pub fn internal(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut resp = (self.status, axum::Json(self.body())).into_response();
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            resp.headers_mut()
+                .insert("retry-after", axum::http::HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}
+
+/// A prompt: text or token ids.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+    /// Batches (`["a","b"]`, `[[1],[2]]`) are recognised only to be refused clearly.
+    Batch(Vec<Value>),
+}
+
+/// Streaming options.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Fields shared by both endpoints.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Sampling {
+    pub model: Option<String>,
+    pub max_tokens: Option<u32>,
+    /// Newer OpenAI name for `max_tokens` on chat.
+    pub max_completion_tokens: Option<u32>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub n: Option<u32>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+    pub stop: Option<Value>,
+    pub logprobs: Option<Value>,
+    /// Non-standard (vLLM): include the generated token ids in each choice.
+    #[serde(default)]
+    pub return_token_ids: bool,
+}
+
+/// `POST /v1/completions` body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionBody {
+    pub prompt: Prompt,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+}
+
+/// Message content: a string or a list of parts.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+/// One content part; only `text` parts are supported.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+/// One chat message.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+/// `POST /v1/chat/completions` body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatBody {
+    pub messages: Vec<Message>,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+}
+
+/// A validated request plus how to answer it.
+#[derive(Debug, Clone)]
+pub struct Validated {
+    pub gen: GenRequest,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub return_token_ids: bool,
+    pub model: String,
+}
+
+fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    if body.is_empty() {
+        return Err(ApiError::invalid(
+            "request body is empty; expected a JSON object",
+            None,
+        ));
+    }
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("request body is not valid JSON: {e}"), None))?;
+    if !value.is_object() {
+        return Err(ApiError::invalid(
+            "request body must be a JSON object",
+            None,
+        ));
+    }
+    serde_json::from_value(value)
+        .map_err(|e| ApiError::invalid(format!("invalid request: {e}"), None))
+}
+
+/// Applies the shared sampling checks and the context-window check.
+fn finish(
+    backend: &dyn Backend,
+    prompt: Vec<u32>,
+    s: &Sampling,
+    default_max: Option<u32>,
+) -> Result<Validated, ApiError> {
+    let model = backend.model_name();
+    if let Some(m) = &s.model {
+        if m != &model {
+            return Err(ApiError::model_not_found(m));
+        }
+    }
+    if let Some(t) = s.temperature {
+        if t != 0.0 {
+            return Err(ApiError::invalid(
+                format!(
+                    "temperature {t} is not supported: this server decodes greedily only (omit it or send 0) \
+                     so that cached and recomputed runs give bit-identical text"
+                ),
+                Some("temperature"),
+            ));
+        }
+    }
+    if let Some(p) = s.top_p {
+        if p != 1.0 {
+            return Err(ApiError::invalid(
+                "top_p other than 1 is not supported (greedy decoding only)",
+                Some("top_p"),
+            ));
+        }
+    }
+    if let Some(n) = s.n {
+        if n != 1 {
+            return Err(ApiError::invalid("only n = 1 is supported", Some("n")));
+        }
+    }
+    match &s.stop {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(a)) if a.is_empty() => {}
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stop sequences are not supported",
+                Some("stop"),
+            ))
+        }
+    }
+    match &s.logprobs {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => {}
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "logprobs are not supported",
+                Some("logprobs"),
+            ))
+        }
+    }
+    if prompt.is_empty() {
+        return Err(ApiError::invalid(
+            "prompt must not be empty",
+            Some("prompt"),
+        ));
+    }
+    let vocab = backend.vocab_size();
+    if let Some(bad) = prompt.iter().find(|&&t| t >= vocab) {
+        return Err(ApiError::invalid(
+            format!("token id {bad} is out of range: the vocabulary has {vocab} tokens"),
+            Some("prompt"),
+        ));
+    }
+    let max_len = backend.max_model_len();
+    if prompt.len() >= max_len {
+        return Err(ApiError::invalid(
+            format!(
+                "This model's maximum context length is {max_len} tokens, but the prompt has {} tokens \
+                 (at least one token must be generated)",
+                prompt.len()
+            ),
+            Some("prompt"),
+        ));
+    }
+    let room = (max_len - prompt.len()) as u32;
+    let requested = s.max_completion_tokens.or(s.max_tokens);
+    let max_tokens = match requested {
+        Some(0) => return Err(ApiError::invalid("max_tokens must be at least 1", Some("max_tokens"))),
+        Some(m) if m > room => {
+            return Err(ApiError::invalid(
+                format!(
+                    "This model's maximum context length is {max_len} tokens; the prompt has {} tokens and \
+                     max_tokens asks for {m} more",
+                    prompt.len()
+                ),
+                Some("max_tokens"),
+            ))
+        }
+        Some(m) => m,
+        None => default_max.unwrap_or(room).min(room),
+    };
+    Ok(Validated {
+        gen: GenRequest {
+            prompt,
+            max_tokens,
+            ignore_eos: s.ignore_eos,
+        },
+        stream: s.stream,
+        include_usage: s.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        return_token_ids: s.return_token_ids,
+        model,
+    })
+}
+
+/// Parses and validates a `/v1/completions` body (default `max_tokens` 16, as OpenAI).
+pub fn parse_completion(backend: &dyn Backend, body: &[u8]) -> Result<Validated, ApiError> {
+    let b: CompletionBody = parse_json(body)?;
+    let prompt = match b.prompt {
+        Prompt::Text(t) => backend.codec().encode(&t),
+        Prompt::Tokens(t) => t,
+        Prompt::Batch(_) => {
+            return Err(ApiError::invalid(
+                "batched prompts are not supported: send one prompt (a string or an array of token ids)",
+                Some("prompt"),
+            ))
+        }
+    };
+    finish(backend, prompt, &b.sampling, Some(16))
+}
+
+/// The chat template of the built-in model: `<|role|>\n{content}\n` per message, then `<|assistant|>\n`.
+pub fn render_chat(messages: &[Message]) -> Result<String, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid(
+            "messages must contain at least one message",
+            Some("messages"),
+        ));
+    }
+    let mut out = String::new();
+    for m in messages {
+        if !matches!(
+            m.role.as_str(),
+            "system" | "user" | "assistant" | "developer" | "tool"
+        ) {
+            return Err(ApiError::invalid(
+                format!("unknown message role `{}`", m.role),
+                Some("messages"),
+            ));
+        }
+        let text = match &m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t.clone(),
+            Some(Content::Parts(parts)) => {
+                let mut s = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(t)) => s.push_str(t),
+                        _ => {
+                            return Err(ApiError::invalid(
+                                format!(
+                                    "content part type `{}` is not supported (text only)",
+                                    p.kind
+                                ),
+                                Some("messages"),
+                            ))
+                        }
+                    }
+                }
+                s
+            }
+        };
+        out.push_str("<|");
+        out.push_str(&m.role);
+        out.push_str("|>\n");
+        out.push_str(&text);
+        out.push('\n');
+    }
+    out.push_str("<|assistant|>\n");
+    Ok(out)
+}
+
+/// Parses and validates a `/v1/chat/completions` body (default `max_tokens`: the rest of the context).
+pub fn parse_chat(backend: &dyn Backend, body: &[u8]) -> Result<Validated, ApiError> {
+    let b: ChatBody = parse_json(body)?;
+    let text = render_chat(&b.messages)?;
+    let prompt = backend.codec().encode(&text);
+    finish(backend, prompt, &b.sampling, None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::fake::FakeBackend;
+
+    #[test]
+    fn completion_text_and_tokens() {
+        let b = FakeBackend::new();
+        let v = parse_completion(
+            &b,
+            br#"{"model":"fake-model","prompt":"hi","max_tokens":3}"#,
+        )
+        .unwrap();
+        assert_eq!(v.gen.prompt, vec![104, 105]);
+        assert_eq!(v.gen.max_tokens, 3);
+        let v = parse_completion(
+            &b,
+            br#"{"prompt":[1,2,3],"temperature":0,"ignore_eos":true}"#,
+        )
+        .unwrap();
+        assert_eq!(v.gen.prompt, vec![1, 2, 3]);
+        assert_eq!(v.gen.max_tokens, 16);
+        assert!(v.gen.ignore_eos);
+    }
+
+    #[test]
+    fn errors_name_the_parameter() {
+        let b = FakeBackend::new();
+        let e = parse_completion(&b, b"{not json").unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        let e = parse_completion(&b, br#"{"model":"fake-model"}"#).unwrap_err();
+        assert!(
+            e.message.contains("missing field `prompt`"),
+            "{}",
+            e.message
+        );
+        let e = parse_completion(&b, br#"{"model":"other","prompt":"x"}"#).unwrap_err();
+        assert_eq!(e.status, StatusCode::NOT_FOUND);
+        assert_eq!(e.code, Some("model_not_found"));
+        let e = parse_completion(&b, br#"{"prompt":"x","temperature":0.7}"#).unwrap_err();
+        assert_eq!(e.param, Some("temperature"));
+        let e = parse_completion(&b, br#"{"prompt":[1,999]}"#).unwrap_err();
+        assert_eq!(e.param, Some("prompt"));
+        let long = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(64));
+        let e = parse_completion(&b, long.as_bytes()).unwrap_err();
+        assert!(
+            e.message.contains("maximum context length"),
+            "{}",
+            e.message
+        );
+        let e = parse_completion(&b, br#"{"prompt":"x","max_tokens":100}"#).unwrap_err();
+        assert_eq!(e.param, Some("max_tokens"));
+        let e = parse_completion(&b, br#"{"prompt":["a","b"]}"#).unwrap_err();
+        assert!(e.message.contains("batched"));
+        let e = parse_completion(&b, br#"{"prompt":""}"#).unwrap_err();
+        assert!(e.message.contains("empty"));
+        let e = parse_chat(&b, br#"{"messages":[]}"#).unwrap_err();
+        assert_eq!(e.param, Some("messages"));
+        let e = parse_chat(&b, br#"{"messages":[{"role":"wizard","content":"x"}]}"#).unwrap_err();
+        assert_eq!(e.param, Some("messages"));
+    }
+
+    #[test]
+    fn chat_template_is_stable() {
+        let b = FakeBackend::new();
+        let v = parse_chat(
+            &b,
+            br#"{"messages":[{"role":"user","content":[{"type":"text","text":"yo"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            b.codec().decode(&v.gen.prompt),
+            "<|user|>\nyo\n<|assistant|>\n"
+        );
+        // default max_tokens = the rest of the context window (64)
+        assert_eq!(v.gen.max_tokens as usize, 64 - v.gen.prompt.len());
+    }
+
+    #[test]
+    fn error_body_shape() {
+        let e = ApiError::invalid("bad", Some("prompt"));
+        assert_eq!(
+            e.body(),
+            json!({"error":{"message":"bad","type":"invalid_request_error","param":"prompt","code":null}})
+        );
+    }
+}

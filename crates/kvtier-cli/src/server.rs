@@ -1,0 +1,582 @@
+//! The OpenAI-compatible HTTP server: routes, request handling, SSE streaming.
+//!
+//! Invariants: every request body is validated by [`crate::api`] before it reaches the engine; every
+//! error leaves as OpenAI-style JSON (4xx for the client's mistakes, 503 when the engine is overloaded or
+//! the prefill server unreachable, 500 for an engine failure); a stream always ends with `data: [DONE]`.
+//! Generation itself goes through [`Generator`], which hides whether the first token comes from this
+//! engine (aggregated, prefill) or from a remote prefill server (decode mode, see [`crate::disagg`]).
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::api::{self, ApiError, Validated};
+use crate::backend::{Backend, FinishReason, GenEvent, SubmitError};
+use crate::detok::Detokenizer;
+use crate::disagg::PrefillClient;
+use crate::prom::Exporter;
+
+/// Where first tokens come from.
+pub enum Generator {
+    /// This engine computes the whole request (aggregated and prefill roles).
+    Local,
+    /// A prefill server computes the prompt and the first token; this engine continues.
+    Decode(PrefillClient),
+}
+
+/// Shared state of one server.
+pub struct AppState {
+    pub backend: Arc<dyn Backend>,
+    pub generator: Generator,
+    pub exporter: Exporter,
+    next_id: AtomicU64,
+    /// A label for `/health` (`agg`, `prefill`, `decode`).
+    pub mode: &'static str,
+}
+
+impl AppState {
+    /// State for a server over `backend`.
+    pub fn new(backend: Arc<dyn Backend>, generator: Generator, mode: &'static str) -> Arc<Self> {
+        Arc::new(AppState {
+            backend,
+            generator,
+            exporter: Exporter::new(),
+            next_id: AtomicU64::new(1),
+            mode,
+        })
+    }
+
+    fn id(&self, prefix: &str) -> String {
+        format!("{prefix}-{}", self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+/// The router with every endpoint.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+/// Binds `addr` and serves until `shutdown` resolves. Returns the bound address through `on_bound`.
+pub async fn serve(
+    state: Arc<AppState>,
+    addr: SocketAddr,
+    on_bound: impl FnOnce(SocketAddr),
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    on_bound(listener.local_addr()?);
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await?;
+    Ok(())
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    st.exporter.http_request("health", 200);
+    Json(json!({"status": "ok", "model": st.backend.model_name(), "mode": st.mode})).into_response()
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Response {
+    st.exporter.http_request("models", 200);
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": st.backend.model_name(),
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvtier",
+            "max_model_len": st.backend.max_model_len(),
+        }]
+    }))
+    .into_response()
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    st.exporter.http_request("metrics", 200);
+    let text = st.exporter.render(&st.backend.samples());
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+async fn not_found() -> Response {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: "no such endpoint; try /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics".into(),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("not_found"),
+    }
+    .into_response()
+}
+
+/// Which OpenAI object family a response belongs to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Flavor {
+    Completion,
+    Chat,
+}
+
+impl Flavor {
+    fn endpoint(self) -> &'static str {
+        match self {
+            Flavor::Completion => "completions",
+            Flavor::Chat => "chat_completions",
+        }
+    }
+}
+
+async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let v = api::parse_completion(st.backend.as_ref(), &body);
+    respond(st, v, Flavor::Completion).await
+}
+
+async fn chat(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let v = api::parse_chat(st.backend.as_ref(), &body);
+    respond(st, v, Flavor::Chat).await
+}
+
+/// Starts generation for a validated request.
+pub async fn start(st: &AppState, v: &Validated) -> Result<UnboundedReceiver<GenEvent>, ApiError> {
+    match &st.generator {
+        Generator::Local => st.backend.submit(v.gen.clone()).map_err(submit_error),
+        Generator::Decode(client) => {
+            crate::disagg::start(client, st.backend.as_ref(), &v.gen).await
+        }
+    }
+}
+
+/// Maps a backend refusal to its HTTP error.
+pub fn submit_error(e: SubmitError) -> ApiError {
+    match e {
+        SubmitError::Overloaded(m) => {
+            ApiError::unavailable(format!("engine overloaded, retry later: {m}"))
+        }
+        SubmitError::Unavailable(m) => ApiError::unavailable(format!("engine unavailable: {m}")),
+        SubmitError::Invalid(m) => ApiError::invalid(m, None),
+    }
+}
+
+async fn respond(st: Arc<AppState>, v: Result<Validated, ApiError>, flavor: Flavor) -> Response {
+    let arrived = Instant::now();
+    let v = match v {
+        Ok(v) => v,
+        Err(e) => {
+            st.exporter
+                .http_request(flavor.endpoint(), e.status.as_u16());
+            return e.into_response();
+        }
+    };
+    let rx = match start(&st, &v).await {
+        Ok(rx) => rx,
+        Err(e) => {
+            st.exporter
+                .http_request(flavor.endpoint(), e.status.as_u16());
+            return e.into_response();
+        }
+    };
+    st.exporter.in_flight(1.0);
+    let id = st.id(if flavor == Flavor::Chat {
+        "chatcmpl"
+    } else {
+        "cmpl"
+    });
+    if v.stream {
+        st.exporter.http_request(flavor.endpoint(), 200);
+        stream_response(st, v, flavor, rx, id, arrived)
+    } else {
+        let resp = full_response(&st, &v, flavor, rx, &id, arrived).await;
+        st.exporter
+            .http_request(flavor.endpoint(), resp.status().as_u16());
+        resp
+    }
+}
+
+/// The usage object.
+fn usage(prompt: u32, completion: u32, cached: u32) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+async fn full_response(
+    st: &AppState,
+    v: &Validated,
+    flavor: Flavor,
+    mut rx: UnboundedReceiver<GenEvent>,
+    id: &str,
+    arrived: Instant,
+) -> Response {
+    let mut tokens = Vec::new();
+    let mut ttft = None;
+    let outcome = loop {
+        match rx.recv().await {
+            Some(GenEvent::Token(t)) => {
+                ttft.get_or_insert_with(|| arrived.elapsed());
+                tokens.push(t);
+            }
+            Some(GenEvent::Done {
+                finish_reason,
+                prompt_tokens,
+                completion_tokens,
+                cached_tokens,
+            }) => {
+                break Ok((
+                    finish_reason,
+                    prompt_tokens,
+                    completion_tokens,
+                    cached_tokens,
+                ))
+            }
+            Some(GenEvent::Error(e)) => {
+                break Err(ApiError::internal(format!("generation failed: {e}")))
+            }
+            None => break Err(ApiError::internal("generation ended without a result")),
+        }
+    };
+    st.exporter.in_flight(-1.0);
+    let (reason, prompt, completion, cached) = match outcome {
+        Ok(o) => o,
+        Err(e) => return e.into_response(),
+    };
+    st.exporter
+        .finished(ttft, arrived.elapsed(), prompt, completion, cached);
+    let text = st.backend.codec().decode(&tokens);
+    let mut choice = match flavor {
+        Flavor::Completion => {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": reason.as_str()})
+        }
+        Flavor::Chat => json!({
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": null,
+            "finish_reason": reason.as_str(),
+        }),
+    };
+    if v.return_token_ids {
+        choice["token_ids"] = json!(tokens);
+    }
+    let object = if flavor == Flavor::Chat {
+        "chat.completion"
+    } else {
+        "text_completion"
+    };
+    Json(json!({
+        "id": id,
+        "object": object,
+        "created": now_secs(),
+        "model": v.model,
+        "choices": [choice],
+        "usage": usage(prompt, completion, cached),
+    }))
+    .into_response()
+}
+
+/// Per-stream state for the SSE body.
+struct StreamState {
+    st: Arc<AppState>,
+    rx: UnboundedReceiver<GenEvent>,
+    detok: Detokenizer,
+    flavor: Flavor,
+    id: String,
+    model: String,
+    created: u64,
+    include_usage: bool,
+    return_token_ids: bool,
+    arrived: Instant,
+    ttft: Option<Duration>,
+    /// Events still to send before reading the engine again (role chunk, final chunks).
+    pending: std::collections::VecDeque<String>,
+    done: bool,
+}
+
+impl StreamState {
+    fn chunk(&self, delta_text: &str, tokens: &[u32], finish: Option<FinishReason>) -> String {
+        let finish = finish.map(FinishReason::as_str);
+        let mut choice = match self.flavor {
+            Flavor::Completion => {
+                json!({"index": 0, "text": delta_text, "logprobs": null, "finish_reason": finish})
+            }
+            Flavor::Chat => {
+                let delta = if delta_text.is_empty() && finish.is_some() {
+                    json!({})
+                } else {
+                    json!({"content": delta_text})
+                };
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+        };
+        if self.return_token_ids {
+            choice["token_ids"] = json!(tokens);
+        }
+        self.envelope(json!([choice]), None)
+    }
+
+    fn envelope(&self, choices: Value, usage: Option<Value>) -> String {
+        let object = if self.flavor == Flavor::Chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        let mut v = json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices});
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        v.to_string()
+    }
+
+    /// Next SSE payload, or None at the end.
+    async fn next(&mut self) -> Option<String> {
+        loop {
+            if let Some(p) = self.pending.pop_front() {
+                return Some(p);
+            }
+            if self.done {
+                return None;
+            }
+            match self.rx.recv().await {
+                Some(GenEvent::Token(t)) => {
+                    self.ttft.get_or_insert_with(|| self.arrived.elapsed());
+                    let delta = self.detok.push(t);
+                    if !delta.is_empty() || self.return_token_ids {
+                        return Some(self.chunk(&delta, &[t], None));
+                    }
+                }
+                Some(GenEvent::Done {
+                    finish_reason,
+                    prompt_tokens,
+                    completion_tokens,
+                    cached_tokens,
+                }) => {
+                    self.done = true;
+                    self.st.exporter.in_flight(-1.0);
+                    self.st.exporter.finished(
+                        self.ttft,
+                        self.arrived.elapsed(),
+                        prompt_tokens,
+                        completion_tokens,
+                        cached_tokens,
+                    );
+                    let tail = self.detok.finish();
+                    let last = self.chunk(&tail, &[], Some(finish_reason));
+                    self.pending.push_back(last);
+                    if self.include_usage {
+                        let u = usage(prompt_tokens, completion_tokens, cached_tokens);
+                        self.pending.push_back(self.envelope(json!([]), Some(u)));
+                    }
+                    self.pending.push_back("[DONE]".into());
+                }
+                Some(GenEvent::Error(e)) => {
+                    self.fail(format!("generation failed: {e}"));
+                }
+                None => {
+                    self.fail("generation ended without a result".into());
+                }
+            }
+        }
+    }
+
+    fn fail(&mut self, message: String) {
+        self.done = true;
+        self.st.exporter.in_flight(-1.0);
+        self.pending
+            .push_back(ApiError::internal(message).body().to_string());
+        self.pending.push_back("[DONE]".into());
+    }
+}
+
+fn stream_response(
+    st: Arc<AppState>,
+    v: Validated,
+    flavor: Flavor,
+    rx: UnboundedReceiver<GenEvent>,
+    id: String,
+    arrived: Instant,
+) -> Response {
+    let codec = st.backend.codec();
+    let mut s = StreamState {
+        st,
+        rx,
+        detok: Detokenizer::new(codec),
+        flavor,
+        id,
+        model: v.model.clone(),
+        created: now_secs(),
+        include_usage: v.include_usage,
+        return_token_ids: v.return_token_ids,
+        arrived,
+        ttft: None,
+        pending: Default::default(),
+        done: false,
+    };
+    if flavor == Flavor::Chat {
+        let first = s.envelope(
+            json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
+            None,
+        );
+        s.pending.push_back(first);
+    }
+    let stream = futures_util::stream::unfold(s, |mut s| async move {
+        let payload = s.next().await?;
+        Some((Ok::<Event, Infallible>(Event::default().data(payload)), s))
+    });
+    Sse::new(stream).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::fake::FakeBackend;
+    use crate::http_client::{self, HttpUrl};
+
+    async fn start_fake(backend: Arc<FakeBackend>) -> (HttpUrl, tokio::sync::oneshot::Sender<()>) {
+        let state = AppState::new(backend, Generator::Local, "agg");
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let (atx, arx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let _ = serve(
+                state,
+                "127.0.0.1:0".parse().unwrap(),
+                |a| {
+                    let _ = atx.send(a);
+                },
+                async move {
+                    let _ = rx.await;
+                },
+            )
+            .await;
+        });
+        let addr = arx.await.unwrap();
+        (HttpUrl::parse(&format!("http://{addr}")).unwrap(), tx)
+    }
+
+    const T: Duration = Duration::from_secs(10);
+
+    #[tokio::test]
+    async fn completion_roundtrip_and_stream_agree() {
+        let (url, _stop) = start_fake(Arc::new(FakeBackend::new())).await;
+        let body = json!({"model": "fake-model", "prompt": "abc", "max_tokens": 5, "return_token_ids": true});
+        let (status, bytes) = http_client::call(&url, "POST", "/v1/completions", Some(&body), T)
+            .await
+            .unwrap();
+        assert_eq!(status, 200);
+        let v: Value = serde_json::from_slice(&bytes).unwrap();
+        let text = v["choices"][0]["text"].as_str().unwrap().to_string();
+        assert_eq!(text.len(), 5);
+        assert_eq!(v["usage"]["prompt_tokens"], 3);
+        assert_eq!(v["usage"]["completion_tokens"], 5);
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+
+        let mut sbody = body.clone();
+        sbody["stream"] = json!(true);
+        sbody["stream_options"] = json!({"include_usage": true});
+        let (status, events) = http_client::post_sse(&url, "/v1/completions", &sbody, T)
+            .await
+            .unwrap();
+        assert_eq!(status, 200);
+        assert_eq!(events.last().unwrap(), "[DONE]");
+        let mut streamed = String::new();
+        for e in &events[..events.len() - 1] {
+            let c: Value = serde_json::from_str(e).unwrap();
+            if let Some(t) = c["choices"][0]["text"].as_str() {
+                streamed.push_str(t);
+            }
+        }
+        assert_eq!(streamed, text);
+        let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+        assert_eq!(usage["usage"]["completion_tokens"], 5);
+    }
+
+    #[tokio::test]
+    async fn chat_stream_has_role_then_content() {
+        let (url, _stop) = start_fake(Arc::new(FakeBackend::new())).await;
+        let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": true});
+        let (status, events) = http_client::post_sse(&url, "/v1/chat/completions", &body, T)
+            .await
+            .unwrap();
+        assert_eq!(status, 200);
+        let first: Value = serde_json::from_str(&events[0]).unwrap();
+        assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+        assert_eq!(first["object"], "chat.completion.chunk");
+        let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+        assert_eq!(last["choices"][0]["finish_reason"], "length");
+        assert_eq!(events.last().unwrap(), "[DONE]");
+    }
+
+    #[tokio::test]
+    async fn overload_is_503_json_and_bad_route_is_404() {
+        let backend = Arc::new(FakeBackend::new());
+        backend.overloaded.store(true, Ordering::SeqCst);
+        let (url, _stop) = start_fake(backend).await;
+        let (status, bytes) = http_client::call(
+            &url,
+            "POST",
+            "/v1/completions",
+            Some(&json!({"prompt": "x"})),
+            T,
+        )
+        .await
+        .unwrap();
+        assert_eq!(status, 503);
+        let v: Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(v["error"]["code"], "overloaded");
+        let (status, _) = http_client::call(&url, "GET", "/v2/nothing", None, T)
+            .await
+            .unwrap();
+        assert_eq!(status, 404);
+        let (status, bytes) = http_client::call_raw(&url, "/v1/completions", b"{\"prompt\":", T)
+            .await
+            .unwrap();
+        assert_eq!(status, 400);
+        let v: Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+
+    #[tokio::test]
+    async fn eos_stops_unless_ignored() {
+        let mut b = FakeBackend::new();
+        b.eos_after = Some(1);
+        let (url, _stop) = start_fake(Arc::new(b)).await;
+        let body = json!({"prompt": "abc", "max_tokens": 5, "return_token_ids": true});
+        let (_, bytes) = http_client::call(&url, "POST", "/v1/completions", Some(&body), T)
+            .await
+            .unwrap();
+        let v: Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        assert_eq!(v["choices"][0]["token_ids"].as_array().unwrap().len(), 2);
+        let body = json!({"prompt": "abc", "max_tokens": 5, "ignore_eos": true});
+        let (_, bytes) = http_client::call(&url, "POST", "/v1/completions", Some(&body), T)
+            .await
+            .unwrap();
+        let v: Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+        assert_eq!(v["usage"]["completion_tokens"], 5);
+    }
+}

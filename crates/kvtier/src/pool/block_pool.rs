@@ -1,0 +1,636 @@
+//! `BlockPool`: the books of one tier's blocks (ids, registry, pins, eviction order, events).
+//!
+//! Per-block data is kept as parallel arrays indexed by block id (struct of arrays), so a pool
+//! of `n` blocks costs about 41 bytes per block: hash 16, state 1, pin count 4, priority 4,
+//! LRU links 8, free-list slot 4, registry buckets 8 (see `heap_bytes`).
+//!
+//! Invariants:
+//! - `state[b] == Free`  <=> `b` is on `free` (exactly once) <=> pins 0 and not in the registry;
+//! - `state[b] == Writing` => pins > 0 and not in the registry;
+//! - `state[b] == Registered` <=> the registry maps `hashes[b]` to `b`; it is in the LRU lists
+//!   exactly when its pin count is 0;
+//! - `free.len() + lru.len() + (blocks with pins) == capacity`.
+//!
+//! Not thread-safe by itself: the owner (the connector's leader) serialises access.
+use crate::hash::SequenceHash;
+use crate::ids::{BlockId, Tier};
+
+use super::lru::PriorityLru;
+use super::registry::Registry;
+use super::types::{BlockState, PoolError, PoolEvent, Priority};
+
+/// The largest capacity a pool accepts (block ids are `u32`, and `u32::MAX` marks empty slots).
+pub const MAX_POOL_BLOCKS: usize = (u32::MAX - 1) as usize;
+
+/// The block pool of one tier. See the module docs of [`crate::pool`] for the API contract.
+#[derive(Debug)]
+pub struct BlockPool {
+    tier: Tier,
+    hashes: Vec<SequenceHash>,
+    states: Vec<BlockState>,
+    pins: Vec<u32>,
+    priorities: Vec<Priority>,
+    /// Free blocks, used as a stack (the most recently freed block is reused first).
+    free: Vec<u32>,
+    lru: PriorityLru,
+    registry: Registry,
+    events: Vec<PoolEvent>,
+}
+
+impl BlockPool {
+    /// A pool of `capacity_blocks` free blocks, ids `0..capacity_blocks`.
+    pub fn new(tier: Tier, capacity_blocks: usize) -> Result<Self, PoolError> {
+        if capacity_blocks > MAX_POOL_BLOCKS {
+            return Err(PoolError::CapacityTooLarge {
+                tier,
+                requested: capacity_blocks,
+                max: MAX_POOL_BLOCKS,
+            });
+        }
+        let n = capacity_blocks;
+        // Reverse order so that a fresh pool hands out 0, 1, 2, ...
+        let free: Vec<u32> = (0..n as u32).rev().collect();
+        Ok(BlockPool {
+            tier,
+            hashes: vec![SequenceHash(0); n],
+            states: vec![BlockState::Free; n],
+            pins: vec![0; n],
+            priorities: vec![Priority::default(); n],
+            free,
+            lru: PriorityLru::new(n),
+            registry: Registry::new(n),
+            events: Vec::new(),
+        })
+    }
+
+    pub fn tier(&self) -> Tier {
+        self.tier
+    }
+
+    /// Total number of blocks.
+    pub fn capacity(&self) -> usize {
+        self.states.len()
+    }
+
+    /// Blocks `allocate` can hand out now: free plus evictable (registered, unpinned).
+    pub fn num_free(&self) -> usize {
+        self.free.len() + self.lru.len()
+    }
+
+    /// Registered blocks with no pins.
+    pub fn num_evictable(&self) -> usize {
+        self.lru.len()
+    }
+
+    /// Blocks published in the registry (pinned or not).
+    pub fn num_registered(&self) -> usize {
+        self.registry.len()
+    }
+
+    /// Blocks with at least one pin.
+    pub fn num_pinned(&self) -> usize {
+        self.capacity() - self.num_free()
+    }
+
+    /// Heap bytes held by this pool's books (not counting queued events).
+    pub fn heap_bytes(&self) -> usize {
+        self.hashes.capacity() * std::mem::size_of::<SequenceHash>()
+            + self.states.capacity() * std::mem::size_of::<BlockState>()
+            + self.pins.capacity() * std::mem::size_of::<u32>()
+            + self.priorities.capacity() * std::mem::size_of::<Priority>()
+            + self.free.capacity() * std::mem::size_of::<u32>()
+            + self.lru.heap_bytes()
+            + self.registry.heap_bytes()
+    }
+
+    fn index(&self, block: BlockId) -> Result<usize, PoolError> {
+        let b = block.0 as usize;
+        if b < self.states.len() {
+            Ok(b)
+        } else {
+            Err(PoolError::UnknownBlock {
+                tier: self.tier,
+                block,
+                capacity: self.states.len(),
+            })
+        }
+    }
+
+    /// The registered block holding `hash`.
+    pub fn lookup(&self, hash: SequenceHash) -> Option<BlockId> {
+        self.registry.find(hash, &self.hashes).map(BlockId)
+    }
+
+    /// The hash `block` is registered under (None unless it is `Registered`).
+    pub fn hash_of(&self, block: BlockId) -> Option<SequenceHash> {
+        let b = block.0 as usize;
+        match self.states.get(b) {
+            Some(BlockState::Registered) => self.hashes.get(b).copied(),
+            _ => None,
+        }
+    }
+
+    /// The state of `block` (None if out of range).
+    pub fn state(&self, block: BlockId) -> Option<BlockState> {
+        self.states.get(block.0 as usize).copied()
+    }
+
+    /// The pin count of `block` (None if out of range).
+    pub fn pin_count(&self, block: BlockId) -> Option<u32> {
+        self.pins.get(block.0 as usize).copied()
+    }
+
+    /// The priority `block` is registered with (None unless it is `Registered`).
+    pub fn priority_of(&self, block: BlockId) -> Option<Priority> {
+        match self.state(block) {
+            Some(BlockState::Registered) => self.priorities.get(block.0 as usize).copied(),
+            _ => None,
+        }
+    }
+
+    /// Length of the longest prefix of `hashes` whose every block is registered. No side effects.
+    pub fn peek_prefix(&self, hashes: &[SequenceHash]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| self.registry.find(**h, &self.hashes).is_some())
+            .count()
+    }
+
+    /// Pin the blocks of the longest registered prefix of `hashes` and return them in order.
+    /// The caller owns one pin on each and must `release` it.
+    pub fn match_prefix(&mut self, hashes: &[SequenceHash]) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        for &h in hashes {
+            let Some(b) = self.registry.find(h, &self.hashes) else {
+                break;
+            };
+            self.pin_index(b as usize);
+            out.push(BlockId(b));
+        }
+        out
+    }
+
+    /// The blocks `allocate` would evict, in order, were it to evict `n` now. No side effects.
+    pub fn eviction_order(&self) -> Vec<BlockId> {
+        self.lru.eviction_order().into_iter().map(BlockId).collect()
+    }
+
+    /// Hand out `n` pinned blocks in state `Writing`, or none at all.
+    pub fn allocate(&mut self, n: usize) -> Result<Vec<BlockId>, PoolError> {
+        let available = self.num_free();
+        if n > available {
+            return Err(PoolError::Exhausted {
+                tier: self.tier,
+                requested: n,
+                available,
+            });
+        }
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let b = match self.free.pop() {
+                Some(b) => b,
+                None => match self.lru.pop_victim() {
+                    Some(victim) => {
+                        self.unpublish(victim as usize);
+                        victim
+                    }
+                    None => {
+                        // Unreachable: `n <= free + evictable` was checked above.
+                        debug_assert!(false, "pool accounting broken");
+                        break;
+                    }
+                },
+            };
+            let i = b as usize;
+            self.states[i] = BlockState::Writing;
+            self.pins[i] = 1;
+            out.push(BlockId(b));
+        }
+        Ok(out)
+    }
+
+    /// Remove block `i` (registered) from the registry and emit `Removed`. Leaves its state to
+    /// the caller.
+    fn unpublish(&mut self, i: usize) {
+        let hash = self.hashes[i];
+        let removed = self.registry.remove(hash, &self.hashes);
+        debug_assert_eq!(removed, Some(i as u32));
+        self.events.push(PoolEvent::Removed {
+            hash,
+            tier: self.tier,
+        });
+    }
+
+    /// Publish the written block `block` under `hash`. Returns the block that now holds `hash`
+    /// and carries the caller's pin: `block` itself, or the block already registered under
+    /// `hash` (then `block` loses the caller's pin; see the module docs).
+    pub fn register(
+        &mut self,
+        block: BlockId,
+        hash: SequenceHash,
+        priority: Priority,
+    ) -> Result<BlockId, PoolError> {
+        let i = self.index(block)?;
+        match self.states[i] {
+            BlockState::Free => {
+                return Err(PoolError::NotWritable {
+                    tier: self.tier,
+                    block,
+                })
+            }
+            BlockState::Registered => {
+                let existing = self.hashes[i];
+                if existing == hash {
+                    return Ok(block);
+                }
+                return Err(PoolError::AlreadyRegistered {
+                    tier: self.tier,
+                    block,
+                    existing: existing.0,
+                    requested: hash.0,
+                });
+            }
+            BlockState::Writing => {}
+        }
+        if let Some(existing) = self.registry.find(hash, &self.hashes) {
+            let e = existing as usize;
+            self.pin_index(e);
+            if priority > self.priorities[e] {
+                self.priorities[e] = priority;
+            }
+            self.unpin_index(i);
+            return Ok(BlockId(existing));
+        }
+        self.hashes[i] = hash;
+        self.priorities[i] = priority;
+        self.states[i] = BlockState::Registered;
+        self.registry.insert(i as u32, &self.hashes);
+        self.events.push(PoolEvent::Stored {
+            hash,
+            tier: self.tier,
+        });
+        Ok(block)
+    }
+
+    /// Add a pin to a `Writing` or `Registered` block.
+    pub fn pin(&mut self, block: BlockId) -> Result<(), PoolError> {
+        let i = self.index(block)?;
+        if self.states[i] == BlockState::Free {
+            return Err(PoolError::BlockFree {
+                tier: self.tier,
+                block,
+            });
+        }
+        self.pin_index(i);
+        Ok(())
+    }
+
+    /// Drop one pin. At zero pins a registered block becomes the most recently used evictable
+    /// block of its priority; an unregistered one becomes free.
+    pub fn release(&mut self, block: BlockId) -> Result<(), PoolError> {
+        let i = self.index(block)?;
+        if self.pins[i] == 0 {
+            return Err(PoolError::NotPinned {
+                tier: self.tier,
+                block,
+            });
+        }
+        self.unpin_index(i);
+        Ok(())
+    }
+
+    /// Unpublish `block` (e.g. its bytes were found corrupt or a write failed after
+    /// registration): it leaves the registry at once (`Removed` is emitted); it becomes free
+    /// now if unpinned, otherwise when its last pin is released. A free or `Writing` block is
+    /// left as it is.
+    pub fn invalidate(&mut self, block: BlockId) -> Result<(), PoolError> {
+        let i = self.index(block)?;
+        if self.states[i] != BlockState::Registered {
+            return Ok(());
+        }
+        if self.pins[i] == 0 {
+            self.lru.remove(i as u32, self.priorities[i]);
+            self.unpublish(i);
+            self.states[i] = BlockState::Free;
+            self.free.push(i as u32);
+        } else {
+            self.unpublish(i);
+            self.states[i] = BlockState::Writing;
+        }
+        Ok(())
+    }
+
+    /// Events since the last call, oldest first.
+    pub fn take_events(&mut self) -> Vec<PoolEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    fn pin_index(&mut self, i: usize) {
+        if self.pins[i] == 0 && self.states[i] == BlockState::Registered {
+            self.lru.remove(i as u32, self.priorities[i]);
+        }
+        self.pins[i] = self.pins[i].saturating_add(1);
+    }
+
+    fn unpin_index(&mut self, i: usize) {
+        debug_assert!(self.pins[i] > 0);
+        self.pins[i] = self.pins[i].saturating_sub(1);
+        if self.pins[i] > 0 {
+            return;
+        }
+        match self.states[i] {
+            BlockState::Registered => self.lru.push_back(i as u32, self.priorities[i]),
+            BlockState::Writing => {
+                self.states[i] = BlockState::Free;
+                self.free.push(i as u32);
+            }
+            BlockState::Free => debug_assert!(false, "free block had pins"),
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn h(i: u128) -> SequenceHash {
+        SequenceHash(0xA5A5_0000_0000_0000_0000_0000_0000_0000 | i)
+    }
+
+    fn ids(v: &[u32]) -> Vec<BlockId> {
+        v.iter().copied().map(BlockId).collect()
+    }
+
+    /// Allocate one block per hash, register it, release it. Returns the block ids.
+    fn fill(p: &mut BlockPool, hashes: &[SequenceHash], prio: Priority) -> Vec<BlockId> {
+        let blocks = p.allocate(hashes.len()).unwrap();
+        let mut out = Vec::new();
+        for (b, hh) in blocks.iter().zip(hashes) {
+            let got = p.register(*b, *hh, prio).unwrap();
+            p.release(got).unwrap();
+            out.push(got);
+        }
+        out
+    }
+
+    #[test]
+    fn fresh_pool_hands_out_ids_in_order_all_or_nothing() {
+        let mut p = BlockPool::new(Tier::Host, 4).unwrap();
+        assert_eq!(p.capacity(), 4);
+        assert_eq!(p.num_free(), 4);
+        assert_eq!(p.allocate(3).unwrap(), ids(&[0, 1, 2]));
+        assert_eq!(p.num_free(), 1);
+        assert_eq!(p.num_pinned(), 3);
+        let err = p.allocate(2).unwrap_err();
+        assert_eq!(
+            err,
+            PoolError::Exhausted {
+                tier: Tier::Host,
+                requested: 2,
+                available: 1
+            }
+        );
+        assert_eq!(p.num_free(), 1, "a failed allocate changes nothing");
+        for b in 0..3 {
+            assert_eq!(p.state(BlockId(b)), Some(BlockState::Writing));
+            assert_eq!(p.pin_count(BlockId(b)), Some(1));
+        }
+    }
+
+    #[test]
+    fn capacity_limit_is_an_error() {
+        let err = BlockPool::new(Tier::Disk, MAX_POOL_BLOCKS + 1).unwrap_err();
+        assert!(matches!(
+            err,
+            PoolError::CapacityTooLarge {
+                tier: Tier::Disk,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn register_publishes_and_emits_stored() {
+        let mut p = BlockPool::new(Tier::Host, 4).unwrap();
+        let b = p.allocate(1).unwrap()[0];
+        assert_eq!(p.lookup(h(1)), None);
+        assert_eq!(p.register(b, h(1), Priority(3)).unwrap(), b);
+        assert_eq!(p.lookup(h(1)), Some(b));
+        assert_eq!(p.hash_of(b), Some(h(1)));
+        assert_eq!(p.priority_of(b), Some(Priority(3)));
+        assert_eq!(p.num_registered(), 1);
+        assert_eq!(
+            p.take_events(),
+            vec![PoolEvent::Stored {
+                hash: h(1),
+                tier: Tier::Host
+            }]
+        );
+        assert!(p.take_events().is_empty());
+        // Still pinned by the writer: not evictable.
+        assert_eq!(p.num_evictable(), 0);
+        p.release(b).unwrap();
+        assert_eq!(p.num_evictable(), 1);
+        assert_eq!(p.num_free(), 4);
+        // Registering again under the same hash is idempotent; another hash is an error.
+        p.pin(b).unwrap();
+        assert_eq!(p.register(b, h(1), Priority(0)).unwrap(), b);
+        assert!(matches!(
+            p.register(b, h(2), Priority(0)),
+            Err(PoolError::AlreadyRegistered { .. })
+        ));
+    }
+
+    #[test]
+    fn duplicate_hash_moves_the_pin_and_frees_the_new_block() {
+        let mut p = BlockPool::new(Tier::Host, 4).unwrap();
+        let first = fill(&mut p, &[h(7)], Priority(1))[0];
+        p.take_events();
+        let dup = p.allocate(1).unwrap()[0];
+        assert_ne!(dup, first);
+        let got = p.register(dup, h(7), Priority(5)).unwrap();
+        assert_eq!(got, first);
+        assert_eq!(p.pin_count(first), Some(1));
+        assert_eq!(p.state(dup), Some(BlockState::Free));
+        assert_eq!(p.pin_count(dup), Some(0));
+        assert_eq!(
+            p.priority_of(first),
+            Some(Priority(5)),
+            "higher priority wins"
+        );
+        assert_eq!(p.num_registered(), 1);
+        assert!(p.take_events().is_empty(), "no Stored for a duplicate");
+        p.release(first).unwrap();
+        assert_eq!(p.num_free(), 4);
+    }
+
+    #[test]
+    fn free_blocks_go_before_registered_ones_then_priority_then_lru() {
+        let mut p = BlockPool::new(Tier::Host, 5).unwrap();
+        // Blocks 0..4 registered: 0 (prio 2), 1 (prio 1), 2 (prio 2), 3 (prio 1); 4 stays free.
+        let blocks = p.allocate(4).unwrap();
+        let prios = [2, 1, 2, 1];
+        for (i, b) in blocks.iter().enumerate() {
+            p.register(*b, h(i as u128), Priority(prios[i])).unwrap();
+        }
+        // Release in the order 3, 0, 1, 2: last use order.
+        for b in [3, 0, 1, 2] {
+            p.release(BlockId(b)).unwrap();
+        }
+        p.take_events();
+        assert_eq!(p.eviction_order(), ids(&[3, 1, 0, 2]));
+        // First allocation takes the never-registered free block 4.
+        assert_eq!(p.allocate(1).unwrap(), ids(&[4]));
+        assert!(p.take_events().is_empty());
+        // Then (priority, last use): 3, 1, 0.
+        assert_eq!(p.allocate(3).unwrap(), ids(&[3, 1, 0]));
+        assert_eq!(
+            p.take_events(),
+            vec![
+                PoolEvent::Removed {
+                    hash: h(3),
+                    tier: Tier::Host
+                },
+                PoolEvent::Removed {
+                    hash: h(1),
+                    tier: Tier::Host
+                },
+                PoolEvent::Removed {
+                    hash: h(0),
+                    tier: Tier::Host
+                },
+            ]
+        );
+        assert_eq!(p.lookup(h(3)), None);
+        assert_eq!(p.lookup(h(2)), Some(BlockId(2)));
+        assert_eq!(p.num_registered(), 1);
+        assert_eq!(p.num_free(), 1);
+    }
+
+    #[test]
+    fn match_prefix_pins_and_touches() {
+        let mut p = BlockPool::new(Tier::Disk, 4).unwrap();
+        let blocks = fill(&mut p, &[h(0), h(1), h(2), h(3)], Priority(0));
+        assert_eq!(p.peek_prefix(&[h(0), h(1), h(9), h(3)]), 2);
+        assert_eq!(p.peek_prefix(&[h(9), h(0)]), 0);
+        assert_eq!(p.peek_prefix(&[]), 0);
+        let m = p.match_prefix(&[h(0), h(1), h(9), h(3)]);
+        assert_eq!(m, blocks[..2].to_vec());
+        assert_eq!(p.pin_count(blocks[0]), Some(1));
+        assert_eq!(p.pin_count(blocks[3]), Some(0));
+        // Pinned blocks cannot be evicted: only 2 are available.
+        assert_eq!(p.num_free(), 2);
+        assert!(p.allocate(3).is_err());
+        // Released matched blocks become the most recently used.
+        for b in &m {
+            p.release(*b).unwrap();
+        }
+        assert_eq!(p.eviction_order(), ids(&[2, 3, 0, 1]));
+    }
+
+    #[test]
+    fn pins_are_counted() {
+        let mut p = BlockPool::new(Tier::Host, 2).unwrap();
+        let b = fill(&mut p, &[h(1)], Priority(0))[0];
+        p.pin(b).unwrap();
+        p.pin(b).unwrap();
+        p.release(b).unwrap();
+        assert_eq!(
+            p.allocate(2).unwrap_err(),
+            PoolError::Exhausted {
+                tier: Tier::Host,
+                requested: 2,
+                available: 1
+            }
+        );
+        p.release(b).unwrap();
+        assert_eq!(
+            p.release(b),
+            Err(PoolError::NotPinned {
+                tier: Tier::Host,
+                block: b
+            })
+        );
+        assert_eq!(p.allocate(2).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn errors_name_the_block() {
+        let mut p = BlockPool::new(Tier::Host, 2).unwrap();
+        assert_eq!(
+            p.pin(BlockId(5)),
+            Err(PoolError::UnknownBlock {
+                tier: Tier::Host,
+                block: BlockId(5),
+                capacity: 2
+            })
+        );
+        assert_eq!(
+            p.pin(BlockId(1)),
+            Err(PoolError::BlockFree {
+                tier: Tier::Host,
+                block: BlockId(1)
+            })
+        );
+        assert_eq!(
+            p.register(BlockId(1), h(1), Priority(0)),
+            Err(PoolError::NotWritable {
+                tier: Tier::Host,
+                block: BlockId(1)
+            })
+        );
+        assert_eq!(p.hash_of(BlockId(9)), None);
+        let msg = PoolError::NotPinned {
+            tier: Tier::Disk,
+            block: BlockId(3),
+        }
+        .to_string();
+        assert!(msg.contains("Disk") && msg.contains("BlockId(3)"), "{msg}");
+    }
+
+    #[test]
+    fn unregistered_release_frees() {
+        let mut p = BlockPool::new(Tier::Host, 2).unwrap();
+        let b = p.allocate(1).unwrap()[0];
+        p.release(b).unwrap();
+        assert_eq!(p.state(b), Some(BlockState::Free));
+        assert_eq!(p.num_free(), 2);
+        assert_eq!(p.num_registered(), 0);
+    }
+
+    #[test]
+    fn invalidate_unpublishes() {
+        let mut p = BlockPool::new(Tier::Disk, 3).unwrap();
+        let blocks = fill(&mut p, &[h(1), h(2)], Priority(0));
+        p.take_events();
+        p.invalidate(blocks[0]).unwrap();
+        assert_eq!(p.lookup(h(1)), None);
+        assert_eq!(p.state(blocks[0]), Some(BlockState::Free));
+        assert_eq!(
+            p.take_events(),
+            vec![PoolEvent::Removed {
+                hash: h(1),
+                tier: Tier::Disk
+            }]
+        );
+        // Pinned: stays out of the free list until released.
+        p.pin(blocks[1]).unwrap();
+        p.invalidate(blocks[1]).unwrap();
+        assert_eq!(p.lookup(h(2)), None);
+        assert_eq!(p.state(blocks[1]), Some(BlockState::Writing));
+        assert_eq!(p.num_free(), 2);
+        p.release(blocks[1]).unwrap();
+        assert_eq!(p.state(blocks[1]), Some(BlockState::Free));
+        assert_eq!(p.num_free(), 3);
+        assert_eq!(p.num_registered(), 0);
+    }
+
+    #[test]
+    fn zero_capacity_pool() {
+        let mut p = BlockPool::new(Tier::Remote, 0).unwrap();
+        assert_eq!(p.allocate(0).unwrap(), Vec::<BlockId>::new());
+        assert!(p.allocate(1).is_err());
+        assert_eq!(p.peek_prefix(&[h(1)]), 0);
+    }
+}

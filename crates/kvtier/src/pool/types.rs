@@ -1,0 +1,83 @@
+//! The small value types of the pool API: priorities, block states, events and errors.
+//!
+//! Invariant: every error names the tier and the block (or the amounts) it concerns, so a caller
+//! can act on it without guessing.
+use serde::{Deserialize, Serialize};
+
+use crate::hash::SequenceHash;
+use crate::ids::{BlockId, Tier};
+
+/// Retention priority of a registered block. Lower priorities are evicted first; within one
+/// priority the least recently used block goes first. TensorRT-LLM's retention priorities
+/// (0..=100, default 35) map directly; engines without priorities use `Priority::default()` (0).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+pub struct Priority(pub u32);
+
+/// The state of one pool block. `Free` and `Writing` blocks are never in the registry;
+/// a `Registered` block with no pins is evictable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[repr(u8)]
+pub enum BlockState {
+    /// Holds nothing; on the free list.
+    Free,
+    /// Handed out by `allocate` (pinned, contents being written) and not yet registered.
+    Writing,
+    /// Published under its sequence hash; evictable when its pin count is zero.
+    Registered,
+}
+
+/// What changed in a pool's content registry, pulled with `BlockPool::take_events`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum PoolEvent {
+    /// `hash` became available in `tier`.
+    Stored { hash: SequenceHash, tier: Tier },
+    /// `hash` is no longer available in `tier` (evicted or invalidated).
+    Removed { hash: SequenceHash, tier: Tier },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PoolError {
+    /// `allocate` asked for more blocks than are free or evictable; nothing was allocated.
+    #[error(
+        "{tier:?} pool exhausted: requested {requested} blocks, {available} free or evictable"
+    )]
+    Exhausted {
+        tier: Tier,
+        requested: usize,
+        available: usize,
+    },
+    /// The block id is not below the pool's capacity.
+    #[error("{tier:?} pool: block {block:?} out of range (capacity {capacity})")]
+    UnknownBlock {
+        tier: Tier,
+        block: BlockId,
+        capacity: usize,
+    },
+    /// The operation needs a block that is allocated or registered, and this one is free.
+    #[error("{tier:?} pool: block {block:?} is free")]
+    BlockFree { tier: Tier, block: BlockId },
+    /// `release` of a block whose pin count is already zero.
+    #[error("{tier:?} pool: block {block:?} is not pinned")]
+    NotPinned { tier: Tier, block: BlockId },
+    /// `register` on a block that is already registered under another hash.
+    #[error("{tier:?} pool: block {block:?} is already registered as {existing:032x}, not {requested:032x}")]
+    AlreadyRegistered {
+        tier: Tier,
+        block: BlockId,
+        existing: u128,
+        requested: u128,
+    },
+    /// `register` on a block that is not pinned by its writer.
+    #[error("{tier:?} pool: block {block:?} must be allocated (pinned) to be registered")]
+    NotWritable { tier: Tier, block: BlockId },
+    /// A pool cannot hold this many blocks (ids are 32-bit).
+    #[error("{tier:?} pool: capacity {requested} exceeds the maximum of {max} blocks")]
+    CapacityTooLarge {
+        tier: Tier,
+        requested: usize,
+        max: usize,
+    },
+}

