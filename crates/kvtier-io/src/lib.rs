@@ -40,6 +40,7 @@ mod engine;
 pub mod error;
 mod host;
 pub mod layout;
+pub mod remote;
 mod sys;
 
 pub use device::DeviceKind;
