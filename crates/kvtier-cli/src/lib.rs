@@ -15,3 +15,7 @@ pub mod disagg;
 pub mod http_client;
 pub mod prom;
 pub mod server;
+pub mod bench;
+pub mod cmd;
+pub mod engine_backend;
+pub mod settings;
