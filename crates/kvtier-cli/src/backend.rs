@@ -146,7 +146,9 @@ impl CacheCounters {
     /// Counter deltas between two snapshots of the same engine.
     pub fn since(self, earlier: CacheCounters) -> CacheCounters {
         CacheCounters {
-            device_hit_tokens: self.device_hit_tokens.saturating_sub(earlier.device_hit_tokens),
+            device_hit_tokens: self
+                .device_hit_tokens
+                .saturating_sub(earlier.device_hit_tokens),
             hit_tokens: self.hit_tokens.since(earlier.hit_tokens),
             offload_blocks: self.offload_blocks.since(earlier.offload_blocks),
             onboard_blocks: self.onboard_blocks.since(earlier.onboard_blocks),
@@ -263,7 +265,11 @@ pub(crate) mod fake {
                 Some(t0) => emit(t0, &mut n, &mut ctx),
                 None => false,
             };
-            let limit = if self.prefill_role { req.max_tokens.min(1) } else { req.max_tokens };
+            let limit = if self.prefill_role {
+                req.max_tokens.min(1)
+            } else {
+                req.max_tokens
+            };
             while !stopped && n < limit {
                 let sum: u64 = ctx.iter().map(|&t| u64::from(t)).sum();
                 let mut next = u32::from(b'a') + (sum % 26) as u32;

@@ -45,31 +45,58 @@ pub async fn prefill(client: &PrefillClient, req: &GenRequest) -> Result<Prefill
         "ignore_eos": req.ignore_eos,
         "return_token_ids": true,
     });
-    let (status, bytes) = http_client::call(&client.url, "POST", "/v1/completions", Some(&body), client.timeout)
-        .await
-        .map_err(|e| ApiError::unavailable(format!("prefill server unreachable: {e}")))?;
-    let v: Value = serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::unavailable(format!("prefill server sent invalid JSON ({status}): {e}")))?;
+    let (status, bytes) = http_client::call(
+        &client.url,
+        "POST",
+        "/v1/completions",
+        Some(&body),
+        client.timeout,
+    )
+    .await
+    .map_err(|e| ApiError::unavailable(format!("prefill server unreachable: {e}")))?;
+    let v: Value = serde_json::from_slice(&bytes).map_err(|e| {
+        ApiError::unavailable(format!("prefill server sent invalid JSON ({status}): {e}"))
+    })?;
     if !status.is_success() {
-        let msg = v["error"]["message"].as_str().unwrap_or("unknown error").to_string();
-        let mut err = if status.is_client_error() { ApiError::invalid(msg, None) } else { ApiError::unavailable(msg) };
+        let msg = v["error"]["message"]
+            .as_str()
+            .unwrap_or("unknown error")
+            .to_string();
+        let mut err = if status.is_client_error() {
+            ApiError::invalid(msg, None)
+        } else {
+            ApiError::unavailable(msg)
+        };
         err.message = format!("prefill server: {}", err.message);
         err.status = status;
         return Err(err);
     }
     let choice = &v["choices"][0];
-    let ids = choice["token_ids"].as_array().map(Vec::as_slice).unwrap_or_default();
+    let ids = choice["token_ids"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default();
     let first_token = match ids {
         [t] => t.as_u64().and_then(|t| u32::try_from(t).ok()),
         _ => None,
     }
-    .ok_or_else(|| ApiError::internal("prefill server must answer exactly one token id (is it in prefill mode?)"))?;
+    .ok_or_else(|| {
+        ApiError::internal(
+            "prefill server must answer exactly one token id (is it in prefill mode?)",
+        )
+    })?;
     let finish_reason = choice["finish_reason"]
         .as_str()
         .and_then(FinishReason::parse)
         .ok_or_else(|| ApiError::internal("prefill server response has no valid finish_reason"))?;
-    let cached_tokens = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0) as u32;
-    Ok(Prefilled { first_token, finish_reason, cached_tokens })
+    let cached_tokens = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0) as u32;
+    Ok(Prefilled {
+        first_token,
+        finish_reason,
+        cached_tokens,
+    })
 }
 
 /// Runs `req` disaggregated: prefill remotely, then decode on `backend`. The returned channel carries
@@ -92,7 +119,10 @@ pub async fn start(
         });
         return Ok(rx);
     }
-    let rest = GenRequest { prefilled: Some(p.first_token), ..req.clone() };
+    let rest = GenRequest {
+        prefilled: Some(p.first_token),
+        ..req.clone()
+    };
     backend.submit(rest).map_err(submit_error)
 }
 
@@ -108,7 +138,11 @@ mod tests {
         while let Some(ev) = rx.recv().await {
             match ev {
                 GenEvent::Token(t) => toks.push(t),
-                GenEvent::Done { finish_reason, completion_tokens, .. } => return (toks, finish_reason, completion_tokens),
+                GenEvent::Done {
+                    finish_reason,
+                    completion_tokens,
+                    ..
+                } => return (toks, finish_reason, completion_tokens),
                 GenEvent::Error(e) => panic!("{e}"),
             }
         }
@@ -137,14 +171,27 @@ mod tests {
         let decode = FakeBackend::new();
         let agg = FakeBackend::new();
         for max_tokens in [1u32, 2, 7] {
-            let req = GenRequest { prompt: vec![104, 105, 33], max_tokens, ignore_eos: true, prefilled: None };
+            let req = GenRequest {
+                prompt: vec![104, 105, 33],
+                max_tokens,
+                ignore_eos: true,
+                prefilled: None,
+            };
             let got = collect(start(&client, &decode, &req).await.unwrap()).await;
             let want = collect(agg.submit(req.clone()).unwrap()).await;
             assert_eq!(got, want, "max_tokens {max_tokens}");
         }
         // A prefill server that is gone is a 503, not a hang or a wrong answer.
-        let dead = PrefillClient { url: HttpUrl::parse("http://127.0.0.1:9").unwrap(), timeout: Duration::from_secs(5) };
-        let req = GenRequest { prompt: vec![1], max_tokens: 3, ignore_eos: true, prefilled: None };
+        let dead = PrefillClient {
+            url: HttpUrl::parse("http://127.0.0.1:9").unwrap(),
+            timeout: Duration::from_secs(5),
+        };
+        let req = GenRequest {
+            prompt: vec![1],
+            max_tokens: 3,
+            ignore_eos: true,
+            prefilled: None,
+        };
         let err = start(&dead, &decode, &req).await.unwrap_err();
         assert_eq!(err.status, axum::http::StatusCode::SERVICE_UNAVAILABLE);
     }

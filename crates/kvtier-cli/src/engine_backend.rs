@@ -6,11 +6,14 @@
 
 use std::sync::Arc;
 
-use kvtier_engine::{EngineError, EngineHandle, EngineMetrics, GenerateEvent, GenerateRequest, Prefilled};
+use kvtier_engine::{
+    EngineError, EngineHandle, EngineMetrics, GenerateEvent, GenerateRequest, Prefilled,
+};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::backend::{
-    Backend, CacheCounters, FinishReason, GenEvent, GenRequest, Sample, SampleKind, SubmitError, TextCodec, TierCounts,
+    Backend, CacheCounters, FinishReason, GenEvent, GenRequest, Sample, SampleKind, SubmitError,
+    TextCodec, TierCounts,
 };
 
 /// The engine's tokenizer as a [`TextCodec`].
@@ -40,8 +43,16 @@ impl EngineBackend {
         let num_device_blocks = cfg.num_device_blocks;
         let handle = EngineHandle::start(cfg)?;
         // A request must fit both the model's positions and G1 (the engine refuses larger ones).
-        let max_model_len = handle.model_config().max_position_embeddings.min(num_device_blocks * block_size);
-        Ok(EngineBackend { handle, block_size, num_device_blocks, max_model_len })
+        let max_model_len = handle
+            .model_config()
+            .max_position_embeddings
+            .min(num_device_blocks * block_size);
+        Ok(EngineBackend {
+            handle,
+            block_size,
+            num_device_blocks,
+            max_model_len,
+        })
     }
 
     /// The engine's own metrics.
@@ -99,7 +110,10 @@ impl Backend for EngineBackend {
             while let Some(ev) = inner.recv().await {
                 let ev = match ev {
                     GenerateEvent::Token(t) => GenEvent::Token(t),
-                    GenerateEvent::Done { finish_reason, usage } => GenEvent::Done {
+                    GenerateEvent::Done {
+                        finish_reason,
+                        usage,
+                    } => GenEvent::Done {
                         finish_reason: map_finish(finish_reason),
                         prompt_tokens: sat_u32(usage.prompt_tokens),
                         completion_tokens: sat_u32(usage.completion_tokens),
@@ -116,7 +130,11 @@ impl Backend for EngineBackend {
     }
 
     fn samples(&self) -> Vec<Sample> {
-        samples_of(&self.handle.metrics(), self.block_size, self.num_device_blocks)
+        samples_of(
+            &self.handle.metrics(),
+            self.block_size,
+            self.num_device_blocks,
+        )
     }
 
     fn cache_counters(&self) -> CacheCounters {
@@ -145,48 +163,164 @@ pub fn counters_of(m: &EngineMetrics, block_size: usize) -> CacheCounters {
         hit_tokens: hit,
         // The connector's write-through path offloads G1 -> host; per-tier spills are not in the
         // engine snapshot.
-        offload_blocks: TierCounts { host: m.offloaded_blocks, disk: 0, remote: 0 },
-        onboard_blocks: TierCounts { host: hit.host / bs, disk: hit.disk / bs, remote: hit.remote / bs },
+        offload_blocks: TierCounts {
+            host: m.offloaded_blocks,
+            disk: 0,
+            remote: 0,
+        },
+        onboard_blocks: TierCounts {
+            host: hit.host / bs,
+            disk: hit.disk / bs,
+            remote: hit.remote / bs,
+        },
     }
 }
 
 fn counter(name: &'static str, help: &'static str, value: u64) -> Sample {
-    Sample { name, labels: vec![], kind: SampleKind::Counter, value: value as f64, help }
+    Sample {
+        name,
+        labels: vec![],
+        kind: SampleKind::Counter,
+        value: value as f64,
+        help,
+    }
 }
 
-fn labelled(name: &'static str, help: &'static str, kind: SampleKind, label: (&'static str, &str), value: f64) -> Sample {
-    Sample { name, labels: vec![(label.0, label.1.to_string())], kind, value, help }
+fn labelled(
+    name: &'static str,
+    help: &'static str,
+    kind: SampleKind,
+    label: (&'static str, &str),
+    value: f64,
+) -> Sample {
+    Sample {
+        name,
+        labels: vec![(label.0, label.1.to_string())],
+        kind,
+        value,
+        help,
+    }
 }
 
 /// `kvtier_*` samples from an engine snapshot.
 pub fn samples_of(m: &EngineMetrics, block_size: usize, num_device_blocks: usize) -> Vec<Sample> {
     let c = counters_of(m, block_size);
     let mut s = vec![
-        labelled("kvtier_engine_requests_total", "Engine requests by outcome", SampleKind::Counter, ("state", "submitted"), m.requests_submitted as f64),
-        labelled("kvtier_engine_requests_total", "Engine requests by outcome", SampleKind::Counter, ("state", "finished"), m.requests_finished as f64),
-        labelled("kvtier_engine_requests_total", "Engine requests by outcome", SampleKind::Counter, ("state", "failed"), m.requests_failed as f64),
-        labelled("kvtier_engine_requests_total", "Engine requests by outcome", SampleKind::Counter, ("state", "rejected"), m.requests_rejected as f64),
-        counter("kvtier_engine_prompt_tokens_total", "Prompt tokens of admitted requests", m.prompt_tokens),
-        counter("kvtier_engine_generated_tokens_total", "Tokens generated by the engine", m.generated_tokens),
-        counter("kvtier_engine_computed_tokens_total", "Tokens run through the forward pass (recomputation included)", m.computed_tokens),
-        counter("kvtier_engine_recomputed_tokens_total", "Tokens the engine computed again (preemption, failed loads)", m.recomputed_tokens),
-        counter("kvtier_engine_preemptions_total", "Requests preempted for lack of G1 blocks", m.preemptions),
+        labelled(
+            "kvtier_engine_requests_total",
+            "Engine requests by outcome",
+            SampleKind::Counter,
+            ("state", "submitted"),
+            m.requests_submitted as f64,
+        ),
+        labelled(
+            "kvtier_engine_requests_total",
+            "Engine requests by outcome",
+            SampleKind::Counter,
+            ("state", "finished"),
+            m.requests_finished as f64,
+        ),
+        labelled(
+            "kvtier_engine_requests_total",
+            "Engine requests by outcome",
+            SampleKind::Counter,
+            ("state", "failed"),
+            m.requests_failed as f64,
+        ),
+        labelled(
+            "kvtier_engine_requests_total",
+            "Engine requests by outcome",
+            SampleKind::Counter,
+            ("state", "rejected"),
+            m.requests_rejected as f64,
+        ),
+        counter(
+            "kvtier_engine_prompt_tokens_total",
+            "Prompt tokens of admitted requests",
+            m.prompt_tokens,
+        ),
+        counter(
+            "kvtier_engine_generated_tokens_total",
+            "Tokens generated by the engine",
+            m.generated_tokens,
+        ),
+        counter(
+            "kvtier_engine_computed_tokens_total",
+            "Tokens run through the forward pass (recomputation included)",
+            m.computed_tokens,
+        ),
+        counter(
+            "kvtier_engine_recomputed_tokens_total",
+            "Tokens the engine computed again (preemption, failed loads)",
+            m.recomputed_tokens,
+        ),
+        counter(
+            "kvtier_engine_preemptions_total",
+            "Requests preempted for lack of G1 blocks",
+            m.preemptions,
+        ),
         counter("kvtier_engine_steps_total", "Engine steps", m.steps),
-        counter("kvtier_load_failures_total", "Device blocks whose kvtier load failed (recomputed)", m.load_failures),
-        counter("kvtier_connector_offloaded_blocks_total", "Blocks copied out of G1 by kvtier, as the connector reports", m.offloaded_blocks),
-        counter("kvtier_connector_onboarded_blocks_total", "Blocks copied into G1 by kvtier, as the connector reports", m.onboarded_blocks),
-        Sample { name: "kvtier_engine_queue_depth", labels: vec![], kind: SampleKind::Gauge, value: m.queue_depth as f64, help: "Requests waiting for admission" },
-        Sample { name: "kvtier_engine_running", labels: vec![], kind: SampleKind::Gauge, value: m.running as f64, help: "Requests running" },
-        labelled("kvtier_pool_capacity_blocks", "Blocks per tier", SampleKind::Gauge, ("tier", "device"), num_device_blocks as f64),
-        labelled("kvtier_pool_free_blocks", "Free blocks per tier", SampleKind::Gauge, ("tier", "device"), m.free_device_blocks as f64),
+        counter(
+            "kvtier_load_failures_total",
+            "Device blocks whose kvtier load failed (recomputed)",
+            m.load_failures,
+        ),
+        counter(
+            "kvtier_connector_offloaded_blocks_total",
+            "Blocks copied out of G1 by kvtier, as the connector reports",
+            m.offloaded_blocks,
+        ),
+        counter(
+            "kvtier_connector_onboarded_blocks_total",
+            "Blocks copied into G1 by kvtier, as the connector reports",
+            m.onboarded_blocks,
+        ),
+        Sample {
+            name: "kvtier_engine_queue_depth",
+            labels: vec![],
+            kind: SampleKind::Gauge,
+            value: m.queue_depth as f64,
+            help: "Requests waiting for admission",
+        },
+        Sample {
+            name: "kvtier_engine_running",
+            labels: vec![],
+            kind: SampleKind::Gauge,
+            value: m.running as f64,
+            help: "Requests running",
+        },
+        labelled(
+            "kvtier_pool_capacity_blocks",
+            "Blocks per tier",
+            SampleKind::Gauge,
+            ("tier", "device"),
+            num_device_blocks as f64,
+        ),
+        labelled(
+            "kvtier_pool_free_blocks",
+            "Free blocks per tier",
+            SampleKind::Gauge,
+            ("tier", "device"),
+            m.free_device_blocks as f64,
+        ),
         labelled(
             "kvtier_pool_occupancy_ratio",
             "Used fraction of each tier",
             SampleKind::Gauge,
             ("tier", "device"),
-            if num_device_blocks == 0 { 0.0 } else { 1.0 - m.free_device_blocks as f64 / num_device_blocks as f64 },
+            if num_device_blocks == 0 {
+                0.0
+            } else {
+                1.0 - m.free_device_blocks as f64 / num_device_blocks as f64
+            },
         ),
-        labelled("kvtier_hit_tokens_total", "Prompt tokens served from a cache tier instead of computed", SampleKind::Counter, ("tier", "device"), m.g1_prefix_hit_tokens as f64),
+        labelled(
+            "kvtier_hit_tokens_total",
+            "Prompt tokens served from a cache tier instead of computed",
+            SampleKind::Counter,
+            ("tier", "device"),
+            m.g1_prefix_hit_tokens as f64,
+        ),
     ];
     let prompt = m.prompt_tokens.max(1) as f64;
     s.push(labelled(
@@ -197,14 +331,53 @@ pub fn samples_of(m: &EngineMetrics, block_size: usize, num_device_blocks: usize
         m.g1_prefix_hit_tokens as f64 / prompt,
     ));
     for (tier, hit, onboard, offload) in [
-        ("host", c.hit_tokens.host, c.onboard_blocks.host, c.offload_blocks.host),
-        ("disk", c.hit_tokens.disk, c.onboard_blocks.disk, c.offload_blocks.disk),
-        ("remote", c.hit_tokens.remote, c.onboard_blocks.remote, c.offload_blocks.remote),
+        (
+            "host",
+            c.hit_tokens.host,
+            c.onboard_blocks.host,
+            c.offload_blocks.host,
+        ),
+        (
+            "disk",
+            c.hit_tokens.disk,
+            c.onboard_blocks.disk,
+            c.offload_blocks.disk,
+        ),
+        (
+            "remote",
+            c.hit_tokens.remote,
+            c.onboard_blocks.remote,
+            c.offload_blocks.remote,
+        ),
     ] {
-        s.push(labelled("kvtier_hit_tokens_total", "Prompt tokens served from a cache tier instead of computed", SampleKind::Counter, ("tier", tier), hit as f64));
-        s.push(labelled("kvtier_hit_rate", "Fraction of prompt tokens served from each tier since start", SampleKind::Gauge, ("tier", tier), hit as f64 / prompt));
-        s.push(labelled("kvtier_onboard_blocks_total", "Blocks onboarded into G1 from each tier", SampleKind::Counter, ("tier", tier), onboard as f64));
-        s.push(labelled("kvtier_offload_blocks_total", "Blocks offloaded into each tier", SampleKind::Counter, ("tier", tier), offload as f64));
+        s.push(labelled(
+            "kvtier_hit_tokens_total",
+            "Prompt tokens served from a cache tier instead of computed",
+            SampleKind::Counter,
+            ("tier", tier),
+            hit as f64,
+        ));
+        s.push(labelled(
+            "kvtier_hit_rate",
+            "Fraction of prompt tokens served from each tier since start",
+            SampleKind::Gauge,
+            ("tier", tier),
+            hit as f64 / prompt,
+        ));
+        s.push(labelled(
+            "kvtier_onboard_blocks_total",
+            "Blocks onboarded into G1 from each tier",
+            SampleKind::Counter,
+            ("tier", tier),
+            onboard as f64,
+        ));
+        s.push(labelled(
+            "kvtier_offload_blocks_total",
+            "Blocks offloaded into each tier",
+            SampleKind::Counter,
+            ("tier", tier),
+            offload as f64,
+        ));
     }
     s
 }

@@ -136,7 +136,8 @@ impl TierArgs {
             bail!("--disk-cache-gb must be >= 0, got {disk_gb}");
         }
         if let Some(u) = &self.remote_url {
-            if !(u.starts_with("dir://") || u.starts_with("redis://") || u.starts_with("rediss://")) {
+            if !(u.starts_with("dir://") || u.starts_with("redis://") || u.starts_with("rediss://"))
+            {
                 bail!("--remote-url must be dir://PATH or redis://HOST:PORT, got `{u}`");
             }
         }
@@ -154,7 +155,9 @@ impl EngineArgs {
     pub fn model_source(&self) -> ModelSource {
         match &self.model {
             Some(d) => ModelSource::Dir(d.clone()),
-            None => ModelSource::BuiltIn { seed: self.model_seed },
+            None => ModelSource::BuiltIn {
+                seed: self.model_seed,
+            },
         }
     }
 
@@ -162,7 +165,10 @@ impl EngineArgs {
     pub fn engine_config(&self, role: Role) -> anyhow::Result<EngineConfig> {
         if let Some(d) = &self.model {
             if !d.join("config.json").is_file() {
-                bail!("--model {}: no config.json there (expected a Hugging Face Llama directory)", d.display());
+                bail!(
+                    "--model {}: no config.json there (expected a Hugging Face Llama directory)",
+                    d.display()
+                );
             }
         }
         let connector = match self.connector {
@@ -188,8 +194,12 @@ impl EngineArgs {
 /// Builds the engine's connector setup from resolved tiers — what the original's `--connector kvbm`
 /// does for TensorRT-LLM's `KvCacheConnectorConfig`.
 pub fn connector_setup(tiers: &ResolvedTiers) -> anyhow::Result<ConnectorSetup> {
-    std::fs::create_dir_all(&tiers.disk_dir)
-        .with_context(|| format!("creating the disk tier directory {}", tiers.disk_dir.display()))?;
+    std::fs::create_dir_all(&tiers.disk_dir).with_context(|| {
+        format!(
+            "creating the disk tier directory {}",
+            tiers.disk_dir.display()
+        )
+    })?;
     Ok(ConnectorSetup::default())
 }
 
@@ -202,11 +212,28 @@ mod tests {
         let t = TierArgs::default().resolve().unwrap();
         assert_eq!(t.host_gb, 1.0);
         assert!(t.disk_dir.ends_with("kvtier"));
-        let bad = TierArgs { host_cache_gb: Some(0.0), ..Default::default() };
-        assert!(bad.resolve().unwrap_err().to_string().contains("--host-cache-gb"));
-        let bad = TierArgs { remote_url: Some("ftp://x".into()), ..Default::default() };
-        assert!(bad.resolve().unwrap_err().to_string().contains("--remote-url"));
-        let ok = TierArgs { remote_url: Some("dir:///tmp/x".into()), ..Default::default() };
+        let bad = TierArgs {
+            host_cache_gb: Some(0.0),
+            ..Default::default()
+        };
+        assert!(bad
+            .resolve()
+            .unwrap_err()
+            .to_string()
+            .contains("--host-cache-gb"));
+        let bad = TierArgs {
+            remote_url: Some("ftp://x".into()),
+            ..Default::default()
+        };
+        assert!(bad
+            .resolve()
+            .unwrap_err()
+            .to_string()
+            .contains("--remote-url"));
+        let ok = TierArgs {
+            remote_url: Some("dir:///tmp/x".into()),
+            ..Default::default()
+        };
         assert!(ok.resolve().is_ok());
     }
 }

@@ -23,7 +23,9 @@ static FONT: Once = Once::new();
 
 fn register_font() {
     FONT.call_once(|| {
-        if plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular()).is_err() {
+        if plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
+            .is_err()
+        {
             tracing::warn!("embedded font rejected; chart text may be missing");
         }
     });
@@ -40,7 +42,12 @@ const COLORS: [RGBColor; 6] = [
 
 /// Draws TTFT p50 per configuration and workload (bars, with p90 whiskers as text), and the chat
 /// workload's TTFT p50 per round (lines), into `path`.
-pub fn draw(path: &Path, rows: &[Summary], configs: &[String], title: &str) -> Result<(), ChartError> {
+pub fn draw(
+    path: &Path,
+    rows: &[Summary],
+    configs: &[String],
+    title: &str,
+) -> Result<(), ChartError> {
     register_font();
     let root = BitMapBackend::new(path, (1280, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
@@ -70,6 +77,7 @@ pub fn draw(path: &Path, rows: &[Summary], configs: &[String], title: &str) -> R
         .configure_mesh()
         .disable_x_mesh()
         .x_labels(0)
+        .light_line_style(WHITE)
         .y_desc("ms")
         .label_style(("sans-serif", 13))
         .draw()
@@ -78,12 +86,17 @@ pub fn draw(path: &Path, rows: &[Summary], configs: &[String], title: &str) -> R
         let x0 = wi as f64 + 0.1;
         let width = 0.8 / n;
         for (ci, c) in configs.iter().enumerate() {
-            let Some(r) = rows.iter().find(|r| &r.workload == w && &r.config == c) else { continue };
+            let Some(r) = rows.iter().find(|r| &r.workload == w && &r.config == c) else {
+                continue;
+            };
             let color = COLORS[ci % COLORS.len()];
             let xa = x0 + ci as f64 * width;
             let xb = xa + width * 0.9;
             chart
-                .draw_series(std::iter::once(Rectangle::new([(xa, 0.0), (xb, r.ttft_p50_ms)], color.filled())))
+                .draw_series(std::iter::once(Rectangle::new(
+                    [(xa, 0.0), (xb, r.ttft_p50_ms)],
+                    color.filled(),
+                )))
                 .map_err(err)?;
             chart
                 .draw_series(std::iter::once(Text::new(
@@ -107,7 +120,10 @@ pub fn draw(path: &Path, rows: &[Summary], configs: &[String], title: &str) -> R
         let x = workloads.len().max(1) as f64 * 0.62;
         chart
             .draw_series(std::iter::once(Rectangle::new(
-                [(x, y), (x + 0.04 * workloads.len().max(1) as f64, y - ymax * 0.035)],
+                [
+                    (x, y),
+                    (x + 0.04 * workloads.len().max(1) as f64, y - ymax * 0.035),
+                ],
                 color.filled(),
             )))
             .map_err(err)?;
@@ -123,10 +139,22 @@ pub fn draw(path: &Path, rows: &[Summary], configs: &[String], title: &str) -> R
     // Right: TTFT p50 per turn for the first workload that has turns (chat).
     let first = workloads.first().cloned().unwrap_or_default();
     let turn_rows: Vec<&Summary> = rows.iter().filter(|r| r.workload == first).collect();
-    let turns = turn_rows.iter().map(|r| r.ttft_p50_ms_by_turn.len()).max().unwrap_or(0).max(1);
-    let tmax = turn_rows.iter().flat_map(|r| r.ttft_p50_ms_by_turn.iter().copied()).fold(1.0_f64, f64::max) * 1.1;
+    let turns = turn_rows
+        .iter()
+        .map(|r| r.ttft_p50_ms_by_turn.len())
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let tmax = turn_rows
+        .iter()
+        .flat_map(|r| r.ttft_p50_ms_by_turn.iter().copied())
+        .fold(1.0_f64, f64::max)
+        * 1.1;
     let mut chart = ChartBuilder::on(&right)
-        .caption(format!("{first}: TTFT p50 (ms) per round"), ("sans-serif", 18))
+        .caption(
+            format!("{first}: TTFT p50 (ms) per round"),
+            ("sans-serif", 18),
+        )
         .margin(12)
         .x_label_area_size(34)
         .y_label_area_size(56)
@@ -135,16 +163,24 @@ pub fn draw(path: &Path, rows: &[Summary], configs: &[String], title: &str) -> R
     chart
         .configure_mesh()
         .x_desc("round")
+        .x_labels(turns.min(12))
+        .x_label_formatter(&|x| format!("{}", x.round() as i64 + 1))
+        .light_line_style(WHITE)
         .y_desc("ms")
         .label_style(("sans-serif", 13))
         .draw()
         .map_err(err)?;
     for (ci, c) in configs.iter().enumerate() {
-        let Some(r) = turn_rows.iter().find(|r| &r.config == c) else { continue };
+        let Some(r) = turn_rows.iter().find(|r| &r.config == c) else {
+            continue;
+        };
         let color = COLORS[ci % COLORS.len()];
         chart
             .draw_series(LineSeries::new(
-                r.ttft_p50_ms_by_turn.iter().enumerate().map(|(i, &v)| (i as f64, v)),
+                r.ttft_p50_ms_by_turn
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &v)| (i as f64, v)),
                 color.stroke_width(3),
             ))
             .map_err(err)?;
@@ -186,7 +222,12 @@ mod tests {
     fn draws_a_png_without_system_fonts() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("c.png");
-        let rows = vec![row("chat", "a", 10.0), row("chat", "b", 3.0), row("docqa", "a", 20.0), row("docqa", "b", 4.0)];
+        let rows = vec![
+            row("chat", "a", 10.0),
+            row("chat", "b", 3.0),
+            row("docqa", "a", 20.0),
+            row("docqa", "b", 4.0),
+        ];
         draw(&path, &rows, &["a".into(), "b".into()], "test").unwrap();
         let bytes = std::fs::read(&path).unwrap();
         assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");

@@ -65,16 +65,29 @@ impl Summary {
         let prompt_tokens: u64 = ok.iter().map(|x| x.prompt_tokens as u64).sum();
         let out_tokens: u64 = ok.iter().map(|x| x.output.len() as u64).sum();
         let c = r.counters;
-        let computed: u64 = ok.iter().map(|x| (x.prompt_tokens as u64).saturating_sub(u64::from(x.cached_tokens))).sum();
+        let computed: u64 = ok
+            .iter()
+            .map(|x| (x.prompt_tokens as u64).saturating_sub(u64::from(x.cached_tokens)))
+            .sum();
         let recomputed: u64 = ok
             .iter()
             .map(|x| (x.seen_prefix_tokens as u64).saturating_sub(u64::from(x.cached_tokens)))
             .sum();
-        let frac = |tokens: u64| if prompt_tokens == 0 { 0.0 } else { tokens as f64 / prompt_tokens as f64 };
+        let frac = |tokens: u64| {
+            if prompt_tokens == 0 {
+                0.0
+            } else {
+                tokens as f64 / prompt_tokens as f64
+            }
+        };
         let turns = ok.iter().map(|x| x.key.turn + 1).max().unwrap_or(0);
         let by_turn = (0..turns)
             .map(|t| {
-                let mut v: Vec<f64> = ok.iter().filter(|x| x.key.turn == t).map(|x| x.ttft_s).collect();
+                let mut v: Vec<f64> = ok
+                    .iter()
+                    .filter(|x| x.key.turn == t)
+                    .map(|x| x.ttft_s)
+                    .collect();
                 v.sort_by(f64::total_cmp);
                 ms(percentile(&v, 50.0))
             })
@@ -116,7 +129,9 @@ pub fn table(rows: &[Summary], baseline: &str) -> String {
     );
     out.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|\n");
     for r in rows {
-        let base = rows.iter().find(|b| b.workload == r.workload && b.config == baseline);
+        let base = rows
+            .iter()
+            .find(|b| b.workload == r.workload && b.config == baseline);
         let ratio = match base {
             Some(b) if r.ttft_p50_ms > 0.0 => format!("{:.2}x", b.ttft_p50_ms / r.ttft_p50_ms),
             _ => "-".into(),
@@ -185,7 +200,10 @@ mod tests {
 
     #[test]
     fn summary_counts_recomputation_and_hits() {
-        let mut c = CacheCounters { device_hit_tokens: 16, ..Default::default() };
+        let mut c = CacheCounters {
+            device_hit_tokens: 16,
+            ..Default::default()
+        };
         c.hit_tokens.host = 32;
         let mut second = rec(1, 80, 48, 0.020);
         second.cached_tokens = 36;
@@ -203,7 +221,7 @@ mod tests {
         assert!((s.hit_rate.host - 32.0 / 120.0).abs() < 1e-12);
         assert_eq!(s.ttft_p50_ms_by_turn, vec![10.0, 20.0]);
         assert!((s.output_tokens_per_s - 2.0).abs() < 1e-12);
-        let t = table(&[s.clone()], "x");
+        let t = table(std::slice::from_ref(&s), "x");
         assert!(t.contains("| chat | x | 2 | 10.0 |"), "{t}");
         assert!(t.contains("1.00x"));
     }

@@ -58,7 +58,13 @@ pub struct Progress {
 impl Progress {
     /// A progress reporter for `total` requests.
     pub fn new(label: String, total: usize, quiet: bool) -> Self {
-        Progress { label, total, last: None, every: Duration::from_secs(2), quiet }
+        Progress {
+            label,
+            total,
+            last: None,
+            every: Duration::from_secs(2),
+            quiet,
+        }
     }
 
     fn tick(&mut self, done: usize, started: Instant, ttfts: &[f64]) {
@@ -66,7 +72,9 @@ impl Progress {
             return;
         }
         let now = Instant::now();
-        let due = self.last.is_none_or(|l| now.duration_since(l) >= self.every);
+        let due = self
+            .last
+            .is_none_or(|l| now.duration_since(l) >= self.every);
         if !due && done != self.total {
             return;
         }
@@ -110,7 +118,12 @@ async fn one_request(
         output: Vec::new(),
         error: None,
     };
-    let req = GenRequest { prompt: prompt.clone(), max_tokens, ignore_eos: true, prefilled: None };
+    let req = GenRequest {
+        prompt: prompt.clone(),
+        max_tokens,
+        ignore_eos: true,
+        prefilled: None,
+    };
     // The engine may refuse when its queue is full: back off and retry (bounded), counting the wait.
     let mut rx = None;
     for _ in 0..600 {
@@ -127,7 +140,9 @@ async fn one_request(
         }
     }
     let Some(mut rx) = rx else {
-        record.error.get_or_insert_with(|| "engine stayed overloaded for 30 s".into());
+        record
+            .error
+            .get_or_insert_with(|| "engine stayed overloaded for 30 s".into());
         return (prompt, record);
     };
     let mut ttft = None;
@@ -197,14 +212,28 @@ pub async fn run(
                 let prompt = history[s].prompt(script, s);
                 let hashes = sequence_hashes(salt, &prompt, block_size);
                 let seen_blocks = hashes.iter().take_while(|h| seen.contains(&h.0)).count();
-                let key = RequestKey { stream: s, turn: history[s].next_turn };
+                let key = RequestKey {
+                    stream: s,
+                    turn: history[s].next_turn,
+                };
                 let backend = backend.clone();
                 let tx = tx.clone();
                 let max_tokens = script.answer_tokens;
                 tokio::spawn(async move {
-                    let (prompt, record) =
-                        one_request(backend, key, prompt, max_tokens, seen_blocks * block_size, t0).await;
-                    let _ = tx.send(Finished { stream: s, prompt, record });
+                    let (prompt, record) = one_request(
+                        backend,
+                        key,
+                        prompt,
+                        max_tokens,
+                        seen_blocks * block_size,
+                        t0,
+                    )
+                    .await;
+                    let _ = tx.send(Finished {
+                        stream: s,
+                        prompt,
+                        record,
+                    });
                 });
                 next_tick += interval;
             }
@@ -217,7 +246,16 @@ pub async fn run(
             }
             None => {
                 let Some(f) = rx.recv().await else { break };
-                finish(f, &mut history, &mut busy, &mut seen, &mut records, &mut ttfts, salt, block_size);
+                finish(
+                    f,
+                    &mut history,
+                    &mut busy,
+                    &mut seen,
+                    &mut records,
+                    &mut ttfts,
+                    salt,
+                    block_size,
+                );
                 progress.tick(records.len(), t0, &ttfts);
                 // An idle arrival slot is not banked: the schedule resumes from now.
                 if next_tick < Instant::now() {
@@ -228,7 +266,11 @@ pub async fn run(
     }
     let wall = t0.elapsed();
     records.sort_by_key(|r| r.key);
-    RunResult { records, wall, counters: backend.cache_counters().since(before) }
+    RunResult {
+        records,
+        wall,
+        counters: backend.cache_counters().since(before),
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -244,8 +286,9 @@ fn finish(
 ) {
     let s = f.stream;
     busy[s] = false;
+    // The engine holds KV for the prompt and every generated token except the last (never fed back).
     let mut full = f.prompt.clone();
-    full.extend_from_slice(&f.record.output);
+    full.extend_from_slice(&f.record.output[..f.record.output.len().saturating_sub(1)]);
     for h in sequence_hashes(salt, &full, block_size) {
         seen.insert(h.0);
     }
@@ -284,8 +327,16 @@ mod tests {
         // (block size 4 -> 8 tokens) and their own history.
         let first = &r.records[0];
         assert_eq!((first.key.stream, first.key.turn), (0, 0));
-        let last = r.records.iter().find(|x| x.key == RequestKey { stream: 0, turn: 2 }).unwrap();
-        assert!(last.seen_prefix_tokens >= 8 + 7, "{}", last.seen_prefix_tokens);
+        let last = r
+            .records
+            .iter()
+            .find(|x| x.key == RequestKey { stream: 0, turn: 2 })
+            .unwrap();
+        assert!(
+            last.seen_prefix_tokens >= 8 + 7,
+            "{}",
+            last.seen_prefix_tokens
+        );
     }
 
     #[tokio::test]
@@ -304,7 +355,12 @@ mod tests {
             let b: Arc<dyn Backend> = Arc::new(FakeBackend::new());
             let mut p = Progress::new("t".into(), 4, true);
             let r = run(b, &w, &script, &mut p).await;
-            outs.push(r.records.iter().map(|x| (x.key, x.output.clone())).collect::<Vec<_>>());
+            outs.push(
+                r.records
+                    .iter()
+                    .map(|x| (x.key, x.output.clone()))
+                    .collect::<Vec<_>>(),
+            );
         }
         assert_eq!(outs[0], outs[1]);
         assert_eq!(outs[0].len(), 4);

@@ -98,20 +98,28 @@ pub struct TargetCheck {
 }
 
 fn machine() -> String {
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     format!("{} {} cores", std::env::consts::ARCH, cores)
 }
 
 fn working_set(w: &Workload) -> usize {
     match w {
-        Workload::Chat(p) => p.system_tokens + p.users * p.rounds * (p.question_tokens + p.answer_tokens as usize),
+        Workload::Chat(p) => {
+            p.system_tokens + p.users * p.rounds * (p.question_tokens + p.answer_tokens as usize)
+        }
         Workload::DocQa(p) => p.docs * p.doc_tokens,
     }
 }
 
 /// Runs the suite and writes `bench.json`, `bench.md` and `bench.png` into `opts.out_dir`.
-pub async fn run_suite(factory: &dyn EngineFactory, opts: &SuiteOptions) -> anyhow::Result<SuiteReport> {
-    std::fs::create_dir_all(&opts.out_dir).with_context(|| format!("creating {}", opts.out_dir.display()))?;
+pub async fn run_suite(
+    factory: &dyn EngineFactory,
+    opts: &SuiteOptions,
+) -> anyhow::Result<SuiteReport> {
+    std::fs::create_dir_all(&opts.out_dir)
+        .with_context(|| format!("creating {}", opts.out_dir.display()))?;
     let scratch_root = opts.out_dir.join("scratch");
     let mut rows = Vec::new();
     let mut mismatches = Vec::new();
@@ -122,11 +130,14 @@ pub async fn run_suite(factory: &dyn EngineFactory, opts: &SuiteOptions) -> anyh
         for c in &opts.configs {
             let scratch = scratch_root.join(format!("{}-{}", w.name(), c.name));
             if scratch.exists() {
-                std::fs::remove_dir_all(&scratch).with_context(|| format!("clearing {}", scratch.display()))?;
+                std::fs::remove_dir_all(&scratch)
+                    .with_context(|| format!("clearing {}", scratch.display()))?;
             }
-            std::fs::create_dir_all(&scratch).with_context(|| format!("creating {}", scratch.display()))?;
-            let backend =
-                factory.start(c, &scratch).with_context(|| format!("starting the engine for `{}`", c.name))?;
+            std::fs::create_dir_all(&scratch)
+                .with_context(|| format!("creating {}", scratch.display()))?;
+            let backend = factory
+                .start(c, &scratch)
+                .with_context(|| format!("starting the engine for `{}`", c.name))?;
             if w.max_sequence_len() > backend.max_model_len() {
                 backend.shutdown();
                 anyhow::bail!(
@@ -144,36 +155,61 @@ pub async fn run_suite(factory: &dyn EngineFactory, opts: &SuiteOptions) -> anyh
             if !opts.quiet {
                 eprintln!("== {} / {}: {}", w.name(), c.name, c.description);
             }
-            let mut progress = Progress::new(format!("{}/{}", w.name(), c.name), w.num_requests(), opts.quiet);
+            let mut progress = Progress::new(
+                format!("{}/{}", w.name(), c.name),
+                w.num_requests(),
+                opts.quiet,
+            );
             let result = runner::run(backend.clone(), w, script, &mut progress).await;
             backend.shutdown();
             let _ = std::fs::remove_dir_all(&scratch);
             let summary = Summary::new(w.name(), &c.name, &result);
-            let outputs: BTreeMap<RequestKey, Vec<u32>> =
-                result.records.iter().map(|r| (r.key, r.output.clone())).collect();
+            let outputs: BTreeMap<RequestKey, Vec<u32>> = result
+                .records
+                .iter()
+                .map(|r| (r.key, r.output.clone()))
+                .collect();
             match &reference {
                 None => reference = Some((c.name.clone(), outputs)),
                 Some((_, want)) => {
                     for (k, v) in want {
                         if outputs.get(k) != Some(v) {
-                            mismatches.push(Mismatch { workload: w.name().into(), config: c.name.clone(), key: *k });
+                            mismatches.push(Mismatch {
+                                workload: w.name().into(),
+                                config: c.name.clone(),
+                                key: *k,
+                            });
                         }
                     }
                 }
             }
             if let Some(e) = result.records.iter().find_map(|r| r.error.clone()) {
-                eprintln!("  warning: {} request(s) failed, first error: {e}", summary.errors);
+                eprintln!(
+                    "  warning: {} request(s) failed, first error: {e}",
+                    summary.errors
+                );
             }
-            requests.entry(w.name().to_string()).or_default().insert(c.name.clone(), result.records);
+            requests
+                .entry(w.name().to_string())
+                .or_default()
+                .insert(c.name.clone(), result.records);
             rows.push(summary);
         }
     }
     let _ = std::fs::remove_dir(&scratch_root);
 
     let target = opts.workloads.first().and_then(|w| {
-        let base = rows.iter().find(|r| r.workload == w.name() && r.config == opts.baseline)?;
-        let tgt = rows.iter().find(|r| r.workload == w.name() && r.config == opts.target_config)?;
-        let ratio = if tgt.ttft_p50_ms > 0.0 { base.ttft_p50_ms / tgt.ttft_p50_ms } else { 0.0 };
+        let base = rows
+            .iter()
+            .find(|r| r.workload == w.name() && r.config == opts.baseline)?;
+        let tgt = rows
+            .iter()
+            .find(|r| r.workload == w.name() && r.config == opts.target_config)?;
+        let ratio = if tgt.ttft_p50_ms > 0.0 {
+            base.ttft_p50_ms / tgt.ttft_p50_ms
+        } else {
+            0.0
+        };
         Some(TargetCheck {
             workload: w.name().into(),
             baseline: opts.baseline.clone(),
@@ -244,8 +280,13 @@ fn write_outputs(report: &SuiteReport, opts: &SuiteOptions) -> anyhow::Result<()
     std::fs::write(&md_path, md).with_context(|| format!("writing {}", md_path.display()))?;
     let names: Vec<String> = opts.configs.iter().map(|c| c.name.clone()).collect();
     let png = opts.out_dir.join("bench.png");
-    crate::bench::chart::draw(&png, &report.rows, &names, "kvtier bench: time to first token")
-        .with_context(|| format!("writing {}", png.display()))?;
+    crate::bench::chart::draw(
+        &png,
+        &report.rows,
+        &names,
+        "kvtier bench: time to first token",
+    )
+    .with_context(|| format!("writing {}", png.display()))?;
     Ok(())
 }
 
@@ -259,7 +300,11 @@ mod tests {
     impl EngineFactory for Fakes {
         fn start(&self, _c: &BenchConfig, scratch: &Path) -> anyhow::Result<Arc<dyn Backend>> {
             assert!(scratch.is_dir());
-            assert_eq!(std::fs::read_dir(scratch)?.count(), 0, "scratch must start empty");
+            assert_eq!(
+                std::fs::read_dir(scratch)?.count(),
+                0,
+                "scratch must start empty"
+            );
             std::fs::write(scratch.join("leftover"), b"x")?;
             Ok(Arc::new(FakeBackend::new()))
         }
@@ -291,11 +336,18 @@ mod tests {
                 }),
             ],
             configs: vec![
-                BenchConfig { name: "a".into(), description: "first".into(), kvtier: None },
+                BenchConfig {
+                    name: "a".into(),
+                    description: "first".into(),
+                    kvtier: None,
+                },
                 BenchConfig {
                     name: "b".into(),
                     description: "second".into(),
-                    kvtier: Some(TierSetup { host_gb: 0.001, disk_gb: 0.0 }),
+                    kvtier: Some(TierSetup {
+                        host_gb: 0.001,
+                        disk_gb: 0.0,
+                    }),
                 },
             ],
             out_dir: dir.path().join("out"),
@@ -317,7 +369,8 @@ mod tests {
         }
         assert!(!opts.out_dir.join("scratch").exists());
         let v: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(opts.out_dir.join("bench.json")).unwrap()).unwrap();
+            serde_json::from_slice(&std::fs::read(opts.out_dir.join("bench.json")).unwrap())
+                .unwrap();
         assert_eq!(v["rows"].as_array().unwrap().len(), 4);
         assert_eq!(v["requests"]["chat"]["a"].as_array().unwrap().len(), 4);
     }

@@ -87,7 +87,11 @@ pub struct TokenRng {
 impl TokenRng {
     /// Tokens in `lo..hi` (printable ASCII with the byte-level tokenizer: 32..127).
     pub fn new(seed: u64, lo: u32, hi: u32) -> Self {
-        TokenRng { state: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1, lo, span: hi.saturating_sub(lo).max(1) }
+        TokenRng {
+            state: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1,
+            lo,
+            span: hi.saturating_sub(lo).max(1),
+        }
     }
 
     /// `n` tokens.
@@ -147,14 +151,23 @@ impl Script {
                 }
             }
             Workload::DocQa(p) => {
-                let docs = (0..p.docs).map(|d| TokenRng::new(seed ^ (5000 + d as u64), lo, hi).take(p.doc_tokens)).collect();
+                let docs = (0..p.docs)
+                    .map(|d| TokenRng::new(seed ^ (5000 + d as u64), lo, hi).take(p.doc_tokens))
+                    .collect();
                 let questions = (0..p.docs)
                     .map(|d| {
                         let mut rng = TokenRng::new(seed ^ (9000 + d as u64), lo, hi);
-                        (0..p.questions_per_doc).map(|_| rng.take(p.question_tokens)).collect()
+                        (0..p.questions_per_doc)
+                            .map(|_| rng.take(p.question_tokens))
+                            .collect()
                     })
                     .collect();
-                Script { stream_prefix: docs, questions, carries_history: false, answer_tokens: p.answer_tokens }
+                Script {
+                    stream_prefix: docs,
+                    questions,
+                    carries_history: false,
+                    answer_tokens: p.answer_tokens,
+                }
             }
         }
     }
@@ -221,7 +234,10 @@ mod tests {
         assert!(a.iter().all(|&t| (32..127).contains(&t)));
         assert_ne!(a, TokenRng::new(8, 32, 127).take(1000));
         // roughly uniform: every value appears
-        assert_eq!(a.iter().collect::<std::collections::BTreeSet<_>>().len(), 95);
+        assert_eq!(
+            a.iter().collect::<std::collections::BTreeSet<_>>().len(),
+            95
+        );
     }
 
     #[test]

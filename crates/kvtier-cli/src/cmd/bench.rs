@@ -12,7 +12,9 @@ use clap::{Args, ValueEnum};
 use kvtier_engine::Role;
 
 use crate::backend::Backend;
-use crate::bench::suite::{run_suite, verdict, BenchConfig, EngineFactory, SuiteOptions, TierSetup};
+use crate::bench::suite::{
+    run_suite, verdict, BenchConfig, EngineFactory, SuiteOptions, TierSetup,
+};
 use crate::bench::workload::{ChatParams, DocQaParams, Workload};
 use crate::engine_backend::EngineBackend;
 use crate::settings::{ConnectorKind, EngineArgs, TierArgs};
@@ -134,7 +136,7 @@ impl BenchArgs {
             system_tokens: self.system_tokens.unwrap_or(if large { 512 } else { 256 }),
             question_tokens: self.question_tokens.unwrap_or(32),
             answer_tokens: answer,
-            qps: self.chat_qps.unwrap_or(if large { 4.0 } else { 4.0 }),
+            qps: self.chat_qps.unwrap_or(4.0),
         };
         let docqa = DocQaParams {
             docs: self.docs.unwrap_or(if large { 12 } else { 6 }),
@@ -168,7 +170,10 @@ impl BenchArgs {
                         "kvtier: host tier {} GB + disk tier {} GB",
                         self.engine.host_cache_gb, self.engine.disk_cache_gb
                     ),
-                    kvtier: Some(TierSetup { host_gb: self.engine.host_cache_gb, disk_gb: self.engine.disk_cache_gb }),
+                    kvtier: Some(TierSetup {
+                        host_gb: self.engine.host_cache_gb,
+                        disk_gb: self.engine.disk_cache_gb,
+                    }),
                 },
                 ConfigChoice::KvtierDisk => BenchConfig {
                     name: "kvtier-disk".into(),
@@ -176,7 +181,10 @@ impl BenchArgs {
                         "kvtier: tiny host tier (1 MB) + disk tier {} GB, so hits come from disk",
                         self.engine.disk_cache_gb
                     ),
-                    kvtier: Some(TierSetup { host_gb: 0.001, disk_gb: self.engine.disk_cache_gb }),
+                    kvtier: Some(TierSetup {
+                        host_gb: 0.001,
+                        disk_gb: self.engine.disk_cache_gb,
+                    }),
                 },
             })
             .collect()
@@ -198,7 +206,11 @@ impl EngineFactory for RealFactory {
             max_num_seqs: self.engine.max_num_seqs,
             max_batch_tokens: self.engine.max_batch_tokens,
             max_waiting: 4096,
-            connector: if config.kvtier.is_some() { ConnectorKind::Kvtier } else { ConnectorKind::None },
+            connector: if config.kvtier.is_some() {
+                ConnectorKind::Kvtier
+            } else {
+                ConnectorKind::None
+            },
             tiers: match &config.kvtier {
                 Some(t) => TierArgs {
                     host_cache_gb: Some(t.host_gb),
@@ -226,7 +238,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         bail!("--workloads and --configs must not be empty");
     }
     let baseline = configs[0].name.clone();
-    let target_config = configs.iter().find(|c| c.kvtier.is_some()).map_or(baseline.clone(), |c| c.name.clone());
+    let target_config = configs
+        .iter()
+        .find(|c| c.kvtier.is_some())
+        .map_or(baseline.clone(), |c| c.name.clone());
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let opts = SuiteOptions {
         workloads,
@@ -239,7 +254,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         target_ratio: 3.0,
         command,
     };
-    let factory = RealFactory { engine: args.engine.clone() };
+    let factory = RealFactory {
+        engine: args.engine.clone(),
+    };
     let started = std::time::Instant::now();
     let report = run_suite(&factory, &opts).await?;
     println!("{}", crate::bench::report::table(&report.rows, &baseline));

@@ -32,11 +32,16 @@ pub struct DirSummary {
 
 /// Summarises `dir` without modifying it.
 pub fn summarize_dir(dir: &Path) -> DirSummary {
-    let mut s = DirSummary { exists: dir.is_dir(), ..Default::default() };
+    let mut s = DirSummary {
+        exists: dir.is_dir(),
+        ..Default::default()
+    };
     let mut all = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else { continue };
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
         for e in rd.flatten() {
             let Ok(md) = e.metadata() else { continue };
             if md.is_dir() {
@@ -44,7 +49,11 @@ pub fn summarize_dir(dir: &Path) -> DirSummary {
             } else if md.is_file() {
                 s.files += 1;
                 s.bytes += md.len();
-                let rel = e.path().strip_prefix(dir).map(|p| p.display().to_string()).unwrap_or_default();
+                let rel = e
+                    .path()
+                    .strip_prefix(dir)
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default();
                 all.push((rel, md.len()));
             }
         }
@@ -90,21 +99,50 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
-    println!("model       {model_name}: {} layers, {} KV heads x {} dims, vocab {}, context {}", m.num_layers, m.num_kv_heads, m.head_dim, m.vocab_size, m.max_position_embeddings);
-    println!("connector   {}", v["engine"]["connector"].as_str().unwrap_or("?"));
-    println!("KV          {bytes_per_token} B/token, {bytes_per_block} B/block ({} tokens)", args.engine.block_size);
-    println!("G1 device   {} blocks ({:.3} GB)", args.engine.num_device_blocks, (args.engine.num_device_blocks * bytes_per_block) as f64 / 1e9);
-    println!("G2 host     {:.3} GB = {} blocks", tiers.host_gb, blocks(tiers.host_gb));
-    println!("G3 disk     {:.3} GB = {} blocks in {}", tiers.disk_gb, blocks(tiers.disk_gb), tiers.disk_dir.display());
+    println!(
+        "model       {model_name}: {} layers, {} KV heads x {} dims, vocab {}, context {}",
+        m.num_layers, m.num_kv_heads, m.head_dim, m.vocab_size, m.max_position_embeddings
+    );
+    println!(
+        "connector   {}",
+        v["engine"]["connector"].as_str().unwrap_or("?")
+    );
+    println!(
+        "KV          {bytes_per_token} B/token, {bytes_per_block} B/block ({} tokens)",
+        args.engine.block_size
+    );
+    println!(
+        "G1 device   {} blocks ({:.3} GB)",
+        args.engine.num_device_blocks,
+        (args.engine.num_device_blocks * bytes_per_block) as f64 / 1e9
+    );
+    println!(
+        "G2 host     {:.3} GB = {} blocks",
+        tiers.host_gb,
+        blocks(tiers.host_gb)
+    );
+    println!(
+        "G3 disk     {:.3} GB = {} blocks in {}",
+        tiers.disk_gb,
+        blocks(tiers.disk_gb),
+        tiers.disk_dir.display()
+    );
     if disk.exists {
-        println!("            holds {} files, {:.1} MB", disk.files, disk.bytes as f64 / 1e6);
+        println!(
+            "            holds {} files, {:.1} MB",
+            disk.files,
+            disk.bytes as f64 / 1e6
+        );
         for (name, len) in &disk.largest {
             println!("              {name}  {:.1} MB", *len as f64 / 1e6);
         }
     } else {
         println!("            (directory does not exist yet)");
     }
-    println!("G4 remote   {}", tiers.remote_url.as_deref().unwrap_or("(none)"));
+    println!(
+        "G4 remote   {}",
+        tiers.remote_url.as_deref().unwrap_or("(none)")
+    );
     Ok(())
 }
 

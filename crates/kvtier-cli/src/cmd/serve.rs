@@ -71,7 +71,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             url: HttpUrl::parse(u).with_context(|| "--prefill-url")?,
             timeout: Duration::from_secs(args.prefill_timeout_s),
         }),
-        (DisaggMode::Decode, None) => bail!("--disaggregation-mode decode needs --prefill-url http://HOST:PORT"),
+        (DisaggMode::Decode, None) => {
+            bail!("--disaggregation-mode decode needs --prefill-url http://HOST:PORT")
+        }
         (_, Some(_)) => bail!("--prefill-url is only used with --disaggregation-mode decode"),
         (_, None) => Generator::Local,
     };
