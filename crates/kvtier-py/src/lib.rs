@@ -1,1 +1,57 @@
-//! Python bindings (PyO3, abi3): a thin layer over the kvtier leader and worker.
+//! Python bindings (PyO3, abi3): a thin layer over the kvtier leader and worker, built by maturin
+//! into the extension module `kvtier._native` of the Python package `kvtier`.
+//!
+//! Invariant: no cache logic lives here. Each binding converts Python arguments into kvtier's
+//! types, calls the core, and converts results and errors back; every Rust error reaches Python as
+//! an exception of the `kvtier.KvtierError` tree ([`errors`]) and no panic crosses into the engine.
+//!
+//! The descriptor checks are plain Rust and usable without Python:
+//!
+//! ```
+//! use _native::tensor::{DeviceKind, TensorDesc};
+//! let shape = vec![8, 2, 2, 64];
+//! let desc = TensorDesc {
+//!     data_ptr: 0x1000,
+//!     strides: TensorDesc::contiguous_strides(&shape, 2),
+//!     shape,
+//!     itemsize: 2,
+//!     dtype: "float16".into(),
+//!     device: DeviceKind::Cpu,
+//!     device_index: 0,
+//! };
+//! let geometry = desc.trtllm_pool(16, Some(2)).unwrap();
+//! assert_eq!(geometry.bytes_per_block, 64 * 2 * 2 * 2);
+//! ```
+#![cfg_attr(test, allow(clippy::unwrap_used))]
+
+use pyo3::prelude::*;
+
+pub mod errors;
+pub mod tensor;
+
+/// Installs a `tracing` subscriber that writes kvtier's logs to stderr, filtered by `filter` (an
+/// `EnvFilter` directive such as "kvtier=debug") or else `KVTIER_LOG`. Returns False if a
+/// subscriber was already installed.
+#[pyfunction]
+#[pyo3(signature = (filter = None))]
+fn init_logging(filter: Option<&str>) -> bool {
+    use tracing_subscriber::EnvFilter;
+    let filter = match filter {
+        Some(f) => EnvFilter::try_new(f).unwrap_or_else(|_| EnvFilter::new("info")),
+        None => EnvFilter::try_from_env("KVTIER_LOG").unwrap_or_else(|_| EnvFilter::new("warn")),
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init()
+        .is_ok()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::register(m)?;
+    m.add_class::<tensor::TensorDesc>()?;
+    m.add_function(wrap_pyfunction!(init_logging, m)?)?;
+    Ok(())
+}

@@ -1,7 +1,648 @@
-//! KV layouts. (Owned by the core helper; placeholder until it lands.)
-#[derive(Debug, thiserror::Error)]
+//! KV layouts: the geometry of a KV cache and the engines' tensor shapes, turned into byte ranges.
+//!
+//! kvtier's own block format (host memory, disk files, remote values) is one contiguous buffer of
+//! `bytes_per_block` bytes per block, in canonical order: layer-major, then plane (K before V),
+//! each piece holding the engine's bytes for that (layer, plane) of the block as they are laid
+//! out on the device. Engine block contents are opaque: kvtier never interprets them, it only
+//! moves them between identical layouts.
+//!
+//! A [`DeviceLayout`] is built from the engine's tensors ([`TensorDesc`], as the engine reports
+//! them: pointer, shape, strides in elements, element size, device) and one [`EngineLayoutKind`]:
+//! - `TrtllmPool`: TensorRT-LLM's single pool tensor
+//!   `[num_blocks, num_layers, kv_factor, tokens_per_block * kv_heads * head_dim]`, block-major
+//!   across layers (kv_factor 2, or 1 for MLA): a block is one contiguous range;
+//! - `VllmCudaKvFirst`: one tensor per layer `[2, num_blocks, block_size, heads, head_dim]`;
+//! - `VllmCudaBlockFirst`: one tensor per layer `[num_blocks, 2, block_size, heads, head_dim]`;
+//! - `VllmMla`: one tensor per layer `[num_blocks, block_size, head_size]` (one plane);
+//! - `VllmCpu`: one tensor per layer `[num_blocks, kv_heads, block_size, 2 * head_size]`, where
+//!   each (layer, block) is one opaque chunk holding both planes in the engine's own order.
+//!
+//! The dimensions inside a chunk may have any stride order (vLLM can permute them, e.g. HND) as
+//! long as they cover a dense range: a chunk is always one contiguous range of bytes.
+//!
+//! Invariants of a built `DeviceLayout` (checked by `DeviceLayout::new`, which otherwise returns
+//! a [`LayoutError`] naming the tensor and the mismatch):
+//! - every layer tensor has the same shape, strides, element size and device;
+//! - chunks of distinct (block, plane) in one tensor never overlap;
+//! - every address computation `base + offset` fits in `u64` for every valid block;
+//! - the chunks of a block, in canonical order, sum to `bytes_per_block()`.
+use serde::{Deserialize, Serialize};
+
+use crate::ids::DeviceBlockId;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum LayoutError {
+    /// A tensor does not have the shape, strides or type the layout needs.
     #[error("tensor {tensor}: {reason}")]
     Mismatch { tensor: String, reason: String },
+    /// The layout got no tensors, or a number the kind does not accept.
+    #[error("{0}")]
+    Tensors(String),
+    /// A device block id beyond `num_blocks`.
+    #[error("device block {block} out of range ({num_blocks} blocks)")]
+    BlockOutOfRange { block: u32, num_blocks: usize },
+    /// A layer index beyond `num_layers`.
+    #[error("layer {layer} out of range ({num_layers} layers)")]
+    LayerOutOfRange { layer: usize, num_layers: usize },
+}
+
+/// Where a tensor lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum DeviceKind {
+    Cpu,
+    /// A CUDA device, by ordinal.
+    Cuda(u32),
+}
+
+/// An engine tensor as the engine reports it. `strides` are in elements (torch's convention).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorDesc {
+    pub name: String,
+    pub data_ptr: u64,
+    pub shape: Vec<usize>,
+    pub strides: Vec<usize>,
+    pub elem_size: usize,
+    pub device: DeviceKind,
+}
+
+impl TensorDesc {
+    /// A tensor with row-major (contiguous) strides.
+    pub fn contiguous(
+        name: impl Into<String>,
+        data_ptr: u64,
+        shape: Vec<usize>,
+        elem_size: usize,
+        device: DeviceKind,
+    ) -> Self {
+        let mut strides = vec![0; shape.len()];
+        let mut acc = 1usize;
+        for (i, n) in shape.iter().enumerate().rev() {
+            strides[i] = acc;
+            acc = acc.saturating_mul(*n);
+        }
+        TensorDesc {
+            name: name.into(),
+            data_ptr,
+            shape,
+            strides,
+            elem_size,
+            device,
+        }
+    }
+
+    fn mismatch(&self, reason: impl Into<String>) -> LayoutError {
+        LayoutError::Mismatch {
+            tensor: self.name.clone(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Element type of the KV cache. Informational for kvtier (blocks are opaque bytes) but part of
+/// the layout's identity, so blocks never move between caches of different types.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    F8E4M3,
+    F8E5M2,
+    U8,
+    I8,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::F8E4M3 | DType::F8E5M2 | DType::U8 | DType::I8 => 1,
+        }
+    }
+
+    /// Parse torch / numpy style names: `torch.bfloat16`, `bfloat16`, `bf16`, `float16`, `half`,
+    /// `float32`, `float`, `float8_e4m3fn`, `fp8`, `uint8`, `int8`.
+    pub fn parse(name: &str) -> Option<DType> {
+        let n = name
+            .trim()
+            .trim_start_matches("torch.")
+            .to_ascii_lowercase();
+        Some(match n.as_str() {
+            "float32" | "float" | "f32" | "fp32" => DType::F32,
+            "float16" | "half" | "f16" | "fp16" => DType::F16,
+            "bfloat16" | "bf16" => DType::BF16,
+            "float8_e4m3fn" | "float8_e4m3" | "fp8" | "fp8_e4m3" | "f8e4m3" => DType::F8E4M3,
+            "float8_e5m2" | "fp8_e5m2" | "f8e5m2" => DType::F8E5M2,
+            "uint8" | "u8" => DType::U8,
+            "int8" | "i8" => DType::I8,
+            _ => return None,
+        })
+    }
+}
+
+/// The shape of one block's KV, independent of where the engine keeps it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct KvGeometry {
+    pub num_layers: usize,
+    /// K/V planes: 2, or 1 for MLA (one latent plane).
+    pub kv_planes: usize,
+    pub tokens_per_block: usize,
+    /// Bytes of one token in one plane of one layer (e.g. kv_heads * head_dim * elem size).
+    pub bytes_per_token_plane: usize,
+    pub dtype: DType,
+}
+
+impl KvGeometry {
+    /// Bytes of one (layer, plane) piece of a block.
+    pub fn bytes_per_piece(&self) -> usize {
+        self.tokens_per_block * self.bytes_per_token_plane
+    }
+
+    /// Bytes of one block on one rank: all layers, all planes.
+    pub fn bytes_per_block(&self) -> usize {
+        self.num_layers * self.kv_planes * self.bytes_per_piece()
+    }
+
+    /// Offset of (layer, plane) inside a block in kvtier's canonical host/disk format.
+    pub fn canonical_offset(&self, layer: usize, plane: usize) -> usize {
+        (layer * self.kv_planes + plane) * self.bytes_per_piece()
+    }
+}
+
+/// Which engine tensor convention the tensors follow (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum EngineLayoutKind {
+    TrtllmPool { tokens_per_block: usize },
+    VllmCudaKvFirst,
+    VllmCudaBlockFirst,
+    VllmMla,
+    VllmCpu,
+}
+
+impl EngineLayoutKind {
+    /// Pick the vLLM CUDA convention from a per-layer shape: `[2, n, ...]` is KV-first,
+    /// `[n, 2, ...]` block-first. With exactly 2 blocks the shape is ambiguous: an error.
+    pub fn detect_vllm_cuda(tensor: &TensorDesc) -> Result<Self, LayoutError> {
+        match tensor.shape.as_slice() {
+            [2, n, _, _, _] if *n != 2 => Ok(EngineLayoutKind::VllmCudaKvFirst),
+            [n, 2, _, _, _] if *n != 2 => Ok(EngineLayoutKind::VllmCudaBlockFirst),
+            [2, 2, _, _, _] => Err(tensor.mismatch(
+                "shape [2, 2, ...] is ambiguous between [2, num_blocks, ...] and [num_blocks, 2, ...]; \
+                 name the layout kind explicitly",
+            )),
+            s => Err(tensor.mismatch(format!(
+                "shape {s:?} is neither [2, num_blocks, block_size, heads, head_dim] nor \
+                 [num_blocks, 2, block_size, heads, head_dim]"
+            ))),
+        }
+    }
+}
+
+/// One contiguous range of device memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Chunk {
+    pub addr: u64,
+    pub len: usize,
+}
+
+/// A strided region holding one piece of every block: block `b`'s piece is
+/// `[base + b * block_stride, + len)`. The regions of a layout, in canonical order, are what a
+/// block is made of (before coalescing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct DeviceRegion {
+    pub base: u64,
+    pub block_stride: u64,
+    pub len: usize,
+}
+
+/// The engine's KV cache as kvtier sees it: for each device block, the byte ranges that make it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceLayout {
+    kind: EngineLayoutKind,
+    geometry: KvGeometry,
+    num_blocks: usize,
+    device: DeviceKind,
+    /// Canonical order: layer-major, then plane (one region per layer for `VllmCpu`).
+    regions: Vec<DeviceRegion>,
+    /// Regions per layer (planes, or 1 when a chunk holds both planes).
+    regions_per_layer: usize,
+}
+
+/// The roles of a tensor's dimensions for one layout kind.
+struct Dims {
+    block: usize,
+    layer: Option<usize>,
+    plane: Option<usize>,
+    /// Dimensions that make up one chunk.
+    inner: std::ops::Range<usize>,
+    rank: usize,
+}
+
+impl DeviceLayout {
+    /// Validate `tensors` against `kind` and build the layout. Per-layer kinds take one tensor
+    /// per layer, in layer order; `TrtllmPool` takes exactly one tensor.
+    pub fn new(
+        kind: EngineLayoutKind,
+        tensors: &[TensorDesc],
+        dtype: DType,
+    ) -> Result<Self, LayoutError> {
+        let Some(first) = tensors.first() else {
+            return Err(LayoutError::Tensors(format!(
+                "{kind:?}: no KV cache tensors were given"
+            )));
+        };
+        let dims = match kind {
+            EngineLayoutKind::TrtllmPool { .. } => {
+                if tensors.len() != 1 {
+                    return Err(LayoutError::Tensors(format!(
+                        "TrtllmPool takes exactly one pool tensor, got {}",
+                        tensors.len()
+                    )));
+                }
+                Dims {
+                    block: 0,
+                    layer: Some(1),
+                    plane: Some(2),
+                    inner: 3..4,
+                    rank: 4,
+                }
+            }
+            EngineLayoutKind::VllmCudaKvFirst => Dims {
+                block: 1,
+                layer: None,
+                plane: Some(0),
+                inner: 2..5,
+                rank: 5,
+            },
+            EngineLayoutKind::VllmCudaBlockFirst => Dims {
+                block: 0,
+                layer: None,
+                plane: Some(1),
+                inner: 2..5,
+                rank: 5,
+            },
+            EngineLayoutKind::VllmMla => Dims {
+                block: 0,
+                layer: None,
+                plane: None,
+                inner: 1..3,
+                rank: 3,
+            },
+            EngineLayoutKind::VllmCpu => Dims {
+                block: 0,
+                layer: None,
+                plane: None,
+                inner: 1..4,
+                rank: 4,
+            },
+        };
+        for t in tensors {
+            check_tensor(t, &dims, dtype)?;
+        }
+        // Every layer tensor must agree with the first one.
+        for t in &tensors[1..] {
+            if t.shape != first.shape {
+                return Err(t.mismatch(format!(
+                    "shape {:?} differs from {}'s {:?}{}",
+                    t.shape,
+                    first.name,
+                    first.shape,
+                    if t.shape.get(dims.block) != first.shape.get(dims.block) {
+                        " (block counts do not match)"
+                    } else {
+                        ""
+                    }
+                )));
+            }
+            if t.strides != first.strides {
+                return Err(t.mismatch(format!(
+                    "strides {:?} differ from {}'s {:?}",
+                    t.strides, first.name, first.strides
+                )));
+            }
+            if t.elem_size != first.elem_size {
+                return Err(t.mismatch(format!(
+                    "element size {} differs from {}'s {}",
+                    t.elem_size, first.name, first.elem_size
+                )));
+            }
+            if t.device != first.device {
+                return Err(t.mismatch(format!(
+                    "device {:?} differs from {}'s {:?}",
+                    t.device, first.name, first.device
+                )));
+            }
+        }
+        let shape = &first.shape;
+        let elem = first.elem_size;
+        let num_blocks = shape[dims.block];
+        let kv_planes = match (kind, dims.plane) {
+            (EngineLayoutKind::VllmCpu, _) => 2,
+            (_, Some(p)) => shape[p],
+            (_, None) => 1,
+        };
+        let num_layers = match dims.layer {
+            Some(l) => shape[l],
+            None => tensors.len(),
+        };
+        let tokens_per_block = match kind {
+            EngineLayoutKind::TrtllmPool { tokens_per_block } => tokens_per_block,
+            EngineLayoutKind::VllmCudaKvFirst | EngineLayoutKind::VllmCudaBlockFirst => shape[2],
+            EngineLayoutKind::VllmMla => shape[1],
+            EngineLayoutKind::VllmCpu => shape[2],
+        };
+        if num_blocks == 0 {
+            return Err(first.mismatch(format!("shape {shape:?} has no blocks")));
+        }
+        if num_layers == 0 {
+            return Err(first.mismatch(format!("shape {shape:?} has no layers")));
+        }
+        match (kind, kv_planes) {
+            (EngineLayoutKind::TrtllmPool { .. }, 1 | 2) => {}
+            (EngineLayoutKind::TrtllmPool { .. }, k) => {
+                return Err(first.mismatch(format!(
+                    "kv_factor (dim 2) is {k}; TensorRT-LLM uses 2, or 1 for MLA"
+                )))
+            }
+            (_, 1 | 2) if dims.plane.is_none() => {}
+            (_, 2) => {}
+            (_, k) => {
+                return Err(first.mismatch(format!(
+                    "K/V dimension {} has size {k}, expected 2",
+                    dims.plane.unwrap_or(0)
+                )))
+            }
+        }
+        if tokens_per_block == 0 {
+            return Err(first.mismatch("tokens per block is 0"));
+        }
+        let inner_elems: usize = shape[dims.inner.clone()].iter().product();
+        let chunk_bytes = inner_elems
+            .checked_mul(elem)
+            .ok_or_else(|| first.mismatch("chunk size overflows"))?;
+        // Bytes per (layer, plane) piece; the CPU layout's chunk holds both planes.
+        let planes_in_chunk = if kind == EngineLayoutKind::VllmCpu {
+            2
+        } else {
+            1
+        };
+        let piece_bytes = chunk_bytes / planes_in_chunk;
+        if piece_bytes * planes_in_chunk != chunk_bytes || piece_bytes % tokens_per_block != 0 {
+            return Err(first.mismatch(format!(
+                "a block's chunk of {chunk_bytes} bytes is not {planes_in_chunk} plane(s) of \
+                 {tokens_per_block} tokens"
+            )));
+        }
+        let geometry = KvGeometry {
+            num_layers,
+            kv_planes,
+            tokens_per_block,
+            bytes_per_token_plane: piece_bytes / tokens_per_block,
+            dtype,
+        };
+        let bytes = |t: &TensorDesc, d: usize| -> Result<u64, LayoutError> {
+            (t.strides[d] as u64)
+                .checked_mul(elem as u64)
+                .ok_or_else(|| t.mismatch(format!("stride of dim {d} overflows")))
+        };
+        let regions_per_layer = if dims.plane.is_some() { kv_planes } else { 1 };
+        let mut regions = Vec::with_capacity(num_layers * regions_per_layer);
+        for layer in 0..num_layers {
+            let t = match dims.layer {
+                Some(_) => first,
+                None => tensors.get(layer).unwrap_or(first),
+            };
+            let layer_off = match dims.layer {
+                Some(d) => bytes(t, d)?.checked_mul(layer as u64),
+                None => Some(0),
+            }
+            .ok_or_else(|| t.mismatch("layer offset overflows"))?;
+            let block_stride = bytes(t, dims.block)?;
+            for plane in 0..regions_per_layer {
+                let plane_off = match dims.plane {
+                    Some(d) => bytes(t, d)?.checked_mul(plane as u64),
+                    None => Some(0),
+                }
+                .ok_or_else(|| t.mismatch("plane offset overflows"))?;
+                let base = t
+                    .data_ptr
+                    .checked_add(layer_off)
+                    .and_then(|v| v.checked_add(plane_off))
+                    .ok_or_else(|| t.mismatch("address overflows"))?;
+                // The last byte of the last block must be addressable.
+                block_stride
+                    .checked_mul(num_blocks as u64 - 1)
+                    .and_then(|v| v.checked_add(base))
+                    .and_then(|v| v.checked_add(chunk_bytes as u64))
+                    .ok_or_else(|| t.mismatch("address of the last block overflows"))?;
+                regions.push(DeviceRegion {
+                    base,
+                    block_stride,
+                    len: chunk_bytes,
+                });
+            }
+        }
+        Ok(DeviceLayout {
+            kind,
+            geometry,
+            num_blocks,
+            device: first.device,
+            regions,
+            regions_per_layer,
+        })
+    }
+
+    /// TensorRT-LLM's pool tensor (`register_kv_caches`).
+    pub fn trtllm(
+        pool: &TensorDesc,
+        tokens_per_block: usize,
+        dtype: DType,
+    ) -> Result<Self, LayoutError> {
+        Self::new(
+            EngineLayoutKind::TrtllmPool { tokens_per_block },
+            std::slice::from_ref(pool),
+            dtype,
+        )
+    }
+
+    /// vLLM's per-layer CUDA tensors, in layer order; the K/V order is detected from the shape.
+    pub fn vllm_cuda(layers: &[TensorDesc], dtype: DType) -> Result<Self, LayoutError> {
+        let Some(first) = layers.first() else {
+            return Err(LayoutError::Tensors(
+                "vLLM: no KV cache tensors were given".into(),
+            ));
+        };
+        Self::new(EngineLayoutKind::detect_vllm_cuda(first)?, layers, dtype)
+    }
+
+    /// vLLM's per-layer CPU tensors `[num_blocks, kv_heads, block_size, 2 * head_size]`.
+    pub fn vllm_cpu(layers: &[TensorDesc], dtype: DType) -> Result<Self, LayoutError> {
+        Self::new(EngineLayoutKind::VllmCpu, layers, dtype)
+    }
+
+    pub fn kind(&self) -> EngineLayoutKind {
+        self.kind
+    }
+
+    pub fn geometry(&self) -> KvGeometry {
+        self.geometry
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    pub fn device(&self) -> DeviceKind {
+        self.device
+    }
+
+    /// Bytes of one block on this rank; the size of a host/disk block.
+    pub fn bytes_per_block(&self) -> usize {
+        self.geometry.bytes_per_block()
+    }
+
+    /// The strided regions, canonical order, before coalescing.
+    pub fn regions(&self) -> &[DeviceRegion] {
+        &self.regions
+    }
+
+    /// Append `block`'s chunks, coalesced, in canonical order to `out`. Their concatenation is
+    /// the block in kvtier's host/disk format.
+    pub fn chunks_into(
+        &self,
+        block: DeviceBlockId,
+        out: &mut Vec<Chunk>,
+    ) -> Result<(), LayoutError> {
+        self.push_chunks(block, &self.regions, out)
+    }
+
+    /// `block`'s chunks, coalesced, in canonical order.
+    pub fn chunks(&self, block: DeviceBlockId) -> Result<Vec<Chunk>, LayoutError> {
+        let mut out = Vec::new();
+        self.chunks_into(block, &mut out)?;
+        Ok(out)
+    }
+
+    /// The chunks of one layer of `block` (for layer-wise loads and saves), coalesced. They
+    /// correspond to bytes `[canonical_offset(layer, 0), + kv_planes * bytes_per_piece)` of
+    /// the host block.
+    pub fn layer_chunks(
+        &self,
+        block: DeviceBlockId,
+        layer: usize,
+    ) -> Result<Vec<Chunk>, LayoutError> {
+        if layer >= self.geometry.num_layers {
+            return Err(LayoutError::LayerOutOfRange {
+                layer,
+                num_layers: self.geometry.num_layers,
+            });
+        }
+        let start = layer * self.regions_per_layer;
+        let mut out = Vec::new();
+        self.push_chunks(
+            block,
+            &self.regions[start..start + self.regions_per_layer],
+            &mut out,
+        )?;
+        Ok(out)
+    }
+
+    fn push_chunks(
+        &self,
+        block: DeviceBlockId,
+        regions: &[DeviceRegion],
+        out: &mut Vec<Chunk>,
+    ) -> Result<(), LayoutError> {
+        let b = block.0 as u64;
+        if block.0 as usize >= self.num_blocks {
+            return Err(LayoutError::BlockOutOfRange {
+                block: block.0,
+                num_blocks: self.num_blocks,
+            });
+        }
+        let mut pending: Option<Chunk> = None;
+        for r in regions {
+            // Cannot overflow: checked for the last block in `new`.
+            let addr = r.base + b * r.block_stride;
+            match &mut pending {
+                Some(c) if c.addr + c.len as u64 == addr => c.len += r.len,
+                _ => {
+                    if let Some(c) = pending.take() {
+                        out.push(c);
+                    }
+                    pending = Some(Chunk { addr, len: r.len });
+                }
+            }
+        }
+        if let Some(c) = pending {
+            out.push(c);
+        }
+        Ok(())
+    }
+}
+
+/// Shape, stride and type checks of one tensor against the dimension roles of its layout kind.
+fn check_tensor(t: &TensorDesc, dims: &Dims, dtype: DType) -> Result<(), LayoutError> {
+    if t.shape.len() != dims.rank {
+        return Err(t.mismatch(format!(
+            "expected {} dimensions, got shape {:?}",
+            dims.rank, t.shape
+        )));
+    }
+    if t.strides.len() != t.shape.len() {
+        return Err(t.mismatch(format!(
+            "strides {:?} do not match shape {:?}",
+            t.strides, t.shape
+        )));
+    }
+    if t.elem_size != dtype.size() {
+        return Err(t.mismatch(format!(
+            "element size {} does not match dtype {dtype:?} ({} bytes)",
+            t.elem_size,
+            dtype.size()
+        )));
+    }
+    if t.data_ptr == 0 {
+        return Err(t.mismatch("null data pointer"));
+    }
+    if t.shape.contains(&0) {
+        return Err(t.mismatch(format!("shape {:?} has an empty dimension", t.shape)));
+    }
+    // The inner dimensions must cover a dense range in some order.
+    let mut inner: Vec<(usize, usize)> = dims
+        .inner
+        .clone()
+        .map(|d| (t.strides[d], t.shape[d]))
+        .filter(|(_, n)| *n > 1)
+        .collect();
+    inner.sort_unstable();
+    let mut extent = 1usize;
+    for (s, n) in &inner {
+        if *s != extent {
+            return Err(t.mismatch(format!(
+                "strides {:?}: dimensions {:?} of a block are not dense (expected a stride of {extent}, found {s})",
+                t.strides, dims.inner
+            )));
+        }
+        extent = extent.saturating_mul(*n);
+    }
+    // Pieces of distinct (block, layer, plane) must not overlap.
+    let mut outer: Vec<(usize, usize, usize)> = [Some(dims.block), dims.layer, dims.plane]
+        .into_iter()
+        .flatten()
+        .map(|d| (t.strides[d], t.shape[d], d))
+        .filter(|(_, n, _)| *n > 1)
+        .collect();
+    outer.sort_unstable();
+    for (s, n, d) in outer {
+        if s < extent {
+            return Err(t.mismatch(format!(
+                "strides {:?}: dimension {d} (stride {s}) overlaps a block's {extent} elements",
+                t.strides
+            )));
+        }
+        extent = s.saturating_mul(n - 1).saturating_add(extent);
+    }
+    Ok(())
 }

@@ -88,6 +88,35 @@ pub enum TransferError {
     },
     #[error("{0}")]
     Other(String),
+    #[error(transparent)]
+    Remote(#[from] RemoteError),
+}
+
+/// Why a `RemoteStore` operation failed. A miss is `Missing`; every other variant means the value
+/// or the store could not be trusted, and the caller recomputes instead of using any bytes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RemoteError {
+    #[error("remote key {key:032x} is not present")]
+    Missing { key: u128 },
+    #[error("remote value of {key:032x} is truncated: {got} of {expected} bytes")]
+    Short {
+        key: u128,
+        expected: usize,
+        got: usize,
+    },
+    #[error("remote value of {key:032x} holds {stored} bytes but a block is {expected}")]
+    SizeMismatch {
+        key: u128,
+        expected: usize,
+        stored: usize,
+    },
+    #[error("remote value of {key:032x} is corrupt: {reason}")]
+    Corrupt { key: u128, reason: String },
+    #[error("remote store unavailable during {op}: {reason}")]
+    Unavailable { op: &'static str, reason: String },
+    #[error("invalid remote store configuration: {0}")]
+    Config(String),
 }
 
 /// Moves blocks between the tiers one worker (one GPU rank) owns.

@@ -1,0 +1,232 @@
+//! The on-the-wire (and on-disk) format of one remote value: a fixed 40-byte header followed by
+//! the block's bytes.
+//!
+//! ```text
+//! offset size field
+//!      0    4 magic        b"KVT4"
+//!      4    2 version      1 (little-endian)
+//!      6    2 flags        0 (reserved; a value with unknown flags is rejected)
+//!      8    8 payload_len  bytes of payload (little-endian)
+//!     16   16 key          the 128-bit sequence hash the value was stored under (little-endian)
+//!     32    8 checksum     xxh3-64 of the payload (little-endian)
+//!     40    n payload
+//! ```
+//!
+//! Invariant: [`decode_into`] and [`check_header`] + [`verify_payload`] accept a value only if the
+//! magic, version, flags, key, length and checksum all match; otherwise they return the
+//! [`RemoteError`] that says why (missing bytes -> `Short`, other length -> `SizeMismatch`,
+//! anything else -> `Corrupt`). Storing the key in the header catches a value filed under the wrong
+//! name (a bug or a foreign writer), which a payload checksum alone would accept.
+use kvtier::transfer::RemoteError;
+use xxhash_rust::xxh3::xxh3_64;
+
+pub(crate) const MAGIC: [u8; 4] = *b"KVT4";
+pub(crate) const FORMAT_VERSION: u16 = 1;
+/// Bytes of the header that precedes every payload.
+pub const HEADER_LEN: usize = 40;
+
+/// The header of one value, as built by [`encode_header`].
+pub(crate) fn encode_header(key: u128, payload: &[u8]) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[0..4].copy_from_slice(&MAGIC);
+    h[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    h[6..8].copy_from_slice(&0u16.to_le_bytes());
+    h[8..16].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    h[16..32].copy_from_slice(&key.to_le_bytes());
+    h[32..40].copy_from_slice(&xxh3_64(payload).to_le_bytes());
+    h
+}
+
+/// A header that passed [`check_header`]; carries the checksum the payload must match.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CheckedHeader {
+    checksum: u64,
+}
+
+fn field<const N: usize>(h: &[u8; HEADER_LEN], at: usize) -> [u8; N] {
+    let mut b = [0u8; N];
+    b.copy_from_slice(&h[at..at + N]);
+    b
+}
+
+/// Validates a header read for `key` when the caller expects a payload of `expected_len` bytes.
+pub(crate) fn check_header(
+    key: u128,
+    h: &[u8; HEADER_LEN],
+    expected_len: usize,
+) -> Result<CheckedHeader, RemoteError> {
+    let corrupt = |reason: String| RemoteError::Corrupt { key, reason };
+    if field::<4>(h, 0) != MAGIC {
+        return Err(corrupt(format!("bad magic {:02x?}", &h[0..4])));
+    }
+    let version = u16::from_le_bytes(field(h, 4));
+    if version != FORMAT_VERSION {
+        return Err(corrupt(format!("unknown format version {version}")));
+    }
+    let flags = u16::from_le_bytes(field(h, 6));
+    if flags != 0 {
+        return Err(corrupt(format!("unknown flags {flags:#06x}")));
+    }
+    let stored_key = u128::from_le_bytes(field(h, 16));
+    if stored_key != key {
+        return Err(corrupt(format!("value belongs to key {stored_key:032x}")));
+    }
+    let len = u64::from_le_bytes(field(h, 8));
+    if len != expected_len as u64 {
+        return Err(RemoteError::SizeMismatch {
+            key,
+            expected: expected_len,
+            stored: usize::try_from(len).unwrap_or(usize::MAX),
+        });
+    }
+    Ok(CheckedHeader {
+        checksum: u64::from_le_bytes(field(h, 32)),
+    })
+}
+
+/// Checks `payload` against the checksum of an already checked header.
+pub(crate) fn verify_payload(
+    key: u128,
+    header: CheckedHeader,
+    payload: &[u8],
+) -> Result<(), RemoteError> {
+    let actual = xxh3_64(payload);
+    if actual != header.checksum {
+        return Err(RemoteError::Corrupt {
+            key,
+            reason: format!(
+                "checksum mismatch: stored {:016x}, computed {actual:016x}",
+                header.checksum
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Decodes a whole value (`header || payload`) stored under `key` into `out`, which must be exactly
+/// the block size. On error `out` may hold some of the value's bytes; they must not be used.
+pub(crate) fn decode_into(key: u128, value: &[u8], out: &mut [u8]) -> Result<(), RemoteError> {
+    let expected_total = HEADER_LEN + out.len();
+    let Some((head, payload)) = value.split_first_chunk::<HEADER_LEN>() else {
+        return Err(RemoteError::Short {
+            key,
+            expected: expected_total,
+            got: value.len(),
+        });
+    };
+    let header = check_header(key, head, out.len())?;
+    if payload.len() < out.len() {
+        return Err(RemoteError::Short {
+            key,
+            expected: expected_total,
+            got: value.len(),
+        });
+    }
+    if payload.len() > out.len() {
+        return Err(RemoteError::Corrupt {
+            key,
+            reason: format!("{} trailing bytes", payload.len() - out.len()),
+        });
+    }
+    verify_payload(key, header, payload)?;
+    out.copy_from_slice(payload);
+    Ok(())
+}
+
+/// Encodes a whole value (`header || payload`) into one buffer, exactly as the backends store it.
+pub fn encode_value(key: u128, payload: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(HEADER_LEN + payload.len());
+    v.extend_from_slice(&encode_header(key, payload));
+    v.extend_from_slice(payload);
+    v
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    const KEY: u128 = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210;
+
+    fn payload(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 31 % 251) as u8).collect()
+    }
+
+    #[test]
+    fn round_trip_is_bit_exact() {
+        let p = payload(4096);
+        let v = encode_value(KEY, &p);
+        assert_eq!(v.len(), HEADER_LEN + 4096);
+        let mut out = vec![0u8; 4096];
+        decode_into(KEY, &v, &mut out).unwrap();
+        assert_eq!(out, p);
+    }
+
+    #[test]
+    fn empty_payload_round_trips() {
+        let v = encode_value(KEY, &[]);
+        decode_into(KEY, &v, &mut []).unwrap();
+    }
+
+    #[test]
+    fn every_flipped_bit_is_rejected() {
+        let p = payload(64);
+        let v = encode_value(KEY, &p);
+        for byte in 0..v.len() {
+            for bit in 0..8 {
+                let mut bad = v.clone();
+                bad[byte] ^= 1 << bit;
+                let mut out = vec![0u8; 64];
+                let r = decode_into(KEY, &bad, &mut out);
+                assert!(r.is_err(), "flip of byte {byte} bit {bit} was accepted");
+            }
+        }
+    }
+
+    #[test]
+    fn truncation_is_short() {
+        let p = payload(100);
+        let v = encode_value(KEY, &p);
+        let mut out = vec![0u8; 100];
+        for cut in [0, 1, HEADER_LEN - 1, HEADER_LEN, HEADER_LEN + 99] {
+            match decode_into(KEY, &v[..cut], &mut out) {
+                Err(RemoteError::Short { key, expected, got }) => {
+                    assert_eq!((key, expected, got), (KEY, HEADER_LEN + 100, cut));
+                }
+                other => panic!("cut at {cut}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn wrong_block_size_and_trailing_bytes() {
+        let v = encode_value(KEY, &payload(100));
+        let mut small = vec![0u8; 99];
+        assert_eq!(
+            decode_into(KEY, &v, &mut small),
+            Err(RemoteError::SizeMismatch {
+                key: KEY,
+                expected: 99,
+                stored: 100
+            })
+        );
+        let mut long = v.clone();
+        long.push(0);
+        let mut out = vec![0u8; 100];
+        assert!(matches!(
+            decode_into(KEY, &long, &mut out),
+            Err(RemoteError::Corrupt { .. })
+        ));
+    }
+
+    #[test]
+    fn value_of_another_key_is_rejected() {
+        let v = encode_value(KEY, &payload(10));
+        let mut out = vec![0u8; 10];
+        let r = decode_into(KEY + 1, &v, &mut out);
+        assert!(
+            matches!(&r, Err(RemoteError::Corrupt { reason, .. }) if reason.contains("belongs to")),
+            "{r:?}"
+        );
+    }
+}

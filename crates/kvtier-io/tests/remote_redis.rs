@@ -1,0 +1,326 @@
+//! The Redis backend of the remote store against a real `redis-server` (one private server per
+//! test): bit-exact round trips, presence, misses, damaged values, and outages that must turn into
+//! bounded errors.
+#![allow(clippy::unwrap_used)]
+mod remote_support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
+use kvtier_io::remote::{encode_value, from_url, HEADER_LEN};
+use remote_support::{block, RedisServer};
+
+const MIB2: usize = 2 << 20;
+
+fn remote_err(r: Result<(), TransferError>) -> RemoteError {
+    match r {
+        Err(TransferError::Remote(e)) => e,
+        other => panic!("expected a remote error, got {other:?}"),
+    }
+}
+
+fn fast_url(s: &RedisServer) -> String {
+    format!(
+        "{}?connect_timeout_ms=300&io_timeout_ms=500&pool=4",
+        s.url()
+    )
+}
+
+#[test]
+fn round_trip_is_bit_exact() -> Result<()> {
+    let Some(srv) = RedisServer::start() else {
+        return Ok(());
+    };
+    let store = from_url(&srv.url(), "rt")?;
+    let keys: Vec<u128> = (0..6).map(|i| (i as u128) << 100 | 0xdead_beef).collect();
+    for (i, &k) in keys.iter().enumerate() {
+        store.put(k, &block(i as u64, MIB2))?;
+    }
+    for (i, &k) in keys.iter().enumerate() {
+        let mut out = vec![0u8; MIB2];
+        store.get(k, &mut out)?;
+        assert!(out == block(i as u64, MIB2), "block {i} differs");
+    }
+    // Small blocks and overwrite with new content.
+    store.put(keys[0], &block(99, 4096))?;
+    let mut out = vec![0u8; 4096];
+    store.get(keys[0], &mut out)?;
+    assert_eq!(out, block(99, 4096));
+    // The stored value is exactly header + payload under the documented key name.
+    let mut raw = srv.raw()?;
+    let name = format!("kvtier:v1:rt:{:032x}", keys[0]);
+    let stored: Vec<u8> = redis::cmd("GET").arg(&name).query(&mut raw)?;
+    assert_eq!(stored, encode_value(keys[0], &block(99, 4096)));
+    assert_eq!(stored.len(), HEADER_LEN + 4096);
+    Ok(())
+}
+
+#[test]
+fn contains_and_missing() -> Result<()> {
+    let Some(srv) = RedisServer::start() else {
+        return Ok(());
+    };
+    let store = from_url(&srv.url(), "c")?;
+    assert_eq!(store.contains(&[])?, Vec::<bool>::new());
+    store.put(1, b"one")?;
+    store.put(3, b"three")?;
+    assert_eq!(
+        store.contains(&[0, 1, 2, 3, 1, u128::MAX])?,
+        vec![false, true, false, true, true, false]
+    );
+    let mut out = [0u8; 3];
+    assert_eq!(
+        remote_err(store.get(2, &mut out)),
+        RemoteError::Missing { key: 2 }
+    );
+    // Namespaces are separate key spaces.
+    let other = from_url(&srv.url(), "c2")?;
+    assert_eq!(other.contains(&[1, 3])?, vec![false, false]);
+    assert_eq!(
+        remote_err(other.get(1, &mut out)),
+        RemoteError::Missing { key: 1 }
+    );
+    Ok(())
+}
+
+#[test]
+fn damaged_values_are_errors_never_bytes() -> Result<()> {
+    let Some(srv) = RedisServer::start() else {
+        return Ok(());
+    };
+    let store = from_url(&srv.url(), "bad")?;
+    let mut raw = srv.raw()?;
+    let name = |k: u128| format!("kvtier:v1:bad:{k:032x}");
+    let good = block(7, 1000);
+    let framed = encode_value(10, &good);
+    let mut out = vec![0u8; 1000];
+
+    // Garbage over a key.
+    store.put(10, &good)?;
+    let _: () = redis::cmd("SET")
+        .arg(name(10))
+        .arg(vec![0x5au8; HEADER_LEN + 1000])
+        .query(&mut raw)?;
+    assert!(matches!(
+        remote_err(store.get(10, &mut out)),
+        RemoteError::Corrupt { key: 10, .. }
+    ));
+
+    // One flipped payload bit.
+    let mut flipped = framed.clone();
+    flipped[HEADER_LEN + 500] ^= 0x10;
+    let _: () = redis::cmd("SET")
+        .arg(name(10))
+        .arg(&flipped)
+        .query(&mut raw)?;
+    let e = remote_err(store.get(10, &mut out));
+    assert!(
+        matches!(&e, RemoteError::Corrupt { reason, .. } if reason.contains("checksum")),
+        "{e:?}"
+    );
+
+    // Truncated value.
+    let _: () = redis::cmd("SET")
+        .arg(name(10))
+        .arg(&framed[..HEADER_LEN + 999])
+        .query(&mut raw)?;
+    assert_eq!(
+        remote_err(store.get(10, &mut out)),
+        RemoteError::Short {
+            key: 10,
+            expected: HEADER_LEN + 1000,
+            got: HEADER_LEN + 999
+        }
+    );
+
+    // A value that is not even a header.
+    let _: () = redis::cmd("SET").arg(name(10)).arg("x").query(&mut raw)?;
+    assert!(matches!(
+        remote_err(store.get(10, &mut out)),
+        RemoteError::Short { got: 1, .. }
+    ));
+
+    // A valid value of another key filed under this one.
+    let _: () = redis::cmd("SET")
+        .arg(name(11))
+        .arg(&framed)
+        .query(&mut raw)?;
+    assert!(matches!(
+        remote_err(store.get(11, &mut out)),
+        RemoteError::Corrupt { key: 11, .. }
+    ));
+
+    // A block of another size (e.g. another layout under the same namespace).
+    store.put(12, &good[..999])?;
+    assert_eq!(
+        remote_err(store.get(12, &mut out)),
+        RemoteError::SizeMismatch {
+            key: 12,
+            expected: 1000,
+            stored: 999
+        }
+    );
+
+    // A value of the wrong Redis type is an error too.
+    let _: () = redis::cmd("DEL").arg(name(13)).query(&mut raw)?;
+    let _: i64 = redis::cmd("LPUSH").arg(name(13)).arg("a").query(&mut raw)?;
+    assert!(remote_err(store.get(13, &mut out))
+        .to_string()
+        .contains("get"));
+
+    // A fresh put repairs a damaged key.
+    store.put(10, &good)?;
+    store.get(10, &mut out)?;
+    assert_eq!(out, good);
+    Ok(())
+}
+
+/// Runs `f` and returns its result and how long it took.
+fn timed<T>(f: impl FnOnce() -> T) -> (T, Duration) {
+    let t = Instant::now();
+    let r = f();
+    (r, t.elapsed())
+}
+
+#[test]
+fn killed_server_gives_bounded_errors_and_recovers() -> Result<()> {
+    let Some(mut srv) = RedisServer::start() else {
+        return Ok(());
+    };
+    let store = from_url(&fast_url(&srv), "kill")?;
+    let data = block(1, 64 << 10);
+    store.put(1, &data)?;
+    srv.kill();
+
+    let mut out = vec![0u8; 64 << 10];
+    let (r, t) = timed(|| store.get(1, &mut out));
+    assert!(
+        matches!(remote_err(r), RemoteError::Unavailable { op: "get", .. }),
+        "get"
+    );
+    assert!(t < Duration::from_secs(3), "get took {t:?}");
+    let (r, t) = timed(|| store.put(2, &data));
+    assert!(matches!(
+        remote_err(r),
+        RemoteError::Unavailable { op: "put", .. }
+    ));
+    assert!(t < Duration::from_secs(3), "put took {t:?}");
+    let (r, t) = timed(|| store.contains(&[1, 2]));
+    assert!(matches!(
+        r,
+        Err(TransferError::Remote(RemoteError::Unavailable {
+            op: "contains",
+            ..
+        }))
+    ));
+    assert!(t < Duration::from_secs(3), "contains took {t:?}");
+
+    // The same server comes back (empty: persistence is off); the store reconnects by itself.
+    srv.spawn()?;
+    assert_eq!(store.contains(&[1])?, vec![false]);
+    store.put(1, &data)?;
+    store.get(1, &mut out)?;
+    assert_eq!(out, data);
+    Ok(())
+}
+
+#[test]
+fn restarted_server_is_reached_through_stale_pooled_connections() -> Result<()> {
+    let Some(mut srv) = RedisServer::start() else {
+        return Ok(());
+    };
+    // pool=1: the next operation after the restart reuses the dead connection.
+    let store = from_url(&format!("{}?pool=1", srv.url()), "stale")?;
+    store.put(5, b"abc")?;
+    srv.kill();
+    srv.spawn()?;
+    // First use of the stale connection fails inside, is retried on a fresh one, and succeeds.
+    assert_eq!(store.contains(&[5])?, vec![false]);
+    store.put(5, b"xyz")?;
+    let mut out = [0u8; 3];
+    store.get(5, &mut out)?;
+    assert_eq!(&out, b"xyz");
+    Ok(())
+}
+
+#[test]
+fn hung_server_times_out_instead_of_hanging() -> Result<()> {
+    let Some(srv) = RedisServer::start() else {
+        return Ok(());
+    };
+    let store = from_url(&fast_url(&srv), "hang")?;
+    let data = block(3, MIB2);
+    store.put(1, &data)?;
+    srv.signal("STOP");
+    let mut out = vec![0u8; MIB2];
+    let (r, t) = timed(|| store.get(1, &mut out));
+    let (r2, t2) = timed(|| store.put(2, &data));
+    let (r3, t3) = timed(|| store.contains(&[1]));
+    srv.signal("CONT");
+    for (name, e, t) in [
+        ("get", remote_err(r), t),
+        ("put", remote_err(r2), t2),
+        ("contains", remote_err(r3.map(drop)), t3),
+    ] {
+        assert!(
+            matches!(e, RemoteError::Unavailable { .. }),
+            "{name}: {e:?}"
+        );
+        // Bound: connect 0.3 s + read/write 0.5 s each, no retry on timeouts.
+        assert!(t < Duration::from_secs(3), "{name} took {t:?}");
+    }
+    // After the server resumes, operations work again (the timed-out connections were dropped).
+    store.get(1, &mut out)?;
+    assert!(out == data);
+    Ok(())
+}
+
+#[test]
+fn concurrent_threads_share_the_pool() -> Result<()> {
+    let Some(srv) = RedisServer::start() else {
+        return Ok(());
+    };
+    let store: Arc<dyn RemoteStore> = from_url(&format!("{}?pool=2", srv.url()), "mt")?;
+    let threads: Vec<_> = (0..6u64)
+        .map(|t| {
+            let store = Arc::clone(&store);
+            std::thread::spawn(move || -> Result<()> {
+                for i in 0..20u64 {
+                    let key = u128::from(t) << 64 | u128::from(i);
+                    let data = block(t * 1000 + i, 8192 + i as usize);
+                    store.put(key, &data)?;
+                    let mut out = vec![0u8; data.len()];
+                    store.get(key, &mut out)?;
+                    anyhow::ensure!(out == data, "thread {t} block {i} differs");
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for th in threads {
+        th.join().expect("thread panicked")?;
+    }
+    let keys: Vec<u128> = (0..6u128).map(|t| t << 64 | 19).collect();
+    assert_eq!(store.contains(&keys)?, vec![true; 6]);
+    Ok(())
+}
+
+#[test]
+fn ttl_and_db_options_apply() -> Result<()> {
+    let Some(srv) = RedisServer::start() else {
+        return Ok(());
+    };
+    let store = from_url(&format!("{}/2?ttl_s=100", srv.url()), "ttl")?;
+    store.put(9, b"v")?;
+    let mut raw = srv.raw()?;
+    let name = format!("kvtier:v1:ttl:{:032x}", 9u128);
+    let _: () = redis::cmd("SELECT").arg(2).query(&mut raw)?;
+    let pttl: i64 = redis::cmd("PTTL").arg(&name).query(&mut raw)?;
+    assert!(pttl > 90_000 && pttl <= 100_000, "pttl {pttl}");
+    let _: () = redis::cmd("SELECT").arg(0).query(&mut raw)?;
+    let exists: bool = redis::cmd("EXISTS").arg(&name).query(&mut raw)?;
+    assert!(!exists, "value landed in db 0");
+    Ok(())
+}

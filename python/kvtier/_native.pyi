@@ -1,0 +1,173 @@
+"""Type stubs for kvtier._native, the Rust extension (PyO3, abi3). See docs/arch/py.md.
+
+Conventions: request ids are ``str`` (adapters convert engine ids with ``str(id)``); device block
+ids are the engine's block indices (``int`` >= 0); CUDA streams are raw handles (``int``, 0 = the
+legacy default stream) or ``None`` for engines without streams (CPU). Every error is a
+``KvtierError`` subclass; nothing here aborts the process.
+"""
+
+from typing import Any, Mapping, Optional, Sequence, Union
+
+__version__: str
+
+class KvtierError(Exception): ...
+class ConfigError(KvtierError): ...
+class LayoutError(KvtierError, ValueError): ...
+class PoolError(KvtierError): ...
+class ConnectorError(KvtierError): ...
+class TransferError(KvtierError): ...
+
+def init_logging(filter: Optional[str] = None) -> bool:
+    """Install a tracing subscriber on stderr (filter like "kvtier=debug", else $KVTIER_LOG, else "warn")."""
+
+class TensorDesc:
+    """A plain description of an engine tensor; build it with ``kvtier.describe(obj)``."""
+
+    data_ptr: int
+    shape: list[int]
+    strides: list[int]  # bytes
+    itemsize: int
+    dtype: str
+    device: str  # "cpu" | "cuda"
+    device_index: int
+    nbytes: int
+    def __init__(
+        self,
+        data_ptr: int,
+        shape: Sequence[int],
+        strides: Sequence[int],
+        itemsize: int,
+        dtype: str,
+        device: str = "cpu",
+        device_index: int = 0,
+    ) -> None: ...
+    @staticmethod
+    def contiguous_strides(shape: Sequence[int], itemsize: int) -> list[int]: ...
+
+class StepRecord:
+    """One scheduled request in one engine step (the engine-neutral step contract). ``Leader.build_step``
+    also accepts plain dicts with these keys."""
+
+    request_id: str
+    new_tokens: list[int]
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    num_draft_tokens: int
+    is_new: bool
+    resumed_from_preemption: bool
+    def __init__(
+        self,
+        request_id: str,
+        new_tokens: Sequence[int],
+        new_block_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_scheduled_tokens: int,
+        *,
+        num_draft_tokens: int = 0,
+        is_new: bool = False,
+        resumed_from_preemption: bool = False,
+    ) -> None: ...
+
+Settings = Mapping[str, Any]
+"""Engine-supplied settings: the adapter's keys below plus any kvtier configuration key (the TOML
+keys, dotted or nested, e.g. ``{"host.num_blocks": 64}``), layered over defaults < $KVTIER_CONFIG <
+KVTIER_* / DYN_KVBM_* environment. Adapter keys:
+
+- ``block_size`` (int, required): tokens per block (TensorRT-LLM ``tokens_per_block``).
+- ``world_size`` (int, default 1), ``rank`` (int, Worker only, default 0).
+- ``async_loads`` (bool, default False): loads complete through ``get_finished`` instead of before
+  the forward pass.
+- ``salt`` (str): separates key spaces (model, dtype, LoRA, tenant); default from ``hashing.*``.
+- ``bytes_per_block`` (int): one block summed over all ranks. Without it the Leader waits (up to
+  ``connector.leader_worker_timeout_secs``) for an in-process Worker's layout and assumes equal shards.
+- ``num_device_blocks`` (int): the engine's G1 block count (checked against block ids).
+- ``link`` (Worker: "engine" (default) | "in_process"): "engine" buffers job reports for
+  ``take_reports()`` -> ``Leader.apply_reports(blob)`` through the engine's own channel;
+  "in_process" hands them straight to the Leader of this process with the same ``channel`` key.
+- ``channel`` (str, default "default"): pairs an in-process Leader with its Workers.
+- ``layout`` (Worker): "trtllm_pool" | "vllm_cuda" (auto K/V-first or block-first) |
+  "vllm_cuda_kv_first" | "vllm_cuda_block_first" | "vllm_mla" | "vllm_cpu"; default: "trtllm_pool"
+  for one 4-D tensor, else "vllm_cpu" for CPU tensors, "vllm_cuda" for CUDA tensors.
+- ``dtype`` (str, Worker): overrides the tensors' dtype name.
+"""
+
+class Leader:
+    """Scheduler side, one per engine: per-request slots, pools, matching, the books of every job."""
+
+    def __init__(self, settings: Settings) -> None:
+        """Raises ConfigError naming the setting on invalid input."""
+    @property
+    def loads_are_async(self) -> bool: ...
+    @property
+    def block_size(self) -> int: ...
+    def get_num_new_matched_tokens(self, request_id: str, tokens: Sequence[int], num_computed_tokens: int) -> int:
+        """Tokens kvtier can load beyond the device prefix (block aligned, 0 if none); side-effect free
+        on the pools. Whether the load is async: ``loads_are_async``."""
+    def update_state_after_alloc(
+        self, request_id: str, block_ids: Sequence[int], num_external_tokens: Optional[int] = None
+    ) -> None:
+        """The engine allocated ``block_ids`` (the request's whole table; known ids are recognised).
+        ``num_external_tokens`` None = the count of the last match (TensorRT-LLM)."""
+    def build_step(
+        self, records: Sequence[Union[StepRecord, Mapping[str, Any]]], finished: Sequence[str] = ()
+    ) -> bytes:
+        """Consume one engine step; returns the metadata (picklable bytes) every worker's ``bind`` takes.
+        A record for a request the leader has never seen counts as new (TensorRT-LLM reports
+        generation-only requests in cached_requests). Invalid input raises ConnectorError; the
+        planned work stays queued for the next call."""
+    def request_finished(self, request_id: str) -> bool:
+        """True while any store of the request is unconfirmed by some rank: keep its blocks until
+        the workers report it saved."""
+    def request_preempted(self, request_id: str) -> None: ...
+    def apply_reports(self, blob: bytes) -> None:
+        """Job reports from ``Worker.take_reports()`` (link "engine")."""
+    def take_events(self) -> list[dict[str, Any]]:
+        """Tier changes since the last call: ``{"kind": "stored"|"removed", "tier": "host"|"disk"|"remote",
+        "hashes": [int]}`` (128-bit sequence hashes)."""
+    def stats(self) -> dict[str, int]:
+        """Counters: steps, match_queries, matched_tokens, offload_blocks, offload_confirmed,
+        offload_failed, offload_deduplicated, offload_dropped, onboard_{host,disk,remote}_blocks,
+        onboard_failed, spill_disk_blocks, spill_disk_failed, remote_put_blocks, remote_put_failed,
+        host_capacity, host_free, host_registered, disk_capacity, disk_free, disk_registered,
+        active_requests, jobs_in_flight."""
+    def shutdown(self) -> None: ...
+
+class Worker:
+    """Worker side, one per rank: owns the tier memory (host, disk), executes the leader's jobs on
+    kvtier threads. Constructing it registers the engine's KV tensors."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        tensors: Union[TensorDesc, Sequence[TensorDesc], Sequence[tuple[str, TensorDesc]]],
+    ) -> None:
+        """LayoutError (a ValueError) naming the tensor and the mismatch; TransferError if host
+        memory or disk files cannot be set up."""
+    @property
+    def rank(self) -> int: ...
+    @property
+    def bytes_per_block(self) -> int: ...
+    @property
+    def num_device_blocks(self) -> int: ...
+    def bind(self, metadata: bytes) -> None:
+        """Take one step's metadata (from ``Leader.build_step``); background copies start now."""
+    def start_load(self, stream: Optional[int] = None) -> None: ...
+    def wait_for_layer_load(self, layer: int, stream: Optional[int] = None) -> None:
+        """Returns when the step's sync loads are done; raises TransferError if any of them failed
+        (the forward pass would read wrong KV)."""
+    def forward_done(self, stream: Optional[int] = None) -> None:
+        """End of the forward pass on ``stream``: this step's stores may now read device blocks."""
+    def get_finished(
+        self, finished: Sequence[str], started_loading: Optional[Sequence[str]] = None
+    ) -> tuple[list[str], list[str], list[str]]:
+        """(saved, loaded, load_failed) request ids. ``started_loading`` (TensorRT-LLM): only ids
+        passed in here (accumulated) are reported loaded; None reports every finished load."""
+    def take_load_errors(self) -> list[int]:
+        """Device block ids whose load failed since the last call (never reported as loaded)."""
+    def take_reports(self) -> bytes:
+        """Job reports for ``Leader.apply_reports`` (link "engine"); empty when there are none."""
+    def wait_idle(self) -> None:
+        """Block until every job handed out has finished."""
+    def stats(self) -> dict[str, int]: ...
+    def shutdown(self) -> None: ...

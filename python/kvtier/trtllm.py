@@ -1,0 +1,383 @@
+"""kvtier as a TensorRT-LLM KV cache connector (PyTorch backend, TensorRT-LLM >= 1.2.0rc2).
+
+Use it the way the original's ``--connector kvbm`` flag does::
+
+    from tensorrt_llm import LLM
+    from kvtier.trtllm import build_kv_connector_config
+
+    llm = LLM(model, kv_connector_config=build_kv_connector_config("kvtier"),
+              kv_cache_config=KvCacheConfig(enable_partial_reuse=False))
+
+or, for ``trtllm-serve``, write the YAML block that ``python -m kvtier.trtllm config --connector kvtier``
+prints into the file passed as ``--extra_llm_api_options``.
+
+Role of this module: translate TensorRT-LLM's objects (``LlmRequest``, ``SchedulerOutput`` /
+``RequestData``, the pool tensor, CUDA streams) into the engine-neutral calls of
+``kvtier._native.Leader`` / ``kvtier._native.Worker`` and back. It keeps no cache state: which
+blocks match, load, store or are still in flight is decided in Rust.
+
+Invariants kept here:
+
+* ``get_num_new_matched_tokens`` never returns ``(0, True)`` (TensorRT-LLM treats it as an error);
+* every ``RequestData`` must carry ``num_scheduled_tokens``; a TensorRT-LLM without it fails at the
+  first step with a :class:`kvtier.ConnectorError` naming the minimum version, 1.2.0rc2;
+* request ids cross into Rust as ``str(request_id)`` and come back as ``int``;
+* rank 0's scheduler and worker (one process, same ``llm_args``) share the in-process channel;
+  every other rank reaches the leader over ZeroMQ at the endpoint the leader publishes
+  (``KVTIER_LEADER_ENDPOINT``, default chosen by the leader and exported to child processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import threading
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from . import _native
+from ._native import ConfigError, ConnectorError
+from ._tensors import describe, stream_handle
+
+__all__ = [
+    "KvtierConnectorScheduler",
+    "KvtierConnectorWorker",
+    "build_kv_connector_config",
+    "connector_yaml",
+    "CONNECTOR_NAMES",
+    "MIN_TRTLLM_VERSION",
+]
+
+#: The oldest TensorRT-LLM whose ``RequestData`` carries ``num_scheduled_tokens``.
+MIN_TRTLLM_VERSION = "1.2.0rc2"
+
+#: Where TensorRT-LLM keeps the connector base classes (newest first: moved in 1.3.0rc14).
+_BASE_MODULES = (
+    "tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector",
+    "tensorrt_llm._torch.pyexecutor.kv_cache_connector",
+)
+
+SCHEDULER_CLASS = "KvtierConnectorScheduler"
+WORKER_CLASS = "KvtierConnectorWorker"
+
+#: Accepted ``--connector`` names: "kvtier", "kvbm" (the original's name, so configurations
+#: migrate unchanged) and "none".
+CONNECTOR_NAMES = ("kvtier", "kvbm", "none")
+
+
+def _load_bases() -> tuple[type, type, Optional[str]]:
+    for name in _BASE_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        return mod.KvCacheConnectorScheduler, mod.KvCacheConnectorWorker, name
+    return object, object, None
+
+
+_SchedulerBase, _WorkerBase, TRTLLM_BASE_MODULE = _load_bases()
+
+
+def _trtllm_version() -> str:
+    try:
+        import tensorrt_llm
+
+        return str(getattr(tensorrt_llm, "__version__", "unknown"))
+    except ImportError:
+        return "not installed"
+
+
+# --------------------------------------------------------------------------------------------
+# Reading llm_args
+
+
+def _tokens_per_block(llm_args: Any) -> int:
+    kv = getattr(llm_args, "kv_cache_config", None)
+    tpb = getattr(kv, "tokens_per_block", None)
+    if tpb is None:
+        raise ConfigError("llm_args.kv_cache_config.tokens_per_block is missing")
+    if getattr(kv, "enable_partial_reuse", False):
+        raise ConfigError(
+            "kvtier needs kv_cache_config.enable_partial_reuse: false (partial block reuse would let the "
+            "engine write into blocks kvtier has already stored)"
+        )
+    return int(tpb)
+
+
+def _mapping(llm_args: Any) -> Any:
+    pc = getattr(llm_args, "parallel_config", None)
+    to_mapping = getattr(pc, "to_mapping", None)
+    return to_mapping() if callable(to_mapping) else None
+
+
+def _world_size(llm_args: Any) -> int:
+    m = _mapping(llm_args)
+    return int(getattr(m, "world_size", 1) or 1) if m is not None else 1
+
+
+def _rank(llm_args: Any) -> int:
+    """This process's rank: MPI's when TensorRT-LLM is present, else the mapping's (tests), else 0."""
+    if TRTLLM_BASE_MODULE is not None:
+        try:
+            from tensorrt_llm._utils import mpi_rank
+
+            return int(mpi_rank())
+        except ImportError:
+            pass
+    m = _mapping(llm_args)
+    return int(getattr(m, "rank", 0) or 0) if m is not None else 0
+
+
+def _num_layers(llm_args: Any) -> Optional[int]:
+    """The model's layer count when llm_args says it (used only to check the pool tensor)."""
+    for path in (("_kvtier_num_layers",), ("model_config", "num_hidden_layers")):
+        obj = llm_args
+        for attr in path:
+            obj = getattr(obj, attr, None)
+        if isinstance(obj, int):
+            return obj
+    return None
+
+
+# In-process link between rank 0's scheduler (leader) and rank 0's worker: both are built with the
+# same llm_args object. Keyed by id(llm_args); the entry lives as long as the process (TensorRT-LLM
+# builds one connector per executor).
+_LEADERS: dict[int, Any] = {}
+_LEADERS_LOCK = threading.Lock()
+
+
+def _publish_leader(llm_args: Any, leader: Any) -> None:
+    with _LEADERS_LOCK:
+        _LEADERS[id(llm_args)] = leader
+
+
+def _find_leader(llm_args: Any) -> Any:
+    with _LEADERS_LOCK:
+        return _LEADERS.get(id(llm_args))
+
+
+def _ids(xs: Iterable[Any]) -> list[str]:
+    return [str(int(x)) for x in xs]
+
+
+# --------------------------------------------------------------------------------------------
+# Scheduler (leader), MPI rank 0 only
+
+
+class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type]
+    """TensorRT-LLM ``KvCacheConnectorScheduler`` backed by ``kvtier._native.Leader``."""
+
+    #: kvtier serves decode workers too: generation-only requests (KV from the cache transceiver)
+    #: are accepted; their prompt blocks are never loaded by kvtier, their new blocks are stored.
+    supports_generation_only_requests = True
+
+    def __init__(self, llm_args: Any):
+        if _SchedulerBase is not object:
+            super().__init__(llm_args)
+        self._llm_args = llm_args
+        self._block_size = _tokens_per_block(llm_args)
+        config = _native.Config.from_env()
+        self._leader = _native.Leader(config, block_size=self._block_size, world_size=_world_size(llm_args))
+        _publish_leader(llm_args, self._leader)
+
+    @property
+    def leader(self) -> Any:
+        """The native leader (for metrics and tests)."""
+        return self._leader
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if getattr(request, "is_generation_only_request", False):
+            # Its KV arrives through the engine's cache transceiver; loading it too would race.
+            return 0, False
+        n, is_async = self._leader.get_num_new_matched_tokens(
+            str(request.request_id), request.get_tokens(0), int(num_computed_tokens)
+        )
+        n = int(n)
+        return (n, bool(is_async)) if n > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int]) -> None:
+        self._leader.update_state_after_alloc(str(request.request_id), [int(b) for b in block_ids])
+
+    def build_connector_meta(self, scheduler_output: Any) -> bytes:
+        records = []
+        for is_new, group in ((True, scheduler_output.new_requests), (False, scheduler_output.cached_requests)):
+            for rd in group:
+                scheduled = getattr(rd, "num_scheduled_tokens", None)
+                if scheduled is None:
+                    raise ConnectorError(
+                        f"TensorRT-LLM {_trtllm_version()} reports no num_scheduled_tokens for request "
+                        f"{rd.request_id}: kvtier needs TensorRT-LLM >= {MIN_TRTLLM_VERSION}"
+                    )
+                records.append(
+                    _native.StepRecord(
+                        str(rd.request_id),
+                        rd.new_tokens,
+                        rd.new_block_ids,
+                        int(rd.computed_position),
+                        int(scheduled),
+                        is_new=is_new,
+                    )
+                )
+        return self._leader.build_connector_meta(records)
+
+    def request_finished(self, request: Any, cache_block_ids: Sequence[int]) -> bool:
+        # Under a sliding window, blocks the window has passed appear as -1: nothing to save there.
+        blocks = [int(b) for b in cache_block_ids if int(b) >= 0]
+        return bool(self._leader.request_finished(str(request.request_id), blocks))
+
+
+# --------------------------------------------------------------------------------------------
+# Worker, one per rank
+
+
+class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
+    """TensorRT-LLM ``KvCacheConnectorWorker`` backed by ``kvtier._native.Worker``."""
+
+    def __init__(self, llm_args: Any):
+        if _WorkerBase is not object:
+            super().__init__(llm_args)
+        self._llm_args = llm_args
+        self._metadata = None
+        self._block_size = _tokens_per_block(llm_args)
+        self._rank = _rank(llm_args)
+        self._world_size = _world_size(llm_args)
+        self._config = _native.Config.from_env()
+        # Built at register_kv_caches: rank 0 links to its in-process leader, which TensorRT-LLM
+        # creates after the worker.
+        self._worker: Any = None
+
+    @property
+    def native(self) -> Any:
+        """The native worker (for metrics and tests); None before register_kv_caches."""
+        return self._worker
+
+    def _link(self) -> Any:
+        if self._worker is not None:
+            return self._worker
+        leader = _find_leader(self._llm_args) if self._rank == 0 else None
+        if self._rank == 0 and leader is None:
+            raise ConnectorError(
+                "rank 0's worker found no kvtier scheduler in this process: configure "
+                f"connector_scheduler_class={SCHEDULER_CLASS!r} together with the worker"
+            )
+        self._worker = _native.Worker(
+            self._config, rank=self._rank, world_size=self._world_size, leader=leader
+        )
+        return self._worker
+
+    def register_kv_caches(self, kv_cache_tensor: Any) -> None:
+        desc = describe(kv_cache_tensor)
+        worker = self._link()
+        worker.register_trtllm_pool(desc, self._block_size, _num_layers(self._llm_args))
+
+    def bind_connector_meta(self, metadata: object) -> None:
+        self._metadata = metadata
+        self._require().bind_metadata(metadata)
+
+    def get_connector_meta(self) -> object:
+        return self._metadata
+
+    def _clear_connector_meta(self) -> None:
+        self._metadata = None
+
+    def _require(self) -> Any:
+        if self._worker is None:
+            raise ConnectorError("the kvtier worker was used before register_kv_caches")
+        return self._worker
+
+    def start_load_kv(self, stream: Any) -> None:
+        self._require().start_load(stream_handle(stream))
+
+    def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
+        self._require().wait_for_layer_load(int(layer_idx), stream_handle(stream))
+
+    def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
+        self._require().save_kv_layer(int(layer_idx), stream_handle(stream))
+
+    def wait_for_save(self, stream: Any) -> None:
+        self._require().wait_for_save(stream_handle(stream))
+
+    def register_forward_pass_callable(self) -> Callable[[], None]:
+        """A callable TensorRT-LLM runs on the forward stream at the end of each forward pass; it
+        marks the point after which this step's stores may read the device blocks."""
+
+        def forward_pass_done() -> None:
+            self._require().forward_pass_done(_current_stream_handle())
+
+        return forward_pass_done
+
+    def get_finished(
+        self, finished_gen_req_ids: Sequence[int], started_loading_req_ids: Sequence[int]
+    ) -> tuple[list[int], list[int]]:
+        saved, loaded = self._require().get_finished(_ids(finished_gen_req_ids), _ids(started_loading_req_ids))
+        return [int(x) for x in saved], [int(x) for x in loaded]
+
+
+def _current_stream_handle() -> Optional[int]:
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.current_stream().cuda_stream)
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+
+
+def _connector_fields(connector: Optional[str]) -> Optional[dict[str, str]]:
+    if connector is None:
+        return None
+    name = str(connector).strip().lower()
+    if name == "none":
+        return None
+    if name not in ("kvtier", "kvbm"):
+        raise ConfigError(f"unknown connector {connector!r}: valid names are {', '.join(CONNECTOR_NAMES)}")
+    return {
+        "connector_module": __name__ if __name__ != "__main__" else "kvtier.trtllm",
+        "connector_scheduler_class": SCHEDULER_CLASS,
+        "connector_worker_class": WORKER_CLASS,
+    }
+
+
+def build_kv_connector_config(connector: Optional[str]) -> Any:
+    """TensorRT-LLM's ``KvCacheConnectorConfig`` for ``connector`` ("kvtier", its alias "kvbm", or
+    "none"/None for no connector, which returns None). Without TensorRT-LLM installed the same three
+    fields come back as a dict. Any other name raises :class:`kvtier.ConfigError` listing the valid
+    names."""
+    fields = _connector_fields(connector)
+    if fields is None:
+        return None
+    try:
+        from tensorrt_llm.llmapi.llm_args import KvCacheConnectorConfig
+    except ImportError:
+        return fields
+    return KvCacheConnectorConfig(**fields)
+
+
+def connector_yaml(connector: Optional[str]) -> str:
+    """The YAML block for ``trtllm-serve --extra_llm_api_options`` (empty for "none")."""
+    fields = _connector_fields(connector)
+    if fields is None:
+        return ""
+    lines = ["kv_connector_config:"]
+    lines += [f"  {k}: {v}" for k, v in fields.items()]
+    lines += ["kv_cache_config:", "  enable_partial_reuse: false"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtier.trtllm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    cfg = sub.add_parser("config", help="print the YAML block for trtllm-serve --extra_llm_api_options")
+    cfg.add_argument("--connector", default="kvtier", help=f"one of {', '.join(CONNECTOR_NAMES)} (default kvtier)")
+    args = parser.parse_args(argv)
+    try:
+        sys.stdout.write(connector_yaml(args.connector))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

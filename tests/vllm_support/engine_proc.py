@@ -1,0 +1,126 @@
+"""One vLLM engine (CPU build) in its own process, driven by JSON lines on stdin/stdout.
+
+Run as ``python -m vllm_support.engine_proc SPEC_JSON`` (from the tests/ directory). The spec names the model
+directory, the KV-cache size in blocks, and the kv-transfer configuration (or none). Commands, one JSON object
+per line on stdin, each answered with one JSON line on stdout (vLLM's own output goes to stderr):
+
+- ``{"op": "generate", "prompts": [[ids]], "max_tokens": n}`` -> ``{"outputs": [[ids]], "seconds": s}``
+- ``{"op": "ttft", "prompts": [[ids]]}`` -> per prompt the wall time of a 1-token generation, run one at a time
+- ``{"op": "reset_prefix_cache"}`` -> ``{"ok": bool}`` (vLLM's device prefix cache only, never kvtier's tiers)
+- ``{"op": "stats"}`` -> kvtier's counters (summed over this process's connector instances) and the number of
+  ERROR records and exceptions kvtier produced so far
+- ``{"op": "exit"}``
+
+Invariant: one engine per process, so every configuration starts from a clean process (vLLM keeps global state).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+class _ErrorCounter(logging.Handler):
+    """Counts ERROR (and worse) records from kvtier's loggers."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(f"{record.name}: {record.getMessage()}")
+
+
+def _reply(obj: dict) -> None:
+    sys.__stdout__.write(json.dumps(obj) + "\n")
+    sys.__stdout__.flush()
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    # vLLM prints progress bars and logs to stdout in places: keep stdout for the protocol only.
+    sys.stdout = sys.stderr
+    counter = _ErrorCounter()
+    logging.getLogger("kvtier").addHandler(counter)
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    block_size = int(spec.get("block_size", 32))
+    kwargs = dict(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=int(spec.get("max_model_len", 512)),
+        distributed_executor_backend="uni",
+        block_size=block_size,
+        seed=0,
+        max_num_seqs=int(spec.get("max_num_seqs", 8)),
+        enable_prefix_caching=bool(spec.get("enable_prefix_caching", True)),
+    )
+    if spec.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
+    if spec.get("kv_cache_memory_bytes"):
+        kwargs["kv_cache_memory_bytes"] = int(spec["kv_cache_memory_bytes"])
+    ktc = spec.get("kv_transfer_config")
+    if ktc:
+        kwargs["kv_transfer_config"] = KVTransferConfig(**ktc)
+    t0 = time.time()
+    llm = LLM(**kwargs)
+    _reply({"ready": True, "start_seconds": time.time() - t0})
+
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        op = cmd.get("op")
+        try:
+            if op == "generate":
+                sp = SamplingParams(temperature=0.0, max_tokens=int(cmd["max_tokens"]), detokenize=False,
+                                    ignore_eos=True)
+                t = time.time()
+                outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False)
+                _reply({"outputs": [list(o.outputs[0].token_ids) for o in outs], "seconds": time.time() - t})
+            elif op == "ttft":
+                sp = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
+                times = []
+                firsts = []
+                for p in cmd["prompts"]:
+                    t = time.perf_counter()
+                    o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
+                    times.append(time.perf_counter() - t)
+                    firsts.append(o[0].outputs[0].token_ids[0])
+                _reply({"seconds": times, "first_tokens": firsts})
+            elif op == "reset_prefix_cache":
+                _reply({"ok": bool(llm.reset_prefix_cache())})
+            elif op == "stats":
+                stats: dict = {}
+                try:
+                    import kvtier.vllm as kv
+
+                    stats = kv.process_stats()
+                except ImportError:
+                    pass
+                _reply({"stats": stats, "kvtier_errors": counter.records})
+            elif op == "exit":
+                _reply({"bye": True})
+                break
+            else:
+                _reply({"error": f"unknown op {op!r}"})
+        except Exception as e:  # the test sees the failure instead of a hung pipe
+            _reply({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+    # vLLM's shutdown calls the connector's shutdown(); make it happen before interpreter teardown.
+    del llm
+    sys.__stdout__.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
