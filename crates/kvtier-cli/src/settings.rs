@@ -9,6 +9,9 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
+use std::collections::HashMap;
+
+use kvtier::config::{KvtierConfig, CONFIG_PATH_ENV};
 use kvtier_engine::{ConnectorSetup, EngineConfig, ModelSource, Role};
 
 /// `--connector`: which KV connector the engine runs (the original's `--connector kvbm` flag).
@@ -111,42 +114,69 @@ pub fn default_disk_dir() -> PathBuf {
     std::env::temp_dir().join("kvtier")
 }
 
-/// Resolved tier sizes, for the engine and for `inspect`.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct ResolvedTiers {
-    pub host_gb: f64,
-    pub disk_gb: f64,
-    pub disk_dir: PathBuf,
-    pub remote_url: Option<String>,
-}
-
-/// Embedded default sizes.
+/// Embedded default sizes (decimal GB).
 pub const DEFAULT_HOST_GB: f64 = 1.0;
 pub const DEFAULT_DISK_GB: f64 = 1.0;
 
+/// The embedded defaults as the lowest TOML layer: host 1 GB, disk 1 GB in the user's cache directory.
+pub fn defaults_toml() -> String {
+    let dir = default_disk_dir();
+    let mut t = toml::Table::new();
+    let mut host = toml::Table::new();
+    host.insert("gb".into(), toml::Value::Float(DEFAULT_HOST_GB));
+    let mut disk = toml::Table::new();
+    disk.insert("gb".into(), toml::Value::Float(DEFAULT_DISK_GB));
+    disk.insert("dir".into(), toml::Value::String(dir.display().to_string()));
+    t.insert("host".into(), toml::Value::Table(host));
+    t.insert("disk".into(), toml::Value::Table(disk));
+    t.to_string()
+}
+
 impl TierArgs {
-    /// Applies defaults and checks the values.
-    pub fn resolve(&self) -> anyhow::Result<ResolvedTiers> {
-        let host_gb = self.host_cache_gb.unwrap_or(DEFAULT_HOST_GB);
-        let disk_gb = self.disk_cache_gb.unwrap_or(DEFAULT_DISK_GB);
-        if !(host_gb.is_finite() && host_gb > 0.0) {
-            bail!("--host-cache-gb must be a positive number of GB, got {host_gb}");
+    /// The flags that were given, as an engine-settings layer (TOML key names).
+    pub fn overrides(&self) -> anyhow::Result<serde_json::Value> {
+        let mut m = serde_json::Map::new();
+        if let Some(gb) = self.host_cache_gb {
+            if !(gb.is_finite() && gb > 0.0) {
+                bail!("--host-cache-gb must be a positive number of GB, got {gb}");
+            }
+            m.insert("host.gb".into(), gb.into());
         }
-        if !(disk_gb.is_finite() && disk_gb >= 0.0) {
-            bail!("--disk-cache-gb must be >= 0, got {disk_gb}");
+        if let Some(gb) = self.disk_cache_gb {
+            if !(gb.is_finite() && gb > 0.0) {
+                bail!("--disk-cache-gb must be a positive number of GB, got {gb}");
+            }
+            m.insert("disk.gb".into(), gb.into());
+        }
+        if let Some(d) = &self.disk_cache_dir {
+            m.insert("disk.dir".into(), d.display().to_string().into());
         }
         if let Some(u) = &self.remote_url {
-            if !(u.starts_with("dir://") || u.starts_with("redis://") || u.starts_with("rediss://"))
-            {
-                bail!("--remote-url must be dir://PATH or redis://HOST:PORT, got `{u}`");
-            }
+            m.insert("remote.url".into(), u.clone().into());
         }
-        Ok(ResolvedTiers {
-            host_gb,
-            disk_gb,
-            disk_dir: self.disk_cache_dir.clone().unwrap_or_else(default_disk_dir),
-            remote_url: self.remote_url.clone(),
-        })
+        Ok(serde_json::Value::Object(m))
+    }
+
+    /// The kvtier configuration: embedded defaults < `KVTIER_CONFIG` TOML < `KVTIER_*` / `DYN_KVBM_*`
+    /// environment < these flags.
+    pub fn kvtier_config(&self) -> anyhow::Result<KvtierConfig> {
+        let env: HashMap<String, String> = std::env::vars().collect();
+        self.kvtier_config_with_env(&env)
+    }
+
+    /// [`kvtier_config`](Self::kvtier_config) with an injected environment (tests).
+    pub fn kvtier_config_with_env(
+        &self,
+        env: &HashMap<String, String>,
+    ) -> anyhow::Result<KvtierConfig> {
+        let mut b = KvtierConfig::builder().toml("kvtier embedded defaults", &defaults_toml());
+        if let Some(path) = env.get(CONFIG_PATH_ENV).filter(|p| !p.trim().is_empty()) {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {CONFIG_PATH_ENV}={path}"))?;
+            b = b.toml(path, &text);
+        }
+        b = b.env(env).engine(&self.overrides()?);
+        Ok(b.build()?)
     }
 }
 
@@ -173,7 +203,7 @@ impl EngineArgs {
         }
         let connector = match self.connector {
             ConnectorKind::None => None,
-            ConnectorKind::Kvtier => Some(connector_setup(&self.tiers.resolve()?)?),
+            ConnectorKind::Kvtier => Some(connector_setup(&self.tiers.kvtier_config()?)?),
         };
         if role != Role::Aggregated && connector.is_none() {
             bail!("--disaggregation-mode prefill|decode needs --connector kvtier (KV travels through kvtier's shared tier)");
@@ -191,33 +221,62 @@ impl EngineArgs {
     }
 }
 
-/// Builds the engine's connector setup from resolved tiers — what the original's `--connector kvbm`
-/// does for TensorRT-LLM's `KvCacheConnectorConfig`.
-pub fn connector_setup(tiers: &ResolvedTiers) -> anyhow::Result<ConnectorSetup> {
-    std::fs::create_dir_all(&tiers.disk_dir).with_context(|| {
-        format!(
-            "creating the disk tier directory {}",
-            tiers.disk_dir.display()
-        )
-    })?;
+/// Builds the engine's connector setup from the kvtier configuration — what the original's
+/// `--connector kvbm` flag does for TensorRT-LLM's `KvCacheConnectorConfig`.
+pub fn connector_setup(cfg: &KvtierConfig) -> anyhow::Result<ConnectorSetup> {
+    if cfg.disk.size.is_some() {
+        std::fs::create_dir_all(&cfg.disk.dir).with_context(|| {
+            format!(
+                "creating the disk tier directory {}",
+                cfg.disk.dir.display()
+            )
+        })?;
+    }
     Ok(ConnectorSetup::default())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvtier::config::{RemoteTarget, TierSize};
 
     #[test]
-    fn tier_defaults_and_checks() {
-        let t = TierArgs::default().resolve().unwrap();
-        assert_eq!(t.host_gb, 1.0);
-        assert!(t.disk_dir.ends_with("kvtier"));
+    fn defaults_then_file_then_env_then_flags() {
+        let none = HashMap::new();
+        let c = TierArgs::default().kvtier_config_with_env(&none).unwrap();
+        assert_eq!(c.host.size, Some(TierSize::Gb(1.0)));
+        assert_eq!(c.disk.size, Some(TierSize::Gb(1.0)));
+        assert!(c.disk.dir.ends_with("kvtier"));
+
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("k.toml");
+        std::fs::write(&file, "[host]\ngb = 3.0\n").unwrap();
+        let mut env = HashMap::new();
+        env.insert(CONFIG_PATH_ENV.to_string(), file.display().to_string());
+        let c = TierArgs::default().kvtier_config_with_env(&env).unwrap();
+        assert_eq!(c.host.size, Some(TierSize::Gb(3.0)));
+        env.insert("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS".into(), "77".into());
+        let c = TierArgs::default().kvtier_config_with_env(&env).unwrap();
+        assert_eq!(c.host.size, Some(TierSize::Blocks(77)));
+        let flags = TierArgs {
+            host_cache_gb: Some(0.5),
+            remote_url: Some("dir:///tmp/shared".into()),
+            ..Default::default()
+        };
+        let c = flags.kvtier_config_with_env(&env).unwrap();
+        assert_eq!(c.host.size, Some(TierSize::Gb(0.5)));
+        assert_eq!(c.remote, Some(RemoteTarget::Dir("/tmp/shared".into())));
+    }
+
+    #[test]
+    fn bad_flags_name_themselves() {
+        let none = HashMap::new();
         let bad = TierArgs {
             host_cache_gb: Some(0.0),
             ..Default::default()
         };
         assert!(bad
-            .resolve()
+            .kvtier_config_with_env(&none)
             .unwrap_err()
             .to_string()
             .contains("--host-cache-gb"));
@@ -225,15 +284,6 @@ mod tests {
             remote_url: Some("ftp://x".into()),
             ..Default::default()
         };
-        assert!(bad
-            .resolve()
-            .unwrap_err()
-            .to_string()
-            .contains("--remote-url"));
-        let ok = TierArgs {
-            remote_url: Some("dir:///tmp/x".into()),
-            ..Default::default()
-        };
-        assert!(ok.resolve().is_ok());
+        assert!(bad.kvtier_config_with_env(&none).is_err());
     }
 }

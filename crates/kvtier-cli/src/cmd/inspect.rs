@@ -66,36 +66,40 @@ pub fn summarize_dir(dir: &Path) -> DirSummary {
 
 /// Runs inspect.
 pub fn run(args: InspectArgs) -> anyhow::Result<()> {
-    let tiers = args.engine.tiers.resolve()?;
+    let cfg = args
+        .engine
+        .tiers
+        .kvtier_config()
+        .context("resolving the kvtier configuration")?;
     // Start the engine without a connector only to learn the model's KV geometry.
     let mut probe = args.engine.clone();
     probe.connector = ConnectorKind::None;
-    let cfg = probe.engine_config(Role::Aggregated)?;
-    let engine = EngineHandle::start(cfg).context("loading the model")?;
+    let engine =
+        EngineHandle::start(probe.engine_config(Role::Aggregated)?).context("loading the model")?;
     let m = engine.model_config().clone();
     let model_name = engine.model_name();
     engine.shutdown();
     // f32 K and V, every layer.
     let bytes_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * 4;
     let bytes_per_block = bytes_per_token * args.engine.block_size;
-    let blocks = |gb: f64| (gb * 1e9 / bytes_per_block.max(1) as f64).floor() as u64;
-    let disk = summarize_dir(&tiers.disk_dir);
-    let v = serde_json::json!({
-        "model": {"name": model_name, "layers": m.num_layers, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
-                  "vocab_size": m.vocab_size, "max_position_embeddings": m.max_position_embeddings},
-        "engine": {"block_size": args.engine.block_size, "num_device_blocks": args.engine.num_device_blocks,
-                   "max_num_seqs": args.engine.max_num_seqs, "max_batch_tokens": args.engine.max_batch_tokens,
-                   "connector": format!("{:?}", args.engine.connector).to_lowercase()},
-        "kv_bytes_per_token": bytes_per_token,
-        "kv_bytes_per_block": bytes_per_block,
-        "tiers": {
-            "device": {"blocks": args.engine.num_device_blocks, "gb": (args.engine.num_device_blocks * bytes_per_block) as f64 / 1e9},
-            "host": {"gb": tiers.host_gb, "blocks": blocks(tiers.host_gb)},
-            "disk": {"gb": tiers.disk_gb, "blocks": blocks(tiers.disk_gb), "dir": tiers.disk_dir, "contents": disk},
-            "remote": {"url": tiers.remote_url},
-        },
-    });
+    let caps = cfg.resolve_capacity(bytes_per_block)?;
+    let device_gb = (args.engine.num_device_blocks * bytes_per_block) as f64 / 1e9;
+    let gb = |blocks: usize| (blocks * bytes_per_block) as f64 / 1e9;
+    let disk = summarize_dir(&cfg.disk.dir);
+    let connector = format!("{:?}", args.engine.connector).to_lowercase();
     if args.json {
+        let v = serde_json::json!({
+            "model": {"name": model_name, "layers": m.num_layers, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
+                      "vocab_size": m.vocab_size, "max_position_embeddings": m.max_position_embeddings},
+            "engine": {"block_size": args.engine.block_size, "num_device_blocks": args.engine.num_device_blocks,
+                       "max_num_seqs": args.engine.max_num_seqs, "max_batch_tokens": args.engine.max_batch_tokens,
+                       "connector": connector},
+            "kv_bytes_per_token": bytes_per_token,
+            "kv_bytes_per_block": bytes_per_block,
+            "capacity": caps,
+            "disk_contents": disk,
+            "kvtier_config": cfg,
+        });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
@@ -103,29 +107,25 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         "model       {model_name}: {} layers, {} KV heads x {} dims, vocab {}, context {}",
         m.num_layers, m.num_kv_heads, m.head_dim, m.vocab_size, m.max_position_embeddings
     );
-    println!(
-        "connector   {}",
-        v["engine"]["connector"].as_str().unwrap_or("?")
-    );
+    println!("connector   {connector}");
     println!(
         "KV          {bytes_per_token} B/token, {bytes_per_block} B/block ({} tokens)",
         args.engine.block_size
     );
     println!(
-        "G1 device   {} blocks ({:.3} GB)",
-        args.engine.num_device_blocks,
-        (args.engine.num_device_blocks * bytes_per_block) as f64 / 1e9
+        "G1 device   {} blocks ({device_gb:.3} GB)",
+        args.engine.num_device_blocks
     );
     println!(
-        "G2 host     {:.3} GB = {} blocks",
-        tiers.host_gb,
-        blocks(tiers.host_gb)
+        "G2 host     {} blocks ({:.3} GB)",
+        caps.host_blocks,
+        gb(caps.host_blocks)
     );
     println!(
-        "G3 disk     {:.3} GB = {} blocks in {}",
-        tiers.disk_gb,
-        blocks(tiers.disk_gb),
-        tiers.disk_dir.display()
+        "G3 disk     {} blocks ({:.3} GB) in {}",
+        caps.disk_blocks,
+        gb(caps.disk_blocks),
+        cfg.disk.dir.display()
     );
     if disk.exists {
         println!(
@@ -139,9 +139,14 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     } else {
         println!("            (directory does not exist yet)");
     }
+    match &cfg.remote {
+        Some(r) => println!("G4 remote   {r:?}"),
+        None => println!("G4 remote   (none)"),
+    }
+    println!("\nresolved configuration (defaults < $KVTIER_CONFIG < KVTIER_*/DYN_KVBM_* < flags):");
     println!(
-        "G4 remote   {}",
-        tiers.remote_url.as_deref().unwrap_or("(none)")
+        "{}",
+        toml::to_string_pretty(&cfg).unwrap_or_else(|e| format!("(cannot print: {e})"))
     );
     Ok(())
 }
