@@ -514,7 +514,8 @@ impl Leader {
         block_ids: &[DeviceBlockId],
         num_external_tokens: Option<usize>,
     ) -> Result<(), ConnectorError> {
-        self.poll_reports();
+        // No report is applied here: between matching and allocation the pools must not change,
+        // so the promised blocks are still there.
         self.check_device_ids(req, "block_ids", block_ids)?;
         let external = num_external_tokens.unwrap_or(0);
         if !self.slots.contains_key(req) {
