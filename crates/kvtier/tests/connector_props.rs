@@ -214,7 +214,7 @@ impl Sim {
         for r in 0..self.reqs.len() {
             let d = self.roll();
             match self.reqs[r].st {
-                St::Waiting if d % 4 == 0 => self.admit(r),
+                St::Waiting if d.is_multiple_of(4) => self.admit(r),
                 St::Running
                     if d == 7
                         && !self.reqs[r].preempted_once
@@ -299,7 +299,7 @@ impl Sim {
         self.worker.start_load(None);
         self.worker.wait_for_layer_load(0);
         self.worker.forward_done(None);
-        if self.roll() % 2 == 0 {
+        if self.roll().is_multiple_of(2) {
             self.worker.wait_idle();
         }
 
