@@ -514,7 +514,8 @@ impl Leader {
         block_ids: &[DeviceBlockId],
         num_external_tokens: Option<usize>,
     ) -> Result<(), ConnectorError> {
-        self.poll_reports();
+        // No report is applied here: between matching and allocation the pools must not change,
+        // so the promised blocks are still there.
         self.check_device_ids(req, "block_ids", block_ids)?;
         let external = num_external_tokens.unwrap_or(0);
         if !self.slots.contains_key(req) {
@@ -646,6 +647,7 @@ impl Leader {
             meta.loads.append(&mut self.outbox.loads);
             meta.stores.append(&mut self.outbox.stores);
             meta.background.append(&mut self.outbox.background);
+            meta.saving.append(&mut self.outbox.saving);
             self.outbox = meta;
             Err(errors.swap_remove(0))
         }
@@ -813,6 +815,9 @@ impl Leader {
         };
         e.slot.finish();
         let in_flight = e.stores_in_flight > 0;
+        if in_flight {
+            self.outbox.saving.push(req.clone());
+        }
         self.maybe_drop_slot(req);
         Ok(in_flight)
     }
