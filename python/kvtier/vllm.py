@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Iterable
@@ -121,28 +122,31 @@ class KvtierConnectorStats(KVConnectorStats):
 
 
 def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> dict[str, Any]:
-    """kvtier's settings for this engine: ``kv_connector_extra_config`` plus what vLLM itself fixes (role, block
-    size, hash salt, bytes per block). Unset tier settings are resolved by kvtier from ``KVTIER_*`` variables."""
+    """kvtier's settings for this engine: ``kv_connector_extra_config`` (kvtier configuration keys, nested or
+    dotted, e.g. ``{"host.num_blocks": 4096, "disk.dir": "/nvme/kvtier"}``) plus what vLLM itself fixes: block
+    size, load mode, hash salt, bytes per block. Whatever is unset comes from ``KVTIER_*`` (or ``DYN_KVBM_*``)
+    variables, resolved by kvtier's configuration (docs/CONFIG.md)."""
     ktc = vllm_config.kv_transfer_config
     extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
-    role = _ROLES.get(str(getattr(ktc, "kv_role", "kv_both")))
-    if role is None:
-        raise ValueError(f"kvtier: kv_role must be one of {sorted(_ROLES)}, got {ktc.kv_role!r}")
+    role = str(getattr(ktc, "kv_role", "kv_both"))
+    if role not in _ROLES:
+        raise ValueError(f"kvtier: kv_role must be one of {sorted(_ROLES)}, got {role!r}")
     cache = vllm_config.cache_config
     model = vllm_config.model_config
-    extra["role"] = role
     extra["block_size"] = int(cache.block_size)
     # Synchronous loads by default: a request is loaded in the step that first computes it. vLLM's asynchronous
     # loads park loaded requests in the waiting queue holding their device blocks; when a failed load sends the
     # queue's head back for recompute and the device cache is nearly full, the scheduler can stall behind it.
     extra["async_loads"] = _truthy(extra.get("async_loads", False))
-    # The hash salt separates caches of different models and KV dtypes that share a tier (disk, remote).
+    # The salt separates caches of different models and KV dtypes sharing a tier (disk, remote): every process
+    # of one model (producer and consumer alike) must compute the same hashes.
     extra.setdefault("salt", f"vllm|{model.model}|{cache.cache_dtype}|{model.dtype}|{model.revision or ''}")
+    par = vllm_config.parallel_config
+    extra.setdefault("world_size", int(par.tensor_parallel_size) * int(par.pipeline_parallel_size))
     if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
         group = kv_cache_config.kv_cache_groups[0]
         per_rank = int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
-        par = vllm_config.parallel_config
-        extra.setdefault("bytes_per_block", per_rank * int(par.tensor_parallel_size) * int(par.pipeline_parallel_size))
+        extra.setdefault("bytes_per_block", per_rank * int(extra["world_size"]))
         extra.setdefault("num_device_blocks", int(kv_cache_config.num_blocks))
     return extra
 
@@ -152,11 +156,11 @@ def _truthy(v: Any) -> bool:
 
 
 def _backend(settings: dict[str, Any]) -> Any:
-    """The module providing ``Leader`` and ``Worker``: kvtier's native core, or (for kvtier's own adapter
-    development only) the module named by the ``backend_module`` setting."""
-    name = settings.get("backend_module")
+    """The module providing ``Leader`` and ``Worker``: kvtier's native core, or (for developing this adapter
+    only) the module named by ``KVTIER_VLLM_BACKEND_MODULE``."""
+    name = os.environ.get("KVTIER_VLLM_BACKEND_MODULE")
     if name:
-        return importlib.import_module(str(name))
+        return importlib.import_module(name)
     from kvtier import _native
 
     return _native
@@ -179,6 +183,7 @@ class KvtierConnector(KVConnectorBase_V1):
             _recompute_failed_loads(vllm_config)
             self._sched = _SchedulerSide(self._settings, self._block_size)
         else:
+            self._settings.setdefault("rank", _rank())
             self._worker = _WorkerSide(self._settings, self._block_size)
         with _LIVE_LOCK:
             _LIVE.add(self)
@@ -279,6 +284,21 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self._sched is not None
         return self._sched.take_events()
 
+    def has_pending_push_work(self) -> bool:
+        # Keeps vLLM stepping while kvtier has jobs in flight, e.g. a producer's copies to the shared tier that
+        # are dispatched with the step metadata after its last request finished.
+        return self._sched is not None and self._sched.has_jobs_in_flight()
+
+
+
+def _rank() -> int:
+    """This worker's rank among the engine's tensor- and pipeline-parallel workers."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank, get_tp_group
+
+        return int(get_pp_group().rank_in_group) * int(get_tp_group().world_size) + int(get_tensor_model_parallel_rank())
+    except Exception:  # no parallel state (single process)
+        return 0
 
 
 _LOGGING_DONE = False
@@ -457,6 +477,13 @@ class _SchedulerSide:
             return []
         return _vllm_events(raw, self._block_size)
 
+    def has_jobs_in_flight(self) -> bool:
+        try:
+            return int(self._leader.stats().get("jobs_in_flight", 0)) > 0
+        except Exception as e:
+            self._error("stats", e)
+            return False
+
     def cumulative_stats(self) -> dict[str, float]:
         s: dict[str, float] = {}
         try:
@@ -558,12 +585,20 @@ class _WorkerSide:
         try:
             self._worker.bind(meta.plan)
             self._worker.start_load(_stream())
-            if meta.sync_loads:
-                # vLLM calls start_load_kv before the forward pass only when the step has sync loads; on the CPU
-                # the forward is synchronous, so complete them here (every layer at once).
-                self._worker.wait_for_layer_load(0)
         except Exception as e:
             self._error("start_load", e)
+            return
+        if meta.sync_loads:
+            # vLLM calls start_load_kv before the forward pass only when the step has sync loads: complete them
+            # here, every layer at once. A failed load raises TransferError; its blocks are then reported by
+            # get_block_ids_with_load_errors and vLLM recomputes them, so it is not an adapter error.
+            try:
+                self._worker.wait_for_layer_load(0, _stream())
+            except Exception as e:
+                if type(e).__name__ == "TransferError":
+                    logger.warning("kvtier: a load failed; vLLM recomputes its blocks: %s", e)
+                else:
+                    self._error("wait_for_layer_load", e)
 
     def forward_done(self) -> None:
         if self._worker is None:
@@ -623,7 +658,7 @@ class _WorkerSide:
         s: dict[str, float] = {}
         if self._worker is not None:
             try:
-                s = dict(self._worker.stats())
+                s = {f"worker_{k}": v for k, v in dict(self._worker.stats()).items()}
             except Exception as e:
                 self._error("stats", e)
         s["adapter_errors"] = s.get("adapter_errors", 0) + self._errors
