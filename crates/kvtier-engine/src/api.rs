@@ -1,0 +1,196 @@
+//! The engine's public request/response types, configuration and errors.
+//!
+//! Invariant: a request's event stream is zero or more `Token`s followed by exactly one `Done` or
+//! one `Error`, after which the sender is dropped.
+use std::path::PathBuf;
+
+use crate::connector::ConnectorSetup;
+
+/// Where the model comes from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ModelSource {
+    /// The built-in seeded random Llama (hidden 128, 2 layers, 4 heads, 2 KV heads, byte vocab).
+    BuiltIn { seed: u64 },
+    /// A Hugging Face Llama directory: `config.json` + `model.safetensors` (or sharded + index).
+    Dir(PathBuf),
+}
+
+/// Disaggregation role.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Role {
+    /// Prefill and decode in one engine.
+    #[default]
+    Aggregated,
+    /// Compute the prompt and the first token, publish the KV through kvtier, finish with
+    /// `FinishReason::Prefilled` once the KV is saved.
+    Prefill,
+    /// Continue requests that carry `prefilled`: their KV comes through kvtier (recomputed where
+    /// missing), the first token is not recomputed.
+    Decode,
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub model: ModelSource,
+    /// Tokens per KV block (G1 and every kvtier tier).
+    pub block_size: usize,
+    /// G1 capacity in blocks.
+    pub num_device_blocks: usize,
+    /// Most requests running (or loading KV) at once.
+    pub max_num_seqs: usize,
+    /// Token budget of one forward pass (the chunked-prefill chunk budget).
+    pub max_batch_tokens: usize,
+    /// Most requests waiting for admission; beyond it `submit` returns `EngineError::Overloaded`.
+    pub max_waiting: usize,
+    pub role: Role,
+    /// kvtier on (`Some`) or off (`None`).
+    pub connector: Option<ConnectorSetup>,
+}
+
+impl EngineConfig {
+    /// Built-in model, block 16, 256 G1 blocks, 16 sequences, 256 tokens per step, no connector.
+    pub fn builtin(seed: u64) -> Self {
+        EngineConfig {
+            model: ModelSource::BuiltIn { seed },
+            block_size: 16,
+            num_device_blocks: 256,
+            max_num_seqs: 16,
+            max_batch_tokens: 256,
+            max_waiting: 1024,
+            role: Role::Aggregated,
+            connector: None,
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), EngineError> {
+        let bad = |s: &str| Err(EngineError::Config(s.to_owned()));
+        if self.block_size == 0 || self.block_size > 64 {
+            return bad("block_size must be in 1..=64");
+        }
+        if self.num_device_blocks == 0 {
+            return bad("num_device_blocks must be > 0");
+        }
+        if self.max_num_seqs == 0 {
+            return bad("max_num_seqs must be > 0");
+        }
+        if self.max_batch_tokens == 0 {
+            return bad("max_batch_tokens must be > 0");
+        }
+        Ok(())
+    }
+}
+
+/// What a decode-role engine receives from the prefill engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Prefilled {
+    /// The token the prefill engine generated from the prompt.
+    pub first_token: u32,
+}
+
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    /// Most generated tokens (the first token of a prefilled request counts).
+    pub max_tokens: usize,
+    pub ignore_eos: bool,
+    /// Set on requests continued by a decode engine.
+    pub prefilled: Option<Prefilled>,
+}
+
+impl GenerateRequest {
+    pub fn new(prompt: Vec<u32>, max_tokens: usize) -> Self {
+        GenerateRequest {
+            prompt,
+            max_tokens,
+            ignore_eos: false,
+            prefilled: None,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token was generated.
+    Stop,
+    /// `max_tokens` or the model's maximum length was reached.
+    Length,
+    /// Prefill role: the prompt's KV is published; continue on a decode engine.
+    Prefilled,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Prefilled => "prefilled",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens not computed by this request's first admission (G1 prefix hit + kvtier match).
+    pub cached_tokens: usize,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum GenerateEvent {
+    Token(u32),
+    Done {
+        finish_reason: FinishReason,
+        usage: Usage,
+    },
+    Error(String),
+}
+
+/// Counters since start (monotonic) and gauges (current).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EngineMetrics {
+    pub requests_submitted: u64,
+    pub requests_finished: u64,
+    pub requests_failed: u64,
+    pub requests_rejected: u64,
+    pub prompt_tokens: u64,
+    pub generated_tokens: u64,
+    /// Tokens run through the forward pass (prefill chunks + decode tokens, recomputation included).
+    pub computed_tokens: u64,
+    /// Prompt tokens served from the engine's own G1 prefix cache.
+    pub g1_prefix_hit_tokens: u64,
+    /// Tokens matched by kvtier (loaded instead of computed), all tiers.
+    pub kvtier_matched_tokens: u64,
+    pub kvtier_matched_tokens_host: u64,
+    pub kvtier_matched_tokens_disk: u64,
+    pub kvtier_matched_tokens_remote: u64,
+    /// Blocks copied out of G1 / into G1 by kvtier (as reported by the connector).
+    pub offloaded_blocks: u64,
+    pub onboarded_blocks: u64,
+    /// Device blocks whose kvtier load failed (their tokens were recomputed).
+    pub load_failures: u64,
+    pub recomputed_tokens: u64,
+    pub preemptions: u64,
+    pub steps: u64,
+    /// Gauges.
+    pub queue_depth: u64,
+    pub running: u64,
+    pub free_device_blocks: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    #[error("engine overloaded: {0} requests waiting")]
+    Overloaded(usize),
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    #[error("invalid engine config: {0}")]
+    Config(String),
+    #[error(transparent)]
+    Model(#[from] crate::model::ModelError),
+    #[error("connector: {0}")]
+    Connector(String),
+    #[error("engine is shut down")]
+    ShutDown,
+}

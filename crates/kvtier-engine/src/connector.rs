@@ -1,0 +1,69 @@
+//! The engine side of the KV connector: the hooks the scheduler and the forward pass call, in the
+//! order TensorRT-LLM calls them (REFERENCE.md sections 2 and 8).
+//!
+//! Invariants the engine keeps towards any `EngineConnector`:
+//! - `get_num_new_matched_tokens` is called before the request's blocks are allocated,
+//!   `update_state_after_alloc` right after, with all of its blocks;
+//! - `build_connector_meta` is called once per step with a record for every scheduled request
+//!   (new exactly once, then cached), before `start_load_kv` and the forward pass;
+//! - blocks of a finished request for which `request_finished` returned `true` are not reused
+//!   until `get_finished` reports the request saved;
+//! - blocks reported by `get_block_ids_with_load_errors` are recomputed, never trusted;
+//! - `handle_preemptions` returns only when no transfer touches the preempted requests' blocks.
+use kvtier::connector::SchedulerStep;
+use kvtier::{DeviceBlockId, RequestId};
+
+/// What the engine tells a connector about one request.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestView<'a> {
+    pub id: &'a RequestId,
+    /// Prompt plus generated tokens so far.
+    pub tokens: &'a [u32],
+}
+
+/// Counters a connector reports (monotonic).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConnectorStats {
+    pub offloaded_blocks: u64,
+    pub onboarded_blocks: u64,
+    pub matched_tokens_host: u64,
+    pub matched_tokens_disk: u64,
+    pub matched_tokens_remote: u64,
+}
+
+pub trait EngineConnector: Send {
+    // ---- scheduler side ----
+    /// Tokens loadable beyond the `num_computed_tokens` the engine already holds, and whether
+    /// the load is asynchronous (the request then waits for `get_finished`).
+    fn get_num_new_matched_tokens(
+        &mut self,
+        req: RequestView<'_>,
+        num_computed_tokens: usize,
+    ) -> Result<(usize, bool), String>;
+    fn update_state_after_alloc(&mut self, req: RequestView<'_>, block_ids: &[DeviceBlockId]);
+    fn build_connector_meta(&mut self, step: &SchedulerStep) -> Result<(), String>;
+    /// `true`: saves are in flight, keep the blocks until `get_finished` reports the request.
+    fn request_finished(&mut self, id: &RequestId, block_ids: &[DeviceBlockId]) -> bool;
+
+    // ---- worker side ----
+    fn start_load_kv(&mut self);
+    fn wait_for_layer_load(&mut self, layer: usize);
+    fn save_kv_layer(&mut self, layer: usize);
+    /// End of the forward pass: stores gated on it may start.
+    fn forward_done(&mut self);
+    /// (saved request ids, loaded request ids); only ids passed in now or earlier are reported.
+    fn get_finished(
+        &mut self,
+        finished_gen_req_ids: &[RequestId],
+        started_loading_req_ids: &[RequestId],
+    ) -> (Vec<RequestId>, Vec<RequestId>);
+    fn get_block_ids_with_load_errors(&mut self) -> Vec<DeviceBlockId>;
+    /// Block until no transfer reads or writes the blocks of these requests.
+    fn handle_preemptions(&mut self, preempted: &[RequestId]);
+    fn stats(&self) -> ConnectorStats;
+}
+
+/// How to build the connector (kvtier on). Filled in when the kvtier connector lands.
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct ConnectorSetup {}

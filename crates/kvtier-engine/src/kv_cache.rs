@@ -1,0 +1,115 @@
+//! The paged KV cache (G1 of the reference engine): CPU memory the engine owns.
+//!
+//! Layout: the TensorRT-LLM pool shape `[num_blocks, num_layers, 2 (K, V), block_size * kv_heads *
+//! head_dim]` of f32, so one block is contiguous across layers (`bytes_per_block` bytes) and a
+//! (block, layer, plane) chunk is contiguous too. Inside a plane the order is `[slot][kv_head][dim]`.
+//!
+//! Invariant: the slice returned for (block, layer, plane, slot) always has exactly `kv_dim`
+//! elements; callers index blocks they own through the block pool.
+use crate::model::ModelConfig;
+
+pub struct KvCache {
+    data: Vec<f32>,
+    num_blocks: usize,
+    num_layers: usize,
+    block_size: usize,
+    kv_dim: usize,
+}
+
+impl KvCache {
+    pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> Self {
+        let kv_dim = cfg.kv_dim();
+        let len = num_blocks * cfg.num_layers * 2 * block_size * kv_dim;
+        KvCache {
+            data: vec![0.0; len],
+            num_blocks,
+            num_layers: cfg.num_layers,
+            block_size,
+            kv_dim,
+        }
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+    pub fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    /// f32 elements of one (block, layer, plane) chunk.
+    pub fn plane_len(&self) -> usize {
+        self.block_size * self.kv_dim
+    }
+    /// f32 elements of one whole block (all layers, K and V).
+    pub fn block_len(&self) -> usize {
+        self.num_layers * 2 * self.plane_len()
+    }
+    pub fn bytes_per_block(&self) -> usize {
+        self.block_len() * 4
+    }
+    /// The pool tensor's shape, `[num_blocks, num_layers, 2, block_size * kv_dim]`.
+    pub fn shape(&self) -> [usize; 4] {
+        [self.num_blocks, self.num_layers, 2, self.plane_len()]
+    }
+
+    fn offset(&self, block: usize, layer: usize, plane: usize, slot: usize) -> usize {
+        ((block * self.num_layers + layer) * 2 + plane) * self.plane_len() + slot * self.kv_dim
+    }
+
+    /// K (`plane` 0) or V (`plane` 1) of one token slot.
+    pub fn token(&self, block: usize, layer: usize, plane: usize, slot: usize) -> &[f32] {
+        let o = self.offset(block, layer, plane, slot);
+        &self.data[o..o + self.kv_dim]
+    }
+
+    pub fn token_mut(
+        &mut self,
+        block: usize,
+        layer: usize,
+        plane: usize,
+        slot: usize,
+    ) -> &mut [f32] {
+        let o = self.offset(block, layer, plane, slot);
+        &mut self.data[o..o + self.kv_dim]
+    }
+
+    /// One whole block (all layers and planes), contiguous.
+    pub fn block(&self, block: usize) -> &[f32] {
+        let n = self.block_len();
+        &self.data[block * n..(block + 1) * n]
+    }
+
+    pub fn block_mut(&mut self, block: usize) -> &mut [f32] {
+        let n = self.block_len();
+        &mut self.data[block * n..(block + 1) * n]
+    }
+
+    /// The whole pool as one slice (what gets registered with kvtier).
+    pub fn as_slice(&self) -> &[f32] {
+        &self.data
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        &mut self.data
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_are_contiguous_across_layers() {
+        let cfg = ModelConfig::builtin();
+        let mut kv = KvCache::new(&cfg, 3, 4);
+        assert_eq!(kv.shape(), [3, 2, 2, 4 * 64]);
+        kv.token_mut(1, 1, 1, 3).fill(7.0);
+        let b = kv.block(1);
+        assert_eq!(b.iter().filter(|v| **v == 7.0).count(), 64);
+        assert_eq!(b[b.len() - 1], 7.0);
+        assert!(kv.block(0).iter().all(|v| *v == 0.0));
+        assert!(kv.block(2).iter().all(|v| *v == 0.0));
+    }
+}
