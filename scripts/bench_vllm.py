@@ -5,9 +5,9 @@ history and asks for the next reply (round-robin over conversations, so by the t
 its history has been pushed out of vLLM's small device cache, G1). The assistant's reply is appended as fixed
 tokens (the cache sees the same prefixes either way). Each request is measured alone, with max_tokens=1: its
 latency is the time to first token (TTFT), i.e. the prefill. Both engines get the same G1 size; kvtier adds a host
-tier big enough for every history. Both engines run at the same time, each request going to one then the other,
-so that load changes on a shared machine hit both alike. Throughput is prompt tokens over the summed request
-latencies. First tokens must be identical in both runs (greedy decoding).
+tier big enough for every history. Both engines run at the same time, each request going to one then the other
+in alternating order, so that load changes on a shared machine hit both alike. Throughput is prompt tokens over
+the summed request latencies. First tokens must be identical in both runs (greedy decoding).
 
 Usage (from the repository root, in the vLLM venv with kvtier installed):
     python scripts/bench_vllm.py [--conversations 8] [--rounds 6] [--g1-blocks 64] [--out bench-out/vllm.json]
@@ -86,8 +86,9 @@ def run_both(model: Path, requests: list[list[int]], g1_blocks: int, kv: dict, l
         times: dict[str, list[float]] = {"vllm": [], "kvtier": []}
         firsts: dict[str, list[int]] = {"vllm": [], "kvtier": []}
         t = time.time()
-        for r in requests:
-            for key, e in (("vllm", base), ("kvtier", kvt)):
+        for i, r in enumerate(requests):
+            order = (("vllm", base), ("kvtier", kvt))
+            for key, e in (order if i % 2 == 0 else order[::-1]):  # alternate who goes first
                 res = e.call("ttft", prompts=[r])
                 times[key] += res["seconds"]
                 firsts[key] += res["first_tokens"]
