@@ -86,6 +86,9 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     # Some request of this step loads synchronously: the loads must be complete before the forward pass.
     sync_loads: bool = False
     preempted: list[str] = field(default_factory=list)
+    # Finished requests whose blocks vLLM keeps until the workers report them saved (request_finished said True).
+    # kvtier's workers report every finished request once its stores are done; vLLM must only hear of these.
+    delayed_frees: list[str] = field(default_factory=list)
     failed_loads: dict[str, list[int]] = field(default_factory=dict)
     failed_loads_async: bool = False
 
@@ -215,7 +218,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._worker.start_step(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads are asynchronous: vLLM schedules a request only after get_finished reported its load.
+        # Sync loads are complete when start_load_kv returns; async ones are never read before get_finished.
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
@@ -242,6 +245,7 @@ class KvtierConnector(KVConnectorBase_V1):
         return self._worker.take_reports()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        # vLLM asks both halves each step and aggregates: the scheduler half reports the leader's counters.
         side = self._worker or self._sched
         if side is None:
             return None
@@ -355,6 +359,8 @@ class _SchedulerSide:
         self._local_computed: dict[str, int] = {}
         self.async_loads = bool(settings.get("async_loads", False))
         self._sync_loads_pending = False
+        self._delayed_frees: list[str] = []
+        self._last_stats: dict[str, float] = {}
         self._errors = 0
 
     def _error(self, what: str, e: BaseException) -> None:
@@ -444,8 +450,9 @@ class _SchedulerSide:
             self._error("build_step", e)
         failed, self._failed_loads = self._failed_loads, {}
         sync, self._sync_loads_pending = self._sync_loads_pending, False
-        return KvtierConnectorMetadata(plan=plan, sync_loads=sync, preempted=preempted, failed_loads=failed,
-                                       failed_loads_async=self.async_loads)
+        delayed, self._delayed_frees = self._delayed_frees, []
+        return KvtierConnectorMetadata(plan=plan, sync_loads=sync, preempted=preempted, delayed_frees=delayed,
+                                       failed_loads=failed, failed_loads_async=self.async_loads)
 
     def update_output(self, out: "KVConnectorOutput") -> None:
         meta = out.kv_connector_worker_meta
@@ -458,16 +465,22 @@ class _SchedulerSide:
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        known = rid in self._requests or rid in self._local_computed or rid in self._scheduled
         self._requests.pop(rid, None)
         self._local_computed.pop(rid, None)
         self._scheduled.discard(rid)
+        if not known:  # aborted before kvtier ever saw it: nothing of it is stored
+            return False, None
         try:
             # True while stores still read the request's device blocks: vLLM keeps them until the workers
             # report the request in finished_sending.
-            return bool(self._leader.request_finished(rid)), None
+            delay = bool(self._leader.request_finished(rid))
         except Exception as e:
             self._error("request_finished", e)
             return False, None
+        if delay:
+            self._delayed_frees.append(rid)
+        return delay, None
 
     def take_events(self) -> list:
         try:
@@ -494,7 +507,10 @@ class _SchedulerSide:
         return s
 
     def take_stats_delta(self) -> dict[str, float]:
-        return {}
+        now = {k: v for k, v in self.cumulative_stats().items() if k in _COUNTERS}
+        delta = {k: v - self._last_stats.get(k, 0) for k, v in now.items() if v != self._last_stats.get(k, 0)}
+        self._last_stats = now
+        return delta
 
     def shutdown(self) -> None:
         try:
@@ -519,6 +535,14 @@ def _record(rid: str, new_tokens: list[int], new_block_ids: list[int], num_compu
 
 
 _MEDIA = {"host": "CPU", "disk": "STORAGE", "remote": "STORAGE"}
+
+# The leader's counters (monotonic); its other numbers are gauges and are not summed across intervals.
+_COUNTERS = frozenset((
+    "steps", "match_queries", "matched_tokens", "offload_blocks", "offload_confirmed", "offload_failed",
+    "offload_deduplicated", "offload_dropped", "onboard_host_blocks", "onboard_disk_blocks", "onboard_remote_blocks",
+    "onboard_failed", "spill_disk_blocks", "spill_disk_failed", "remote_put_blocks", "remote_put_failed",
+    "adapter_errors",
+))
 
 
 def _key(h: Any) -> bytes:
@@ -559,6 +583,7 @@ class _WorkerSide:
         self._errors = 0
         self._failed_recv: set[str] = set()
         self._failed_blocks: set[int] = set()
+        self._awaiting_save: set[str] = set()
         self._last_stats: dict[str, float] = {}
 
     def _error(self, what: str, e: BaseException) -> None:
@@ -575,6 +600,7 @@ class _WorkerSide:
         self._worker = core.Worker(self._settings, tensors)
 
     def start_step(self, meta: KvtierConnectorMetadata) -> None:
+        self._awaiting_save.update(meta.delayed_frees)
         for rid, blocks in meta.failed_loads.items():
             if meta.failed_loads_async:
                 # vLLM waits for the request in finished_recving; a sync load is only failed by its blocks.
@@ -623,7 +649,11 @@ class _WorkerSide:
         if self._worker is not None:
             try:
                 saved, loaded, load_failed = self._worker.get_finished(sorted(finished_req_ids))
-                sending.update(saved)
+                # vLLM frees a request's blocks at once unless request_finished said True, and then must not
+                # hear of it again.
+                done = self._awaiting_save.intersection(saved)
+                self._awaiting_save -= done
+                sending.update(done)
                 # A failed load is reported finished too; its blocks are in get_block_ids_with_load_errors.
                 recving.update(loaded)
                 recving.update(load_failed)
@@ -665,11 +695,10 @@ class _WorkerSide:
         return s
 
     def take_stats_delta(self) -> dict[str, float]:
-        now = self.cumulative_stats()
-        delta = {k: v - self._last_stats.get(k, 0) for k, v in now.items()
-                 if isinstance(v, (int, float)) and v != self._last_stats.get(k, 0)}
-        self._last_stats = now
-        return delta
+        # The worker's own numbers are gauges; its failures are the one counter vLLM should aggregate.
+        delta = self._errors - self._last_stats.get("adapter_errors", 0)
+        self._last_stats["adapter_errors"] = self._errors
+        return {"adapter_errors": delta} if delta else {}
 
     def shutdown(self) -> None:
         if self._worker is not None:
