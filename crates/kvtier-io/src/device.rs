@@ -13,14 +13,8 @@ use crate::host::HostStorage;
 use crate::layout::{BlockChunks, Chunk};
 use crate::sys::mem;
 
-/// What kind of memory the engine's KV cache is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DeviceKind {
-    /// Plain CPU memory.
-    Cpu,
-    /// Memory of CUDA device `ordinal` (in its primary context).
-    Cuda { ordinal: i32 },
-}
+/// What kind of memory the engine's KV cache is (CPU, or CUDA device by ordinal).
+pub use kvtier::layout::DeviceKind;
 
 enum Mover {
     Cpu,
@@ -41,7 +35,9 @@ impl DeviceSide {
     ) -> Result<Self, IoError> {
         let mover = match kind {
             DeviceKind::Cpu => Mover::Cpu,
-            DeviceKind::Cuda { ordinal } => {
+            DeviceKind::Cuda(ordinal) => {
+                let ordinal = i32::try_from(ordinal)
+                    .map_err(|_| IoError::Config(format!("CUDA device {ordinal}")))?;
                 Mover::Cuda(crate::cuda::CudaMover::new(ordinal, layout.as_ref(), host)?)
             }
         };

@@ -16,7 +16,7 @@ use crate::device::{DeviceKind, DeviceSide};
 use crate::disk::DiskStorage;
 use crate::error::IoError;
 use crate::host::HostStorage;
-use crate::layout::BlockChunks;
+use crate::layout::{BlockChunks, DeviceLayout};
 use crate::sys::mem;
 
 /// Builds a [`TransferEngine`] from the tiers a worker has.
@@ -35,6 +35,12 @@ impl TransferEngineBuilder {
     pub fn device(mut self, layout: Arc<dyn BlockChunks>, kind: DeviceKind) -> Self {
         self.device = Some((layout, kind));
         self
+    }
+    /// The engine's registered KV tensors as the core crate describes them; the memory kind
+    /// (CPU or CUDA device) comes from the layout.
+    pub fn device_layout(self, layout: DeviceLayout) -> Self {
+        let kind = layout.device();
+        self.device(Arc::new(layout), kind)
     }
     pub fn host(mut self, host: Arc<HostStorage>) -> Self {
         self.host = Some(host);

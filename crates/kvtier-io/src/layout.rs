@@ -4,17 +4,13 @@
 //! Invariants: every block of a layout has the same chunks lengths in the same order, summing to
 //! `bytes_per_block`; chunks of different blocks never overlap; addresses are borrowed from the
 //! engine (kvtier never frees them).
+use kvtier::ids::DeviceBlockId;
+pub use kvtier::layout::{Chunk, DeviceLayout};
+
 use crate::error::IoError;
 
-/// One contiguous piece of a device block.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Chunk {
-    pub addr: u64,
-    pub len: usize,
-}
-
-/// The mapping from a device block id to its chunks. Implemented by [`StridedLayout`] and by
-/// the core crate's `DeviceLayout`.
+/// The mapping from a device block id to its chunks. Implemented by the core crate's
+/// [`DeviceLayout`] (what engines register) and by [`StridedLayout`] (tests and benchmarks).
 pub trait BlockChunks: Send + Sync {
     /// Bytes of one block (the sum of its chunk lengths).
     fn bytes_per_block(&self) -> usize;
@@ -146,6 +142,19 @@ impl BlockChunks for StridedLayout {
             len: r.len,
         }));
         Ok(())
+    }
+}
+
+impl BlockChunks for DeviceLayout {
+    fn bytes_per_block(&self) -> usize {
+        DeviceLayout::bytes_per_block(self)
+    }
+    fn num_blocks(&self) -> u32 {
+        u32::try_from(DeviceLayout::num_blocks(self)).unwrap_or(u32::MAX)
+    }
+    fn chunks(&self, block: u32, out: &mut Vec<Chunk>) -> Result<(), String> {
+        self.chunks_into(DeviceBlockId(block), out)
+            .map_err(|e| e.to_string())
     }
 }
 

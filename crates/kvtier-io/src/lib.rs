@@ -48,4 +48,4 @@ pub use disk::{DirectMode, DiskIoMode, DiskOptions, DiskStorage, Fault, FaultInj
 pub use engine::{TransferEngine, TransferEngineBuilder};
 pub use error::{BlockIoError, IoError};
 pub use host::{HostOptions, HostStorage, PinMode};
-pub use layout::{BlockChunks, Chunk, Region, StridedLayout};
+pub use layout::{BlockChunks, Chunk, DeviceLayout, Region, StridedLayout};

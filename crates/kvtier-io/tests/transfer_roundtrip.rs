@@ -314,3 +314,78 @@ fn concurrent_jobs_on_disjoint_blocks() {
         assert_eq!(out, pattern(31 - b, bpb));
     }
 }
+
+/// The core crate's `DeviceLayout` (what engines register) drives the engine directly: vLLM's
+/// CPU layout and TensorRT-LLM's pool, both bit-exact through host and back.
+#[test]
+fn core_device_layouts_round_trip() {
+    use kvtier::layout::{DType, DeviceLayout, TensorDesc};
+    let (blocks, heads, bs, hd) = (5usize, 2usize, 4usize, 8usize);
+    // vLLM CPU: per layer [num_blocks, kv_heads, block_size, 2 * head_size] f32.
+    let mut layers: Vec<Vec<f32>> = (0..3)
+        .map(|_| vec![0f32; blocks * heads * bs * 2 * hd])
+        .collect();
+    for (l, t) in layers.iter_mut().enumerate() {
+        for (i, v) in t.iter_mut().enumerate() {
+            *v = (l * 100000 + i) as f32;
+        }
+    }
+    let orig = layers.clone();
+    let descs: Vec<TensorDesc> = layers
+        .iter()
+        .enumerate()
+        .map(|(l, t)| {
+            TensorDesc::contiguous(
+                format!("l{l}"),
+                t.as_ptr() as u64,
+                vec![blocks, heads, bs, 2 * hd],
+                4,
+                DeviceKind::Cpu,
+            )
+        })
+        .collect();
+    let layout = DeviceLayout::vllm_cpu(&descs, DType::F32).unwrap();
+    let bpb = layout.bytes_per_block();
+    let h = host(blocks as u32, bpb);
+    let e = TransferEngine::builder()
+        .device_layout(layout)
+        .host(h.clone())
+        .build()
+        .unwrap();
+    assert_eq!(e.device_kind(), Some(DeviceKind::Cpu));
+    let pairs: Vec<(u32, u32)> = (0..blocks as u32).map(|b| (b, b)).collect();
+    assert!(run(&e, job(Tier::Device, Tier::Host, &pairs)).is_ok());
+    for t in layers.iter_mut() {
+        t.iter_mut().for_each(|v| *v = -1.0);
+    }
+    assert!(run(&e, job(Tier::Host, Tier::Device, &pairs)).is_ok());
+    assert_eq!(layers, orig);
+
+    // TensorRT-LLM pool: [num_blocks, layers, 2, tokens*heads*dim] bf16 (as u16).
+    let (nl, inner) = (4usize, bs * heads * hd);
+    let mut pool: Vec<u16> = (0..blocks * nl * 2 * inner)
+        .map(|i| (i * 7 % 65521) as u16)
+        .collect();
+    let orig = pool.clone();
+    let d = TensorDesc::contiguous(
+        "pool",
+        pool.as_mut_ptr() as u64,
+        vec![blocks, nl, 2, inner],
+        2,
+        DeviceKind::Cpu,
+    );
+    let layout = DeviceLayout::trtllm(&d, bs, DType::BF16).unwrap();
+    let h = host(blocks as u32, layout.bytes_per_block());
+    let e = TransferEngine::builder()
+        .device_layout(layout)
+        .host(h)
+        .build()
+        .unwrap();
+    assert!(run(&e, job(Tier::Device, Tier::Host, &[(0, 4), (4, 0), (2, 2)])).is_ok());
+    pool.iter_mut().for_each(|v| *v = 0);
+    assert!(run(&e, job(Tier::Host, Tier::Device, &[(4, 0), (0, 4), (2, 2)])).is_ok());
+    for b in [0usize, 2, 4] {
+        let r = b * nl * 2 * inner..(b + 1) * nl * 2 * inner;
+        assert_eq!(pool[r.clone()], orig[r]);
+    }
+}

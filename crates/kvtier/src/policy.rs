@@ -1,1 +1,335 @@
-//! Offload policy. (Owned by the core helper; placeholder until it lands.)
+//! Offload policy: which completed blocks go to which tier.
+//!
+//! - Device -> host (G1 -> G2): write-through, every full block as it completes, unless
+//!   write-through is off or the block's priority is below the cut-off.
+//! - Host -> disk (G2 -> G3): only blocks that pass the frequency filter: a hash must be seen a
+//!   second time within the decay window (measured from its previous sighting) before it is
+//!   written to disk, sparing the SSD one-off blocks. The filter remembers at most `max_tracked`
+//!   hashes; when full, it forgets the least recently seen. It can be disabled (every block
+//!   passes). The priority cut-off applies too.
+//! - Host -> remote (G2 -> G4): every block at or above the priority cut-off.
+//!
+//! Pure: time is passed in as a [`Duration`] since any fixed origin (the caller's monotonic
+//! clock), so the policy never reads a clock and tests are deterministic.
+//!
+//! Invariants: the filter holds at most `max_tracked` hashes; a hash is "seen twice within the
+//! window" exactly when its previous sighting is at most `window` before `now` and it was not
+//! forgotten for room in between; time going backwards counts as no time elapsed.
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+use crate::config::PolicyConfig;
+use crate::hash::SequenceHash;
+use crate::pool::Priority;
+
+/// Policy parameters (from [`PolicyConfig`] or set directly).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PolicyParams {
+    pub write_through: bool,
+    /// `None`: the disk filter is off and every block goes to disk.
+    pub disk_filter: Option<FilterParams>,
+    /// Blocks with a priority below this are not offloaded anywhere.
+    pub priority_cutoff: Priority,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FilterParams {
+    pub window: Duration,
+    pub max_tracked: usize,
+}
+
+impl Default for PolicyParams {
+    fn default() -> Self {
+        PolicyParams {
+            write_through: true,
+            disk_filter: Some(FilterParams {
+                window: Duration::from_secs(600),
+                max_tracked: 1_000_000,
+            }),
+            priority_cutoff: Priority(0),
+        }
+    }
+}
+
+impl From<&PolicyConfig> for PolicyParams {
+    fn from(c: &PolicyConfig) -> Self {
+        PolicyParams {
+            write_through: c.write_through,
+            disk_filter: c.disk_filter.enabled.then_some(FilterParams {
+                window: Duration::from_secs(c.disk_filter.window_secs),
+                max_tracked: c.disk_filter.max_tracked,
+            }),
+            priority_cutoff: Priority(c.priority_cutoff),
+        }
+    }
+}
+
+/// "Seen twice within the window" over a bounded set of hashes.
+///
+/// `last_seen` maps a hash to its last sighting; `order` lists sightings oldest first, with
+/// stale entries (a hash seen again later) skipped lazily, and is compacted when it grows past
+/// twice the table, so both stay O(max_tracked).
+#[derive(Debug)]
+pub struct FrequencyFilter {
+    params: FilterParams,
+    last_seen: HashMap<u128, Duration>,
+    order: VecDeque<(u128, Duration)>,
+}
+
+impl FrequencyFilter {
+    pub fn new(params: FilterParams) -> Self {
+        FrequencyFilter {
+            params,
+            last_seen: HashMap::new(),
+            order: VecDeque::new(),
+        }
+    }
+
+    /// Record a sighting of `hash` at `now`; true when it is the second (or later) sighting
+    /// within the window of the previous one.
+    pub fn observe(&mut self, hash: SequenceHash, now: Duration) -> bool {
+        if self.params.max_tracked == 0 {
+            return false;
+        }
+        self.expire(now);
+        let pass = match self.last_seen.get(&hash.0) {
+            Some(prev) => now.saturating_sub(*prev) <= self.params.window,
+            None => false,
+        };
+        let now = match self.last_seen.get(&hash.0) {
+            // Keep each hash's time monotonic so `order` stays sorted.
+            Some(prev) if *prev > now => *prev,
+            _ => now,
+        };
+        self.last_seen.insert(hash.0, now);
+        self.order.push_back((hash.0, now));
+        while self.last_seen.len() > self.params.max_tracked {
+            self.forget_oldest();
+        }
+        if self.order.len() > 2 * self.params.max_tracked.max(16) {
+            self.compact();
+        }
+        pass
+    }
+
+    /// Hashes currently remembered.
+    pub fn len(&self) -> usize {
+        self.last_seen.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.last_seen.is_empty()
+    }
+
+    /// Forget sightings older than the window (they can no longer make a hash pass).
+    fn expire(&mut self, now: Duration) {
+        while let Some(&(h, t)) = self.order.front() {
+            if now.saturating_sub(t) <= self.params.window {
+                break;
+            }
+            self.order.pop_front();
+            if self.last_seen.get(&h) == Some(&t) {
+                self.last_seen.remove(&h);
+            }
+        }
+    }
+
+    fn forget_oldest(&mut self) {
+        while let Some((h, t)) = self.order.pop_front() {
+            if self.last_seen.get(&h) == Some(&t) {
+                self.last_seen.remove(&h);
+                return;
+            }
+        }
+    }
+
+    fn compact(&mut self) {
+        let mut live: Vec<(u128, Duration)> =
+            self.last_seen.iter().map(|(h, t)| (*h, *t)).collect();
+        // Oldest first; ties broken by hash so the order is deterministic.
+        live.sort_unstable_by_key(|(h, t)| (*t, *h));
+        self.order = live.into();
+    }
+}
+
+/// The offload decisions of one leader.
+#[derive(Debug)]
+pub struct OffloadPolicy {
+    params: PolicyParams,
+    filter: Option<FrequencyFilter>,
+}
+
+impl OffloadPolicy {
+    pub fn new(params: PolicyParams) -> Self {
+        let filter = params.disk_filter.map(FrequencyFilter::new);
+        OffloadPolicy { params, filter }
+    }
+
+    pub fn from_config(c: &PolicyConfig) -> Self {
+        Self::new(PolicyParams::from(c))
+    }
+
+    pub fn params(&self) -> &PolicyParams {
+        &self.params
+    }
+
+    fn above_cutoff(&self, priority: Priority) -> bool {
+        priority >= self.params.priority_cutoff
+    }
+
+    /// G1 -> G2 when a block completes.
+    pub fn offload_to_host(&self, priority: Priority) -> bool {
+        self.params.write_through && self.above_cutoff(priority)
+    }
+
+    /// G2 -> G3 for a block stored (or seen again) in host memory at `now`. Records the
+    /// sighting in the frequency filter; blocks below the cut-off are not recorded.
+    pub fn offload_to_disk(
+        &mut self,
+        hash: SequenceHash,
+        priority: Priority,
+        now: Duration,
+    ) -> bool {
+        if !self.above_cutoff(priority) {
+            return false;
+        }
+        match &mut self.filter {
+            Some(f) => f.observe(hash, now),
+            None => true,
+        }
+    }
+
+    /// G2 -> G4.
+    pub fn offload_to_remote(&self, priority: Priority) -> bool {
+        self.above_cutoff(priority)
+    }
+
+    /// Hashes the disk filter remembers (0 when it is off).
+    pub fn tracked(&self) -> usize {
+        self.filter.as_ref().map_or(0, FrequencyFilter::len)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn secs(s: u64) -> Duration {
+        Duration::from_secs(s)
+    }
+
+    fn h(i: u128) -> SequenceHash {
+        SequenceHash(i)
+    }
+
+    fn filter(window: u64, max: usize) -> FrequencyFilter {
+        FrequencyFilter::new(FilterParams {
+            window: secs(window),
+            max_tracked: max,
+        })
+    }
+
+    #[test]
+    fn second_sighting_within_window_passes() {
+        let mut f = filter(600, 100);
+        assert!(!f.observe(h(1), secs(0)));
+        assert!(f.observe(h(1), secs(599)));
+        assert!(
+            f.observe(h(1), secs(1199)),
+            "window runs from the previous sighting"
+        );
+        assert!(!f.observe(h(2), secs(1200)));
+        assert!(!f.observe(h(2), secs(1801)), "601 s later: too late");
+        assert!(f.observe(h(2), secs(1802)));
+    }
+
+    #[test]
+    fn exactly_at_the_window_edge_passes() {
+        let mut f = filter(10, 100);
+        assert!(!f.observe(h(1), secs(5)));
+        assert!(f.observe(h(1), secs(15)));
+    }
+
+    #[test]
+    fn expired_hashes_are_forgotten() {
+        let mut f = filter(10, 100);
+        for i in 0..50 {
+            f.observe(h(i), secs(0));
+        }
+        assert_eq!(f.len(), 50);
+        f.observe(h(999), secs(11));
+        assert_eq!(f.len(), 1);
+    }
+
+    #[test]
+    fn table_is_bounded_and_forgets_least_recently_seen() {
+        let mut f = filter(1_000, 3);
+        f.observe(h(1), secs(1));
+        f.observe(h(2), secs(2));
+        f.observe(h(3), secs(3));
+        f.observe(h(1), secs(4)); // 1 is now the most recent
+        f.observe(h(4), secs(5)); // evicts 2
+        assert_eq!(f.len(), 3);
+        assert!(!f.observe(h(2), secs(6)), "2 was forgotten");
+        // ...which evicted 3 (oldest of 3, 1, 4).
+        assert!(f.observe(h(1), secs(7)));
+        assert!(!f.observe(h(3), secs(8)));
+        assert!(f.len() <= 3);
+    }
+
+    #[test]
+    fn bounded_under_churn() {
+        let mut f = filter(1_000_000, 20);
+        for i in 0..10_000u128 {
+            f.observe(h(i % 37), secs(i as u64));
+            assert!(f.len() <= 20);
+            assert!(f.order.len() <= 2 * 20 + 1);
+        }
+    }
+
+    #[test]
+    fn time_going_backwards_counts_as_zero() {
+        let mut f = filter(10, 100);
+        f.observe(h(1), secs(100));
+        assert!(f.observe(h(1), secs(50)));
+    }
+
+    #[test]
+    fn policy_applies_cutoff_write_through_and_filter() {
+        let mut p = OffloadPolicy::new(PolicyParams {
+            write_through: true,
+            disk_filter: Some(FilterParams {
+                window: secs(600),
+                max_tracked: 10,
+            }),
+            priority_cutoff: Priority(35),
+        });
+        assert!(p.offload_to_host(Priority(35)));
+        assert!(!p.offload_to_host(Priority(34)));
+        assert!(p.offload_to_remote(Priority(100)));
+        assert!(!p.offload_to_remote(Priority(0)));
+        assert!(!p.offload_to_disk(h(1), Priority(50), secs(0)));
+        assert!(p.offload_to_disk(h(1), Priority(50), secs(1)));
+        // Below the cut-off: never, and not even recorded.
+        assert!(!p.offload_to_disk(h(2), Priority(1), secs(0)));
+        assert!(!p.offload_to_disk(h(2), Priority(1), secs(1)));
+        assert_eq!(p.tracked(), 1);
+        let off = OffloadPolicy::new(PolicyParams {
+            write_through: false,
+            ..PolicyParams::default()
+        });
+        assert!(!off.offload_to_host(Priority(100)));
+    }
+
+    #[test]
+    fn disabled_filter_passes_everything() {
+        let mut c = crate::config::KvtierConfig::default().policy;
+        c.disk_filter.enabled = false;
+        let mut p = OffloadPolicy::from_config(&c);
+        assert!(p.offload_to_disk(h(1), Priority(0), secs(0)));
+        assert_eq!(p.tracked(), 0);
+        let d = OffloadPolicy::from_config(&crate::config::KvtierConfig::default().policy);
+        assert_eq!(d.params(), &PolicyParams::default());
+    }
+}

@@ -575,3 +575,43 @@ fn sync_load_not_awaited_is_reported_failed() {
         "pins released"
     );
 }
+
+#[test]
+fn disk_filter_spills_only_blocks_seen_twice() {
+    let mut cfg = LeaderConfig::new(BS, SALT, 32);
+    cfg.disk = Capacity::Blocks(32);
+    cfg.disk_policy = DiskPolicy::filtered();
+    let mut rig = Rig::new(cfg, &[BPB], None);
+    let p1: Vec<u32> = (0..64).collect();
+    prefill(&mut rig, "a", &p1, 0);
+    rig.settle();
+    rig.run(&step(vec![]), &[]);
+    rig.settle();
+    assert_eq!(
+        rig.leader.stats().disk_registered,
+        0,
+        "seen once: not on disk"
+    );
+    // The same prompt computed again (the engine declined the match): every block is seen twice.
+    let b: RequestId = "b".into();
+    rig.leader
+        .update_state_after_alloc(&b, &ids(10..14), Some(0))
+        .unwrap();
+    rig.run(
+        &step(vec![new_rec("b", &p1, ids(10..14), 0, 64)]),
+        &[(p1.clone(), (0..4).map(|i| (i, 10 + i as u32)).collect())],
+    );
+    rig.settle();
+    rig.run(&step(vec![]), &[]);
+    rig.settle();
+    let s = rig.leader.stats();
+    assert_eq!(
+        (
+            s.offload_deduplicated,
+            s.disk_registered,
+            s.offload_confirmed
+        ),
+        (4, 4, 4),
+        "{s:?}"
+    );
+}

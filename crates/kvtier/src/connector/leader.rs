@@ -30,6 +30,7 @@ use crate::connector::step::{SchedulerStep, StepRecord};
 use crate::connector::ConnectorError;
 use crate::hash::{HashSalt, SequenceHash};
 use crate::ids::{BlockId, DeviceBlockId, JobId, RequestId, Tier};
+use crate::policy::{FilterParams, FrequencyFilter};
 use crate::pool::{BlockPool, PoolEvent, Priority};
 use crate::transfer::{BlockPair, RemoteStore, TransferJob, TransferOutcome};
 
@@ -64,6 +65,19 @@ pub enum DiskPolicy {
     Never,
     /// Every block confirmed in G2 is copied to G3.
     WriteThrough,
+    /// A block goes to G3 once the policy's frequency filter has seen it twice within its window
+    /// (stored or found again in G2), sparing the SSD one-off blocks.
+    Filter(FilterParams),
+}
+
+impl DiskPolicy {
+    /// The original's default: seen twice within 600 s, at most 1M tracked hashes.
+    pub fn filtered() -> Self {
+        DiskPolicy::Filter(FilterParams {
+            window: std::time::Duration::from_secs(600),
+            max_tracked: 1_000_000,
+        })
+    }
 }
 
 /// How the leader is set up.
@@ -117,7 +131,7 @@ impl LeaderConfig {
             layout: None,
             host: Capacity::Blocks(host_blocks),
             disk: Capacity::Blocks(0),
-            disk_policy: DiskPolicy::WriteThrough,
+            disk_policy: DiskPolicy::filtered(),
             remote: None,
             remote_put: false,
             async_loads: false,
@@ -211,6 +225,9 @@ pub struct Leader {
     host: Option<BlockPool>,
     disk: Option<BlockPool>,
     disk_policy: DiskPolicy,
+    disk_filter: Option<FrequencyFilter>,
+    /// Origin of the filter's clock.
+    started: std::time::Instant,
     remote: Option<Arc<dyn RemoteStore>>,
     remote_put: bool,
     async_loads: bool,
@@ -277,6 +294,11 @@ impl Leader {
             host,
             disk,
             disk_policy: cfg.disk_policy,
+            disk_filter: match cfg.disk_policy {
+                DiskPolicy::Filter(p) => Some(FrequencyFilter::new(p)),
+                _ => None,
+            },
+            started: std::time::Instant::now(),
             remote: cfg.remote,
             remote_put: cfg.remote_put,
             async_loads: cfg.async_loads,
@@ -688,14 +710,21 @@ impl Leader {
             (None, None) => return,
         };
         let mut todo: Vec<&OffloadBlock> = Vec::with_capacity(offloads.len());
+        let mut seen_again = Vec::new();
         for b in offloads {
-            if pool.lookup(b.hash).is_some() || self.writing.contains(&b.hash) {
+            if let Some(existing) = pool.lookup(b.hash) {
+                self.stats.offload_deduplicated += 1;
+                if tier == Tier::Host {
+                    seen_again.push((existing, b.hash));
+                }
+            } else if self.writing.contains(&b.hash) {
                 self.stats.offload_deduplicated += 1;
             } else {
                 todo.push(b);
             }
         }
         if todo.is_empty() {
+            self.spill_seen_again(&seen_again);
             return;
         }
         let n = todo.len().min(pool.num_free());
@@ -704,6 +733,7 @@ impl Leader {
             tracing::debug!(request = %req, dropped = todo.len() - n, "offload tier full");
         }
         if n == 0 {
+            self.spill_seen_again(&seen_again);
             return;
         }
         let blocks = match pool.allocate(n) {
@@ -747,6 +777,17 @@ impl Leader {
                 remote_keys: Vec::new(),
             },
         });
+        self.spill_seen_again(&seen_again);
+    }
+
+    /// Blocks found again in G2 count as sightings for the disk filter.
+    fn spill_seen_again(&mut self, seen: &[(BlockId, SequenceHash)]) {
+        if self.disk.is_none() || self.disk_policy == DiskPolicy::Never {
+            return;
+        }
+        for &(blk, hash) in seen {
+            self.plan_spills(blk, hash, false);
+        }
     }
 
     // ----- finishing and preemption ---------------------------------------------------------
@@ -863,7 +904,7 @@ impl Leader {
                         Ok(canonical) => {
                             self.stats.offload_confirmed += 1;
                             if tier == Tier::Host {
-                                self.plan_spills(canonical, hash);
+                                self.plan_spills(canonical, hash, canonical == blk);
                             }
                             self.release(tier, canonical);
                         }
@@ -943,9 +984,21 @@ impl Leader {
         }
     }
 
-    /// After `hash` landed in G2 as `host_block`: plan its copy to G3 and/or G4.
-    fn plan_spills(&mut self, host_block: BlockId, hash: SequenceHash) {
-        let to_disk = self.disk_policy == DiskPolicy::WriteThrough
+    /// `hash` was stored in, or found again in, G2 as `host_block`: plan its copy to G3 (per the
+    /// disk policy) and, on its first store, to G4.
+    fn plan_spills(&mut self, host_block: BlockId, hash: SequenceHash, first_store: bool) {
+        let wanted = self.disk.is_some()
+            && match self.disk_policy {
+                DiskPolicy::Never => false,
+                DiskPolicy::WriteThrough => true,
+                DiskPolicy::Filter(_) => {
+                    let now = self.started.elapsed();
+                    self.disk_filter
+                        .as_mut()
+                        .is_some_and(|f| f.observe(hash, now))
+                }
+            };
+        let to_disk = wanted
             && !self.spilling.contains(&hash)
             && self
                 .disk
@@ -980,7 +1033,7 @@ impl Leader {
                 }
             }
         }
-        if self.remote_put && self.remote.is_some() {
+        if first_store && self.remote_put && self.remote.is_some() {
             if let Some(h) = self.host.as_mut() {
                 let _ = h.pin(host_block);
             }
