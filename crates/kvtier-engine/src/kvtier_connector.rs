@@ -23,13 +23,11 @@ use kvtier::connector::{
 };
 use kvtier::hash::{sequence_hashes, HashSalt};
 use kvtier::layout::{self, DType, DeviceLayout, TensorDesc};
+use kvtier::policy::FilterParams;
 use kvtier::pool::Priority;
 use kvtier::transfer::{BlockTransfer, RemoteStore};
 use kvtier::{DeviceBlockId, RequestId};
-use kvtier_io::{
-    DiskOptions, DiskStorage, HostOptions, HostStorage, PinMode, Region, StridedLayout,
-    TransferEngine,
-};
+use kvtier_io::{DiskOptions, DiskStorage, HostOptions, HostStorage, PinMode, TransferEngine};
 
 use crate::api::{EngineConfig, EngineError, Role};
 use crate::connector::{ConnectorSetup, ConnectorStats, EngineConnector, RequestView};
@@ -116,22 +114,10 @@ pub(crate) fn build(
             bytes_per_block
         )));
     }
-    let regions = dl
-        .regions()
-        .iter()
-        .map(|r| Region {
-            base: r.base,
-            block_stride: r.block_stride,
-            len: r.len,
-        })
-        .collect();
-    let strided: Arc<StridedLayout> = Arc::new(
-        StridedLayout::new(kv.num_blocks() as u32, regions)
-            .map_err(|e| cerr("device layout", e))?,
-    );
-    let mut tb = TransferEngine::builder().device(strided.clone(), kvtier_io::DeviceKind::Cpu);
+    let device: Arc<DeviceLayout> = Arc::new(dl);
+    let mut tb = TransferEngine::builder().device(device.clone(), layout::DeviceKind::Cpu);
     // The same device, disk and remote with a private host tier: stages disk/remote loads.
-    let mut sb = TransferEngine::builder().device(strided, kvtier_io::DeviceKind::Cpu);
+    let mut sb = TransferEngine::builder().device(device, layout::DeviceKind::Cpu);
     let mut staging_host = HostOptions::new(STAGING_BLOCKS, bytes_per_block);
     staging_host.pin = PinMode::Never;
     staging_host.touch_threads = 1;
@@ -202,10 +188,15 @@ pub(crate) fn build(
         layout: None,
         host: Capacity::Blocks(caps.host_blocks),
         disk: Capacity::Blocks(caps.disk_blocks),
-        disk_policy: if caps.disk_blocks > 0 {
-            DiskPolicy::WriteThrough
-        } else {
+        disk_policy: if caps.disk_blocks == 0 {
             DiskPolicy::Never
+        } else if c.policy.disk_filter.enabled {
+            DiskPolicy::Filter(FilterParams {
+                window: Duration::from_secs(c.policy.disk_filter.window_secs),
+                max_tracked: c.policy.disk_filter.max_tracked,
+            })
+        } else {
+            DiskPolicy::WriteThrough
         },
         remote: remote.clone(),
         remote_put: remote.is_some() && cfg.role != Role::Decode,

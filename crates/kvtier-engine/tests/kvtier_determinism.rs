@@ -26,6 +26,8 @@ fn tiers(host: u64, disk: Option<(&Path, u64)>, remote: Option<&Path>) -> Kvtier
     if let Some((dir, n)) = disk {
         c.disk.size = Some(TierSize::Blocks(n));
         c.disk.dir = dir.to_path_buf();
+        // Spill every block (the frequency filter is tested in the core crate).
+        c.policy.disk_filter.enabled = false;
     }
     c.remote = remote.map(|p| RemoteTarget::Dir(p.to_path_buf()));
     c.validate().unwrap();
