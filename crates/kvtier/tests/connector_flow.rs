@@ -615,3 +615,59 @@ fn disk_filter_spills_only_blocks_seen_twice() {
         "{s:?}"
     );
 }
+
+/// Regression: stores computed in the same step as a failed sync load read KV computed over bad
+/// blocks; they must never be registered (the original served wrong KV after failed loads).
+#[test]
+fn failed_sync_load_drops_the_stores_of_that_step() {
+    let mut rig = Rig::new(LeaderConfig::new(BS, SALT, 32), &[BPB], None);
+    let pa: Vec<u32> = (0..100).collect();
+    prefill(&mut rig, "a", &pa, 0);
+    rig.settle();
+    let mut pb: Vec<u32> = pa[..96].to_vec();
+    pb.extend(5000..5032);
+    let hb = sequence_hashes(SALT, &pb, BS);
+    let host3 = rig.leader.host_pool().unwrap().lookup(hb[3]).unwrap();
+    rig.ranks[0].faulty.set_rules(FaultRules {
+        fail_src: [(Tier::Host, host3.0)].into_iter().collect(),
+        ..Default::default()
+    });
+    let b: RequestId = "b".into();
+    assert_eq!(
+        rig.leader.get_num_new_matched_tokens(&b, &pb, 0).unwrap(),
+        96
+    );
+    rig.leader
+        .update_state_after_alloc(&b, &ids(20..28), None)
+        .unwrap();
+    let meta = rig.run(
+        &step(vec![new_rec("b", &pb, ids(20..28), 96, 32)]),
+        &[(pb.clone(), vec![(6, 26), (7, 27)])],
+    );
+    assert_eq!(meta.stores.len(), 1, "blocks 6 and 7 were planned");
+    rig.settle();
+    assert_eq!(
+        rig.ranks[0].worker.take_load_errors(),
+        vec![DeviceBlockId(23)]
+    );
+    let s = rig.leader.stats();
+    assert_eq!(s.offload_failed, 2, "{s:?}");
+    assert_eq!(rig.leader.host_pool().unwrap().peek_prefix(&hb), 3);
+    // The engine recomputes from block 3; those blocks are offloaded again, correctly.
+    let meta = rig.run(
+        &step(vec![cont("b", &[], vec![], 48, 80)]),
+        &[(pb.clone(), (3..8).map(|i| (i, 20 + i as u32)).collect())],
+    );
+    let stored: Vec<u32> = meta
+        .stores
+        .iter()
+        .flat_map(|s| s.job.pairs.iter().map(|p| p.src))
+        .collect();
+    assert_eq!(
+        stored,
+        vec![23, 26, 27],
+        "blocks 4 and 5 are still in the host tier"
+    );
+    rig.settle();
+    assert_eq!(rig.leader.host_pool().unwrap().peek_prefix(&hb), 8);
+}

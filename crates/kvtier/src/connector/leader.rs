@@ -193,6 +193,8 @@ enum JobBooks {
         request: RequestId,
         src: Tier,
         pinned: Vec<BlockId>,
+        /// Destination device block per pair.
+        devices: Vec<DeviceBlockId>,
     },
     /// Host -> disk: `(host block read, disk block written, hash)` per pair.
     SpillDisk {
@@ -512,7 +514,8 @@ impl Leader {
         block_ids: &[DeviceBlockId],
         num_external_tokens: Option<usize>,
     ) -> Result<(), ConnectorError> {
-        self.poll_reports();
+        // No report is applied here: between matching and allocation the pools must not change,
+        // so the promised blocks are still there.
         self.check_device_ids(req, "block_ids", block_ids)?;
         let external = num_external_tokens.unwrap_or(0);
         if !self.slots.contains_key(req) {
@@ -586,6 +589,9 @@ impl Leader {
         let failed_devices: Vec<DeviceBlockId> =
             onboard[sources.len()..].iter().map(|b| b.device).collect();
         self.stats.onboard_failed += failed_devices.len() as u64;
+        if let (Some(first), Some(e)) = (onboard.get(sources.len()), self.slots.get_mut(req)) {
+            e.slot.load_failed(first.index);
+        }
         if !failed_devices.is_empty() {
             tracing::warn!(request = %req, blocks = failed_devices.len(), "matched blocks vanished before allocation; reporting load errors");
         }
@@ -597,6 +603,7 @@ impl Leader {
                 _ => self.stats.onboard_remote_blocks += pairs.len() as u64,
             }
             let id = self.new_job_id();
+            let devices = pairs.iter().map(|p| DeviceBlockId(p.dst)).collect();
             jobs.push(TransferJob {
                 id,
                 src: tier,
@@ -610,6 +617,7 @@ impl Leader {
                     request: req.clone(),
                     src: tier,
                     pinned,
+                    devices,
                 },
             );
         }
@@ -920,7 +928,18 @@ impl Leader {
                 request,
                 src,
                 pinned,
+                devices,
             } => {
+                if let Some(e) = self.slots.get_mut(&request) {
+                    let first_failed = failed
+                        .iter()
+                        .filter_map(|&k| devices.get(k))
+                        .filter_map(|d| e.slot.index_of(*d))
+                        .min();
+                    if let Some(i) = first_failed {
+                        e.slot.load_failed(i);
+                    }
+                }
                 for (i, blk) in pinned.into_iter().enumerate() {
                     if failed.contains(&i) {
                         // Its bytes could not be read: never offer it again.

@@ -112,7 +112,7 @@ pub struct Worker {
     threads: Vec<JoinHandle<()>>,
     /// Loads and stores of the bound step not yet handed to the executor.
     bound_loads: Vec<RequestLoad>,
-    bound_stores: Vec<TransferJob>,
+    bound_stores: Vec<(RequestId, TransferJob)>,
     jobs: HashMap<JobId, JobInfo>,
     stores_pending: HashMap<RequestId, usize>,
     loads: HashMap<RequestId, LoadState>,
@@ -121,6 +121,9 @@ pub struct Worker {
     loads_ready: Vec<(RequestId, bool)>,
     started_loading: HashSet<RequestId>,
     load_errors: Vec<DeviceBlockId>,
+    /// Requests whose sync load failed in the bound step: their stores of this step read KV
+    /// computed over bad blocks and are failed instead of run.
+    poisoned: HashSet<RequestId>,
 }
 
 impl Worker {
@@ -170,6 +173,7 @@ impl Worker {
             loads_ready: Vec::new(),
             started_loading: HashSet::new(),
             load_errors: Vec::new(),
+            poisoned: HashSet::new(),
         }
     }
 
@@ -249,7 +253,7 @@ impl Worker {
                     request: s.request.clone(),
                 },
             );
-            self.bound_stores.push(s.job.clone());
+            self.bound_stores.push((s.request.clone(), s.job.clone()));
         }
         for j in &meta.background {
             self.jobs.insert(j.id, JobInfo::Background);
@@ -298,6 +302,7 @@ impl Worker {
         for l in loads {
             if l.sync {
                 tracing::error!(request = %l.request, "sync load was not awaited before the forward pass; reporting it failed");
+                self.poisoned.insert(l.request.clone());
                 for j in l.jobs {
                     let o = fail_all(&j, "not awaited before the forward pass");
                     self.finish_here(j, o);
@@ -309,7 +314,18 @@ impl Worker {
         if !self.bound_loads.is_empty() {
             self.start_load(engine_stream);
         }
-        let stores = std::mem::take(&mut self.bound_stores);
+        self.drain();
+        let poisoned = std::mem::take(&mut self.poisoned);
+        let mut stores = Vec::new();
+        for (req, job) in std::mem::take(&mut self.bound_stores) {
+            if poisoned.contains(&req) {
+                tracing::warn!(request = %req, "a load of this request failed; its stores of this step are dropped");
+                let o = fail_all(&job, "computed over a failed load");
+                self.finish_here(job, o);
+            } else {
+                stores.push(job);
+            }
+        }
         if stores.is_empty() {
             return;
         }
@@ -440,6 +456,9 @@ impl Worker {
                 }
                 if sync {
                     self.sync_pending = self.sync_pending.saturating_sub(1);
+                    if !failed.is_empty() {
+                        self.poisoned.insert(request.clone());
+                    }
                 }
                 if let Some(st) = self.loads.get_mut(&request) {
                     st.failed |= !failed.is_empty();
