@@ -105,6 +105,14 @@ impl ConnectorSetup {
     }
 }
 
+/// kvtier's built-in defaults (no tier configured: the connector then only matches nothing and
+/// stores nothing). Use [`ConnectorSetup::new`] with a built `KvtierConfig` to serve from tiers.
+impl Default for ConnectorSetup {
+    fn default() -> Self {
+        ConnectorSetup::new(KvtierConfig::default())
+    }
+}
+
 impl std::fmt::Debug for ConnectorSetup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ConnectorSetup")
