@@ -156,24 +156,47 @@ impl BlockPool {
         }
     }
 
+    /// Call `f` with the block of each hash of the longest registered prefix of `hashes`, in
+    /// order; returns the prefix length. Lookups go in batches whose loads are independent
+    /// (home buckets, then candidate records), so their cache misses overlap.
+    #[inline]
+    fn for_each_prefix_block(&self, hashes: &[SequenceHash], mut f: impl FnMut(u32)) -> usize {
+        const BATCH: usize = 16;
+        let mut n = 0;
+        for chunk in hashes.chunks(BATCH) {
+            let mut guess = [NIL; BATCH];
+            for (g, h) in guess.iter_mut().zip(chunk) {
+                *g = self.registry.first_candidate(*h);
+            }
+            for (g, h) in guess.iter().zip(chunk) {
+                let hit = match self.slots.get(*g as usize) {
+                    Some(s) if s.hash() == *h => Some(*g),
+                    _ => self.find(*h),
+                };
+                match hit {
+                    Some(b) => {
+                        f(b);
+                        n += 1;
+                    }
+                    None => return n,
+                }
+            }
+        }
+        n
+    }
+
     /// Length of the longest prefix of `hashes` whose every block is registered. No side effects.
     pub fn peek_prefix(&self, hashes: &[SequenceHash]) -> usize {
-        hashes
-            .iter()
-            .take_while(|h| self.find(**h).is_some())
-            .count()
+        self.for_each_prefix_block(hashes, |_| {})
     }
 
     /// Pin the blocks of the longest registered prefix of `hashes` and return them in order.
     /// The caller owns one pin on each and must `release` it.
     pub fn match_prefix(&mut self, hashes: &[SequenceHash]) -> Vec<BlockId> {
         let mut out = Vec::new();
-        for &h in hashes {
-            let Some(b) = self.find(h) else {
-                break;
-            };
-            self.pin_index(b as usize);
-            out.push(BlockId(b));
+        self.for_each_prefix_block(hashes, |b| out.push(BlockId(b)));
+        for b in &out {
+            self.pin_index(b.0 as usize);
         }
         out
     }

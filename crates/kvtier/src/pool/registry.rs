@@ -90,6 +90,20 @@ impl Registry {
         }
     }
 
+    /// The block named by `hash`'s home bucket if that bucket's tag matches (a likely hit,
+    /// to be confirmed against the block's key), else `EMPTY`. One independent load per call,
+    /// so a batch of calls overlaps its cache misses.
+    #[inline]
+    pub(crate) fn first_candidate(&self, hash: SequenceHash) -> u32 {
+        let tag = tag_of(hash);
+        let b = self.buckets[self.home(tag)];
+        if b.tag == tag {
+            b.block
+        } else {
+            EMPTY
+        }
+    }
+
     /// The block registered under `hash`.
     #[inline]
     pub(crate) fn find(
