@@ -37,6 +37,21 @@ fn bench(c: &mut Criterion) {
     g.bench_function("baseline_xxh3_128_one_shot", |b| {
         b.iter(|| black_box(xxh3_128_with_seed(black_box(&bytes), salt.0)))
     });
+    // Baseline: xxh3-128 of each block's 80 bytes (parent + 16 tokens) from a prepared buffer,
+    // i.e. the hash function alone with no chaining or copying.
+    let blocks80: Vec<u8> = bytes
+        .chunks_exact(64)
+        .flat_map(|c| [0u8; 16].into_iter().chain(c.iter().copied()))
+        .collect();
+    g.bench_function("baseline_xxh3_128_per_block16_prepared", |b| {
+        b.iter(|| {
+            let mut acc = 0u128;
+            for blk in blocks80.chunks_exact(80) {
+                acc ^= xxh3_128_with_seed(black_box(blk), salt.0);
+            }
+            black_box(acc)
+        })
+    });
     for bs in [16usize, 32, 64] {
         g.bench_function(format!("sequence_hashes_block{bs}"), |b| {
             b.iter(|| black_box(sequence_hashes(salt, black_box(&toks), bs)))

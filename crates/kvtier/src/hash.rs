@@ -44,16 +44,36 @@ pub fn chain_block(
     salt: HashSalt,
     block_tokens: &[u32],
 ) -> SequenceHash {
-    let n = 16 + 4 * block_tokens.len();
-    if block_tokens.len() <= STACK_TOKENS {
-        let mut buf = [0u8; 16 + 4 * STACK_TOKENS];
-        fill(&mut buf[..n], parent, block_tokens);
-        SequenceHash(xxh3_128_with_seed(&buf[..n], salt.0))
-    } else {
-        let mut v = vec![0u8; n];
-        fill(&mut v, parent, block_tokens);
-        SequenceHash(xxh3_128_with_seed(&v, salt.0))
+    // The common block sizes get exact-size buffers, so the hash sees a constant length (its
+    // size dispatch folds away) and no byte is zeroed only to be overwritten. Same bytes, same
+    // hash, on every path.
+    match block_tokens.len() {
+        16 => fixed::<{ 16 + 4 * 16 }>(parent, salt, block_tokens),
+        32 => fixed::<{ 16 + 4 * 32 }>(parent, salt, block_tokens),
+        64 => fixed::<{ 16 + 4 * 64 }>(parent, salt, block_tokens),
+        n if n <= STACK_TOKENS => {
+            let mut buf = [0u8; 16 + 4 * STACK_TOKENS];
+            let len = 16 + 4 * n;
+            fill(&mut buf[..len], parent, block_tokens);
+            SequenceHash(xxh3_128_with_seed(&buf[..len], salt.0))
+        }
+        n => {
+            let mut v = vec![0u8; 16 + 4 * n];
+            fill(&mut v, parent, block_tokens);
+            SequenceHash(xxh3_128_with_seed(&v, salt.0))
+        }
     }
+}
+
+#[inline(always)]
+fn fixed<const N: usize>(
+    parent: Option<SequenceHash>,
+    salt: HashSalt,
+    tokens: &[u32],
+) -> SequenceHash {
+    let mut buf = [0u8; N];
+    fill(&mut buf, parent, tokens);
+    SequenceHash(xxh3_128_with_seed(&buf, salt.0))
 }
 
 /// Write `parent_le16 || tokens_as_u32_le` into `buf` (exactly `16 + 4 * tokens.len()` bytes).
