@@ -21,7 +21,7 @@ import kvtier
 from kvtier import trtllm
 from trtllm_driver import VOCAB, FakeTrtllmEngine, Geometry, LlmRequest
 
-pytestmark = pytest.mark.skipif(not hasattr(kvtier._native, "Leader"), reason="native connector not built")
+pytestmark = pytest.mark.skipif(not hasattr(kvtier._native, "Worker"), reason="native worker not built yet (needs kvtier-io TransferEngine)")
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
-import threading
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from . import _native
-from ._native import ConfigError, ConnectorError
+from ._native import ConfigError, ConnectorError, TransferError
 from ._tensors import describe, stream_handle
 
 __all__ = [
@@ -128,36 +128,22 @@ def _rank(llm_args: Any) -> int:
     return int(getattr(m, "rank", 0) or 0) if m is not None else 0
 
 
-def _num_layers(llm_args: Any) -> Optional[int]:
-    """The model's layer count when llm_args says it (used only to check the pool tensor)."""
-    for path in (("_kvtier_num_layers",), ("model_config", "num_hidden_layers")):
-        obj = llm_args
-        for attr in path:
-            obj = getattr(obj, attr, None)
-        if isinstance(obj, int):
-            return obj
-    return None
-
-
-# In-process link between rank 0's scheduler (leader) and rank 0's worker: both are built with the
-# same llm_args object. Keyed by id(llm_args); the entry lives as long as the process (TensorRT-LLM
-# builds one connector per executor).
-_LEADERS: dict[int, Any] = {}
-_LEADERS_LOCK = threading.Lock()
-
-
-def _publish_leader(llm_args: Any, leader: Any) -> None:
-    with _LEADERS_LOCK:
-        _LEADERS[id(llm_args)] = leader
-
-
-def _find_leader(llm_args: Any) -> Any:
-    with _LEADERS_LOCK:
-        return _LEADERS.get(id(llm_args))
-
-
 def _ids(xs: Iterable[Any]) -> list[str]:
     return [str(int(x)) for x in xs]
+
+
+def _settings(llm_args: Any, **extra: Any) -> dict[str, Any]:
+    """The engine-supplied settings of this engine (the rest comes from KVTIER_* / DYN_KVBM_*)."""
+    s: dict[str, Any] = {
+        "block_size": _tokens_per_block(llm_args),
+        "world_size": _world_size(llm_args),
+        # TensorRT-LLM accepts both; sync loads run before the forward pass reads layer 0.
+        "async_loads": os.environ.get("KVTIER_ASYNC_LOADS", "false"),
+        # Scheduler and rank-0 worker of one engine pair up in-process under this key.
+        "channel": f"trtllm-{os.getpid()}",
+    }
+    s.update(extra)
+    return s
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,17 +154,15 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
     """TensorRT-LLM ``KvCacheConnectorScheduler`` backed by ``kvtier._native.Leader``."""
 
     #: kvtier serves decode workers too: generation-only requests (KV from the cache transceiver)
-    #: are accepted; their prompt blocks are never loaded by kvtier, their new blocks are stored.
+    #: are accepted; their prompt blocks are never loaded by kvtier, the blocks their generation
+    #: completes are stored.
     supports_generation_only_requests = True
 
     def __init__(self, llm_args: Any):
         if _SchedulerBase is not object:
             super().__init__(llm_args)
         self._llm_args = llm_args
-        self._block_size = _tokens_per_block(llm_args)
-        config = _native.Config.from_env()
-        self._leader = _native.Leader(config, block_size=self._block_size, world_size=_world_size(llm_args))
-        _publish_leader(llm_args, self._leader)
+        self._leader = _native.Leader(_settings(llm_args))
 
     @property
     def leader(self) -> Any:
@@ -189,13 +173,16 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
         if getattr(request, "is_generation_only_request", False):
             # Its KV arrives through the engine's cache transceiver; loading it too would race.
             return 0, False
-        n, is_async = self._leader.get_num_new_matched_tokens(
-            str(request.request_id), request.get_tokens(0), int(num_computed_tokens)
+        n = int(
+            self._leader.get_num_new_matched_tokens(
+                str(request.request_id), request.get_tokens(0), int(num_computed_tokens)
+            )
         )
-        n = int(n)
-        return (n, bool(is_async)) if n > 0 else (0, False)
+        # (0, True) is an error to TensorRT-LLM.
+        return (n, bool(self._leader.loads_are_async)) if n > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int]) -> None:
+        # TensorRT-LLM passes no external-token count: the leader remembers its last match.
         self._leader.update_state_after_alloc(str(request.request_id), [int(b) for b in block_ids])
 
     def build_connector_meta(self, scheduler_output: Any) -> bytes:
@@ -218,12 +205,15 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
                         is_new=is_new,
                     )
                 )
-        return self._leader.build_connector_meta(records)
+        return self._leader.build_step(records)
 
     def request_finished(self, request: Any, cache_block_ids: Sequence[int]) -> bool:
-        # Under a sliding window, blocks the window has passed appear as -1: nothing to save there.
-        blocks = [int(b) for b in cache_block_ids if int(b) >= 0]
-        return bool(self._leader.request_finished(str(request.request_id), blocks))
+        # The leader owns the request's block table; the ids TensorRT-LLM passes (with -1 for blocks
+        # a sliding window has passed) add nothing.
+        return bool(self._leader.request_finished(str(request.request_id)))
+
+    def wait_for_initialization(self) -> None:
+        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,12 +228,8 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
             super().__init__(llm_args)
         self._llm_args = llm_args
         self._metadata = None
-        self._block_size = _tokens_per_block(llm_args)
         self._rank = _rank(llm_args)
-        self._world_size = _world_size(llm_args)
-        self._config = _native.Config.from_env()
-        # Built at register_kv_caches: rank 0 links to its in-process leader, which TensorRT-LLM
-        # creates after the worker.
+        # Built at register_kv_caches (it needs the pool tensor).
         self._worker: Any = None
 
     @property
@@ -251,28 +237,19 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         """The native worker (for metrics and tests); None before register_kv_caches."""
         return self._worker
 
-    def _link(self) -> Any:
-        if self._worker is not None:
-            return self._worker
-        leader = _find_leader(self._llm_args) if self._rank == 0 else None
-        if self._rank == 0 and leader is None:
-            raise ConnectorError(
-                "rank 0's worker found no kvtier scheduler in this process: configure "
-                f"connector_scheduler_class={SCHEDULER_CLASS!r} together with the worker"
-            )
-        self._worker = _native.Worker(
-            self._config, rank=self._rank, world_size=self._world_size, leader=leader
-        )
-        return self._worker
-
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:
         desc = describe(kv_cache_tensor)
-        worker = self._link()
-        worker.register_trtllm_pool(desc, self._block_size, _num_layers(self._llm_args))
+        if TRTLLM_BASE_MODULE is not None and self._rank != 0:
+            raise ConnectorError(
+                f"kvtier's TensorRT-LLM connector runs tensor parallelism within one process only for now: "
+                f"rank {self._rank} lives in another process than the scheduler and has no channel to it"
+            )
+        settings = _settings(self._llm_args, rank=self._rank, link="in_process", layout="trtllm_pool")
+        self._worker = _native.Worker(settings, desc)
 
     def bind_connector_meta(self, metadata: object) -> None:
         self._metadata = metadata
-        self._require().bind_metadata(metadata)
+        self._require().bind(metadata)
 
     def get_connector_meta(self) -> object:
         return self._metadata
@@ -289,27 +266,41 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         self._require().start_load(stream_handle(stream))
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
-        self._require().wait_for_layer_load(int(layer_idx), stream_handle(stream))
+        w = self._require()
+        w.wait_for_layer_load(int(layer_idx), stream_handle(stream))
+        if layer_idx == 0:
+            failed = w.take_load_errors()
+            if failed:
+                # TensorRT-LLM cannot recompute a failed load: fail the pass rather than read wrong KV.
+                raise TransferError(f"kvtier could not load device blocks {sorted(failed)}; refusing to run on them")
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
-        self._require().save_kv_layer(int(layer_idx), stream_handle(stream))
+        # Stores are whole blocks across layers, issued at the end of the forward pass.
+        self._require()
 
     def wait_for_save(self, stream: Any) -> None:
-        self._require().wait_for_save(stream_handle(stream))
+        self._require().forward_done(stream_handle(stream))
 
     def register_forward_pass_callable(self) -> Callable[[], None]:
         """A callable TensorRT-LLM runs on the forward stream at the end of each forward pass; it
         marks the point after which this step's stores may read the device blocks."""
 
         def forward_pass_done() -> None:
-            self._require().forward_pass_done(_current_stream_handle())
+            self._require().forward_done(_current_stream_handle())
 
         return forward_pass_done
 
     def get_finished(
         self, finished_gen_req_ids: Sequence[int], started_loading_req_ids: Sequence[int]
     ) -> tuple[list[int], list[int]]:
-        saved, loaded = self._require().get_finished(_ids(finished_gen_req_ids), _ids(started_loading_req_ids))
+        saved, loaded, load_failed = self._require().get_finished(
+            _ids(finished_gen_req_ids), _ids(started_loading_req_ids)
+        )
+        if load_failed:
+            raise TransferError(
+                f"kvtier could not load the KV of requests {sorted(int(x) for x in load_failed)}; "
+                "TensorRT-LLM has no way to recompute them"
+            )
         return [int(x) for x in saved], [int(x) for x in loaded]
 
 

@@ -1,2 +1,51 @@
-//! kvtier-io: host memory, disk, CUDA and the transfer engine. All `unsafe` of kvtier lives here.
+//! kvtier-io: host memory, disk, CUDA and the transfer engine. All `unsafe` of kvtier lives here
+//! (in [`sys`](crate) modules, each block with a `// SAFETY:` note).
+//!
+//! A worker builds one [`TransferEngine`] from the engine's registered KV memory (a
+//! [`BlockChunks`] layout, CUDA or CPU), an optional [`HostStorage`], an optional
+//! [`DiskStorage`] and an optional remote store, and hands it to the connector as its
+//! `kvtier::transfer::BlockTransfer`. Every job completes with `Ok` or with the exact pairs that
+//! failed.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use kvtier::transfer::{BlockPair, BlockTransfer, TransferJob};
+//! use kvtier::{JobId, Tier};
+//! use kvtier_io::{DeviceKind, HostOptions, HostStorage, PinMode, StridedLayout, TransferEngine};
+//!
+//! // A CPU "engine" cache of 4 blocks of 256 bytes.
+//! let mut kv = vec![0u8; 4 * 256];
+//! kv[256..512].fill(7);
+//! let layout = StridedLayout::contiguous(kv.as_ptr() as u64, 4, 256)?;
+//! let mut opts = HostOptions::new(8, 256);
+//! opts.pin = PinMode::Never;
+//! let host = Arc::new(HostStorage::new(&opts)?);
+//! let engine = TransferEngine::builder()
+//!     .device(Arc::new(layout), DeviceKind::Cpu)
+//!     .host(host.clone())
+//!     .build()?;
+//! let job = TransferJob { id: JobId(1), src: Tier::Device, dst: Tier::Host,
+//!     pairs: vec![BlockPair { src: 1, dst: 5 }], remote_keys: vec![] };
+//! let fence = engine.fence(None)?;
+//! assert!(engine.execute(&job, &fence).is_ok());
+//! let mut out = vec![0u8; 256];
+//! host.read_block(5, &mut out)?;
+//! assert!(out.iter().all(|&b| b == 7));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+pub mod cuda;
+mod device;
+pub mod disk;
+mod engine;
+pub mod error;
+mod host;
+pub mod layout;
 pub mod remote;
+mod sys;
+
+pub use device::DeviceKind;
+pub use disk::{DirectMode, DiskIoMode, DiskOptions, DiskStorage, Fault, FaultInjector, FaultOp};
+pub use engine::{TransferEngine, TransferEngineBuilder};
+pub use error::{BlockIoError, IoError};
+pub use host::{HostOptions, HostStorage, PinMode};
+pub use layout::{BlockChunks, Chunk, DeviceLayout, Region, StridedLayout};

@@ -27,6 +27,9 @@
 use pyo3::prelude::*;
 
 pub mod errors;
+pub mod leader;
+pub mod rendezvous;
+pub mod settings;
 pub mod tensor;
 
 /// Installs a `tracing` subscriber that writes kvtier's logs to stderr, filtered by `filter` (an
@@ -52,6 +55,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
     m.add_class::<tensor::TensorDesc>()?;
+    m.add_class::<leader::PyStepRecord>()?;
+    m.add_class::<leader::PyLeader>()?;
+
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     Ok(())
 }

@@ -7,13 +7,18 @@
 //!   `RemoteError::Unavailable` after at most `2 * (connect_timeout + 2 * io_timeout)`, never a hang;
 //! - a connection that saw any error is dropped, never reused (it may hold an unread reply), and
 //!   the next operation on that slot reconnects;
+//! - after a connection-level failure (refused, reset, timeout) the server is marked down for
+//!   `backoff`: operations in that window fail at once with `Unavailable` instead of each waiting
+//!   for its own timeout (a job of many blocks against a hung server fails in one timeout, not in
+//!   one per block); the first operation after the window probes the server again;
 //! - `get` returns bytes only after `frame::decode_into` checked header and checksum.
 //!
 //! Locking: `slots[i]` guards pooled connection `i` (`None` = not connected). An operation holds one
-//! slot's lock for its whole round trip; `next` only spreads threads over the slots.
+//! slot's lock for its whole round trip; `next` only spreads threads over the slots. `down` guards
+//! the outage record and is never held across network I/O.
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
 use redis::{Connection, RedisResult, RedisWrite, ToRedisArgs};
@@ -32,6 +37,8 @@ pub struct RedisOptions {
     pub pool_size: usize,
     /// Expiry of stored values (`SET ... PX`); `None` = rely on the server's eviction policy.
     pub ttl: Option<Duration>,
+    /// How long operations fail fast after a connection-level failure. Default 1 s; zero disables.
+    pub backoff: Duration,
 }
 
 impl Default for RedisOptions {
@@ -41,6 +48,7 @@ impl Default for RedisOptions {
             io_timeout: Duration::from_secs(5),
             pool_size: 8,
             ttl: None,
+            backoff: Duration::from_secs(1),
         }
     }
 }
@@ -52,6 +60,13 @@ pub struct RedisStore {
     opts: RedisOptions,
     slots: Box<[Mutex<Option<Connection>>]>,
     next: AtomicUsize,
+    down: Mutex<Option<Outage>>,
+}
+
+/// The last connection-level failure, while its backoff window lasts.
+struct Outage {
+    until: Instant,
+    reason: String,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -113,6 +128,7 @@ impl RedisStore {
             opts,
             slots,
             next: AtomicUsize::new(0),
+            down: Mutex::new(None),
         })
     }
 
@@ -156,18 +172,59 @@ impl RedisStore {
         Ok(c)
     }
 
-    /// Runs `f` on a pooled connection; see the module invariants for retries and timeouts.
+    fn down_record(&self) -> MutexGuard<'_, Option<Outage>> {
+        self.down.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` on a pooled connection, failing fast while the server is marked down.
     fn with_conn<T>(
         &self,
         op: &'static str,
-        mut f: impl FnMut(&mut Connection) -> RedisResult<T>,
+        f: impl FnMut(&mut Connection) -> RedisResult<T>,
     ) -> Result<T, RemoteError> {
+        if let Some(o) = self.down_record().as_ref() {
+            if Instant::now() < o.until {
+                return Err(RemoteError::Unavailable {
+                    op,
+                    reason: format!("server marked down after: {}", o.reason),
+                });
+            }
+        }
+        match self.attempt(op, f) {
+            Ok(v) => {
+                let mut down = self.down_record();
+                if down.is_some() {
+                    tracing::info!("remote redis server reachable again");
+                    *down = None;
+                }
+                Ok(v)
+            }
+            Err((e, connection_level)) => {
+                if connection_level && !self.opts.backoff.is_zero() {
+                    tracing::warn!(op, error = %e, backoff = ?self.opts.backoff, "remote redis server marked down");
+                    *self.down_record() = Some(Outage {
+                        until: Instant::now() + self.opts.backoff,
+                        reason: e.to_string(),
+                    });
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// One operation with at most one reconnect (see the module invariants). The flag says whether
+    /// the failure concerns the connection (as opposed to a server error reply).
+    fn attempt<T>(
+        &self,
+        op: &'static str,
+        mut f: impl FnMut(&mut Connection) -> RedisResult<T>,
+    ) -> Result<T, (RemoteError, bool)> {
         let mut slot = self.lock_slot();
         for attempt in 0..2 {
             let reused = slot.is_some();
             let conn = match slot.as_mut() {
                 Some(c) => c,
-                None => slot.insert(self.connect().map_err(|e| unavailable(op, &e))?),
+                None => slot.insert(self.connect().map_err(|e| (unavailable(op, &e), true))?),
             };
             match f(conn) {
                 Ok(v) => return Ok(v),
@@ -182,16 +239,23 @@ impl RedisStore {
                         && (e.is_io_error() || e.is_connection_dropped());
                     if !stale {
                         tracing::debug!(op, error = %e, "remote redis operation failed");
-                        return Err(unavailable(op, &e));
+                        let connection_level = e.is_io_error()
+                            || e.is_timeout()
+                            || e.is_connection_dropped()
+                            || e.is_connection_refusal();
+                        return Err((unavailable(op, &e), connection_level));
                     }
                     tracing::debug!(op, error = %e, "stale redis connection, reconnecting");
                 }
             }
         }
-        Err(RemoteError::Unavailable {
-            op,
-            reason: "retry exhausted".into(),
-        })
+        Err((
+            RemoteError::Unavailable {
+                op,
+                reason: "retry exhausted".into(),
+            },
+            true,
+        ))
     }
 
     fn put_inner(&self, key: u128, data: &[u8]) -> Result<(), RemoteError> {

@@ -2,17 +2,68 @@
 //! them with the pools, the workers that own memory and execute transfers, and the messages
 //! between them. Adapters (TensorRT-LLM, vLLM, the reference engine) only translate into
 //! [`step::SchedulerStep`] and back.
+//!
+//! Invariant: nothing the engine passes in can panic this module; invalid input becomes a
+//! [`ConnectorError`] naming the request and the field, and leaves every other request untouched.
+pub mod leader;
+pub mod messages;
+pub mod slot;
 pub mod step;
+pub mod testing;
+pub mod worker;
+#[cfg(feature = "zmq")]
+pub mod zmq;
 
+pub use leader::{Capacity, DiskPolicy, KvEvent, Leader, LeaderConfig, LeaderStats};
+pub use messages::{
+    ClusterLayout, RankLayout, RequestLoad, RequestStore, StepMetadata, WorkerReport,
+    PROTOCOL_VERSION,
+};
+pub use slot::{MatchRecord, OffloadBlock, OnboardBlock, Slot, SlotState};
 pub use step::{SchedulerStep, StepRecord};
+pub use worker::{FinishedReport, ReportSink, Worker, WorkerLink};
 
+/// Errors of the connector (leader, workers, their channel).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConnectorError {
+    /// The engine passed something the connector cannot accept; nothing was changed.
     #[error("request {request}: {field}: {reason}")]
     InvalidInput {
         request: String,
         field: &'static str,
         reason: String,
     },
+    /// The connector's configuration is unusable.
+    #[error("connector configuration: {0}")]
+    Config(String),
+    /// A pool operation failed where the connector's books said it could not.
+    #[error(transparent)]
+    Pool(#[from] crate::pool::PoolError),
+    /// The transfer layer refused a whole operation.
+    #[error(transparent)]
+    Transfer(#[from] crate::transfer::TransferError),
+    /// A message could not be encoded or decoded.
+    #[error("codec: {0}")]
+    Codec(String),
+    /// Leader and worker disagree on the protocol version or the KV layout.
+    #[error("handshake: {0}")]
+    Handshake(String),
+    /// The leader <-> worker channel failed or timed out.
+    #[error("channel: {0}")]
+    Channel(String),
+}
+
+impl ConnectorError {
+    pub(crate) fn invalid(
+        request: &crate::ids::RequestId,
+        field: &'static str,
+        reason: impl Into<String>,
+    ) -> Self {
+        ConnectorError::InvalidInput {
+            request: request.0.clone(),
+            field,
+            reason: reason.into(),
+        }
+    }
 }

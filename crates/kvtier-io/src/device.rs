@@ -1,0 +1,102 @@
+//! The engine's side (G1): copies between a device block's chunks and a contiguous host block.
+//! CPU engines (vLLM's CPU build, kvtier's reference engine) register CPU memory: then a copy is
+//! a memcpy per chunk. CUDA engines register GPU memory: then copies go through [`crate::cuda`].
+//!
+//! Invariant: device memory is borrowed from the engine, never freed here, and only touched
+//! after the job's fence.
+use std::sync::Arc;
+
+use kvtier::transfer::{Fence, TransferError};
+
+use crate::error::IoError;
+use crate::host::HostStorage;
+use crate::layout::{BlockChunks, Chunk};
+use crate::sys::mem;
+
+/// What kind of memory the engine's KV cache is (CPU, or CUDA device by ordinal).
+pub use kvtier::layout::DeviceKind;
+
+enum Mover {
+    Cpu,
+    Cuda(crate::cuda::CudaMover),
+}
+
+pub(crate) struct DeviceSide {
+    layout: Arc<dyn BlockChunks>,
+    kind: DeviceKind,
+    mover: Mover,
+}
+
+impl DeviceSide {
+    pub(crate) fn open(
+        layout: Arc<dyn BlockChunks>,
+        kind: DeviceKind,
+        host: Option<&HostStorage>,
+    ) -> Result<Self, IoError> {
+        let mover = match kind {
+            DeviceKind::Cpu => Mover::Cpu,
+            DeviceKind::Cuda(ordinal) => {
+                let ordinal = i32::try_from(ordinal)
+                    .map_err(|_| IoError::Config(format!("CUDA device {ordinal}")))?;
+                Mover::Cuda(crate::cuda::CudaMover::new(ordinal, layout.as_ref(), host)?)
+            }
+        };
+        Ok(DeviceSide {
+            layout,
+            kind,
+            mover,
+        })
+    }
+
+    pub(crate) fn kind(&self) -> DeviceKind {
+        self.kind
+    }
+
+    pub(crate) fn fence(&self, engine_stream: Option<u64>) -> Result<Fence, TransferError> {
+        match &self.mover {
+            Mover::Cpu => Ok(Fence::none()),
+            Mover::Cuda(c) => c.fence(engine_stream),
+        }
+    }
+
+    /// Copy `items[k] = (pair index, device block, host block address)` in the direction given;
+    /// returns the failed pair indices with reasons.
+    pub(crate) fn copy(
+        &self,
+        items: &[(usize, u32, usize)],
+        to_host: bool,
+        fence: &Fence,
+    ) -> Vec<(usize, String)> {
+        let mut failed = Vec::new();
+        let mut resolved: Vec<(usize, Vec<Chunk>, usize)> = Vec::with_capacity(items.len());
+        for &(i, block, host) in items {
+            let mut chunks = Vec::new();
+            match self.layout.chunks(block, &mut chunks) {
+                Ok(()) => resolved.push((i, chunks, host)),
+                Err(e) => failed.push((i, e)),
+            }
+        }
+        match &self.mover {
+            Mover::Cpu => {
+                for (_, chunks, host) in &resolved {
+                    let mut off = 0usize;
+                    for c in chunks {
+                        let (src, dst) = if to_host {
+                            (c.addr as usize, host + off)
+                        } else {
+                            (host + off, c.addr as usize)
+                        };
+                        // SAFETY: `c` is a chunk of a device block the engine registered (valid
+                        // while the TransferEngine lives), `host + off` lies inside one host
+                        // block (chunks sum to the block size, checked at build); the job owns
+                        // the destination and holds the source read-only.
+                        unsafe { mem::copy(src, dst, c.len) };
+                        off += c.len;
+                    }
+                }
+            }
+            Mover::Cuda(c) => failed.extend(c.copy(&resolved, to_host, fence)),
+        }
+        failed
+    }
+}

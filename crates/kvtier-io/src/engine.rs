@@ -1,0 +1,344 @@
+//! `TransferEngine`: kvtier's implementation of `BlockTransfer`, moving blocks between the
+//! engine's memory (G1, CUDA or CPU), the host tier, the disk tier and a remote store.
+//!
+//! Invariants: every pair of a job is either copied completely or listed in `Failed` with its
+//! reason (a bad block id, a checksum mismatch, a CUDA or I/O error); pairs are independent, so
+//! one failure never hides or fails another pair's data; device memory is only touched after the
+//! job's fence has passed.
+use std::sync::Arc;
+
+use kvtier::transfer::{
+    BlockFailure, BlockTransfer, Fence, RemoteStore, TransferError, TransferJob, TransferOutcome,
+};
+use kvtier::Tier;
+
+use crate::device::{DeviceKind, DeviceSide};
+use crate::disk::DiskStorage;
+use crate::error::IoError;
+use crate::host::HostStorage;
+use crate::layout::{BlockChunks, DeviceLayout};
+use crate::sys::mem;
+
+/// Builds a [`TransferEngine`] from the tiers a worker has.
+#[derive(Default)]
+pub struct TransferEngineBuilder {
+    device: Option<(Arc<dyn BlockChunks>, DeviceKind)>,
+    host: Option<Arc<HostStorage>>,
+    disk: Option<Arc<DiskStorage>>,
+    remote: Option<Arc<dyn RemoteStore>>,
+    bytes_per_block: Option<usize>,
+}
+
+impl TransferEngineBuilder {
+    /// The engine's KV memory: where each device block's chunks are, and whether that memory
+    /// is CUDA or CPU memory. The engine keeps that memory alive while the TransferEngine lives.
+    pub fn device(mut self, layout: Arc<dyn BlockChunks>, kind: DeviceKind) -> Self {
+        self.device = Some((layout, kind));
+        self
+    }
+    /// The engine's registered KV tensors as the core crate describes them; the memory kind
+    /// (CPU or CUDA device) comes from the layout.
+    pub fn device_layout(self, layout: DeviceLayout) -> Self {
+        let kind = layout.device();
+        self.device(Arc::new(layout), kind)
+    }
+    pub fn host(mut self, host: Arc<HostStorage>) -> Self {
+        self.host = Some(host);
+        self
+    }
+    pub fn disk(mut self, disk: Arc<DiskStorage>) -> Self {
+        self.disk = Some(disk);
+        self
+    }
+    pub fn remote(mut self, remote: Arc<dyn RemoteStore>) -> Self {
+        self.remote = Some(remote);
+        self
+    }
+    /// Block size, needed only when no device layout, host or disk tier gives it.
+    pub fn bytes_per_block(mut self, n: usize) -> Self {
+        self.bytes_per_block = Some(n);
+        self
+    }
+
+    /// Check that every tier agrees on the block size and open the device side.
+    pub fn build(self) -> Result<TransferEngine, IoError> {
+        let mut sizes: Vec<(&str, usize)> = Vec::new();
+        if let Some((l, _)) = &self.device {
+            sizes.push(("device layout", l.bytes_per_block()));
+        }
+        if let Some(h) = &self.host {
+            sizes.push(("host tier", h.block_bytes()));
+        }
+        if let Some(d) = &self.disk {
+            sizes.push(("disk tier", d.block_bytes()));
+        }
+        if let Some(n) = self.bytes_per_block {
+            sizes.push(("bytes_per_block", n));
+        }
+        let bytes_per_block = sizes
+            .first()
+            .map(|s| s.1)
+            .ok_or_else(|| IoError::Config("no tier and no block size given".into()))?;
+        if let Some(bad) = sizes.iter().find(|s| s.1 != bytes_per_block) {
+            return Err(IoError::Config(format!(
+                "{} has {}-byte blocks but {} has {bytes_per_block}",
+                bad.0, bad.1, sizes[0].0
+            )));
+        }
+        if bytes_per_block == 0 {
+            return Err(IoError::Config("blocks of zero bytes".into()));
+        }
+        let device = match self.device {
+            Some((layout, kind)) => Some(DeviceSide::open(layout, kind, self.host.as_deref())?),
+            None => None,
+        };
+        Ok(TransferEngine {
+            bytes_per_block,
+            device,
+            host: self.host,
+            disk: self.disk,
+            remote: self.remote,
+        })
+    }
+}
+
+/// Moves blocks between the tiers of one worker. Cheap to share (`Arc`); `execute` may run on
+/// several threads at once for jobs on disjoint blocks.
+pub struct TransferEngine {
+    bytes_per_block: usize,
+    device: Option<DeviceSide>,
+    host: Option<Arc<HostStorage>>,
+    disk: Option<Arc<DiskStorage>>,
+    remote: Option<Arc<dyn RemoteStore>>,
+}
+
+impl std::fmt::Debug for TransferEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferEngine")
+            .field("bytes_per_block", &self.bytes_per_block)
+            .field("device", &self.device.as_ref().map(|d| d.kind()))
+            .field("host", &self.host)
+            .field("disk", &self.disk)
+            .field("remote", &self.remote.is_some())
+            .finish()
+    }
+}
+
+/// Per-pair results being collected for one job.
+struct Results {
+    failures: Vec<BlockFailure>,
+}
+
+impl Results {
+    fn fail(&mut self, pair_index: usize, reason: impl std::fmt::Display) {
+        self.failures.push(BlockFailure {
+            pair_index,
+            reason: reason.to_string(),
+        });
+    }
+    fn outcome(mut self) -> TransferOutcome {
+        if self.failures.is_empty() {
+            TransferOutcome::Ok
+        } else {
+            self.failures.sort_by_key(|f| f.pair_index);
+            TransferOutcome::Failed(self.failures)
+        }
+    }
+}
+
+impl TransferEngine {
+    pub fn builder() -> TransferEngineBuilder {
+        TransferEngineBuilder::default()
+    }
+
+    pub fn host(&self) -> Option<&Arc<HostStorage>> {
+        self.host.as_ref()
+    }
+    pub fn disk(&self) -> Option<&Arc<DiskStorage>> {
+        self.disk.as_ref()
+    }
+    /// Whether the device side is CUDA or CPU memory (None without a device layout).
+    pub fn device_kind(&self) -> Option<DeviceKind> {
+        self.device.as_ref().map(|d| d.kind())
+    }
+
+    fn host_addrs(
+        &self,
+        job: &TransferJob,
+        host_is_src: bool,
+        res: &mut Results,
+    ) -> Vec<Option<usize>> {
+        let Some(host) = &self.host else {
+            return vec![None; job.pairs.len()];
+        };
+        job.pairs
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let id = if host_is_src { p.src } else { p.dst };
+                match host.block_addr(id) {
+                    Ok(a) => Some(a),
+                    Err(e) => {
+                        res.fail(i, format!("host {e}"));
+                        None
+                    }
+                }
+            })
+            .collect()
+    }
+
+    fn run(&self, job: &TransferJob, fence: &Fence) -> TransferOutcome {
+        let mut res = Results {
+            failures: Vec::new(),
+        };
+        for tier in [job.src, job.dst] {
+            if !self.has_tier(tier) {
+                for i in 0..job.pairs.len() {
+                    res.fail(i, TransferError::TierMissing(tier));
+                }
+                return res.outcome();
+            }
+        }
+        match (job.src, job.dst) {
+            (Tier::Host, Tier::Host) => self.host_to_host(job, &mut res),
+            (Tier::Device, Tier::Host) | (Tier::Host, Tier::Device) => {
+                self.device_host(job, fence, &mut res)
+            }
+            (Tier::Host, Tier::Disk) | (Tier::Disk, Tier::Host) => self.host_disk(job, &mut res),
+            (Tier::Host, Tier::Remote) | (Tier::Remote, Tier::Host) => {
+                self.host_remote(job, &mut res)
+            }
+            (src, dst) => {
+                for i in 0..job.pairs.len() {
+                    res.fail(i, TransferError::Unsupported { src, dst });
+                }
+            }
+        }
+        res.outcome()
+    }
+
+    fn host_to_host(&self, job: &TransferJob, res: &mut Results) {
+        let srcs = self.host_addrs(job, true, res);
+        let dsts = self.host_addrs(job, false, res);
+        for (i, (s, d)) in srcs.into_iter().zip(dsts).enumerate() {
+            let (Some(s), Some(d)) = (s, d) else { continue };
+            if s == d {
+                continue;
+            }
+            debug_assert!(i < job.pairs.len());
+            // SAFETY: both are distinct whole blocks of the host mapping; the job owns the
+            // destination exclusively and the source is pinned read-only (pool invariants).
+            unsafe { mem::copy(s, d, self.bytes_per_block) };
+        }
+    }
+
+    fn device_host(&self, job: &TransferJob, fence: &Fence, res: &mut Results) {
+        let Some(dev) = &self.device else { return };
+        let to_host = job.src == Tier::Device;
+        let host_addrs = self.host_addrs(job, !to_host, res);
+        let mut items = Vec::with_capacity(job.pairs.len());
+        for (i, (p, h)) in job.pairs.iter().zip(host_addrs).enumerate() {
+            if let Some(h) = h {
+                items.push((i, if to_host { p.src } else { p.dst }, h));
+            }
+        }
+        for (i, reason) in dev.copy(&items, to_host, fence) {
+            res.fail(i, reason);
+        }
+    }
+
+    fn host_disk(&self, job: &TransferJob, res: &mut Results) {
+        let Some(disk) = &self.disk else { return };
+        let to_disk = job.dst == Tier::Disk;
+        let host_addrs = self.host_addrs(job, to_disk, res);
+        let mut idx = Vec::with_capacity(job.pairs.len());
+        let mut items = Vec::with_capacity(job.pairs.len());
+        for (i, (p, h)) in job.pairs.iter().zip(host_addrs).enumerate() {
+            if let Some(h) = h {
+                idx.push(i);
+                items.push((if to_disk { p.dst } else { p.src }, h));
+            }
+        }
+        let out = if to_disk {
+            disk.write_from(&items)
+        } else {
+            disk.read_into(&items)
+        };
+        for (i, r) in idx.into_iter().zip(out) {
+            if let Err(e) = r {
+                res.fail(i, e);
+            }
+        }
+    }
+
+    fn host_remote(&self, job: &TransferJob, res: &mut Results) {
+        let Some(remote) = &self.remote else { return };
+        let to_remote = job.dst == Tier::Remote;
+        let host_addrs = self.host_addrs(job, to_remote, res);
+        for (i, (p, h)) in job.pairs.iter().zip(host_addrs).enumerate() {
+            let Some(h) = h else { continue };
+            let key_idx = if to_remote { p.dst } else { p.src } as usize;
+            let Some(&key) = job.remote_keys.get(key_idx) else {
+                res.fail(
+                    i,
+                    format!(
+                        "remote key index {key_idx} out of range ({} keys)",
+                        job.remote_keys.len()
+                    ),
+                );
+                continue;
+            };
+            let r = if to_remote {
+                // SAFETY: `h` is a whole host block that the job holds read-only.
+                remote.put(key, unsafe { mem::slice(h, self.bytes_per_block) })
+            } else {
+                // SAFETY: `h` is a whole host block that the job owns exclusively.
+                remote.get(key, unsafe { mem::slice_mut(h, self.bytes_per_block) })
+            };
+            if let Err(e) = r {
+                res.fail(
+                    i,
+                    format!("remote {}: {e}", if to_remote { "put" } else { "get" }),
+                );
+            }
+        }
+    }
+}
+
+impl BlockTransfer for TransferEngine {
+    fn bytes_per_block(&self) -> usize {
+        self.bytes_per_block
+    }
+
+    fn has_tier(&self, tier: Tier) -> bool {
+        match tier {
+            Tier::Device => self.device.is_some(),
+            Tier::Host => self.host.is_some(),
+            Tier::Disk => self.disk.is_some(),
+            Tier::Remote => self.remote.is_some(),
+        }
+    }
+
+    fn fence(&self, engine_stream: Option<u64>) -> Result<Fence, TransferError> {
+        match &self.device {
+            Some(d) => d.fence(engine_stream),
+            None => Ok(Fence::none()),
+        }
+    }
+
+    fn execute(&self, job: &TransferJob, fence: &Fence) -> TransferOutcome {
+        let outcome = self.run(job, fence);
+        if let TransferOutcome::Failed(f) = &outcome {
+            tracing::warn!(
+                job = job.id.0,
+                src = job.src.label(),
+                dst = job.dst.label(),
+                failed = f.len(),
+                of = job.pairs.len(),
+                first = f.first().map(|b| b.reason.as_str()).unwrap_or(""),
+                "transfer job had failures"
+            );
+        }
+        outcome
+    }
+}

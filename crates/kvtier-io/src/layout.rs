@@ -1,0 +1,186 @@
+//! Where a device (G1) block's bytes are: for each block, a list of `(address, len)` chunks in
+//! canonical order; concatenated they form kvtier's contiguous host/disk block format.
+//!
+//! Invariants: every block of a layout has the same chunks lengths in the same order, summing to
+//! `bytes_per_block`; chunks of different blocks never overlap; addresses are borrowed from the
+//! engine (kvtier never frees them).
+use kvtier::ids::DeviceBlockId;
+pub use kvtier::layout::{Chunk, DeviceLayout};
+
+use crate::error::IoError;
+
+/// The mapping from a device block id to its chunks. Implemented by the core crate's
+/// [`DeviceLayout`] (what engines register) and by [`StridedLayout`] (tests and benchmarks).
+pub trait BlockChunks: Send + Sync {
+    /// Bytes of one block (the sum of its chunk lengths).
+    fn bytes_per_block(&self) -> usize;
+    /// Number of device blocks.
+    fn num_blocks(&self) -> u32;
+    /// Append the chunks of `block` to `out`, in canonical order. Errors for an unknown block.
+    fn chunks(&self, block: u32, out: &mut Vec<Chunk>) -> Result<(), String>;
+}
+
+/// A region of device memory holding one chunk of every block: block `b`'s chunk starts at
+/// `base + b * block_stride` and is `len` bytes long.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    pub base: u64,
+    pub block_stride: u64,
+    pub len: usize,
+}
+
+/// A layout made of strided regions; covers TensorRT-LLM's pool (one region per pool, or per
+/// layer inside the pool) and vLLM's per-layer tensors (a K and a V region per layer).
+#[derive(Clone, Debug)]
+pub struct StridedLayout {
+    regions: Vec<Region>,
+    num_blocks: u32,
+    bytes_per_block: usize,
+}
+
+impl StridedLayout {
+    /// Validate and build. Each region needs `len <= block_stride` (blocks do not overlap) and
+    /// a non-null base; `num_blocks > 0`.
+    pub fn new(num_blocks: u32, regions: Vec<Region>) -> Result<Self, IoError> {
+        if num_blocks == 0 || regions.is_empty() {
+            return Err(IoError::Config(
+                "a device layout needs blocks and regions".into(),
+            ));
+        }
+        for (i, r) in regions.iter().enumerate() {
+            if r.base == 0 || r.len == 0 {
+                return Err(IoError::Config(format!(
+                    "region {i}: null base or empty chunk"
+                )));
+            }
+            if num_blocks > 1 && (r.len as u64) > r.block_stride {
+                return Err(IoError::Config(format!(
+                    "region {i}: chunk of {} bytes is longer than its block stride {}",
+                    r.len, r.block_stride
+                )));
+            }
+            let end = r
+                .block_stride
+                .checked_mul(u64::from(num_blocks - 1))
+                .and_then(|v| v.checked_add(r.base))
+                .and_then(|v| v.checked_add(r.len as u64));
+            if end.is_none() {
+                return Err(IoError::Config(format!("region {i}: address overflow")));
+            }
+        }
+        let bytes_per_block = regions.iter().map(|r| r.len).sum();
+        Ok(StridedLayout {
+            regions,
+            num_blocks,
+            bytes_per_block,
+        })
+    }
+
+    /// TensorRT-LLM's pool layout: one buffer `[num_blocks, layers, 2, tokens*heads*dim]`, so a
+    /// block is one contiguous chunk.
+    pub fn contiguous(base: u64, num_blocks: u32, bytes_per_block: usize) -> Result<Self, IoError> {
+        Self::new(
+            num_blocks,
+            vec![Region {
+                base,
+                block_stride: bytes_per_block as u64,
+                len: bytes_per_block,
+            }],
+        )
+    }
+
+    /// vLLM's per-layer layout: one tensor per layer shaped `[2, num_blocks, chunk]` (K plane,
+    /// then V plane); `layer_bases[l]` is the tensor's address, `chunk` the bytes of one block's
+    /// K (or V) in one layer. Canonical order: layer 0 K, layer 0 V, layer 1 K, ...
+    pub fn kv_per_layer(
+        layer_bases: &[u64],
+        num_blocks: u32,
+        chunk: usize,
+    ) -> Result<Self, IoError> {
+        let plane = chunk as u64 * u64::from(num_blocks);
+        let regions = layer_bases
+            .iter()
+            .flat_map(|&b| {
+                [
+                    Region {
+                        base: b,
+                        block_stride: chunk as u64,
+                        len: chunk,
+                    },
+                    Region {
+                        base: b + plane,
+                        block_stride: chunk as u64,
+                        len: chunk,
+                    },
+                ]
+            })
+            .collect();
+        Self::new(num_blocks, regions)
+    }
+
+    pub fn regions(&self) -> &[Region] {
+        &self.regions
+    }
+}
+
+impl BlockChunks for StridedLayout {
+    fn bytes_per_block(&self) -> usize {
+        self.bytes_per_block
+    }
+    fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+    fn chunks(&self, block: u32, out: &mut Vec<Chunk>) -> Result<(), String> {
+        if block >= self.num_blocks {
+            return Err(format!(
+                "device block {block} is out of range ({} blocks)",
+                self.num_blocks
+            ));
+        }
+        out.extend(self.regions.iter().map(|r| Chunk {
+            addr: r.base + u64::from(block) * r.block_stride,
+            len: r.len,
+        }));
+        Ok(())
+    }
+}
+
+impl BlockChunks for DeviceLayout {
+    fn bytes_per_block(&self) -> usize {
+        DeviceLayout::bytes_per_block(self)
+    }
+    fn num_blocks(&self) -> u32 {
+        u32::try_from(DeviceLayout::num_blocks(self)).unwrap_or(u32::MAX)
+    }
+    fn chunks(&self, block: u32, out: &mut Vec<Chunk>) -> Result<(), String> {
+        self.chunks_into(DeviceBlockId(block), out)
+            .map_err(|e| e.to_string())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_layer_chunks_are_in_canonical_order() {
+        let l = StridedLayout::kv_per_layer(&[1000, 9000], 4, 10).unwrap();
+        assert_eq!(l.bytes_per_block(), 40);
+        let mut c = Vec::new();
+        l.chunks(2, &mut c).unwrap();
+        let addrs: Vec<u64> = c.iter().map(|c| c.addr).collect();
+        assert_eq!(addrs, vec![1020, 1060, 9020, 9060]);
+        assert!(l.chunks(4, &mut c).is_err());
+    }
+
+    #[test]
+    fn overlapping_regions_are_rejected() {
+        let r = Region {
+            base: 64,
+            block_stride: 8,
+            len: 16,
+        };
+        assert!(StridedLayout::new(3, vec![r]).is_err());
+    }
+}

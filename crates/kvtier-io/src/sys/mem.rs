@@ -1,0 +1,212 @@
+//! Raw memory: anonymous mappings for the host tier, 4 KiB-aligned staging buffers, and chunk
+//! copies between borrowed addresses.
+//!
+//! Invariants: a [`Mapping`] owns `len` bytes at `ptr` until dropped (then unmapped exactly once);
+//! an [`AlignedBuf`] owns a 4 KiB-aligned heap buffer; [`copy`] is the single place where kvtier
+//! copies bytes between raw addresses.
+use std::io;
+use std::ptr::NonNull;
+
+/// Alignment of direct I/O buffers and of disk slots.
+pub(crate) const IO_ALIGN: usize = 4096;
+
+/// An anonymous private memory mapping (the host tier's one large allocation).
+#[derive(Debug)]
+pub(crate) struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; which thread touches which bytes is
+// governed by the host tier's block ownership (one writer per block at a time), not by the mapping.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; `&Mapping` hands out only addresses, never references to the bytes.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Map `len` bytes of zeroed anonymous memory, asking for transparent huge pages (fewer page
+    /// faults on first touch and fewer pages to pin).
+    pub(crate) fn new(len: usize) -> io::Result<Self> {
+        if len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "zero-length mapping",
+            ));
+        }
+        // SAFETY: an anonymous private mapping with no address hint has no preconditions; the
+        // result is checked against MAP_FAILED before use.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `ptr..ptr+len` is the mapping just created; madvise is only a hint and its
+        // failure (e.g. THP disabled) is harmless, so its result is ignored.
+        unsafe {
+            libc::madvise(ptr, len, libc::MADV_HUGEPAGE);
+        }
+        let ptr =
+            NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
+        Ok(Mapping { ptr, len })
+    }
+
+    pub(crate) fn addr(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Fault every page in, splitting the range over `threads` threads (first touch decides the
+    /// NUMA node and makes later pinning and copies fast). Zeroes the memory (it already is zero).
+    pub(crate) fn touch_parallel(&self, threads: usize) {
+        let threads = threads.max(1);
+        let page = 2 << 20;
+        let per = self.len.div_ceil(threads).div_ceil(page) * page;
+        let base = self.addr();
+        let len = self.len;
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                let start = t * per;
+                if start >= len {
+                    break;
+                }
+                let n = per.min(len - start);
+                s.spawn(move || {
+                    // SAFETY: `base+start .. base+start+n` lies inside this mapping, which outlives
+                    // the scope; the threads write disjoint ranges, and nobody else can see the
+                    // mapping yet (it is touched before the host tier is handed out).
+                    unsafe { std::ptr::write_bytes((base + start) as *mut u8, 0, n) }
+                });
+            }
+        });
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` are exactly the mapping created in `new`, unmapped only here.
+        unsafe {
+            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+/// A zero-initialised heap buffer aligned to [`IO_ALIGN`], for O_DIRECT staging and headers.
+pub(crate) struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the buffer is uniquely owned; access goes through `&`/`&mut` methods.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: shared access only hands out `&[u8]`.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// Allocate `len` bytes (rounded up to a multiple of [`IO_ALIGN`], at least one page).
+    pub(crate) fn new(len: usize) -> io::Result<Self> {
+        let len = len.max(1).div_ceil(IO_ALIGN) * IO_ALIGN;
+        let layout = std::alloc::Layout::from_size_align(len, IO_ALIGN)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        // SAFETY: `layout` has non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::OutOfMemory,
+                format!("cannot allocate {len} bytes"),
+            )
+        })?;
+        Ok(AlignedBuf { ptr, len })
+    }
+
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` owns `len` initialised (zeroed at allocation) bytes for our lifetime.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` guarantees exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub(crate) fn addr(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        if let Ok(layout) = std::alloc::Layout::from_size_align(self.len, IO_ALIGN) {
+            // SAFETY: allocated in `new` with exactly this layout, freed only here.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }
+        }
+    }
+}
+
+/// Copy `len` bytes from address `src` to address `dst`.
+///
+/// # Safety
+/// Both ranges must be valid, mapped, non-overlapping memory for the duration of the call, `dst`
+/// writable, and no other thread may write `dst..dst+len` or `src..src+len` concurrently. kvtier
+/// upholds this through block ownership: a job owns its destination blocks exclusively and its
+/// source blocks are pinned read-only until the job completes.
+pub(crate) unsafe fn copy(src: usize, dst: usize, len: usize) {
+    // SAFETY: forwarded to the caller (see above).
+    unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) }
+}
+
+/// View `len` bytes at `addr` as a slice (for checksums and remote puts).
+///
+/// # Safety
+/// The range must be valid initialised memory that nobody writes while the slice lives.
+pub(crate) unsafe fn slice<'a>(addr: usize, len: usize) -> &'a [u8] {
+    // SAFETY: forwarded to the caller.
+    unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
+}
+
+/// View `len` bytes at `addr` as a mutable slice (for remote gets).
+///
+/// # Safety
+/// The range must be valid memory that nobody else reads or writes while the slice lives.
+pub(crate) unsafe fn slice_mut<'a>(addr: usize, len: usize) -> &'a mut [u8] {
+    // SAFETY: forwarded to the caller.
+    unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mapping_is_zeroed_and_writable() {
+        let m = Mapping::new(8 << 20).unwrap();
+        m.touch_parallel(3);
+        let s = unsafe { slice_mut(m.addr(), m.len()) };
+        assert!(s.iter().all(|&b| b == 0));
+        s[12345] = 7;
+        assert_eq!(unsafe { slice(m.addr(), m.len()) }[12345], 7);
+    }
+
+    #[test]
+    fn aligned_buf_is_aligned() {
+        let b = AlignedBuf::new(100).unwrap();
+        assert_eq!(b.addr() % IO_ALIGN, 0);
+        assert_eq!(b.len(), IO_ALIGN);
+    }
+}

@@ -1,0 +1,491 @@
+//! `kvtier._native.Leader` and `StepRecord`: the scheduler side, a thin shell around
+//! [`kvtier::connector::Leader`].
+//!
+//! Invariants: the Rust leader is built exactly once, with the ranks' layout: at construction
+//! when the settings give `bytes_per_block`, otherwise at first use from the layout an
+//! in-process Worker registered (waiting up to `connector.leader_worker_timeout_secs`, without
+//! the GIL). Job reports are applied before every call: from the in-process channel, and from
+//! `apply_reports` blobs. One mutex guards the whole state; engines call from one thread.
+use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use kvtier::connector::leader::{Capacity, DiskPolicy, Leader, LeaderConfig, LeaderStats};
+use kvtier::connector::messages::{ClusterLayout, WorkerReport, PROTOCOL_VERSION};
+use kvtier::connector::step::{SchedulerStep, StepRecord};
+use kvtier::ids::{DeviceBlockId, RequestId, Tier};
+use kvtier::pool::PoolEvent;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::errors::{BridgeError, BridgeResult, Family};
+use crate::rendezvous::Rendezvous;
+use crate::settings::Settings;
+
+/// One scheduled request in one step (see `_native.pyi`).
+#[pyclass(name = "StepRecord", module = "kvtier._native")]
+#[derive(Clone, Debug)]
+pub struct PyStepRecord {
+    pub inner: StepRecord,
+}
+
+#[pymethods]
+impl PyStepRecord {
+    #[new]
+    #[pyo3(signature = (request_id, new_tokens, new_block_ids, num_computed_tokens, num_scheduled_tokens, *, num_draft_tokens = 0, is_new = false, resumed_from_preemption = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn py_new(
+        request_id: String,
+        new_tokens: Vec<u32>,
+        new_block_ids: Vec<u32>,
+        num_computed_tokens: usize,
+        num_scheduled_tokens: usize,
+        num_draft_tokens: usize,
+        is_new: bool,
+        resumed_from_preemption: bool,
+    ) -> Self {
+        PyStepRecord {
+            inner: StepRecord {
+                request_id: RequestId(request_id),
+                new_tokens,
+                new_block_ids: new_block_ids.into_iter().map(DeviceBlockId).collect(),
+                num_computed_tokens,
+                num_scheduled_tokens,
+                num_draft_tokens,
+                is_new,
+                resumed_from_preemption,
+            },
+        }
+    }
+    #[getter]
+    fn request_id(&self) -> &str {
+        &self.inner.request_id.0
+    }
+    #[getter]
+    fn new_tokens(&self) -> Vec<u32> {
+        self.inner.new_tokens.clone()
+    }
+    #[getter]
+    fn new_block_ids(&self) -> Vec<u32> {
+        self.inner.new_block_ids.iter().map(|b| b.0).collect()
+    }
+    #[getter]
+    fn num_computed_tokens(&self) -> usize {
+        self.inner.num_computed_tokens
+    }
+    #[getter]
+    fn num_scheduled_tokens(&self) -> usize {
+        self.inner.num_scheduled_tokens
+    }
+    #[getter]
+    fn num_draft_tokens(&self) -> usize {
+        self.inner.num_draft_tokens
+    }
+    #[getter]
+    fn is_new(&self) -> bool {
+        self.inner.is_new
+    }
+    #[getter]
+    fn resumed_from_preemption(&self) -> bool {
+        self.inner.resumed_from_preemption
+    }
+    fn __repr__(&self) -> String {
+        format!("{:?}", self.inner)
+    }
+}
+
+fn record_from_py(obj: &Bound<'_, PyAny>) -> PyResult<StepRecord> {
+    if let Ok(r) = obj.cast::<PyStepRecord>() {
+        return Ok(r.borrow().inner.clone());
+    }
+    let d = obj.cast::<PyDict>().map_err(|_| {
+        pyo3::exceptions::PyTypeError::new_err("a step record must be a StepRecord or a dict")
+    })?;
+    let req = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+        d.get_item(k)?.ok_or_else(|| {
+            crate::errors::new_err(Family::Connector, format!("step record without {k:?}"))
+        })
+    };
+    let opt = |k: &str| -> PyResult<Option<Bound<'_, PyAny>>> { d.get_item(k) };
+    let request_id: String = req("request_id")?.str()?.to_string();
+    let new_block_ids: Vec<u32> = req("new_block_ids")?.extract()?;
+    Ok(StepRecord {
+        request_id: RequestId(request_id),
+        new_tokens: req("new_tokens")?.extract()?,
+        new_block_ids: new_block_ids.into_iter().map(DeviceBlockId).collect(),
+        num_computed_tokens: req("num_computed_tokens")?.extract()?,
+        num_scheduled_tokens: req("num_scheduled_tokens")?.extract()?,
+        num_draft_tokens: opt("num_draft_tokens")?
+            .map(|v| v.extract())
+            .transpose()?
+            .unwrap_or(0),
+        is_new: opt("is_new")?
+            .map(|v| v.extract())
+            .transpose()?
+            .unwrap_or(false),
+        resumed_from_preemption: opt("resumed_from_preemption")?
+            .map(|v| v.extract())
+            .transpose()?
+            .unwrap_or(false),
+    })
+}
+
+/// Encodes job reports for the engine's own worker -> scheduler channel (`link = "engine"`).
+pub fn encode_reports(reports: &[WorkerReport]) -> BridgeResult<Vec<u8>> {
+    postcard::to_stdvec(&(PROTOCOL_VERSION, reports))
+        .map_err(|e| BridgeError::local(Family::Connector, format!("encoding job reports: {e}")))
+}
+
+fn decode_reports(blob: &[u8]) -> BridgeResult<Vec<WorkerReport>> {
+    let (version, reports): (u32, Vec<WorkerReport>) = postcard::from_bytes(blob)
+        .map_err(|e| BridgeError::local(Family::Connector, format!("decoding job reports: {e}")))?;
+    if version != PROTOCOL_VERSION {
+        return Err(BridgeError::local(
+            Family::Connector,
+            format!(
+                "job reports have protocol version {version}, this build speaks {PROTOCOL_VERSION}"
+            ),
+        ));
+    }
+    Ok(reports)
+}
+
+struct Pending {
+    rendezvous: Arc<Rendezvous>,
+    timeout: Duration,
+}
+
+struct Inner {
+    block_size: usize,
+    world_size: u32,
+    async_loads: bool,
+    settings: Settings,
+    pending: Option<Pending>,
+    leader: Option<Leader>,
+    reports: Option<Receiver<WorkerReport>>,
+    shut_down: bool,
+}
+
+/// The scheduler-side connector (see `_native.pyi`).
+#[pyclass(name = "Leader", module = "kvtier._native")]
+pub struct PyLeader {
+    inner: Mutex<Inner>,
+    block_size: usize,
+    async_loads: bool,
+}
+
+fn capacities(settings: &Settings, total_bytes_per_block: u64) -> BridgeResult<(usize, usize)> {
+    let bytes = usize::try_from(total_bytes_per_block).map_err(|_| {
+        BridgeError::local(Family::Config, "bytes_per_block does not fit this machine")
+    })?;
+    let c = settings.config.resolve_capacity(bytes)?;
+    Ok((c.host_blocks, c.disk_blocks))
+}
+
+impl Inner {
+    fn build(&mut self, layout: ClusterLayout) -> BridgeResult<()> {
+        let (host, disk) = capacities(&self.settings, layout.total_bytes_per_block())?;
+        let cfg = LeaderConfig {
+            block_size: self.block_size,
+            salt: self.settings.salt()?,
+            layout: Some(layout),
+            host: Capacity::Blocks(host),
+            disk: Capacity::Blocks(disk),
+            disk_policy: if disk > 0 {
+                DiskPolicy::WriteThrough
+            } else {
+                DiskPolicy::Never
+            },
+            remote: None,
+            remote_put: false,
+            async_loads: self.async_loads,
+            priority: Default::default(),
+        };
+        self.leader = Some(Leader::new(cfg)?);
+        Ok(())
+    }
+
+    /// The Rust leader, built on first use from the in-process workers' layouts if needed.
+    fn ready(&mut self, py: Python<'_>) -> BridgeResult<&mut Leader> {
+        if self.shut_down {
+            return Err(BridgeError::local(
+                Family::Connector,
+                "the leader was shut down",
+            ));
+        }
+        if self.leader.is_none() {
+            let Some(p) = self.pending.as_ref() else {
+                return Err(BridgeError::local(
+                    Family::Connector,
+                    "leader has no layout source",
+                ));
+            };
+            let rv = Arc::clone(&p.rendezvous);
+            let timeout = p.timeout;
+            let layouts = py.detach(|| rv.wait_for(0, timeout)).ok_or_else(|| {
+                BridgeError::local(
+                    Family::Connector,
+                    format!(
+                        "no kvtier worker of rank 0 registered its KV cache in this process within {}s \
+                         (connector.leader_worker_timeout_secs); the scheduler needs rank 0's worker in its process",
+                        timeout.as_secs()
+                    ),
+                )
+            })?;
+            let r0 = &layouts[0];
+            if r0.block_size as usize != self.block_size {
+                return Err(BridgeError::local(
+                    Family::Connector,
+                    format!(
+                        "rank 0 registered {} tokens per block, the leader was configured with {}",
+                        r0.block_size, self.block_size
+                    ),
+                ));
+            }
+            // Tensor-parallel shards are equal: every rank holds rank 0's bytes per block.
+            let layout = ClusterLayout {
+                block_size: r0.block_size,
+                num_device_blocks: r0.num_device_blocks,
+                bytes_per_block: vec![r0.bytes_per_block; self.world_size as usize],
+            };
+            self.reports = rv.take_receiver();
+            self.build(layout)?;
+        }
+        let leader = self
+            .leader
+            .as_mut()
+            .ok_or_else(|| BridgeError::local(Family::Connector, "leader not built"))?;
+        if let Some(rx) = &self.reports {
+            while let Ok(r) = rx.try_recv() {
+                leader.apply_report(r);
+            }
+        }
+        Ok(leader)
+    }
+}
+
+fn stats_dict(py: Python<'_>, s: &LeaderStats) -> PyResult<Py<PyDict>> {
+    let d = PyDict::new(py);
+    let u = |v: usize| v as u64;
+    for (k, v) in [
+        ("steps", s.steps),
+        ("active_requests", u(s.active_requests)),
+        ("jobs_in_flight", u(s.jobs_in_flight)),
+        ("match_queries", s.match_queries),
+        ("matched_tokens", s.matched_tokens),
+        ("offload_blocks", s.offload_blocks),
+        ("offload_confirmed", s.offload_confirmed),
+        ("offload_failed", s.offload_failed),
+        ("offload_deduplicated", s.offload_deduplicated),
+        ("offload_dropped", s.offload_dropped),
+        ("onboard_host_blocks", s.onboard_host_blocks),
+        ("onboard_disk_blocks", s.onboard_disk_blocks),
+        ("onboard_remote_blocks", s.onboard_remote_blocks),
+        ("onboard_failed", s.onboard_failed),
+        ("spill_disk_blocks", s.spill_disk_blocks),
+        ("spill_disk_failed", s.spill_disk_failed),
+        ("remote_put_blocks", s.remote_put_blocks),
+        ("remote_put_failed", s.remote_put_failed),
+        ("host_capacity", u(s.host_capacity)),
+        ("host_free", u(s.host_free)),
+        ("host_registered", u(s.host_registered)),
+        ("disk_capacity", u(s.disk_capacity)),
+        ("disk_free", u(s.disk_free)),
+        ("disk_registered", u(s.disk_registered)),
+    ] {
+        d.set_item(k, v)?;
+    }
+    Ok(d.unbind())
+}
+
+fn tier_name(t: Tier) -> &'static str {
+    t.label()
+}
+
+impl PyLeader {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[pymethods]
+impl PyLeader {
+    #[new]
+    #[pyo3(signature = (settings = None))]
+    fn py_new(settings: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        let settings = Settings::from_py(settings)?;
+        let block_size = settings.block_size()?;
+        let world_size = settings.world_size()?;
+        let async_loads = settings.bool("async_loads")?.unwrap_or(false);
+        let total = settings.usize("bytes_per_block")?;
+        let num_device_blocks = settings.usize("num_device_blocks")?;
+        let timeout = Duration::from_secs(settings.config.connector.leader_worker_timeout_secs);
+        let channel = settings.channel()?;
+        let mut inner = Inner {
+            block_size,
+            world_size,
+            async_loads,
+            settings,
+            pending: None,
+            leader: None,
+            reports: None,
+            shut_down: false,
+        };
+        // Every leader owns a rendezvous, so in-process workers of its engine can reach it.
+        let rv = Rendezvous::for_leader(&channel);
+        match total {
+            Some(total) if total > 0 => {
+                let per_rank = (total as u64) / u64::from(world_size);
+                let layout = ClusterLayout {
+                    block_size: block_size as u32,
+                    num_device_blocks: num_device_blocks
+                        .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
+                        .unwrap_or(u32::MAX),
+                    bytes_per_block: vec![per_rank; world_size as usize],
+                };
+                inner.reports = rv.take_receiver();
+                inner.build(layout)?;
+            }
+            _ => {
+                inner.pending = Some(Pending {
+                    rendezvous: rv,
+                    timeout,
+                })
+            }
+        }
+        Ok(PyLeader {
+            inner: Mutex::new(inner),
+            block_size,
+            async_loads,
+        })
+    }
+
+    #[getter]
+    fn loads_are_async(&self) -> bool {
+        self.async_loads
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    fn get_num_new_matched_tokens(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        tokens: Vec<u32>,
+        num_computed_tokens: usize,
+    ) -> PyResult<usize> {
+        let mut g = self.lock();
+        let leader = g.ready(py)?;
+        Ok(leader
+            .get_num_new_matched_tokens(&RequestId(request_id), &tokens, num_computed_tokens)
+            .map_err(BridgeError::from)?)
+    }
+
+    #[pyo3(signature = (request_id, block_ids, num_external_tokens = None))]
+    fn update_state_after_alloc(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        block_ids: Vec<u32>,
+        num_external_tokens: Option<usize>,
+    ) -> PyResult<()> {
+        let ids: Vec<DeviceBlockId> = block_ids.into_iter().map(DeviceBlockId).collect();
+        let mut g = self.lock();
+        g.ready(py)?
+            .update_state_after_alloc(&RequestId(request_id), &ids, num_external_tokens)
+            .map_err(BridgeError::from)?;
+        Ok(())
+    }
+
+    #[pyo3(signature = (records, finished = Vec::new()))]
+    fn build_step<'py>(
+        &self,
+        py: Python<'py>,
+        records: Vec<Bound<'py, PyAny>>,
+        finished: Vec<String>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let mut step = SchedulerStep {
+            records: Vec::with_capacity(records.len()),
+            finished: finished.into_iter().map(RequestId).collect(),
+        };
+        for r in &records {
+            step.records.push(record_from_py(r)?);
+        }
+        let mut g = self.lock();
+        let leader = g.ready(py)?;
+        for r in &mut step.records {
+            // TensorRT-LLM reports generation-only requests in cached_requests on first sight.
+            if !r.is_new && leader.slot(&r.request_id).is_none() {
+                r.is_new = true;
+            }
+        }
+        let meta = leader.build_step(&step).map_err(BridgeError::from)?;
+        let bytes = meta.to_bytes().map_err(BridgeError::from)?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    fn request_finished(&self, py: Python<'_>, request_id: String) -> PyResult<bool> {
+        let mut g = self.lock();
+        Ok(g.ready(py)?
+            .request_finished(&RequestId(request_id))
+            .map_err(BridgeError::from)?)
+    }
+
+    fn request_preempted(&self, py: Python<'_>, request_id: String) -> PyResult<()> {
+        let mut g = self.lock();
+        g.ready(py)?
+            .request_preempted(&RequestId(request_id))
+            .map_err(BridgeError::from)?;
+        Ok(())
+    }
+
+    fn apply_reports(&self, py: Python<'_>, blob: &[u8]) -> PyResult<()> {
+        if blob.is_empty() {
+            return Ok(());
+        }
+        let reports = decode_reports(blob)?;
+        let mut g = self.lock();
+        let leader = g.ready(py)?;
+        for r in reports {
+            leader.apply_report(r);
+        }
+        Ok(())
+    }
+
+    fn take_events(&self, py: Python<'_>) -> PyResult<Vec<Py<PyDict>>> {
+        let events = {
+            let mut g = self.lock();
+            g.ready(py)?.take_events()
+        };
+        let mut out = Vec::with_capacity(events.len());
+        for ev in events {
+            let d = PyDict::new(py);
+            let (kind, hash, tier) = match ev {
+                PoolEvent::Stored { hash, tier } => ("stored", hash, tier),
+                PoolEvent::Removed { hash, tier } => ("removed", hash, tier),
+            };
+            d.set_item("kind", kind)?;
+            d.set_item("tier", tier_name(tier))?;
+            d.set_item("hashes", vec![hash.0])?;
+            out.push(d.unbind());
+        }
+        Ok(out)
+    }
+
+    fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        let mut g = self.lock();
+        let s = g.ready(py)?.stats();
+        stats_dict(py, &s)
+    }
+
+    fn shutdown(&self) {
+        let mut g = self.lock();
+        g.shut_down = true;
+        g.leader = None;
+        g.pending = None;
+        g.reports = None;
+    }
+}

@@ -1,0 +1,208 @@
+//! Engine-supplied settings: a Python dict turned into the adapter's own keys plus a validated
+//! [`KvtierConfig`] (defaults < `$KVTIER_CONFIG` TOML < `KVTIER_*`/`DYN_KVBM_*` environment <
+//! the dict's remaining keys, which are kvtier configuration keys).
+//!
+//! Invariant: this is the only place the bindings read the process environment; everything after
+//! works from the resulting values. A bad value is a `ConfigError` naming the key.
+use std::collections::HashMap;
+
+use kvtier::config::KvtierConfig;
+use kvtier::hash::HashSalt;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+
+use crate::errors::{BridgeError, BridgeResult, Family};
+
+/// Keys the adapters pass that are not kvtier configuration keys.
+const ADAPTER_KEYS: &[&str] = &[
+    "block_size",
+    "world_size",
+    "rank",
+    "async_loads",
+    "salt",
+    "bytes_per_block",
+    "num_device_blocks",
+    "link",
+    "channel",
+    "layout",
+    "dtype",
+    // Informational keys some adapters pass along; accepted and ignored here.
+    "role",
+    "backend_module",
+];
+
+/// The settings as the bindings use them.
+#[derive(Debug)]
+pub struct Settings {
+    adapter: HashMap<String, serde_json::Value>,
+    pub config: KvtierConfig,
+}
+
+fn bad(key: &str, reason: impl std::fmt::Display) -> BridgeError {
+    BridgeError::local(Family::Config, format!("{key}: {reason}"))
+}
+
+/// Converts a Python value (None, bool, int, float, str, list/tuple, dict) to JSON.
+pub fn to_json(key: &str, v: &Bound<'_, PyAny>) -> BridgeResult<serde_json::Value> {
+    use serde_json::Value;
+    if v.is_none() {
+        return Ok(Value::Null);
+    }
+    if v.is_instance_of::<PyBool>() {
+        return Ok(Value::Bool(v.extract::<bool>().map_err(|e| bad(key, e))?));
+    }
+    if v.is_instance_of::<PyInt>() {
+        let i: i64 = v.extract().map_err(|e| bad(key, e))?;
+        return Ok(Value::from(i));
+    }
+    if v.is_instance_of::<PyFloat>() {
+        let f: f64 = v.extract().map_err(|e| bad(key, e))?;
+        return serde_json::Number::from_f64(f)
+            .map(Value::Number)
+            .ok_or_else(|| bad(key, format!("{f} is not a finite number")));
+    }
+    if v.is_instance_of::<PyString>() {
+        return Ok(Value::String(v.extract().map_err(|e| bad(key, e))?));
+    }
+    if let Ok(d) = v.cast::<PyDict>() {
+        let mut map = serde_json::Map::new();
+        for (k, val) in d.iter() {
+            let k: String = k.str().map_err(|e| bad(key, e))?.to_string();
+            let sub = format!("{key}.{k}");
+            map.insert(k, to_json(&sub, &val)?);
+        }
+        return Ok(Value::Object(map));
+    }
+    if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
+        let mut out = Vec::new();
+        for item in v.try_iter().map_err(|e| bad(key, e))? {
+            out.push(to_json(key, &item.map_err(|e| bad(key, e))?)?);
+        }
+        return Ok(Value::Array(out));
+    }
+    Err(bad(
+        key,
+        format!(
+            "unsupported value of type {}",
+            v.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        ),
+    ))
+}
+
+impl Settings {
+    /// Split `dict` into adapter keys and configuration keys and build the configuration.
+    pub fn from_py(dict: Option<&Bound<'_, PyDict>>) -> BridgeResult<Self> {
+        let mut adapter = HashMap::new();
+        let mut engine = serde_json::Map::new();
+        if let Some(d) = dict {
+            for (k, v) in d.iter() {
+                let key: String = k
+                    .extract()
+                    .map_err(|_| bad("settings", "keys must be strings"))?;
+                let value = to_json(&key, &v)?;
+                if ADAPTER_KEYS.contains(&key.as_str()) {
+                    adapter.insert(key, value);
+                } else if !value.is_null() {
+                    engine.insert(key, value);
+                }
+            }
+        }
+        let env: HashMap<String, String> = std::env::vars().collect();
+        let engine = serde_json::Value::Object(engine);
+        let config = KvtierConfig::load(&env, Some(&engine))?;
+        Ok(Settings { adapter, config })
+    }
+
+    fn get(&self, key: &str) -> Option<&serde_json::Value> {
+        self.adapter.get(key).filter(|v| !v.is_null())
+    }
+
+    pub fn usize(&self, key: &str) -> BridgeResult<Option<usize>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(serde_json::Value::Number(n)) => n
+                .as_u64()
+                .and_then(|v| usize::try_from(v).ok())
+                .map(Some)
+                .ok_or_else(|| bad(key, format!("{n} is not a non-negative integer"))),
+            Some(serde_json::Value::String(s)) => s
+                .trim()
+                .parse::<usize>()
+                .map(Some)
+                .map_err(|_| bad(key, format!("{s:?} is not a non-negative integer"))),
+            Some(v) => Err(bad(key, format!("{v} is not a non-negative integer"))),
+        }
+    }
+
+    pub fn bool(&self, key: &str) -> BridgeResult<Option<bool>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(serde_json::Value::Bool(b)) => Ok(Some(*b)),
+            Some(serde_json::Value::String(s)) => match s.trim().to_ascii_lowercase().as_str() {
+                "1" | "true" | "yes" | "on" => Ok(Some(true)),
+                "0" | "false" | "no" | "off" => Ok(Some(false)),
+                _ => Err(bad(key, format!("{s:?} is not a boolean"))),
+            },
+            Some(serde_json::Value::Number(n)) if n.as_u64() == Some(0) => Ok(Some(false)),
+            Some(serde_json::Value::Number(n)) if n.as_u64() == Some(1) => Ok(Some(true)),
+            Some(v) => Err(bad(key, format!("{v} is not a boolean"))),
+        }
+    }
+
+    pub fn string(&self, key: &str) -> BridgeResult<Option<String>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+            Some(v) => Err(bad(key, format!("{v} is not a string"))),
+        }
+    }
+
+    /// Tokens per block: the `block_size` setting, else the configuration's.
+    pub fn block_size(&self) -> BridgeResult<usize> {
+        let b = self
+            .usize("block_size")?
+            .or(self.config.connector.block_size)
+            .ok_or_else(|| {
+                bad(
+                    "block_size",
+                    "required (tokens per block; TensorRT-LLM tokens_per_block, vLLM block_size)",
+                )
+            })?;
+        if b == 0 {
+            return Err(bad("block_size", "must be > 0"));
+        }
+        Ok(b)
+    }
+
+    pub fn world_size(&self) -> BridgeResult<u32> {
+        let w = self.usize("world_size")?.unwrap_or(1);
+        u32::try_from(w)
+            .ok()
+            .filter(|w| *w > 0)
+            .ok_or_else(|| bad("world_size", format!("{w} is not a valid world size")))
+    }
+
+    /// The hash salt: the `salt` setting (or the configured model name) plus the configured
+    /// cache salt. Equal settings give equal salts in every process.
+    pub fn salt(&self) -> BridgeResult<HashSalt> {
+        let model = match self.string("salt")? {
+            Some(s) => s,
+            None => self.config.hashing.model.clone().unwrap_or_default(),
+        };
+        Ok(HashSalt::new(
+            &model,
+            None,
+            self.config.hashing.salt.as_deref(),
+        ))
+    }
+
+    /// The in-process channel key pairing a Leader with its Workers.
+    pub fn channel(&self) -> BridgeResult<String> {
+        Ok(self
+            .string("channel")?
+            .unwrap_or_else(|| "default".to_string()))
+    }
+}

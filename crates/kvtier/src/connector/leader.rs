@@ -1,0 +1,1121 @@
+//! The leader (scheduler side, one per engine): owns the slots, the G2 (host) and G3 (disk)
+//! pools, the optional G4 remote store, and the books of every job in flight. It turns the
+//! engine's calls into per-step metadata for the workers and the workers' reports into pool
+//! changes. It performs no I/O except `RemoteStore::contains` during matching.
+//!
+//! Invariants:
+//! - matching (`get_num_new_matched_tokens`) is side-effect free on the pools; pins are taken
+//!   only in `update_state_after_alloc` (loads) and `build_step` (stores);
+//! - a block being written is allocated (pinned, invisible to matching) at dispatch and
+//!   registered only after every rank confirmed its store; a failed store frees it;
+//! - a block that a load reads stays pinned until every rank reported the load;
+//! - a hash is never stored twice at once (`writing` holds every hash with a store in flight),
+//!   and a hash already registered in the target tier is not stored again;
+//! - `request_finished` returns true exactly while a store of that request is not confirmed by
+//!   every rank; the slot lives until its stores and loads are all confirmed;
+//! - invalid engine input returns [`ConnectorError::InvalidInput`] and changes nothing for any
+//!   other request; work planned before the error stays queued for the next metadata.
+//!
+//! Not thread-safe by itself: the engine's scheduler thread owns it (`&mut self`).
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+
+use crate::connector::messages::{
+    remote_key_for_rank, ClusterLayout, RequestLoad, RequestStore, StepMetadata, WorkerReport,
+    PROTOCOL_VERSION,
+};
+use crate::connector::slot::{MatchRecord, OffloadBlock, OnboardBlock, Slot};
+use crate::connector::step::{SchedulerStep, StepRecord};
+use crate::connector::ConnectorError;
+use crate::hash::{HashSalt, SequenceHash};
+use crate::ids::{BlockId, DeviceBlockId, JobId, RequestId, Tier};
+use crate::policy::{FilterParams, FrequencyFilter};
+use crate::pool::{BlockPool, PoolEvent, Priority};
+use crate::transfer::{BlockPair, RemoteStore, TransferJob, TransferOutcome};
+
+/// A pool size: in blocks, or in bytes (then divided by the sum of the ranks' bytes per block).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Capacity {
+    Blocks(usize),
+    Bytes(u64),
+}
+
+impl Capacity {
+    fn blocks(self, layout: Option<&ClusterLayout>, what: &str) -> Result<usize, ConnectorError> {
+        match self {
+            Capacity::Blocks(n) => Ok(n),
+            Capacity::Bytes(0) => Ok(0),
+            Capacity::Bytes(b) => match layout {
+                Some(l) if l.total_bytes_per_block() > 0 => {
+                    Ok((b / l.total_bytes_per_block()) as usize)
+                }
+                _ => Err(ConnectorError::Config(format!(
+                    "{what} capacity given in bytes needs the ranks' layout (bytes per block)"
+                ))),
+            },
+        }
+    }
+}
+
+/// When a block confirmed in G2 is also written to G3.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DiskPolicy {
+    /// Never spill to disk (disk still serves blocks stored there directly when there is no host pool).
+    Never,
+    /// Every block confirmed in G2 is copied to G3.
+    WriteThrough,
+    /// A block goes to G3 once the policy's frequency filter has seen it twice within its window
+    /// (stored or found again in G2), sparing the SSD one-off blocks.
+    Filter(FilterParams),
+}
+
+impl DiskPolicy {
+    /// The original's default: seen twice within 600 s, at most 1M tracked hashes.
+    pub fn filtered() -> Self {
+        DiskPolicy::Filter(FilterParams {
+            window: std::time::Duration::from_secs(600),
+            max_tracked: 1_000_000,
+        })
+    }
+}
+
+/// How the leader is set up.
+#[derive(Clone)]
+pub struct LeaderConfig {
+    /// Tokens per block (equal to the engine's).
+    pub block_size: usize,
+    /// Separates key spaces (model, LoRA, tenant).
+    pub salt: HashSalt,
+    /// The ranks' agreed layout (from the handshake, or built in-process); `None` = one rank of
+    /// unknown size (capacities must then be given in blocks).
+    pub layout: Option<ClusterLayout>,
+    /// G2 (host) pool size; 0 = no host tier.
+    pub host: Capacity,
+    /// G3 (disk) pool size; 0 = no disk tier.
+    pub disk: Capacity,
+    pub disk_policy: DiskPolicy,
+    /// Optional G4 store: consulted by matching; written (host -> remote) when `remote_put`.
+    pub remote: Option<Arc<dyn RemoteStore>>,
+    pub remote_put: bool,
+    /// Load matched blocks asynchronously (reported via `get_finished`) instead of before the
+    /// step's forward pass.
+    pub async_loads: bool,
+    /// Retention priority of stored blocks.
+    pub priority: Priority,
+}
+
+impl std::fmt::Debug for LeaderConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaderConfig")
+            .field("block_size", &self.block_size)
+            .field("salt", &self.salt)
+            .field("layout", &self.layout)
+            .field("host", &self.host)
+            .field("disk", &self.disk)
+            .field("disk_policy", &self.disk_policy)
+            .field("remote", &self.remote.is_some())
+            .field("remote_put", &self.remote_put)
+            .field("async_loads", &self.async_loads)
+            .field("priority", &self.priority)
+            .finish()
+    }
+}
+
+impl LeaderConfig {
+    /// A host-only configuration of `host_blocks` blocks.
+    pub fn new(block_size: usize, salt: HashSalt, host_blocks: usize) -> Self {
+        LeaderConfig {
+            block_size,
+            salt,
+            layout: None,
+            host: Capacity::Blocks(host_blocks),
+            disk: Capacity::Blocks(0),
+            disk_policy: DiskPolicy::filtered(),
+            remote: None,
+            remote_put: false,
+            async_loads: false,
+            priority: Priority::default(),
+        }
+    }
+}
+
+/// A change in what the tiers hold (for KV-aware routers).
+pub type KvEvent = PoolEvent;
+
+/// Counters and gauges of the leader (pulled).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LeaderStats {
+    pub steps: u64,
+    pub active_requests: usize,
+    pub jobs_in_flight: usize,
+    pub match_queries: u64,
+    pub matched_tokens: u64,
+    /// Full blocks handed to the offload tier / confirmed / failed.
+    pub offload_blocks: u64,
+    pub offload_confirmed: u64,
+    pub offload_failed: u64,
+    /// Offload candidates skipped because the tier already held (or was writing) their hash.
+    pub offload_deduplicated: u64,
+    /// Offload candidates dropped because the tier had no free or evictable block.
+    pub offload_dropped: u64,
+    pub onboard_host_blocks: u64,
+    pub onboard_disk_blocks: u64,
+    pub onboard_remote_blocks: u64,
+    /// Blocks whose load failed (on any rank) or whose source had vanished.
+    pub onboard_failed: u64,
+    pub spill_disk_blocks: u64,
+    pub spill_disk_failed: u64,
+    pub remote_put_blocks: u64,
+    pub remote_put_failed: u64,
+    pub host_capacity: usize,
+    pub host_free: usize,
+    pub host_registered: usize,
+    pub disk_capacity: usize,
+    pub disk_free: usize,
+    pub disk_registered: usize,
+}
+
+/// One load job being planned: source tier, pairs, pinned pool blocks, remote keys.
+type TierLoad = (Tier, Vec<BlockPair>, Vec<BlockId>, Vec<u128>);
+
+/// What one in-flight job will do to the books when every rank has reported it.
+#[derive(Debug)]
+enum JobBooks {
+    /// Device -> `tier`: `(written block, hash)` per pair.
+    Store {
+        request: RequestId,
+        tier: Tier,
+        blocks: Vec<(BlockId, SequenceHash)>,
+    },
+    /// `src` -> device: pool blocks pinned for the read (empty for remote).
+    Load {
+        request: RequestId,
+        src: Tier,
+        pinned: Vec<BlockId>,
+        /// Destination device block per pair.
+        devices: Vec<DeviceBlockId>,
+    },
+    /// Host -> disk: `(host block read, disk block written, hash)` per pair.
+    SpillDisk {
+        blocks: Vec<(BlockId, BlockId, SequenceHash)>,
+    },
+    /// Host -> remote: host blocks read.
+    PutRemote { host_blocks: Vec<BlockId> },
+}
+
+#[derive(Debug)]
+struct PendingJob {
+    books: JobBooks,
+    reported: Vec<bool>,
+    failed: BTreeSet<usize>,
+}
+
+#[derive(Debug)]
+struct SlotEntry {
+    slot: Slot,
+    stores_in_flight: usize,
+    loads_in_flight: usize,
+}
+
+/// The scheduler-side connector. See the module documentation.
+pub struct Leader {
+    block_size: usize,
+    salt: HashSalt,
+    world: u32,
+    num_device_blocks: Option<u32>,
+    host: Option<BlockPool>,
+    disk: Option<BlockPool>,
+    disk_policy: DiskPolicy,
+    disk_filter: Option<FrequencyFilter>,
+    /// Origin of the filter's clock.
+    started: std::time::Instant,
+    remote: Option<Arc<dyn RemoteStore>>,
+    remote_put: bool,
+    async_loads: bool,
+    priority: Priority,
+    slots: HashMap<RequestId, SlotEntry>,
+    jobs: HashMap<JobId, PendingJob>,
+    next_job: u64,
+    step: u64,
+    /// Hashes with a store (device -> offload tier) in flight.
+    writing: HashSet<SequenceHash>,
+    /// Hashes with a disk spill in flight.
+    spilling: HashSet<SequenceHash>,
+    outbox: StepMetadata,
+    reports_rx: Receiver<WorkerReport>,
+    reports_tx: Sender<WorkerReport>,
+    stats: LeaderStats,
+    events: Vec<KvEvent>,
+}
+
+impl Leader {
+    pub fn new(cfg: LeaderConfig) -> Result<Leader, ConnectorError> {
+        if cfg.block_size == 0 {
+            return Err(ConnectorError::Config("block_size must be > 0".into()));
+        }
+        if let Some(l) = &cfg.layout {
+            if l.block_size as usize != cfg.block_size {
+                return Err(ConnectorError::Config(format!(
+                    "block_size {} differs from the ranks' {}",
+                    cfg.block_size, l.block_size
+                )));
+            }
+            if l.world_size() == 0 {
+                return Err(ConnectorError::Config("layout has no ranks".into()));
+            }
+        }
+        let host_blocks = cfg.host.blocks(cfg.layout.as_ref(), "host")?;
+        let disk_blocks = cfg.disk.blocks(cfg.layout.as_ref(), "disk")?;
+        if host_blocks == 0 && disk_blocks == 0 && cfg.remote.is_none() {
+            return Err(ConnectorError::Config(
+                "at least one offload tier (host, disk or remote) must be configured".into(),
+            ));
+        }
+        let host = (host_blocks > 0)
+            .then(|| BlockPool::new(Tier::Host, host_blocks))
+            .transpose()?;
+        let disk = (disk_blocks > 0)
+            .then(|| BlockPool::new(Tier::Disk, disk_blocks))
+            .transpose()?;
+        let (reports_tx, reports_rx) = channel();
+        let world = cfg.layout.as_ref().map_or(1, |l| l.world_size() as u32);
+        tracing::info!(
+            block_size = cfg.block_size,
+            world,
+            host_blocks,
+            disk_blocks,
+            remote = cfg.remote.is_some(),
+            "kvtier leader ready"
+        );
+        Ok(Leader {
+            block_size: cfg.block_size,
+            salt: cfg.salt,
+            world,
+            num_device_blocks: cfg.layout.as_ref().map(|l| l.num_device_blocks),
+            host,
+            disk,
+            disk_policy: cfg.disk_policy,
+            disk_filter: match cfg.disk_policy {
+                DiskPolicy::Filter(p) => Some(FrequencyFilter::new(p)),
+                _ => None,
+            },
+            started: std::time::Instant::now(),
+            remote: cfg.remote,
+            remote_put: cfg.remote_put,
+            async_loads: cfg.async_loads,
+            priority: cfg.priority,
+            slots: HashMap::new(),
+            jobs: HashMap::new(),
+            next_job: 1,
+            step: 0,
+            writing: HashSet::new(),
+            spilling: HashSet::new(),
+            outbox: StepMetadata {
+                version: PROTOCOL_VERSION,
+                ..Default::default()
+            },
+            reports_rx,
+            reports_tx,
+            stats: LeaderStats::default(),
+            events: Vec::new(),
+        })
+    }
+
+    /// Where workers (in-process, or the channel's receiving thread) send their reports.
+    pub fn report_sender(&self) -> Sender<WorkerReport> {
+        self.reports_tx.clone()
+    }
+
+    /// Whether loads are asynchronous (TensorRT-LLM / vLLM: the second value of the match answer).
+    pub fn loads_are_async(&self) -> bool {
+        self.async_loads
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn world_size(&self) -> u32 {
+        self.world
+    }
+
+    /// The request's slot, if the leader knows the request (read-only; for adapters and tests).
+    pub fn slot(&self, req: &RequestId) -> Option<&Slot> {
+        self.slots.get(req).map(|e| &e.slot)
+    }
+
+    fn new_job_id(&mut self) -> JobId {
+        let id = JobId(self.next_job);
+        self.next_job += 1;
+        id
+    }
+
+    fn track(&mut self, id: JobId, books: JobBooks) {
+        self.jobs.insert(
+            id,
+            PendingJob {
+                books,
+                reported: vec![false; self.world as usize],
+                failed: BTreeSet::new(),
+            },
+        );
+    }
+
+    fn check_device_ids(
+        &self,
+        req: &RequestId,
+        field: &'static str,
+        ids: &[DeviceBlockId],
+    ) -> Result<(), ConnectorError> {
+        if let Some(n) = self.num_device_blocks {
+            if let Some(b) = ids.iter().find(|b| b.0 >= n) {
+                return Err(ConnectorError::invalid(
+                    req,
+                    field,
+                    format!("device block {} is beyond the engine's {n} blocks", b.0),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    // ----- matching -------------------------------------------------------------------------
+
+    /// Which blocks of `hashes` the remote store holds for every rank (one round trip).
+    fn remote_contains(&self, hashes: &[SequenceHash]) -> Vec<bool> {
+        let Some(remote) = &self.remote else {
+            return vec![false; hashes.len()];
+        };
+        if hashes.is_empty() {
+            return Vec::new();
+        }
+        let w = self.world;
+        let keys: Vec<u128> = hashes
+            .iter()
+            .flat_map(|h| (0..w).map(move |r| remote_key_for_rank(h.0, r, w)))
+            .collect();
+        match remote.contains(&keys) {
+            Ok(found) if found.len() == keys.len() => found
+                .chunks(w as usize)
+                .map(|c| c.iter().all(|&b| b))
+                .collect(),
+            Ok(found) => {
+                tracing::warn!(
+                    asked = keys.len(),
+                    answered = found.len(),
+                    "remote contains answered the wrong count"
+                );
+                vec![false; hashes.len()]
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "remote contains failed; treating as a miss");
+                vec![false; hashes.len()]
+            }
+        }
+    }
+
+    /// Sources for consecutive blocks starting at `hashes[0]`, stopping at the first block no tier holds.
+    fn find_sources(&self, hashes: &[SequenceHash]) -> Vec<(Tier, BlockId)> {
+        let mut out = Vec::new();
+        for &h in hashes {
+            if let Some(b) = self.host.as_ref().and_then(|p| p.lookup(h)) {
+                out.push((Tier::Host, b));
+            } else if let Some(b) = self.disk.as_ref().and_then(|p| p.lookup(h)) {
+                out.push((Tier::Disk, b));
+            } else {
+                break;
+            }
+        }
+        if out.len() < hashes.len() && self.remote.is_some() {
+            let rest = &hashes[out.len()..];
+            for (i, found) in self.remote_contains(rest).into_iter().enumerate() {
+                if !found {
+                    break;
+                }
+                out.push((Tier::Remote, BlockId(i as u32)));
+            }
+        }
+        out
+    }
+
+    /// Tokens kvtier can supply beyond the engine's `num_computed_tokens` (block aligned; 0 if
+    /// none). Side-effect free on the pools: engines may call it repeatedly. If the tiers would
+    /// cover the whole prompt the last block is left out, so the engine computes at least one
+    /// token. Matching a running request is an error.
+    pub fn get_num_new_matched_tokens(
+        &mut self,
+        req: &RequestId,
+        all_tokens: &[u32],
+        num_computed_tokens: usize,
+    ) -> Result<usize, ConnectorError> {
+        self.poll_reports();
+        let bs = self.block_size;
+        let (block_size, salt) = (self.block_size, self.salt);
+        let entry = self.slots.entry(req.clone()).or_insert_with(|| SlotEntry {
+            slot: Slot::new(req.clone(), block_size, salt),
+            stores_in_flight: 0,
+            loads_in_flight: 0,
+        });
+        if !entry.slot.can_match() {
+            return Err(ConnectorError::invalid(
+                req,
+                "request_id",
+                format!("matching a request in state {:?}", entry.slot.state()),
+            ));
+        }
+        if num_computed_tokens > all_tokens.len() {
+            return Err(ConnectorError::invalid(
+                req,
+                "num_computed_tokens",
+                format!(
+                    "{num_computed_tokens} computed tokens but only {} tokens",
+                    all_tokens.len()
+                ),
+            ));
+        }
+        entry.slot.set_all_tokens(all_tokens);
+        self.stats.match_queries += 1;
+        let device_blocks = num_computed_tokens / bs;
+        let mut external = 0;
+        if num_computed_tokens.is_multiple_of(bs) {
+            let hashes = match self.slots.get(req) {
+                Some(e) => e.slot.hashes(),
+                None => &[],
+            };
+            let first = device_blocks.min(hashes.len());
+            let found = self.find_sources(&hashes[first..]).len();
+            let mut end = first + found;
+            if end > first && end * bs >= all_tokens.len() {
+                end -= 1;
+            }
+            external = (end - first) * bs;
+        }
+        if let Some(e) = self.slots.get_mut(req) {
+            e.slot.record_match(MatchRecord {
+                device_tokens: device_blocks * bs,
+                external_tokens: external,
+            });
+        }
+        self.stats.matched_tokens += external as u64;
+        tracing::debug!(request = %req, num_computed_tokens, external, "matched");
+        Ok(external)
+    }
+
+    // ----- allocation and onboarding --------------------------------------------------------
+
+    /// The engine allocated `block_ids` (the request's whole table; ids already known are
+    /// recognised) and accepted `num_external_tokens` (`None` = what the last match found).
+    /// Pins the sources and plans the loads for the next metadata. A block whose source has
+    /// vanished since matching is reported as a load error by every worker.
+    pub fn update_state_after_alloc(
+        &mut self,
+        req: &RequestId,
+        block_ids: &[DeviceBlockId],
+        num_external_tokens: Option<usize>,
+    ) -> Result<(), ConnectorError> {
+        // No report is applied here: between matching and allocation the pools must not change,
+        // so the promised blocks are still there.
+        self.check_device_ids(req, "block_ids", block_ids)?;
+        let external = num_external_tokens.unwrap_or(0);
+        if !self.slots.contains_key(req) {
+            if num_external_tokens.is_some() && external > 0 {
+                return Err(ConnectorError::invalid(
+                    req,
+                    "request_id",
+                    "external tokens for a request that was never matched",
+                ));
+            }
+            self.slots.insert(
+                req.clone(),
+                SlotEntry {
+                    slot: Slot::new(req.clone(), self.block_size, self.salt),
+                    stores_in_flight: 0,
+                    loads_in_flight: 0,
+                },
+            );
+        }
+        let onboard = match self.slots.get_mut(req) {
+            Some(e) => e.slot.allocate(block_ids, num_external_tokens)?,
+            None => Vec::new(),
+        };
+        if onboard.is_empty() {
+            return Ok(());
+        }
+        self.plan_loads(req, &onboard);
+        Ok(())
+    }
+
+    fn plan_loads(&mut self, req: &RequestId, onboard: &[OnboardBlock]) {
+        let hashes: Vec<SequenceHash> = onboard.iter().map(|b| b.hash).collect();
+        let sources = self.find_sources(&hashes);
+        let mut per_tier: Vec<TierLoad> = Vec::new();
+        for (ob, &(tier, block)) in onboard.iter().zip(&sources) {
+            let k = match per_tier.iter().position(|t| t.0 == tier) {
+                Some(k) => k,
+                None => {
+                    per_tier.push((tier, Vec::new(), Vec::new(), Vec::new()));
+                    per_tier.len() - 1
+                }
+            };
+            let entry = &mut per_tier[k];
+            match tier {
+                Tier::Remote => {
+                    entry.1.push(BlockPair {
+                        src: entry.3.len() as u32,
+                        dst: ob.device.0,
+                    });
+                    entry.3.push(ob.hash.0);
+                }
+                _ => {
+                    let pool = if tier == Tier::Host {
+                        self.host.as_mut()
+                    } else {
+                        self.disk.as_mut()
+                    };
+                    if let Some(p) = pool {
+                        if let Err(e) = p.pin(block) {
+                            tracing::error!(error = %e, "pinning a just-found block failed");
+                        }
+                    }
+                    entry.1.push(BlockPair {
+                        src: block.0,
+                        dst: ob.device.0,
+                    });
+                    entry.2.push(block);
+                }
+            }
+        }
+        let failed_devices: Vec<DeviceBlockId> =
+            onboard[sources.len()..].iter().map(|b| b.device).collect();
+        self.stats.onboard_failed += failed_devices.len() as u64;
+        if let (Some(first), Some(e)) = (onboard.get(sources.len()), self.slots.get_mut(req)) {
+            e.slot.load_failed(first.index);
+        }
+        if !failed_devices.is_empty() {
+            tracing::warn!(request = %req, blocks = failed_devices.len(), "matched blocks vanished before allocation; reporting load errors");
+        }
+        let mut jobs = Vec::new();
+        for (tier, pairs, pinned, keys) in per_tier {
+            match tier {
+                Tier::Host => self.stats.onboard_host_blocks += pairs.len() as u64,
+                Tier::Disk => self.stats.onboard_disk_blocks += pairs.len() as u64,
+                _ => self.stats.onboard_remote_blocks += pairs.len() as u64,
+            }
+            let id = self.new_job_id();
+            let devices = pairs.iter().map(|p| DeviceBlockId(p.dst)).collect();
+            jobs.push(TransferJob {
+                id,
+                src: tier,
+                dst: Tier::Device,
+                pairs,
+                remote_keys: keys,
+            });
+            self.track(
+                id,
+                JobBooks::Load {
+                    request: req.clone(),
+                    src: tier,
+                    pinned,
+                    devices,
+                },
+            );
+        }
+        if let Some(e) = self.slots.get_mut(req) {
+            e.loads_in_flight += jobs.len();
+        }
+        self.outbox.loads.push(RequestLoad {
+            request: req.clone(),
+            sync: !self.async_loads,
+            jobs,
+            failed_devices,
+        });
+    }
+
+    // ----- steps and offloading -------------------------------------------------------------
+
+    /// Consume one engine step and return the metadata every worker must receive for it.
+    /// On invalid input the error names the first bad record; valid records are still applied
+    /// and their work stays queued for the next call (the adapter must then fail the step).
+    pub fn build_step(&mut self, step: &SchedulerStep) -> Result<StepMetadata, ConnectorError> {
+        let (meta, mut errors) = self.build_step_lenient(step);
+        if errors.is_empty() {
+            Ok(meta)
+        } else {
+            // Put the planned work back so nothing pinned is lost.
+            let mut meta = meta;
+            meta.loads.append(&mut self.outbox.loads);
+            meta.stores.append(&mut self.outbox.stores);
+            meta.background.append(&mut self.outbox.background);
+            self.outbox = meta;
+            Err(errors.swap_remove(0))
+        }
+    }
+
+    /// Like [`Leader::build_step`], but skips invalid records and returns their errors beside the
+    /// metadata of everything valid (for adapters that abort single requests).
+    pub fn build_step_lenient(
+        &mut self,
+        step: &SchedulerStep,
+    ) -> (StepMetadata, Vec<ConnectorError>) {
+        self.poll_reports();
+        let mut errors = Vec::new();
+        for rec in &step.records {
+            if let Err(e) = self.apply_record(rec) {
+                tracing::warn!(error = %e, "invalid step record");
+                errors.push(e);
+            }
+        }
+        for f in &step.finished {
+            if let Some(e) = self.slots.get_mut(f) {
+                e.slot.finish();
+            }
+            self.maybe_drop_slot(f);
+        }
+        self.step += 1;
+        self.stats.steps += 1;
+        let mut meta = std::mem::take(&mut self.outbox);
+        meta.version = PROTOCOL_VERSION;
+        meta.step = self.step;
+        self.outbox.version = PROTOCOL_VERSION;
+        (meta, errors)
+    }
+
+    fn apply_record(&mut self, rec: &StepRecord) -> Result<(), ConnectorError> {
+        let req = &rec.request_id;
+        self.check_device_ids(req, "new_block_ids", &rec.new_block_ids)?;
+        if !self.slots.contains_key(req) {
+            if !rec.is_new {
+                return Err(ConnectorError::invalid(
+                    req,
+                    "request_id",
+                    "unknown request (not new)",
+                ));
+            }
+            self.slots.insert(
+                req.clone(),
+                SlotEntry {
+                    slot: Slot::new(req.clone(), self.block_size, self.salt),
+                    stores_in_flight: 0,
+                    loads_in_flight: 0,
+                },
+            );
+        }
+        let offloads = match self.slots.get_mut(req) {
+            Some(e) => e.slot.apply(rec)?,
+            None => return Ok(()),
+        };
+        if !offloads.is_empty() {
+            self.dispatch_stores(req, &offloads);
+        }
+        Ok(())
+    }
+
+    fn dispatch_stores(&mut self, req: &RequestId, offloads: &[OffloadBlock]) {
+        let (tier, pool) = match (self.host.as_mut(), self.disk.as_mut()) {
+            (Some(p), _) => (Tier::Host, p),
+            (None, Some(p)) => (Tier::Disk, p),
+            (None, None) => return,
+        };
+        let mut todo: Vec<&OffloadBlock> = Vec::with_capacity(offloads.len());
+        let mut seen_again = Vec::new();
+        for b in offloads {
+            if let Some(existing) = pool.lookup(b.hash) {
+                self.stats.offload_deduplicated += 1;
+                if tier == Tier::Host {
+                    seen_again.push((existing, b.hash));
+                }
+            } else if self.writing.contains(&b.hash) {
+                self.stats.offload_deduplicated += 1;
+            } else {
+                todo.push(b);
+            }
+        }
+        if todo.is_empty() {
+            self.spill_seen_again(&seen_again);
+            return;
+        }
+        let n = todo.len().min(pool.num_free());
+        if n < todo.len() {
+            self.stats.offload_dropped += (todo.len() - n) as u64;
+            tracing::debug!(request = %req, dropped = todo.len() - n, "offload tier full");
+        }
+        if n == 0 {
+            self.spill_seen_again(&seen_again);
+            return;
+        }
+        let blocks = match pool.allocate(n) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(error = %e, "offload allocation failed");
+                self.stats.offload_dropped += n as u64;
+                return;
+            }
+        };
+        let mut pairs = Vec::with_capacity(n);
+        let mut books = Vec::with_capacity(n);
+        for (ob, blk) in todo.iter().zip(&blocks) {
+            pairs.push(BlockPair {
+                src: ob.device.0,
+                dst: blk.0,
+            });
+            books.push((*blk, ob.hash));
+            self.writing.insert(ob.hash);
+        }
+        self.stats.offload_blocks += n as u64;
+        let id = self.new_job_id();
+        self.track(
+            id,
+            JobBooks::Store {
+                request: req.clone(),
+                tier,
+                blocks: books,
+            },
+        );
+        if let Some(e) = self.slots.get_mut(req) {
+            e.stores_in_flight += 1;
+        }
+        self.outbox.stores.push(RequestStore {
+            request: req.clone(),
+            job: TransferJob {
+                id,
+                src: Tier::Device,
+                dst: tier,
+                pairs,
+                remote_keys: Vec::new(),
+            },
+        });
+        self.spill_seen_again(&seen_again);
+    }
+
+    /// Blocks found again in G2 count as sightings for the disk filter.
+    fn spill_seen_again(&mut self, seen: &[(BlockId, SequenceHash)]) {
+        if self.disk.is_none() || self.disk_policy == DiskPolicy::Never {
+            return;
+        }
+        for &(blk, hash) in seen {
+            self.plan_spills(blk, hash, false);
+        }
+    }
+
+    // ----- finishing and preemption ---------------------------------------------------------
+
+    /// The engine finished (or aborted) the request. Returns true while any of its stores is
+    /// not yet confirmed by every rank: the engine must keep its device blocks until the
+    /// workers report the request as saved.
+    pub fn request_finished(&mut self, req: &RequestId) -> Result<bool, ConnectorError> {
+        self.poll_reports();
+        let Some(e) = self.slots.get_mut(req) else {
+            return Err(ConnectorError::invalid(
+                req,
+                "request_id",
+                "unknown request",
+            ));
+        };
+        e.slot.finish();
+        let in_flight = e.stores_in_flight > 0;
+        self.maybe_drop_slot(req);
+        Ok(in_flight)
+    }
+
+    /// The engine preempted the request and freed its device blocks; it may be matched again.
+    pub fn request_preempted(&mut self, req: &RequestId) -> Result<(), ConnectorError> {
+        match self.slots.get_mut(req) {
+            Some(e) => e.slot.preempt(),
+            None => Err(ConnectorError::invalid(
+                req,
+                "request_id",
+                "unknown request",
+            )),
+        }
+    }
+
+    /// Whether stores of `req` are still unconfirmed (false for unknown requests).
+    pub fn has_pending_saves(&self, req: &RequestId) -> bool {
+        self.slots.get(req).is_some_and(|e| e.stores_in_flight > 0)
+    }
+
+    fn maybe_drop_slot(&mut self, req: &RequestId) {
+        let drop = self.slots.get(req).is_some_and(|e| {
+            e.slot.state() == crate::connector::slot::SlotState::Finished
+                && e.stores_in_flight == 0
+                && e.loads_in_flight == 0
+        });
+        if drop {
+            self.slots.remove(req);
+        }
+    }
+
+    // ----- worker reports -------------------------------------------------------------------
+
+    /// Apply every report that arrived since the last call. Called by every public method.
+    pub fn poll_reports(&mut self) {
+        while let Ok(r) = self.reports_rx.try_recv() {
+            self.apply_report(r);
+        }
+    }
+
+    /// Apply one worker report (also usable directly by a channel that is not an mpsc).
+    pub fn apply_report(&mut self, r: WorkerReport) {
+        let Some(job) = self.jobs.get_mut(&r.job) else {
+            tracing::warn!(job = r.job.0, rank = r.rank, "report for an unknown job");
+            return;
+        };
+        let Some(seen) = job.reported.get_mut(r.rank as usize) else {
+            tracing::warn!(
+                job = r.job.0,
+                rank = r.rank,
+                "report from a rank beyond the world size"
+            );
+            return;
+        };
+        if *seen {
+            tracing::warn!(job = r.job.0, rank = r.rank, "duplicate report");
+            return;
+        }
+        *seen = true;
+        if let TransferOutcome::Failed(f) = &r.outcome {
+            for b in f {
+                tracing::warn!(job = r.job.0, rank = r.rank, pair = b.pair_index, reason = %b.reason, "transfer pair failed");
+                job.failed.insert(b.pair_index);
+            }
+        }
+        if job.reported.iter().all(|&s| s) {
+            if let Some(done) = self.jobs.remove(&r.job) {
+                self.complete(done);
+            }
+        }
+    }
+
+    fn complete(&mut self, job: PendingJob) {
+        let failed = job.failed;
+        match job.books {
+            JobBooks::Store {
+                request,
+                tier,
+                blocks,
+            } => {
+                for (i, (blk, hash)) in blocks.into_iter().enumerate() {
+                    self.writing.remove(&hash);
+                    if failed.contains(&i) {
+                        self.stats.offload_failed += 1;
+                        self.release(tier, blk);
+                        continue;
+                    }
+                    let pool = if tier == Tier::Host {
+                        self.host.as_mut()
+                    } else {
+                        self.disk.as_mut()
+                    };
+                    let Some(pool) = pool else { continue };
+                    match pool.register(blk, hash, self.priority) {
+                        Ok(canonical) => {
+                            self.stats.offload_confirmed += 1;
+                            if tier == Tier::Host {
+                                self.plan_spills(canonical, hash, canonical == blk);
+                            }
+                            self.release(tier, canonical);
+                        }
+                        Err(e) => tracing::error!(error = %e, "registering a stored block failed"),
+                    }
+                }
+                if let Some(e) = self.slots.get_mut(&request) {
+                    e.stores_in_flight = e.stores_in_flight.saturating_sub(1);
+                }
+                self.maybe_drop_slot(&request);
+            }
+            JobBooks::Load {
+                request,
+                src,
+                pinned,
+                devices,
+            } => {
+                if let Some(e) = self.slots.get_mut(&request) {
+                    let first_failed = failed
+                        .iter()
+                        .filter_map(|&k| devices.get(k))
+                        .filter_map(|d| e.slot.index_of(*d))
+                        .min();
+                    if let Some(i) = first_failed {
+                        e.slot.load_failed(i);
+                    }
+                }
+                for (i, blk) in pinned.into_iter().enumerate() {
+                    if failed.contains(&i) {
+                        // Its bytes could not be read: never offer it again.
+                        let pool = if src == Tier::Host {
+                            self.host.as_mut()
+                        } else {
+                            self.disk.as_mut()
+                        };
+                        if let Some(p) = pool {
+                            let _ = p.invalidate(blk);
+                        }
+                    }
+                    self.release(src, blk);
+                }
+                self.stats.onboard_failed += failed.len() as u64;
+                if let Some(e) = self.slots.get_mut(&request) {
+                    e.loads_in_flight = e.loads_in_flight.saturating_sub(1);
+                }
+                self.maybe_drop_slot(&request);
+            }
+            JobBooks::SpillDisk { blocks } => {
+                for (i, (hblk, dblk, hash)) in blocks.into_iter().enumerate() {
+                    self.spilling.remove(&hash);
+                    self.release(Tier::Host, hblk);
+                    if failed.contains(&i) {
+                        self.stats.spill_disk_failed += 1;
+                        self.release(Tier::Disk, dblk);
+                        continue;
+                    }
+                    if let Some(d) = self.disk.as_mut() {
+                        match d.register(dblk, hash, self.priority) {
+                            Ok(c) => {
+                                let _ = d.release(c);
+                            }
+                            Err(e) => {
+                                tracing::error!(error = %e, "registering a spilled block failed")
+                            }
+                        }
+                    }
+                }
+            }
+            JobBooks::PutRemote { host_blocks } => {
+                self.stats.remote_put_failed += failed.len() as u64;
+                for b in host_blocks {
+                    self.release(Tier::Host, b);
+                }
+            }
+        }
+    }
+
+    fn release(&mut self, tier: Tier, blk: BlockId) {
+        let pool = match tier {
+            Tier::Host => self.host.as_mut(),
+            Tier::Disk => self.disk.as_mut(),
+            _ => None,
+        };
+        if let Some(p) = pool {
+            if let Err(e) = p.release(blk) {
+                tracing::error!(error = %e, "releasing a pool block failed");
+            }
+        }
+    }
+
+    /// `hash` was stored in, or found again in, G2 as `host_block`: plan its copy to G3 (per the
+    /// disk policy) and, on its first store, to G4.
+    fn plan_spills(&mut self, host_block: BlockId, hash: SequenceHash, first_store: bool) {
+        let wanted = self.disk.is_some()
+            && match self.disk_policy {
+                DiskPolicy::Never => false,
+                DiskPolicy::WriteThrough => true,
+                DiskPolicy::Filter(_) => {
+                    let now = self.started.elapsed();
+                    self.disk_filter
+                        .as_mut()
+                        .is_some_and(|f| f.observe(hash, now))
+                }
+            };
+        let to_disk = wanted
+            && !self.spilling.contains(&hash)
+            && self
+                .disk
+                .as_ref()
+                .is_some_and(|d| d.lookup(hash).is_none() && d.num_free() > 0);
+        if to_disk {
+            let got = self.disk.as_mut().map(|d| d.allocate(1));
+            if let Some(Ok(v)) = got {
+                if let Some(&dblk) = v.first() {
+                    if let Some(h) = self.host.as_mut() {
+                        let _ = h.pin(host_block);
+                    }
+                    self.spilling.insert(hash);
+                    self.stats.spill_disk_blocks += 1;
+                    let id = self.new_job_id();
+                    self.outbox.background.push(TransferJob {
+                        id,
+                        src: Tier::Host,
+                        dst: Tier::Disk,
+                        pairs: vec![BlockPair {
+                            src: host_block.0,
+                            dst: dblk.0,
+                        }],
+                        remote_keys: Vec::new(),
+                    });
+                    self.track(
+                        id,
+                        JobBooks::SpillDisk {
+                            blocks: vec![(host_block, dblk, hash)],
+                        },
+                    );
+                }
+            }
+        }
+        if first_store && self.remote_put && self.remote.is_some() {
+            if let Some(h) = self.host.as_mut() {
+                let _ = h.pin(host_block);
+            }
+            self.stats.remote_put_blocks += 1;
+            let id = self.new_job_id();
+            self.outbox.background.push(TransferJob {
+                id,
+                src: Tier::Host,
+                dst: Tier::Remote,
+                pairs: vec![BlockPair {
+                    src: host_block.0,
+                    dst: 0,
+                }],
+                remote_keys: vec![hash.0],
+            });
+            self.track(
+                id,
+                JobBooks::PutRemote {
+                    host_blocks: vec![host_block],
+                },
+            );
+        }
+    }
+
+    // ----- observability --------------------------------------------------------------------
+
+    pub fn stats(&self) -> LeaderStats {
+        let mut s = self.stats.clone();
+        s.active_requests = self.slots.len();
+        s.jobs_in_flight = self.jobs.len();
+        if let Some(h) = &self.host {
+            s.host_capacity = h.capacity();
+            s.host_free = h.num_free();
+            s.host_registered = h.num_registered();
+        }
+        if let Some(d) = &self.disk {
+            s.disk_capacity = d.capacity();
+            s.disk_free = d.num_free();
+            s.disk_registered = d.num_registered();
+        }
+        s
+    }
+
+    /// Stored/removed events of every tier since the last call, oldest first.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.poll_reports();
+        let mut out = std::mem::take(&mut self.events);
+        if let Some(h) = self.host.as_mut() {
+            out.extend(h.take_events());
+        }
+        if let Some(d) = self.disk.as_mut() {
+            out.extend(d.take_events());
+        }
+        out
+    }
+
+    /// Read access to the host pool (tests, metrics).
+    pub fn host_pool(&self) -> Option<&BlockPool> {
+        self.host.as_ref()
+    }
+
+    /// Read access to the disk pool (tests, metrics).
+    pub fn disk_pool(&self) -> Option<&BlockPool> {
+        self.disk.as_ref()
+    }
+}

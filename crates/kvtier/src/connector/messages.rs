@@ -1,0 +1,223 @@
+//! The typed, versioned messages between the leader and its workers: the per-step metadata
+//! (leader -> every worker, carried by the engine or by the channel) and the workers' reports
+//! (worker -> leader, over the channel).
+//!
+//! Invariants: every message carries [`PROTOCOL_VERSION`]; decoding a message of another version
+//! fails with [`ConnectorError::Handshake`] instead of misreading it. Block ids in a message are
+//! identical on every rank; only the bytes behind them differ per rank.
+use serde::{Deserialize, Serialize};
+
+use crate::connector::ConnectorError;
+use crate::ids::{DeviceBlockId, JobId, RequestId};
+use crate::transfer::{TransferJob, TransferOutcome};
+
+/// Version of the leader <-> worker messages. Bumped on any incompatible change.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The loads of one request in one step.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestLoad {
+    pub request: RequestId,
+    /// Sync loads complete before the forward pass reads layer 0 (`wait_for_layer_load`);
+    /// async ones are reported through `get_finished`.
+    pub sync: bool,
+    /// One job per source tier, destination `Tier::Device`.
+    pub jobs: Vec<TransferJob>,
+    /// Device blocks the leader promised but can no longer supply (their source vanished between
+    /// matching and allocation). Every worker reports them as load errors.
+    pub failed_devices: Vec<DeviceBlockId>,
+}
+
+/// The stores of one request in one step (source `Tier::Device`), gated on the end of the
+/// step's forward pass.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestStore {
+    pub request: RequestId,
+    pub job: TransferJob,
+}
+
+/// Everything every worker must do in one step. Built by `Leader::build_step`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepMetadata {
+    pub version: u32,
+    /// The leader's step counter (starts at 1).
+    pub step: u64,
+    pub loads: Vec<RequestLoad>,
+    pub stores: Vec<RequestStore>,
+    /// Copies between kvtier's own tiers (host -> disk, host -> remote); they touch no engine
+    /// memory and may run at once.
+    pub background: Vec<TransferJob>,
+}
+
+impl StepMetadata {
+    pub fn is_empty(&self) -> bool {
+        self.loads.is_empty() && self.stores.is_empty() && self.background.is_empty()
+    }
+
+    /// Encode (postcard).
+    pub fn to_bytes(&self) -> Result<Vec<u8>, ConnectorError> {
+        postcard::to_stdvec(self).map_err(|e| ConnectorError::Codec(format!("step metadata: {e}")))
+    }
+
+    /// Decode and check the version.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, ConnectorError> {
+        let m: StepMetadata = postcard::from_bytes(bytes)
+            .map_err(|e| ConnectorError::Codec(format!("step metadata: {e}")))?;
+        if m.version != PROTOCOL_VERSION {
+            return Err(ConnectorError::Handshake(format!(
+                "step metadata has protocol version {}, this build speaks {PROTOCOL_VERSION}",
+                m.version
+            )));
+        }
+        Ok(m)
+    }
+}
+
+/// A worker's report of one finished job.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerReport {
+    pub rank: u32,
+    pub job: JobId,
+    pub outcome: TransferOutcome,
+}
+
+/// What one rank tells the leader when it connects.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankLayout {
+    pub rank: u32,
+    pub world_size: u32,
+    /// Tokens per block (must be equal on every rank and in the leader's configuration).
+    pub block_size: u32,
+    /// Bytes of one block on this rank (all layers, all planes).
+    pub bytes_per_block: u64,
+    /// Number of device (G1) blocks the engine allocated on this rank (equal on every rank).
+    pub num_device_blocks: u32,
+}
+
+/// The layout every rank agreed on, from which the leader sizes its pools.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterLayout {
+    pub block_size: u32,
+    pub num_device_blocks: u32,
+    /// Per rank, in rank order.
+    pub bytes_per_block: Vec<u64>,
+}
+
+impl ClusterLayout {
+    /// Agree on a layout from the ranks' reports, or explain the disagreement.
+    pub fn agree(ranks: &[RankLayout], expected_block_size: u32) -> Result<Self, ConnectorError> {
+        let Some(first) = ranks.first() else {
+            return Err(ConnectorError::Handshake(
+                "no rank reported a layout".into(),
+            ));
+        };
+        let world = first.world_size as usize;
+        if ranks.len() != world {
+            return Err(ConnectorError::Handshake(format!(
+                "{} ranks reported but world size is {world}",
+                ranks.len()
+            )));
+        }
+        let mut sorted: Vec<&RankLayout> = ranks.iter().collect();
+        sorted.sort_by_key(|r| r.rank);
+        for (i, r) in sorted.iter().enumerate() {
+            if r.rank as usize != i {
+                return Err(ConnectorError::Handshake(format!(
+                    "ranks must be 0..{world} exactly once; got rank {} at position {i}",
+                    r.rank
+                )));
+            }
+            if r.world_size != first.world_size {
+                return Err(ConnectorError::Handshake(format!(
+                    "rank {} says world size {}, rank {} says {}",
+                    r.rank, r.world_size, first.rank, first.world_size
+                )));
+            }
+            if r.block_size != expected_block_size {
+                return Err(ConnectorError::Handshake(format!(
+                    "layout mismatch: rank {} has {} tokens per block, the leader expects {expected_block_size}",
+                    r.rank, r.block_size
+                )));
+            }
+            if r.num_device_blocks != first.num_device_blocks {
+                return Err(ConnectorError::Handshake(format!(
+                    "layout mismatch: rank {} has {} device blocks, rank {} has {}",
+                    r.rank, r.num_device_blocks, first.rank, first.num_device_blocks
+                )));
+            }
+            if r.bytes_per_block == 0 {
+                return Err(ConnectorError::Handshake(format!(
+                    "layout mismatch: rank {} reports 0 bytes per block",
+                    r.rank
+                )));
+            }
+        }
+        Ok(ClusterLayout {
+            block_size: expected_block_size,
+            num_device_blocks: first.num_device_blocks,
+            bytes_per_block: sorted.iter().map(|r| r.bytes_per_block).collect(),
+        })
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.bytes_per_block.len()
+    }
+
+    /// Bytes of one block summed over all ranks (what one pool block id costs in total).
+    pub fn total_bytes_per_block(&self) -> u64 {
+        self.bytes_per_block.iter().sum()
+    }
+}
+
+/// The remote (G4) key of one rank's share of a block: the sequence hash itself for a single
+/// rank, otherwise a hash of (sequence hash, rank, world size), so ranks never overwrite each
+/// other and a fleet with another tensor-parallel size never reads a foreign layout.
+pub fn remote_key_for_rank(hash: u128, rank: u32, world_size: u32) -> u128 {
+    if world_size <= 1 {
+        return hash;
+    }
+    let mut buf = [0u8; 24];
+    buf[..16].copy_from_slice(&hash.to_le_bytes());
+    buf[16..20].copy_from_slice(&rank.to_le_bytes());
+    buf[20..].copy_from_slice(&world_size.to_le_bytes());
+    xxhash_rust::xxh3::xxh3_128_with_seed(&buf, 0x6b76_7469_6572)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_round_trips_and_rejects_other_versions() {
+        let m = StepMetadata {
+            version: PROTOCOL_VERSION,
+            step: 3,
+            ..Default::default()
+        };
+        let b = m.to_bytes().unwrap();
+        assert_eq!(StepMetadata::from_bytes(&b).unwrap(), m);
+        let old = StepMetadata { version: 0, ..m };
+        let e = StepMetadata::from_bytes(&old.to_bytes().unwrap()).unwrap_err();
+        assert!(matches!(e, ConnectorError::Handshake(_)));
+    }
+
+    #[test]
+    fn layout_agreement_sums_bytes_and_names_mismatches() {
+        let r = |rank, bs, bpb| RankLayout {
+            rank,
+            world_size: 2,
+            block_size: bs,
+            bytes_per_block: bpb,
+            num_device_blocks: 64,
+        };
+        let l = ClusterLayout::agree(&[r(1, 16, 300), r(0, 16, 200)], 16).unwrap();
+        assert_eq!(l.total_bytes_per_block(), 500);
+        assert_eq!(l.bytes_per_block, vec![200, 300]);
+        let e = ClusterLayout::agree(&[r(0, 16, 200), r(1, 32, 300)], 16).unwrap_err();
+        assert!(
+            e.to_string().contains("rank 1 has 32 tokens per block"),
+            "{e}"
+        );
+    }
+}

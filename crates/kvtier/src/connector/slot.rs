@@ -1,0 +1,543 @@
+//! The per-request slot: a pure state machine (no I/O, no pools) that consumes the engine's
+//! schedule for one request and says which full blocks to offload and which to onboard.
+//!
+//! Invariants:
+//! - the device block table has one owner, this slot: an id already in the table is recognised,
+//!   never appended twice (TensorRT-LLM reports a new request's blocks at allocation and again in
+//!   its first record);
+//! - a block index is handed out for offload at most once per slot, only when every token of the
+//!   block is known and computed by a forward pass whose end gates the store, and never while its
+//!   tokens are unverified draft tokens; partial blocks never;
+//! - blocks the engine took from its own prefix cache (below `num_computed_tokens` at the first
+//!   record) and blocks onboarded by kvtier are not offloaded again;
+//! - invalid input returns [`ConnectorError::InvalidInput`] naming the request and the field and
+//!   leaves the slot exactly as it was (validation happens before any mutation).
+use std::collections::HashSet;
+
+use crate::connector::step::StepRecord;
+use crate::connector::ConnectorError;
+use crate::hash::{chain_block, HashSalt, SequenceHash};
+use crate::ids::{DeviceBlockId, RequestId};
+
+/// Where a slot is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotState {
+    /// Seen by matching (or created), no device blocks yet.
+    Waiting,
+    /// Device blocks allocated (`update_state_after_alloc`), not yet scheduled.
+    Allocated,
+    /// Scheduled at least once; the last record computed prompt tokens.
+    Prefilling,
+    /// Scheduled; the last record appended generated tokens.
+    Decoding,
+    /// Preempted: the device table is gone; matching is allowed again.
+    Preempted,
+    /// The engine finished the request; no further records are accepted.
+    Finished,
+}
+
+/// One full block leaving the device for kvtier's tiers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OffloadBlock {
+    /// Block index within the request (block `i` holds tokens `i*bs .. (i+1)*bs`).
+    pub index: usize,
+    pub device: DeviceBlockId,
+    pub hash: SequenceHash,
+}
+
+/// One block the engine expects kvtier to fill (its source is chosen by the leader).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OnboardBlock {
+    pub index: usize,
+    pub device: DeviceBlockId,
+    pub hash: SequenceHash,
+}
+
+/// What the last (side-effect free) match of this request found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatchRecord {
+    /// Tokens the engine already holds on the device (block aligned).
+    pub device_tokens: usize,
+    /// Tokens kvtier's tiers can supply beyond them (block aligned).
+    pub external_tokens: usize,
+}
+
+/// The per-request state machine. See the module documentation for its invariants.
+#[derive(Clone, Debug)]
+pub struct Slot {
+    id: RequestId,
+    block_size: usize,
+    salt: HashSalt,
+    tokens: Vec<u32>,
+    /// Hashes of every full block of `tokens`.
+    hashes: Vec<SequenceHash>,
+    table: Vec<DeviceBlockId>,
+    in_table: HashSet<DeviceBlockId>,
+    /// Tokens whose KV is known to be on the device after the last record's forward pass.
+    position: usize,
+    /// Blocks `0..evaluated` were either offloaded, onboarded or taken from the device prefix cache.
+    evaluated: usize,
+    /// Block indices below this were handed out for offload at some point (survives preemption).
+    offloaded_watermark: usize,
+    state: SlotState,
+    last_match: Option<MatchRecord>,
+}
+
+impl Slot {
+    /// A fresh slot. `block_size` must be non-zero (the leader validates its configuration).
+    pub fn new(id: RequestId, block_size: usize, salt: HashSalt) -> Self {
+        debug_assert!(block_size > 0);
+        Slot {
+            id,
+            block_size: block_size.max(1),
+            salt,
+            tokens: Vec::new(),
+            hashes: Vec::new(),
+            table: Vec::new(),
+            in_table: HashSet::new(),
+            position: 0,
+            evaluated: 0,
+            offloaded_watermark: 0,
+            state: SlotState::Waiting,
+            last_match: None,
+        }
+    }
+
+    pub fn id(&self) -> &RequestId {
+        &self.id
+    }
+    pub fn state(&self) -> SlotState {
+        self.state
+    }
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+    /// Hashes of the full blocks of the known tokens.
+    pub fn hashes(&self) -> &[SequenceHash] {
+        &self.hashes
+    }
+    pub fn device_table(&self) -> &[DeviceBlockId] {
+        &self.table
+    }
+    pub fn position(&self) -> usize {
+        self.position
+    }
+    pub fn evaluated_blocks(&self) -> usize {
+        self.evaluated
+    }
+    pub fn last_match(&self) -> Option<MatchRecord> {
+        self.last_match
+    }
+
+    fn invalid(&self, field: &'static str, reason: impl Into<String>) -> ConnectorError {
+        ConnectorError::InvalidInput {
+            request: self.id.0.clone(),
+            field,
+            reason: reason.into(),
+        }
+    }
+
+    /// True while matching may run: before the request is allocated, or after preemption.
+    pub fn can_match(&self) -> bool {
+        matches!(
+            self.state,
+            SlotState::Waiting | SlotState::Preempted | SlotState::Allocated
+        )
+    }
+
+    /// Replace or extend the known tokens with the engine's full token list, rehashing only what
+    /// changed. Used by matching, which always sees the whole sequence.
+    pub fn set_all_tokens(&mut self, all_tokens: &[u32]) {
+        if all_tokens.starts_with(&self.tokens) {
+            let extra = all_tokens[self.tokens.len()..].to_vec();
+            self.extend_tokens(&extra);
+        } else {
+            self.tokens.clear();
+            self.hashes.clear();
+            self.extend_tokens(all_tokens);
+        }
+    }
+
+    fn extend_tokens(&mut self, new_tokens: &[u32]) {
+        self.tokens.extend_from_slice(new_tokens);
+        let bs = self.block_size;
+        while (self.hashes.len() + 1) * bs <= self.tokens.len() {
+            let i = self.hashes.len();
+            let parent = self.hashes.last().copied();
+            let h = chain_block(parent, self.salt, &self.tokens[i * bs..(i + 1) * bs]);
+            self.hashes.push(h);
+        }
+    }
+
+    /// Remember what matching found (book-keeping only: nothing is pinned here).
+    pub fn record_match(&mut self, m: MatchRecord) {
+        self.last_match = Some(m);
+    }
+
+    /// Indices of `ids` that are not yet in the table, in order, without duplicates.
+    fn fresh_ids(&self, ids: &[DeviceBlockId]) -> Result<Vec<DeviceBlockId>, ConnectorError> {
+        let mut seen = HashSet::new();
+        let mut out = Vec::new();
+        for &b in ids {
+            if self.in_table.contains(&b) {
+                continue;
+            }
+            if !seen.insert(b) {
+                return Err(self.invalid(
+                    "new_block_ids",
+                    format!("device block {} listed twice in one report", b.0),
+                ));
+            }
+            out.push(b);
+        }
+        Ok(out)
+    }
+
+    fn push_ids(&mut self, ids: Vec<DeviceBlockId>) {
+        for b in ids {
+            self.in_table.insert(b);
+            self.table.push(b);
+        }
+    }
+
+    fn reset_device_state(&mut self) {
+        self.table.clear();
+        self.in_table.clear();
+        self.position = 0;
+        self.evaluated = 0;
+    }
+
+    /// The engine preempted the request: its device blocks are gone. Matching may run again.
+    pub fn preempt(&mut self) -> Result<(), ConnectorError> {
+        if self.state == SlotState::Finished {
+            return Err(self.invalid("request_id", "preempted after it finished"));
+        }
+        self.reset_device_state();
+        self.last_match = None;
+        self.state = SlotState::Preempted;
+        Ok(())
+    }
+
+    /// The engine allocated device blocks (`update_state_after_alloc`). `block_ids` is the
+    /// request's table (ids already known are recognised). `num_external_tokens`: the tokens
+    /// kvtier promised; `None` = as the last match found. Returns the blocks to onboard, in
+    /// request order, each paired with its device block.
+    pub fn allocate(
+        &mut self,
+        block_ids: &[DeviceBlockId],
+        num_external_tokens: Option<usize>,
+    ) -> Result<Vec<OnboardBlock>, ConnectorError> {
+        if self.state == SlotState::Finished {
+            return Err(self.invalid("request_id", "allocation for a finished request"));
+        }
+        let fresh = self.fresh_ids(block_ids)?;
+        let bs = self.block_size;
+        let m = self.last_match;
+        let external = match num_external_tokens {
+            Some(n) => n,
+            None => m.map_or(0, |m| m.external_tokens),
+        };
+        if external == 0 {
+            self.push_ids(fresh);
+            if self.state == SlotState::Waiting || self.state == SlotState::Preempted {
+                if let Some(m) = m {
+                    self.position = self.position.max(m.device_tokens);
+                    self.evaluated = self.evaluated.max(m.device_tokens / bs);
+                }
+                self.state = SlotState::Allocated;
+            }
+            return Ok(Vec::new());
+        }
+        if !matches!(self.state, SlotState::Waiting | SlotState::Preempted) {
+            return Err(self.invalid(
+                "num_external_tokens",
+                format!(
+                    "{external} external tokens for a request that is already allocated or running"
+                ),
+            ));
+        }
+        let Some(m) = m else {
+            return Err(self.invalid(
+                "num_external_tokens",
+                format!("{external} external tokens but the request was never matched"),
+            ));
+        };
+        if external > m.external_tokens || external % bs != 0 {
+            return Err(self.invalid(
+                "num_external_tokens",
+                format!(
+                    "{external} is not a whole number of blocks of {bs} within the {} tokens matched",
+                    m.external_tokens
+                ),
+            ));
+        }
+        let first = m.device_tokens / bs;
+        let end = (m.device_tokens + external) / bs;
+        let table_len = self.table.len() + fresh.len();
+        if table_len < end {
+            return Err(self.invalid(
+                "block_ids",
+                format!(
+                    "{table_len} device blocks cannot hold {} matched tokens",
+                    end * bs
+                ),
+            ));
+        }
+        if end > self.hashes.len() {
+            return Err(self.invalid(
+                "num_external_tokens",
+                format!(
+                    "matched {} blocks but only {} full blocks are known",
+                    end,
+                    self.hashes.len()
+                ),
+            ));
+        }
+        self.push_ids(fresh);
+        let out = (first..end)
+            .map(|i| OnboardBlock {
+                index: i,
+                device: self.table[i],
+                hash: self.hashes[i],
+            })
+            .collect();
+        self.position = self.position.max(end * bs);
+        self.evaluated = self.evaluated.max(end);
+        self.state = SlotState::Allocated;
+        Ok(out)
+    }
+
+    /// Consume one step record; return the full blocks whose store this step must dispatch
+    /// (gated on the end of this step's forward pass). Implements REFERENCE.md section 1 with
+    /// `num_scheduled_tokens`, plus draft-token exclusion and preemption reset.
+    pub fn apply(&mut self, rec: &StepRecord) -> Result<Vec<OffloadBlock>, ConnectorError> {
+        if self.state == SlotState::Finished {
+            return Err(self.invalid("request_id", "scheduled after it finished"));
+        }
+        if rec.num_draft_tokens > rec.num_scheduled_tokens {
+            return Err(self.invalid(
+                "num_draft_tokens",
+                format!(
+                    "{} draft tokens exceed the {} scheduled tokens",
+                    rec.num_draft_tokens, rec.num_scheduled_tokens
+                ),
+            ));
+        }
+        let running = matches!(self.state, SlotState::Prefilling | SlotState::Decoding);
+        if rec.is_new && running && !rec.resumed_from_preemption {
+            return Err(self.invalid("is_new", "request is already running"));
+        }
+        // Everything below is computed on copies and validated before the slot changes.
+        let restart = rec.resumed_from_preemption && running;
+        let (table_len_before, base_position, base_evaluated) = if restart {
+            (0, 0, 0)
+        } else {
+            (self.table.len(), self.position, self.evaluated)
+        };
+        let fresh = if restart {
+            let mut seen = HashSet::new();
+            let mut v = Vec::new();
+            for &b in &rec.new_block_ids {
+                if !seen.insert(b) {
+                    return Err(self.invalid(
+                        "new_block_ids",
+                        format!("device block {} listed twice in one report", b.0),
+                    ));
+                }
+                v.push(b);
+            }
+            v
+        } else {
+            self.fresh_ids(&rec.new_block_ids)?
+        };
+        // Tokens: a new request reports its full list (which may repeat what matching saw);
+        // every other record reports the tokens appended since the last one.
+        let full_list = (rec.is_new || rec.resumed_from_preemption)
+            && rec.new_tokens.len() >= self.tokens.len()
+            && rec.new_tokens.starts_with(&self.tokens);
+        let appended: &[u32] = if full_list {
+            &rec.new_tokens[self.tokens.len()..]
+        } else if rec.is_new && !self.tokens.is_empty() && self.tokens.starts_with(&rec.new_tokens)
+        {
+            &[]
+        } else if rec.is_new && !self.tokens.is_empty() {
+            return Err(self.invalid(
+                "new_tokens",
+                "a new request's tokens disagree with the tokens seen at matching",
+            ));
+        } else {
+            &rec.new_tokens
+        };
+        let total_tokens = self.tokens.len() + appended.len();
+        let bs = self.block_size;
+        let table_len = table_len_before + fresh.len();
+        let computed = rec.num_computed_tokens;
+        // The first record after allocation may report fewer computed tokens than kvtier
+        // onboarded (TensorRT-LLM subtracts connector-matched tokens): keep the larger. Later, a
+        // smaller count means the engine rolled back (e.g. recomputing after a failed load):
+        // believe it. A first record that only fits the table with the engine's count is a
+        // rollback too.
+        let first_record = !running || restart;
+        let rollback = computed < base_position
+            && (!first_record || base_position + rec.num_scheduled_tokens > table_len * bs);
+        let (position, evaluated, watermark) = if rollback {
+            let b = computed / bs;
+            (
+                computed,
+                base_evaluated.min(b),
+                self.offloaded_watermark.min(b),
+            )
+        } else {
+            let p = base_position.max(computed);
+            // Only a first record can start past blocks the engine took from its own prefix
+            // cache; later jumps (accepted draft tokens) still owe their blocks an offload.
+            let e = if first_record {
+                base_evaluated.max(p / bs)
+            } else {
+                base_evaluated
+            };
+            (p, e, self.offloaded_watermark)
+        };
+        let next = position + rec.num_scheduled_tokens;
+        if next > table_len * bs {
+            return Err(self.invalid(
+                "num_scheduled_tokens",
+                format!(
+                    "computing up to token {next} needs {} blocks but only {table_len} are allocated",
+                    next.div_ceil(bs)
+                ),
+            ));
+        }
+        // Commit.
+        if restart {
+            tracing::debug!(request = %self.id, "slot restarted after preemption");
+            self.reset_device_state();
+        }
+        self.extend_tokens(appended);
+        self.push_ids(fresh);
+        self.state = if !appended.is_empty() && !rec.is_new && !full_list {
+            SlotState::Decoding
+        } else {
+            SlotState::Prefilling
+        };
+        let confirmed = (next - rec.num_draft_tokens).min(self.tokens.len());
+        debug_assert_eq!(self.tokens.len(), total_tokens);
+        let end = confirmed / bs;
+        if rollback {
+            tracing::debug!(request = %self.id, from = base_position, to = computed, "engine rolled back");
+            self.offloaded_watermark = watermark;
+        }
+        let start = evaluated.max(self.offloaded_watermark);
+        let out: Vec<OffloadBlock> = (start..end)
+            .map(|i| OffloadBlock {
+                index: i,
+                device: self.table[i],
+                hash: self.hashes[i],
+            })
+            .collect();
+        self.evaluated = evaluated.max(end);
+        self.offloaded_watermark = self.offloaded_watermark.max(end);
+        self.position = position + rec.num_scheduled_tokens - rec.num_draft_tokens;
+        Ok(out)
+    }
+
+    /// A load into block `index` (and maybe later ones) failed: the engine recomputes from
+    /// there, so the slot's position and evaluated blocks go back to that block.
+    pub fn load_failed(&mut self, index: usize) {
+        let bs = self.block_size;
+        self.position = self.position.min(index * bs);
+        self.evaluated = self.evaluated.min(index);
+        self.offloaded_watermark = self.offloaded_watermark.min(index);
+    }
+
+    /// The block index of a device block in this request's table.
+    pub fn index_of(&self, device: DeviceBlockId) -> Option<usize> {
+        self.table.iter().position(|&b| b == device)
+    }
+
+    /// The engine finished the request.
+    pub fn finish(&mut self) {
+        self.state = SlotState::Finished;
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn rec(new_tokens: Vec<u32>, blocks: &[u32], computed: usize, scheduled: usize) -> StepRecord {
+        StepRecord {
+            request_id: RequestId::from("r"),
+            new_tokens,
+            new_block_ids: blocks.iter().map(|&b| DeviceBlockId(b)).collect(),
+            num_computed_tokens: computed,
+            num_scheduled_tokens: scheduled,
+            ..Default::default()
+        }
+    }
+
+    fn idx(v: &[OffloadBlock]) -> Vec<usize> {
+        v.iter().map(|b| b.index).collect()
+    }
+
+    #[test]
+    fn worked_example_reference_section_1() {
+        let prompt: Vec<u32> = (0..100).collect();
+        let mut s = Slot::new("r".into(), 16, HashSalt(7));
+        let mut r1 = rec(prompt.clone(), &[10, 11, 12, 13, 14, 15, 16], 0, 64);
+        r1.is_new = true;
+        assert_eq!(idx(&s.apply(&r1).unwrap()), vec![0, 1, 2, 3]);
+        assert_eq!(
+            idx(&s.apply(&rec(vec![], &[], 64, 36)).unwrap()),
+            vec![4, 5]
+        );
+        assert_eq!(
+            idx(&s.apply(&rec(vec![100], &[], 100, 1)).unwrap()),
+            Vec::<usize>::new()
+        );
+        for t in 101..111u32 {
+            assert!(s
+                .apply(&rec(vec![t], &[], t as usize, 1))
+                .unwrap()
+                .is_empty());
+        }
+        let out = s.apply(&rec(vec![111], &[], 111, 1)).unwrap();
+        assert_eq!(idx(&out), vec![6]);
+        assert_eq!(out[0].device, DeviceBlockId(16));
+        assert_eq!(
+            out[0].hash,
+            crate::hash::sequence_hashes(HashSalt(7), &(0..112).collect::<Vec<_>>(), 16)[6]
+        );
+    }
+
+    #[test]
+    fn double_reported_ids_are_recognised() {
+        let mut s = Slot::new("r".into(), 4, HashSalt(1));
+        s.set_all_tokens(&[1, 2, 3, 4, 5, 6, 7, 8]);
+        s.allocate(&[DeviceBlockId(3), DeviceBlockId(9)], Some(0))
+            .unwrap();
+        let mut r = rec(vec![1, 2, 3, 4, 5, 6, 7, 8], &[3, 9], 0, 8);
+        r.is_new = true;
+        assert_eq!(idx(&s.apply(&r).unwrap()), vec![0, 1]);
+        assert_eq!(s.device_table(), &[DeviceBlockId(3), DeviceBlockId(9)]);
+    }
+
+    #[test]
+    fn invalid_input_leaves_slot_unchanged() {
+        let mut s = Slot::new("r".into(), 4, HashSalt(1));
+        let mut r = rec(vec![1, 2, 3, 4, 5], &[0], 0, 5);
+        r.is_new = true;
+        let e = s.apply(&r).unwrap_err();
+        assert!(matches!(
+            e,
+            ConnectorError::InvalidInput {
+                field: "num_scheduled_tokens",
+                ..
+            }
+        ));
+        assert!(s.tokens().is_empty());
+        assert!(s.device_table().is_empty());
+        assert_eq!(s.state(), SlotState::Waiting);
+    }
+}

@@ -1,0 +1,533 @@
+//! The worker (one per GPU rank): runs the jobs of each step's metadata through its
+//! [`BlockTransfer`] on a small pool of kvtier threads, and reports every finished job both to
+//! the leader (through its [`WorkerLink`]) and to the engine (`get_finished`,
+//! `take_load_errors`).
+//!
+//! Invariants:
+//! - stores read engine memory only after the fence captured in `forward_done` (the end of the
+//!   step's forward pass);
+//! - sync loads of a step are complete before `wait_for_layer_load` returns; a sync load that the
+//!   engine never waited for before its forward pass ended is not run and is reported as failed;
+//! - a load that failed on any pair puts those device blocks in `take_load_errors` and its
+//!   request in `load_failed`, never in `loaded`;
+//! - a finished request is reported saved only when no store of it is pending on this rank
+//!   (the engine passes it in only after the last step that could have stored for it);
+//! - a panic inside a transfer is caught and reported as the failure of every pair of its job.
+//!
+//! Threading: the engine thread owns `Worker` (`&mut self`); executor threads share only the
+//! task queue (a mutex around the receiver) and the completion channel.
+use std::collections::{HashMap, HashSet};
+use std::panic::AssertUnwindSafe;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use crate::connector::messages::{remote_key_for_rank, RequestLoad, StepMetadata, WorkerReport};
+use crate::connector::ConnectorError;
+use crate::ids::{DeviceBlockId, JobId, RequestId};
+use crate::transfer::{BlockFailure, BlockTransfer, Fence, TransferJob, TransferOutcome};
+
+/// Where a worker's reports go.
+pub trait ReportSink: Send + Sync {
+    fn send(&self, report: WorkerReport) -> Result<(), ConnectorError>;
+}
+
+impl ReportSink for Sender<WorkerReport> {
+    fn send(&self, report: WorkerReport) -> Result<(), ConnectorError> {
+        Sender::send(self, report).map_err(|_| ConnectorError::Channel("leader is gone".into()))
+    }
+}
+
+/// A worker's identity and its way to the leader.
+#[derive(Clone)]
+pub struct WorkerLink {
+    pub rank: u32,
+    pub world_size: u32,
+    sink: Arc<dyn ReportSink>,
+}
+
+impl WorkerLink {
+    /// A worker in the leader's process: reports go straight into the leader's queue
+    /// (`Leader::report_sender`).
+    pub fn in_process(rank: u32, world_size: u32, leader: Sender<WorkerReport>) -> Self {
+        WorkerLink {
+            rank,
+            world_size,
+            sink: Arc::new(leader),
+        }
+    }
+
+    /// A worker whose reports travel through any sink (e.g. the ZeroMQ client).
+    pub fn new(rank: u32, world_size: u32, sink: Arc<dyn ReportSink>) -> Self {
+        WorkerLink {
+            rank,
+            world_size,
+            sink,
+        }
+    }
+}
+
+/// What `get_finished` returns.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FinishedReport {
+    /// Finished requests whose stores are all done on this rank.
+    pub saved: Vec<RequestId>,
+    /// Requests whose async loads all succeeded on this rank.
+    pub loaded: Vec<RequestId>,
+    /// Requests whose async loads ended with at least one failed block (those device blocks
+    /// are in `take_load_errors`); the engine must recompute them.
+    pub load_failed: Vec<RequestId>,
+}
+
+enum JobInfo {
+    Store { request: RequestId },
+    Load { request: RequestId, sync: bool },
+    Background,
+}
+
+struct LoadState {
+    pending: usize,
+    failed: bool,
+    sync: bool,
+}
+
+struct Task {
+    jobs: Vec<TransferJob>,
+    fence: Fence,
+}
+
+struct Done {
+    job: TransferJob,
+    outcome: TransferOutcome,
+}
+
+/// One rank's worker. See the module documentation.
+pub struct Worker {
+    rank: u32,
+    transfer: Arc<dyn BlockTransfer>,
+    link: WorkerLink,
+    task_tx: Option<Sender<Task>>,
+    done_tx: Sender<Done>,
+    done_rx: Receiver<Done>,
+    threads: Vec<JoinHandle<()>>,
+    /// Loads and stores of the bound step not yet handed to the executor.
+    bound_loads: Vec<RequestLoad>,
+    bound_stores: Vec<(RequestId, TransferJob)>,
+    jobs: HashMap<JobId, JobInfo>,
+    stores_pending: HashMap<RequestId, usize>,
+    loads: HashMap<RequestId, LoadState>,
+    sync_pending: usize,
+    finished_waiting: HashSet<RequestId>,
+    loads_ready: Vec<(RequestId, bool)>,
+    started_loading: HashSet<RequestId>,
+    load_errors: Vec<DeviceBlockId>,
+    /// Requests whose sync load failed in the bound step: their stores of this step read KV
+    /// computed over bad blocks and are failed instead of run.
+    poisoned: HashSet<RequestId>,
+}
+
+impl Worker {
+    /// A worker with two executor threads.
+    pub fn new(transfer: Arc<dyn BlockTransfer>, link: WorkerLink) -> Self {
+        Self::with_threads(transfer, link, 2)
+    }
+
+    /// A worker with `threads` executor threads (at least one).
+    pub fn with_threads(
+        transfer: Arc<dyn BlockTransfer>,
+        link: WorkerLink,
+        threads: usize,
+    ) -> Self {
+        let (task_tx, task_rx) = channel::<Task>();
+        let task_rx = Arc::new(Mutex::new(task_rx));
+        let (done_tx, done_rx) = channel::<Done>();
+        let mut handles = Vec::new();
+        for i in 0..threads.max(1) {
+            let rx = Arc::clone(&task_rx);
+            let done = done_tx.clone();
+            let transfer = Arc::clone(&transfer);
+            let link = link.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("kvtier-w{}-{i}", link.rank))
+                .spawn(move || executor(rx, done, transfer, link));
+            match spawned {
+                Ok(h) => handles.push(h),
+                Err(e) => tracing::error!(error = %e, "could not start a kvtier executor thread"),
+            }
+        }
+        Worker {
+            rank: link.rank,
+            transfer,
+            link,
+            task_tx: Some(task_tx),
+            done_tx,
+            done_rx,
+            threads: handles,
+            bound_loads: Vec::new(),
+            bound_stores: Vec::new(),
+            jobs: HashMap::new(),
+            stores_pending: HashMap::new(),
+            loads: HashMap::new(),
+            sync_pending: 0,
+            finished_waiting: HashSet::new(),
+            loads_ready: Vec::new(),
+            started_loading: HashSet::new(),
+            load_errors: Vec::new(),
+            poisoned: HashSet::new(),
+        }
+    }
+
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    pub fn transfer(&self) -> &Arc<dyn BlockTransfer> {
+        &self.transfer
+    }
+
+    fn submit(&mut self, jobs: Vec<TransferJob>, fence: Fence) {
+        if jobs.is_empty() {
+            return;
+        }
+        let task = Task { jobs, fence };
+        let rejected = match &self.task_tx {
+            Some(tx) if !self.threads.is_empty() => tx.send(task).err().map(|e| e.0),
+            _ => Some(task),
+        };
+        if let Some(task) = rejected {
+            tracing::error!("kvtier executor is not running; failing its jobs");
+            for job in task.jobs {
+                let outcome = fail_all(&job, "executor not running");
+                self.finish_here(job, outcome);
+            }
+        }
+    }
+
+    /// Report a job that never reached the executor (as the executor would have).
+    fn finish_here(&mut self, job: TransferJob, outcome: TransferOutcome) {
+        let _ = self.link.sink.send(WorkerReport {
+            rank: self.rank,
+            job: job.id,
+            outcome: outcome.clone(),
+        });
+        let _ = self.done_tx.send(Done { job, outcome });
+    }
+
+    /// Take the step's metadata (every rank receives the same). Background copies start now.
+    pub fn bind(&mut self, meta: &StepMetadata) {
+        self.drain();
+        for l in &meta.loads {
+            self.load_errors.extend_from_slice(&l.failed_devices);
+            let st = self.loads.entry(l.request.clone()).or_insert(LoadState {
+                pending: 0,
+                failed: false,
+                sync: l.sync,
+            });
+            st.failed |= !l.failed_devices.is_empty();
+            st.pending += l.jobs.len();
+            if l.sync {
+                self.sync_pending += l.jobs.len();
+            }
+            for j in &l.jobs {
+                self.jobs.insert(
+                    j.id,
+                    JobInfo::Load {
+                        request: l.request.clone(),
+                        sync: l.sync,
+                    },
+                );
+            }
+            if l.jobs.is_empty() && !l.sync {
+                self.check_load_done(&l.request);
+            } else if l.jobs.is_empty() {
+                self.loads.remove(&l.request);
+            }
+        }
+        self.bound_loads
+            .extend(meta.loads.iter().filter(|l| !l.jobs.is_empty()).cloned());
+        for s in &meta.stores {
+            *self.stores_pending.entry(s.request.clone()).or_insert(0) += 1;
+            self.jobs.insert(
+                s.job.id,
+                JobInfo::Store {
+                    request: s.request.clone(),
+                },
+            );
+            self.bound_stores.push((s.request.clone(), s.job.clone()));
+        }
+        for j in &meta.background {
+            self.jobs.insert(j.id, JobInfo::Background);
+        }
+        self.submit(meta.background.clone(), Fence::none());
+    }
+
+    /// Start the bound step's loads (engine thread, before the forward pass).
+    pub fn start_load(&mut self, engine_stream: Option<u64>) {
+        if self.bound_loads.is_empty() {
+            return;
+        }
+        let jobs: Vec<TransferJob> = std::mem::take(&mut self.bound_loads)
+            .into_iter()
+            .flat_map(|l| l.jobs)
+            .collect();
+        match self.transfer.fence(engine_stream) {
+            Ok(f) => self.submit(jobs, f),
+            Err(e) => {
+                tracing::error!(error = %e, "fence for loads failed; loads fail");
+                for j in jobs {
+                    let o = fail_all(&j, &format!("fence failed: {e}"));
+                    self.finish_here(j, o);
+                }
+            }
+        }
+    }
+
+    /// Block until the step's sync loads are done (all layers at once: correct first).
+    pub fn wait_for_layer_load(&mut self, _layer: usize) {
+        if !self.bound_loads.is_empty() {
+            self.start_load(None);
+        }
+        while self.sync_pending > 0 {
+            match self.done_rx.recv() {
+                Ok(d) => self.on_done(d),
+                Err(_) => break,
+            }
+        }
+    }
+
+    /// The forward pass has been enqueued: capture its end and queue the step's stores.
+    /// Sync loads nobody waited for are reported failed (the forward did not see their data).
+    pub fn forward_done(&mut self, engine_stream: Option<u64>) {
+        let loads = std::mem::take(&mut self.bound_loads);
+        for l in loads {
+            if l.sync {
+                tracing::error!(request = %l.request, "sync load was not awaited before the forward pass; reporting it failed");
+                self.poisoned.insert(l.request.clone());
+                for j in l.jobs {
+                    let o = fail_all(&j, "not awaited before the forward pass");
+                    self.finish_here(j, o);
+                }
+            } else {
+                self.bound_loads.push(l);
+            }
+        }
+        if !self.bound_loads.is_empty() {
+            self.start_load(engine_stream);
+        }
+        self.drain();
+        let poisoned = std::mem::take(&mut self.poisoned);
+        let mut stores = Vec::new();
+        for (req, job) in std::mem::take(&mut self.bound_stores) {
+            if poisoned.contains(&req) {
+                tracing::warn!(request = %req, "a load of this request failed; its stores of this step are dropped");
+                let o = fail_all(&job, "computed over a failed load");
+                self.finish_here(job, o);
+            } else {
+                stores.push(job);
+            }
+        }
+        if stores.is_empty() {
+            return;
+        }
+        match self.transfer.fence(engine_stream) {
+            Ok(f) => self.submit(stores, f),
+            Err(e) => {
+                tracing::error!(error = %e, "fence for stores failed; stores fail");
+                for j in stores {
+                    let o = fail_all(&j, &format!("fence failed: {e}"));
+                    self.finish_here(j, o);
+                }
+            }
+        }
+    }
+
+    /// Requests whose saves / async loads finished on this rank. `finished`: requests the engine
+    /// finished since the last call (kept until saved). `started_loading`: for engines that
+    /// require it (TensorRT-LLM), only these requests (accumulated over calls) are reported as
+    /// loaded; `None` reports every request this rank loaded.
+    pub fn get_finished(
+        &mut self,
+        finished: &[RequestId],
+        started_loading: Option<&[RequestId]>,
+    ) -> FinishedReport {
+        self.drain();
+        self.finished_waiting.extend(finished.iter().cloned());
+        let mut out = FinishedReport::default();
+        let stores_pending = &self.stores_pending;
+        self.finished_waiting.retain(|r| {
+            if stores_pending.get(r).copied().unwrap_or(0) == 0 {
+                out.saved.push(r.clone());
+                false
+            } else {
+                true
+            }
+        });
+        if let Some(s) = started_loading {
+            self.started_loading.extend(s.iter().cloned());
+        }
+        let gate = started_loading.is_some() || !self.started_loading.is_empty();
+        let mut keep = Vec::new();
+        for (r, failed) in std::mem::take(&mut self.loads_ready) {
+            if gate && !self.started_loading.contains(&r) {
+                keep.push((r, failed));
+                continue;
+            }
+            self.started_loading.remove(&r);
+            if failed {
+                out.load_failed.push(r);
+            } else {
+                out.loaded.push(r);
+            }
+        }
+        self.loads_ready = keep;
+        out.saved.sort();
+        out
+    }
+
+    /// Device blocks whose load failed since the last call (the engine recomputes them).
+    pub fn take_load_errors(&mut self) -> Vec<DeviceBlockId> {
+        self.drain();
+        std::mem::take(&mut self.load_errors)
+    }
+
+    /// Number of jobs handed out and not yet finished on this rank.
+    pub fn jobs_in_flight(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// Wait until every job handed to the executor has finished (tests, shutdown).
+    pub fn wait_idle(&mut self) {
+        loop {
+            let unsubmitted: usize = self.bound_loads.iter().map(|l| l.jobs.len()).sum::<usize>()
+                + self.bound_stores.len();
+            if self.jobs.len() <= unsubmitted {
+                break;
+            }
+            match self
+                .done_rx
+                .recv_timeout(std::time::Duration::from_secs(60))
+            {
+                Ok(d) => self.on_done(d),
+                Err(_) => break,
+            }
+        }
+    }
+
+    fn drain(&mut self) {
+        while let Ok(d) = self.done_rx.try_recv() {
+            self.on_done(d);
+        }
+    }
+
+    fn check_load_done(&mut self, req: &RequestId) {
+        if let Some(st) = self.loads.get(req) {
+            if st.pending == 0 {
+                if !st.sync {
+                    self.loads_ready.push((req.clone(), st.failed));
+                }
+                self.loads.remove(req);
+            }
+        }
+    }
+
+    fn on_done(&mut self, d: Done) {
+        let Some(info) = self.jobs.remove(&d.job.id) else {
+            tracing::warn!(job = d.job.id.0, "completion for an unknown job");
+            return;
+        };
+        match info {
+            JobInfo::Store { request } => {
+                if let TransferOutcome::Failed(f) = &d.outcome {
+                    tracing::warn!(request = %request, failed = f.len(), "store failed");
+                }
+                if let Some(n) = self.stores_pending.get_mut(&request) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        self.stores_pending.remove(&request);
+                    }
+                }
+            }
+            JobInfo::Load { request, sync } => {
+                let failed = d.outcome.failed_pairs();
+                for &i in &failed {
+                    if let Some(p) = d.job.pairs.get(i) {
+                        self.load_errors.push(DeviceBlockId(p.dst));
+                    }
+                }
+                if sync {
+                    self.sync_pending = self.sync_pending.saturating_sub(1);
+                    if !failed.is_empty() {
+                        self.poisoned.insert(request.clone());
+                    }
+                }
+                if let Some(st) = self.loads.get_mut(&request) {
+                    st.failed |= !failed.is_empty();
+                    st.pending = st.pending.saturating_sub(1);
+                }
+                self.check_load_done(&request);
+            }
+            JobInfo::Background => {}
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.task_tx = None;
+        for h in self.threads.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+fn fail_all(job: &TransferJob, reason: &str) -> TransferOutcome {
+    if job.pairs.is_empty() {
+        return TransferOutcome::Ok;
+    }
+    TransferOutcome::Failed(
+        (0..job.pairs.len())
+            .map(|i| BlockFailure {
+                pair_index: i,
+                reason: reason.to_owned(),
+            })
+            .collect(),
+    )
+}
+
+fn executor(
+    rx: Arc<Mutex<Receiver<Task>>>,
+    done: Sender<Done>,
+    transfer: Arc<dyn BlockTransfer>,
+    link: WorkerLink,
+) {
+    loop {
+        let task = {
+            let Ok(guard) = rx.lock() else { return };
+            match guard.recv() {
+                Ok(t) => t,
+                Err(_) => return,
+            }
+        };
+        for job in task.jobs {
+            let mut run = job.clone();
+            if !run.remote_keys.is_empty() {
+                for k in &mut run.remote_keys {
+                    *k = remote_key_for_rank(*k, link.rank, link.world_size);
+                }
+            }
+            let outcome =
+                std::panic::catch_unwind(AssertUnwindSafe(|| transfer.execute(&run, &task.fence)))
+                    .unwrap_or_else(|_| fail_all(&job, "transfer panicked"));
+            if let Err(e) = link.sink.send(WorkerReport {
+                rank: link.rank,
+                job: job.id,
+                outcome: outcome.clone(),
+            }) {
+                tracing::error!(error = %e, job = job.id.0, "could not report to the leader");
+            }
+            if done.send(Done { job, outcome }).is_err() {
+                return;
+            }
+        }
+    }
+}
