@@ -282,6 +282,13 @@ fn saves_in_flight_keep_a_finished_request_unsaved() {
     rig.ranks[0].faulty.release();
     rig.settle();
     let f = rig.ranks[0].worker.get_finished(&[], None);
+    assert!(
+        f.saved.is_empty(),
+        "the leader's 'saving' answer has not reached the worker yet"
+    );
+    let meta = rig.run(&step(vec![]), &[]);
+    assert_eq!(meta.saving, vec![a.clone()]);
+    let f = rig.ranks[0].worker.get_finished(&[], None);
     assert_eq!(f.saved, vec![a.clone()]);
     assert_eq!(rig.leader.stats().offload_confirmed, 2);
     assert_eq!(rig.leader.stats().active_requests, 0);
@@ -670,4 +677,36 @@ fn failed_sync_load_drops_the_stores_of_that_step() {
     );
     rig.settle();
     assert_eq!(rig.leader.host_pool().unwrap().peek_prefix(&hb), 8);
+}
+
+/// Regression (vLLM frees a request's blocks at once when `request_finished` answers false, and
+/// asserts if the request is later reported saved): a finished request without saves in flight
+/// is never reported saved, even though it is passed to `get_finished`.
+#[test]
+fn request_without_saves_in_flight_is_never_reported_saved() {
+    let mut rig = Rig::new(LeaderConfig::new(BS, SALT, 32), &[BPB], None);
+    let prompt: Vec<u32> = (0..40).collect();
+    let a: RequestId = "a".into();
+    rig.leader
+        .update_state_after_alloc(&a, &ids(0..3), Some(0))
+        .unwrap();
+    rig.run(
+        &step(vec![new_rec("a", &prompt, ids(0..3), 0, 40)]),
+        &[(prompt.clone(), vec![(0, 0), (1, 1)])],
+    );
+    rig.settle();
+    assert!(!rig.leader.request_finished(&a).unwrap());
+    for _ in 0..4 {
+        rig.run(&step(vec![]), &[]);
+        let f = rig.ranks[0]
+            .worker
+            .get_finished(std::slice::from_ref(&a), None);
+        assert!(f.saved.is_empty(), "{f:?}");
+    }
+    // An engine that passes only requests answered "saving" may say so.
+    rig.ranks[0].worker.set_finished_ids_are_saving(true);
+    let f = rig.ranks[0]
+        .worker
+        .get_finished(std::slice::from_ref(&a), None);
+    assert_eq!(f.saved, vec![a]);
 }

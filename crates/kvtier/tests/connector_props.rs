@@ -511,6 +511,10 @@ fn run_script(s: Script) {
         }
     }
     // Drain: every finished request is eventually saved; nothing stays pinned or in flight.
+    // One empty step carries the leader's last "saving" answers to the worker.
+    let meta = sim.leader.build_step(&SchedulerStep::default()).unwrap();
+    sim.worker.bind(&meta);
+    sim.worker.forward_done(None);
     sim.worker.wait_idle();
     for _ in 0..3 {
         sim.collect(Vec::new());

@@ -647,6 +647,7 @@ impl Leader {
             meta.loads.append(&mut self.outbox.loads);
             meta.stores.append(&mut self.outbox.stores);
             meta.background.append(&mut self.outbox.background);
+            meta.saving.append(&mut self.outbox.saving);
             self.outbox = meta;
             Err(errors.swap_remove(0))
         }
@@ -814,6 +815,9 @@ impl Leader {
         };
         e.slot.finish();
         let in_flight = e.stores_in_flight > 0;
+        if in_flight {
+            self.outbox.saving.push(req.clone());
+        }
         self.maybe_drop_slot(req);
         Ok(in_flight)
     }
