@@ -23,9 +23,14 @@ fn remote_err(r: Result<(), TransferError>) -> RemoteError {
 
 fn fast_url(s: &RedisServer) -> String {
     format!(
-        "{}?connect_timeout_ms=300&io_timeout_ms=500&pool=4",
+        "{}?connect_timeout_ms=300&io_timeout_ms=500&pool=4&backoff_ms=400",
         s.url()
     )
+}
+
+/// Sleeps past `fast_url`'s backoff window.
+fn after_backoff() {
+    std::thread::sleep(Duration::from_millis(450));
 }
 
 #[test]
@@ -201,12 +206,14 @@ fn killed_server_gives_bounded_errors_and_recovers() -> Result<()> {
         "get"
     );
     assert!(t < Duration::from_secs(3), "get took {t:?}");
+    after_backoff();
     let (r, t) = timed(|| store.put(2, &data));
     assert!(matches!(
         remote_err(r),
         RemoteError::Unavailable { op: "put", .. }
     ));
     assert!(t < Duration::from_secs(3), "put took {t:?}");
+    after_backoff();
     let (r, t) = timed(|| store.contains(&[1, 2]));
     assert!(matches!(
         r,
@@ -217,8 +224,10 @@ fn killed_server_gives_bounded_errors_and_recovers() -> Result<()> {
     ));
     assert!(t < Duration::from_secs(3), "contains took {t:?}");
 
-    // The same server comes back (empty: persistence is off); the store reconnects by itself.
+    // The same server comes back (empty: persistence is off); the store reconnects by itself
+    // once the backoff window has passed.
     srv.spawn()?;
+    after_backoff();
     assert_eq!(store.contains(&[1])?, vec![false]);
     store.put(1, &data)?;
     store.get(1, &mut out)?;
@@ -255,9 +264,14 @@ fn hung_server_times_out_instead_of_hanging() -> Result<()> {
     store.put(1, &data)?;
     srv.signal("STOP");
     let mut out = vec![0u8; MIB2];
+    // Each operation, on its own, ends with Unavailable within its timeouts.
     let (r, t) = timed(|| store.get(1, &mut out));
+    after_backoff();
     let (r2, t2) = timed(|| store.put(2, &data));
+    after_backoff();
     let (r3, t3) = timed(|| store.contains(&[1]));
+    // Inside the backoff window that follows, operations fail at once.
+    let fast: Vec<_> = (0..20).map(|_| timed(|| store.get(1, &mut out))).collect();
     srv.signal("CONT");
     for (name, e, t) in [
         ("get", remote_err(r), t),
@@ -270,10 +284,23 @@ fn hung_server_times_out_instead_of_hanging() -> Result<()> {
         );
         // Bound: connect 0.3 s + read/write 0.5 s each, no retry on timeouts.
         assert!(t < Duration::from_secs(3), "{name} took {t:?}");
+        assert!(
+            t >= Duration::from_millis(250),
+            "{name} failed without waiting: {t:?}"
+        );
     }
-    // After the server resumes, operations work again (the timed-out connections were dropped).
+    for (r, t) in fast {
+        let e = remote_err(r);
+        assert!(e.to_string().contains("marked down"), "{e}");
+        assert!(t < Duration::from_millis(50), "fail-fast get took {t:?}");
+    }
+    // After the server resumes and the window passes, operations work again (the timed-out
+    // connections were dropped, not reused with a stale reply in them).
+    after_backoff();
     store.get(1, &mut out)?;
     assert!(out == data);
+    store.put(2, &data)?;
+    assert_eq!(store.contains(&[1, 2, 3])?, vec![true, true, false]);
     Ok(())
 }
 

@@ -282,6 +282,13 @@ fn saves_in_flight_keep_a_finished_request_unsaved() {
     rig.ranks[0].faulty.release();
     rig.settle();
     let f = rig.ranks[0].worker.get_finished(&[], None);
+    assert!(
+        f.saved.is_empty(),
+        "the leader's 'saving' answer has not reached the worker yet"
+    );
+    let meta = rig.run(&step(vec![]), &[]);
+    assert_eq!(meta.saving, vec![a.clone()]);
+    let f = rig.ranks[0].worker.get_finished(&[], None);
     assert_eq!(f.saved, vec![a.clone()]);
     assert_eq!(rig.leader.stats().offload_confirmed, 2);
     assert_eq!(rig.leader.stats().active_requests, 0);
@@ -574,4 +581,132 @@ fn sync_load_not_awaited_is_reported_failed() {
         0,
         "pins released"
     );
+}
+
+#[test]
+fn disk_filter_spills_only_blocks_seen_twice() {
+    let mut cfg = LeaderConfig::new(BS, SALT, 32);
+    cfg.disk = Capacity::Blocks(32);
+    cfg.disk_policy = DiskPolicy::filtered();
+    let mut rig = Rig::new(cfg, &[BPB], None);
+    let p1: Vec<u32> = (0..64).collect();
+    prefill(&mut rig, "a", &p1, 0);
+    rig.settle();
+    rig.run(&step(vec![]), &[]);
+    rig.settle();
+    assert_eq!(
+        rig.leader.stats().disk_registered,
+        0,
+        "seen once: not on disk"
+    );
+    // The same prompt computed again (the engine declined the match): every block is seen twice.
+    let b: RequestId = "b".into();
+    rig.leader
+        .update_state_after_alloc(&b, &ids(10..14), Some(0))
+        .unwrap();
+    rig.run(
+        &step(vec![new_rec("b", &p1, ids(10..14), 0, 64)]),
+        &[(p1.clone(), (0..4).map(|i| (i, 10 + i as u32)).collect())],
+    );
+    rig.settle();
+    rig.run(&step(vec![]), &[]);
+    rig.settle();
+    let s = rig.leader.stats();
+    assert_eq!(
+        (
+            s.offload_deduplicated,
+            s.disk_registered,
+            s.offload_confirmed
+        ),
+        (4, 4, 4),
+        "{s:?}"
+    );
+}
+
+/// Regression: stores computed in the same step as a failed sync load read KV computed over bad
+/// blocks; they must never be registered (the original served wrong KV after failed loads).
+#[test]
+fn failed_sync_load_drops_the_stores_of_that_step() {
+    let mut rig = Rig::new(LeaderConfig::new(BS, SALT, 32), &[BPB], None);
+    let pa: Vec<u32> = (0..100).collect();
+    prefill(&mut rig, "a", &pa, 0);
+    rig.settle();
+    let mut pb: Vec<u32> = pa[..96].to_vec();
+    pb.extend(5000..5032);
+    let hb = sequence_hashes(SALT, &pb, BS);
+    let host3 = rig.leader.host_pool().unwrap().lookup(hb[3]).unwrap();
+    rig.ranks[0].faulty.set_rules(FaultRules {
+        fail_src: [(Tier::Host, host3.0)].into_iter().collect(),
+        ..Default::default()
+    });
+    let b: RequestId = "b".into();
+    assert_eq!(
+        rig.leader.get_num_new_matched_tokens(&b, &pb, 0).unwrap(),
+        96
+    );
+    rig.leader
+        .update_state_after_alloc(&b, &ids(20..28), None)
+        .unwrap();
+    let meta = rig.run(
+        &step(vec![new_rec("b", &pb, ids(20..28), 96, 32)]),
+        &[(pb.clone(), vec![(6, 26), (7, 27)])],
+    );
+    assert_eq!(meta.stores.len(), 1, "blocks 6 and 7 were planned");
+    rig.settle();
+    assert_eq!(
+        rig.ranks[0].worker.take_load_errors(),
+        vec![DeviceBlockId(23)]
+    );
+    let s = rig.leader.stats();
+    assert_eq!(s.offload_failed, 2, "{s:?}");
+    assert_eq!(rig.leader.host_pool().unwrap().peek_prefix(&hb), 3);
+    // The engine recomputes from block 3; those blocks are offloaded again, correctly.
+    let meta = rig.run(
+        &step(vec![cont("b", &[], vec![], 48, 80)]),
+        &[(pb.clone(), (3..8).map(|i| (i, 20 + i as u32)).collect())],
+    );
+    let stored: Vec<u32> = meta
+        .stores
+        .iter()
+        .flat_map(|s| s.job.pairs.iter().map(|p| p.src))
+        .collect();
+    assert_eq!(
+        stored,
+        vec![23, 26, 27],
+        "blocks 4 and 5 are still in the host tier"
+    );
+    rig.settle();
+    assert_eq!(rig.leader.host_pool().unwrap().peek_prefix(&hb), 8);
+}
+
+/// Regression (vLLM frees a request's blocks at once when `request_finished` answers false, and
+/// asserts if the request is later reported saved): a finished request without saves in flight
+/// is never reported saved, even though it is passed to `get_finished`.
+#[test]
+fn request_without_saves_in_flight_is_never_reported_saved() {
+    let mut rig = Rig::new(LeaderConfig::new(BS, SALT, 32), &[BPB], None);
+    let prompt: Vec<u32> = (0..40).collect();
+    let a: RequestId = "a".into();
+    rig.leader
+        .update_state_after_alloc(&a, &ids(0..3), Some(0))
+        .unwrap();
+    rig.run(
+        &step(vec![new_rec("a", &prompt, ids(0..3), 0, 40)]),
+        &[(prompt.clone(), vec![(0, 0), (1, 1)])],
+    );
+    rig.settle();
+    assert!(!rig.leader.request_finished(&a).unwrap());
+    for _ in 0..4 {
+        rig.run(&step(vec![]), &[]);
+        let f = rig.ranks[0]
+            .worker
+            .get_finished(std::slice::from_ref(&a), None);
+        assert!(f.saved.is_empty(), "{f:?}");
+    }
+    // An engine that passes only requests answered "saving" may say so.
+    rig.ranks[0].worker.set_finished_ids_are_saving(true);
+    let f = rig.ranks[0]
+        .worker
+        .get_finished(std::slice::from_ref(&a), None);
+    assert_eq!(f.saved, vec![a]);
 }

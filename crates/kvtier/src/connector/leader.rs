@@ -30,6 +30,7 @@ use crate::connector::step::{SchedulerStep, StepRecord};
 use crate::connector::ConnectorError;
 use crate::hash::{HashSalt, SequenceHash};
 use crate::ids::{BlockId, DeviceBlockId, JobId, RequestId, Tier};
+use crate::policy::{FilterParams, FrequencyFilter};
 use crate::pool::{BlockPool, PoolEvent, Priority};
 use crate::transfer::{BlockPair, RemoteStore, TransferJob, TransferOutcome};
 
@@ -64,6 +65,19 @@ pub enum DiskPolicy {
     Never,
     /// Every block confirmed in G2 is copied to G3.
     WriteThrough,
+    /// A block goes to G3 once the policy's frequency filter has seen it twice within its window
+    /// (stored or found again in G2), sparing the SSD one-off blocks.
+    Filter(FilterParams),
+}
+
+impl DiskPolicy {
+    /// The original's default: seen twice within 600 s, at most 1M tracked hashes.
+    pub fn filtered() -> Self {
+        DiskPolicy::Filter(FilterParams {
+            window: std::time::Duration::from_secs(600),
+            max_tracked: 1_000_000,
+        })
+    }
 }
 
 /// How the leader is set up.
@@ -117,7 +131,7 @@ impl LeaderConfig {
             layout: None,
             host: Capacity::Blocks(host_blocks),
             disk: Capacity::Blocks(0),
-            disk_policy: DiskPolicy::WriteThrough,
+            disk_policy: DiskPolicy::filtered(),
             remote: None,
             remote_put: false,
             async_loads: false,
@@ -179,6 +193,8 @@ enum JobBooks {
         request: RequestId,
         src: Tier,
         pinned: Vec<BlockId>,
+        /// Destination device block per pair.
+        devices: Vec<DeviceBlockId>,
     },
     /// Host -> disk: `(host block read, disk block written, hash)` per pair.
     SpillDisk {
@@ -211,6 +227,9 @@ pub struct Leader {
     host: Option<BlockPool>,
     disk: Option<BlockPool>,
     disk_policy: DiskPolicy,
+    disk_filter: Option<FrequencyFilter>,
+    /// Origin of the filter's clock.
+    started: std::time::Instant,
     remote: Option<Arc<dyn RemoteStore>>,
     remote_put: bool,
     async_loads: bool,
@@ -277,6 +296,11 @@ impl Leader {
             host,
             disk,
             disk_policy: cfg.disk_policy,
+            disk_filter: match cfg.disk_policy {
+                DiskPolicy::Filter(p) => Some(FrequencyFilter::new(p)),
+                _ => None,
+            },
+            started: std::time::Instant::now(),
             remote: cfg.remote,
             remote_put: cfg.remote_put,
             async_loads: cfg.async_loads,
@@ -490,7 +514,8 @@ impl Leader {
         block_ids: &[DeviceBlockId],
         num_external_tokens: Option<usize>,
     ) -> Result<(), ConnectorError> {
-        self.poll_reports();
+        // No report is applied here: between matching and allocation the pools must not change,
+        // so the promised blocks are still there.
         self.check_device_ids(req, "block_ids", block_ids)?;
         let external = num_external_tokens.unwrap_or(0);
         if !self.slots.contains_key(req) {
@@ -564,6 +589,9 @@ impl Leader {
         let failed_devices: Vec<DeviceBlockId> =
             onboard[sources.len()..].iter().map(|b| b.device).collect();
         self.stats.onboard_failed += failed_devices.len() as u64;
+        if let (Some(first), Some(e)) = (onboard.get(sources.len()), self.slots.get_mut(req)) {
+            e.slot.load_failed(first.index);
+        }
         if !failed_devices.is_empty() {
             tracing::warn!(request = %req, blocks = failed_devices.len(), "matched blocks vanished before allocation; reporting load errors");
         }
@@ -575,6 +603,7 @@ impl Leader {
                 _ => self.stats.onboard_remote_blocks += pairs.len() as u64,
             }
             let id = self.new_job_id();
+            let devices = pairs.iter().map(|p| DeviceBlockId(p.dst)).collect();
             jobs.push(TransferJob {
                 id,
                 src: tier,
@@ -588,6 +617,7 @@ impl Leader {
                     request: req.clone(),
                     src: tier,
                     pinned,
+                    devices,
                 },
             );
         }
@@ -617,6 +647,7 @@ impl Leader {
             meta.loads.append(&mut self.outbox.loads);
             meta.stores.append(&mut self.outbox.stores);
             meta.background.append(&mut self.outbox.background);
+            meta.saving.append(&mut self.outbox.saving);
             self.outbox = meta;
             Err(errors.swap_remove(0))
         }
@@ -688,14 +719,21 @@ impl Leader {
             (None, None) => return,
         };
         let mut todo: Vec<&OffloadBlock> = Vec::with_capacity(offloads.len());
+        let mut seen_again = Vec::new();
         for b in offloads {
-            if pool.lookup(b.hash).is_some() || self.writing.contains(&b.hash) {
+            if let Some(existing) = pool.lookup(b.hash) {
+                self.stats.offload_deduplicated += 1;
+                if tier == Tier::Host {
+                    seen_again.push((existing, b.hash));
+                }
+            } else if self.writing.contains(&b.hash) {
                 self.stats.offload_deduplicated += 1;
             } else {
                 todo.push(b);
             }
         }
         if todo.is_empty() {
+            self.spill_seen_again(&seen_again);
             return;
         }
         let n = todo.len().min(pool.num_free());
@@ -704,6 +742,7 @@ impl Leader {
             tracing::debug!(request = %req, dropped = todo.len() - n, "offload tier full");
         }
         if n == 0 {
+            self.spill_seen_again(&seen_again);
             return;
         }
         let blocks = match pool.allocate(n) {
@@ -747,6 +786,17 @@ impl Leader {
                 remote_keys: Vec::new(),
             },
         });
+        self.spill_seen_again(&seen_again);
+    }
+
+    /// Blocks found again in G2 count as sightings for the disk filter.
+    fn spill_seen_again(&mut self, seen: &[(BlockId, SequenceHash)]) {
+        if self.disk.is_none() || self.disk_policy == DiskPolicy::Never {
+            return;
+        }
+        for &(blk, hash) in seen {
+            self.plan_spills(blk, hash, false);
+        }
     }
 
     // ----- finishing and preemption ---------------------------------------------------------
@@ -765,6 +815,9 @@ impl Leader {
         };
         e.slot.finish();
         let in_flight = e.stores_in_flight > 0;
+        if in_flight {
+            self.outbox.saving.push(req.clone());
+        }
         self.maybe_drop_slot(req);
         Ok(in_flight)
     }
@@ -863,7 +916,7 @@ impl Leader {
                         Ok(canonical) => {
                             self.stats.offload_confirmed += 1;
                             if tier == Tier::Host {
-                                self.plan_spills(canonical, hash);
+                                self.plan_spills(canonical, hash, canonical == blk);
                             }
                             self.release(tier, canonical);
                         }
@@ -879,7 +932,18 @@ impl Leader {
                 request,
                 src,
                 pinned,
+                devices,
             } => {
+                if let Some(e) = self.slots.get_mut(&request) {
+                    let first_failed = failed
+                        .iter()
+                        .filter_map(|&k| devices.get(k))
+                        .filter_map(|d| e.slot.index_of(*d))
+                        .min();
+                    if let Some(i) = first_failed {
+                        e.slot.load_failed(i);
+                    }
+                }
                 for (i, blk) in pinned.into_iter().enumerate() {
                     if failed.contains(&i) {
                         // Its bytes could not be read: never offer it again.
@@ -943,9 +1007,21 @@ impl Leader {
         }
     }
 
-    /// After `hash` landed in G2 as `host_block`: plan its copy to G3 and/or G4.
-    fn plan_spills(&mut self, host_block: BlockId, hash: SequenceHash) {
-        let to_disk = self.disk_policy == DiskPolicy::WriteThrough
+    /// `hash` was stored in, or found again in, G2 as `host_block`: plan its copy to G3 (per the
+    /// disk policy) and, on its first store, to G4.
+    fn plan_spills(&mut self, host_block: BlockId, hash: SequenceHash, first_store: bool) {
+        let wanted = self.disk.is_some()
+            && match self.disk_policy {
+                DiskPolicy::Never => false,
+                DiskPolicy::WriteThrough => true,
+                DiskPolicy::Filter(_) => {
+                    let now = self.started.elapsed();
+                    self.disk_filter
+                        .as_mut()
+                        .is_some_and(|f| f.observe(hash, now))
+                }
+            };
+        let to_disk = wanted
             && !self.spilling.contains(&hash)
             && self
                 .disk
@@ -980,7 +1056,7 @@ impl Leader {
                 }
             }
         }
-        if self.remote_put && self.remote.is_some() {
+        if first_store && self.remote_put && self.remote.is_some() {
             if let Some(h) = self.host.as_mut() {
                 let _ = h.pin(host_block);
             }

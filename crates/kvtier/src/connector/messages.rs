@@ -47,11 +47,17 @@ pub struct StepMetadata {
     /// Copies between kvtier's own tiers (host -> disk, host -> remote); they touch no engine
     /// memory and may run at once.
     pub background: Vec<TransferJob>,
+    /// Requests for which `request_finished` answered "saves in flight" since the previous
+    /// metadata: only these are ever reported saved by the workers.
+    pub saving: Vec<RequestId>,
 }
 
 impl StepMetadata {
     pub fn is_empty(&self) -> bool {
-        self.loads.is_empty() && self.stores.is_empty() && self.background.is_empty()
+        self.loads.is_empty()
+            && self.stores.is_empty()
+            && self.background.is_empty()
+            && self.saving.is_empty()
     }
 
     /// Encode (postcard).

@@ -11,6 +11,8 @@ pub mod slot;
 pub mod step;
 pub mod testing;
 pub mod worker;
+#[cfg(feature = "zmq")]
+pub mod zmq;
 
 pub use leader::{Capacity, DiskPolicy, KvEvent, Leader, LeaderConfig, LeaderStats};
 pub use messages::{

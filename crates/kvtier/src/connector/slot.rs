@@ -370,9 +370,34 @@ impl Slot {
         };
         let total_tokens = self.tokens.len() + appended.len();
         let bs = self.block_size;
-        let position = base_position.max(rec.num_computed_tokens);
-        let evaluated = base_evaluated.max(position / bs);
         let table_len = table_len_before + fresh.len();
+        let computed = rec.num_computed_tokens;
+        // The first record after allocation may report fewer computed tokens than kvtier
+        // onboarded (TensorRT-LLM subtracts connector-matched tokens): keep the larger. Later, a
+        // smaller count means the engine rolled back (e.g. recomputing after a failed load):
+        // believe it. A first record that only fits the table with the engine's count is a
+        // rollback too.
+        let first_record = !running || restart;
+        let rollback = computed < base_position
+            && (!first_record || base_position + rec.num_scheduled_tokens > table_len * bs);
+        let (position, evaluated, watermark) = if rollback {
+            let b = computed / bs;
+            (
+                computed,
+                base_evaluated.min(b),
+                self.offloaded_watermark.min(b),
+            )
+        } else {
+            let p = base_position.max(computed);
+            // Only a first record can start past blocks the engine took from its own prefix
+            // cache; later jumps (accepted draft tokens) still owe their blocks an offload.
+            let e = if first_record {
+                base_evaluated.max(p / bs)
+            } else {
+                base_evaluated
+            };
+            (p, e, self.offloaded_watermark)
+        };
         let next = position + rec.num_scheduled_tokens;
         if next > table_len * bs {
             return Err(self.invalid(
@@ -398,6 +423,10 @@ impl Slot {
         let confirmed = (next - rec.num_draft_tokens).min(self.tokens.len());
         debug_assert_eq!(self.tokens.len(), total_tokens);
         let end = confirmed / bs;
+        if rollback {
+            tracing::debug!(request = %self.id, from = base_position, to = computed, "engine rolled back");
+            self.offloaded_watermark = watermark;
+        }
         let start = evaluated.max(self.offloaded_watermark);
         let out: Vec<OffloadBlock> = (start..end)
             .map(|i| OffloadBlock {
@@ -410,6 +439,20 @@ impl Slot {
         self.offloaded_watermark = self.offloaded_watermark.max(end);
         self.position = position + rec.num_scheduled_tokens - rec.num_draft_tokens;
         Ok(out)
+    }
+
+    /// A load into block `index` (and maybe later ones) failed: the engine recomputes from
+    /// there, so the slot's position and evaluated blocks go back to that block.
+    pub fn load_failed(&mut self, index: usize) {
+        let bs = self.block_size;
+        self.position = self.position.min(index * bs);
+        self.evaluated = self.evaluated.min(index);
+        self.offloaded_watermark = self.offloaded_watermark.min(index);
+    }
+
+    /// The block index of a device block in this request's table.
+    pub fn index_of(&self, device: DeviceBlockId) -> Option<usize> {
+        self.table.iter().position(|&b| b == device)
     }
 
     /// The engine finished the request.

@@ -10,8 +10,11 @@
 //!   engine never waited for before its forward pass ended is not run and is reported as failed;
 //! - a load that failed on any pair puts those device blocks in `take_load_errors` and its
 //!   request in `load_failed`, never in `loaded`;
-//! - a finished request is reported saved only when no store of it is pending on this rank
-//!   (the engine passes it in only after the last step that could have stored for it);
+//! - a finished request is reported saved only if the leader answered "saves in flight" for it
+//!   (the metadata's `saving` list, or the engine's word where its finished list holds only such
+//!   requests: `set_finished_ids_are_saving`), and only when no store of it is pending on this
+//!   rank (the engine passes it in only after the last step that could have stored for it);
+//!   vLLM frees the blocks of any other finished request at once and must never hear of it again;
 //! - a panic inside a transfer is caught and reported as the failure of every pair of its job.
 //!
 //! Threading: the engine thread owns `Worker` (`&mut self`); executor threads share only the
@@ -112,15 +115,23 @@ pub struct Worker {
     threads: Vec<JoinHandle<()>>,
     /// Loads and stores of the bound step not yet handed to the executor.
     bound_loads: Vec<RequestLoad>,
-    bound_stores: Vec<TransferJob>,
+    bound_stores: Vec<(RequestId, TransferJob)>,
     jobs: HashMap<JobId, JobInfo>,
     stores_pending: HashMap<RequestId, usize>,
     loads: HashMap<RequestId, LoadState>,
     sync_pending: usize,
-    finished_waiting: HashSet<RequestId>,
+    /// Finished requests passed in by the engine, with the bind count when they were passed.
+    finished_waiting: HashMap<RequestId, u64>,
+    /// Requests the leader declared saving (from the metadata).
+    saving: HashSet<RequestId>,
+    finished_are_saving: bool,
+    binds: u64,
     loads_ready: Vec<(RequestId, bool)>,
     started_loading: HashSet<RequestId>,
     load_errors: Vec<DeviceBlockId>,
+    /// Requests whose sync load failed in the bound step: their stores of this step read KV
+    /// computed over bad blocks and are failed instead of run.
+    poisoned: HashSet<RequestId>,
 }
 
 impl Worker {
@@ -166,15 +177,26 @@ impl Worker {
             stores_pending: HashMap::new(),
             loads: HashMap::new(),
             sync_pending: 0,
-            finished_waiting: HashSet::new(),
+            finished_waiting: HashMap::new(),
+            saving: HashSet::new(),
+            finished_are_saving: false,
+            binds: 0,
             loads_ready: Vec::new(),
             started_loading: HashSet::new(),
             load_errors: Vec::new(),
+            poisoned: HashSet::new(),
         }
     }
 
     pub fn rank(&self) -> u32 {
         self.rank
+    }
+
+    /// For engines whose `get_finished` list holds only requests for which `request_finished`
+    /// answered true (TensorRT-LLM, kvtier's reference engine): report them without waiting for
+    /// the next metadata's `saving` list. Off by default (vLLM passes every finished request).
+    pub fn set_finished_ids_are_saving(&mut self, yes: bool) {
+        self.finished_are_saving = yes;
     }
 
     pub fn transfer(&self) -> &Arc<dyn BlockTransfer> {
@@ -212,6 +234,8 @@ impl Worker {
     /// Take the step's metadata (every rank receives the same). Background copies start now.
     pub fn bind(&mut self, meta: &StepMetadata) {
         self.drain();
+        self.binds += 1;
+        self.saving.extend(meta.saving.iter().cloned());
         for l in &meta.loads {
             self.load_errors.extend_from_slice(&l.failed_devices);
             let st = self.loads.entry(l.request.clone()).or_insert(LoadState {
@@ -249,7 +273,7 @@ impl Worker {
                     request: s.request.clone(),
                 },
             );
-            self.bound_stores.push(s.job.clone());
+            self.bound_stores.push((s.request.clone(), s.job.clone()));
         }
         for j in &meta.background {
             self.jobs.insert(j.id, JobInfo::Background);
@@ -298,6 +322,7 @@ impl Worker {
         for l in loads {
             if l.sync {
                 tracing::error!(request = %l.request, "sync load was not awaited before the forward pass; reporting it failed");
+                self.poisoned.insert(l.request.clone());
                 for j in l.jobs {
                     let o = fail_all(&j, "not awaited before the forward pass");
                     self.finish_here(j, o);
@@ -309,7 +334,18 @@ impl Worker {
         if !self.bound_loads.is_empty() {
             self.start_load(engine_stream);
         }
-        let stores = std::mem::take(&mut self.bound_stores);
+        self.drain();
+        let poisoned = std::mem::take(&mut self.poisoned);
+        let mut stores = Vec::new();
+        for (req, job) in std::mem::take(&mut self.bound_stores) {
+            if poisoned.contains(&req) {
+                tracing::warn!(request = %req, "a load of this request failed; its stores of this step are dropped");
+                let o = fail_all(&job, "computed over a failed load");
+                self.finish_here(job, o);
+            } else {
+                stores.push(job);
+            }
+        }
         if stores.is_empty() {
             return;
         }
@@ -335,15 +371,26 @@ impl Worker {
         started_loading: Option<&[RequestId]>,
     ) -> FinishedReport {
         self.drain();
-        self.finished_waiting.extend(finished.iter().cloned());
+        for r in finished {
+            self.finished_waiting.entry(r.clone()).or_insert(self.binds);
+        }
         let mut out = FinishedReport::default();
-        let stores_pending = &self.stores_pending;
-        self.finished_waiting.retain(|r| {
-            if stores_pending.get(r).copied().unwrap_or(0) == 0 {
+        let (stores_pending, saving, trust, binds) = (
+            &self.stores_pending,
+            &mut self.saving,
+            self.finished_are_saving,
+            self.binds,
+        );
+        self.finished_waiting.retain(|r, passed_at| {
+            let declared = trust || saving.contains(r);
+            if declared && stores_pending.get(r).copied().unwrap_or(0) == 0 {
+                saving.remove(r);
                 out.saved.push(r.clone());
                 false
             } else {
-                true
+                // A request the leader never declared saving had no saves in flight; once two
+                // metadata have passed without it, forget it (never report it).
+                declared || binds <= *passed_at + 2
             }
         });
         if let Some(s) = started_loading {
@@ -440,6 +487,9 @@ impl Worker {
                 }
                 if sync {
                     self.sync_pending = self.sync_pending.saturating_sub(1);
+                    if !failed.is_empty() {
+                        self.poisoned.insert(request.clone());
+                    }
                 }
                 if let Some(st) = self.loads.get_mut(&request) {
                     st.failed |= !failed.is_empty();

@@ -1,0 +1,271 @@
+//! Connector benchmarks: the leader's work per engine step, and matching a long prompt.
+//!
+//! - `leader_step/256_mixed`: one `build_step` for 256 running requests (about a quarter in
+//!   chunked prefill, the rest decoding; finished requests are replaced by new 1024-token ones)
+//!   plus applying the workers' reports for the step's stores. Baseline in the same run:
+//!   `leader_step/slots_only_256_mixed`, the same records through bare slots (no pools, no jobs).
+//! - `match/32k_prompt`: `get_num_new_matched_tokens` on a fresh 32768-token prompt whose 2048
+//!   blocks are all in G2, hashing included. Baseline: `match/hash_only_32k`, hashing alone.
+#![allow(clippy::unwrap_used)]
+use std::collections::HashMap;
+
+use criterion::{black_box, criterion_group, criterion_main, Criterion};
+use kvtier::connector::{
+    ClusterLayout, Leader, LeaderConfig, SchedulerStep, Slot, StepRecord, WorkerReport,
+};
+use kvtier::hash::{sequence_hashes, HashSalt};
+use kvtier::transfer::TransferOutcome;
+use kvtier::{DeviceBlockId, RequestId};
+
+const BS: usize = 16;
+const SALT: HashSalt = HashSalt(5);
+const RUNNING: usize = 256;
+const PROMPT: usize = 1024;
+const CHUNK: usize = 256;
+const DECODE: usize = 64;
+const DEV_BLOCKS: u32 = 1 << 20;
+
+struct Req {
+    id: RequestId,
+    tokens: Vec<u32>,
+    computed: usize,
+    reported_tokens: usize,
+    table: Vec<DeviceBlockId>,
+    reported_blocks: usize,
+    first: bool,
+}
+
+/// A steady stream of engine steps over `RUNNING` requests.
+struct Workload {
+    reqs: Vec<Req>,
+    next_id: u64,
+    next_block: u32,
+}
+
+impl Workload {
+    fn new() -> Self {
+        let mut w = Workload {
+            reqs: Vec::new(),
+            next_id: 0,
+            next_block: 0,
+        };
+        for i in 0..RUNNING {
+            // Stagger: request i starts `i % (PROMPT/CHUNK + DECODE)` steps into its life.
+            let mut r = w.fresh();
+            let age = i % (PROMPT / CHUNK + DECODE);
+            r.computed = (age * CHUNK).min(PROMPT);
+            if age > PROMPT / CHUNK {
+                let extra = age - PROMPT / CHUNK;
+                r.tokens.extend((0..extra).map(|t| t as u32));
+                r.computed = r.tokens.len() - 1;
+            }
+            w.reqs.push(r);
+        }
+        w
+    }
+
+    fn fresh(&mut self) -> Req {
+        self.next_id += 1;
+        let seed = self.next_id as u32;
+        Req {
+            id: RequestId(format!("req-{}", self.next_id)),
+            tokens: (0..PROMPT as u32)
+                .map(|t| t.wrapping_mul(2_654_435_761) ^ seed)
+                .collect(),
+            computed: 0,
+            reported_tokens: 0,
+            table: Vec::new(),
+            reported_blocks: 0,
+            first: true,
+        }
+    }
+
+    fn block(&mut self) -> DeviceBlockId {
+        self.next_block = (self.next_block + 1) % DEV_BLOCKS;
+        DeviceBlockId(self.next_block)
+    }
+
+    /// The next step's records (and the requests finished in it).
+    fn step(&mut self) -> SchedulerStep {
+        let mut records = Vec::with_capacity(RUNNING);
+        let mut finished = Vec::new();
+        for i in 0..self.reqs.len() {
+            if self.reqs[i].tokens.len() >= PROMPT + DECODE {
+                finished.push(self.reqs[i].id.clone());
+                self.reqs[i] = self.fresh();
+            }
+            let (computed, len) = (self.reqs[i].computed, self.reqs[i].tokens.len());
+            let scheduled = if computed + 1 < len {
+                CHUNK.min(len - computed)
+            } else {
+                1
+            };
+            let need = (computed + scheduled).div_ceil(BS);
+            while self.reqs[i].table.len() < need {
+                let b = self.block();
+                self.reqs[i].table.push(b);
+            }
+            let r = &mut self.reqs[i];
+            records.push(StepRecord {
+                request_id: r.id.clone(),
+                new_tokens: r.tokens[r.reported_tokens..].to_vec(),
+                new_block_ids: r.table[r.reported_blocks..].to_vec(),
+                num_computed_tokens: computed,
+                num_scheduled_tokens: scheduled,
+                num_draft_tokens: 0,
+                is_new: r.first,
+                resumed_from_preemption: false,
+            });
+            r.reported_tokens = r.tokens.len();
+            r.reported_blocks = r.table.len();
+            r.first = false;
+            r.computed += scheduled;
+            if r.computed >= r.tokens.len() {
+                let t = r.tokens.len() as u32;
+                r.tokens.push(t);
+                r.computed = r.tokens.len() - 1;
+            }
+        }
+        SchedulerStep { records, finished }
+    }
+}
+
+fn leader() -> Leader {
+    let mut cfg = LeaderConfig::new(BS, SALT, 200_000);
+    cfg.layout = Some(ClusterLayout {
+        block_size: BS as u32,
+        num_device_blocks: DEV_BLOCKS,
+        bytes_per_block: vec![2 << 20],
+    });
+    Leader::new(cfg).unwrap()
+}
+
+fn bench_step(c: &mut Criterion) {
+    let mut g = c.benchmark_group("leader_step");
+    // Pre-generate steps so the workload generator is not measured.
+    let mut w = Workload::new();
+    let steps: Vec<SchedulerStep> = (0..2000).map(|_| w.step()).collect();
+
+    let mut l = leader();
+    // Warm the leader into a steady state (slots exist; host pool cycling).
+    for s in &steps[..200] {
+        let m = l.build_step(s).unwrap();
+        for st in &m.stores {
+            l.apply_report(WorkerReport {
+                rank: 0,
+                job: st.job.id,
+                outcome: TransferOutcome::Ok,
+            });
+        }
+    }
+    let mut i = 200;
+    g.bench_function("256_mixed", |b| {
+        b.iter(|| {
+            if i == steps.len() {
+                // Start over with a fresh leader and the same step stream.
+                l = leader();
+                for s in &steps[..200] {
+                    let m = l.build_step(s).unwrap();
+                    for st in &m.stores {
+                        l.apply_report(WorkerReport {
+                            rank: 0,
+                            job: st.job.id,
+                            outcome: TransferOutcome::Ok,
+                        });
+                    }
+                }
+                i = 200;
+            }
+            let m = l.build_step(&steps[i]).unwrap();
+            for st in &m.stores {
+                l.apply_report(WorkerReport {
+                    rank: 0,
+                    job: st.job.id,
+                    outcome: TransferOutcome::Ok,
+                });
+            }
+            i += 1;
+            black_box(m.stores.len())
+        })
+    });
+
+    let mut slots: HashMap<RequestId, Slot> = HashMap::new();
+    let mut j = 0;
+    g.bench_function("slots_only_256_mixed", |b| {
+        b.iter(|| {
+            if j == steps.len() {
+                slots.clear();
+                j = 0;
+            }
+            let mut n = 0;
+            for r in &steps[j].records {
+                let s = slots
+                    .entry(r.request_id.clone())
+                    .or_insert_with(|| Slot::new(r.request_id.clone(), BS, SALT));
+                n += s.apply(r).unwrap().len();
+            }
+            for f in &steps[j].finished {
+                slots.remove(f);
+            }
+            j += 1;
+            black_box(n)
+        })
+    });
+    g.finish();
+}
+
+fn bench_match(c: &mut Criterion) {
+    let mut g = c.benchmark_group("match");
+    let prompt: Vec<u32> = (0..32_768u32)
+        .map(|t| t.wrapping_mul(40_503) % 32_000)
+        .collect();
+    // Fill G2 with the prompt's 2048 blocks through the normal offload path.
+    let mut l = leader();
+    let id: RequestId = "fill".into();
+    let blocks: Vec<DeviceBlockId> = (0..2048).map(DeviceBlockId).collect();
+    l.update_state_after_alloc(&id, &blocks, Some(0)).unwrap();
+    let step = SchedulerStep {
+        records: vec![StepRecord {
+            request_id: id.clone(),
+            new_tokens: prompt.clone(),
+            new_block_ids: blocks,
+            num_computed_tokens: 0,
+            num_scheduled_tokens: prompt.len(),
+            is_new: true,
+            ..Default::default()
+        }],
+        finished: vec![],
+    };
+    let m = l.build_step(&step).unwrap();
+    for st in &m.stores {
+        l.apply_report(WorkerReport {
+            rank: 0,
+            job: st.job.id,
+            outcome: TransferOutcome::Ok,
+        });
+    }
+    assert_eq!(l.stats().offload_confirmed, 2048);
+    let probe: RequestId = "probe".into();
+    assert_eq!(
+        l.get_num_new_matched_tokens(&probe, &prompt, 0).unwrap(),
+        32_768 - BS
+    );
+    l.request_finished(&probe).unwrap();
+
+    g.bench_function("32k_prompt", |b| {
+        b.iter(|| {
+            let n = l
+                .get_num_new_matched_tokens(&probe, black_box(&prompt), 0)
+                .unwrap();
+            l.request_finished(&probe).unwrap();
+            black_box(n)
+        })
+    });
+    g.bench_function("hash_only_32k", |b| {
+        b.iter(|| black_box(sequence_hashes(SALT, black_box(&prompt), BS)))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench_step, bench_match);
+criterion_main!(benches);

@@ -1,0 +1,558 @@
+//! Property tests: a small simulated engine (chunked prefill, decode with draft tokens,
+//! preemption, sync or async loads, injected load and store faults) drives a leader and a worker
+//! over random schedules. Checked on every step:
+//! - no block of a request is offloaded twice (unless the engine rolled back over it), no
+//!   partial or unconfirmed block is offloaded, and no hash already in G2 is stored again;
+//! - no failed load is reported as loaded, and every load error names a block whose load failed;
+//! - no finished request is reported saved, or answered "no saves in flight", while one of its
+//!   stores has not run;
+//! - at the end nothing is pinned and no job is in flight.
+#![allow(clippy::unwrap_used)]
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use kvtier::connector::testing::{FaultRules, FaultyTransfer, MemoryTransfer};
+use kvtier::connector::{
+    ClusterLayout, ConnectorError, Leader, LeaderConfig, ReportSink, SchedulerStep, StepRecord,
+    Worker, WorkerLink, WorkerReport,
+};
+use kvtier::hash::{sequence_hashes, HashSalt};
+use kvtier::transfer::BlockTransfer;
+use kvtier::{DeviceBlockId, JobId, RequestId, Tier};
+use proptest::prelude::*;
+
+const BS: usize = 4;
+const DEV: u32 = 160;
+const SALT: HashSalt = HashSalt(77);
+
+/// Records which jobs the worker reported finished (run, or failed without running), then
+/// passes the report to the leader.
+struct Recording {
+    leader: std::sync::mpsc::Sender<WorkerReport>,
+    ran: Arc<Mutex<HashSet<JobId>>>,
+}
+
+impl ReportSink for Recording {
+    fn send(&self, report: WorkerReport) -> Result<(), ConnectorError> {
+        self.ran.lock().unwrap().insert(report.job);
+        self.leader
+            .send(report)
+            .map_err(|_| ConnectorError::Channel("leader gone".into()))
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum St {
+    Waiting,
+    Loading,
+    Running,
+    Done,
+}
+
+#[derive(Debug)]
+struct Req {
+    id: RequestId,
+    tokens: Vec<u32>,
+
+    table: Vec<u32>,
+    computed: usize,
+    st: St,
+    reported_tokens: usize,
+    reported_blocks: usize,
+    first: bool,
+    resumed: bool,
+    gen_left: usize,
+    preempted_once: bool,
+    /// Device blocks whose load is outstanding.
+    loading: Vec<u32>,
+}
+
+#[derive(Clone, Debug)]
+struct Script {
+    prompts: Vec<(usize, usize, usize)>,
+    dice: Vec<u8>,
+    async_loads: bool,
+    vllm_alloc: bool,
+    fail_load_dev: Vec<u32>,
+    fail_store_dev: Vec<u32>,
+    host_blocks: usize,
+}
+
+fn script() -> impl Strategy<Value = Script> {
+    (
+        prop::collection::vec((0usize..2, 0usize..6, 1usize..24), 2..7),
+        prop::collection::vec(any::<u8>(), 40..160),
+        any::<bool>(),
+        any::<bool>(),
+        prop::collection::vec(0u32..48, 0..6),
+        prop::collection::vec(0u32..48, 0..6),
+        8usize..64,
+    )
+        .prop_map(
+            |(prompts, dice, async_loads, vllm_alloc, fl, fs, host_blocks)| Script {
+                prompts,
+                dice,
+                async_loads,
+                vllm_alloc,
+                fail_load_dev: fl,
+                fail_store_dev: fs,
+                host_blocks,
+            },
+        )
+}
+
+struct Sim {
+    leader: Leader,
+    worker: Worker,
+    ran: Arc<Mutex<HashSet<JobId>>>,
+    reqs: Vec<Req>,
+    free: Vec<u32>,
+    dice: Vec<u8>,
+    pos: usize,
+    fail_load: HashSet<u32>,
+    /// (request, block index) dispatched for offload.
+    dispatched: HashSet<(usize, usize)>,
+    store_jobs: HashMap<usize, Vec<JobId>>,
+    /// Load destination device block -> request index, for outstanding loads.
+    load_dst: HashMap<u32, usize>,
+    finished_unsaved: HashSet<usize>,
+    to_report_finished: Vec<RequestId>,
+    vllm_alloc: bool,
+}
+
+impl Sim {
+    fn roll(&mut self) -> u8 {
+        let d = self.dice[self.pos % self.dice.len()];
+        self.pos += 1;
+        d
+    }
+
+    fn take_blocks(&mut self, n: usize) -> Option<Vec<u32>> {
+        if self.free.len() < n {
+            return None;
+        }
+        Some((0..n).filter_map(|_| self.free.pop()).collect())
+    }
+
+    fn release_blocks(&mut self, r: usize) {
+        let t = std::mem::take(&mut self.reqs[r].table);
+        self.free.extend(t);
+    }
+
+    fn admit(&mut self, r: usize) {
+        let (id, tokens) = (self.reqs[r].id.clone(), self.reqs[r].tokens.clone());
+        let ext = self
+            .leader
+            .get_num_new_matched_tokens(&id, &tokens, 0)
+            .unwrap();
+        assert_eq!(ext % BS, 0);
+        assert!(ext < tokens.len(), "at least one token is left to compute");
+        let nb = tokens.len().div_ceil(BS) + 1;
+        let Some(blocks) = self.take_blocks(nb) else {
+            return;
+        };
+        let ids: Vec<DeviceBlockId> = blocks.iter().map(|&b| DeviceBlockId(b)).collect();
+        let arg = if self.vllm_alloc { Some(ext) } else { None };
+        self.leader
+            .update_state_after_alloc(&id, &ids, arg)
+            .unwrap();
+        let q = &mut self.reqs[r];
+        q.table = blocks.clone();
+        q.computed = ext;
+        q.loading = blocks[..ext / BS].to_vec();
+        for &d in &q.loading {
+            self.load_dst.insert(d, r);
+        }
+        q.st = if ext > 0 && self.leader.loads_are_async() {
+            St::Loading
+        } else {
+            St::Running
+        };
+    }
+
+    fn record(&mut self, r: usize, scheduled: usize, drafts: usize) -> StepRecord {
+        let q = &mut self.reqs[r];
+        let rec = StepRecord {
+            request_id: q.id.clone(),
+            new_tokens: q.tokens[q.reported_tokens..].to_vec(),
+            new_block_ids: q.table[if q.first || q.resumed {
+                0
+            } else {
+                q.reported_blocks
+            }..]
+                .iter()
+                .map(|&b| DeviceBlockId(b))
+                .collect(),
+            num_computed_tokens: q.computed,
+            num_scheduled_tokens: scheduled,
+            num_draft_tokens: drafts,
+            is_new: q.first,
+            resumed_from_preemption: q.resumed && !q.first,
+        };
+        q.reported_tokens = q.tokens.len();
+        q.reported_blocks = q.table.len();
+        q.first = false;
+        q.resumed = false;
+        rec
+    }
+
+    /// Roll a request back to its first failed block (what engines do after a load error).
+    fn rollback(&mut self, r: usize, failed: &[u32]) {
+        let q = &mut self.reqs[r];
+        let first = failed
+            .iter()
+            .filter_map(|d| q.table.iter().position(|b| b == d))
+            .min();
+        if let Some(i) = first {
+            q.computed = q.computed.min(i * BS);
+            self.dispatched.retain(|&(rr, ii)| rr != r || ii < i);
+        }
+    }
+
+    fn step(&mut self) {
+        // Admission and (rarely) preemption.
+        for r in 0..self.reqs.len() {
+            let d = self.roll();
+            match self.reqs[r].st {
+                St::Waiting if d.is_multiple_of(4) => self.admit(r),
+                St::Running
+                    if d == 7
+                        && !self.reqs[r].preempted_once
+                        && self.reqs[r].loading.is_empty() =>
+                {
+                    self.leader.request_preempted(&self.reqs[r].id).unwrap();
+                    self.release_blocks(r);
+                    let q = &mut self.reqs[r];
+                    q.preempted_once = true;
+                    q.resumed = true;
+                    q.st = St::Waiting;
+                    q.computed = 0;
+                }
+                _ => {}
+            }
+        }
+        // Schedule.
+        let mut records = Vec::new();
+        let mut plans: Vec<(usize, usize, usize)> = Vec::new(); // (req, scheduled, drafts)
+        for r in 0..self.reqs.len() {
+            if self.reqs[r].st != St::Running {
+                continue;
+            }
+            let d = self.roll();
+            let q = &self.reqs[r];
+            let (scheduled, drafts) = if q.computed + 1 < q.tokens.len() {
+                ((d as usize % 13 + 1).min(q.tokens.len() - q.computed), 0)
+            } else {
+                let k = d as usize % 3;
+                (1 + k, k)
+            };
+            let need = (q.computed + scheduled).div_ceil(BS);
+            if need > q.table.len() {
+                let Some(more) = self.take_blocks(need - q.table.len()) else {
+                    continue;
+                };
+                self.reqs[r].table.extend(more);
+            }
+            records.push(self.record(r, scheduled, drafts));
+            plans.push((r, scheduled, drafts));
+        }
+        let finished = std::mem::take(&mut self.to_report_finished);
+        let step = SchedulerStep {
+            records: records.clone(),
+            finished,
+        };
+        let meta = self.leader.build_step(&step).unwrap();
+
+        // Offload checks.
+        for s in &meta.stores {
+            let r = self.reqs.iter().position(|q| q.id == s.request).unwrap();
+            let (_, scheduled, drafts) = *plans.iter().find(|p| p.0 == r).unwrap();
+            let q = &self.reqs[r];
+            let hashes = sequence_hashes(SALT, &q.tokens, BS);
+            for p in &s.job.pairs {
+                let i = q.table.iter().position(|&b| b == p.src).unwrap();
+                assert!(
+                    (i + 1) * BS <= q.tokens.len(),
+                    "partial block {i} of {} offloaded",
+                    q.id
+                );
+                assert!(
+                    (i + 1) * BS <= q.computed + scheduled - drafts,
+                    "block {i} of {} not computed (or draft)",
+                    q.id
+                );
+                assert!(
+                    self.dispatched.insert((r, i)),
+                    "block {i} of {} offloaded twice",
+                    q.id
+                );
+                assert!(
+                    self.leader.host_pool().unwrap().lookup(hashes[i]).is_none(),
+                    "hash already in G2 stored again"
+                );
+            }
+            self.store_jobs.entry(r).or_default().push(s.job.id);
+        }
+
+        // The worker runs the step.
+        self.worker.bind(&meta);
+        self.worker.start_load(None);
+        self.worker.wait_for_layer_load(0);
+        self.worker.forward_done(None);
+        if self.roll().is_multiple_of(2) {
+            self.worker.wait_idle();
+        }
+
+        // Engine bookkeeping after the forward pass.
+        let errors = self.worker.take_load_errors();
+        for e in &errors {
+            assert!(
+                self.fail_load.contains(&e.0),
+                "load error for device block {e:?} whose load did not fail"
+            );
+            assert!(
+                self.load_dst.contains_key(&e.0),
+                "load error for a block nobody was loading"
+            );
+        }
+        let err_ids: Vec<u32> = errors.iter().map(|e| e.0).collect();
+        for &(r, scheduled, drafts) in &plans {
+            let failed: Vec<u32> = self.reqs[r]
+                .loading
+                .iter()
+                .copied()
+                .filter(|d| err_ids.contains(d))
+                .collect();
+            if !self.reqs[r].loading.is_empty() && !self.leader.loads_are_async() {
+                for d in std::mem::take(&mut self.reqs[r].loading) {
+                    self.load_dst.remove(&d);
+                }
+                if !failed.is_empty() {
+                    // vLLM discards the step's output and recomputes from the failed block.
+                    self.rollback(r, &failed);
+                    continue;
+                }
+            }
+            let accepted = if drafts > 0 {
+                self.roll() as usize % (drafts + 1)
+            } else {
+                0
+            };
+            let q = &mut self.reqs[r];
+            q.computed += scheduled - drafts + accepted;
+            if q.computed >= q.tokens.len() {
+                for _ in 0..=accepted {
+                    let t = (q.tokens.len() as u32).wrapping_mul(2654435761) % 50;
+                    q.tokens.push(t);
+                }
+                q.computed = q.tokens.len() - 1;
+                q.gen_left = q.gen_left.saturating_sub(accepted + 1);
+                if q.gen_left == 0 {
+                    q.st = St::Done;
+                    let id = q.id.clone();
+                    let in_flight = self.leader.request_finished(&id).unwrap();
+                    let ran = self.ran.lock().unwrap().clone();
+                    let all_ran = self
+                        .store_jobs
+                        .get(&r)
+                        .is_none_or(|v| v.iter().all(|j| ran.contains(j)));
+                    if !in_flight {
+                        assert!(
+                            all_ran,
+                            "{id} answered 'no saves in flight' with a store not reported"
+                        );
+                        self.release_blocks(r);
+                    } else {
+                        self.finished_unsaved.insert(r);
+                    }
+                    self.to_report_finished.push(id);
+                }
+            }
+        }
+
+        self.collect(err_ids);
+    }
+
+    fn collect(&mut self, err_ids: Vec<u32>) {
+        let finished = self.to_report_finished.clone();
+        let f = self.worker.get_finished(&finished, None);
+        let ran = self.ran.lock().unwrap().clone();
+        self.leader.poll_reports();
+        for id in &f.saved {
+            let r = self.reqs.iter().position(|q| &q.id == id).unwrap();
+            let all_ran = self
+                .store_jobs
+                .get(&r)
+                .is_none_or(|v| v.iter().all(|j| ran.contains(j)));
+            assert!(all_ran, "{id} reported saved with a store not reported");
+            assert!(
+                !self.leader.has_pending_saves(id),
+                "{id} reported saved before the leader confirmed"
+            );
+            if self.finished_unsaved.remove(&r) {
+                self.release_blocks(r);
+            }
+        }
+        let errs: HashSet<u32> = err_ids.into_iter().collect();
+        for (id, ok) in f
+            .loaded
+            .iter()
+            .map(|i| (i, true))
+            .chain(f.load_failed.iter().map(|i| (i, false)))
+        {
+            let r = self.reqs.iter().position(|q| &q.id == id).unwrap();
+            let loading = std::mem::take(&mut self.reqs[r].loading);
+            let failed: Vec<u32> = loading
+                .iter()
+                .copied()
+                .filter(|d| self.fail_load.contains(d))
+                .collect();
+            for d in &loading {
+                self.load_dst.remove(d);
+            }
+            if ok {
+                assert!(
+                    failed.is_empty(),
+                    "{id} reported loaded although blocks {failed:?} failed"
+                );
+            } else {
+                assert!(
+                    !failed.is_empty(),
+                    "{id} reported load_failed without a failed block"
+                );
+                assert!(
+                    failed.iter().all(|d| errs.contains(d)),
+                    "failed blocks of {id} missing from the load errors"
+                );
+                self.rollback(r, &failed);
+            }
+            self.reqs[r].st = St::Running;
+        }
+    }
+}
+
+fn run_script(s: Script) {
+    let bases: [Vec<u32>; 2] = [
+        (0..40).map(|t| t % 50).collect(),
+        (0..40).map(|t| (t * 7 + 3) % 50).collect(),
+    ];
+    let reqs: Vec<Req> = s
+        .prompts
+        .iter()
+        .enumerate()
+        .map(|(i, &(base, shared_blocks, tail))| {
+            let mut tokens: Vec<u32> = bases[base][..shared_blocks * BS].to_vec();
+            tokens.extend((0..tail).map(|t| ((t * 13 + i * 17) % 50) as u32));
+            Req {
+                id: RequestId(format!("r{i}")),
+
+                tokens,
+                table: Vec::new(),
+                computed: 0,
+                st: St::Waiting,
+                reported_tokens: 0,
+                reported_blocks: 0,
+                first: true,
+                resumed: false,
+                gen_left: 1 + i % 9,
+                preempted_once: false,
+                loading: Vec::new(),
+            }
+        })
+        .collect();
+    let mut cfg = LeaderConfig::new(BS, SALT, s.host_blocks);
+    cfg.async_loads = s.async_loads;
+    cfg.layout = Some(ClusterLayout {
+        block_size: BS as u32,
+        num_device_blocks: DEV,
+        bytes_per_block: vec![32],
+    });
+    let leader = Leader::new(cfg).unwrap();
+    let mem = Arc::new(MemoryTransfer::new(32, DEV as usize, s.host_blocks, 0));
+    let faulty = Arc::new(FaultyTransfer::new(mem));
+    faulty.set_rules(FaultRules {
+        fail_dst: s.fail_load_dev.iter().map(|&d| (Tier::Device, d)).collect(),
+        fail_src: s
+            .fail_store_dev
+            .iter()
+            .map(|&d| (Tier::Device, d))
+            .collect(),
+        ..Default::default()
+    });
+    let ran = Arc::new(Mutex::new(HashSet::new()));
+    let sink = Arc::new(Recording {
+        leader: leader.report_sender(),
+        ran: ran.clone(),
+    });
+    let worker = Worker::new(
+        faulty as Arc<dyn BlockTransfer>,
+        WorkerLink::new(0, 1, sink),
+    );
+    let mut sim = Sim {
+        leader,
+        worker,
+        ran,
+        reqs,
+        free: (0..DEV).rev().collect(),
+        dice: s.dice.clone(),
+        pos: 0,
+        fail_load: s.fail_load_dev.iter().copied().collect(),
+        dispatched: HashSet::new(),
+        store_jobs: HashMap::new(),
+        load_dst: HashMap::new(),
+        finished_unsaved: HashSet::new(),
+        to_report_finished: Vec::new(),
+        vllm_alloc: s.vllm_alloc,
+    };
+    for _ in 0..s.dice.len() {
+        sim.step();
+        if sim.reqs.iter().all(|q| q.st == St::Done) {
+            break;
+        }
+    }
+    // Drain: every finished request is eventually saved; nothing stays pinned or in flight.
+    // One empty step carries the leader's last "saving" answers to the worker.
+    let meta = sim.leader.build_step(&SchedulerStep::default()).unwrap();
+    sim.worker.bind(&meta);
+    sim.worker.forward_done(None);
+    sim.worker.wait_idle();
+    for _ in 0..3 {
+        sim.collect(Vec::new());
+        sim.worker.wait_idle();
+    }
+    sim.leader.poll_reports();
+    assert!(
+        sim.finished_unsaved.is_empty(),
+        "finished requests never reported saved"
+    );
+    for q in &sim.reqs {
+        if q.st != St::Done {
+            let _ = sim.leader.request_finished(&q.id);
+        }
+    }
+    sim.worker.wait_idle();
+    sim.leader.poll_reports();
+    let stats = sim.leader.stats();
+    if std::env::var("KVTIER_PROPS_VERBOSE").is_ok() {
+        eprintln!(
+            "steps {} offloaded {} confirmed {} failed {} onboarded {} onboard_failed {} done {}",
+            stats.steps,
+            stats.offload_blocks,
+            stats.offload_confirmed,
+            stats.offload_failed,
+            stats.onboard_host_blocks,
+            stats.onboard_failed,
+            sim.reqs.iter().filter(|q| q.st == St::Done).count()
+        );
+    }
+    assert_eq!(stats.jobs_in_flight, 0, "{stats:?}");
+    assert_eq!(sim.leader.host_pool().unwrap().num_pinned(), 0, "{stats:?}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+    #[test]
+    fn random_schedules_keep_the_invariants(s in script()) {
+        run_script(s);
+    }
+}

@@ -1,0 +1,303 @@
+//! The leader <-> worker channel over ZeroMQ: a leader and two worker processes (TP=2, this test
+//! binary re-executed as `zmq_worker_process`) on host memory; plus handshake failures.
+#![cfg(feature = "zmq")]
+#![allow(clippy::unwrap_used)]
+use std::collections::HashMap;
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier::connector::testing::MemoryTransfer;
+use kvtier::connector::zmq::{encode_with_version, LeaderChannel, Wire, WorkerChannel};
+use kvtier::connector::{
+    Capacity, ConnectorError, Leader, LeaderConfig, RankLayout, SchedulerStep, StepRecord, Worker,
+    WorkerLink,
+};
+use kvtier::hash::HashSalt;
+use kvtier::transfer::BlockTransfer;
+use kvtier::{DeviceBlockId, RequestId, Tier};
+
+const BS: u32 = 16;
+const DEV: u32 = 64;
+const ENDPOINT: &str = "KVTIER_ZMQ_TEST_ENDPOINT";
+const RANK: &str = "KVTIER_ZMQ_TEST_RANK";
+
+fn bpb(rank: u32) -> usize {
+    64 * (rank as usize + 1)
+}
+
+/// The KV a "forward pass" leaves in device block `d` on `rank`.
+fn fill(rank: u32, d: u32) -> Vec<u8> {
+    (0..bpb(rank))
+        .map(|i| (d as usize * 31 + i * 7 + rank as usize * 13) as u8)
+        .collect()
+}
+
+fn layout(rank: u32, block_size: u32) -> RankLayout {
+    RankLayout {
+        rank,
+        world_size: 2,
+        block_size,
+        bytes_per_block: bpb(rank) as u64,
+        num_device_blocks: DEV,
+    }
+}
+
+/// Entry point of the worker processes; does nothing in a normal test run.
+#[test]
+fn zmq_worker_process() {
+    let Ok(endpoint) = std::env::var(ENDPOINT) else {
+        return;
+    };
+    let rank: u32 = std::env::var(RANK).unwrap().parse().unwrap();
+    let mem = Arc::new(MemoryTransfer::new(bpb(rank), DEV as usize, 32, 0));
+    let chan =
+        WorkerChannel::connect(&endpoint, layout(rank, BS), Duration::from_secs(30)).unwrap();
+    assert_eq!(chan.layout().bytes_per_block, vec![64, 128]);
+    let mut worker = Worker::new(
+        mem.clone() as Arc<dyn BlockTransfer>,
+        WorkerLink::new(rank, 2, chan.sink()),
+    );
+    // host block -> the device block whose KV it received
+    let mut origin: HashMap<u32, u32> = HashMap::new();
+    let mut verified = 0;
+    while let Some(meta) = chan.recv_step(Duration::from_secs(60)).unwrap() {
+        worker.bind(&meta);
+        worker.start_load(None);
+        worker.wait_for_layer_load(0);
+        for l in &meta.loads {
+            for j in &l.jobs {
+                assert_eq!(j.src, Tier::Host);
+                for p in &j.pairs {
+                    let want = fill(rank, origin[&p.src]);
+                    assert_eq!(
+                        mem.read_block(Tier::Device, p.dst).unwrap(),
+                        want,
+                        "rank {rank} device {}",
+                        p.dst
+                    );
+                    verified += 1;
+                }
+            }
+        }
+        for s in &meta.stores {
+            for p in &s.job.pairs {
+                mem.write_block(Tier::Device, p.src, &fill(rank, p.src))
+                    .unwrap();
+                origin.insert(p.dst, p.src);
+            }
+        }
+        worker.forward_done(None);
+        worker.wait_idle();
+        assert!(worker.take_load_errors().is_empty());
+    }
+    assert_eq!(verified, 6, "rank {rank} verified every onboarded block");
+    drop(worker);
+}
+
+fn spawn_worker(endpoint: &str, rank: u32) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "zmq_worker_process",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ENDPOINT, endpoint)
+        .env(RANK, rank.to_string())
+        .spawn()
+        .unwrap()
+}
+
+fn wait_child(mut c: Child, timeout: Duration) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(s) = c.try_wait().unwrap() {
+            return s;
+        }
+        if start.elapsed() > timeout {
+            let _ = c.kill();
+            panic!("worker process did not exit within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn wait_for(leader: &mut Leader, what: &str, mut cond: impl FnMut(&mut Leader) -> bool) {
+    let start = Instant::now();
+    while !cond(leader) {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "timed out waiting for {what}: {:?}",
+            leader.stats()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+        leader.poll_reports();
+    }
+}
+
+fn rec(
+    req: &str,
+    tokens: Vec<u32>,
+    blocks: Vec<DeviceBlockId>,
+    computed: usize,
+    scheduled: usize,
+    new: bool,
+) -> StepRecord {
+    StepRecord {
+        request_id: req.into(),
+        new_tokens: tokens,
+        new_block_ids: blocks,
+        num_computed_tokens: computed,
+        num_scheduled_tokens: scheduled,
+        is_new: new,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn leader_and_two_worker_processes_tp2() {
+    let chan = LeaderChannel::bind("tcp://127.0.0.1:0").unwrap();
+    let children = [
+        spawn_worker(chan.endpoint(), 0),
+        spawn_worker(chan.endpoint(), 1),
+    ];
+    let layout = chan.handshake(2, BS, Duration::from_secs(60)).unwrap();
+    assert_eq!(layout.total_bytes_per_block(), 192);
+    let mut cfg = LeaderConfig::new(BS as usize, HashSalt(9), 0);
+    cfg.host = Capacity::Bytes(192 * 20);
+    cfg.layout = Some(layout);
+    let mut leader = Leader::new(cfg).unwrap();
+    assert_eq!(
+        leader.stats().host_capacity,
+        20,
+        "capacity derived from the ranks' summed bytes per block"
+    );
+    chan.attach(leader.report_sender()).unwrap();
+
+    let prompt: Vec<u32> = (0..100).collect();
+    let ids = |r: std::ops::Range<u32>| r.map(DeviceBlockId).collect::<Vec<_>>();
+    let a: RequestId = "a".into();
+    assert_eq!(
+        leader.get_num_new_matched_tokens(&a, &prompt, 0).unwrap(),
+        0
+    );
+    leader
+        .update_state_after_alloc(&a, &ids(0..7), Some(0))
+        .unwrap();
+    let s1 = SchedulerStep {
+        records: vec![rec("a", prompt.clone(), ids(0..7), 0, 64, true)],
+        finished: vec![],
+    };
+    chan.broadcast(&leader.build_step(&s1).unwrap()).unwrap();
+    let s2 = SchedulerStep {
+        records: vec![rec("a", vec![], vec![], 64, 36, false)],
+        finished: vec![],
+    };
+    chan.broadcast(&leader.build_step(&s2).unwrap()).unwrap();
+    assert!(leader.request_finished(&a).unwrap() || leader.stats().offload_confirmed == 6);
+    wait_for(&mut leader, "6 confirmed stores", |l| {
+        l.stats().offload_confirmed == 6
+    });
+    assert!(!leader.has_pending_saves(&a));
+
+    let b: RequestId = "b".into();
+    assert_eq!(
+        leader.get_num_new_matched_tokens(&b, &prompt, 0).unwrap(),
+        96
+    );
+    leader
+        .update_state_after_alloc(&b, &ids(20..27), None)
+        .unwrap();
+    let s3 = SchedulerStep {
+        records: vec![rec("b", prompt.clone(), ids(20..27), 0, 4, true)],
+        finished: vec![],
+    };
+    let meta = leader.build_step(&s3).unwrap();
+    assert_eq!(meta.loads.len(), 1);
+    chan.broadcast(&meta).unwrap();
+    wait_for(&mut leader, "loads reported by both ranks", |l| {
+        l.stats().jobs_in_flight == 0
+    });
+    assert_eq!(leader.host_pool().unwrap().num_pinned(), 0);
+    chan.shutdown();
+    for c in children {
+        assert!(
+            wait_child(c, Duration::from_secs(60)).success(),
+            "worker process failed"
+        );
+    }
+}
+
+#[test]
+fn layout_mismatch_is_refused_on_both_sides() {
+    let chan = LeaderChannel::bind("tcp://127.0.0.1:0").unwrap();
+    let ep = chan.endpoint().to_owned();
+    let workers: Vec<_> = [(0, BS), (1, 32)]
+        .into_iter()
+        .map(|(rank, bs)| {
+            let ep = ep.clone();
+            std::thread::spawn(move || {
+                WorkerChannel::connect(&ep, layout(rank, bs), Duration::from_secs(30)).err()
+            })
+        })
+        .collect();
+    let e = chan.handshake(2, BS, Duration::from_secs(30)).unwrap_err();
+    assert!(matches!(e, ConnectorError::Handshake(_)));
+    assert!(
+        e.to_string().contains("rank 1 has 32 tokens per block"),
+        "{e}"
+    );
+    for w in workers {
+        let we = w.join().unwrap().expect("the worker must be refused");
+        assert!(
+            we.to_string().contains("rank 1 has 32 tokens per block"),
+            "{we}"
+        );
+    }
+}
+
+#[test]
+fn handshake_times_out_naming_the_missing_ranks() {
+    let chan = LeaderChannel::bind("tcp://127.0.0.1:0").unwrap();
+    let ep = chan.endpoint().to_owned();
+    let w = std::thread::spawn(move || {
+        WorkerChannel::connect(&ep, layout(0, BS), Duration::from_secs(2)).err()
+    });
+    let e = chan
+        .handshake(2, BS, Duration::from_millis(800))
+        .unwrap_err();
+    assert!(e.to_string().contains("1 of 2 ranks"), "{e}");
+    assert!(
+        w.join().unwrap().is_some(),
+        "the lone worker gets no welcome"
+    );
+}
+
+#[test]
+fn other_protocol_version_is_refused_by_name() {
+    use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+    let chan = LeaderChannel::bind("tcp://127.0.0.1:0").unwrap();
+    let ep = chan.endpoint().to_owned();
+    let peer = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let mut s = DealerSocket::new();
+            s.connect(&ep).await.unwrap();
+            let hello = encode_with_version(99, &Wire::Hello(layout(0, BS))).unwrap();
+            s.send(ZmqMessage::from(hello)).await.unwrap();
+            let answer = s.recv().await.unwrap();
+            let bytes = answer.into_vec().pop().unwrap().to_vec();
+            kvtier::connector::zmq::decode(&bytes).unwrap()
+        })
+    });
+    let e = chan.handshake(1, BS, Duration::from_secs(30)).unwrap_err();
+    assert!(e.to_string().contains("version 99"), "{e}");
+    match peer.join().unwrap() {
+        Wire::Reject(reason) => assert!(reason.contains("version 99"), "{reason}"),
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+}
