@@ -21,7 +21,7 @@ import kvtier
 from kvtier import trtllm
 from trtllm_driver import VOCAB, FakeTrtllmEngine, Geometry, LlmRequest
 
-pytestmark = pytest.mark.skipif(not hasattr(kvtier._native, "Worker"), reason="native worker not built yet (needs kvtier-io TransferEngine)")
+pytestmark = pytest.mark.skipif(not hasattr(kvtier._native, "Worker"), reason="native connector not built")
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
@@ -40,7 +40,7 @@ POOL_KINDS = [
     pytest.param("torch-cuda", marks=pytest.mark.skipif(not _cuda_available(), reason="no CUDA device")),
 ]
 
-HOST_BLOCKS = 24
+HOST_BLOCKS = 48
 DISK_BLOCKS = 512
 
 
@@ -125,12 +125,25 @@ def test_tp2_offload_then_onboard_from_host_and_disk(tiers, pool_kind):
 
 
 def test_saves_in_flight_keep_blocks_until_every_rank_reports(tiers):
+    # prompt_len + max_new - 1 is a multiple of 16: each request's last forward pass completes a
+    # block, whose store rank 1 confirms only a step later (its reports travel between "processes").
+    rnd = random.Random(3)
+    prompts = [[rnd.randrange(VOCAB) for _ in range(16 * k + 1)] for k in (3, 4, 5, 6)]
+    want = _reference_tokens(prompts, 16)
     e = _engine(num_device_blocks=40)
-    for p in _workload(seed=3, n_docs=4, per_doc=2):
-        e.add_request(p, 16)  # generation completes blocks in the last steps
+    reqs = [e.add_request(p, 16) for p in prompts]
     e.run()
-    assert e.async_save_seen > 0, "no request finished with a store in flight"
-    assert not e.saving
+    assert e.async_save_seen == len(prompts)
+    assert not e.saving and not e.tables, "blocks not released after every rank reported the saves"
+    assert [r.get_tokens(0) for r in reqs] == want
+    st = _stats(e)
+    assert st["offload_confirmed"] == st["offload_blocks"] and st["offload_failed"] == 0, st
+    # The stored blocks are intact: serve the prompts again from kvtier only.
+    _flush(e)
+    again = [e.add_request(p, 16) for p in prompts]
+    e.run()
+    assert [r.get_tokens(0) for r in again] == want
+    assert _stats(e)["onboard_host_blocks"] + _stats(e)["onboard_disk_blocks"] > 0
 
 
 def test_chunked_prefill_with_small_chunks(tiers):
@@ -208,9 +221,11 @@ def test_bad_pool_tensors_raise_value_error(tiers):
     trtllm.KvtierConnectorScheduler(args)
     bad = [
         (np.zeros((8, geo.num_layers, 3, geo.inner), np.float16), "kv_factor"),
-        (np.zeros((8, geo.num_layers, 2, 250), np.float16), "tokens"),
-        (np.zeros((8, geo.num_layers, 2, geo.inner), np.float16)[::2], "stride"),
-        (np.zeros((8, geo.num_layers * 2 * geo.inner), np.float16), "dim"),
+        (np.zeros((8, geo.num_layers, 2, 250), np.float16), "16 tokens"),
+        (np.lib.stride_tricks.as_strided(np.zeros((1, geo.num_layers, 2, geo.inner), np.float16),
+                                         (8, geo.num_layers, 2, geo.inner),
+                                         (0, 2 * geo.inner * 2, geo.inner * 2, 2), writeable=True), "overlaps"),
+        (np.zeros((8, geo.num_layers * 2 * geo.inner), np.float16), "dimensions"),
     ]
     for tensor, fragment in bad:
         with pytest.raises(ValueError, match=fragment):

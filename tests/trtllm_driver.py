@@ -641,9 +641,20 @@ class FakeTrtllmEngine:
                 self.pools[rank].write(table[b], layer, plane, s0, vals[p - start:p - start + k])
                 p += k
 
+    def relay_reports(self) -> None:
+        """Carry the job reports of ranks > 0 to the leader, as the channel between processes
+        would, one step late."""
+        for w in self.workers[1:]:
+            native = getattr(w, "native", None)
+            if native is not None and self.scheduler is not None:
+                blob = native.take_reports()
+                if blob:
+                    self.scheduler.leader.apply_reports(blob)
+
     def step(self) -> bool:
         """One executor iteration. Returns False when nothing is left to do."""
         self.stats.steps += 1
+        self.relay_reports()
         self._admit()
         context, generation = self._schedule()
         for req, _ in generation:
@@ -777,5 +788,9 @@ class FakeTrtllmEngine:
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
             if not self.step():
+                for w in self.workers:
+                    if getattr(w, "native", None) is not None:
+                        w.native.wait_idle()
+                self.relay_reports()
                 return
         raise AssertionError(f"engine did not drain in {max_steps} steps")

@@ -239,12 +239,19 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
 
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:
         desc = describe(kv_cache_tensor)
-        if TRTLLM_BASE_MODULE is not None and self._rank != 0:
+        if self._rank == 0:
+            # The scheduler lives in rank 0's process: job reports go to it directly.
+            link = "in_process"
+        elif TRTLLM_BASE_MODULE is None:
+            # No TensorRT-LLM (tests, custom drivers running all ranks in one process): the caller
+            # carries this rank's reports, worker.native.take_reports() -> scheduler.leader.apply_reports().
+            link = "engine"
+        else:
             raise ConnectorError(
-                f"kvtier's TensorRT-LLM connector runs tensor parallelism within one process only for now: "
+                "kvtier's TensorRT-LLM connector runs tensor parallelism within one process only for now: "
                 f"rank {self._rank} lives in another process than the scheduler and has no channel to it"
             )
-        settings = _settings(self._llm_args, rank=self._rank, link="in_process", layout="trtllm_pool")
+        settings = _settings(self._llm_args, rank=self._rank, link=link, layout="trtllm_pool")
         self._worker = _native.Worker(settings, desc)
 
     def bind_connector_meta(self, metadata: object) -> None:

@@ -5,7 +5,7 @@
 //! types, calls the core, and converts results and errors back; every Rust error reaches Python as
 //! an exception of the `kvtier.KvtierError` tree ([`errors`]) and no panic crosses into the engine.
 //!
-//! The descriptor checks are plain Rust and usable without Python:
+//! Tensor descriptors convert into the core's layouts without Python:
 //!
 //! ```
 //! use _native::tensor::{DeviceKind, TensorDesc};
@@ -19,8 +19,8 @@
 //!     device: DeviceKind::Cpu,
 //!     device_index: 0,
 //! };
-//! let geometry = desc.trtllm_pool(16, Some(2)).unwrap();
-//! assert_eq!(geometry.bytes_per_block, 64 * 2 * 2 * 2);
+//! let layout = desc.trtllm_layout(16).unwrap();
+//! assert_eq!(layout.bytes_per_block(), 64 * 2 * 2 * 2);
 //! ```
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
@@ -30,7 +30,9 @@ pub mod errors;
 pub mod leader;
 pub mod rendezvous;
 pub mod settings;
+pub mod staged;
 pub mod tensor;
+pub mod worker;
 
 /// Installs a `tracing` subscriber that writes kvtier's logs to stderr, filtered by `filter` (an
 /// `EnvFilter` directive such as "kvtier=debug") or else `KVTIER_LOG`. Returns False if a
@@ -57,6 +59,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tensor::TensorDesc>()?;
     m.add_class::<leader::PyStepRecord>()?;
     m.add_class::<leader::PyLeader>()?;
+    m.add_class::<worker::PyWorker>()?;
 
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     Ok(())

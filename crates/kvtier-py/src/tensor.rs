@@ -1,14 +1,16 @@
 //! Tensor descriptors: what kvtier needs to know about an engine-owned tensor (address, shape,
-//! strides in bytes, element size, dtype, device), and the checks that turn a descriptor of
-//! TensorRT-LLM's primary pool tensor into block geometry.
+//! strides in bytes, element size, dtype, device), as Python hands them over, and their
+//! conversion into the core's `kvtier::layout::TensorDesc` (strides in elements).
 //!
-//! Invariant: a descriptor that passes [`TensorDesc::trtllm_pool`] describes memory in which block
-//! `b` occupies exactly `[data_ptr + b * bytes_per_block, data_ptr + (b + 1) * bytes_per_block)`,
-//! contiguous across layers and K/V planes; anything else is a `LayoutError` (a `ValueError` in
-//! Python) naming the dimension that does not fit. Descriptors hold addresses only: the engine owns
+//! Invariants: a descriptor's own fields agree (as many strides as dimensions, a positive element
+//! size, a non-null address for a non-empty tensor); whether tensors fit an engine layout is
+//! decided by the core's `DeviceLayout` alone, whose errors name the tensor and the mismatch (a
+//! `LayoutError`, also a `ValueError` in Python). Descriptors hold addresses only: the engine owns
 //! the memory and keeps the tensor alive (TensorRT-LLM and vLLM keep their caches for the process
 //! lifetime).
 use pyo3::prelude::*;
+
+use kvtier::layout::{self, DType, DeviceLayout, EngineLayoutKind};
 
 use crate::errors::{BridgeError, BridgeResult, Family};
 
@@ -59,19 +61,6 @@ pub struct TensorDesc {
     pub device_index: u32,
 }
 
-/// Geometry of TensorRT-LLM's primary pool `[num_blocks, num_layers, kv_factor, inner...]`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PoolGeometry {
-    pub num_blocks: usize,
-    pub num_layers: usize,
-    /// 2 for K/V, 1 for MLA.
-    pub kv_factor: usize,
-    /// Bytes of one (layer, plane) chunk of one block: `tokens_per_block * kv_heads * head_dim * itemsize`.
-    pub bytes_per_plane: usize,
-    /// Bytes of one whole block (all layers, all planes).
-    pub bytes_per_block: usize,
-}
-
 impl TensorDesc {
     /// Validates the descriptor itself (lengths agree, sizes are positive).
     pub fn validate(&self, name: &str) -> BridgeResult<()> {
@@ -108,72 +97,54 @@ impl TensorDesc {
         out
     }
 
-    /// Checks that this is a TensorRT-LLM primary pool tensor for `tokens_per_block` tokens per
-    /// block (and `num_layers` layers when known) and returns its block geometry.
-    pub fn trtllm_pool(
-        &self,
-        tokens_per_block: usize,
-        num_layers: Option<usize>,
-    ) -> BridgeResult<PoolGeometry> {
-        const NAME: &str = "kv_cache_tensor";
-        self.validate(NAME)?;
-        let bad = |reason: String| {
-            Err(BridgeError::local(
-                Family::Layout,
-                format!(
-                    "tensor {NAME} with shape {:?}: {reason} (expected [num_blocks, num_layers, kv_factor, tokens_per_block*kv_heads*head_dim])",
-                    self.shape
-                ),
-            ))
-        };
-        if self.shape.len() < 4 {
-            return bad(format!("has {} dimensions, expected 4", self.shape.len()));
-        }
-        let (num_blocks, layers, kv_factor) = (self.shape[0], self.shape[1], self.shape[2]);
-        let inner: usize = self.shape[3..].iter().product();
-        if num_blocks == 0 {
-            return bad("num_blocks (dim 0) is 0".into());
-        }
-        if layers == 0 {
-            return bad("num_layers (dim 1) is 0".into());
-        }
-        if let Some(expected) = num_layers {
-            if layers != expected {
-                return bad(format!(
-                    "num_layers (dim 1) is {layers} but the model has {expected} layers"
+    /// The core's descriptor of this tensor (strides in elements), named `name`.
+    pub fn to_core(&self, name: &str) -> BridgeResult<layout::TensorDesc> {
+        self.validate(name)?;
+        let mut strides = Vec::with_capacity(self.strides.len());
+        for (dim, s) in self.strides.iter().enumerate() {
+            if *s < 0 || !(*s as usize).is_multiple_of(self.itemsize) {
+                return Err(BridgeError::local(
+                    Family::Layout,
+                    format!(
+                        "tensor {name}: stride of dim {dim} is {s} bytes, not a non-negative multiple of the element size {}",
+                        self.itemsize
+                    ),
                 ));
             }
+            strides.push(*s as usize / self.itemsize);
         }
-        if kv_factor != 1 && kv_factor != 2 {
-            return bad(format!(
-                "kv_factor (dim 2) is {kv_factor}, expected 2 (K and V) or 1 (MLA)"
-            ));
-        }
-        if tokens_per_block == 0 {
-            return bad("tokens_per_block is 0".into());
-        }
-        if inner == 0 || !inner.is_multiple_of(tokens_per_block) {
-            return bad(format!(
-                "inner size {inner} (dims 3..) is not a positive multiple of tokens_per_block {tokens_per_block}"
-            ));
-        }
-        let want = Self::contiguous_strides(&self.shape, self.itemsize);
-        for (dim, (have, want)) in self.strides.iter().zip(&want).enumerate() {
-            // A dimension of size 1 can carry any stride without changing the addresses.
-            if have != want && self.shape[dim] != 1 {
-                return bad(format!(
-                    "stride of dim {dim} is {have} bytes, expected {want} (the pool must be contiguous so each block is contiguous across layers)"
-                ));
-            }
-        }
-        let bytes_per_plane = inner * self.itemsize;
-        Ok(PoolGeometry {
-            num_blocks,
-            num_layers: layers,
-            kv_factor,
-            bytes_per_plane,
-            bytes_per_block: bytes_per_plane * kv_factor * layers,
+        Ok(layout::TensorDesc {
+            name: name.to_string(),
+            data_ptr: self.data_ptr,
+            shape: self.shape.clone(),
+            strides,
+            elem_size: self.itemsize,
+            device: match self.device {
+                DeviceKind::Cpu => layout::DeviceKind::Cpu,
+                DeviceKind::Cuda => layout::DeviceKind::Cuda(self.device_index),
+            },
         })
+    }
+
+    /// The element type, by name (`dtype` overrides the descriptor's own).
+    pub fn dtype(&self, dtype: Option<&str>) -> BridgeResult<DType> {
+        let name = dtype.unwrap_or(&self.dtype);
+        DType::parse(name).ok_or_else(|| {
+            BridgeError::local(
+                Family::Layout,
+                format!("dtype {name:?} is not a KV cache type kvtier knows"),
+            )
+        })
+    }
+
+    /// This tensor as TensorRT-LLM's primary pool with `tokens_per_block` tokens per block.
+    pub fn trtllm_layout(&self, tokens_per_block: usize) -> BridgeResult<DeviceLayout> {
+        let core = self.to_core("kv_cache_tensor")?;
+        Ok(DeviceLayout::new(
+            EngineLayoutKind::TrtllmPool { tokens_per_block },
+            &[core],
+            self.dtype(None)?,
+        )?)
     }
 }
 
@@ -218,20 +189,33 @@ impl TensorDesc {
 
     /// Checks this as TensorRT-LLM's primary pool tensor and returns its geometry as a dict
     /// (num_blocks, num_layers, kv_factor, bytes_per_plane, bytes_per_block). Raises LayoutError
-    /// (a ValueError) naming the dimension that does not fit.
+    /// (a ValueError) naming the mismatch, also when `num_layers` is given and differs.
     #[pyo3(signature = (tokens_per_block, num_layers = None))]
     fn trtllm_pool_geometry(
         &self,
         tokens_per_block: usize,
         num_layers: Option<usize>,
     ) -> PyResult<std::collections::BTreeMap<&'static str, usize>> {
-        let g = self.trtllm_pool(tokens_per_block, num_layers)?;
+        let dl = self.trtllm_layout(tokens_per_block)?;
+        let g = dl.geometry();
+        if let Some(expected) = num_layers {
+            if g.num_layers != expected {
+                return Err(BridgeError::local(
+                    Family::Layout,
+                    format!(
+                        "tensor kv_cache_tensor: num_layers (dim 1) is {} but the model has {expected} layers",
+                        g.num_layers
+                    ),
+                )
+                .into());
+            }
+        }
         Ok([
-            ("num_blocks", g.num_blocks),
+            ("num_blocks", dl.num_blocks()),
             ("num_layers", g.num_layers),
-            ("kv_factor", g.kv_factor),
-            ("bytes_per_plane", g.bytes_per_plane),
-            ("bytes_per_block", g.bytes_per_block),
+            ("kv_factor", g.kv_planes),
+            ("bytes_per_plane", g.bytes_per_piece()),
+            ("bytes_per_block", dl.bytes_per_block()),
         ]
         .into_iter()
         .collect())
@@ -279,28 +263,41 @@ mod tests {
     }
 
     #[test]
-    fn trtllm_pool_geometry() {
+    fn trtllm_pool_layout() {
         // 10 blocks, 4 layers, K/V, 16 tokens * 2 heads * 8 dims, bf16.
-        let g = pool(vec![10, 4, 2, 256], 2)
-            .trtllm_pool(16, Some(4))
-            .unwrap();
-        assert_eq!(g.num_blocks, 10);
-        assert_eq!(g.bytes_per_plane, 512);
-        assert_eq!(g.bytes_per_block, 512 * 2 * 4);
+        let dl = pool(vec![10, 4, 2, 256], 2).trtllm_layout(16).unwrap();
+        assert_eq!(dl.num_blocks(), 10);
+        assert_eq!(dl.bytes_per_block(), 512 * 2 * 4);
     }
 
     #[test]
-    fn trtllm_pool_rejects_mismatches() {
-        let err = |d: TensorDesc, tpb, layers| d.trtllm_pool(tpb, layers).unwrap_err().to_string();
-        assert!(err(pool(vec![10, 4, 256], 2), 16, None).contains("3 dimensions"));
-        assert!(err(pool(vec![10, 4, 3, 256], 2), 16, None).contains("kv_factor"));
-        assert!(err(pool(vec![10, 4, 2, 250], 2), 16, None).contains("tokens_per_block 16"));
-        assert!(err(pool(vec![10, 4, 2, 256], 2), 16, Some(5)).contains("model has 5 layers"));
-        let mut strided = pool(vec![10, 4, 2, 256], 2);
-        strided.strides[0] *= 2;
-        assert!(err(strided, 16, None).contains("stride of dim 0"));
-        let mut lengths = pool(vec![10, 4, 2, 256], 2);
-        lengths.strides.pop();
-        assert!(err(lengths, 16, None).contains("strides has 3"));
+    fn descriptor_field_checks() {
+        let mut d = pool(vec![10, 4, 2, 256], 2);
+        d.strides.pop();
+        assert!(d
+            .to_core("t")
+            .unwrap_err()
+            .to_string()
+            .contains("strides has 3"));
+        let mut d = pool(vec![10, 4, 2, 256], 2);
+        d.strides[0] = 3;
+        assert!(d
+            .to_core("t")
+            .unwrap_err()
+            .to_string()
+            .contains("multiple of the element size"));
+        let d = pool(vec![10, 4, 3, 256], 2);
+        assert!(d
+            .trtllm_layout(16)
+            .unwrap_err()
+            .to_string()
+            .contains("kv_factor"));
+        let mut d = pool(vec![10, 4, 2, 256], 2);
+        d.dtype = "complex64".into();
+        assert!(d
+            .trtllm_layout(16)
+            .unwrap_err()
+            .to_string()
+            .contains("complex64"));
     }
 }

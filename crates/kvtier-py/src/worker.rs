@@ -1,0 +1,443 @@
+//! `kvtier._native.Worker`: one rank's worker, a thin shell around [`kvtier::connector::Worker`]
+//! over kvtier-io's `TransferEngine` (the engine's KV memory, the host tier, the disk tier).
+//!
+//! Invariants: constructing a Worker validates the engine's tensors into a `DeviceLayout` before
+//! anything is allocated (a bad tensor is a `LayoutError`, nothing is left behind); the host and
+//! disk tiers hold exactly the block counts the Leader computes from the same settings (equal
+//! shards: `bytes_per_block * world_size`, or the `bytes_per_block` setting); job reports go to
+//! the in-process Leader (`link = "in_process"`) or into a buffer drained by `take_reports`
+//! (`link = "engine"`). Blocking calls release the GIL. One mutex guards the connector worker.
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvtier::connector::messages::{RankLayout, StepMetadata, WorkerReport};
+use kvtier::connector::worker::{ReportSink, Worker, WorkerLink};
+use kvtier::connector::ConnectorError;
+use kvtier::ids::RequestId;
+use kvtier::layout::{self, DeviceLayout, EngineLayoutKind};
+use kvtier::transfer::BlockTransfer;
+use kvtier_io::{DiskOptions, DiskStorage, HostOptions, HostStorage, TransferEngine};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyTuple};
+
+use crate::errors::{BridgeError, BridgeResult, Family};
+use crate::leader::encode_reports;
+use crate::rendezvous::Rendezvous;
+use crate::settings::Settings;
+use crate::staged::StagedTransfer;
+use crate::tensor::TensorDesc;
+
+/// Reports kept for the engine's own worker -> scheduler channel.
+#[derive(Default)]
+struct BufferSink(Mutex<Vec<WorkerReport>>);
+
+impl ReportSink for BufferSink {
+    fn send(&self, report: WorkerReport) -> Result<(), ConnectorError> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(report);
+        Ok(())
+    }
+}
+
+/// `tensors`: one TensorDesc, a sequence of them, or a sequence of (name, TensorDesc).
+fn tensors_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<(String, TensorDesc)>> {
+    if let Ok(d) = obj.cast::<TensorDesc>() {
+        return Ok(vec![("kv_cache_tensor".into(), d.get().clone())]);
+    }
+    let mut out = Vec::new();
+    for (i, item) in obj.try_iter()?.enumerate() {
+        let item = item?;
+        if let Ok(d) = item.cast::<TensorDesc>() {
+            out.push((format!("layer {i}"), d.get().clone()));
+        } else if let Ok(t) = item.cast::<PyTuple>() {
+            let name: String = t.get_item(0)?.str()?.to_string();
+            let d = t.get_item(1)?;
+            let d = d.cast::<TensorDesc>().map_err(|_| {
+                pyo3::exceptions::PyTypeError::new_err(format!(
+                    "tensor {name}: expected a TensorDesc (use kvtier.describe)"
+                ))
+            })?;
+            out.push((name, d.get().clone()));
+        } else {
+            return Err(pyo3::exceptions::PyTypeError::new_err(
+                "tensors must be TensorDesc objects or (name, TensorDesc) pairs (use kvtier.describe)",
+            ));
+        }
+    }
+    Ok(out)
+}
+
+fn layout_kind(
+    settings: &Settings,
+    tensors: &[layout::TensorDesc],
+    block_size: usize,
+) -> BridgeResult<EngineLayoutKind> {
+    let first = tensors
+        .first()
+        .ok_or_else(|| BridgeError::local(Family::Layout, "no KV cache tensors were given"))?;
+    let name = match settings.string("layout")? {
+        Some(n) => n,
+        None if tensors.len() == 1
+            && first.shape.len() == 4
+            && settings.string("role")?.is_none() =>
+        {
+            "trtllm_pool".into()
+        }
+        None if first.device == layout::DeviceKind::Cpu => "vllm_cpu".into(),
+        None => "vllm_cuda".into(),
+    };
+    Ok(match name.as_str() {
+        "trtllm_pool" => EngineLayoutKind::TrtllmPool {
+            tokens_per_block: block_size,
+        },
+        "vllm_cuda" => EngineLayoutKind::detect_vllm_cuda(first)?,
+        "vllm_cuda_kv_first" => EngineLayoutKind::VllmCudaKvFirst,
+        "vllm_cuda_block_first" => EngineLayoutKind::VllmCudaBlockFirst,
+        "vllm_mla" => EngineLayoutKind::VllmMla,
+        "vllm_cpu" => EngineLayoutKind::VllmCpu,
+        other => {
+            return Err(BridgeError::local(
+                Family::Config,
+                format!(
+                    "layout: {other:?} is not one of trtllm_pool, vllm_cuda, vllm_cuda_kv_first, \
+                     vllm_cuda_block_first, vllm_mla, vllm_cpu"
+                ),
+            ))
+        }
+    })
+}
+
+fn io_err(e: kvtier_io::IoError) -> BridgeError {
+    BridgeError::local(Family::Transfer, e.to_string())
+}
+
+struct Inner {
+    worker: Option<Worker>,
+    buffer: Option<Arc<BufferSink>>,
+    disk_dir: Option<PathBuf>,
+}
+
+/// One rank's worker (see `_native.pyi`).
+#[pyclass(name = "Worker", module = "kvtier._native")]
+pub struct PyWorker {
+    inner: Mutex<Inner>,
+    rank: u32,
+    bytes_per_block: usize,
+    num_device_blocks: usize,
+    host_blocks: usize,
+    disk_blocks: usize,
+}
+
+static DISK_SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// Host blocks of the private buffer that disk -> device loads pass through.
+const BOUNCE_BLOCKS: u32 = 64;
+
+impl PyWorker {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn build(settings: &Settings, tensors: Vec<(String, TensorDesc)>) -> BridgeResult<Self> {
+        let block_size = settings.block_size()?;
+        let world_size = settings.world_size()?;
+        let rank = u32::try_from(settings.usize("rank")?.unwrap_or(0))
+            .map_err(|_| BridgeError::local(Family::Config, "rank: too large"))?;
+        if rank >= world_size {
+            return Err(BridgeError::local(
+                Family::Config,
+                format!("rank: {rank} is not below world_size {world_size}"),
+            ));
+        }
+        let mut core = Vec::with_capacity(tensors.len());
+        for (name, d) in &tensors {
+            core.push(d.to_core(name)?);
+        }
+        let first = tensors
+            .first()
+            .ok_or_else(|| BridgeError::local(Family::Layout, "no KV cache tensors were given"))?;
+        let dtype = first.1.dtype(settings.string("dtype")?.as_deref())?;
+        let kind = layout_kind(settings, &core, block_size)?;
+        let dl = DeviceLayout::new(kind, &core, dtype)?;
+        let bpb = dl.bytes_per_block();
+        let num_blocks = dl.num_blocks();
+        let total = match settings.usize("bytes_per_block")? {
+            Some(t) if t > 0 => t,
+            _ => bpb * world_size as usize,
+        };
+        let caps = settings.config.resolve_capacity(total)?;
+        let n32 = |n: usize, what: &str| {
+            u32::try_from(n).map_err(|_| {
+                BridgeError::local(Family::Config, format!("{what}: {n} blocks is too many"))
+            })
+        };
+        let cuda_ordinal = match dl.device() {
+            layout::DeviceKind::Cpu => None,
+            layout::DeviceKind::Cuda(i) => Some(i as i32),
+        };
+        let bounce_layout = dl.clone();
+        let mut builder = TransferEngine::builder().device_layout(dl);
+        if caps.host_blocks > 0 {
+            let mut opts = HostOptions::new(n32(caps.host_blocks, "host")?, bpb);
+            if let Some(ordinal) = cuda_ordinal {
+                opts.cuda_device = ordinal;
+            }
+            builder = builder.host(Arc::new(HostStorage::new(&opts).map_err(io_err)?));
+        }
+        let mut disk_dir = None;
+        let mut bounce = None;
+        if caps.disk_blocks > 0 {
+            let seq = DISK_SEQ.fetch_add(1, Ordering::Relaxed);
+            let dir = settings
+                .config
+                .disk
+                .dir
+                .join(format!("kvtier-{}-{seq}-rank{rank}", std::process::id()));
+            let mut opts = DiskOptions::new(dir.clone(), n32(caps.disk_blocks, "disk")?, bpb);
+            opts.name = format!("rank{rank}");
+            let disk = Arc::new(DiskStorage::create(&opts).map_err(io_err)?);
+            builder = builder.disk(Arc::clone(&disk));
+            // Disk -> device loads go through a small host buffer of their own (see staged.rs).
+            let mut bopts =
+                HostOptions::new(BOUNCE_BLOCKS.min(n32(caps.disk_blocks, "disk")?), bpb);
+            if let Some(ordinal) = cuda_ordinal {
+                bopts.cuda_device = ordinal;
+            }
+            let engine = TransferEngine::builder()
+                .device_layout(bounce_layout)
+                .host(Arc::new(HostStorage::new(&bopts).map_err(io_err)?))
+                .disk(disk)
+                .build()
+                .map_err(io_err)?;
+            bounce = Some((Arc::new(engine) as Arc<dyn BlockTransfer>, bopts.num_blocks));
+            disk_dir = Some(dir);
+        }
+        let main: Arc<dyn BlockTransfer> = Arc::new(builder.build().map_err(io_err)?);
+        let engine: Arc<dyn BlockTransfer> = Arc::new(StagedTransfer::new(main, bounce));
+        let link_name = settings
+            .string("link")?
+            .unwrap_or_else(|| "engine".to_string());
+        let (link, buffer) = match link_name.as_str() {
+            "engine" => {
+                let buf = Arc::new(BufferSink::default());
+                (
+                    WorkerLink::new(rank, world_size, Arc::clone(&buf) as Arc<dyn ReportSink>),
+                    Some(buf),
+                )
+            }
+            "in_process" => {
+                let rv = Rendezvous::for_worker(&settings.channel()?, rank);
+                rv.register(RankLayout {
+                    rank,
+                    world_size,
+                    block_size: block_size as u32,
+                    bytes_per_block: bpb as u64,
+                    num_device_blocks: n32(num_blocks, "device")?,
+                });
+                (
+                    WorkerLink::new(rank, world_size, Arc::new(rv.report_sender())),
+                    None,
+                )
+            }
+            other => {
+                return Err(BridgeError::local(
+                    Family::Config,
+                    format!("link: {other:?} is not \"engine\" or \"in_process\""),
+                ))
+            }
+        };
+        tracing::info!(
+            rank,
+            world_size,
+            bytes_per_block = bpb,
+            num_device_blocks = num_blocks,
+            host_blocks = caps.host_blocks,
+            disk_blocks = caps.disk_blocks,
+            link = %link_name,
+            "kvtier worker registered its KV cache"
+        );
+        Ok(PyWorker {
+            inner: Mutex::new(Inner {
+                worker: Some(Worker::new(engine, link)),
+                buffer,
+                disk_dir,
+            }),
+            rank,
+            bytes_per_block: bpb,
+            num_device_blocks: num_blocks,
+            host_blocks: caps.host_blocks,
+            disk_blocks: caps.disk_blocks,
+        })
+    }
+}
+
+fn shut(py: Python<'_>, inner: &mut Inner) {
+    if let Some(mut w) = inner.worker.take() {
+        py.detach(move || {
+            w.wait_idle();
+            drop(w);
+        });
+    }
+    if let Some(dir) = inner.disk_dir.take() {
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            tracing::warn!(error = %e, dir = %dir.display(), "could not remove the disk tier's files");
+        }
+    }
+}
+
+fn gone() -> PyErr {
+    crate::errors::new_err(Family::Connector, "the worker was shut down")
+}
+
+fn ids(v: Vec<RequestId>) -> Vec<String> {
+    v.into_iter().map(|r| r.0).collect()
+}
+
+#[pymethods]
+impl PyWorker {
+    #[new]
+    #[pyo3(signature = (settings, tensors))]
+    fn py_new(settings: Option<&Bound<'_, PyDict>>, tensors: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let tensors = tensors_from_py(tensors)?;
+        let settings = Settings::from_py(settings)?;
+        Ok(PyWorker::build(&settings, tensors)?)
+    }
+
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+    #[getter]
+    fn bytes_per_block(&self) -> usize {
+        self.bytes_per_block
+    }
+    #[getter]
+    fn num_device_blocks(&self) -> usize {
+        self.num_device_blocks
+    }
+
+    fn bind(&self, metadata: &[u8]) -> PyResult<()> {
+        let meta = StepMetadata::from_bytes(metadata).map_err(BridgeError::from)?;
+        let mut g = self.lock();
+        g.worker.as_mut().ok_or_else(gone)?.bind(&meta);
+        Ok(())
+    }
+
+    #[pyo3(signature = (stream = None))]
+    fn start_load(&self, stream: Option<u64>) -> PyResult<()> {
+        let mut g = self.lock();
+        g.worker.as_mut().ok_or_else(gone)?.start_load(stream);
+        Ok(())
+    }
+
+    #[pyo3(signature = (layer, stream = None))]
+    fn wait_for_layer_load(
+        &self,
+        py: Python<'_>,
+        layer: usize,
+        stream: Option<u64>,
+    ) -> PyResult<()> {
+        let _ = stream;
+        py.detach(|| {
+            let mut g = self.lock();
+            g.worker
+                .as_mut()
+                .ok_or_else(gone)?
+                .wait_for_layer_load(layer);
+            Ok(())
+        })
+    }
+
+    #[pyo3(signature = (stream = None))]
+    fn forward_done(&self, stream: Option<u64>) -> PyResult<()> {
+        let mut g = self.lock();
+        g.worker.as_mut().ok_or_else(gone)?.forward_done(stream);
+        Ok(())
+    }
+
+    #[pyo3(signature = (finished, started_loading = None))]
+    fn get_finished(
+        &self,
+        finished: Vec<String>,
+        started_loading: Option<Vec<String>>,
+    ) -> PyResult<(Vec<String>, Vec<String>, Vec<String>)> {
+        let finished: Vec<RequestId> = finished.into_iter().map(RequestId).collect();
+        let started: Option<Vec<RequestId>> =
+            started_loading.map(|v| v.into_iter().map(RequestId).collect());
+        let mut g = self.lock();
+        let r = g
+            .worker
+            .as_mut()
+            .ok_or_else(gone)?
+            .get_finished(&finished, started.as_deref());
+        Ok((ids(r.saved), ids(r.loaded), ids(r.load_failed)))
+    }
+
+    fn take_load_errors(&self) -> PyResult<Vec<u32>> {
+        let mut g = self.lock();
+        Ok(g.worker
+            .as_mut()
+            .ok_or_else(gone)?
+            .take_load_errors()
+            .into_iter()
+            .map(|b| b.0)
+            .collect())
+    }
+
+    fn take_reports<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let reports = {
+            let g = self.lock();
+            match &g.buffer {
+                Some(b) => std::mem::take(&mut *b.0.lock().unwrap_or_else(|p| p.into_inner())),
+                None => Vec::new(),
+            }
+        };
+        if reports.is_empty() {
+            return Ok(PyBytes::new(py, b""));
+        }
+        Ok(PyBytes::new(py, &encode_reports(&reports)?))
+    }
+
+    fn wait_idle(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            let mut g = self.lock();
+            g.worker.as_mut().ok_or_else(gone)?.wait_idle();
+            Ok(())
+        })
+    }
+
+    fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        let jobs = self
+            .lock()
+            .worker
+            .as_ref()
+            .map_or(0, |w| w.jobs_in_flight());
+        let d = PyDict::new(py);
+        d.set_item("rank", self.rank)?;
+        d.set_item("jobs_in_flight", jobs)?;
+        d.set_item("bytes_per_block", self.bytes_per_block)?;
+        d.set_item("num_device_blocks", self.num_device_blocks)?;
+        d.set_item("host_blocks", self.host_blocks)?;
+        d.set_item("disk_blocks", self.disk_blocks)?;
+        Ok(d.unbind())
+    }
+
+    fn shutdown(&self, py: Python<'_>) {
+        let mut g = self.lock();
+        shut(py, &mut g);
+    }
+}
+
+impl Drop for PyWorker {
+    fn drop(&mut self) {
+        let inner = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(dir) = inner.disk_dir.take() {
+            // Executor threads finish their current job and exit when the worker is dropped.
+            inner.worker = None;
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
