@@ -15,6 +15,19 @@
 //! Invariants: the filter holds at most `max_tracked` hashes; a hash is "seen twice within the
 //! window" exactly when its previous sighting is at most `window` before `now` and it was not
 //! forgotten for room in between; time going backwards counts as no time elapsed.
+//!
+//! ```
+//! use std::time::Duration;
+//! use kvtier::hash::SequenceHash;
+//! use kvtier::policy::{OffloadPolicy, PolicyParams};
+//! use kvtier::pool::Priority;
+//!
+//! let mut p = OffloadPolicy::new(PolicyParams::default()); // filter: 2nd sighting within 600 s
+//! let h = SequenceHash(42);
+//! assert!(p.offload_to_host(Priority(0)));
+//! assert!(!p.offload_to_disk(h, Priority(0), Duration::from_secs(10)));
+//! assert!(p.offload_to_disk(h, Priority(0), Duration::from_secs(200)));
+//! ```
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
