@@ -90,6 +90,9 @@ KVTIER_* / DYN_KVBM_* environment. Adapter keys:
   "vllm_cuda_kv_first" | "vllm_cuda_block_first" | "vllm_mla" | "vllm_cpu"; default: "trtllm_pool"
   for one 4-D tensor, else "vllm_cpu" for CPU tensors, "vllm_cuda" for CUDA tensors.
 - ``dtype`` (str, Worker): overrides the tensors' dtype name.
+- ``finished_ids_are_saving`` (bool, Worker, default False): the engine passes ``get_finished`` only
+  requests whose ``request_finished`` returned True (TensorRT-LLM), so they are reported saved as
+  soon as their stores are done, without waiting for the next metadata's ``saving`` list.
 """
 
 class Leader:

@@ -251,7 +251,14 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
                 "kvtier's TensorRT-LLM connector runs tensor parallelism within one process only for now: "
                 f"rank {self._rank} lives in another process than the scheduler and has no channel to it"
             )
-        settings = _settings(self._llm_args, rank=self._rank, link=link, layout="trtllm_pool")
+        settings = _settings(
+            self._llm_args,
+            rank=self._rank,
+            link=link,
+            layout="trtllm_pool",
+            # TensorRT-LLM passes get_finished only requests whose request_finished returned True.
+            finished_ids_are_saving=True,
+        )
         self._worker = _native.Worker(settings, desc)
 
     def bind_connector_meta(self, metadata: object) -> None:

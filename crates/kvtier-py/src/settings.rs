@@ -26,6 +26,7 @@ const ADAPTER_KEYS: &[&str] = &[
     "channel",
     "layout",
     "dtype",
+    "finished_ids_are_saving",
     // Informational keys some adapters pass along; accepted and ignored here.
     "role",
     "backend_module",

@@ -259,9 +259,14 @@ impl PyWorker {
             link = %link_name,
             "kvtier worker registered its KV cache"
         );
+        let mut worker = Worker::new(engine, link);
+        // TensorRT-LLM passes get_finished only the requests request_finished answered True for.
+        worker.set_finished_ids_are_saving(
+            settings.bool("finished_ids_are_saving")?.unwrap_or(false),
+        );
         Ok(PyWorker {
             inner: Mutex::new(Inner {
-                worker: Some(Worker::new(engine, link)),
+                worker: Some(worker),
                 buffer,
                 disk_dir,
             }),
