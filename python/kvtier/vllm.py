@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Iterable
@@ -85,6 +86,9 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     # Some request of this step loads synchronously: the loads must be complete before the forward pass.
     sync_loads: bool = False
     preempted: list[str] = field(default_factory=list)
+    # Finished requests whose blocks vLLM keeps until the workers report them saved (request_finished said True).
+    # kvtier's workers report every finished request once its stores are done; vLLM must only hear of these.
+    delayed_frees: list[str] = field(default_factory=list)
     failed_loads: dict[str, list[int]] = field(default_factory=dict)
     failed_loads_async: bool = False
 
@@ -121,28 +125,31 @@ class KvtierConnectorStats(KVConnectorStats):
 
 
 def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> dict[str, Any]:
-    """kvtier's settings for this engine: ``kv_connector_extra_config`` plus what vLLM itself fixes (role, block
-    size, hash salt, bytes per block). Unset tier settings are resolved by kvtier from ``KVTIER_*`` variables."""
+    """kvtier's settings for this engine: ``kv_connector_extra_config`` (kvtier configuration keys, nested or
+    dotted, e.g. ``{"host.num_blocks": 4096, "disk.dir": "/nvme/kvtier"}``) plus what vLLM itself fixes: block
+    size, load mode, hash salt, bytes per block. Whatever is unset comes from ``KVTIER_*`` (or ``DYN_KVBM_*``)
+    variables, resolved by kvtier's configuration (docs/CONFIG.md)."""
     ktc = vllm_config.kv_transfer_config
     extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
-    role = _ROLES.get(str(getattr(ktc, "kv_role", "kv_both")))
-    if role is None:
-        raise ValueError(f"kvtier: kv_role must be one of {sorted(_ROLES)}, got {ktc.kv_role!r}")
+    role = str(getattr(ktc, "kv_role", "kv_both"))
+    if role not in _ROLES:
+        raise ValueError(f"kvtier: kv_role must be one of {sorted(_ROLES)}, got {role!r}")
     cache = vllm_config.cache_config
     model = vllm_config.model_config
-    extra["role"] = role
     extra["block_size"] = int(cache.block_size)
     # Synchronous loads by default: a request is loaded in the step that first computes it. vLLM's asynchronous
     # loads park loaded requests in the waiting queue holding their device blocks; when a failed load sends the
     # queue's head back for recompute and the device cache is nearly full, the scheduler can stall behind it.
     extra["async_loads"] = _truthy(extra.get("async_loads", False))
-    # The hash salt separates caches of different models and KV dtypes that share a tier (disk, remote).
+    # The salt separates caches of different models and KV dtypes sharing a tier (disk, remote): every process
+    # of one model (producer and consumer alike) must compute the same hashes.
     extra.setdefault("salt", f"vllm|{model.model}|{cache.cache_dtype}|{model.dtype}|{model.revision or ''}")
+    par = vllm_config.parallel_config
+    extra.setdefault("world_size", int(par.tensor_parallel_size) * int(par.pipeline_parallel_size))
     if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
         group = kv_cache_config.kv_cache_groups[0]
         per_rank = int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
-        par = vllm_config.parallel_config
-        extra.setdefault("bytes_per_block", per_rank * int(par.tensor_parallel_size) * int(par.pipeline_parallel_size))
+        extra.setdefault("bytes_per_block", per_rank * int(extra["world_size"]))
         extra.setdefault("num_device_blocks", int(kv_cache_config.num_blocks))
     return extra
 
@@ -152,11 +159,11 @@ def _truthy(v: Any) -> bool:
 
 
 def _backend(settings: dict[str, Any]) -> Any:
-    """The module providing ``Leader`` and ``Worker``: kvtier's native core, or (for kvtier's own adapter
-    development only) the module named by the ``backend_module`` setting."""
-    name = settings.get("backend_module")
+    """The module providing ``Leader`` and ``Worker``: kvtier's native core, or (for developing this adapter
+    only) the module named by ``KVTIER_VLLM_BACKEND_MODULE``."""
+    name = os.environ.get("KVTIER_VLLM_BACKEND_MODULE")
     if name:
-        return importlib.import_module(str(name))
+        return importlib.import_module(name)
     from kvtier import _native
 
     return _native
@@ -179,6 +186,7 @@ class KvtierConnector(KVConnectorBase_V1):
             _recompute_failed_loads(vllm_config)
             self._sched = _SchedulerSide(self._settings, self._block_size)
         else:
+            self._settings.setdefault("rank", _rank())
             self._worker = _WorkerSide(self._settings, self._block_size)
         with _LIVE_LOCK:
             _LIVE.add(self)
@@ -210,7 +218,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._worker.start_step(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads are asynchronous: vLLM schedules a request only after get_finished reported its load.
+        # Sync loads are complete when start_load_kv returns; async ones are never read before get_finished.
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
@@ -237,6 +245,7 @@ class KvtierConnector(KVConnectorBase_V1):
         return self._worker.take_reports()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        # vLLM asks both halves each step and aggregates: the scheduler half reports the leader's counters.
         side = self._worker or self._sched
         if side is None:
             return None
@@ -279,6 +288,21 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self._sched is not None
         return self._sched.take_events()
 
+    def has_pending_push_work(self) -> bool:
+        # Keeps vLLM stepping while kvtier has jobs in flight, e.g. a producer's copies to the shared tier that
+        # are dispatched with the step metadata after its last request finished.
+        return self._sched is not None and self._sched.has_jobs_in_flight()
+
+
+
+def _rank() -> int:
+    """This worker's rank among the engine's tensor- and pipeline-parallel workers."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank, get_tp_group
+
+        return int(get_pp_group().rank_in_group) * int(get_tp_group().world_size) + int(get_tensor_model_parallel_rank())
+    except Exception:  # no parallel state (single process)
+        return 0
 
 
 _LOGGING_DONE = False
@@ -335,6 +359,8 @@ class _SchedulerSide:
         self._local_computed: dict[str, int] = {}
         self.async_loads = bool(settings.get("async_loads", False))
         self._sync_loads_pending = False
+        self._delayed_frees: list[str] = []
+        self._last_stats: dict[str, float] = {}
         self._errors = 0
 
     def _error(self, what: str, e: BaseException) -> None:
@@ -424,8 +450,9 @@ class _SchedulerSide:
             self._error("build_step", e)
         failed, self._failed_loads = self._failed_loads, {}
         sync, self._sync_loads_pending = self._sync_loads_pending, False
-        return KvtierConnectorMetadata(plan=plan, sync_loads=sync, preempted=preempted, failed_loads=failed,
-                                       failed_loads_async=self.async_loads)
+        delayed, self._delayed_frees = self._delayed_frees, []
+        return KvtierConnectorMetadata(plan=plan, sync_loads=sync, preempted=preempted, delayed_frees=delayed,
+                                       failed_loads=failed, failed_loads_async=self.async_loads)
 
     def update_output(self, out: "KVConnectorOutput") -> None:
         meta = out.kv_connector_worker_meta
@@ -438,16 +465,22 @@ class _SchedulerSide:
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        known = rid in self._requests or rid in self._local_computed or rid in self._scheduled
         self._requests.pop(rid, None)
         self._local_computed.pop(rid, None)
         self._scheduled.discard(rid)
+        if not known:  # aborted before kvtier ever saw it: nothing of it is stored
+            return False, None
         try:
             # True while stores still read the request's device blocks: vLLM keeps them until the workers
             # report the request in finished_sending.
-            return bool(self._leader.request_finished(rid)), None
+            delay = bool(self._leader.request_finished(rid))
         except Exception as e:
             self._error("request_finished", e)
             return False, None
+        if delay:
+            self._delayed_frees.append(rid)
+        return delay, None
 
     def take_events(self) -> list:
         try:
@@ -456,6 +489,13 @@ class _SchedulerSide:
             self._error("take_events", e)
             return []
         return _vllm_events(raw, self._block_size)
+
+    def has_jobs_in_flight(self) -> bool:
+        try:
+            return int(self._leader.stats().get("jobs_in_flight", 0)) > 0
+        except Exception as e:
+            self._error("stats", e)
+            return False
 
     def cumulative_stats(self) -> dict[str, float]:
         s: dict[str, float] = {}
@@ -467,7 +507,10 @@ class _SchedulerSide:
         return s
 
     def take_stats_delta(self) -> dict[str, float]:
-        return {}
+        now = {k: v for k, v in self.cumulative_stats().items() if k in _COUNTERS}
+        delta = {k: v - self._last_stats.get(k, 0) for k, v in now.items() if v != self._last_stats.get(k, 0)}
+        self._last_stats = now
+        return delta
 
     def shutdown(self) -> None:
         try:
@@ -492,6 +535,14 @@ def _record(rid: str, new_tokens: list[int], new_block_ids: list[int], num_compu
 
 
 _MEDIA = {"host": "CPU", "disk": "STORAGE", "remote": "STORAGE"}
+
+# The leader's counters (monotonic); its other numbers are gauges and are not summed across intervals.
+_COUNTERS = frozenset((
+    "steps", "match_queries", "matched_tokens", "offload_blocks", "offload_confirmed", "offload_failed",
+    "offload_deduplicated", "offload_dropped", "onboard_host_blocks", "onboard_disk_blocks", "onboard_remote_blocks",
+    "onboard_failed", "spill_disk_blocks", "spill_disk_failed", "remote_put_blocks", "remote_put_failed",
+    "adapter_errors",
+))
 
 
 def _key(h: Any) -> bytes:
@@ -532,6 +583,7 @@ class _WorkerSide:
         self._errors = 0
         self._failed_recv: set[str] = set()
         self._failed_blocks: set[int] = set()
+        self._awaiting_save: set[str] = set()
         self._last_stats: dict[str, float] = {}
 
     def _error(self, what: str, e: BaseException) -> None:
@@ -548,6 +600,7 @@ class _WorkerSide:
         self._worker = core.Worker(self._settings, tensors)
 
     def start_step(self, meta: KvtierConnectorMetadata) -> None:
+        self._awaiting_save.update(meta.delayed_frees)
         for rid, blocks in meta.failed_loads.items():
             if meta.failed_loads_async:
                 # vLLM waits for the request in finished_recving; a sync load is only failed by its blocks.
@@ -558,12 +611,20 @@ class _WorkerSide:
         try:
             self._worker.bind(meta.plan)
             self._worker.start_load(_stream())
-            if meta.sync_loads:
-                # vLLM calls start_load_kv before the forward pass only when the step has sync loads; on the CPU
-                # the forward is synchronous, so complete them here (every layer at once).
-                self._worker.wait_for_layer_load(0)
         except Exception as e:
             self._error("start_load", e)
+            return
+        if meta.sync_loads:
+            # vLLM calls start_load_kv before the forward pass only when the step has sync loads: complete them
+            # here, every layer at once. A failed load raises TransferError; its blocks are then reported by
+            # get_block_ids_with_load_errors and vLLM recomputes them, so it is not an adapter error.
+            try:
+                self._worker.wait_for_layer_load(0, _stream())
+            except Exception as e:
+                if type(e).__name__ == "TransferError":
+                    logger.warning("kvtier: a load failed; vLLM recomputes its blocks: %s", e)
+                else:
+                    self._error("wait_for_layer_load", e)
 
     def forward_done(self) -> None:
         if self._worker is None:
@@ -588,7 +649,11 @@ class _WorkerSide:
         if self._worker is not None:
             try:
                 saved, loaded, load_failed = self._worker.get_finished(sorted(finished_req_ids))
-                sending.update(saved)
+                # vLLM frees a request's blocks at once unless request_finished said True, and then must not
+                # hear of it again.
+                done = self._awaiting_save.intersection(saved)
+                self._awaiting_save -= done
+                sending.update(done)
                 # A failed load is reported finished too; its blocks are in get_block_ids_with_load_errors.
                 recving.update(loaded)
                 recving.update(load_failed)
@@ -623,18 +688,17 @@ class _WorkerSide:
         s: dict[str, float] = {}
         if self._worker is not None:
             try:
-                s = dict(self._worker.stats())
+                s = {f"worker_{k}": v for k, v in dict(self._worker.stats()).items()}
             except Exception as e:
                 self._error("stats", e)
         s["adapter_errors"] = s.get("adapter_errors", 0) + self._errors
         return s
 
     def take_stats_delta(self) -> dict[str, float]:
-        now = self.cumulative_stats()
-        delta = {k: v - self._last_stats.get(k, 0) for k, v in now.items()
-                 if isinstance(v, (int, float)) and v != self._last_stats.get(k, 0)}
-        self._last_stats = now
-        return delta
+        # The worker's own numbers are gauges; its failures are the one counter vLLM should aggregate.
+        delta = self._errors - self._last_stats.get("adapter_errors", 0)
+        self._last_stats["adapter_errors"] = self._errors
+        return {"adapter_errors": delta} if delta else {}
 
     def shutdown(self) -> None:
         if self._worker is not None:

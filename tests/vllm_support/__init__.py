@@ -43,13 +43,15 @@ def prompts(n: int, length: int, seed: int, shared_prefix: int = 0, vocab: int =
     return [prefix + [rng.randrange(3, vocab) for _ in range(length - shared_prefix)] for _ in range(n)]
 
 
-def connector_config(role: str = "kv_both", **extra: Any) -> dict:
-    """kvtier's kv-transfer configuration for vLLM (``KVTransferConfig`` keyword arguments)."""
+def connector_config(role: str = "kv_both", settings: dict[str, Any] | None = None) -> dict:
+    """kvtier's kv-transfer configuration for vLLM (``KVTransferConfig`` keyword arguments); ``settings`` are
+    kvtier configuration keys (docs/CONFIG.md), e.g. ``{"host.num_blocks": 512}``."""
     return {
         "kv_connector": "KvtierConnector",
         "kv_connector_module_path": "kvtier.vllm",
         "kv_role": role,
-        "kv_connector_extra_config": extra,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": dict(settings or {}),
     }
 
 
@@ -61,12 +63,13 @@ class Engine:
     """A vLLM engine in a child process. Use as a context manager, or call :meth:`close`."""
 
     def __init__(self, model: Path, log: Path, *, kv_cache_blocks: int, kv_transfer_config: dict | None = None,
-                 env: dict[str, str] | None = None, start_timeout: float = 300.0, **spec: Any) -> None:
+                 env: dict[str, str] | None = None, start_timeout: float = 300.0,
+                 bytes_per_block: int = BYTES_PER_BLOCK, **spec: Any) -> None:
         full = {
             "model": str(model),
             "block_size": BLOCK_SIZE,
             # vLLM sizes its cache in bytes; per block it needs all layers' K and V.
-            "kv_cache_memory_bytes": kv_cache_blocks * BYTES_PER_BLOCK,
+            "kv_cache_memory_bytes": kv_cache_blocks * bytes_per_block,
             "kv_transfer_config": kv_transfer_config,
             **spec,
         }
@@ -115,6 +118,9 @@ class Engine:
 
     def ttft(self, prompts: list[list[int]]) -> list[float]:
         return self.call("ttft", prompts=prompts)["seconds"]
+
+    def drain(self, timeout: float = 60.0) -> bool:
+        return self.call("drain", timeout=timeout + 60, seconds=timeout)["idle"]
 
     def reset_prefix_cache(self) -> bool:
         return self.call("reset_prefix_cache")["ok"]

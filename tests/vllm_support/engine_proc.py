@@ -6,6 +6,7 @@ per line on stdin, each answered with one JSON line on stdout (vLLM's own output
 
 - ``{"op": "generate", "prompts": [[ids]], "max_tokens": n}`` -> ``{"outputs": [[ids]], "seconds": s}``
 - ``{"op": "ttft", "prompts": [[ids]]}`` -> per prompt the wall time of a 1-token generation, run one at a time
+- ``{"op": "drain"}`` -> steps the engine until its scheduler has nothing left (connector jobs included)
 - ``{"op": "reset_prefix_cache"}`` -> ``{"ok": bool}`` (vLLM's device prefix cache only, never kvtier's tiers)
 - ``{"op": "stats"}`` -> kvtier's counters (summed over this process's connector instances) and the number of
   ERROR records and exceptions kvtier produced so far
@@ -98,6 +99,16 @@ def main() -> None:
                     times.append(time.perf_counter() - t)
                     firsts.append(o[0].outputs[0].token_ids[0])
                 _reply({"seconds": times, "first_tokens": firsts})
+            elif op == "drain":
+                # Step the engine while the scheduler still has work (e.g. a connector's pending copies):
+                # LLM.generate returns once outputs are complete, a server's busy loop would keep stepping.
+                core = llm.llm_engine.engine_core.engine_core
+                deadline = time.time() + float(cmd.get("seconds", 60))
+                steps = 0
+                while core.scheduler.has_requests() and time.time() < deadline:
+                    core.step()
+                    steps += 1
+                _reply({"steps": steps, "idle": not core.scheduler.has_requests()})
             elif op == "reset_prefix_cache":
                 _reply({"ok": bool(llm.reset_prefix_cache())})
             elif op == "stats":

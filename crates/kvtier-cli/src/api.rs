@@ -293,6 +293,7 @@ fn finish(
             prompt,
             max_tokens,
             ignore_eos: s.ignore_eos,
+            prefilled: None,
         },
         stream: s.stream,
         include_usage: s.stream_options.as_ref().is_some_and(|o| o.include_usage),

@@ -17,6 +17,9 @@ pub struct GenRequest {
     pub max_tokens: u32,
     /// Keep generating after the end-of-sequence token.
     pub ignore_eos: bool,
+    /// Decode role: the first token, already computed by a prefill server. The engine emits it as the
+    /// first `Token` event and continues from the prompt's KV (loaded from the shared tier).
+    pub prefilled: Option<u32>,
 }
 
 /// Why a generation stopped.
@@ -26,6 +29,9 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` (or the context window) was reached.
     Length,
+    /// Prefill role: the first token is computed and the prompt's KV is published to the shared tier;
+    /// a decode server continues the request.
+    Prefilled,
 }
 
 impl FinishReason {
@@ -34,6 +40,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::Prefilled => "prefilled",
         }
     }
 
@@ -42,6 +49,7 @@ impl FinishReason {
         match s {
             "stop" => Some(FinishReason::Stop),
             "length" => Some(FinishReason::Length),
+            "prefilled" => Some(FinishReason::Prefilled),
             _ => None,
         }
     }
@@ -97,19 +105,17 @@ pub struct Sample {
     pub help: &'static str,
 }
 
-/// Counters the bench needs directly (a subset of the samples, typed).
+/// Counters the bench needs directly (a subset of the samples, typed; monotonic since engine start).
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct CacheCounters {
-    /// Prompt tokens the engine actually ran through the model.
-    pub prefill_tokens_computed: u64,
     /// Prompt tokens served from the engine's own G1 prefix cache.
     pub device_hit_tokens: u64,
-    /// Blocks onboarded per tier (host, disk, remote).
-    pub onboard_blocks: TierCounts,
-    /// Blocks offloaded per tier (host, disk, remote).
+    /// Prompt tokens matched (and loaded) from each offload tier.
+    pub hit_tokens: TierCounts,
+    /// Blocks offloaded into each tier.
     pub offload_blocks: TierCounts,
-    /// Blocks looked up in the offload tiers (denominator of the per-tier hit rate).
-    pub lookup_blocks: u64,
+    /// Blocks onboarded from each tier into G1.
+    pub onboard_blocks: TierCounts,
 }
 
 /// A count per offload tier.
@@ -140,15 +146,12 @@ impl CacheCounters {
     /// Counter deltas between two snapshots of the same engine.
     pub fn since(self, earlier: CacheCounters) -> CacheCounters {
         CacheCounters {
-            prefill_tokens_computed: self
-                .prefill_tokens_computed
-                .saturating_sub(earlier.prefill_tokens_computed),
             device_hit_tokens: self
                 .device_hit_tokens
                 .saturating_sub(earlier.device_hit_tokens),
-            onboard_blocks: self.onboard_blocks.since(earlier.onboard_blocks),
+            hit_tokens: self.hit_tokens.since(earlier.hit_tokens),
             offload_blocks: self.offload_blocks.since(earlier.offload_blocks),
-            lookup_blocks: self.lookup_blocks.saturating_sub(earlier.lookup_blocks),
+            onboard_blocks: self.onboard_blocks.since(earlier.onboard_blocks),
         }
     }
 }
@@ -212,6 +215,8 @@ pub(crate) mod fake {
         pub overloaded: AtomicBool,
         pub submitted: AtomicU64,
         pub eos_after: Option<u32>,
+        /// Behave like a prefill-role engine: stop after the first token with `Prefilled`.
+        pub prefill_role: bool,
     }
 
     impl FakeBackend {
@@ -220,6 +225,7 @@ pub(crate) mod fake {
                 overloaded: AtomicBool::new(false),
                 submitted: AtomicU64::new(0),
                 eos_after: None,
+                prefill_role: false,
             }
         }
     }
@@ -249,19 +255,33 @@ pub(crate) mod fake {
             let mut ctx = req.prompt.clone();
             let mut n = 0u32;
             let mut reason = FinishReason::Length;
-            while n < req.max_tokens {
+            let emit = |t: u32, n: &mut u32, ctx: &mut Vec<u32>| {
+                ctx.push(t);
+                *n += 1;
+                let _ = tx.send(GenEvent::Token(t));
+                t == 0 && !req.ignore_eos
+            };
+            let mut stopped = match req.prefilled {
+                Some(t0) => emit(t0, &mut n, &mut ctx),
+                None => false,
+            };
+            let limit = if self.prefill_role {
+                req.max_tokens.min(1)
+            } else {
+                req.max_tokens
+            };
+            while !stopped && n < limit {
                 let sum: u64 = ctx.iter().map(|&t| u64::from(t)).sum();
                 let mut next = u32::from(b'a') + (sum % 26) as u32;
                 if self.eos_after == Some(n) {
                     next = 0;
                 }
-                ctx.push(next);
-                n += 1;
-                let _ = tx.send(GenEvent::Token(next));
-                if next == 0 && !req.ignore_eos {
-                    reason = FinishReason::Stop;
-                    break;
-                }
+                stopped = emit(next, &mut n, &mut ctx);
+            }
+            if stopped {
+                reason = FinishReason::Stop;
+            } else if self.prefill_role && req.max_tokens > 1 {
+                reason = FinishReason::Prefilled;
             }
             let _ = tx.send(GenEvent::Done {
                 finish_reason: reason,

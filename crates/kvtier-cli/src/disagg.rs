@@ -36,11 +36,12 @@ pub struct Prefilled {
     pub cached_tokens: u32,
 }
 
-/// Asks the prefill server for the first token of `req`.
+/// Asks the prefill server for the first token of `req` (sending the client's own `max_tokens`, so
+/// the prefill engine knows whether the request continues and must publish its KV before answering).
 pub async fn prefill(client: &PrefillClient, req: &GenRequest) -> Result<Prefilled, ApiError> {
     let body = json!({
         "prompt": req.prompt,
-        "max_tokens": 1,
+        "max_tokens": req.max_tokens,
         "ignore_eos": req.ignore_eos,
         "return_token_ids": true,
     });
@@ -71,14 +72,23 @@ pub async fn prefill(client: &PrefillClient, req: &GenRequest) -> Result<Prefill
         return Err(err);
     }
     let choice = &v["choices"][0];
-    let first_token = choice["token_ids"][0]
-        .as_u64()
-        .and_then(|t| u32::try_from(t).ok())
-        .ok_or_else(|| ApiError::internal("prefill server response has no token_ids"))?;
+    let ids = choice["token_ids"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    let first_token = match ids {
+        [t] => t.as_u64().and_then(|t| u32::try_from(t).ok()),
+        _ => None,
+    }
+    .ok_or_else(|| {
+        ApiError::internal(
+            "prefill server must answer exactly one token id (is it in prefill mode?)",
+        )
+    })?;
     let finish_reason = choice["finish_reason"]
         .as_str()
         .and_then(FinishReason::parse)
-        .ok_or_else(|| ApiError::internal("prefill server response has no finish_reason"))?;
+        .ok_or_else(|| ApiError::internal("prefill server response has no valid finish_reason"))?;
     let cached_tokens = v["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .unwrap_or(0) as u32;
@@ -97,51 +107,92 @@ pub async fn start(
     req: &GenRequest,
 ) -> Result<UnboundedReceiver<GenEvent>, ApiError> {
     let p = prefill(client, req).await?;
-    let (tx, rx) = unbounded_channel();
-    let prompt_tokens = req.prompt.len() as u32;
-    let _ = tx.send(GenEvent::Token(p.first_token));
-    if req.max_tokens <= 1 || p.finish_reason == FinishReason::Stop {
-        let finish_reason = if p.finish_reason == FinishReason::Stop {
-            FinishReason::Stop
-        } else {
-            FinishReason::Length
-        };
+    if p.finish_reason != FinishReason::Prefilled {
+        // Finished on the prefill server (EOS, or max_tokens = 1): nothing to decode.
+        let (tx, rx) = unbounded_channel();
+        let _ = tx.send(GenEvent::Token(p.first_token));
         let _ = tx.send(GenEvent::Done {
-            finish_reason,
-            prompt_tokens,
+            finish_reason: p.finish_reason,
+            prompt_tokens: req.prompt.len() as u32,
             completion_tokens: 1,
             cached_tokens: p.cached_tokens,
         });
         return Ok(rx);
     }
-    let mut prompt = req.prompt.clone();
-    prompt.push(p.first_token);
     let rest = GenRequest {
-        prompt,
-        max_tokens: req.max_tokens - 1,
-        ignore_eos: req.ignore_eos,
+        prefilled: Some(p.first_token),
+        ..req.clone()
     };
-    let mut inner = backend.submit(rest).map_err(submit_error)?;
-    tokio::spawn(async move {
-        while let Some(ev) = inner.recv().await {
-            let ev = match ev {
+    backend.submit(rest).map_err(submit_error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::fake::FakeBackend;
+    use crate::server::{serve, AppState, Generator};
+    use std::sync::Arc;
+
+    async fn collect(mut rx: UnboundedReceiver<GenEvent>) -> (Vec<u32>, FinishReason, u32) {
+        let mut toks = Vec::new();
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                GenEvent::Token(t) => toks.push(t),
                 GenEvent::Done {
                     finish_reason,
                     completion_tokens,
-                    cached_tokens,
                     ..
-                } => GenEvent::Done {
-                    finish_reason,
-                    prompt_tokens,
-                    completion_tokens: completion_tokens + 1,
-                    cached_tokens,
-                },
-                other => other,
-            };
-            if tx.send(ev).is_err() {
-                break; // client went away; dropping `inner` lets the engine abort
+                } => return (toks, finish_reason, completion_tokens),
+                GenEvent::Error(e) => panic!("{e}"),
             }
         }
-    });
-    Ok(rx)
+        panic!("no Done");
+    }
+
+    #[tokio::test]
+    async fn decode_through_a_prefill_server_matches_aggregated() {
+        let mut pf = FakeBackend::new();
+        pf.prefill_role = true;
+        let state = AppState::new(Arc::new(pf), Generator::Local, "prefill");
+        let (atx, arx) = tokio::sync::oneshot::channel();
+        tokio::spawn(serve(
+            state,
+            "127.0.0.1:0".parse().unwrap(),
+            move |a| {
+                let _ = atx.send(a);
+            },
+            std::future::pending(),
+        ));
+        let addr = arx.await.unwrap();
+        let client = PrefillClient {
+            url: HttpUrl::parse(&format!("http://{addr}")).unwrap(),
+            timeout: Duration::from_secs(10),
+        };
+        let decode = FakeBackend::new();
+        let agg = FakeBackend::new();
+        for max_tokens in [1u32, 2, 7] {
+            let req = GenRequest {
+                prompt: vec![104, 105, 33],
+                max_tokens,
+                ignore_eos: true,
+                prefilled: None,
+            };
+            let got = collect(start(&client, &decode, &req).await.unwrap()).await;
+            let want = collect(agg.submit(req.clone()).unwrap()).await;
+            assert_eq!(got, want, "max_tokens {max_tokens}");
+        }
+        // A prefill server that is gone is a 503, not a hang or a wrong answer.
+        let dead = PrefillClient {
+            url: HttpUrl::parse("http://127.0.0.1:9").unwrap(),
+            timeout: Duration::from_secs(5),
+        };
+        let req = GenRequest {
+            prompt: vec![1],
+            max_tokens: 3,
+            ignore_eos: true,
+            prefilled: None,
+        };
+        let err = start(&dead, &decode, &req).await.unwrap_err();
+        assert_eq!(err.status, axum::http::StatusCode::SERVICE_UNAVAILABLE);
+    }
 }

@@ -10,8 +10,12 @@
 
 pub mod api;
 pub mod backend;
+pub mod bench;
+pub mod cmd;
 pub mod detok;
 pub mod disagg;
+pub mod engine_backend;
 pub mod http_client;
 pub mod prom;
 pub mod server;
+pub mod settings;

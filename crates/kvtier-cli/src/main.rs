@@ -1,4 +1,52 @@
-//! The `kvtier` binary: `serve`, `bench`, `inspect`.
+//! The `kvtier` binary: `serve`, `bench`, `inspect`. With no command it runs `kvtier bench` on its
+//! embedded defaults (the project's main job).
+
+use clap::{Parser, Subcommand};
+use kvtier_cli::cmd::{bench::BenchArgs, inspect::InspectArgs, serve::ServeArgs};
+
+/// kvtier: a tiered KV-cache block manager for LLM inference, with a reference engine.
+#[derive(Debug, Parser)]
+#[command(name = "kvtier", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// OpenAI-compatible HTTP server on the reference engine.
+    Serve(ServeArgs),
+    /// Workload benchmarks: engine alone vs kvtier tiers (table, JSON, PNG in ./bench-out/).
+    Bench(BenchArgs),
+    /// Print the resolved configuration, tier sizes and the disk tier's contents.
+    Inspect(InspectArgs),
+}
+
 fn main() -> anyhow::Result<()> {
-    Ok(())
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let command = match cli.command {
+        Some(c) => c,
+        None => {
+            eprintln!("kvtier: no command given; running `kvtier bench` on its embedded defaults (`kvtier --help` lists commands)");
+            Command::Bench(BenchArgs::parse_defaults())
+        }
+    };
+    match command {
+        Command::Inspect(a) => kvtier_cli::cmd::inspect::run(a),
+        Command::Serve(a) => runtime()?.block_on(kvtier_cli::cmd::serve::run(a)),
+        Command::Bench(a) => runtime()?.block_on(kvtier_cli::cmd::bench::run(a)),
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
 }

@@ -71,6 +71,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
         .fallback(not_found)
         .with_state(state)
 }
@@ -121,6 +122,14 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     st.exporter.http_request("metrics", 200);
     let text = st.exporter.render(&st.backend.samples());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// Drops the engine's G1 prefix cache (as vLLM's endpoint of the same name); kvtier's tiers keep their
+/// blocks, so the next matching request is served by onboarding.
+async fn reset_prefix_cache(State(st): State<Arc<AppState>>) -> Response {
+    st.exporter.http_request("reset_prefix_cache", 200);
+    st.backend.reset_prefix_cache();
+    Json(json!({"status": "ok"})).into_response()
 }
 
 async fn not_found() -> Response {

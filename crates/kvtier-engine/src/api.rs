@@ -167,6 +167,9 @@ pub struct EngineMetrics {
     /// Blocks copied out of G1 / into G1 by kvtier (as reported by the connector).
     pub offloaded_blocks: u64,
     pub onboarded_blocks: u64,
+    /// Blocks copied host -> disk and host -> remote by kvtier.
+    pub spilled_disk_blocks: u64,
+    pub remote_put_blocks: u64,
     /// Device blocks whose kvtier load failed (their tokens were recomputed).
     pub load_failures: u64,
     pub recomputed_tokens: u64,
@@ -176,6 +179,8 @@ pub struct EngineMetrics {
     pub queue_depth: u64,
     pub running: u64,
     pub free_device_blocks: u64,
+    /// kvtier transfer jobs not yet confirmed.
+    pub kvtier_jobs_in_flight: u64,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -10,7 +10,11 @@
 //!   until `get_finished` reports the request saved;
 //! - blocks reported by `get_block_ids_with_load_errors` are recomputed, never trusted;
 //! - `handle_preemptions` returns only when no transfer touches the preempted requests' blocks.
+use std::sync::Arc;
+
+use kvtier::config::KvtierConfig;
 use kvtier::connector::SchedulerStep;
+use kvtier::transfer::BlockTransfer;
 use kvtier::{DeviceBlockId, RequestId};
 
 /// What the engine tells a connector about one request.
@@ -29,6 +33,10 @@ pub struct ConnectorStats {
     pub matched_tokens_host: u64,
     pub matched_tokens_disk: u64,
     pub matched_tokens_remote: u64,
+    /// Gauge: transfer jobs not yet confirmed.
+    pub jobs_in_flight: u64,
+    pub spilled_disk_blocks: u64,
+    pub remote_put_blocks: u64,
 }
 
 pub trait EngineConnector: Send {
@@ -40,7 +48,13 @@ pub trait EngineConnector: Send {
         req: RequestView<'_>,
         num_computed_tokens: usize,
     ) -> Result<(usize, bool), String>;
-    fn update_state_after_alloc(&mut self, req: RequestView<'_>, block_ids: &[DeviceBlockId]);
+    /// `num_external_tokens`: the matched tokens the engine accepted (0 if it ignored the match).
+    fn update_state_after_alloc(
+        &mut self,
+        req: RequestView<'_>,
+        block_ids: &[DeviceBlockId],
+        num_external_tokens: usize,
+    );
     fn build_connector_meta(&mut self, step: &SchedulerStep) -> Result<(), String>;
     /// `true`: saves are in flight, keep the blocks until `get_finished` reports the request.
     fn request_finished(&mut self, id: &RequestId, block_ids: &[DeviceBlockId]) -> bool;
@@ -58,12 +72,52 @@ pub trait EngineConnector: Send {
         started_loading_req_ids: &[RequestId],
     ) -> (Vec<RequestId>, Vec<RequestId>);
     fn get_block_ids_with_load_errors(&mut self) -> Vec<DeviceBlockId>;
-    /// Block until no transfer reads or writes the blocks of these requests.
+    /// Block until no transfer reads or writes the blocks of these requests; their device state
+    /// is forgotten (they will be matched and allocated again).
     fn handle_preemptions(&mut self, preempted: &[RequestId]);
+    /// A request's loaded KV is being recomputed from `num_computed_tokens` (a load failed):
+    /// forget its device state; its next record is a full report (all blocks).
+    fn request_reset(&mut self, id: &RequestId);
+    /// Transfers are in flight or queued (the engine keeps stepping while true).
+    fn has_pending(&self) -> bool;
     fn stats(&self) -> ConnectorStats;
 }
 
-/// How to build the connector (kvtier on). Filled in when the kvtier connector lands.
-#[derive(Clone, Debug, Default)]
-#[non_exhaustive]
-pub struct ConnectorSetup {}
+/// Wraps the transfer engine before the connector uses it (tests inject faults this way).
+pub type TransferWrapper =
+    Arc<dyn Fn(Arc<dyn BlockTransfer>) -> Arc<dyn BlockTransfer> + Send + Sync>;
+
+/// How to build the kvtier connector (kvtier on).
+#[derive(Clone)]
+pub struct ConnectorSetup {
+    /// Tiers, sizes, remote store, hashing: kvtier's one configuration.
+    pub config: KvtierConfig,
+    /// Optional wrapper around kvtier-io's `TransferEngine` (fault injection in tests).
+    pub wrap_transfer: Option<TransferWrapper>,
+}
+
+impl ConnectorSetup {
+    pub fn new(config: KvtierConfig) -> Self {
+        ConnectorSetup {
+            config,
+            wrap_transfer: None,
+        }
+    }
+}
+
+/// kvtier's built-in defaults, which configure no tier: `EngineHandle::start` then fails with
+/// `EngineError::Connector`. Use [`ConnectorSetup::new`] with a built `KvtierConfig`.
+impl Default for ConnectorSetup {
+    fn default() -> Self {
+        ConnectorSetup::new(KvtierConfig::default())
+    }
+}
+
+impl std::fmt::Debug for ConnectorSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnectorSetup")
+            .field("config", &self.config)
+            .field("wrap_transfer", &self.wrap_transfer.is_some())
+            .finish()
+    }
+}

@@ -30,6 +30,9 @@ use crate::model::{LayerHooks, Model, SeqChunk};
 use crate::request::{Outbox, Request};
 
 pub(crate) struct EngineCore {
+    /// Declared (hence dropped) before `kv`: the connector's transfers read and write `kv`'s
+    /// memory, and its drop waits for them.
+    connector: Option<Box<dyn EngineConnector>>,
     model: Model,
     kv: KvCache,
     pool: BlockPool,
@@ -44,7 +47,8 @@ pub(crate) struct EngineCore {
     saving: Vec<Request>,
     /// Prefill role: requests whose Done waits for their save.
     done_after_save: HashSet<RequestId>,
-    connector: Option<Box<dyn EngineConnector>>,
+    /// Device blocks whose kvtier load failed and that no request has rolled back over yet.
+    load_errors: HashSet<u32>,
     finished_ids: Vec<RequestId>,
     newly_saving: Vec<RequestId>,
     newly_loading: Vec<RequestId>,
@@ -80,7 +84,6 @@ impl EngineCore {
         cfg: &EngineConfig,
         model: Model,
         model_name: &str,
-        connector: Option<Box<dyn EngineConnector>>,
         pending: Arc<AtomicUsize>,
     ) -> Self {
         let kv = KvCache::new(&model.config, cfg.num_device_blocks, cfg.block_size);
@@ -98,7 +101,8 @@ impl EngineCore {
             loading: Vec::new(),
             saving: Vec::new(),
             done_after_save: HashSet::new(),
-            connector,
+            load_errors: HashSet::new(),
+            connector: None,
             finished_ids: Vec::new(),
             newly_saving: Vec::new(),
             newly_loading: Vec::new(),
@@ -109,6 +113,15 @@ impl EngineCore {
         }
     }
 
+    /// The G1 pool (to register with kvtier).
+    pub fn kv_cache(&self) -> &KvCache {
+        &self.kv
+    }
+
+    pub fn attach_connector(&mut self, c: Box<dyn EngineConnector>) {
+        self.connector = Some(c);
+    }
+
     /// Requests that can make progress by stepping.
     pub fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty() || !self.finished_ids.is_empty()
@@ -116,7 +129,9 @@ impl EngineCore {
 
     /// Requests waiting on the connector (loads or saves in flight).
     pub fn has_pending(&self) -> bool {
-        !self.loading.is_empty() || !self.saving.is_empty()
+        !self.loading.is_empty()
+            || !self.saving.is_empty()
+            || self.connector.as_ref().is_some_and(|c| c.has_pending())
     }
 
     pub fn reset_prefix_cache(&mut self) {
@@ -330,37 +345,38 @@ impl EngineCore {
                 return 0;
             }
         };
-        let errors: HashSet<u32> = match self.connector.as_mut() {
-            Some(c) => c
-                .get_block_ids_with_load_errors()
-                .into_iter()
-                .map(|b| b.0)
-                .collect(),
-            None => HashSet::new(),
-        };
+        if let Some(c) = self.connector.as_mut() {
+            self.load_errors
+                .extend(c.get_block_ids_with_load_errors().into_iter().map(|b| b.0));
+        }
         let mut computed = 0;
         for (&(i, n), lg) in idx.iter().zip(logits) {
             computed += n;
             self.metrics.computed_tokens += n as u64;
             let bs = self.block_size;
             let r = &mut self.running[i];
-            if !errors.is_empty() {
+            if !self.load_errors.is_empty() {
                 // The KV this step attended over came partly from failed loads: roll back to
                 // the first bad block and recompute from there; discard this step's output.
-                let limit = r.num_computed.div_ceil(bs);
-                if let Some(bad) = r.blocks[..limit.min(r.blocks.len())]
+                let limit = r.num_computed.div_ceil(bs).min(r.blocks.len());
+                if let Some(bad) = r.blocks[..limit]
                     .iter()
-                    .position(|b| errors.contains(b))
+                    .position(|b| self.load_errors.contains(b))
                 {
-                    let bad_blocks = r.blocks[bad..limit.min(r.blocks.len())]
-                        .iter()
-                        .filter(|b| errors.contains(b))
-                        .count();
+                    let mut failed = 0;
+                    for b in &r.blocks[bad..limit] {
+                        failed += usize::from(self.load_errors.remove(b));
+                    }
                     let back = bad * bs;
                     tracing::warn!(request = %r.id, from = back, to = r.num_computed, "kvtier load failed; recomputing");
-                    self.metrics.load_failures += bad_blocks as u64;
+                    self.metrics.load_failures += failed as u64;
                     self.metrics.recomputed_tokens += (r.num_computed - back) as u64;
                     r.num_computed = back;
+                    r.num_registered = r.num_registered.min(bad);
+                    r.forget_connector_view();
+                    if let Some(c) = self.connector.as_mut() {
+                        c.request_reset(&r.id);
+                    }
                     continue;
                 }
             }
@@ -437,7 +453,7 @@ impl EngineCore {
                 self.newly_saving.push(r.id.clone());
                 self.saving.push(r);
             } else {
-                self.pool.release(&r.blocks);
+                self.release_blocks(&r.blocks);
             }
         }
     }
@@ -453,6 +469,9 @@ impl EngineCore {
             self.metrics.kvtier_matched_tokens_host = s.matched_tokens_host;
             self.metrics.kvtier_matched_tokens_disk = s.matched_tokens_disk;
             self.metrics.kvtier_matched_tokens_remote = s.matched_tokens_remote;
+            self.metrics.kvtier_jobs_in_flight = s.jobs_in_flight;
+            self.metrics.spilled_disk_blocks = s.spilled_disk_blocks;
+            self.metrics.remote_put_blocks = s.remote_put_blocks;
         }
     }
 
@@ -461,21 +480,18 @@ impl EngineCore {
         let Some(c) = self.connector.as_mut() else {
             return;
         };
-        if self.saving.is_empty() && self.loading.is_empty() {
+        if self.saving.is_empty() && self.loading.is_empty() && !c.has_pending() {
             return;
         }
         let (saved, loaded) = c.get_finished(&self.newly_saving, &self.newly_loading);
         self.newly_saving.clear();
         self.newly_loading.clear();
-        let errors: HashSet<u32> = c
-            .get_block_ids_with_load_errors()
-            .into_iter()
-            .map(|b| b.0)
-            .collect();
+        self.load_errors
+            .extend(c.get_block_ids_with_load_errors().into_iter().map(|b| b.0));
         for id in saved {
             if let Some(p) = self.saving.iter().position(|r| r.id == id) {
                 let r = self.saving.swap_remove(p);
-                self.pool.release(&r.blocks);
+                self.release_blocks(&r.blocks);
                 if self.done_after_save.remove(&r.id) {
                     r.send(
                         &mut self.outbox,
@@ -498,21 +514,41 @@ impl EngineCore {
                 .min(r.blocks.len());
             let start = r.num_computed / bs;
             let mut usable = r.pending_load;
-            if let Some(bad) = r.blocks[start..end].iter().position(|b| errors.contains(b)) {
-                let failed = r.blocks[start + bad..end]
-                    .iter()
-                    .filter(|b| errors.contains(b))
-                    .count();
-                usable = (start + bad) * bs - r.num_computed.min((start + bad) * bs);
+            if let Some(bad) = r.blocks[start..end]
+                .iter()
+                .position(|b| self.load_errors.contains(b))
+            {
+                let mut failed = 0;
+                for b in &r.blocks[start + bad..end] {
+                    failed += usize::from(self.load_errors.remove(b));
+                }
+                usable = ((start + bad) * bs).saturating_sub(r.num_computed);
                 tracing::warn!(request = %r.id, "kvtier async load failed; recomputing");
                 self.metrics.load_failures += failed as u64;
                 self.metrics.recomputed_tokens += (r.pending_load - usable) as u64;
+                // The connector's view (position past the matched blocks) no longer holds:
+                // start it over from what is really computed, with a full report of the blocks.
+                r.forget_connector_view();
+                if let Some(c) = self.connector.as_mut() {
+                    c.request_reset(&r.id);
+                }
+            } else {
+                r.ext_subtract = r.pending_load;
             }
-            r.ext_subtract = r.pending_load;
             r.num_computed += usable;
             r.pending_load = 0;
             self.insert_running(r);
         }
+    }
+
+    /// Give a request's blocks back; pending load errors on them no longer concern anybody.
+    fn release_blocks(&mut self, blocks: &[u32]) {
+        if !self.load_errors.is_empty() {
+            for b in blocks {
+                self.load_errors.remove(b);
+            }
+        }
+        self.pool.release(blocks);
     }
 
     fn insert_running(&mut self, r: Request) {
@@ -530,7 +566,7 @@ impl EngineCore {
         if let Some(c) = self.connector.as_mut() {
             c.handle_preemptions(std::slice::from_ref(&r.id));
         }
-        self.pool.release(&r.blocks);
+        self.release_blocks(&r.blocks);
         r.blocks.clear();
         r.num_computed = 0;
         r.num_registered = 0;
@@ -652,6 +688,7 @@ impl EngineCore {
                         tokens: &r.tokens,
                     },
                     &dev_ids(&r.blocks),
+                    ext,
                 );
             }
             if is_async && ext > 0 {

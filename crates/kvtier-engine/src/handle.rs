@@ -25,6 +25,8 @@ use crate::tokenizer::Tokenizer;
 enum Command {
     Submit(RequestId, GenerateRequest, UnboundedSender<GenerateEvent>),
     ResetPrefixCache,
+    /// Answered once nothing is running, waiting, loading, saving or transferring.
+    WaitIdle(mpsc::Sender<()>),
     Shutdown,
 }
 
@@ -104,22 +106,21 @@ impl EngineHandle {
             )));
         }
         let model_config = model.config.clone();
-        let connector = match &cfg.connector {
-            Some(setup) => Some(crate::kvtier_connector::build(
-                setup,
-                &cfg,
-                &model.config,
-                &model_name,
-            )?),
-            None => None,
-        };
         let pending = Arc::new(AtomicUsize::new(0));
         let shared = Arc::new(Shared {
             metrics: Mutex::new(EngineMetrics::default()),
             pending: pending.clone(),
             rejected: AtomicU64::new(0),
         });
-        let mut core = EngineCore::new(&cfg, model, &model_name, connector, pending);
+        let mut core = EngineCore::new(&cfg, model, &model_name, pending);
+        if let Some(setup) = &cfg.connector {
+            let c = crate::kvtier_connector::build(setup, &cfg, &model_name, core.kv_cache())?;
+            core.attach_connector(c);
+        }
+        if let Some(setup) = &cfg.connector {
+            let c = crate::kvtier_connector::build(setup, &cfg, &model_name, core.kv_cache())?;
+            core.attach_connector(c);
+        }
         let (tx, rx) = mpsc::channel();
         let sh = shared.clone();
         let thread = std::thread::Builder::new()
@@ -219,6 +220,20 @@ impl EngineHandle {
         }
     }
 
+    /// Block until the engine is idle: no request running or waiting and no kvtier transfer in
+    /// flight (offloads confirmed, spills and remote puts done). `false` on timeout.
+    pub fn wait_idle(&self, timeout: Duration) -> bool {
+        let (tx, rx) = mpsc::channel();
+        let sent = match self.inner.tx.lock() {
+            Ok(g) => g
+                .as_ref()
+                .map(|c| c.send(Command::WaitIdle(tx)).is_ok())
+                .unwrap_or(false),
+            Err(_) => false,
+        };
+        sent && rx.recv_timeout(timeout).is_ok()
+    }
+
     /// Stop the step thread; open requests get an `Error` event. Idempotent.
     pub fn shutdown(&self) {
         self.inner.stop();
@@ -226,7 +241,13 @@ impl EngineHandle {
 }
 
 fn step_loop(core: &mut EngineCore, rx: mpsc::Receiver<Command>, shared: &Shared) {
+    let mut idle_waiters: Vec<mpsc::Sender<()>> = Vec::new();
     loop {
+        if !idle_waiters.is_empty() && !core.has_work() && !core.has_pending() {
+            for w in idle_waiters.drain(..) {
+                let _ = w.send(());
+            }
+        }
         let cmd = if core.has_work() {
             match rx.try_recv() {
                 Ok(c) => Some(c),
@@ -249,6 +270,7 @@ fn step_loop(core: &mut EngineCore, rx: mpsc::Receiver<Command>, shared: &Shared
             // Take every queued command before stepping so arrivals batch together.
             Some(Command::Submit(id, req, tx)) => core.add_request(id, req, tx),
             Some(Command::ResetPrefixCache) => core.reset_prefix_cache(),
+            Some(Command::WaitIdle(w)) => idle_waiters.push(w),
             Some(Command::Shutdown) => {
                 core.abort_all("engine shut down");
                 break;

@@ -61,6 +61,14 @@ impl Request {
         }
     }
 
+    /// The connector must be told everything again (after preemption or a failed load): all
+    /// blocks in the next record, flagged as resumed if it was reported before.
+    pub fn forget_connector_view(&mut self) {
+        self.blocks_reported = 0;
+        self.resumed = self.reported_once;
+        self.ext_subtract = 0;
+    }
+
     pub fn usage(&self) -> Usage {
         Usage {
             prompt_tokens: self.prompt_len,

@@ -29,6 +29,7 @@
 mod block_pool;
 mod lru;
 mod registry;
+mod slot;
 mod types;
 
 pub use block_pool::BlockPool;

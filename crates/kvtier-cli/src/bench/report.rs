@@ -1,0 +1,228 @@
+//! Turns run records into summaries, the comparison table, and the JSON report.
+//!
+//! Invariant: every figure is computed from the records and counter deltas of the same run; ratios are
+//! against a baseline configuration measured in that run, never against a stored number.
+
+use serde::Serialize;
+
+use crate::backend::TierCounts;
+use crate::bench::runner::RunResult;
+
+/// Nearest-rank percentile of an ascending slice (`None` when empty).
+pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    Some(sorted[rank.clamp(1, sorted.len()) - 1])
+}
+
+/// Fraction of prompt tokens served per tier.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+pub struct HitRates {
+    pub device: f64,
+    pub host: f64,
+    pub disk: f64,
+    pub remote: f64,
+}
+
+/// One (workload, configuration) row.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub workload: String,
+    pub config: String,
+    pub requests: usize,
+    pub errors: usize,
+    pub wall_s: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p90_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub e2e_p50_ms: f64,
+    pub requests_per_s: f64,
+    pub output_tokens_per_s: f64,
+    pub prompt_tokens: u64,
+    /// Prompt tokens the engine ran through the model.
+    pub computed_prompt_tokens: u64,
+    /// Computed prompt tokens that had already been computed earlier in the run.
+    pub recomputed_tokens: u64,
+    pub hit_rate: HitRates,
+    pub offloaded_blocks: TierCounts,
+    pub onboarded_blocks: TierCounts,
+    /// TTFT p50 (ms) per turn index (chat round / docqa question).
+    pub ttft_p50_ms_by_turn: Vec<f64>,
+}
+
+impl Summary {
+    /// Summarises one run.
+    pub fn new(workload: &str, config: &str, r: &RunResult) -> Self {
+        let ok: Vec<_> = r.records.iter().filter(|x| x.error.is_none()).collect();
+        let mut ttft: Vec<f64> = ok.iter().map(|x| x.ttft_s).collect();
+        ttft.sort_by(f64::total_cmp);
+        let mut e2e: Vec<f64> = ok.iter().map(|x| x.e2e_s).collect();
+        e2e.sort_by(f64::total_cmp);
+        let ms = |v: Option<f64>| v.map_or(0.0, |x| x * 1e3);
+        let wall = r.wall.as_secs_f64().max(1e-9);
+        let prompt_tokens: u64 = ok.iter().map(|x| x.prompt_tokens as u64).sum();
+        let out_tokens: u64 = ok.iter().map(|x| x.output.len() as u64).sum();
+        let c = r.counters;
+        let computed: u64 = ok
+            .iter()
+            .map(|x| (x.prompt_tokens as u64).saturating_sub(u64::from(x.cached_tokens)))
+            .sum();
+        let recomputed: u64 = ok
+            .iter()
+            .map(|x| (x.seen_prefix_tokens as u64).saturating_sub(u64::from(x.cached_tokens)))
+            .sum();
+        let frac = |tokens: u64| {
+            if prompt_tokens == 0 {
+                0.0
+            } else {
+                tokens as f64 / prompt_tokens as f64
+            }
+        };
+        let turns = ok.iter().map(|x| x.key.turn + 1).max().unwrap_or(0);
+        let by_turn = (0..turns)
+            .map(|t| {
+                let mut v: Vec<f64> = ok
+                    .iter()
+                    .filter(|x| x.key.turn == t)
+                    .map(|x| x.ttft_s)
+                    .collect();
+                v.sort_by(f64::total_cmp);
+                ms(percentile(&v, 50.0))
+            })
+            .collect();
+        Summary {
+            workload: workload.to_string(),
+            config: config.to_string(),
+            requests: r.records.len(),
+            errors: r.records.len() - ok.len(),
+            wall_s: wall,
+            ttft_p50_ms: ms(percentile(&ttft, 50.0)),
+            ttft_p90_ms: ms(percentile(&ttft, 90.0)),
+            ttft_p99_ms: ms(percentile(&ttft, 99.0)),
+            e2e_p50_ms: ms(percentile(&e2e, 50.0)),
+            requests_per_s: ok.len() as f64 / wall,
+            output_tokens_per_s: out_tokens as f64 / wall,
+            prompt_tokens,
+            computed_prompt_tokens: computed,
+            recomputed_tokens: recomputed,
+            hit_rate: HitRates {
+                device: frac(c.device_hit_tokens),
+                host: frac(c.hit_tokens.host),
+                disk: frac(c.hit_tokens.disk),
+                remote: frac(c.hit_tokens.remote),
+            },
+            offloaded_blocks: c.offload_blocks,
+            onboarded_blocks: c.onboard_blocks,
+            ttft_p50_ms_by_turn: by_turn,
+        }
+    }
+}
+
+/// The comparison table (fixed-width, Markdown-compatible).
+pub fn table(rows: &[Summary], baseline: &str) -> String {
+    let mut out = String::new();
+    out.push_str(
+        "| workload | config | reqs | TTFT p50 ms | p90 ms | p99 ms | vs baseline (p50) | req/s | out tok/s | \
+         hit G1/host/disk/remote % | recomputed tok | offload host/disk/remote | onboard host/disk/remote |\n",
+    );
+    out.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|\n");
+    for r in rows {
+        let base = rows
+            .iter()
+            .find(|b| b.workload == r.workload && b.config == baseline);
+        let ratio = match base {
+            Some(b) if r.ttft_p50_ms > 0.0 => format!("{:.2}x", b.ttft_p50_ms / r.ttft_p50_ms),
+            _ => "-".into(),
+        };
+        let h = r.hit_rate;
+        out.push_str(&format!(
+            "| {} | {} | {}{} | {:.1} | {:.1} | {:.1} | {} | {:.2} | {:.1} | {:.0}/{:.0}/{:.0}/{:.0} | {} | {}/{}/{} | {}/{}/{} |\n",
+            r.workload,
+            r.config,
+            r.requests,
+            if r.errors > 0 { format!(" ({} err)", r.errors) } else { String::new() },
+            r.ttft_p50_ms,
+            r.ttft_p90_ms,
+            r.ttft_p99_ms,
+            ratio,
+            r.requests_per_s,
+            r.output_tokens_per_s,
+            h.device * 100.0,
+            h.host * 100.0,
+            h.disk * 100.0,
+            h.remote * 100.0,
+            r.recomputed_tokens,
+            r.offloaded_blocks.host,
+            r.offloaded_blocks.disk,
+            r.offloaded_blocks.remote,
+            r.onboarded_blocks.host,
+            r.onboarded_blocks.disk,
+            r.onboarded_blocks.remote,
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::CacheCounters;
+    use crate::bench::runner::RequestRecord;
+    use crate::bench::workload::RequestKey;
+    use std::time::Duration;
+
+    #[test]
+    fn percentiles_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 50.0), Some(50.0));
+        assert_eq!(percentile(&v, 90.0), Some(90.0));
+        assert_eq!(percentile(&v, 99.0), Some(99.0));
+        assert_eq!(percentile(&v, 100.0), Some(100.0));
+        assert_eq!(percentile(&[3.0], 50.0), Some(3.0));
+        assert_eq!(percentile(&[], 50.0), None);
+    }
+
+    fn rec(turn: usize, prompt: usize, seen: usize, ttft: f64) -> RequestRecord {
+        RequestRecord {
+            key: RequestKey { stream: 0, turn },
+            prompt_tokens: prompt,
+            seen_prefix_tokens: seen,
+            cached_tokens: 0,
+            ttft_s: ttft,
+            e2e_s: ttft * 2.0,
+            submitted_at_s: 0.0,
+            output: vec![1, 2],
+            error: None,
+        }
+    }
+
+    #[test]
+    fn summary_counts_recomputation_and_hits() {
+        let mut c = CacheCounters {
+            device_hit_tokens: 16,
+            ..Default::default()
+        };
+        c.hit_tokens.host = 32;
+        let mut second = rec(1, 80, 48, 0.020);
+        second.cached_tokens = 36;
+        let r = RunResult {
+            records: vec![rec(0, 40, 0, 0.010), second],
+            wall: Duration::from_secs(2),
+            counters: c,
+        };
+        let s = Summary::new("chat", "x", &r);
+        // second request: 48 tokens seen before, 36 served from a cache -> 12 recomputed
+        assert_eq!(s.recomputed_tokens, 12);
+        assert_eq!(s.computed_prompt_tokens, 40 + 44);
+        assert_eq!(s.prompt_tokens, 120);
+        assert!((s.hit_rate.device - 16.0 / 120.0).abs() < 1e-12);
+        assert!((s.hit_rate.host - 32.0 / 120.0).abs() < 1e-12);
+        assert_eq!(s.ttft_p50_ms_by_turn, vec![10.0, 20.0]);
+        assert!((s.output_tokens_per_s - 2.0).abs() < 1e-12);
+        let t = table(std::slice::from_ref(&s), "x");
+        assert!(t.contains("| chat | x | 2 | 10.0 |"), "{t}");
+        assert!(t.contains("1.00x"));
+    }
+}

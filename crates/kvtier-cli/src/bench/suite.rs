@@ -1,0 +1,377 @@
+//! Runs every workload against every engine configuration, one engine at a time, and writes the report.
+//!
+//! Invariants: each (workload, configuration) pair gets a fresh engine and a fresh, empty scratch
+//! directory for its disk tier, so no configuration inherits another's cache; the same request keys get
+//! the same prompts everywhere, and the suite compares every configuration's generated tokens with the
+//! first configuration's — any difference is reported as a correctness failure.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context;
+use serde::Serialize;
+
+use crate::backend::Backend;
+use crate::bench::report::{table, Summary};
+use crate::bench::runner::{self, Progress, RequestRecord};
+use crate::bench::workload::{RequestKey, Script, Workload};
+
+/// Offload tiers of a kvtier configuration.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct TierSetup {
+    /// Host (G2) capacity in GB (decimal).
+    pub host_gb: f64,
+    /// Disk (G3) capacity in GB (0 = no disk tier).
+    pub disk_gb: f64,
+}
+
+/// One engine configuration of the comparison.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct BenchConfig {
+    pub name: String,
+    pub description: String,
+    /// `None`: no connector (the engine's own G1 prefix cache only).
+    pub kvtier: Option<TierSetup>,
+}
+
+/// Starts an engine for a configuration.
+pub trait EngineFactory {
+    /// A fresh engine; `scratch` is an empty directory it may use for its disk tier.
+    fn start(&self, config: &BenchConfig, scratch: &Path) -> anyhow::Result<Arc<dyn Backend>>;
+    /// G1 capacity in tokens (for the report's working-set line).
+    fn device_tokens(&self) -> usize;
+}
+
+/// What to run and where to write.
+#[derive(Debug, Clone)]
+pub struct SuiteOptions {
+    pub workloads: Vec<Workload>,
+    pub configs: Vec<BenchConfig>,
+    pub out_dir: PathBuf,
+    pub seed: u64,
+    pub quiet: bool,
+    /// The configuration ratios are computed against.
+    pub baseline: String,
+    /// The configuration the target is about.
+    pub target_config: String,
+    /// The target ratio (baseline TTFT p50 / target TTFT p50) on the first workload.
+    pub target_ratio: f64,
+    /// How the run was invoked (recorded in the JSON).
+    pub command: String,
+}
+
+/// A mismatch between two configurations' outputs.
+#[derive(Debug, Clone, Serialize)]
+pub struct Mismatch {
+    pub workload: String,
+    pub config: String,
+    pub key: RequestKey,
+}
+
+/// The whole report.
+#[derive(Debug, Clone, Serialize)]
+pub struct SuiteReport {
+    pub command: String,
+    pub machine: String,
+    pub workloads: Vec<Workload>,
+    pub configs: Vec<BenchConfig>,
+    pub rows: Vec<Summary>,
+    pub outputs_identical: bool,
+    pub mismatches: Vec<Mismatch>,
+    pub target: Option<TargetCheck>,
+    pub requests: BTreeMap<String, BTreeMap<String, Vec<RequestRecord>>>,
+}
+
+/// The headline check: kvtier vs the baseline on the first workload.
+#[derive(Debug, Clone, Serialize)]
+pub struct TargetCheck {
+    pub workload: String,
+    pub baseline: String,
+    pub config: String,
+    pub ratio: f64,
+    pub required: f64,
+    pub met: bool,
+    /// Distinct tokens the workload keeps alive (all streams' final histories) vs G1's capacity.
+    pub working_set_tokens: usize,
+    pub device_tokens: usize,
+}
+
+fn machine() -> String {
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    format!("{} {} cores", std::env::consts::ARCH, cores)
+}
+
+fn working_set(w: &Workload) -> usize {
+    match w {
+        Workload::Chat(p) => {
+            p.system_tokens + p.users * p.rounds * (p.question_tokens + p.answer_tokens as usize)
+        }
+        Workload::DocQa(p) => p.docs * p.doc_tokens,
+    }
+}
+
+/// Runs the suite and writes `bench.json`, `bench.md` and `bench.png` into `opts.out_dir`.
+pub async fn run_suite(
+    factory: &dyn EngineFactory,
+    opts: &SuiteOptions,
+) -> anyhow::Result<SuiteReport> {
+    std::fs::create_dir_all(&opts.out_dir)
+        .with_context(|| format!("creating {}", opts.out_dir.display()))?;
+    let scratch_root = opts.out_dir.join("scratch");
+    let mut rows = Vec::new();
+    let mut mismatches = Vec::new();
+    let mut requests: BTreeMap<String, BTreeMap<String, Vec<RequestRecord>>> = BTreeMap::new();
+    for w in &opts.workloads {
+        let mut script: Option<Script> = None;
+        let mut reference: Option<(String, BTreeMap<RequestKey, Vec<u32>>)> = None;
+        for c in &opts.configs {
+            let scratch = scratch_root.join(format!("{}-{}", w.name(), c.name));
+            if scratch.exists() {
+                std::fs::remove_dir_all(&scratch)
+                    .with_context(|| format!("clearing {}", scratch.display()))?;
+            }
+            std::fs::create_dir_all(&scratch)
+                .with_context(|| format!("creating {}", scratch.display()))?;
+            let backend = factory
+                .start(c, &scratch)
+                .with_context(|| format!("starting the engine for `{}`", c.name))?;
+            if w.max_sequence_len() > backend.max_model_len() {
+                backend.shutdown();
+                anyhow::bail!(
+                    "workload `{}` needs sequences of {} tokens but the model's context is {}",
+                    w.name(),
+                    w.max_sequence_len(),
+                    backend.max_model_len()
+                );
+            }
+            let script = script.get_or_insert_with(|| {
+                let vocab = backend.vocab_size();
+                let (lo, hi) = if vocab >= 127 { (32, 127) } else { (0, vocab) };
+                Script::new(w, opts.seed, lo, hi)
+            });
+            if !opts.quiet {
+                eprintln!("== {} / {}: {}", w.name(), c.name, c.description);
+            }
+            let mut progress = Progress::new(
+                format!("{}/{}", w.name(), c.name),
+                w.num_requests(),
+                opts.quiet,
+            );
+            let result = runner::run(backend.clone(), w, script, &mut progress).await;
+            backend.shutdown();
+            let _ = std::fs::remove_dir_all(&scratch);
+            let summary = Summary::new(w.name(), &c.name, &result);
+            let outputs: BTreeMap<RequestKey, Vec<u32>> = result
+                .records
+                .iter()
+                .map(|r| (r.key, r.output.clone()))
+                .collect();
+            match &reference {
+                None => reference = Some((c.name.clone(), outputs)),
+                Some((_, want)) => {
+                    for (k, v) in want {
+                        if outputs.get(k) != Some(v) {
+                            mismatches.push(Mismatch {
+                                workload: w.name().into(),
+                                config: c.name.clone(),
+                                key: *k,
+                            });
+                        }
+                    }
+                }
+            }
+            if let Some(e) = result.records.iter().find_map(|r| r.error.clone()) {
+                eprintln!(
+                    "  warning: {} request(s) failed, first error: {e}",
+                    summary.errors
+                );
+            }
+            requests
+                .entry(w.name().to_string())
+                .or_default()
+                .insert(c.name.clone(), result.records);
+            rows.push(summary);
+        }
+    }
+    let _ = std::fs::remove_dir(&scratch_root);
+
+    let target = opts.workloads.first().and_then(|w| {
+        let base = rows
+            .iter()
+            .find(|r| r.workload == w.name() && r.config == opts.baseline)?;
+        let tgt = rows
+            .iter()
+            .find(|r| r.workload == w.name() && r.config == opts.target_config)?;
+        let ratio = if tgt.ttft_p50_ms > 0.0 {
+            base.ttft_p50_ms / tgt.ttft_p50_ms
+        } else {
+            0.0
+        };
+        Some(TargetCheck {
+            workload: w.name().into(),
+            baseline: opts.baseline.clone(),
+            config: opts.target_config.clone(),
+            ratio,
+            required: opts.target_ratio,
+            met: ratio >= opts.target_ratio,
+            working_set_tokens: working_set(w),
+            device_tokens: factory.device_tokens(),
+        })
+    });
+    let report = SuiteReport {
+        command: opts.command.clone(),
+        machine: machine(),
+        workloads: opts.workloads.clone(),
+        configs: opts.configs.clone(),
+        outputs_identical: mismatches.is_empty(),
+        mismatches,
+        target,
+        rows,
+        requests,
+    };
+    write_outputs(&report, opts)?;
+    Ok(report)
+}
+
+/// The human summary printed after the table.
+pub fn verdict(report: &SuiteReport) -> String {
+    let mut s = String::new();
+    if report.outputs_identical {
+        s.push_str("outputs: every configuration generated identical tokens for every request\n");
+    } else {
+        s.push_str(&format!(
+            "outputs: MISMATCH in {} request(s) (first: {:?}) — kvtier must never change an answer\n",
+            report.mismatches.len(),
+            report.mismatches.first()
+        ));
+    }
+    if let Some(t) = &report.target {
+        s.push_str(&format!(
+            "target: {} TTFT p50 {:.2}x better than `{}` on `{}` (required {:.1}x: {}); working set {} tokens vs G1 {} tokens\n",
+            t.config,
+            t.ratio,
+            t.baseline,
+            t.workload,
+            t.required,
+            if t.met { "met" } else { "NOT met" },
+            t.working_set_tokens,
+            t.device_tokens,
+        ));
+    }
+    s
+}
+
+fn write_outputs(report: &SuiteReport, opts: &SuiteOptions) -> anyhow::Result<()> {
+    let json_path = opts.out_dir.join("bench.json");
+    let json = serde_json::to_string_pretty(report)?;
+    std::fs::write(&json_path, json).with_context(|| format!("writing {}", json_path.display()))?;
+    let md_path = opts.out_dir.join("bench.md");
+    let md = format!(
+        "# kvtier bench\n\ncommand: `{}`\nmachine: {}\nbaseline for ratios: `{}`\n\n{}\n{}",
+        report.command,
+        report.machine,
+        opts.baseline,
+        table(&report.rows, &opts.baseline),
+        verdict(report)
+    );
+    std::fs::write(&md_path, md).with_context(|| format!("writing {}", md_path.display()))?;
+    let names: Vec<String> = opts.configs.iter().map(|c| c.name.clone()).collect();
+    let png = opts.out_dir.join("bench.png");
+    crate::bench::chart::draw(
+        &png,
+        &report.rows,
+        &names,
+        "kvtier bench: time to first token",
+    )
+    .with_context(|| format!("writing {}", png.display()))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::fake::FakeBackend;
+    use crate::bench::workload::{ChatParams, DocQaParams};
+
+    struct Fakes;
+    impl EngineFactory for Fakes {
+        fn start(&self, _c: &BenchConfig, scratch: &Path) -> anyhow::Result<Arc<dyn Backend>> {
+            assert!(scratch.is_dir());
+            assert_eq!(
+                std::fs::read_dir(scratch)?.count(),
+                0,
+                "scratch must start empty"
+            );
+            std::fs::write(scratch.join("leftover"), b"x")?;
+            Ok(Arc::new(FakeBackend::new()))
+        }
+        fn device_tokens(&self) -> usize {
+            16
+        }
+    }
+
+    #[tokio::test]
+    async fn suite_writes_json_md_png_and_compares_outputs() {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = SuiteOptions {
+            workloads: vec![
+                Workload::Chat(ChatParams {
+                    users: 2,
+                    rounds: 2,
+                    system_tokens: 8,
+                    question_tokens: 4,
+                    answer_tokens: 2,
+                    qps: 1000.0,
+                }),
+                Workload::DocQa(DocQaParams {
+                    docs: 2,
+                    doc_tokens: 8,
+                    questions_per_doc: 2,
+                    question_tokens: 2,
+                    answer_tokens: 2,
+                    qps: 1000.0,
+                }),
+            ],
+            configs: vec![
+                BenchConfig {
+                    name: "a".into(),
+                    description: "first".into(),
+                    kvtier: None,
+                },
+                BenchConfig {
+                    name: "b".into(),
+                    description: "second".into(),
+                    kvtier: Some(TierSetup {
+                        host_gb: 0.001,
+                        disk_gb: 0.0,
+                    }),
+                },
+            ],
+            out_dir: dir.path().join("out"),
+            seed: 1,
+            quiet: true,
+            baseline: "a".into(),
+            target_config: "b".into(),
+            target_ratio: 3.0,
+            command: "test".into(),
+        };
+        let r = run_suite(&Fakes, &opts).await.unwrap();
+        assert!(r.outputs_identical);
+        assert_eq!(r.rows.len(), 4);
+        let t = r.target.as_ref().unwrap();
+        assert_eq!(t.workload, "chat");
+        assert_eq!(t.working_set_tokens, 8 + 2 * 2 * 6);
+        for f in ["bench.json", "bench.md", "bench.png"] {
+            assert!(opts.out_dir.join(f).is_file(), "{f}");
+        }
+        assert!(!opts.out_dir.join("scratch").exists());
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(opts.out_dir.join("bench.json")).unwrap())
+                .unwrap();
+        assert_eq!(v["rows"].as_array().unwrap().len(), 4);
+        assert_eq!(v["requests"]["chat"]["a"].as_array().unwrap().len(), 4);
+    }
+}

@@ -1,0 +1,5 @@
+//! The `kvtier` subcommands: argument structs and their entry points (the binary only dispatches).
+
+pub mod bench;
+pub mod inspect;
+pub mod serve;

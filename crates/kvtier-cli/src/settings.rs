@@ -1,0 +1,289 @@
+//! Command-line engine and tier settings, resolved into an engine configuration.
+//!
+//! Precedence (lowest first): embedded defaults (built-in model, host tier 1 GB, disk tier 1 GB in the
+//! user's cache directory) < kvtier's typed configuration (`KVTIER_CONFIG` TOML, `KVTIER_*` env) <
+//! explicit flags. Invariant: every value that reaches the engine went through [`EngineArgs::engine_config`],
+//! which validates it and names the flag in its error.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use std::collections::HashMap;
+
+use kvtier::config::{KvtierConfig, CONFIG_PATH_ENV};
+use kvtier_engine::{ConnectorSetup, EngineConfig, ModelSource, Role};
+
+/// `--connector`: which KV connector the engine runs (the original's `--connector kvbm` flag).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ConnectorKind {
+    /// kvtier: offload to host, disk and (optionally) remote tiers; onboard on prefix hits.
+    #[value(alias = "kvbm")]
+    Kvtier,
+    /// No connector: the engine's own G1 prefix cache only.
+    None,
+}
+
+/// `--disaggregation-mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DisaggMode {
+    /// Prefill and decode in this server.
+    Agg,
+    /// Compute prompts and first tokens; publish KV to the shared tier.
+    Prefill,
+    /// Get first tokens from `--prefill-url`, continue from KV found in the shared tier.
+    Decode,
+}
+
+impl DisaggMode {
+    /// The engine role.
+    pub fn role(self) -> Role {
+        match self {
+            DisaggMode::Agg => Role::Aggregated,
+            DisaggMode::Prefill => Role::Prefill,
+            DisaggMode::Decode => Role::Decode,
+        }
+    }
+
+    /// Label used in `/health`.
+    pub fn label(self) -> &'static str {
+        match self {
+            DisaggMode::Agg => "agg",
+            DisaggMode::Prefill => "prefill",
+            DisaggMode::Decode => "decode",
+        }
+    }
+}
+
+/// Engine flags shared by `serve`, `inspect` and (partly) `bench`.
+#[derive(Debug, Clone, Args)]
+pub struct EngineArgs {
+    /// Hugging Face Llama directory (config.json + safetensors). Default: the built-in seeded model.
+    #[arg(long, value_name = "DIR")]
+    pub model: Option<PathBuf>,
+    /// Seed of the built-in model's random weights.
+    #[arg(long, default_value_t = 0)]
+    pub model_seed: u64,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// G1 (engine KV cache) capacity in blocks.
+    #[arg(long, default_value_t = 256)]
+    pub num_device_blocks: usize,
+    /// Most requests running at once.
+    #[arg(long, default_value_t = 16)]
+    pub max_num_seqs: usize,
+    /// Token budget of one forward pass (chunked prefill).
+    #[arg(long, default_value_t = 256)]
+    pub max_batch_tokens: usize,
+    /// Most requests queued; beyond it requests get HTTP 503.
+    #[arg(long, default_value_t = 1024)]
+    pub max_waiting: usize,
+    /// KV connector.
+    #[arg(long, value_enum, default_value_t = ConnectorKind::Kvtier)]
+    pub connector: ConnectorKind,
+    #[command(flatten)]
+    pub tiers: TierArgs,
+}
+
+/// Tier overrides (each beats the kvtier configuration file and environment).
+#[derive(Debug, Clone, Default, Args)]
+pub struct TierArgs {
+    /// Host (G2) tier size in GB (decimal).
+    #[arg(long, value_name = "GB")]
+    pub host_cache_gb: Option<f64>,
+    /// Disk (G3) tier size in GB (decimal); 0 disables the disk tier.
+    #[arg(long, value_name = "GB")]
+    pub disk_cache_gb: Option<f64>,
+    /// Disk tier directory. Default: $XDG_CACHE_HOME/kvtier or ~/.cache/kvtier.
+    #[arg(long, value_name = "DIR")]
+    pub disk_cache_dir: Option<PathBuf>,
+    /// Shared remote (G4) tier, e.g. `dir:///shared/kv` or `redis://127.0.0.1:6379`.
+    #[arg(long, value_name = "URL")]
+    pub remote_url: Option<String>,
+}
+
+/// The user's cache directory for the disk tier.
+pub fn default_disk_dir() -> PathBuf {
+    if let Some(x) = std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
+        return PathBuf::from(x).join("kvtier");
+    }
+    if let Some(h) = std::env::var_os("HOME").filter(|v| !v.is_empty()) {
+        return PathBuf::from(h).join(".cache").join("kvtier");
+    }
+    std::env::temp_dir().join("kvtier")
+}
+
+/// Embedded default sizes (decimal GB).
+pub const DEFAULT_HOST_GB: f64 = 1.0;
+pub const DEFAULT_DISK_GB: f64 = 1.0;
+
+/// The embedded defaults as the lowest TOML layer: host 1 GB, disk 1 GB in the user's cache directory.
+pub fn defaults_toml() -> String {
+    let dir = default_disk_dir();
+    let mut t = toml::Table::new();
+    let mut host = toml::Table::new();
+    host.insert("gb".into(), toml::Value::Float(DEFAULT_HOST_GB));
+    let mut disk = toml::Table::new();
+    disk.insert("gb".into(), toml::Value::Float(DEFAULT_DISK_GB));
+    disk.insert("dir".into(), toml::Value::String(dir.display().to_string()));
+    t.insert("host".into(), toml::Value::Table(host));
+    t.insert("disk".into(), toml::Value::Table(disk));
+    t.to_string()
+}
+
+impl TierArgs {
+    /// The flags that were given, as an engine-settings layer (TOML key names).
+    pub fn overrides(&self) -> anyhow::Result<serde_json::Value> {
+        let mut m = serde_json::Map::new();
+        if let Some(gb) = self.host_cache_gb {
+            if !(gb.is_finite() && gb > 0.0) {
+                bail!("--host-cache-gb must be a positive number of GB, got {gb}");
+            }
+            m.insert("host.gb".into(), gb.into());
+        }
+        if let Some(gb) = self.disk_cache_gb {
+            if !(gb.is_finite() && gb > 0.0) {
+                bail!("--disk-cache-gb must be a positive number of GB, got {gb}");
+            }
+            m.insert("disk.gb".into(), gb.into());
+        }
+        if let Some(d) = &self.disk_cache_dir {
+            m.insert("disk.dir".into(), d.display().to_string().into());
+        }
+        if let Some(u) = &self.remote_url {
+            m.insert("remote.url".into(), u.clone().into());
+        }
+        Ok(serde_json::Value::Object(m))
+    }
+
+    /// The kvtier configuration: embedded defaults < `KVTIER_CONFIG` TOML < `KVTIER_*` / `DYN_KVBM_*`
+    /// environment < these flags.
+    pub fn kvtier_config(&self) -> anyhow::Result<KvtierConfig> {
+        let env: HashMap<String, String> = std::env::vars().collect();
+        self.kvtier_config_with_env(&env)
+    }
+
+    /// [`kvtier_config`](Self::kvtier_config) with an injected environment (tests).
+    pub fn kvtier_config_with_env(
+        &self,
+        env: &HashMap<String, String>,
+    ) -> anyhow::Result<KvtierConfig> {
+        let mut b = KvtierConfig::builder().toml("kvtier embedded defaults", &defaults_toml());
+        if let Some(path) = env.get(CONFIG_PATH_ENV).filter(|p| !p.trim().is_empty()) {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {CONFIG_PATH_ENV}={path}"))?;
+            b = b.toml(path, &text);
+        }
+        b = b.env(env).engine(&self.overrides()?);
+        Ok(b.build()?)
+    }
+}
+
+impl EngineArgs {
+    /// The model source.
+    pub fn model_source(&self) -> ModelSource {
+        match &self.model {
+            Some(d) => ModelSource::Dir(d.clone()),
+            None => ModelSource::BuiltIn {
+                seed: self.model_seed,
+            },
+        }
+    }
+
+    /// The engine configuration for `role`.
+    pub fn engine_config(&self, role: Role) -> anyhow::Result<EngineConfig> {
+        if let Some(d) = &self.model {
+            if !d.join("config.json").is_file() {
+                bail!(
+                    "--model {}: no config.json there (expected a Hugging Face Llama directory)",
+                    d.display()
+                );
+            }
+        }
+        let connector = match self.connector {
+            ConnectorKind::None => None,
+            ConnectorKind::Kvtier => Some(connector_setup(&self.tiers.kvtier_config()?)?),
+        };
+        if role != Role::Aggregated && connector.is_none() {
+            bail!("--disaggregation-mode prefill|decode needs --connector kvtier (KV travels through kvtier's shared tier)");
+        }
+        let mut cfg = EngineConfig::builtin(self.model_seed);
+        cfg.model = self.model_source();
+        cfg.block_size = self.block_size;
+        cfg.num_device_blocks = self.num_device_blocks;
+        cfg.max_num_seqs = self.max_num_seqs;
+        cfg.max_batch_tokens = self.max_batch_tokens;
+        cfg.max_waiting = self.max_waiting;
+        cfg.role = role;
+        cfg.connector = connector;
+        Ok(cfg)
+    }
+}
+
+/// Builds the engine's connector setup from the kvtier configuration — what the original's
+/// `--connector kvbm` flag does for TensorRT-LLM's `KvCacheConnectorConfig`.
+pub fn connector_setup(cfg: &KvtierConfig) -> anyhow::Result<ConnectorSetup> {
+    if cfg.disk.size.is_some() {
+        std::fs::create_dir_all(&cfg.disk.dir).with_context(|| {
+            format!(
+                "creating the disk tier directory {}",
+                cfg.disk.dir.display()
+            )
+        })?;
+    }
+    Ok(ConnectorSetup::default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvtier::config::{RemoteTarget, TierSize};
+
+    #[test]
+    fn defaults_then_file_then_env_then_flags() {
+        let none = HashMap::new();
+        let c = TierArgs::default().kvtier_config_with_env(&none).unwrap();
+        assert_eq!(c.host.size, Some(TierSize::Gb(1.0)));
+        assert_eq!(c.disk.size, Some(TierSize::Gb(1.0)));
+        assert!(c.disk.dir.ends_with("kvtier"));
+
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("k.toml");
+        std::fs::write(&file, "[host]\ngb = 3.0\n").unwrap();
+        let mut env = HashMap::new();
+        env.insert(CONFIG_PATH_ENV.to_string(), file.display().to_string());
+        let c = TierArgs::default().kvtier_config_with_env(&env).unwrap();
+        assert_eq!(c.host.size, Some(TierSize::Gb(3.0)));
+        env.insert("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS".into(), "77".into());
+        let c = TierArgs::default().kvtier_config_with_env(&env).unwrap();
+        assert_eq!(c.host.size, Some(TierSize::Blocks(77)));
+        let flags = TierArgs {
+            host_cache_gb: Some(0.5),
+            remote_url: Some("dir:///tmp/shared".into()),
+            ..Default::default()
+        };
+        let c = flags.kvtier_config_with_env(&env).unwrap();
+        assert_eq!(c.host.size, Some(TierSize::Gb(0.5)));
+        assert_eq!(c.remote, Some(RemoteTarget::Dir("/tmp/shared".into())));
+    }
+
+    #[test]
+    fn bad_flags_name_themselves() {
+        let none = HashMap::new();
+        let bad = TierArgs {
+            host_cache_gb: Some(0.0),
+            ..Default::default()
+        };
+        assert!(bad
+            .kvtier_config_with_env(&none)
+            .unwrap_err()
+            .to_string()
+            .contains("--host-cache-gb"));
+        let bad = TierArgs {
+            remote_url: Some("ftp://x".into()),
+            ..Default::default()
+        };
+        assert!(bad.kvtier_config_with_env(&none).is_err());
+    }
+}

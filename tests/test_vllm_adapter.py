@@ -1,0 +1,87 @@
+"""The vLLM adapter's own translations, without starting an engine (fast; needs vLLM importable).
+
+What must hold: kvtier's 128-bit hashes survive vLLM's msgpack event encoding; connector stats aggregate by
+summing; the settings vLLM fixes (block size, bytes per block over ranks, salt, load mode, role) are derived from
+its config exactly; block ids of the single KV cache group are taken as plain ints.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/test.sh")
+kv = pytest.importorskip("kvtier.vllm", reason="kvtier is pip-installed into the vLLM venv by scripts/test.sh")
+
+
+def test_events_keep_128_bit_hashes_through_msgpack():
+    import msgspec
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, EventBatch
+
+    h = (1 << 127) + 12345  # does not fit msgpack's 64-bit integers
+    events = kv._vllm_events([
+        {"kind": "stored", "tier": "host", "hashes": [h, 7]},
+        {"kind": "removed", "tier": "disk", "hashes": [h]},
+        {"kind": "stored", "tier": "remote", "hashes": []},  # nothing to announce
+    ], block_size=32)
+    assert [type(e) for e in events] == [BlockStored, BlockRemoved]
+    assert events[0].block_hashes == [h.to_bytes(16, "big"), (7).to_bytes(16, "big")]
+    assert events[0].medium == "CPU" and events[1].medium == "STORAGE"
+    wire = msgspec.msgpack.encode(EventBatch(ts=1.0, events=events))
+    back = msgspec.msgpack.decode(wire, type=EventBatch)
+    assert int.from_bytes(back.events[0]["block_hashes"][0], "big") == h
+
+
+def test_stats_aggregate_by_summing():
+    a = kv.KvtierConnectorStats(data={"worker_loads": 2, "adapter_errors": 0})
+    b = kv.KvtierConnectorStats(data={"worker_loads": 3, "worker_stores": 1})
+    merged = a.aggregate(b)
+    assert merged.reduce() == {"worker_loads": 5, "adapter_errors": 0, "worker_stores": 1}
+    assert not merged.is_empty()
+    assert kv.KvtierConnectorStats(data={"adapter_errors": 0}).is_empty()
+    assert isinstance(kv.KvtierConnector.build_kv_connector_stats({"x": 1}), kv.KvtierConnectorStats)
+
+
+def _config(role="kv_both", extra=None, tp=2, pp=1):
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_role=role, kv_connector_extra_config=extra or {}),
+        cache_config=SimpleNamespace(block_size=32, cache_dtype="auto"),
+        model_config=SimpleNamespace(model="/models/llama", dtype="bfloat16", revision=None),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+    )
+
+
+def _kv_cache_config(num_blocks=100, page=8192, layers=2):
+    group = SimpleNamespace(kv_cache_spec=SimpleNamespace(page_size_bytes=page),
+                            layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(layers)])
+    return SimpleNamespace(kv_cache_groups=[group], num_blocks=num_blocks)
+
+
+def test_settings_derived_from_vllm_config():
+    s = kv._settings(_config(extra={"host.num_blocks": 64}), _kv_cache_config())
+    assert s["host.num_blocks"] == 64
+    assert s["block_size"] == 32
+    assert s["world_size"] == 2
+    assert s["bytes_per_block"] == 8192 * 2 * 2  # page * layers * ranks
+    assert s["num_device_blocks"] == 100
+    assert s["async_loads"] is False
+    assert "/models/llama" in s["salt"]
+    # Producer and consumer of one model hash alike; another model does not.
+    other = _config(role="kv_consumer")
+    other.model_config.model = "/models/other"
+    assert kv._settings(_config(role="kv_producer"), None)["salt"] == s["salt"]
+    assert kv._settings(other, None)["salt"] != s["salt"]
+    assert kv._settings(_config(extra={"async_loads": "true"}), None)["async_loads"] is True
+
+
+def test_settings_reject_unknown_role():
+    with pytest.raises(ValueError, match="kv_role"):
+        kv._settings(_config(role="kv_sideways"), None)
+
+
+def test_block_ids_of_the_single_group():
+    assert kv._first_group(([3, 4, 5],)) == [3, 4, 5]
+    assert kv._first_group([1, 2]) == [1, 2]
+    assert kv._first_group(None) == []
+    assert kv._first_group(()) == []
