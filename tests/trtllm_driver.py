@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import pickle
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -444,9 +445,24 @@ class FakeTrtllmEngine:
         # TensorRT-LLM's order: every rank's worker, then rank 0's scheduler, then the pools.
         self.workers = [worker_cls(a) for a in self.args] if worker_cls else []
         self.scheduler = scheduler_cls(self.args[0]) if scheduler_cls else None
+        # Ranks register in parallel, as separate processes would (a ZeroMQ handshake needs them all).
+        errors: list = []
+
+        def register(w: Any, p: Any) -> None:
+            try:
+                w.register_kv_caches(p.tensor)
+            except BaseException as e:  # re-raised below on the engine's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=register, args=(w, p)) for w, p in zip(self.workers, self.pools)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
         self.forward_callables = []
-        for w, p in zip(self.workers, self.pools):
-            w.register_kv_caches(p.tensor)
+        for w in self.workers:
             cb = getattr(w, "register_forward_pass_callable", None)
             self.forward_callables.append(cb() if cb else None)
         self.managers = [_RankManager(w) for w in self.workers]
