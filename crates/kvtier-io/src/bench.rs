@@ -274,32 +274,36 @@ fn cpu_host(opts: &BenchOptions, r: &mut BenchReport) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     let pairs: Vec<(u32, u32)> = (0..opts.blocks).map(|i| (i, opts.blocks + i)).collect();
     let hh = jobs(&pairs, Tier::Host, Tier::Host, opts.job_blocks);
-    // warm the host tier
-    run_jobs(&e, &hh, None)?;
-    let t = best_of(3, || run_jobs(&e, &hh, None))?;
-    r.add(
-        "host: host->host blocks (2 MiB)",
-        gbps(bytes, t),
-        "GB/s",
-        Some(base.clone()),
-    );
     let off: Vec<(u32, u32)> = (0..opts.blocks).map(|i| (i, i)).collect();
     let dj = jobs(&off, Tier::Device, Tier::Host, opts.job_blocks);
-    let t = best_of(3, || run_jobs(&e, &dj, None))?;
-    r.add(
-        "host: CPU device->host, vLLM per-layer (64 x 32 KiB)",
-        gbps(bytes, t),
-        "GB/s",
-        Some(base.clone()),
-    );
     let uj = jobs(&off, Tier::Host, Tier::Device, opts.job_blocks);
-    let t = best_of(3, || run_jobs(&e, &uj, None))?;
-    r.add(
-        "host: host->CPU device, vLLM per-layer",
-        gbps(bytes, t),
-        "GB/s",
-        Some(base),
-    );
+    // warm the host tier
+    run_jobs(&e, &hh, None)?;
+    for (mode, nt) in [("memcpy", false), ("non-temporal", true)] {
+        mem::set_non_temporal(nt);
+        let t = best_of(3, || run_jobs(&e, &hh, None))?;
+        r.add(
+            format!("host: host->host blocks (2 MiB) [{mode}]"),
+            gbps(bytes, t),
+            "GB/s",
+            Some(base.clone()),
+        );
+        let t = best_of(3, || run_jobs(&e, &dj, None))?;
+        r.add(
+            format!("host: CPU device->host, vLLM per-layer (64 x 32 KiB) [{mode}]"),
+            gbps(bytes, t),
+            "GB/s",
+            Some(base.clone()),
+        );
+        let t = best_of(3, || run_jobs(&e, &uj, None))?;
+        r.add(
+            format!("host: host->CPU device, vLLM per-layer [{mode}]"),
+            gbps(bytes, t),
+            "GB/s",
+            Some(base.clone()),
+        );
+    }
+    mem::set_non_temporal(true);
     Ok(())
 }
 

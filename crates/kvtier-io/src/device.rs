@@ -96,10 +96,11 @@ impl DeviceSide {
                         // while the TransferEngine lives), `host + off` lies inside one host
                         // block (chunks sum to the block size, checked at build); the job owns
                         // the destination and holds the source read-only.
-                        unsafe { mem::copy(src, dst, c.len) };
+                        unsafe { mem::copy_stream(src, dst, c.len) };
                         off += c.len;
                     }
                 }
+                mem::store_fence();
             }
             Mover::Cuda(c) => failed.extend(c.copy(&resolved, to_host, fence)),
         }

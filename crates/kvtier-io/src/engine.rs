@@ -240,8 +240,9 @@ impl TransferEngine {
             debug_assert!(i < job.pairs.len());
             // SAFETY: both are distinct whole blocks of the host mapping; the job owns the
             // destination exclusively and the source is pinned read-only (pool invariants).
-            unsafe { mem::copy(s, d, self.bytes_per_block) };
+            unsafe { mem::copy_stream(s, d, self.bytes_per_block) };
         }
+        mem::store_fence();
     }
 
     fn device_host(&self, job: &TransferJob, fence: &Fence, res: &mut Results) {

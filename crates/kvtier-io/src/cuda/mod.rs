@@ -285,7 +285,7 @@ impl CudaMover {
                     {
                         // SAFETY: device chunks come from the engine's registered layout and
                         // host addresses are whole blocks of the host tier owned by this job;
-                        // `done.synchronize()` below waits for completion before returning.
+                        // `done.wait()` below waits for completion before returning.
                         unsafe {
                             cu::memcpy_batch_async(
                                 d,
@@ -304,7 +304,7 @@ impl CudaMover {
                     }
                 }
                 dir.done.record(&dir.copy)?;
-                dir.done.synchronize()
+                dir.done.wait()
             }
         }
     }
@@ -325,7 +325,7 @@ impl CudaMover {
             let h = r % 2;
             // The half's previous round (kernel and copies) is complete: staging and
             // descriptors are free.
-            dir.half_done[h].synchronize()?;
+            dir.half_done[h].wait()?;
             let base = stage.addr() + (h * HALF_BLOCKS * bpb) as u64;
             let mut d: Vec<u64> = Vec::with_capacity(group.len() * 64 * 3);
             let mut copies = Vec::with_capacity(group.len());
@@ -393,7 +393,7 @@ impl CudaMover {
         }
         for (used, ev) in last.iter().zip(&dir.half_done) {
             if *used {
-                ev.synchronize()?;
+                ev.wait()?;
             }
         }
         Ok(())

