@@ -196,12 +196,80 @@ fn collect(
 #[test]
 fn disaggregated_prefill_and_decode_match_aggregated() {
     let remote = tempfile::tempdir().unwrap();
+    disaggregated_round_trip(RemoteTarget::Dir(remote.path().to_path_buf()));
+}
+
+/// A private Redis server on a free port, stopped on drop.
+struct RedisServer {
+    child: std::process::Child,
+    url: String,
+}
+
+impl RedisServer {
+    fn start() -> Option<RedisServer> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .ok()?
+            .local_addr()
+            .ok()?
+            .port();
+        let child = std::process::Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .ok()?;
+        let server = RedisServer {
+            child,
+            url: format!("redis://127.0.0.1:{port}"),
+        };
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return Some(server);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn disaggregated_through_redis_matches_aggregated() {
+    if std::process::Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("redis-server is not installed (scripts/start-services.sh installs it): skipped");
+        return;
+    }
+    let server = RedisServer::start().expect("redis-server did not start");
+    disaggregated_round_trip(RemoteTarget::Redis(server.url.clone()));
+}
+
+fn disaggregated_round_trip(remote: RemoteTarget) {
     let ps = prompts(8, 64);
     let max_tokens = 10;
     let want = reference(EngineConfig::builtin(26), &ps, max_tokens);
-    let mut pc = engine_cfg(26, tiers(256, None, Some(remote.path())));
+    let mut kv = tiers(256, None, None);
+    kv.remote = Some(remote);
+    let mut pc = engine_cfg(26, kv.clone());
     pc.role = Role::Prefill;
-    let mut dc = engine_cfg(26, tiers(256, None, Some(remote.path())));
+    let mut dc = engine_cfg(26, kv);
     dc.role = Role::Decode;
     let prefill = EngineHandle::start(pc).unwrap();
     let decode = EngineHandle::start(dc).unwrap();
