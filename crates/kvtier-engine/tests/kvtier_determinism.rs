@@ -357,3 +357,35 @@ fn connector_without_tiers_is_a_clear_start_error() {
         Ok(_) => panic!("a connector without tiers started"),
     }
 }
+
+#[test]
+fn finished_request_keeps_its_blocks_until_saved() {
+    // Pins the "finished, no async save" failure class: blocks a store still reads must not be
+    // handed to another request.
+    let held: Arc<std::sync::Mutex<Option<Arc<FaultyTransfer>>>> = Arc::default();
+    let h2 = held.clone();
+    let mut setup = ConnectorSetup::new(tiers(64, None, None));
+    setup.wrap_transfer = Some(Arc::new(move |inner| {
+        let f = Arc::new(FaultyTransfer::new(inner));
+        *h2.lock().unwrap() = Some(f.clone());
+        f as Arc<dyn kvtier::transfer::BlockTransfer>
+    }));
+    let mut cfg = EngineConfig::builtin(29);
+    cfg.num_device_blocks = 24;
+    cfg.connector = Some(setup);
+    let e = EngineHandle::start(cfg).unwrap();
+    let f = held.lock().unwrap().clone().unwrap();
+    f.hold();
+    let p: Vec<u32> = (0..70u32).map(|i| (i * 7 + 1) % 256).collect();
+    let (toks, _) = e.generate_blocking(request(&p, 4)).unwrap();
+    assert_eq!(toks.len(), 4);
+    // Done arrived, but the stores are held: the request's 5 blocks are still allocated.
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(e.metrics().free_device_blocks, 24 - 5, "{:?}", e.metrics());
+    assert!(!e.wait_idle(Duration::from_millis(100)));
+    f.release();
+    assert!(e.wait_idle(IDLE));
+    let m = e.metrics();
+    assert_eq!(m.free_device_blocks, 24);
+    assert_eq!(m.offloaded_blocks, 4);
+}
