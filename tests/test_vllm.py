@@ -5,7 +5,8 @@ Every engine runs in its own process (tests/vllm_support/engine_proc.py) with a 
 prefix cache if they are recomputed, or by kvtier. What must hold:
 
 - greedy outputs with kvtier are token-for-token those of an engine without any connector, whether the KV comes
-  back from host memory, from disk, from disk alone, or after vLLM's prefix cache was reset;
+  back from host memory (asynchronous loads), from disk (synchronous loads; a host tier of 2-8 blocks, since
+  kvtier's configuration requires a host tier under disk), or after vLLM's prefix cache was reset;
 - kvtier really served the repeats (its onboard counters grew for the tier under test);
 - a corrupted disk block or a vanished cache file turns into recompute with the same output, and the failure
   is visible in kvtier's counters;
