@@ -232,7 +232,7 @@ pub fn connector_setup(cfg: &KvtierConfig) -> anyhow::Result<ConnectorSetup> {
             )
         })?;
     }
-    Ok(ConnectorSetup::default())
+    Ok(ConnectorSetup::new(cfg.clone()))
 }
 
 #[cfg(test)]

@@ -94,7 +94,6 @@ async fn metric(p: &Proc, prefix: &str) -> f64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the kvtier connector inside kvtier-engine (EngineConfig::connector); enabled when it lands"]
 async fn prefill_and_decode_processes_match_aggregated() {
     let tmp = tempfile::tempdir().unwrap();
     let shared = tmp.path().join("shared-kv");

@@ -279,7 +279,6 @@ async fn generate_ids(s: &Server, prompt: &str, max_tokens: u32) -> (Vec<u32>, u
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the kvtier connector inside kvtier-engine (EngineConfig::connector); enabled when it lands"]
 async fn kvtier_and_none_give_identical_tokens_and_metrics_move() {
     let plain = start(ConnectorKind::None).await;
     let tiered = start(ConnectorKind::Kvtier).await;

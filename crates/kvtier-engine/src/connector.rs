@@ -105,8 +105,8 @@ impl ConnectorSetup {
     }
 }
 
-/// kvtier's built-in defaults (no tier configured: the connector then only matches nothing and
-/// stores nothing). Use [`ConnectorSetup::new`] with a built `KvtierConfig` to serve from tiers.
+/// kvtier's built-in defaults, which configure no tier: `EngineHandle::start` then fails with
+/// `EngineError::Connector`. Use [`ConnectorSetup::new`] with a built `KvtierConfig`.
 impl Default for ConnectorSetup {
     fn default() -> Self {
         ConnectorSetup::new(KvtierConfig::default())

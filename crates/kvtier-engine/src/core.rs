@@ -753,3 +753,7 @@ impl EngineCore {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "core_tests.rs"]
+mod tests;

@@ -1,6 +1,6 @@
 //! Sequence hashes: chained, salted, 128-bit keys for full token blocks.
 //!
-//! Scheme v1 (see docs/ARCHITECTURE.md for test vectors):
+//! Scheme v1 (test vectors: docs/arch/core.md, pinned by tests/hash_vectors.rs):
 //! - `salt = xxh3_64(b"kvtier-v1\0" || model || 0 || lora || 0 || cache_salt)`;
 //! - `hash(block i) = xxh3_128_with_seed(parent_le16 || tokens_as_u32_le, seed = salt)` where
 //!   `parent_le16` is the previous block's hash as 16 little-endian bytes (16 zero bytes for block 0).
@@ -35,27 +35,54 @@ impl HashSalt {
     }
 }
 
+/// Tokens per block hashed from a stack buffer; longer blocks use a heap buffer (same bytes).
+const STACK_TOKENS: usize = 64;
+
 /// Hash one full block given its parent's hash.
 pub fn chain_block(
     parent: Option<SequenceHash>,
     salt: HashSalt,
     block_tokens: &[u32],
 ) -> SequenceHash {
-    let mut buf = [0u8; 16 + 4 * 64];
-    let n = 16 + 4 * block_tokens.len();
-    if n <= buf.len() {
-        buf[..16].copy_from_slice(&parent.map_or(0, |p| p.0).to_le_bytes());
-        for (i, t) in block_tokens.iter().enumerate() {
-            buf[16 + 4 * i..20 + 4 * i].copy_from_slice(&t.to_le_bytes());
+    // The common block sizes get exact-size buffers, so the hash sees a constant length (its
+    // size dispatch folds away) and no byte is zeroed only to be overwritten. Same bytes, same
+    // hash, on every path.
+    match block_tokens.len() {
+        16 => fixed::<{ 16 + 4 * 16 }>(parent, salt, block_tokens),
+        32 => fixed::<{ 16 + 4 * 32 }>(parent, salt, block_tokens),
+        64 => fixed::<{ 16 + 4 * 64 }>(parent, salt, block_tokens),
+        n if n <= STACK_TOKENS => {
+            let mut buf = [0u8; 16 + 4 * STACK_TOKENS];
+            let len = 16 + 4 * n;
+            fill(&mut buf[..len], parent, block_tokens);
+            SequenceHash(xxh3_128_with_seed(&buf[..len], salt.0))
         }
-        SequenceHash(xxh3_128_with_seed(&buf[..n], salt.0))
-    } else {
-        let mut v = Vec::with_capacity(n);
-        v.extend_from_slice(&parent.map_or(0, |p| p.0).to_le_bytes());
-        for t in block_tokens {
-            v.extend_from_slice(&t.to_le_bytes());
+        n => {
+            let mut v = vec![0u8; 16 + 4 * n];
+            fill(&mut v, parent, block_tokens);
+            SequenceHash(xxh3_128_with_seed(&v, salt.0))
         }
-        SequenceHash(xxh3_128_with_seed(&v, salt.0))
+    }
+}
+
+#[inline(always)]
+fn fixed<const N: usize>(
+    parent: Option<SequenceHash>,
+    salt: HashSalt,
+    tokens: &[u32],
+) -> SequenceHash {
+    let mut buf = [0u8; N];
+    fill(&mut buf, parent, tokens);
+    SequenceHash(xxh3_128_with_seed(&buf, salt.0))
+}
+
+/// Write `parent_le16 || tokens_as_u32_le` into `buf` (exactly `16 + 4 * tokens.len()` bytes).
+#[inline(always)]
+fn fill(buf: &mut [u8], parent: Option<SequenceHash>, tokens: &[u32]) {
+    let (head, body) = buf.split_at_mut(16);
+    head.copy_from_slice(&parent.map_or(0, |p| p.0).to_le_bytes());
+    for (dst, t) in body.chunks_exact_mut(4).zip(tokens) {
+        dst.copy_from_slice(&t.to_le_bytes());
     }
 }
 

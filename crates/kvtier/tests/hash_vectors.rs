@@ -115,3 +115,30 @@ fn chaining_identifies_the_whole_prefix() {
     assert!(sequence_hashes(salt, &a, 0).is_empty());
     assert!(sequence_hashes(salt, &a[..15], 16).is_empty());
 }
+
+/// Every code path of `chain_block` (exact-size buffers for 16/32/64 tokens, the stack buffer,
+/// the heap buffer) hashes exactly the bytes the scheme defines.
+#[test]
+fn every_block_size_hashes_the_defined_bytes() {
+    use xxhash_rust::xxh3::xxh3_128_with_seed;
+    let salt = HashSalt::new(MODEL, Some("l"), Some("t"));
+    let parent = SequenceHash(0xfeed_beef_0000_1111_2222_3333_4444_5555);
+    for n in 1..=130usize {
+        let tokens: Vec<u32> = (0..n as u32)
+            .map(|i| i.wrapping_mul(2_654_435_761))
+            .collect();
+        let mut bytes = parent.0.to_le_bytes().to_vec();
+        for t in &tokens {
+            bytes.extend_from_slice(&t.to_le_bytes());
+        }
+        let want = SequenceHash(xxh3_128_with_seed(&bytes, salt.0));
+        assert_eq!(chain_block(Some(parent), salt, &tokens), want, "{n} tokens");
+        let mut root = vec![0u8; 16];
+        root.extend_from_slice(&bytes[16..]);
+        assert_eq!(
+            chain_block(None, salt, &tokens),
+            SequenceHash(xxh3_128_with_seed(&root, salt.0)),
+            "{n} tokens, no parent"
+        );
+    }
+}

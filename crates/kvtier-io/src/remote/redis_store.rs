@@ -1,5 +1,6 @@
-//! [`RedisStore`]: the remote store on a Redis-protocol server (Redis, Valkey), through the `redis`
-//! crate's synchronous connections.
+//! [`RedisStore`]: the remote store on a Redis-protocol server (Redis, Valkey) or cluster, through
+//! the `redis` crate's synchronous connections (`ClusterConnection` in cluster mode, which routes
+//! each key to the node owning its slot and follows MOVED/ASK).
 //!
 //! Invariants:
 //! - every socket operation is bounded: connecting by `connect_timeout`, each read and write by
@@ -21,7 +22,8 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
-use redis::{Connection, RedisResult, RedisWrite, ToRedisArgs};
+use redis::cluster::{ClusterClient, ClusterConnection};
+use redis::{Connection, ConnectionLike, RedisResult, RedisWrite, ToRedisArgs};
 
 use super::frame;
 use super::key::Namespace;
@@ -39,6 +41,8 @@ pub struct RedisOptions {
     pub ttl: Option<Duration>,
     /// How long operations fail fast after a connection-level failure. Default 1 s; zero disables.
     pub backoff: Duration,
+    /// Treat the URL's hosts as seeds of a Redis/Valkey Cluster. Default off.
+    pub cluster: bool,
 }
 
 impl Default for RedisOptions {
@@ -49,18 +53,39 @@ impl Default for RedisOptions {
             pool_size: 8,
             ttl: None,
             backoff: Duration::from_secs(1),
+            cluster: false,
         }
     }
 }
 
 /// A content-addressed block store on a Redis-protocol server. See the module docs.
 pub struct RedisStore {
-    client: redis::Client,
+    client: Client,
     ns: Namespace,
     opts: RedisOptions,
-    slots: Box<[Mutex<Option<Connection>>]>,
+    slots: Box<[Mutex<Option<Conn>>]>,
     next: AtomicUsize,
     down: Mutex<Option<Outage>>,
+}
+
+enum Client {
+    Single(redis::Client),
+    Cluster(ClusterClient),
+}
+
+/// One pooled connection: to a single server, or to every node of a cluster.
+enum Conn {
+    Single(Connection),
+    Cluster(Box<ClusterConnection>),
+}
+
+impl Conn {
+    fn as_dyn(&mut self) -> &mut dyn ConnectionLike {
+        match self {
+            Conn::Single(c) => c,
+            Conn::Cluster(c) => c.as_mut(),
+        }
+    }
 }
 
 /// The last connection-level failure, while its backoff window lasts.
@@ -72,7 +97,13 @@ struct Outage {
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStore")
-            .field("addr", &self.client.get_connection_info().addr())
+            .field(
+                "addr",
+                &match &self.client {
+                    Client::Single(c) => c.get_connection_info().addr().to_string(),
+                    Client::Cluster(_) => "cluster".to_string(),
+                },
+            )
             .field("ns", &self.ns)
             .field("opts", &self.opts)
             .finish_non_exhaustive()
@@ -107,7 +138,9 @@ fn unavailable(op: &'static str, e: &redis::RedisError) -> RemoteError {
 
 impl RedisStore {
     /// A store on the server at `url` (`redis://[user:pass@]host:port[/db]`, `valkey://…`,
-    /// `redis+unix:///path`). Connects lazily: a server that is down now only makes operations fail.
+    /// `redis+unix:///path`), or, with `opts.cluster`, on the cluster seeded by the URL's
+    /// comma-separated hosts (`redis://[user:pass@]h1:p1,h2:p2`). Connects lazily: a server that
+    /// is down now only makes operations fail.
     pub fn open(url: &str, namespace: &str, opts: RedisOptions) -> Result<Self, RemoteError> {
         let ns = Namespace::new(namespace)?;
         if opts.pool_size == 0 {
@@ -119,8 +152,19 @@ impl RedisStore {
         if opts.ttl.is_some_and(|t| t.as_millis() == 0) {
             return Err(RemoteError::Config("ttl must be at least 1 ms".into()));
         }
-        let client = redis::Client::open(url)
-            .map_err(|e| RemoteError::Config(format!("redis url {url:?}: {e}")))?;
+        let bad_url = |e: redis::RedisError| RemoteError::Config(format!("redis url {url:?}: {e}"));
+        let client = if opts.cluster {
+            let nodes = cluster_seed_urls(url)?;
+            let c = ClusterClient::builder(nodes)
+                .connection_timeout(opts.connect_timeout)
+                .response_timeout(opts.io_timeout)
+                .retries(1)
+                .build()
+                .map_err(bad_url)?;
+            Client::Cluster(c)
+        } else {
+            Client::Single(redis::Client::open(url).map_err(bad_url)?)
+        };
         let slots = (0..opts.pool_size).map(|_| Mutex::new(None)).collect();
         Ok(RedisStore {
             client,
@@ -138,10 +182,12 @@ impl RedisStore {
 
     /// One round trip to the server (connecting if needed).
     pub fn ping(&self) -> Result<(), RemoteError> {
-        self.with_conn("ping", |c| redis::cmd("PING").query::<String>(c).map(drop))
+        self.with_conn("ping", |c| {
+            redis::cmd("PING").query::<String>(c.as_dyn()).map(drop)
+        })
     }
 
-    fn lock_slot(&self) -> MutexGuard<'_, Option<Connection>> {
+    fn lock_slot(&self) -> MutexGuard<'_, Option<Conn>> {
         let n = self.slots.len();
         let start = self.next.fetch_add(1, Ordering::Relaxed);
         for i in 0..n {
@@ -163,13 +209,21 @@ impl RedisStore {
         })
     }
 
-    fn connect(&self) -> RedisResult<Connection> {
-        let c = self
-            .client
-            .get_connection_with_timeout(self.opts.connect_timeout)?;
-        c.set_read_timeout(Some(self.opts.io_timeout))?;
-        c.set_write_timeout(Some(self.opts.io_timeout))?;
-        Ok(c)
+    fn connect(&self) -> RedisResult<Conn> {
+        match &self.client {
+            Client::Single(client) => {
+                let c = client.get_connection_with_timeout(self.opts.connect_timeout)?;
+                c.set_read_timeout(Some(self.opts.io_timeout))?;
+                c.set_write_timeout(Some(self.opts.io_timeout))?;
+                Ok(Conn::Single(c))
+            }
+            Client::Cluster(client) => {
+                let c = client.get_connection()?;
+                c.set_read_timeout(Some(self.opts.io_timeout))?;
+                c.set_write_timeout(Some(self.opts.io_timeout))?;
+                Ok(Conn::Cluster(Box::new(c)))
+            }
+        }
     }
 
     fn down_record(&self) -> MutexGuard<'_, Option<Outage>> {
@@ -180,7 +234,7 @@ impl RedisStore {
     fn with_conn<T>(
         &self,
         op: &'static str,
-        f: impl FnMut(&mut Connection) -> RedisResult<T>,
+        f: impl FnMut(&mut Conn) -> RedisResult<T>,
     ) -> Result<T, RemoteError> {
         if let Some(o) = self.down_record().as_ref() {
             if Instant::now() < o.until {
@@ -217,7 +271,7 @@ impl RedisStore {
     fn attempt<T>(
         &self,
         op: &'static str,
-        mut f: impl FnMut(&mut Connection) -> RedisResult<T>,
+        mut f: impl FnMut(&mut Conn) -> RedisResult<T>,
     ) -> Result<T, (RemoteError, bool)> {
         let mut slot = self.lock_slot();
         for attempt in 0..2 {
@@ -270,13 +324,13 @@ impl RedisStore {
             cmd.arg("PX")
                 .arg(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
         }
-        self.with_conn("put", |c| cmd.query::<()>(c))
+        self.with_conn("put", |c| cmd.query::<()>(c.as_dyn()))
     }
 
     fn get_inner(&self, key: u128, out: &mut [u8]) -> Result<(), RemoteError> {
         let rkey = self.ns.redis_key(key);
         let value: Option<Vec<u8>> =
-            self.with_conn("get", |c| redis::cmd("GET").arg(&rkey).query(c))?;
+            self.with_conn("get", |c| redis::cmd("GET").arg(&rkey).query(c.as_dyn()))?;
         match value {
             None => Err(RemoteError::Missing { key }),
             Some(v) => frame::decode_into(key, &v, out),
@@ -287,11 +341,24 @@ impl RedisStore {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let mut pipe = redis::pipe();
-        for &k in keys {
-            pipe.cmd("EXISTS").arg(self.ns.redis_key(k));
-        }
-        let found: Vec<bool> = self.with_conn("contains", |c| pipe.query(c))?;
+        let names: Vec<String> = keys.iter().map(|&k| self.ns.redis_key(k)).collect();
+        let found: Vec<bool> = self.with_conn("contains", |c| match c {
+            Conn::Single(c) => {
+                let mut pipe = redis::pipe();
+                for n in &names {
+                    pipe.cmd("EXISTS").arg(n);
+                }
+                pipe.query(c)
+            }
+            Conn::Cluster(c) => {
+                // Keys live on different nodes: the cluster pipeline groups them per node.
+                let mut pipe = redis::cluster::cluster_pipe();
+                for n in &names {
+                    pipe.cmd("EXISTS").arg(n);
+                }
+                pipe.query(c)
+            }
+        })?;
         if found.len() != keys.len() {
             return Err(RemoteError::Unavailable {
                 op: "contains",
@@ -313,5 +380,56 @@ impl RemoteStore for RedisStore {
 
     fn contains(&self, keys: &[u128]) -> Result<Vec<bool>, TransferError> {
         Ok(self.contains_inner(keys)?)
+    }
+}
+
+/// `redis://[user:pass@]h1:p1,h2:p2[/][?query]` -> one URL per seed node, each with the userinfo.
+fn cluster_seed_urls(url: &str) -> Result<Vec<String>, RemoteError> {
+    let bad = |why: &str| RemoteError::Config(format!("cluster url {url:?}: {why}"));
+    let (scheme, rest) = url.split_once("://").ok_or_else(|| bad("no scheme"))?;
+    if !matches!(scheme, "redis" | "valkey") {
+        return Err(bad("cluster mode needs redis:// or valkey://"));
+    }
+    let rest = rest.split('?').next().unwrap_or("");
+    let (authority, path) = match rest.split_once('/') {
+        Some((a, p)) => (a, p),
+        None => (rest, ""),
+    };
+    if !path.is_empty() && path != "0" {
+        return Err(bad("a cluster has only database 0"));
+    }
+    let (userinfo, hosts) = match authority.rsplit_once('@') {
+        Some((u, h)) => (format!("{u}@"), h),
+        None => (String::new(), authority),
+    };
+    let seeds: Vec<String> = hosts
+        .split(',')
+        .filter(|h| !h.is_empty())
+        .map(|h| format!("{scheme}://{userinfo}{h}"))
+        .collect();
+    if seeds.is_empty() {
+        return Err(bad("no seed host"));
+    }
+    Ok(seeds)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_seeds_carry_credentials() {
+        assert_eq!(
+            cluster_seed_urls("redis://u:p@a:1,b:2/?cluster=1").unwrap(),
+            vec!["redis://u:p@a:1", "redis://u:p@b:2"]
+        );
+        assert_eq!(
+            cluster_seed_urls("valkey://a:1").unwrap(),
+            vec!["valkey://a:1"]
+        );
+        assert!(cluster_seed_urls("redis://a:1/3").is_err());
+        assert!(cluster_seed_urls("redis+unix:///s").is_err());
+        assert!(cluster_seed_urls("redis://").is_err());
     }
 }

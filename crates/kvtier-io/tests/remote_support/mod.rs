@@ -14,6 +14,7 @@ pub struct RedisServer {
     pub port: u16,
     dir: tempfile::TempDir,
     bin: PathBuf,
+    extra: Vec<String>,
 }
 
 fn find_redis_server() -> Option<PathBuf> {
@@ -34,6 +35,12 @@ impl RedisServer {
     /// Starts a server, or returns `None` when `redis-server` is absent and `KVTIER_SKIP_REDIS=1`.
     /// Without that variable a missing binary fails the test.
     pub fn start() -> Option<RedisServer> {
+        Self::start_with(&[])
+    }
+
+    /// As [`start`](Self::start), with extra `redis-server` arguments; `{free_port}` in an argument
+    /// is replaced by another free port.
+    pub fn start_with(extra: &[&str]) -> Option<RedisServer> {
         let Some(bin) = find_redis_server() else {
             if std::env::var("KVTIER_SKIP_REDIS").as_deref() == Ok("1") {
                 eprintln!("redis-server not found; skipped because KVTIER_SKIP_REDIS=1");
@@ -51,6 +58,10 @@ impl RedisServer {
                 port: free_port().expect("free port"),
                 dir: tempfile::tempdir().expect("temp dir for redis-server"),
                 bin: bin.clone(),
+                extra: extra
+                    .iter()
+                    .map(|a| a.replace("{free_port}", &free_port().expect("free port").to_string()))
+                    .collect(),
             };
             match s.spawn() {
                 Ok(()) => return Some(s),
@@ -67,6 +78,7 @@ impl RedisServer {
             .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
             .arg("--dir")
             .arg(self.dir.path())
+            .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -148,4 +160,107 @@ pub fn block(seed: u64, len: usize) -> Vec<u8> {
             x as u8
         })
         .collect()
+}
+
+/// A Redis Cluster of `n` masters (no replicas) on loopback, each a [`RedisServer`].
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub fn start(n: usize) -> Option<RedisCluster> {
+        let mut nodes = Vec::new();
+        for _ in 0..n {
+            nodes.push(RedisServer::start_with(&[
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "1000",
+                "--cluster-port",
+                "{free_port}",
+            ])?);
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port))
+            .collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("run redis-cli --cluster create (package redis-tools)");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for node in &nodes {
+            loop {
+                let info: String = node
+                    .raw()
+                    .and_then(|mut c| Ok(redis::cmd("CLUSTER").arg("INFO").query(&mut c)?))
+                    .unwrap_or_default();
+                if info.contains("cluster_state:ok") {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "cluster did not become ok: {info}"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        Some(RedisCluster { nodes })
+    }
+
+    /// `redis://h1:p1,h2:p2,...?cluster=1`
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port))
+            .collect();
+        format!("redis://{}?cluster=1", hosts.join(","))
+    }
+
+    /// The node that holds `name` (by asking any node for the key's slot owner).
+    pub fn owner_of(&self, name: &str) -> &RedisServer {
+        let mut c = self.nodes[0].raw().expect("raw connection");
+        let slot: i64 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(name)
+            .query(&mut c)
+            .expect("CLUSTER KEYSLOT");
+        let slots: redis::Value = redis::cmd("CLUSTER")
+            .arg("SLOTS")
+            .query(&mut c)
+            .expect("CLUSTER SLOTS");
+        let redis::Value::Array(ranges) = slots else {
+            panic!("CLUSTER SLOTS: {slots:?}")
+        };
+        for r in ranges {
+            let redis::Value::Array(r) = r else { continue };
+            let (Some(redis::Value::Int(lo)), Some(redis::Value::Int(hi))) = (r.first(), r.get(1))
+            else {
+                continue;
+            };
+            if (*lo..=*hi).contains(&slot) {
+                if let Some(redis::Value::Array(master)) = r.get(2) {
+                    if let Some(redis::Value::Int(port)) = master.get(1) {
+                        return self
+                            .nodes
+                            .iter()
+                            .find(|n| i64::from(n.port) == *port)
+                            .expect("owner is one of ours");
+                    }
+                }
+            }
+        }
+        panic!("no owner for slot {slot}");
+    }
 }

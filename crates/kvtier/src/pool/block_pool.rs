@@ -1,15 +1,17 @@
 //! `BlockPool`: the books of one tier's blocks (ids, registry, pins, eviction order, events).
 //!
-//! Per-block data is kept as parallel arrays indexed by block id (struct of arrays), so a pool
-//! of `n` blocks costs about 41 bytes per block: hash 16, state 1, pin count 4, priority 4,
-//! LRU links 8, free-list slot 4, registry buckets 8 (see `heap_bytes`).
+//! Each block has one 40-byte [`Slot`] record (hash, pins, priority, state, list links); free
+//! blocks form an intrusive stack through the same links. With the registry's 12 bytes per
+//! block (8-byte buckets at load <= 2/3) a pool costs about 52 bytes per block (see
+//! `heap_bytes`, measured by `tests/pool_memory.rs`).
 //!
 //! Invariants:
-//! - `state[b] == Free`  <=> `b` is on `free` (exactly once) <=> pins 0 and not in the registry;
-//! - `state[b] == Writing` => pins > 0 and not in the registry;
-//! - `state[b] == Registered` <=> the registry maps `hashes[b]` to `b`; it is in the LRU lists
-//!   exactly when its pin count is 0;
-//! - `free.len() + lru.len() + (blocks with pins) == capacity`.
+//! - `state == Free`  <=> the block is on the free stack (exactly once) <=> pins 0 and not in
+//!   the registry;
+//! - `state == Writing` => pins > 0 and not in the registry;
+//! - `state == Registered` <=> the registry maps its hash to it; it is in the LRU lists exactly
+//!   when its pin count is 0;
+//! - `free_len + lru.len() + (blocks with pins) == capacity`.
 //!
 //! Not thread-safe by itself: the owner (the connector's leader) serialises access.
 use crate::hash::SequenceHash;
@@ -17,24 +19,24 @@ use crate::ids::{BlockId, Tier};
 
 use super::lru::PriorityLru;
 use super::registry::Registry;
+use super::slot::{Slot, NIL};
 use super::types::{BlockState, PoolError, PoolEvent, Priority};
 
-/// The largest capacity a pool accepts (block ids are `u32`, and `u32::MAX` marks empty slots).
+/// The largest capacity a pool accepts (block ids are `u32`, and `u32::MAX` marks list ends).
 pub const MAX_POOL_BLOCKS: usize = (u32::MAX - 1) as usize;
 
 /// The block pool of one tier. See the module docs of [`crate::pool`] for the API contract.
 #[derive(Debug)]
 pub struct BlockPool {
     tier: Tier,
-    hashes: Vec<SequenceHash>,
-    states: Vec<BlockState>,
-    pins: Vec<u32>,
-    priorities: Vec<Priority>,
-    /// Free blocks, used as a stack (the most recently freed block is reused first).
-    free: Vec<u32>,
+    slots: Vec<Slot>,
+    /// Top of the free stack (the most recently freed block is reused first); `NIL` if empty.
+    free_head: u32,
+    free_len: usize,
     lru: PriorityLru,
     registry: Registry,
     events: Vec<PoolEvent>,
+    record_events: bool,
 }
 
 impl BlockPool {
@@ -48,18 +50,23 @@ impl BlockPool {
             });
         }
         let n = capacity_blocks;
-        // Reverse order so that a fresh pool hands out 0, 1, 2, ...
-        let free: Vec<u32> = (0..n as u32).rev().collect();
+        // Free stack 0 -> 1 -> 2 ...: a fresh pool hands out 0, 1, 2, ...
+        let slots: Vec<Slot> = (0..n)
+            .map(|i| {
+                let mut s = Slot::FREE;
+                s.next = if i + 1 < n { i as u32 + 1 } else { NIL };
+                s
+            })
+            .collect();
         Ok(BlockPool {
             tier,
-            hashes: vec![SequenceHash(0); n],
-            states: vec![BlockState::Free; n],
-            pins: vec![0; n],
-            priorities: vec![Priority::default(); n],
-            free,
-            lru: PriorityLru::new(n),
+            slots,
+            free_head: if n > 0 { 0 } else { NIL },
+            free_len: n,
+            lru: PriorityLru::default(),
             registry: Registry::new(n),
             events: Vec::new(),
+            record_events: true,
         })
     }
 
@@ -69,12 +76,12 @@ impl BlockPool {
 
     /// Total number of blocks.
     pub fn capacity(&self) -> usize {
-        self.states.len()
+        self.slots.len()
     }
 
     /// Blocks `allocate` can hand out now: free plus evictable (registered, unpinned).
     pub fn num_free(&self) -> usize {
-        self.free.len() + self.lru.len()
+        self.free_len + self.lru.len()
     }
 
     /// Registered blocks with no pins.
@@ -94,85 +101,133 @@ impl BlockPool {
 
     /// Heap bytes held by this pool's books (not counting queued events).
     pub fn heap_bytes(&self) -> usize {
-        self.hashes.capacity() * std::mem::size_of::<SequenceHash>()
-            + self.states.capacity() * std::mem::size_of::<BlockState>()
-            + self.pins.capacity() * std::mem::size_of::<u32>()
-            + self.priorities.capacity() * std::mem::size_of::<Priority>()
-            + self.free.capacity() * std::mem::size_of::<u32>()
+        self.slots.capacity() * std::mem::size_of::<Slot>()
             + self.lru.heap_bytes()
             + self.registry.heap_bytes()
     }
 
     fn index(&self, block: BlockId) -> Result<usize, PoolError> {
         let b = block.0 as usize;
-        if b < self.states.len() {
+        if b < self.slots.len() {
             Ok(b)
         } else {
             Err(PoolError::UnknownBlock {
                 tier: self.tier,
                 block,
-                capacity: self.states.len(),
+                capacity: self.slots.len(),
             })
         }
     }
 
+    #[inline]
+    fn find(&self, hash: SequenceHash) -> Option<u32> {
+        let slots = &self.slots;
+        self.registry.find(hash, |b| slots[b as usize].hash())
+    }
+
     /// The registered block holding `hash`.
     pub fn lookup(&self, hash: SequenceHash) -> Option<BlockId> {
-        self.registry.find(hash, &self.hashes).map(BlockId)
+        self.find(hash).map(BlockId)
     }
 
     /// The hash `block` is registered under (None unless it is `Registered`).
     pub fn hash_of(&self, block: BlockId) -> Option<SequenceHash> {
-        let b = block.0 as usize;
-        match self.states.get(b) {
-            Some(BlockState::Registered) => self.hashes.get(b).copied(),
+        match self.slots.get(block.0 as usize) {
+            Some(s) if s.state == BlockState::Registered => Some(s.hash()),
             _ => None,
         }
     }
 
     /// The state of `block` (None if out of range).
     pub fn state(&self, block: BlockId) -> Option<BlockState> {
-        self.states.get(block.0 as usize).copied()
+        self.slots.get(block.0 as usize).map(|s| s.state)
     }
 
     /// The pin count of `block` (None if out of range).
     pub fn pin_count(&self, block: BlockId) -> Option<u32> {
-        self.pins.get(block.0 as usize).copied()
+        self.slots.get(block.0 as usize).map(|s| s.pins)
     }
 
     /// The priority `block` is registered with (None unless it is `Registered`).
     pub fn priority_of(&self, block: BlockId) -> Option<Priority> {
-        match self.state(block) {
-            Some(BlockState::Registered) => self.priorities.get(block.0 as usize).copied(),
+        match self.slots.get(block.0 as usize) {
+            Some(s) if s.state == BlockState::Registered => Some(s.priority),
             _ => None,
         }
     }
 
+    /// Call `f` with the block of each hash of the longest registered prefix of `hashes`, in
+    /// order; returns the prefix length. Lookups go in batches whose loads are independent
+    /// (home buckets, then candidate records), so their cache misses overlap.
+    #[inline]
+    fn for_each_prefix_block(&self, hashes: &[SequenceHash], mut f: impl FnMut(u32)) -> usize {
+        const BATCH: usize = 16;
+        let mut n = 0;
+        for chunk in hashes.chunks(BATCH) {
+            let mut guess = [NIL; BATCH];
+            for (g, h) in guess.iter_mut().zip(chunk) {
+                *g = self.registry.first_candidate(*h);
+            }
+            for (g, h) in guess.iter().zip(chunk) {
+                let hit = match self.slots.get(*g as usize) {
+                    Some(s) if s.hash() == *h => Some(*g),
+                    _ => self.find(*h),
+                };
+                match hit {
+                    Some(b) => {
+                        f(b);
+                        n += 1;
+                    }
+                    None => return n,
+                }
+            }
+        }
+        n
+    }
+
     /// Length of the longest prefix of `hashes` whose every block is registered. No side effects.
     pub fn peek_prefix(&self, hashes: &[SequenceHash]) -> usize {
-        hashes
-            .iter()
-            .take_while(|h| self.registry.find(**h, &self.hashes).is_some())
-            .count()
+        self.for_each_prefix_block(hashes, |_| {})
     }
 
     /// Pin the blocks of the longest registered prefix of `hashes` and return them in order.
     /// The caller owns one pin on each and must `release` it.
     pub fn match_prefix(&mut self, hashes: &[SequenceHash]) -> Vec<BlockId> {
         let mut out = Vec::new();
-        for &h in hashes {
-            let Some(b) = self.registry.find(h, &self.hashes) else {
-                break;
-            };
-            self.pin_index(b as usize);
-            out.push(BlockId(b));
+        self.for_each_prefix_block(hashes, |b| out.push(BlockId(b)));
+        for b in &out {
+            self.pin_index(b.0 as usize);
         }
         out
     }
 
-    /// The blocks `allocate` would evict, in order, were it to evict `n` now. No side effects.
+    /// Every evictable block, next victim first. No side effects.
     pub fn eviction_order(&self) -> Vec<BlockId> {
-        self.lru.eviction_order().into_iter().map(BlockId).collect()
+        self.lru
+            .eviction_order(&self.slots)
+            .into_iter()
+            .map(BlockId)
+            .collect()
+    }
+
+    fn pop_free(&mut self) -> Option<u32> {
+        let b = self.free_head;
+        if b == NIL {
+            return None;
+        }
+        self.free_head = self.slots[b as usize].next;
+        self.slots[b as usize].next = NIL;
+        self.free_len -= 1;
+        Some(b)
+    }
+
+    fn push_free(&mut self, i: usize) {
+        let s = &mut self.slots[i];
+        s.state = BlockState::Free;
+        s.prev = NIL;
+        s.next = self.free_head;
+        self.free_head = i as u32;
+        self.free_len += 1;
     }
 
     /// Hand out `n` pinned blocks in state `Writing`, or none at all.
@@ -187,9 +242,9 @@ impl BlockPool {
         }
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
-            let b = match self.free.pop() {
+            let b = match self.pop_free() {
                 Some(b) => b,
-                None => match self.lru.pop_victim() {
+                None => match self.lru.pop_victim(&mut self.slots) {
                     Some(victim) => {
                         self.unpublish(victim as usize);
                         victim
@@ -201,9 +256,9 @@ impl BlockPool {
                     }
                 },
             };
-            let i = b as usize;
-            self.states[i] = BlockState::Writing;
-            self.pins[i] = 1;
+            let s = &mut self.slots[b as usize];
+            s.state = BlockState::Writing;
+            s.pins = 1;
             out.push(BlockId(b));
         }
         Ok(out)
@@ -212,10 +267,11 @@ impl BlockPool {
     /// Remove block `i` (registered) from the registry and emit `Removed`. Leaves its state to
     /// the caller.
     fn unpublish(&mut self, i: usize) {
-        let hash = self.hashes[i];
-        let removed = self.registry.remove(hash, &self.hashes);
+        let hash = self.slots[i].hash();
+        let slots = &self.slots;
+        let removed = self.registry.remove(hash, |b| slots[b as usize].hash());
         debug_assert_eq!(removed, Some(i as u32));
-        self.events.push(PoolEvent::Removed {
+        self.emit(PoolEvent::Removed {
             hash,
             tier: self.tier,
         });
@@ -231,7 +287,7 @@ impl BlockPool {
         priority: Priority,
     ) -> Result<BlockId, PoolError> {
         let i = self.index(block)?;
-        match self.states[i] {
+        match self.slots[i].state {
             BlockState::Free => {
                 return Err(PoolError::NotWritable {
                     tier: self.tier,
@@ -239,7 +295,7 @@ impl BlockPool {
                 })
             }
             BlockState::Registered => {
-                let existing = self.hashes[i];
+                let existing = self.slots[i].hash();
                 if existing == hash {
                     return Ok(block);
                 }
@@ -252,20 +308,22 @@ impl BlockPool {
             }
             BlockState::Writing => {}
         }
-        if let Some(existing) = self.registry.find(hash, &self.hashes) {
+        if let Some(existing) = self.find(hash) {
             let e = existing as usize;
+            // Pinning first takes it off the LRU lists, so its priority may change.
             self.pin_index(e);
-            if priority > self.priorities[e] {
-                self.priorities[e] = priority;
+            if priority > self.slots[e].priority {
+                self.slots[e].priority = priority;
             }
             self.unpin_index(i);
             return Ok(BlockId(existing));
         }
-        self.hashes[i] = hash;
-        self.priorities[i] = priority;
-        self.states[i] = BlockState::Registered;
-        self.registry.insert(i as u32, &self.hashes);
-        self.events.push(PoolEvent::Stored {
+        let s = &mut self.slots[i];
+        s.set_hash(hash);
+        s.priority = priority;
+        s.state = BlockState::Registered;
+        self.registry.insert(i as u32, hash);
+        self.emit(PoolEvent::Stored {
             hash,
             tier: self.tier,
         });
@@ -275,7 +333,7 @@ impl BlockPool {
     /// Add a pin to a `Writing` or `Registered` block.
     pub fn pin(&mut self, block: BlockId) -> Result<(), PoolError> {
         let i = self.index(block)?;
-        if self.states[i] == BlockState::Free {
+        if self.slots[i].state == BlockState::Free {
             return Err(PoolError::BlockFree {
                 tier: self.tier,
                 block,
@@ -289,7 +347,7 @@ impl BlockPool {
     /// block of its priority; an unregistered one becomes free.
     pub fn release(&mut self, block: BlockId) -> Result<(), PoolError> {
         let i = self.index(block)?;
-        if self.pins[i] == 0 {
+        if self.slots[i].pins == 0 {
             return Err(PoolError::NotPinned {
                 tier: self.tier,
                 block,
@@ -305,45 +363,60 @@ impl BlockPool {
     /// left as it is.
     pub fn invalidate(&mut self, block: BlockId) -> Result<(), PoolError> {
         let i = self.index(block)?;
-        if self.states[i] != BlockState::Registered {
+        if self.slots[i].state != BlockState::Registered {
             return Ok(());
         }
-        if self.pins[i] == 0 {
-            self.lru.remove(i as u32, self.priorities[i]);
+        if self.slots[i].pins == 0 {
+            self.lru.remove(&mut self.slots, i as u32);
             self.unpublish(i);
-            self.states[i] = BlockState::Free;
-            self.free.push(i as u32);
+            self.push_free(i);
         } else {
             self.unpublish(i);
-            self.states[i] = BlockState::Writing;
+            self.slots[i].state = BlockState::Writing;
         }
         Ok(())
     }
 
-    /// Events since the last call, oldest first.
+    /// Events since the last call, oldest first. Events queue up until taken: an owner that
+    /// never takes them should turn recording off.
     pub fn take_events(&mut self) -> Vec<PoolEvent> {
         std::mem::take(&mut self.events)
     }
 
-    fn pin_index(&mut self, i: usize) {
-        if self.pins[i] == 0 && self.states[i] == BlockState::Registered {
-            self.lru.remove(i as u32, self.priorities[i]);
+    /// Record `Stored`/`Removed` events (on by default). Turning it off drops queued events.
+    pub fn set_record_events(&mut self, on: bool) {
+        self.record_events = on;
+        if !on {
+            self.events = Vec::new();
         }
-        self.pins[i] = self.pins[i].saturating_add(1);
     }
 
+    fn emit(&mut self, event: PoolEvent) {
+        if self.record_events {
+            self.events.push(event);
+        }
+    }
+
+    #[inline]
+    fn pin_index(&mut self, i: usize) {
+        let s = self.slots[i];
+        if s.pins == 0 && s.state == BlockState::Registered {
+            self.lru.remove(&mut self.slots, i as u32);
+        }
+        self.slots[i].pins = s.pins.saturating_add(1);
+    }
+
+    #[inline]
     fn unpin_index(&mut self, i: usize) {
-        debug_assert!(self.pins[i] > 0);
-        self.pins[i] = self.pins[i].saturating_sub(1);
-        if self.pins[i] > 0 {
+        let s = &mut self.slots[i];
+        debug_assert!(s.pins > 0);
+        s.pins = s.pins.saturating_sub(1);
+        if s.pins > 0 {
             return;
         }
-        match self.states[i] {
-            BlockState::Registered => self.lru.push_back(i as u32, self.priorities[i]),
-            BlockState::Writing => {
-                self.states[i] = BlockState::Free;
-                self.free.push(i as u32);
-            }
+        match s.state {
+            BlockState::Registered => self.lru.push_back(&mut self.slots, i as u32),
+            BlockState::Writing => self.push_free(i),
             BlockState::Free => debug_assert!(false, "free block had pins"),
         }
     }
@@ -624,6 +697,18 @@ mod tests {
         assert_eq!(p.state(blocks[1]), Some(BlockState::Free));
         assert_eq!(p.num_free(), 3);
         assert_eq!(p.num_registered(), 0);
+    }
+
+    #[test]
+    fn events_can_be_turned_off() {
+        let mut p = BlockPool::new(Tier::Host, 2).unwrap();
+        p.set_record_events(false);
+        fill(&mut p, &[h(1), h(2)], Priority(0));
+        p.allocate(1).unwrap();
+        assert!(p.take_events().is_empty());
+        p.set_record_events(true);
+        p.allocate(1).unwrap();
+        assert_eq!(p.take_events().len(), 1);
     }
 
     #[test]

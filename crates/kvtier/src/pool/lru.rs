@@ -1,24 +1,15 @@
 //! Priority-aware LRU order of the evictable blocks of one pool.
 //!
-//! One intrusive doubly-linked list per priority (links live in a per-block array, 8 bytes per
-//! block), plus an ordered map from priority to the ends of its non-empty list. Blocks are
-//! appended when they become evictable (their last pin is released), so within one list the
-//! order is the order of last use; the victim is the head of the lowest priority's list, i.e.
-//! the minimum of (priority, last use).
+//! One intrusive doubly-linked list per priority (the links live in the blocks' [`Slot`]s), plus
+//! a small sorted vector of (priority, list ends) for the non-empty lists. Blocks are appended
+//! when they become evictable (their last pin is released), so within one list the order is the
+//! order of last use; the victim is the head of the lowest priority's list, i.e. the minimum of
+//! (priority, last use).
 //!
-//! Invariants: a block is in at most one list; `lists` holds exactly the non-empty lists;
-//! `len` is the number of linked blocks.
-use std::collections::BTreeMap;
-
+//! Invariants: a block is in at most one list; `lists` is sorted by priority and holds exactly
+//! the non-empty lists; `len` is the number of linked blocks.
+use super::slot::{Slot, NIL};
 use super::Priority;
-
-const NIL: u32 = u32::MAX;
-
-#[derive(Clone, Copy, Debug)]
-struct Link {
-    prev: u32,
-    next: u32,
-}
 
 #[derive(Clone, Copy, Debug)]
 struct Ends {
@@ -26,114 +17,108 @@ struct Ends {
     tail: u32,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(crate) struct PriorityLru {
-    links: Vec<Link>,
-    lists: BTreeMap<Priority, Ends>,
+    lists: Vec<(Priority, Ends)>,
     len: usize,
 }
 
 impl PriorityLru {
-    pub(crate) fn new(capacity: usize) -> Self {
-        PriorityLru {
-            links: vec![
-                Link {
-                    prev: NIL,
-                    next: NIL
-                };
-                capacity
-            ],
-            lists: BTreeMap::new(),
-            len: 0,
-        }
-    }
-
     pub(crate) fn len(&self) -> usize {
         self.len
     }
 
     pub(crate) fn heap_bytes(&self) -> usize {
-        self.links.capacity() * std::mem::size_of::<Link>()
-            + self.lists.len() * (std::mem::size_of::<(Priority, Ends)>() + 8)
+        self.lists.capacity() * std::mem::size_of::<(Priority, Ends)>()
     }
 
-    /// Append `block` as the most recently used block of `priority`.
-    pub(crate) fn push_back(&mut self, block: u32, priority: Priority) {
+    #[inline]
+    fn find(&self, p: Priority) -> Result<usize, usize> {
+        // Few distinct priorities: a linear scan of a short sorted vector beats a tree.
+        for (i, (q, _)) in self.lists.iter().enumerate() {
+            if *q == p {
+                return Ok(i);
+            }
+            if *q > p {
+                return Err(i);
+            }
+        }
+        Err(self.lists.len())
+    }
+
+    /// Append `block` as the most recently used block of its priority.
+    pub(crate) fn push_back(&mut self, slots: &mut [Slot], block: u32) {
         let b = block as usize;
-        match self.lists.get_mut(&priority) {
-            Some(ends) => {
+        let priority = slots[b].priority;
+        match self.find(priority) {
+            Ok(i) => {
+                let ends = &mut self.lists[i].1;
                 let old_tail = ends.tail;
                 ends.tail = block;
-                self.links[b] = Link {
-                    prev: old_tail,
-                    next: NIL,
-                };
-                self.links[old_tail as usize].next = block;
+                slots[b].prev = old_tail;
+                slots[b].next = NIL;
+                slots[old_tail as usize].next = block;
             }
-            None => {
+            Err(i) => {
                 self.lists.insert(
-                    priority,
-                    Ends {
-                        head: block,
-                        tail: block,
-                    },
+                    i,
+                    (
+                        priority,
+                        Ends {
+                            head: block,
+                            tail: block,
+                        },
+                    ),
                 );
-                self.links[b] = Link {
-                    prev: NIL,
-                    next: NIL,
-                };
+                slots[b].prev = NIL;
+                slots[b].next = NIL;
             }
         }
         self.len += 1;
     }
 
-    /// Unlink `block`, which must be in the list of `priority`.
-    pub(crate) fn remove(&mut self, block: u32, priority: Priority) {
-        let Link { prev, next } = self.links[block as usize];
-        let Some(ends) = self.lists.get_mut(&priority) else {
+    /// Unlink `block`, which must be linked (in the list of its current priority).
+    pub(crate) fn remove(&mut self, slots: &mut [Slot], block: u32) {
+        let b = block as usize;
+        let (prev, next, priority) = (slots[b].prev, slots[b].next, slots[b].priority);
+        let Ok(i) = self.find(priority) else {
             debug_assert!(false, "block {block} not in list {priority:?}");
             return;
         };
+        let ends = &mut self.lists[i].1;
         if prev == NIL {
             ends.head = next;
         } else {
-            self.links[prev as usize].next = next;
+            slots[prev as usize].next = next;
         }
         if next == NIL {
             ends.tail = prev;
         } else {
-            self.links[next as usize].prev = prev;
+            slots[next as usize].prev = prev;
         }
         if ends.head == NIL {
-            self.lists.remove(&priority);
+            self.lists.remove(i);
         }
-        self.links[block as usize] = Link {
-            prev: NIL,
-            next: NIL,
-        };
+        slots[b].prev = NIL;
+        slots[b].next = NIL;
         self.len -= 1;
     }
 
-    /// The next victim: least recently used block of the lowest priority.
-    pub(crate) fn peek_victim(&self) -> Option<(u32, Priority)> {
-        self.lists.iter().next().map(|(&p, ends)| (ends.head, p))
-    }
-
-    /// Remove and return the next victim.
-    pub(crate) fn pop_victim(&mut self) -> Option<u32> {
-        let (block, priority) = self.peek_victim()?;
-        self.remove(block, priority);
+    /// Remove and return the next victim: least recently used block of the lowest priority.
+    pub(crate) fn pop_victim(&mut self, slots: &mut [Slot]) -> Option<u32> {
+        let block = self.lists.first()?.1.head;
+        self.remove(slots, block);
         Some(block)
     }
 
     /// Every linked block in eviction order (first = next victim). For tests and inspection.
-    pub(crate) fn eviction_order(&self) -> Vec<u32> {
+    pub(crate) fn eviction_order(&self, slots: &[Slot]) -> Vec<u32> {
         let mut out = Vec::with_capacity(self.len);
-        for ends in self.lists.values() {
+        for (_, ends) in &self.lists {
             let mut b = ends.head;
             while b != NIL {
                 out.push(b);
-                b = self.links[b as usize].next;
+                b = slots[b as usize].next;
             }
         }
         out
@@ -145,24 +130,34 @@ impl PriorityLru {
 mod tests {
     use super::*;
 
+    fn slots(prios: &[u32]) -> Vec<Slot> {
+        prios
+            .iter()
+            .map(|p| {
+                let mut s = Slot::FREE;
+                s.priority = Priority(*p);
+                s
+            })
+            .collect()
+    }
+
     #[test]
     fn victims_by_priority_then_age() {
-        let mut l = PriorityLru::new(8);
-        l.push_back(0, Priority(5));
-        l.push_back(1, Priority(1));
-        l.push_back(2, Priority(5));
-        l.push_back(3, Priority(1));
-        l.push_back(4, Priority(9));
-        assert_eq!(l.eviction_order(), vec![1, 3, 0, 2, 4]);
-        l.remove(3, Priority(1));
-        l.remove(0, Priority(5));
-        assert_eq!(l.eviction_order(), vec![1, 2, 4]);
-        assert_eq!(l.pop_victim(), Some(1));
-        assert_eq!(l.pop_victim(), Some(2));
-        l.push_back(0, Priority(9));
-        assert_eq!(l.pop_victim(), Some(4));
-        assert_eq!(l.pop_victim(), Some(0));
-        assert_eq!(l.pop_victim(), None);
+        let mut s = slots(&[5, 1, 5, 1, 9, 9]);
+        let mut l = PriorityLru::default();
+        for b in 0..5 {
+            l.push_back(&mut s, b);
+        }
+        assert_eq!(l.eviction_order(&s), vec![1, 3, 0, 2, 4]);
+        l.remove(&mut s, 3);
+        l.remove(&mut s, 0);
+        assert_eq!(l.eviction_order(&s), vec![1, 2, 4]);
+        assert_eq!(l.pop_victim(&mut s), Some(1));
+        assert_eq!(l.pop_victim(&mut s), Some(2));
+        l.push_back(&mut s, 5);
+        assert_eq!(l.pop_victim(&mut s), Some(4));
+        assert_eq!(l.pop_victim(&mut s), Some(5));
+        assert_eq!(l.pop_victim(&mut s), None);
         assert_eq!(l.len(), 0);
     }
 }

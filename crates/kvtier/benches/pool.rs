@@ -1,0 +1,114 @@
+//! Pool operations at scale: prefix matching of a 32K-token prompt (2,048 blocks of 16) against
+//! a pool of 1M registered blocks, and the allocate + register + evict cycle per block.
+//! Baseline in the same run: the same 2,048 lookups in a `std::collections::HashMap<u128, u32>`.
+use std::collections::HashMap;
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kvtier::hash::SequenceHash;
+use kvtier::pool::{BlockPool, Priority};
+use kvtier::Tier;
+
+#[path = "support/mod.rs"]
+mod clock;
+
+const N: usize = 1 << 20;
+const PROMPT: usize = 2048;
+
+fn key(i: u64) -> SequenceHash {
+    // splitmix64, twice: well-spread 128-bit keys.
+    let mix = |mut z: u64| {
+        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    SequenceHash(((mix(i) as u128) << 64) | mix(i ^ 0xDEAD_BEEF) as u128)
+}
+
+/// A pool of N blocks, each registered under key(i) and released (evictable).
+fn full_pool() -> BlockPool {
+    let mut p = match BlockPool::new(Tier::Host, N) {
+        Ok(p) => p,
+        Err(e) => panic!("{e}"),
+    };
+    let blocks = p.allocate(N).unwrap_or_default();
+    for (i, b) in blocks.iter().enumerate() {
+        let got = p.register(*b, key(i as u64), Priority(0)).unwrap_or(*b);
+        let _ = p.release(got);
+    }
+    let _ = p.take_events();
+    p
+}
+
+fn bench(c: &mut Criterion) {
+    let mut pool = full_pool();
+    eprintln!(
+        "pool of {} registered blocks: {} heap bytes = {:.1} bytes/block",
+        pool.num_registered(),
+        pool.heap_bytes(),
+        pool.heap_bytes() as f64 / N as f64
+    );
+    // A prompt whose blocks were registered at scattered times (stride 397 through the pool).
+    let prompt: Vec<SequenceHash> = (0..PROMPT as u64)
+        .map(|i| key((i * 397) % N as u64))
+        .collect();
+    let std_map: HashMap<u128, u32> = (0..N as u64).map(|i| (key(i).0, i as u32)).collect();
+
+    let mut g = c.benchmark_group(clock::group_name("pool_1M"));
+    g.throughput(Throughput::Elements(PROMPT as u64));
+    g.bench_function("baseline_std_hashmap_2048_lookups", |b| {
+        b.iter_custom(|it| {
+            clock::time(it, || {
+                black_box(
+                    prompt
+                        .iter()
+                        .take_while(|h| std_map.contains_key(&h.0))
+                        .count(),
+                );
+            })
+        })
+    });
+    g.bench_function("peek_prefix_2048", |b| {
+        b.iter_custom(|it| {
+            clock::time(it, || {
+                black_box(pool.peek_prefix(black_box(&prompt)));
+            })
+        })
+    });
+    g.bench_function("match_prefix_2048_and_release", |b| {
+        b.iter_custom(|it| {
+            clock::time(it, || {
+                let m = pool.match_prefix(black_box(&prompt));
+                for blk in &m {
+                    let _ = pool.release(*blk);
+                }
+                black_box(m.len());
+            })
+        })
+    });
+    // Allocate 64 blocks (evicting the least recently used), register them under fresh keys,
+    // release them: the steady state of a full tier.
+    const BATCH: usize = 64;
+    g.throughput(Throughput::Elements(BATCH as u64));
+    let mut next = N as u64 + 1;
+    g.bench_function("allocate_register_evict_64", |b| {
+        b.iter_custom(|iters| {
+            let d = clock::time(iters, || {
+                let blocks = pool.allocate(BATCH).unwrap_or_default();
+                for blk in blocks {
+                    let got = pool.register(blk, key(next), Priority(0)).unwrap_or(blk);
+                    let _ = pool.release(got);
+                    next += 1;
+                }
+            });
+            let _ = pool.take_events();
+            d
+        })
+    });
+    g.finish();
+    black_box(pool.num_registered());
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
