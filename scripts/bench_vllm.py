@@ -104,7 +104,7 @@ def run_both(model: Path, requests: list[list[int]], g1_blocks: int, kv: dict, l
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--system", type=int, default=128)
     ap.add_argument("--user", type=int, default=128)
