@@ -253,7 +253,7 @@ impl PyWorker {
             disk_dir = Some(dir);
         }
         // The shared remote tier (G4): puts go host -> remote; loads go remote -> device via a bounce buffer.
-        let remote = crate::vllm_support::remote_store(&settings)?;
+        let remote = crate::vllm_support::remote_store(settings)?;
         let mut remote_bounce = None;
         if let Some(store) = &remote {
             builder = builder.remote(Arc::clone(store));
