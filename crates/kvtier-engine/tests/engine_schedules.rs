@@ -14,10 +14,11 @@ use proptest::prelude::*;
 
 const SEED: u64 = 41;
 
+type Memo = HashMap<(Vec<u32>, usize), Vec<u32>>;
+
 /// Reference answers, computed once per (prompt, max_tokens) on a roomy engine, alone.
 fn reference(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
-    static CACHE: Mutex<Option<(EngineHandle, HashMap<(Vec<u32>, usize), Vec<u32>>)>> =
-        Mutex::new(None);
+    static CACHE: Mutex<Option<(EngineHandle, Memo)>> = Mutex::new(None);
     let mut g = CACHE.lock().unwrap();
     let (e, memo) = g.get_or_insert_with(|| {
         let mut c = EngineConfig::builtin(SEED);
