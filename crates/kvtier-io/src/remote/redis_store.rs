@@ -15,7 +15,7 @@
 //! - `get` returns bytes only after `frame::decode_into` checked header and checksum.
 //!
 //! Locking: `slots[i]` guards pooled connection `i` (`None` = not connected). An operation holds one
-//! slot's lock for its whole round trip; `next` only spreads threads over the slots. `down` guards
+//! slot's lock for its whole round trip; `next` only spreads waiting threads over the slots. `down` guards
 //! the outage record and is never held across network I/O.
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -219,11 +219,12 @@ impl RedisStore {
         })
     }
 
+    /// The lowest-numbered free slot (so a single thread keeps reusing one warm connection and
+    /// its buffers), or, when all are busy, a wait on one chosen round-robin.
     fn lock_slot(&self) -> MutexGuard<'_, Option<Conn>> {
         let n = self.slots.len();
-        let start = self.next.fetch_add(1, Ordering::Relaxed);
         for i in 0..n {
-            match self.slots[(start + i) % n].try_lock() {
+            match self.slots[i].try_lock() {
                 Ok(g) => return g,
                 Err(std::sync::TryLockError::Poisoned(p)) => {
                     // A panic elsewhere while holding the slot: its connection state is unknown.
@@ -234,6 +235,7 @@ impl RedisStore {
                 Err(std::sync::TryLockError::WouldBlock) => {}
             }
         }
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
         self.slots[start % n].lock().unwrap_or_else(|p| {
             let mut g = p.into_inner();
             *g = None;
