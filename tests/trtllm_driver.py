@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import pickle
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -426,6 +427,7 @@ class FakeTrtllmEngine:
         legacy_request_data: bool = False,
         stream_factory: Optional[Callable[[], Any]] = None,
         verify: bool = True,
+        compute: bool = True,
     ):
         assert role in ("agg", "prefill", "decode")
         self.geo = geo
@@ -435,6 +437,7 @@ class FakeTrtllmEngine:
         self.max_num_requests = max_num_requests
         self.legacy = legacy_request_data
         self.verify = verify
+        self.compute = compute  # False: skip writing KV (benchmarks of the connector alone)
         self.stream_factory = stream_factory or (lambda: None)
         self.args = [LlmArgs(geo.tokens_per_block, geo.world_size, r) for r in range(geo.world_size)]
         self.pools = [make_pool(pool_kind, num_device_blocks, geo) for _ in range(geo.world_size)]
@@ -442,9 +445,24 @@ class FakeTrtllmEngine:
         # TensorRT-LLM's order: every rank's worker, then rank 0's scheduler, then the pools.
         self.workers = [worker_cls(a) for a in self.args] if worker_cls else []
         self.scheduler = scheduler_cls(self.args[0]) if scheduler_cls else None
+        # Ranks register in parallel, as separate processes would (a ZeroMQ handshake needs them all).
+        errors: list = []
+
+        def register(w: Any, p: Any) -> None:
+            try:
+                w.register_kv_caches(p.tensor)
+            except BaseException as e:  # re-raised below on the engine's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=register, args=(w, p)) for w, p in zip(self.workers, self.pools)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
         self.forward_callables = []
-        for w, p in zip(self.workers, self.pools):
-            w.register_kv_caches(p.tensor)
+        for w in self.workers:
             cb = getattr(w, "register_forward_pass_callable", None)
             self.forward_callables.append(cb() if cb else None)
         self.managers = [_RankManager(w) for w in self.workers]
@@ -628,6 +646,8 @@ class FakeTrtllmEngine:
                 )
 
     def _compute(self, rank: int, req: LlmRequest, layer: int, start: int, n: int) -> None:
+        if not self.compute:
+            return
         g = self.geo
         tpb = g.tokens_per_block
         sl = slice(rank * g.heads_per_rank * g.head_dim, (rank + 1) * g.heads_per_rank * g.head_dim)
@@ -725,8 +745,13 @@ class FakeTrtllmEngine:
         return work or bool(self.waiting or self.running or self.loading or self.saving)
 
     def _append_token(self, req: LlmRequest) -> None:
-        hs = prefix_hashes(req.get_tokens(0))
-        req._tokens.append(next_token(hs[-1]))
+        h = getattr(req, "_last_hash", None)
+        if h is None or getattr(req, "_hashed_len", -1) != len(req._tokens):
+            h = prefix_hashes(req.get_tokens(0))[-1]
+        tok = next_token(h)
+        req._tokens.append(tok)
+        req._last_hash = _mix(h ^ ((tok + 1) * 0x9E3779B97F4A7C15))
+        req._hashed_len = len(req._tokens)
 
     def _register_full_blocks(self, req: LlmRequest) -> None:
         tokens = req.get_tokens(0)

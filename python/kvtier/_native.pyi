@@ -82,14 +82,21 @@ KVTIER_* / DYN_KVBM_* environment. Adapter keys:
 - ``bytes_per_block`` (int): one block summed over all ranks. Without it the Leader waits (up to
   ``connector.leader_worker_timeout_secs``) for an in-process Worker's layout and assumes equal shards.
 - ``num_device_blocks`` (int): the engine's G1 block count (checked against block ids).
-- ``link`` (Worker: "engine" (default) | "in_process"): "engine" buffers job reports for
-  ``take_reports()`` -> ``Leader.apply_reports(blob)`` through the engine's own channel;
-  "in_process" hands them straight to the Leader of this process with the same ``channel`` key.
+- ``link`` (Worker: "engine" (default) | "in_process" | "zmq"; Leader: "zmq" or unset):
+  "engine" buffers job reports for ``take_reports()`` -> ``Leader.apply_reports(blob)`` through the
+  engine's own channel; "in_process" hands them straight to the Leader of this process with the
+  same ``channel`` key; "zmq" connects to the Leader over ZeroMQ (every rank says hello, the Leader
+  agrees on the ranks' layout; Worker construction waits for that handshake).
+- ``zmq_endpoint`` (str): the Leader binds / Workers connect here; default
+  ``connector.zmq_endpoint`` (``KVTIER_ZMQ_ENDPOINT``), else ``tcp://127.0.0.1:56119``.
 - ``channel`` (str, default "default"): pairs an in-process Leader with its Workers.
 - ``layout`` (Worker): "trtllm_pool" | "vllm_cuda" (auto K/V-first or block-first) |
   "vllm_cuda_kv_first" | "vllm_cuda_block_first" | "vllm_mla" | "vllm_cpu"; default: "trtllm_pool"
   for one 4-D tensor, else "vllm_cpu" for CPU tensors, "vllm_cuda" for CUDA tensors.
 - ``dtype`` (str, Worker): overrides the tensors' dtype name.
+- ``finished_ids_are_saving`` (bool, Worker, default False): the engine passes ``get_finished`` only
+  requests whose ``request_finished`` returned True (TensorRT-LLM), so they are reported saved as
+  soon as their stores are done, without waiting for the next metadata's ``saving`` list.
 """
 
 class Leader:

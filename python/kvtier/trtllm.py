@@ -132,6 +132,14 @@ def _ids(xs: Iterable[Any]) -> list[str]:
     return [str(int(x)) for x in xs]
 
 
+def _uses_zmq(llm_args: Any) -> bool:
+    """Ranks reach the leader over ZeroMQ when they live in other processes (TensorRT-LLM with
+    tensor parallelism) or when an endpoint is configured explicitly."""
+    if os.environ.get("KVTIER_ZMQ_ENDPOINT"):
+        return True
+    return TRTLLM_BASE_MODULE is not None and _world_size(llm_args) > 1
+
+
 def _settings(llm_args: Any, **extra: Any) -> dict[str, Any]:
     """The engine-supplied settings of this engine (the rest comes from KVTIER_* / DYN_KVBM_*)."""
     s: dict[str, Any] = {
@@ -162,7 +170,8 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
         if _SchedulerBase is not object:
             super().__init__(llm_args)
         self._llm_args = llm_args
-        self._leader = _native.Leader(_settings(llm_args))
+        extra = {"link": "zmq"} if _uses_zmq(llm_args) else {}
+        self._leader = _native.Leader(_settings(llm_args, **extra))
 
     @property
     def leader(self) -> Any:
@@ -239,19 +248,25 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
 
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:
         desc = describe(kv_cache_tensor)
-        if self._rank == 0:
+        if _uses_zmq(self._llm_args):
+            # Ranks in other processes (and, for uniformity, rank 0 too) talk to the leader over
+            # ZeroMQ at KVTIER_ZMQ_ENDPOINT (default tcp://127.0.0.1:56119).
+            link = "zmq"
+        elif self._rank == 0:
             # The scheduler lives in rank 0's process: job reports go to it directly.
             link = "in_process"
-        elif TRTLLM_BASE_MODULE is None:
+        else:
             # No TensorRT-LLM (tests, custom drivers running all ranks in one process): the caller
             # carries this rank's reports, worker.native.take_reports() -> scheduler.leader.apply_reports().
             link = "engine"
-        else:
-            raise ConnectorError(
-                "kvtier's TensorRT-LLM connector runs tensor parallelism within one process only for now: "
-                f"rank {self._rank} lives in another process than the scheduler and has no channel to it"
-            )
-        settings = _settings(self._llm_args, rank=self._rank, link=link, layout="trtllm_pool")
+        settings = _settings(
+            self._llm_args,
+            rank=self._rank,
+            link=link,
+            layout="trtllm_pool",
+            # TensorRT-LLM passes get_finished only requests whose request_finished returned True.
+            finished_ids_are_saving=True,
+        )
         self._worker = _native.Worker(settings, desc)
 
     def bind_connector_meta(self, metadata: object) -> None:

@@ -1,6 +1,9 @@
 //! The `kvtier` binary: `serve`, `bench`, `inspect`. With no command it runs `kvtier bench` on its
 //! embedded defaults (the project's main job).
 
+#[path = "bench/transfer.rs"]
+mod bench_transfer;
+
 use clap::{Parser, Subcommand};
 use kvtier_cli::cmd::{bench::BenchArgs, inspect::InspectArgs, serve::ServeArgs};
 
@@ -30,6 +33,9 @@ fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
+    if let Some(r) = bench_transfer::try_run() {
+        return r;
+    }
     let cli = Cli::parse();
     let command = match cli.command {
         Some(c) => c,

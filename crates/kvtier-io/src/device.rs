@@ -18,7 +18,7 @@ pub use kvtier::layout::DeviceKind;
 
 enum Mover {
     Cpu,
-    Cuda(crate::cuda::CudaMover),
+    Cuda(Box<crate::cuda::CudaMover>),
 }
 
 pub(crate) struct DeviceSide {
@@ -32,13 +32,19 @@ impl DeviceSide {
         layout: Arc<dyn BlockChunks>,
         kind: DeviceKind,
         host: Option<&HostStorage>,
+        method: crate::cuda::CudaCopyMethod,
     ) -> Result<Self, IoError> {
         let mover = match kind {
             DeviceKind::Cpu => Mover::Cpu,
             DeviceKind::Cuda(ordinal) => {
                 let ordinal = i32::try_from(ordinal)
                     .map_err(|_| IoError::Config(format!("CUDA device {ordinal}")))?;
-                Mover::Cuda(crate::cuda::CudaMover::new(ordinal, layout.as_ref(), host)?)
+                Mover::Cuda(Box::new(crate::cuda::CudaMover::new(
+                    ordinal,
+                    layout.as_ref(),
+                    host,
+                    method,
+                )?))
             }
         };
         Ok(DeviceSide {

@@ -12,6 +12,7 @@ use kvtier::transfer::{
 };
 use kvtier::Tier;
 
+use crate::cuda::CudaCopyMethod;
 use crate::device::{DeviceKind, DeviceSide};
 use crate::disk::DiskStorage;
 use crate::error::IoError;
@@ -27,9 +28,15 @@ pub struct TransferEngineBuilder {
     disk: Option<Arc<DiskStorage>>,
     remote: Option<Arc<dyn RemoteStore>>,
     bytes_per_block: Option<usize>,
+    cuda_copy: CudaCopyMethod,
 }
 
 impl TransferEngineBuilder {
+    /// How CUDA copies move scattered chunks (default `Auto`).
+    pub fn cuda_copy_method(mut self, m: CudaCopyMethod) -> Self {
+        self.cuda_copy = m;
+        self
+    }
     /// The engine's KV memory: where each device block's chunks are, and whether that memory
     /// is CUDA or CPU memory. The engine keeps that memory alive while the TransferEngine lives.
     pub fn device(mut self, layout: Arc<dyn BlockChunks>, kind: DeviceKind) -> Self {
@@ -89,7 +96,12 @@ impl TransferEngineBuilder {
             return Err(IoError::Config("blocks of zero bytes".into()));
         }
         let device = match self.device {
-            Some((layout, kind)) => Some(DeviceSide::open(layout, kind, self.host.as_deref())?),
+            Some((layout, kind)) => Some(DeviceSide::open(
+                layout,
+                kind,
+                self.host.as_deref(),
+                self.cuda_copy,
+            )?),
             None => None,
         };
         Ok(TransferEngine {

@@ -33,6 +33,7 @@
 //! assert!(out.iter().all(|&b| b == 7));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+pub mod bench;
 pub mod cuda;
 mod device;
 pub mod disk;
@@ -43,6 +44,7 @@ pub mod layout;
 pub mod remote;
 mod sys;
 
+pub use cuda::CudaCopyMethod;
 pub use device::DeviceKind;
 pub use disk::{DirectMode, DiskIoMode, DiskOptions, DiskStorage, Fault, FaultInjector, FaultOp};
 pub use engine::{TransferEngine, TransferEngineBuilder};

@@ -3,7 +3,8 @@
 //!
 //! Invariants: the Rust leader is built exactly once, with the ranks' layout: at construction
 //! when the settings give `bytes_per_block`, otherwise at first use from the layout an
-//! in-process Worker registered (waiting up to `connector.leader_worker_timeout_secs`, without
+//! in-process Worker registered, or from the ZeroMQ handshake of every rank when a
+//! `zmq_endpoint` is configured (waiting up to `connector.leader_worker_timeout_secs`, without
 //! the GIL). Job reports are applied before every call: from the in-process channel, and from
 //! `apply_reports` blobs. One mutex guards the whole state; engines call from one thread.
 use std::sync::mpsc::Receiver;
@@ -13,6 +14,8 @@ use std::time::Duration;
 use kvtier::connector::leader::{Capacity, DiskPolicy, Leader, LeaderConfig, LeaderStats};
 use kvtier::connector::messages::{ClusterLayout, WorkerReport, PROTOCOL_VERSION};
 use kvtier::connector::step::{SchedulerStep, StepRecord};
+use kvtier::connector::zmq::LeaderChannel;
+use kvtier::connector::ConnectorError;
 use kvtier::ids::{DeviceBlockId, RequestId, Tier};
 use kvtier::pool::PoolEvent;
 use pyo3::prelude::*;
@@ -150,9 +153,18 @@ fn decode_reports(blob: &[u8]) -> BridgeResult<Vec<WorkerReport>> {
     Ok(reports)
 }
 
-struct Pending {
-    rendezvous: Arc<Rendezvous>,
-    timeout: Duration,
+/// Where the ranks' layout comes from when the settings do not give `bytes_per_block`.
+enum Pending {
+    /// Rank 0's worker in this process registers it.
+    InProcess {
+        rendezvous: Arc<Rendezvous>,
+        timeout: Duration,
+    },
+    /// Every rank says hello over ZeroMQ; the handshake runs on its own thread from construction.
+    Zmq {
+        handshake: Receiver<Result<ClusterLayout, ConnectorError>>,
+        timeout: Duration,
+    },
 }
 
 struct Inner {
@@ -163,6 +175,7 @@ struct Inner {
     pending: Option<Pending>,
     leader: Option<Leader>,
     reports: Option<Receiver<WorkerReport>>,
+    zmq: Option<Arc<LeaderChannel>>,
     shut_down: bool,
 }
 
@@ -214,42 +227,77 @@ impl Inner {
             ));
         }
         if self.leader.is_none() {
-            let Some(p) = self.pending.as_ref() else {
-                return Err(BridgeError::local(
-                    Family::Connector,
-                    "leader has no layout source",
-                ));
-            };
-            let rv = Arc::clone(&p.rendezvous);
-            let timeout = p.timeout;
-            let layouts = py.detach(|| rv.wait_for(0, timeout)).ok_or_else(|| {
-                BridgeError::local(
-                    Family::Connector,
-                    format!(
-                        "no kvtier worker of rank 0 registered its KV cache in this process within {}s \
-                         (connector.leader_worker_timeout_secs); the scheduler needs rank 0's worker in its process",
-                        timeout.as_secs()
-                    ),
-                )
-            })?;
-            let r0 = &layouts[0];
-            if r0.block_size as usize != self.block_size {
-                return Err(BridgeError::local(
-                    Family::Connector,
-                    format!(
-                        "rank 0 registered {} tokens per block, the leader was configured with {}",
-                        r0.block_size, self.block_size
-                    ),
-                ));
+            match self.pending.take() {
+                None => {
+                    return Err(BridgeError::local(
+                        Family::Connector,
+                        "leader has no layout source",
+                    ))
+                }
+                Some(Pending::InProcess {
+                    rendezvous,
+                    timeout,
+                }) => {
+                    let rv = Arc::clone(&rendezvous);
+                    let layouts = py.detach(|| rv.wait_for(0, timeout));
+                    let Some(layouts) = layouts else {
+                        self.pending = Some(Pending::InProcess {
+                            rendezvous,
+                            timeout,
+                        });
+                        return Err(BridgeError::local(
+                            Family::Connector,
+                            format!(
+                                "no kvtier worker of rank 0 registered its KV cache in this process within {}s \
+                                 (connector.leader_worker_timeout_secs); the scheduler needs rank 0's worker in its process",
+                                timeout.as_secs()
+                            ),
+                        ));
+                    };
+                    let r0 = &layouts[0];
+                    if r0.block_size as usize != self.block_size {
+                        return Err(BridgeError::local(
+                            Family::Connector,
+                            format!(
+                                "rank 0 registered {} tokens per block, the leader was configured with {}",
+                                r0.block_size, self.block_size
+                            ),
+                        ));
+                    }
+                    // Tensor-parallel shards are equal: every rank holds rank 0's bytes per block.
+                    let layout = ClusterLayout {
+                        block_size: r0.block_size,
+                        num_device_blocks: r0.num_device_blocks,
+                        bytes_per_block: vec![r0.bytes_per_block; self.world_size as usize],
+                    };
+                    self.reports = rendezvous.take_receiver();
+                    self.build(layout)?;
+                }
+                Some(Pending::Zmq { handshake, timeout }) => {
+                    let (handshake, got) = py.detach(move || {
+                        let got = handshake.recv_timeout(timeout + Duration::from_secs(5));
+                        (handshake, got)
+                    });
+                    let layout = match got {
+                        Ok(Ok(l)) => l,
+                        Ok(Err(e)) => return Err(e.into()),
+                        Err(_) => {
+                            self.pending = Some(Pending::Zmq { handshake, timeout });
+                            return Err(BridgeError::local(
+                                Family::Connector,
+                                format!(
+                                    "the ranks did not all connect over ZeroMQ within {}s (connector.leader_worker_timeout_secs)",
+                                    timeout.as_secs()
+                                ),
+                            ));
+                        }
+                    };
+                    self.build(layout)?;
+                    if let (Some(ch), Some(l)) = (&self.zmq, &self.leader) {
+                        ch.attach(l.report_sender())?;
+                    }
+                }
             }
-            // Tensor-parallel shards are equal: every rank holds rank 0's bytes per block.
-            let layout = ClusterLayout {
-                block_size: r0.block_size,
-                num_device_blocks: r0.num_device_blocks,
-                bytes_per_block: vec![r0.bytes_per_block; self.world_size as usize],
-            };
-            self.reports = rv.take_receiver();
-            self.build(layout)?;
         }
         let leader = self
             .leader
@@ -319,8 +367,14 @@ impl PyLeader {
         let async_loads = settings.bool("async_loads")?.unwrap_or(false);
         let total = settings.usize("bytes_per_block")?;
         let num_device_blocks = settings.usize("num_device_blocks")?;
-        let timeout = Duration::from_secs(settings.config.connector.leader_worker_timeout_secs);
+        let timeout = settings.timeout();
         let channel = settings.channel()?;
+        // ZeroMQ only when the adapter asks for it (ranks in other processes).
+        let zmq_endpoint = if settings.string("link")?.as_deref() == Some("zmq") {
+            Some(settings.zmq_endpoint_or_default()?)
+        } else {
+            None
+        };
         let mut inner = Inner {
             block_size,
             world_size,
@@ -329,10 +383,33 @@ impl PyLeader {
             pending: None,
             leader: None,
             reports: None,
+            zmq: None,
             shut_down: false,
         };
         // Every leader owns a rendezvous, so in-process workers of its engine can reach it.
         let rv = Rendezvous::for_leader(&channel);
+        if let Some(endpoint) = zmq_endpoint {
+            let ch = Arc::new(LeaderChannel::bind(&endpoint).map_err(BridgeError::from)?);
+            let (tx, rx) = std::sync::mpsc::channel();
+            let hs = Arc::clone(&ch);
+            let bs = block_size as u32;
+            std::thread::Builder::new()
+                .name("kvtier-handshake".into())
+                .spawn(move || {
+                    let _ = tx.send(hs.handshake(world_size, bs, timeout));
+                })
+                .map_err(|e| BridgeError::local(Family::Connector, format!("spawn: {e}")))?;
+            inner.zmq = Some(ch);
+            inner.pending = Some(Pending::Zmq {
+                handshake: rx,
+                timeout,
+            });
+            return Ok(PyLeader {
+                inner: Mutex::new(inner),
+                block_size,
+                async_loads,
+            });
+        }
         match total {
             Some(total) if total > 0 => {
                 let per_rank = (total as u64) / u64::from(world_size);
@@ -347,7 +424,7 @@ impl PyLeader {
                 inner.build(layout)?;
             }
             _ => {
-                inner.pending = Some(Pending {
+                inner.pending = Some(Pending::InProcess {
                     rendezvous: rv,
                     timeout,
                 })
@@ -487,5 +564,10 @@ impl PyLeader {
         g.leader = None;
         g.pending = None;
         g.reports = None;
+        if let Some(ch) = g.zmq.take() {
+            if let Ok(ch) = Arc::try_unwrap(ch) {
+                ch.shutdown();
+            }
+        }
     }
 }

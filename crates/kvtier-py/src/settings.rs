@@ -13,6 +13,10 @@ use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 use crate::errors::{BridgeError, BridgeResult, Family};
 
+/// Where the leader listens when a `zmq` link is asked for and no endpoint is configured (one
+/// engine per node; set `KVTIER_ZMQ_ENDPOINT` to run several).
+pub const DEFAULT_ZMQ_ENDPOINT: &str = "tcp://127.0.0.1:56119";
+
 /// Keys the adapters pass that are not kvtier configuration keys.
 const ADAPTER_KEYS: &[&str] = &[
     "block_size",
@@ -26,6 +30,8 @@ const ADAPTER_KEYS: &[&str] = &[
     "channel",
     "layout",
     "dtype",
+    "finished_ids_are_saving",
+    "zmq_endpoint",
     // Informational keys some adapters pass along; accepted and ignored here.
     "role",
     "backend_module",
@@ -197,6 +203,26 @@ impl Settings {
             None,
             self.config.hashing.salt.as_deref(),
         ))
+    }
+
+    /// The ZeroMQ endpoint of the leader <-> worker channel: the `zmq_endpoint` setting, else
+    /// `connector.zmq_endpoint` (`KVTIER_ZMQ_ENDPOINT`).
+    pub fn zmq_endpoint(&self) -> BridgeResult<Option<String>> {
+        Ok(self
+            .string("zmq_endpoint")?
+            .or_else(|| self.config.connector.zmq_endpoint.clone())
+            .filter(|e| !e.trim().is_empty()))
+    }
+
+    /// [`Settings::zmq_endpoint`], else [`DEFAULT_ZMQ_ENDPOINT`].
+    pub fn zmq_endpoint_or_default(&self) -> BridgeResult<String> {
+        Ok(self
+            .zmq_endpoint()?
+            .unwrap_or_else(|| DEFAULT_ZMQ_ENDPOINT.to_string()))
+    }
+
+    pub fn timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.config.connector.leader_worker_timeout_secs)
     }
 
     /// The in-process channel key pairing a Leader with its Workers.

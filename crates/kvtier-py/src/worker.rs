@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvtier::connector::messages::{RankLayout, StepMetadata, WorkerReport};
 use kvtier::connector::worker::{ReportSink, Worker, WorkerLink};
+use kvtier::connector::zmq::WorkerChannel;
 use kvtier::connector::ConnectorError;
 use kvtier::ids::RequestId;
 use kvtier::layout::{self, DeviceLayout, EngineLayoutKind};
@@ -117,6 +118,8 @@ fn io_err(e: kvtier_io::IoError) -> BridgeError {
 struct Inner {
     worker: Option<Worker>,
     buffer: Option<Arc<BufferSink>>,
+    /// Kept open for the worker's lifetime (link "zmq"); closed after the worker.
+    zmq: Option<WorkerChannel>,
     disk_dir: Option<PathBuf>,
 }
 
@@ -141,7 +144,11 @@ impl PyWorker {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn build(settings: &Settings, tensors: Vec<(String, TensorDesc)>) -> BridgeResult<Self> {
+    fn build(
+        py: Python<'_>,
+        settings: &Settings,
+        tensors: Vec<(String, TensorDesc)>,
+    ) -> BridgeResult<Self> {
         let block_size = settings.block_size()?;
         let world_size = settings.world_size()?;
         let rank = u32::try_from(settings.usize("rank")?.unwrap_or(0))
@@ -164,9 +171,38 @@ impl PyWorker {
         let dl = DeviceLayout::new(kind, &core, dtype)?;
         let bpb = dl.bytes_per_block();
         let num_blocks = dl.num_blocks();
-        let total = match settings.usize("bytes_per_block")? {
-            Some(t) if t > 0 => t,
-            _ => bpb * world_size as usize,
+        let link_name = settings
+            .string("link")?
+            .unwrap_or_else(|| "engine".to_string());
+        let me = RankLayout {
+            rank,
+            world_size,
+            block_size: block_size as u32,
+            bytes_per_block: bpb as u64,
+            num_device_blocks: u32::try_from(num_blocks).map_err(|_| {
+                BridgeError::local(
+                    Family::Layout,
+                    format!("{num_blocks} device blocks is too many"),
+                )
+            })?,
+        };
+        let mut zmq = None;
+        let total = if link_name == "zmq" {
+            let endpoint = settings.zmq_endpoint_or_default()?;
+            let timeout = settings.timeout();
+            let hello = me.clone();
+            // Waits until every rank said hello and the leader agreed on the layout.
+            let ch = py
+                .detach(|| WorkerChannel::connect(&endpoint, hello, timeout))
+                .map_err(BridgeError::from)?;
+            let total = ch.layout().total_bytes_per_block() as usize;
+            zmq = Some(ch);
+            total
+        } else {
+            match settings.usize("bytes_per_block")? {
+                Some(t) if t > 0 => t,
+                _ => bpb * world_size as usize,
+            }
         };
         let caps = settings.config.resolve_capacity(total)?;
         let n32 = |n: usize, what: &str| {
@@ -217,9 +253,6 @@ impl PyWorker {
         }
         let main: Arc<dyn BlockTransfer> = Arc::new(builder.build().map_err(io_err)?);
         let engine: Arc<dyn BlockTransfer> = Arc::new(StagedTransfer::new(main, bounce));
-        let link_name = settings
-            .string("link")?
-            .unwrap_or_else(|| "engine".to_string());
         let (link, buffer) = match link_name.as_str() {
             "engine" => {
                 let buf = Arc::new(BufferSink::default());
@@ -228,15 +261,18 @@ impl PyWorker {
                     Some(buf),
                 )
             }
+            "zmq" => match &zmq {
+                Some(ch) => (WorkerLink::new(rank, world_size, ch.sink()), None),
+                None => {
+                    return Err(BridgeError::local(
+                        Family::Connector,
+                        "ZeroMQ channel missing",
+                    ))
+                }
+            },
             "in_process" => {
                 let rv = Rendezvous::for_worker(&settings.channel()?, rank);
-                rv.register(RankLayout {
-                    rank,
-                    world_size,
-                    block_size: block_size as u32,
-                    bytes_per_block: bpb as u64,
-                    num_device_blocks: n32(num_blocks, "device")?,
-                });
+                rv.register(me);
                 (
                     WorkerLink::new(rank, world_size, Arc::new(rv.report_sender())),
                     None,
@@ -245,7 +281,7 @@ impl PyWorker {
             other => {
                 return Err(BridgeError::local(
                     Family::Config,
-                    format!("link: {other:?} is not \"engine\" or \"in_process\""),
+                    format!("link: {other:?} is not \"engine\", \"in_process\" or \"zmq\""),
                 ))
             }
         };
@@ -259,10 +295,16 @@ impl PyWorker {
             link = %link_name,
             "kvtier worker registered its KV cache"
         );
+        let mut worker = Worker::new(engine, link);
+        // TensorRT-LLM passes get_finished only the requests request_finished answered True for.
+        worker.set_finished_ids_are_saving(
+            settings.bool("finished_ids_are_saving")?.unwrap_or(false),
+        );
         Ok(PyWorker {
             inner: Mutex::new(Inner {
-                worker: Some(Worker::new(engine, link)),
+                worker: Some(worker),
                 buffer,
+                zmq,
                 disk_dir,
             }),
             rank,
@@ -281,6 +323,7 @@ fn shut(py: Python<'_>, inner: &mut Inner) {
             drop(w);
         });
     }
+    inner.zmq = None;
     if let Some(dir) = inner.disk_dir.take() {
         if let Err(e) = std::fs::remove_dir_all(&dir) {
             tracing::warn!(error = %e, dir = %dir.display(), "could not remove the disk tier's files");
@@ -300,10 +343,14 @@ fn ids(v: Vec<RequestId>) -> Vec<String> {
 impl PyWorker {
     #[new]
     #[pyo3(signature = (settings, tensors))]
-    fn py_new(settings: Option<&Bound<'_, PyDict>>, tensors: &Bound<'_, PyAny>) -> PyResult<Self> {
+    fn py_new(
+        py: Python<'_>,
+        settings: Option<&Bound<'_, PyDict>>,
+        tensors: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
         let tensors = tensors_from_py(tensors)?;
         let settings = Settings::from_py(settings)?;
-        Ok(PyWorker::build(&settings, tensors)?)
+        Ok(PyWorker::build(py, &settings, tensors)?)
     }
 
     #[getter]

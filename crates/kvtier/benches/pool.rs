@@ -3,12 +3,14 @@
 //! Baseline in the same run: the same 2,048 lookups in a `std::collections::HashMap<u128, u32>`.
 use std::collections::HashMap;
 use std::hint::black_box;
-use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvtier::hash::SequenceHash;
 use kvtier::pool::{BlockPool, Priority};
 use kvtier::Tier;
+
+#[path = "support/mod.rs"]
+mod clock;
 
 const N: usize = 1 << 20;
 const PROMPT: usize = 2048;
@@ -53,28 +55,36 @@ fn bench(c: &mut Criterion) {
         .collect();
     let std_map: HashMap<u128, u32> = (0..N as u64).map(|i| (key(i).0, i as u32)).collect();
 
-    let mut g = c.benchmark_group("pool_1M");
+    let mut g = c.benchmark_group(clock::group_name("pool_1M"));
     g.throughput(Throughput::Elements(PROMPT as u64));
     g.bench_function("baseline_std_hashmap_2048_lookups", |b| {
-        b.iter(|| {
-            black_box(
-                prompt
-                    .iter()
-                    .take_while(|h| std_map.contains_key(&h.0))
-                    .count(),
-            )
+        b.iter_custom(|it| {
+            clock::time(it, || {
+                black_box(
+                    prompt
+                        .iter()
+                        .take_while(|h| std_map.contains_key(&h.0))
+                        .count(),
+                );
+            })
         })
     });
     g.bench_function("peek_prefix_2048", |b| {
-        b.iter(|| black_box(pool.peek_prefix(black_box(&prompt))))
+        b.iter_custom(|it| {
+            clock::time(it, || {
+                black_box(pool.peek_prefix(black_box(&prompt)));
+            })
+        })
     });
     g.bench_function("match_prefix_2048_and_release", |b| {
-        b.iter(|| {
-            let m = pool.match_prefix(black_box(&prompt));
-            for blk in &m {
-                let _ = pool.release(*blk);
-            }
-            black_box(m.len())
+        b.iter_custom(|it| {
+            clock::time(it, || {
+                let m = pool.match_prefix(black_box(&prompt));
+                for blk in &m {
+                    let _ = pool.release(*blk);
+                }
+                black_box(m.len());
+            })
         })
     });
     // Allocate 64 blocks (evicting the least recently used), register them under fresh keys,
@@ -84,17 +94,16 @@ fn bench(c: &mut Criterion) {
     let mut next = N as u64 + 1;
     g.bench_function("allocate_register_evict_64", |b| {
         b.iter_custom(|iters| {
-            let start = Instant::now();
-            for _ in 0..iters {
+            let d = clock::time(iters, || {
                 let blocks = pool.allocate(BATCH).unwrap_or_default();
                 for blk in blocks {
                     let got = pool.register(blk, key(next), Priority(0)).unwrap_or(blk);
                     let _ = pool.release(got);
                     next += 1;
                 }
-            }
+            });
             let _ = pool.take_events();
-            start.elapsed().max(Duration::from_nanos(1))
+            d
         })
     });
     g.finish();

@@ -17,6 +17,21 @@
 //!   clears the other from lower layers; in one layer both may be set and `num_blocks` wins
 //!   (the `*_OVERRIDE_NUM_BLOCKS` semantics);
 //! - a built config has at least one offload tier, and disk or remote tiers only with a host tier.
+//!
+//! ```
+//! use std::collections::HashMap;
+//! use kvtier::config::{KvtierConfig, TierSize};
+//!
+//! let env: HashMap<String, String> = [("DYN_KVBM_CPU_CACHE_GB", "4")]
+//!     .into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+//! let engine = serde_json::json!({"disk": {"num_blocks": 1000, "dir": "/mnt/nvme"}});
+//! let cfg = KvtierConfig::build(None, &env, Some(&engine))?;
+//! assert_eq!(cfg.host.size, Some(TierSize::Gb(4.0)));
+//! // 2 MiB per block per rank, TP = 2.
+//! let caps = cfg.resolve_capacity(2 * 2 * 1024 * 1024)?;
+//! assert_eq!((caps.host_blocks, caps.disk_blocks), (953, 1000));
+//! # Ok::<(), kvtier::config::ConfigError>(())
+//! ```
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 

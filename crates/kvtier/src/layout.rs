@@ -26,6 +26,20 @@
 //! - chunks of distinct (block, plane) in one tensor never overlap;
 //! - every address computation `base + offset` fits in `u64` for every valid block;
 //! - the chunks of a block, in canonical order, sum to `bytes_per_block()`.
+//!
+//! ```
+//! use kvtier::layout::{DType, DeviceKind, DeviceLayout, TensorDesc};
+//! use kvtier::DeviceBlockId;
+//!
+//! // TensorRT-LLM: 100 blocks, 32 layers, K/V, 32 tokens x 8 KV heads x 128 dims, bf16.
+//! let pool = TensorDesc::contiguous("kv_pool", 0x7f00_0000_0000, vec![100, 32, 2, 32 * 8 * 128], 2, DeviceKind::Cuda(0));
+//! let layout = DeviceLayout::trtllm(&pool, 32, DType::BF16)?;
+//! assert_eq!(layout.bytes_per_block(), 32 * 2 * 32 * 8 * 128 * 2); // 4 MiB
+//! let chunks = layout.chunks(DeviceBlockId(3))?;
+//! assert_eq!(chunks.len(), 1); // a TensorRT-LLM block is one contiguous range
+//! assert_eq!(chunks[0].addr, 0x7f00_0000_0000 + 3 * layout.bytes_per_block() as u64);
+//! # Ok::<(), kvtier::layout::LayoutError>(())
+//! ```
 use serde::{Deserialize, Serialize};
 
 use crate::ids::DeviceBlockId;

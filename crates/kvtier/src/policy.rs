@@ -15,6 +15,19 @@
 //! Invariants: the filter holds at most `max_tracked` hashes; a hash is "seen twice within the
 //! window" exactly when its previous sighting is at most `window` before `now` and it was not
 //! forgotten for room in between; time going backwards counts as no time elapsed.
+//!
+//! ```
+//! use std::time::Duration;
+//! use kvtier::hash::SequenceHash;
+//! use kvtier::policy::{OffloadPolicy, PolicyParams};
+//! use kvtier::pool::Priority;
+//!
+//! let mut p = OffloadPolicy::new(PolicyParams::default()); // filter: 2nd sighting within 600 s
+//! let h = SequenceHash(42);
+//! assert!(p.offload_to_host(Priority(0)));
+//! assert!(!p.offload_to_disk(h, Priority(0), Duration::from_secs(10)));
+//! assert!(p.offload_to_disk(h, Priority(0), Duration::from_secs(200)));
+//! ```
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
@@ -66,14 +79,22 @@ impl From<&PolicyConfig> for PolicyParams {
 
 /// "Seen twice within the window" over a bounded set of hashes.
 ///
-/// `last_seen` maps a hash to its last sighting; `order` lists sightings oldest first, with
-/// stale entries (a hash seen again later) skipped lazily, and is compacted when it grows past
-/// twice the table, so both stay O(max_tracked).
+/// `last_seen` maps a hash to its last sighting (time and a sighting number); `order` lists
+/// sightings oldest first, with stale entries (a hash seen again later) skipped lazily by their
+/// sighting number, and is compacted when it grows past twice the table, so both stay
+/// O(max_tracked).
 #[derive(Debug)]
 pub struct FrequencyFilter {
     params: FilterParams,
-    last_seen: HashMap<u128, Duration>,
-    order: VecDeque<(u128, Duration)>,
+    last_seen: HashMap<u128, Sighting>,
+    order: VecDeque<(u128, Sighting)>,
+    next_seq: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Sighting {
+    at: Duration,
+    seq: u64,
 }
 
 impl FrequencyFilter {
@@ -82,6 +103,7 @@ impl FrequencyFilter {
             params,
             last_seen: HashMap::new(),
             order: VecDeque::new(),
+            next_seq: 0,
         }
     }
 
@@ -92,17 +114,17 @@ impl FrequencyFilter {
             return false;
         }
         self.expire(now);
-        let pass = match self.last_seen.get(&hash.0) {
-            Some(prev) => now.saturating_sub(*prev) <= self.params.window,
-            None => false,
+        let prev = self.last_seen.get(&hash.0).copied();
+        let pass = prev.is_some_and(|p| now.saturating_sub(p.at) <= self.params.window);
+        // Keep each hash's time monotonic so `order` stays sorted by time.
+        let at = prev.map_or(now, |p| p.at.max(now));
+        let sighting = Sighting {
+            at,
+            seq: self.next_seq,
         };
-        let now = match self.last_seen.get(&hash.0) {
-            // Keep each hash's time monotonic so `order` stays sorted.
-            Some(prev) if *prev > now => *prev,
-            _ => now,
-        };
-        self.last_seen.insert(hash.0, now);
-        self.order.push_back((hash.0, now));
+        self.next_seq += 1;
+        self.last_seen.insert(hash.0, sighting);
+        self.order.push_back((hash.0, sighting));
         while self.last_seen.len() > self.params.max_tracked {
             self.forget_oldest();
         }
@@ -121,34 +143,39 @@ impl FrequencyFilter {
         self.last_seen.is_empty()
     }
 
+    fn is_live(&self, h: u128, s: Sighting) -> bool {
+        self.last_seen.get(&h).is_some_and(|l| l.seq == s.seq)
+    }
+
     /// Forget sightings older than the window (they can no longer make a hash pass).
     fn expire(&mut self, now: Duration) {
-        while let Some(&(h, t)) = self.order.front() {
-            if now.saturating_sub(t) <= self.params.window {
+        while let Some(&(h, s)) = self.order.front() {
+            if now.saturating_sub(s.at) <= self.params.window {
                 break;
             }
             self.order.pop_front();
-            if self.last_seen.get(&h) == Some(&t) {
+            if self.is_live(h, s) {
                 self.last_seen.remove(&h);
             }
         }
     }
 
     fn forget_oldest(&mut self) {
-        while let Some((h, t)) = self.order.pop_front() {
-            if self.last_seen.get(&h) == Some(&t) {
+        while let Some((h, s)) = self.order.pop_front() {
+            if self.is_live(h, s) {
                 self.last_seen.remove(&h);
                 return;
             }
         }
     }
 
+    /// Drop stale sightings; the live ones keep their order.
     fn compact(&mut self) {
-        let mut live: Vec<(u128, Duration)> =
-            self.last_seen.iter().map(|(h, t)| (*h, *t)).collect();
-        // Oldest first; ties broken by hash so the order is deterministic.
-        live.sort_unstable_by_key(|(h, t)| (*t, *h));
-        self.order = live.into();
+        let order = std::mem::take(&mut self.order);
+        self.order = order
+            .into_iter()
+            .filter(|(h, s)| self.is_live(*h, *s))
+            .collect();
     }
 }
 

@@ -5,6 +5,18 @@
 //! `chain_block(hashes()[i-1], salt, block i's tokens)`, equal to what
 //! [`sequence_hashes`](crate::hash::sequence_hashes) gives for the same tokens, however the
 //! tokens were split across `append` calls; the partial tail block carries no hash.
+//!
+//! ```
+//! use std::num::NonZeroUsize;
+//! use kvtier::hash::HashSalt;
+//! use kvtier::tokens::TokenBlockSequence;
+//!
+//! let bs = NonZeroUsize::new(4).unwrap();
+//! let mut seq = TokenBlockSequence::new(HashSalt::new("my-model", None, None), bs);
+//! assert_eq!(seq.append(&[1, 2, 3]).len(), 0); // no full block yet
+//! assert_eq!(seq.append(&[4, 5]).len(), 1);    // block 0 completed
+//! assert_eq!(seq.partial_len(), 1);            // token 5 waits in the tail
+//! ```
 use std::num::NonZeroUsize;
 
 use crate::hash::{chain_block, HashSalt, SequenceHash};

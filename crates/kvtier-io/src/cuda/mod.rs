@@ -1,29 +1,584 @@
-//! CUDA copies between the engine's GPU blocks and the pinned host tier.
+//! CUDA copies between the engine's GPU blocks (scattered chunks) and the pinned host tier
+//! (contiguous blocks), on kvtier's own low-priority streams, ordered after the engine's work
+//! by events.
+//!
+//! Three ways to move a batch, chosen per job ([`CudaCopyMethod`]):
+//! - `PerChunk`: one `cuMemcpyAsync` per (coalesced) chunk: best when chunks are large (the
+//!   TensorRT-LLM pool: one 2 MiB chunk per block);
+//! - `Batch`: the same copies through one `cuMemcpyBatchAsync` call;
+//! - `Kernel`: a gather (offload) or scatter (onboard) kernel, compiled at run time with NVRTC,
+//!   packs scattered chunks into a device staging buffer, and the copy engine moves whole
+//!   blocks over PCIe; two staging halves pipeline kernel and copy. The kernel touches only
+//!   device memory, so it occupies the SMs for microseconds per batch, not for the transfer.
+//!
+//! Invariants: every job first makes both kvtier streams wait for the job's fence (an event
+//! recorded on the engine's stream), so engine memory is read or written only after the engine's
+//! earlier work; `copy` returns only after all its copies completed (or failed); a staging half
+//! and its descriptors are reused only after the event closing their previous use completed;
+//! per-direction state is guarded by its own mutex, so offload and onboard run concurrently.
+use std::sync::{Arc, Mutex};
+
 use kvtier::transfer::{Fence, TransferError};
 
 use crate::error::IoError;
 use crate::host::HostStorage;
 use crate::layout::{BlockChunks, Chunk};
+use crate::sys::cuda::{
+    self as cu, CuResult, DeviceAlloc, Driver, Event, Kernel, PinnedAlloc, Stream,
+};
 
-pub(crate) struct CudaMover {}
+/// How scattered chunks are moved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CudaCopyMethod {
+    /// Per job: `PerChunk` for large chunks, else `Kernel` (if NVRTC is available), else
+    /// `Batch` (if the driver has it), else `PerChunk`. Overridden by `KVTIER_CUDA_COPY`
+    /// (`chunk`, `batch`, `kernel`).
+    #[default]
+    Auto,
+    PerChunk,
+    Batch,
+    Kernel,
+}
+
+impl CudaCopyMethod {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "auto" => Some(Self::Auto),
+            "chunk" | "per-chunk" => Some(Self::PerChunk),
+            "batch" => Some(Self::Batch),
+            "kernel" => Some(Self::Kernel),
+            _ => None,
+        }
+    }
+}
+
+/// Chunks at least this large (on average) go straight through the copy engine.
+const LARGE_CHUNK: usize = 512 * 1024;
+/// Blocks per staging half.
+const HALF_BLOCKS: usize = 8;
+const THREADS: u32 = 256;
+
+const KERNEL_SRC: &str = r#"
+struct Desc { unsigned long long src, dst, len; };
+extern "C" __global__ void kvtier_copy_chunks(const Desc* __restrict__ d, unsigned int n) {
+    for (unsigned int i = blockIdx.x; i < n; i += gridDim.x) {
+        const Desc x = d[i];
+        const uint4* __restrict__ s = (const uint4*)x.src;
+        uint4* __restrict__ t = (uint4*)x.dst;
+        const unsigned long long n16 = x.len / 16;
+        unsigned long long k = threadIdx.x;
+        for (; k + 3 * blockDim.x < n16; k += 4 * blockDim.x) {
+            uint4 a = s[k], b = s[k + blockDim.x], c = s[k + 2 * blockDim.x], e = s[k + 3 * blockDim.x];
+            t[k] = a; t[k + blockDim.x] = b; t[k + 2 * blockDim.x] = c; t[k + 3 * blockDim.x] = e;
+        }
+        for (; k < n16; k += blockDim.x) t[k] = s[k];
+        const unsigned char* sb = (const unsigned char*)x.src;
+        unsigned char* tb = (unsigned char*)x.dst;
+        for (unsigned long long j = n16 * 16 + threadIdx.x; j < x.len; j += blockDim.x) tb[j] = sb[j];
+    }
+}
+"#;
+
+/// Event recorded on the engine's stream by `fence`.
+struct CudaFence(Event);
+
+/// One copy of `len` bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Copy {
+    src: u64,
+    dst: u64,
+    len: usize,
+}
+
+/// Per-direction resources (one in-flight job per direction).
+struct Dir {
+    copy: Stream,
+    kernel: Stream,
+    /// Kernel path: device staging (2 halves of HALF_BLOCKS blocks) and pinned descriptors.
+    staging: Option<(DeviceAlloc, [PinnedAlloc; 2])>,
+    half_done: [Event; 2],
+    handoff: [Event; 2],
+    done: Event,
+}
+
+pub(crate) struct CudaMover {
+    driver: Arc<Driver>,
+    bytes_per_block: usize,
+    method: CudaCopyMethod,
+    kernel: Option<Kernel>,
+    batch_available: bool,
+    d2h: Mutex<Dir>,
+    h2d: Mutex<Dir>,
+}
 
 impl CudaMover {
     pub(crate) fn new(
-        _ordinal: i32,
-        _layout: &dyn BlockChunks,
-        _host: Option<&HostStorage>,
+        ordinal: i32,
+        layout: &dyn BlockChunks,
+        host: Option<&HostStorage>,
+        method: CudaCopyMethod,
     ) -> Result<Self, IoError> {
-        Err(IoError::Cuda("CUDA transfers are not built yet".into()))
+        let driver = Driver::open(ordinal).map_err(IoError::Cuda)?;
+        let method = match std::env::var("KVTIER_CUDA_COPY")
+            .ok()
+            .as_deref()
+            .and_then(CudaCopyMethod::parse)
+        {
+            Some(m) => m,
+            None => method,
+        };
+        if let Some(h) = host {
+            if !h.is_pinned() {
+                tracing::warn!(
+                    "host tier is not pinned: CUDA copies will be slow (pageable memory)"
+                );
+            }
+        }
+        let bytes_per_block = layout.bytes_per_block();
+        let kernel = if matches!(method, CudaCopyMethod::Auto | CudaCopyMethod::Kernel) {
+            match compile_kernel() {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    tracing::warn!(
+                        "gather/scatter kernel unavailable ({e}); using copy-engine copies only"
+                    );
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        if method == CudaCopyMethod::Kernel && kernel.is_none() {
+            return Err(IoError::Cuda(
+                "copy method `kernel` asked for but NVRTC could not build it".into(),
+            ));
+        }
+        let batch_available = cu::has_symbol("cuMemcpyBatchAsync_v2");
+        if method == CudaCopyMethod::Batch && !batch_available {
+            return Err(IoError::Cuda(
+                "copy method `batch` needs a CUDA 12.8+ driver".into(),
+            ));
+        }
+        let dir = |with_staging: bool| -> CuResult<Dir> {
+            let staging = if with_staging {
+                let dev = (DeviceAlloc::new(2 * HALF_BLOCKS * bytes_per_block))?;
+                let nd = HALF_BLOCKS * max_chunks(layout) * 24;
+                Some((dev, [(PinnedAlloc::new(nd))?, (PinnedAlloc::new(nd))?]))
+            } else {
+                None
+            };
+            Ok(Dir {
+                copy: (Stream::new(false))?,
+                kernel: (Stream::new(true))?,
+                staging,
+                half_done: [(Event::new(false))?, (Event::new(false))?],
+                handoff: [(Event::new(false))?, (Event::new(false))?],
+                done: (Event::new(false))?,
+            })
+        };
+        let d2h = Mutex::new(dir(kernel.is_some()).map_err(IoError::Cuda)?);
+        let h2d = Mutex::new(dir(kernel.is_some()).map_err(IoError::Cuda)?);
+        tracing::info!(
+            ordinal,
+            ?method,
+            kernel = kernel.is_some(),
+            batch = batch_available,
+            "CUDA transfers ready"
+        );
+        Ok(CudaMover {
+            driver,
+            bytes_per_block,
+            method,
+            kernel,
+            batch_available,
+            d2h,
+            h2d,
+        })
     }
-    pub(crate) fn fence(&self, _s: Option<u64>) -> Result<Fence, TransferError> {
-        Ok(Fence::none())
+
+    pub(crate) fn fence(&self, engine_stream: Option<u64>) -> Result<Fence, TransferError> {
+        let Some(s) = engine_stream else {
+            return Ok(Fence::none());
+        };
+        self.driver.make_current().map_err(TransferError::Cuda)?;
+        let ev = Event::new(false).map_err(TransferError::Cuda)?;
+        // SAFETY: the engine hands its current stream of this device's primary context (or 0,
+        // the legacy default stream), live while it issues the job.
+        unsafe { ev.record_raw(s) }.map_err(TransferError::Cuda)?;
+        Ok(Fence(Some(Box::new(CudaFence(ev)))))
     }
+
+    /// Copy `items[k] = (pair index, chunks of the device block, host block address)`;
+    /// returns the failed pairs (all of them if a CUDA call failed: CUDA errors are not
+    /// attributable to one block).
     pub(crate) fn copy(
         &self,
-        _items: &[(usize, Vec<Chunk>, usize)],
-        _to_host: bool,
-        _fence: &Fence,
+        items: &[(usize, Vec<Chunk>, usize)],
+        to_host: bool,
+        fence: &Fence,
     ) -> Vec<(usize, String)> {
-        Vec::new()
+        if items.is_empty() {
+            return Vec::new();
+        }
+        match self.copy_inner(items, to_host, fence) {
+            Ok(()) => Vec::new(),
+            Err(e) => items
+                .iter()
+                .map(|(i, _, _)| (*i, format!("CUDA: {e}")))
+                .collect(),
+        }
+    }
+
+    /// The method a job with these chunks uses.
+    pub(crate) fn pick(&self, items: &[(usize, Vec<Chunk>, usize)]) -> CudaCopyMethod {
+        let (n, total) = items
+            .iter()
+            .flat_map(|(_, c, _)| c)
+            .fold((0usize, 0usize), |a, c| (a.0 + 1, a.1 + c.len));
+        let aligned = items
+            .iter()
+            .all(|(_, c, h)| h % 16 == 0 && c.iter().all(|c| c.addr % 16 == 0 && c.len % 16 == 0));
+        match self.method {
+            CudaCopyMethod::Auto => {
+                if n == 0 || total / n >= LARGE_CHUNK {
+                    CudaCopyMethod::PerChunk
+                } else if self.kernel.is_some() && aligned {
+                    CudaCopyMethod::Kernel
+                } else if self.batch_available {
+                    CudaCopyMethod::Batch
+                } else {
+                    CudaCopyMethod::PerChunk
+                }
+            }
+            CudaCopyMethod::Kernel if !aligned => CudaCopyMethod::PerChunk,
+            m => m,
+        }
+    }
+
+    fn copy_inner(
+        &self,
+        items: &[(usize, Vec<Chunk>, usize)],
+        to_host: bool,
+        fence: &Fence,
+    ) -> CuResult<()> {
+        self.driver.make_current()?;
+        let dir_lock = if to_host { &self.d2h } else { &self.h2d };
+        let dir = dir_lock
+            .lock()
+            .map_err(|_| "transfer state poisoned by an earlier panic".to_string())?;
+        if let Some(f) = fence.0.as_ref().and_then(|b| b.downcast_ref::<CudaFence>()) {
+            dir.copy.wait(&f.0)?;
+            dir.kernel.wait(&f.0)?;
+        }
+        match self.pick(items) {
+            CudaCopyMethod::Kernel => self.run_kernel(&dir, items, to_host),
+            m => {
+                let copies = coalesce(flatten(items, to_host));
+                if m == CudaCopyMethod::Batch {
+                    let mut d: Vec<u64> = copies.iter().map(|c| c.dst).collect();
+                    let mut s: Vec<u64> = copies.iter().map(|c| c.src).collect();
+                    let mut z: Vec<usize> = copies.iter().map(|c| c.len).collect();
+                    for ((d, s), z) in d
+                        .chunks_mut(4096)
+                        .zip(s.chunks_mut(4096))
+                        .zip(z.chunks_mut(4096))
+                    {
+                        // SAFETY: device chunks come from the engine's registered layout and
+                        // host addresses are whole blocks of the host tier owned by this job;
+                        // `done.synchronize()` below waits for completion before returning.
+                        unsafe {
+                            cu::memcpy_batch_async(
+                                d,
+                                s,
+                                z,
+                                to_host,
+                                self.driver.ordinal,
+                                &dir.copy,
+                            )?
+                        };
+                    }
+                } else {
+                    for c in &copies {
+                        // SAFETY: as above.
+                        unsafe { cu::memcpy_async(c.dst, c.src, c.len, &dir.copy)? };
+                    }
+                }
+                dir.done.record(&dir.copy)?;
+                dir.done.synchronize()
+            }
+        }
+    }
+
+    /// Gather/scatter through the staging halves (see the module comment).
+    fn run_kernel(
+        &self,
+        dir: &Dir,
+        items: &[(usize, Vec<Chunk>, usize)],
+        to_host: bool,
+    ) -> CuResult<()> {
+        let (Some(kernel), Some((stage, descs))) = (&self.kernel, &dir.staging) else {
+            return Err("kernel path not set up".into());
+        };
+        let bpb = self.bytes_per_block;
+        let mut last = [false; 2];
+        for (r, group) in items.chunks(HALF_BLOCKS).enumerate() {
+            let h = r % 2;
+            // The half's previous round (kernel and copies) is complete: staging and
+            // descriptors are free.
+            dir.half_done[h].synchronize()?;
+            let base = stage.addr() + (h * HALF_BLOCKS * bpb) as u64;
+            let mut d: Vec<u64> = Vec::with_capacity(group.len() * 64 * 3);
+            let mut copies = Vec::with_capacity(group.len());
+            for (k, (_, chunks, host)) in group.iter().enumerate() {
+                let slot = base + (k * bpb) as u64;
+                let mut off = 0u64;
+                for c in chunks {
+                    let (s, t) = if to_host {
+                        (c.addr, slot + off)
+                    } else {
+                        (slot + off, c.addr)
+                    };
+                    d.extend_from_slice(&[s, t, c.len as u64]);
+                    off += c.len as u64;
+                }
+                copies.push(if to_host {
+                    Copy {
+                        src: slot,
+                        dst: *host as u64,
+                        len: bpb,
+                    }
+                } else {
+                    Copy {
+                        src: *host as u64,
+                        dst: slot,
+                        len: bpb,
+                    }
+                });
+            }
+            let copies = coalesce(copies);
+            let nd = d.len() / 3;
+            let dbuf = &descs[h];
+            if d.len() * 8 > dbuf.len() {
+                return Err("descriptor buffer too small".into());
+            }
+            let dbytes: Vec<u8> = d.iter().flat_map(|v| v.to_le_bytes()).collect();
+            // SAFETY: `dbuf` is our pinned buffer of at least `dbytes.len()` bytes and the GPU
+            // is done with it (`half_done[h]` synchronised above).
+            unsafe { crate::sys::mem::copy(dbytes.as_ptr() as usize, dbuf.addr(), dbytes.len()) };
+            let grid = u32::try_from(nd.min(65535)).unwrap_or(65535);
+            let n = u32::try_from(nd).map_err(|e| e.to_string())?;
+            if to_host {
+                // SAFETY: descriptors name engine chunks (registered) and our staging half;
+                // the pinned descriptor buffer is device-mapped (unified addressing).
+                unsafe { kernel.launch(grid, THREADS, &dir.kernel, dbuf.addr() as u64, n)? };
+                dir.handoff[h].record(&dir.kernel)?;
+                dir.copy.wait(&dir.handoff[h])?;
+                for c in &copies {
+                    // SAFETY: staging half (ours) to whole host blocks owned by this job.
+                    unsafe { cu::memcpy_async(c.dst, c.src, c.len, &dir.copy)? };
+                }
+                dir.half_done[h].record(&dir.copy)?;
+            } else {
+                for c in &copies {
+                    // SAFETY: whole host blocks held by this job to our staging half.
+                    unsafe { cu::memcpy_async(c.dst, c.src, c.len, &dir.copy)? };
+                }
+                dir.handoff[h].record(&dir.copy)?;
+                dir.kernel.wait(&dir.handoff[h])?;
+                // SAFETY: as for the gather, with the direction reversed.
+                unsafe { kernel.launch(grid, THREADS, &dir.kernel, dbuf.addr() as u64, n)? };
+                dir.half_done[h].record(&dir.kernel)?;
+            }
+            last[h] = true;
+        }
+        for (used, ev) in last.iter().zip(&dir.half_done) {
+            if *used {
+                ev.synchronize()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn max_chunks(layout: &dyn BlockChunks) -> usize {
+    let mut v = Vec::new();
+    let _ = layout.chunks(0, &mut v);
+    v.len().max(1)
+}
+
+fn flatten(items: &[(usize, Vec<Chunk>, usize)], to_host: bool) -> Vec<Copy> {
+    let mut out = Vec::new();
+    for (_, chunks, host) in items {
+        let mut off = 0u64;
+        for c in chunks {
+            let h = *host as u64 + off;
+            out.push(if to_host {
+                Copy {
+                    src: c.addr,
+                    dst: h,
+                    len: c.len,
+                }
+            } else {
+                Copy {
+                    src: h,
+                    dst: c.addr,
+                    len: c.len,
+                }
+            });
+            off += c.len as u64;
+        }
+    }
+    out
+}
+
+/// Merge copies whose source and destination both continue the previous one.
+fn coalesce(copies: Vec<Copy>) -> Vec<Copy> {
+    let mut out: Vec<Copy> = Vec::with_capacity(copies.len());
+    for c in copies {
+        if let Some(p) = out.last_mut() {
+            if p.src + p.len as u64 == c.src && p.dst + p.len as u64 == c.dst {
+                p.len += c.len;
+                continue;
+            }
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// NVRTC's output for [`KERNEL_SRC`] (CUDA 13.0, sm_75 PTX), used where NVRTC is not
+/// installed; the driver still compiles it for the actual GPU when it is loaded.
+const KERNEL_PTX: &str = include_str!("copy_kernel.ptx");
+
+fn compile_kernel() -> CuResult<Kernel> {
+    if cu::nvrtc_present() {
+        match cudarc::nvrtc::compile_ptx(KERNEL_SRC) {
+            Ok(ptx) => match Kernel::load(&ptx.to_src(), "kvtier_copy_chunks") {
+                Ok(k) => return Ok(k),
+                Err(e) => tracing::warn!("loading NVRTC output: {e}; using the embedded PTX"),
+            },
+            Err(e) => tracing::warn!("NVRTC: {e:?}; using the embedded PTX"),
+        }
+    } else {
+        tracing::info!("NVRTC not installed; using the embedded PTX of the copy kernel");
+    }
+    Kernel::load(KERNEL_PTX, "kvtier_copy_chunks")
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn coalesce_merges_only_contiguous_runs() {
+        let v = vec![
+            Copy {
+                src: 0,
+                dst: 100,
+                len: 10,
+            },
+            Copy {
+                src: 10,
+                dst: 110,
+                len: 10,
+            },
+            Copy {
+                src: 20,
+                dst: 200,
+                len: 10,
+            },
+            Copy {
+                src: 30,
+                dst: 210,
+                len: 5,
+            },
+        ];
+        assert_eq!(
+            coalesce(v),
+            vec![
+                Copy {
+                    src: 0,
+                    dst: 100,
+                    len: 20
+                },
+                Copy {
+                    src: 20,
+                    dst: 200,
+                    len: 15
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn flatten_places_chunks_in_canonical_order() {
+        let items = vec![(
+            0usize,
+            vec![Chunk { addr: 1000, len: 4 }, Chunk { addr: 5000, len: 6 }],
+            64usize,
+        )];
+        let f = flatten(&items, true);
+        assert_eq!(
+            f,
+            vec![
+                Copy {
+                    src: 1000,
+                    dst: 64,
+                    len: 4
+                },
+                Copy {
+                    src: 5000,
+                    dst: 68,
+                    len: 6
+                }
+            ]
+        );
+        let b = flatten(&items, false);
+        assert_eq!(
+            b[1],
+            Copy {
+                src: 68,
+                dst: 5000,
+                len: 6
+            }
+        );
+    }
+
+    /// Compiles the gather/scatter kernel where NVRTC is installed (no GPU needed).
+    #[test]
+    fn kernel_compiles_with_nvrtc() {
+        if !cu::nvrtc_present() {
+            eprintln!("NVRTC not installed: skipping");
+            return;
+        }
+        let ptx = cudarc::nvrtc::compile_ptx(KERNEL_SRC).unwrap();
+        assert!(ptx.to_src().contains(".entry kvtier_copy_chunks("));
+        // The embedded fallback is the same compiler output (modulo its header comment).
+        let body = |p: &str| {
+            p.lines()
+                .filter(|l| !l.starts_with("//"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        assert_eq!(
+            body(&ptx.to_src()),
+            body(KERNEL_PTX),
+            "regenerate copy_kernel.ptx"
+        );
+        if let Ok(p) = std::env::var("KVTIER_DUMP_PTX") {
+            std::fs::write(p, ptx.to_src()).unwrap();
+        }
+    }
+
+    #[test]
+    fn cuda_engine_without_driver_is_a_clean_error() {
+        if cu::library_present() {
+            eprintln!("CUDA present: skipping the no-driver check");
+            return;
+        }
+        let l = crate::StridedLayout::contiguous(4096, 2, 64).unwrap();
+        let r = CudaMover::new(0, &l, None, CudaCopyMethod::Auto);
+        assert!(matches!(r, Err(IoError::Cuda(_))));
     }
 }

@@ -26,7 +26,6 @@ pub(crate) fn library_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
-#[allow(dead_code)] // used by the CUDA mover
 /// True if the loaded driver exports `symbol` (newer entry points such as the batched copy).
 pub(crate) fn has_symbol(symbol: &str) -> bool {
     if !library_present() {
@@ -42,7 +41,6 @@ pub(crate) fn has_symbol(symbol: &str) -> bool {
 pub(crate) struct Driver {
     dev: sys::CUdevice,
     ctx: sys::CUcontext,
-    #[allow(dead_code)]
     pub(crate) ordinal: i32,
 }
 
@@ -120,6 +118,506 @@ impl Drop for Driver {
         // SAFETY: retained once in `open`, released once here.
         unsafe {
             let _ = sys::cuDevicePrimaryCtxRelease_v2(self.dev);
+        }
+    }
+}
+
+/// A stream owned by kvtier.
+#[derive(Debug)]
+pub(crate) struct Stream {
+    raw: sys::CUstream,
+}
+
+// SAFETY: CUDA streams may be used from any thread of the process.
+unsafe impl Send for Stream {}
+// SAFETY: as above; the driver serialises operations on one stream.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// A non-blocking stream; `lowest_priority` makes its kernels yield to the engine's.
+    pub(crate) fn new(lowest_priority: bool) -> CuResult<Stream> {
+        let (mut least, mut greatest) = (0, 0);
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: local out-pointers; a context is current (the caller made it so).
+        unsafe {
+            check(
+                sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest),
+                "cuCtxGetStreamPriorityRange",
+            )?;
+            let prio = if lowest_priority { least } else { 0 };
+            check(
+                sys::cuStreamCreateWithPriority(
+                    &mut raw,
+                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                    prio,
+                ),
+                "cuStreamCreateWithPriority",
+            )?;
+        }
+        Ok(Stream { raw })
+    }
+
+    pub(crate) fn raw(&self) -> sys::CUstream {
+        self.raw
+    }
+
+    /// Make the stream wait (on the GPU) for `ev`.
+    pub(crate) fn wait(&self, ev: &Event) -> CuResult<()> {
+        // SAFETY: both handles are live.
+        unsafe {
+            check(
+                sys::cuStreamWaitEvent(self.raw, ev.raw, 0),
+                "cuStreamWaitEvent",
+            )
+        }
+    }
+
+    pub(crate) fn synchronize(&self) -> CuResult<()> {
+        // SAFETY: live handle.
+        unsafe { check(sys::cuStreamSynchronize(self.raw), "cuStreamSynchronize") }
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once here.
+        unsafe {
+            let _ = sys::cuStreamDestroy_v2(self.raw);
+        }
+    }
+}
+
+/// A CUDA event.
+#[derive(Debug)]
+pub(crate) struct Event {
+    raw: sys::CUevent,
+}
+
+// SAFETY: events are process-wide handles usable from any thread.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// `timing`: usable with `elapsed_ms`; otherwise cheaper and waited for by blocking (not
+    /// spinning) the host thread.
+    pub(crate) fn new(timing: bool) -> CuResult<Event> {
+        let flags = if timing {
+            sys::CUevent_flags::CU_EVENT_DEFAULT as u32
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+                | sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32
+        };
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: local out-pointer.
+        unsafe { check(sys::cuEventCreate(&mut raw, flags), "cuEventCreate")? };
+        Ok(Event { raw })
+    }
+
+    pub(crate) fn record(&self, stream: &Stream) -> CuResult<()> {
+        // SAFETY: live handles.
+        unsafe { check(sys::cuEventRecord(self.raw, stream.raw), "cuEventRecord") }
+    }
+
+    /// Record on a stream the engine owns, given as its raw handle (0 = legacy default stream).
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the current context, or 0.
+    pub(crate) unsafe fn record_raw(&self, stream: u64) -> CuResult<()> {
+        // SAFETY: forwarded to the caller.
+        unsafe {
+            check(
+                sys::cuEventRecord(self.raw, stream as usize as sys::CUstream),
+                "cuEventRecord",
+            )
+        }
+    }
+
+    pub(crate) fn synchronize(&self) -> CuResult<()> {
+        // SAFETY: live handle (a never-recorded event counts as complete).
+        unsafe { check(sys::cuEventSynchronize(self.raw), "cuEventSynchronize") }
+    }
+
+    /// Milliseconds between two recorded, completed timing events.
+    pub(crate) fn elapsed_ms(start: &Event, end: &Event) -> CuResult<f32> {
+        let mut ms = 0f32;
+        // SAFETY: live handles, local out-pointer.
+        unsafe {
+            check(
+                sys::cuEventElapsedTime_v2(&mut ms, start.raw, end.raw),
+                "cuEventElapsedTime",
+            )?
+        };
+        Ok(ms)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once here.
+        unsafe {
+            let _ = sys::cuEventDestroy_v2(self.raw);
+        }
+    }
+}
+
+/// Enqueue a copy of `len` bytes between two addresses (device or registered host memory,
+/// distinguished by unified addressing).
+///
+/// # Safety
+/// Both ranges must stay valid until the stream has executed the copy, and nobody may write
+/// them meanwhile.
+pub(crate) unsafe fn memcpy_async(dst: u64, src: u64, len: usize, stream: &Stream) -> CuResult<()> {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        check(
+            sys::cuMemcpyAsync(dst, src, len, stream.raw),
+            "cuMemcpyAsync",
+        )
+    }
+}
+
+/// Synchronous copy (tests and benchmarks).
+///
+/// # Safety
+/// As [`memcpy_async`], for the duration of the call.
+pub(crate) unsafe fn memcpy_sync(dst: u64, src: u64, len: usize) -> CuResult<()> {
+    // SAFETY: forwarded to the caller.
+    unsafe { check(sys::cuMemcpy(dst, src, len), "cuMemcpy") }
+}
+
+/// Enqueue many copies in one call (`cuMemcpyBatchAsync`, CUDA >= 12.8). `device_is_src`
+/// gives the location hints.
+///
+/// # Safety
+/// As [`memcpy_async`] for every (dst, src, size) triple.
+pub(crate) unsafe fn memcpy_batch_async(
+    dsts: &mut [u64],
+    srcs: &mut [u64],
+    sizes: &mut [usize],
+    device_is_src: bool,
+    ordinal: i32,
+    stream: &Stream,
+) -> CuResult<()> {
+    if dsts.len() != srcs.len() || dsts.len() != sizes.len() {
+        return Err("batch arrays differ in length".into());
+    }
+    if dsts.is_empty() {
+        return Ok(());
+    }
+    let dev = sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: ordinal,
+    };
+    let host = sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
+        id: 0,
+    };
+    let mut attrs = [sys::CUmemcpyAttributes {
+        srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        srcLocHint: if device_is_src { dev } else { host },
+        dstLocHint: if device_is_src { host } else { dev },
+        flags: sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32,
+    }];
+    let mut idx = [0usize];
+    // SAFETY: the arrays are live locals/caller slices of equal length; memory validity is
+    // forwarded to the caller.
+    unsafe {
+        check(
+            sys::cuMemcpyBatchAsync_v2(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                dsts.len(),
+                attrs.as_mut_ptr(),
+                idx.as_mut_ptr(),
+                1,
+                stream.raw,
+            ),
+            "cuMemcpyBatchAsync",
+        )
+    }
+}
+
+/// Device memory owned by kvtier (staging buffers, benchmark caches).
+#[derive(Debug)]
+pub(crate) struct DeviceAlloc {
+    ptr: u64,
+    len: usize,
+}
+
+impl DeviceAlloc {
+    pub(crate) fn new(len: usize) -> CuResult<DeviceAlloc> {
+        let mut ptr = 0;
+        // SAFETY: local out-pointer; a context is current.
+        unsafe { check(sys::cuMemAlloc_v2(&mut ptr, len.max(1)), "cuMemAlloc")? };
+        Ok(DeviceAlloc { ptr, len })
+    }
+    pub(crate) fn addr(&self) -> u64 {
+        self.ptr
+    }
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Copy `data` to byte `offset` of this allocation (synchronous).
+    pub(crate) fn upload(&self, offset: usize, data: &[u8]) -> CuResult<()> {
+        if offset.checked_add(data.len()).is_none_or(|e| e > self.len) {
+            return Err("upload out of bounds".into());
+        }
+        // SAFETY: bounds checked above; `data` is a live slice; the copy is synchronous.
+        unsafe { memcpy_sync(self.ptr + offset as u64, data.as_ptr() as u64, data.len()) }
+    }
+
+    /// Copy byte `offset..offset+out.len()` of this allocation into `out` (synchronous).
+    pub(crate) fn download(&self, offset: usize, out: &mut [u8]) -> CuResult<()> {
+        if offset.checked_add(out.len()).is_none_or(|e| e > self.len) {
+            return Err("download out of bounds".into());
+        }
+        // SAFETY: bounds checked above; `out` is exclusively borrowed; synchronous copy.
+        unsafe { memcpy_sync(out.as_mut_ptr() as u64, self.ptr + offset as u64, out.len()) }
+    }
+}
+
+impl Drop for DeviceAlloc {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new`, freed once here.
+        unsafe {
+            let _ = sys::cuMemFree_v2(self.ptr);
+        }
+    }
+}
+
+/// Page-locked host memory from `cuMemHostAlloc` (kernel descriptors; the baseline that the
+/// host tier's pinning is compared with).
+#[derive(Debug)]
+pub(crate) struct PinnedAlloc {
+    ptr: usize,
+    len: usize,
+}
+
+// SAFETY: plain memory owned by this value.
+unsafe impl Send for PinnedAlloc {}
+// SAFETY: only addresses are handed out.
+unsafe impl Sync for PinnedAlloc {}
+
+impl PinnedAlloc {
+    pub(crate) fn new(len: usize) -> CuResult<PinnedAlloc> {
+        let mut p = std::ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+        // SAFETY: local out-pointer; a context is current.
+        unsafe {
+            check(
+                sys::cuMemHostAlloc(&mut p, len.max(1), flags),
+                "cuMemHostAlloc",
+            )?
+        };
+        Ok(PinnedAlloc {
+            ptr: p as usize,
+            len,
+        })
+    }
+    pub(crate) fn addr(&self) -> usize {
+        self.ptr
+    }
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for PinnedAlloc {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new`, freed once here.
+        unsafe {
+            let _ = sys::cuMemFreeHost(self.ptr as *mut c_void);
+        }
+    }
+}
+
+/// True if NVRTC (the run-time compiler) can be loaded.
+pub(crate) fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// A kernel `f(const Desc* descs, unsigned n)` loaded from PTX.
+#[derive(Debug)]
+pub(crate) struct Kernel {
+    module: sys::CUmodule,
+    func: sys::CUfunction,
+}
+
+// SAFETY: modules and functions are context-wide handles usable from any thread.
+unsafe impl Send for Kernel {}
+// SAFETY: launching is thread-safe.
+unsafe impl Sync for Kernel {}
+
+impl Kernel {
+    pub(crate) fn load(ptx: &str, name: &str) -> CuResult<Kernel> {
+        let ptx = std::ffi::CString::new(ptx).map_err(|e| e.to_string())?;
+        let cname = std::ffi::CString::new(name).map_err(|e| e.to_string())?;
+        let mut module = std::ptr::null_mut();
+        let mut func = std::ptr::null_mut();
+        // SAFETY: NUL-terminated PTX and name; local out-pointers.
+        unsafe {
+            check(
+                sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast()),
+                "cuModuleLoadData",
+            )?;
+            if let Err(e) = check(
+                sys::cuModuleGetFunction(&mut func, module, cname.as_ptr()),
+                "cuModuleGetFunction",
+            ) {
+                let _ = sys::cuModuleUnload(module);
+                return Err(e);
+            }
+        }
+        Ok(Kernel { module, func })
+    }
+
+    /// Launch with `grid` blocks of `block` threads and arguments `(descs, n)`.
+    ///
+    /// # Safety
+    /// `descs` must point to `n` descriptors readable by the device until the kernel has run,
+    /// and every address in them must be valid device-accessible memory that nobody else
+    /// accesses meanwhile.
+    pub(crate) unsafe fn launch(
+        &self,
+        grid: u32,
+        block: u32,
+        stream: &Stream,
+        descs: u64,
+        n: u32,
+    ) -> CuResult<()> {
+        let mut a0 = descs;
+        let mut a1 = n;
+        let mut params = [
+            (&mut a0 as *mut u64).cast::<c_void>(),
+            (&mut a1 as *mut u32).cast::<c_void>(),
+        ];
+        // SAFETY: `params` points at two live locals matching the kernel's signature; the rest
+        // is forwarded to the caller.
+        unsafe {
+            check(
+                sys::cuLaunchKernel(
+                    self.func,
+                    grid,
+                    1,
+                    1,
+                    block,
+                    1,
+                    1,
+                    0,
+                    stream.raw,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                ),
+                "cuLaunchKernel",
+            )
+        }
+    }
+}
+
+impl Drop for Kernel {
+    fn drop(&mut self) {
+        // SAFETY: loaded in `load`, unloaded once here.
+        unsafe {
+            let _ = sys::cuModuleUnload(self.module);
+        }
+    }
+}
+
+/// A bf16 GEMM through cuBLAS (benchmarks: the engine's compute next to kvtier's copies).
+pub(crate) struct Gemm {
+    handle: cudarc::cublas::sys::cublasHandle_t,
+    a: DeviceAlloc,
+    b: DeviceAlloc,
+    c: DeviceAlloc,
+    n: i32,
+}
+
+// SAFETY: the handle is used by one thread at a time (`&mut self` for `run`).
+unsafe impl Send for Gemm {}
+
+impl Gemm {
+    /// Square `n x n` bf16 matrices (inputs zero-filled: the rate does not depend on values
+    /// enough to matter for a ratio measured on the same data).
+    pub(crate) fn new(n: usize, stream: &Stream) -> CuResult<Gemm> {
+        use cudarc::cublas::sys as cb;
+        // SAFETY: only dlopen.
+        if !unsafe { cb::is_culib_present() } {
+            return Err("libcublas not found".into());
+        }
+        let bytes = n * n * 2;
+        let a = DeviceAlloc::new(bytes)?;
+        let b = DeviceAlloc::new(bytes)?;
+        let c = DeviceAlloc::new(bytes)?;
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: fresh allocations of `bytes`; local out-pointer; the stream is live.
+        unsafe {
+            check(sys::cuMemsetD8_v2(a.addr(), 0x3c, bytes), "cuMemsetD8")?;
+            check(sys::cuMemsetD8_v2(b.addr(), 0x3c, bytes), "cuMemsetD8")?;
+            let st = cb::cublasCreate_v2(&mut handle);
+            if st != cb::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(format!("cublasCreate: {st:?}"));
+            }
+            let st = cb::cublasSetStream_v2(handle, stream.raw() as cb::cudaStream_t);
+            if st != cb::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                let _ = cb::cublasDestroy_v2(handle);
+                return Err(format!("cublasSetStream: {st:?}"));
+            }
+        }
+        Ok(Gemm {
+            handle,
+            a,
+            b,
+            c,
+            n: i32::try_from(n).map_err(|e| e.to_string())?,
+        })
+    }
+
+    /// Enqueue one GEMM; returns its FLOPs.
+    pub(crate) fn run(&mut self) -> CuResult<f64> {
+        use cudarc::cublas::sys as cb;
+        let alpha = 1f32;
+        let beta = 0f32;
+        let n = self.n;
+        // SAFETY: the matrices are live allocations of n*n bf16; scalars are locals.
+        let st = unsafe {
+            cb::cublasGemmEx(
+                self.handle,
+                cb::cublasOperation_t::CUBLAS_OP_N,
+                cb::cublasOperation_t::CUBLAS_OP_N,
+                n,
+                n,
+                n,
+                (&alpha as *const f32).cast(),
+                self.a.addr() as *const c_void,
+                cb::cudaDataType::CUDA_R_16BF,
+                n,
+                self.b.addr() as *const c_void,
+                cb::cudaDataType::CUDA_R_16BF,
+                n,
+                (&beta as *const f32).cast(),
+                self.c.addr() as *mut c_void,
+                cb::cudaDataType::CUDA_R_16BF,
+                n,
+                cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        if st != cb::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(format!("cublasGemmEx: {st:?}"));
+        }
+        Ok(2.0 * f64::from(n).powi(3))
+    }
+}
+
+impl Drop for Gemm {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once here.
+        unsafe {
+            let _ = cudarc::cublas::sys::cublasDestroy_v2(self.handle);
         }
     }
 }

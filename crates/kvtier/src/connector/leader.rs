@@ -17,10 +17,11 @@
 //!   other request; work planned before the error stays queued for the next metadata.
 //!
 //! Not thread-safe by itself: the engine's scheduler thread owns it (`&mut self`).
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::BTreeSet;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
+use crate::connector::fasthash::{FastMap, FastSet};
 use crate::connector::messages::{
     remote_key_for_rank, ClusterLayout, RequestLoad, RequestStore, StepMetadata, WorkerReport,
     PROTOCOL_VERSION,
@@ -234,14 +235,14 @@ pub struct Leader {
     remote_put: bool,
     async_loads: bool,
     priority: Priority,
-    slots: HashMap<RequestId, SlotEntry>,
-    jobs: HashMap<JobId, PendingJob>,
+    slots: FastMap<RequestId, SlotEntry>,
+    jobs: FastMap<JobId, PendingJob>,
     next_job: u64,
     step: u64,
     /// Hashes with a store (device -> offload tier) in flight.
-    writing: HashSet<SequenceHash>,
+    writing: FastSet<SequenceHash>,
     /// Hashes with a disk spill in flight.
-    spilling: HashSet<SequenceHash>,
+    spilling: FastSet<SequenceHash>,
     outbox: StepMetadata,
     reports_rx: Receiver<WorkerReport>,
     reports_tx: Sender<WorkerReport>,
@@ -305,12 +306,12 @@ impl Leader {
             remote_put: cfg.remote_put,
             async_loads: cfg.async_loads,
             priority: cfg.priority,
-            slots: HashMap::new(),
-            jobs: HashMap::new(),
+            slots: FastMap::default(),
+            jobs: FastMap::default(),
             next_job: 1,
             step: 0,
-            writing: HashSet::new(),
-            spilling: HashSet::new(),
+            writing: FastSet::default(),
+            spilling: FastSet::default(),
             outbox: StepMetadata {
                 version: PROTOCOL_VERSION,
                 ..Default::default()
@@ -685,26 +686,28 @@ impl Leader {
     fn apply_record(&mut self, rec: &StepRecord) -> Result<(), ConnectorError> {
         let req = &rec.request_id;
         self.check_device_ids(req, "new_block_ids", &rec.new_block_ids)?;
-        if !self.slots.contains_key(req) {
-            if !rec.is_new {
+        let offloads = match self.slots.get_mut(req) {
+            Some(e) => e.slot.apply(rec)?,
+            None if !rec.is_new => {
                 return Err(ConnectorError::invalid(
                     req,
                     "request_id",
                     "unknown request (not new)",
                 ));
             }
-            self.slots.insert(
-                req.clone(),
-                SlotEntry {
-                    slot: Slot::new(req.clone(), self.block_size, self.salt),
-                    stores_in_flight: 0,
-                    loads_in_flight: 0,
-                },
-            );
-        }
-        let offloads = match self.slots.get_mut(req) {
-            Some(e) => e.slot.apply(rec)?,
-            None => return Ok(()),
+            None => {
+                let mut slot = Slot::new(req.clone(), self.block_size, self.salt);
+                let out = slot.apply(rec)?;
+                self.slots.insert(
+                    req.clone(),
+                    SlotEntry {
+                        slot,
+                        stores_in_flight: 0,
+                        loads_in_flight: 0,
+                    },
+                );
+                out
+            }
         };
         if !offloads.is_empty() {
             self.dispatch_stores(req, &offloads);

@@ -12,7 +12,7 @@
 //!   record) and blocks onboarded by kvtier are not offloaded again;
 //! - invalid input returns [`ConnectorError::InvalidInput`] naming the request and the field and
 //!   leaves the slot exactly as it was (validation happens before any mutation).
-use std::collections::HashSet;
+use crate::connector::fasthash::FastSet;
 
 use crate::connector::step::StepRecord;
 use crate::connector::ConnectorError;
@@ -72,7 +72,7 @@ pub struct Slot {
     /// Hashes of every full block of `tokens`.
     hashes: Vec<SequenceHash>,
     table: Vec<DeviceBlockId>,
-    in_table: HashSet<DeviceBlockId>,
+    in_table: FastSet<DeviceBlockId>,
     /// Tokens whose KV is known to be on the device after the last record's forward pass.
     position: usize,
     /// Blocks `0..evaluated` were either offloaded, onboarded or taken from the device prefix cache.
@@ -94,7 +94,7 @@ impl Slot {
             tokens: Vec::new(),
             hashes: Vec::new(),
             table: Vec::new(),
-            in_table: HashSet::new(),
+            in_table: FastSet::default(),
             position: 0,
             evaluated: 0,
             offloaded_watermark: 0,
@@ -176,13 +176,20 @@ impl Slot {
 
     /// Indices of `ids` that are not yet in the table, in order, without duplicates.
     fn fresh_ids(&self, ids: &[DeviceBlockId]) -> Result<Vec<DeviceBlockId>, ConnectorError> {
-        let mut seen = HashSet::new();
-        let mut out = Vec::new();
+        let mut out = Vec::with_capacity(ids.len());
+        // Duplicates inside one report: a linear scan for short reports, a set for long ones.
+        let mut seen: FastSet<DeviceBlockId> = FastSet::default();
+        let long = ids.len() > 16;
         for &b in ids {
             if self.in_table.contains(&b) {
                 continue;
             }
-            if !seen.insert(b) {
+            let dup = if long {
+                !seen.insert(b)
+            } else {
+                out.contains(&b)
+            };
+            if dup {
                 return Err(self.invalid(
                     "new_block_ids",
                     format!("device block {} listed twice in one report", b.0),
@@ -335,7 +342,7 @@ impl Slot {
             (self.table.len(), self.position, self.evaluated)
         };
         let fresh = if restart {
-            let mut seen = HashSet::new();
+            let mut seen = FastSet::default();
             let mut v = Vec::new();
             for &b in &rec.new_block_ids {
                 if !seen.insert(b) {

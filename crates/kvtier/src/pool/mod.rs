@@ -19,13 +19,39 @@
 //! - `lookup(&self, hash) -> Option<BlockId>`, `hash_of(&self, block) -> Option<SequenceHash>`,
 //!   `state(&self, block)`, `pin_count(&self, block)`
 //! - `capacity()`, `num_free()` (free + evictable), `num_evictable()`, `num_registered()`,
-//!   `take_events() -> Vec<PoolEvent>`
+//!   `num_pinned()`, `priority_of(block)`, `eviction_order()`, `heap_bytes()`
+//! - `take_events() -> Vec<PoolEvent>` (`Stored`/`Removed`); `set_record_events(false)` for an
+//!   owner that never takes them
 //!
 //! Invariants (checked by the property tests in `tests/pool_model.rs`):
 //! - every block is in exactly one state; a `Free` block is on the free list and in no registry;
 //! - a block with pins is never evicted or handed out by `allocate`;
 //! - `num_free() + (pinned blocks) == capacity()`;
 //! - one hash names at most one block.
+//!
+//! ```
+//! use kvtier::hash::{sequence_hashes, HashSalt};
+//! use kvtier::pool::{BlockPool, PoolEvent, Priority};
+//! use kvtier::Tier;
+//!
+//! let salt = HashSalt::new("my-model", None, None);
+//! let hashes = sequence_hashes(salt, &(0..64).collect::<Vec<u32>>(), 16);
+//! let mut host = BlockPool::new(Tier::Host, 8)?;
+//! // Offload: allocate, (copy the bytes), register, release.
+//! for (block, hash) in host.allocate(4)?.into_iter().zip(&hashes) {
+//!     let holder = host.register(block, *hash, Priority::default())?;
+//!     host.release(holder)?;
+//! }
+//! assert_eq!(host.take_events().len(), 4); // four `Stored`
+//! // Onboard: match the prefix (pins), (copy the bytes back), release.
+//! assert_eq!(host.peek_prefix(&hashes), 4);
+//! let pinned = host.match_prefix(&hashes[..3]);
+//! assert_eq!(pinned.len(), 3);
+//! for b in pinned {
+//!     host.release(b)?;
+//! }
+//! # Ok::<(), kvtier::pool::PoolError>(())
+//! ```
 mod block_pool;
 mod lru;
 mod registry;
