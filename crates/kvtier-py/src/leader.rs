@@ -228,6 +228,7 @@ fn capacities(settings: &Settings, total_bytes_per_block: u64) -> BridgeResult<(
 impl Inner {
     fn build(&mut self, layout: ClusterLayout) -> BridgeResult<()> {
         let (host, disk) = capacities(&self.settings, layout.total_bytes_per_block())?;
+        let remote = crate::vllm_support::remote_store(&self.settings)?;
         let cfg = LeaderConfig {
             block_size: self.block_size,
             salt: self.settings.salt()?,
@@ -239,8 +240,8 @@ impl Inner {
             } else {
                 DiskPolicy::Never
             },
-            remote: None,
-            remote_put: false,
+            remote_put: remote.is_some(),
+            remote,
             async_loads: self.async_loads,
             priority: Default::default(),
         };
