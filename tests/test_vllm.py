@@ -12,6 +12,7 @@ prefix cache if they are recomputed, or by kvtier. What must hold:
   is visible in kvtier's counters;
 - a prefill engine (kv_producer) and a decode engine (kv_consumer) in separate processes hand the KV over through
   kvtier's shared tier and the consumer's output equals the aggregated run's;
+- requests that vLLM preempts mid-decode (the device cache cannot hold their growth) resume with the same tokens;
 - a normal run never makes kvtier log an error or raise into vLLM.
 
 Run: ``cd tests && ../.venv-vllm/bin/python -m pytest -q test_vllm.py`` (scripts/test.sh installs the venv).
@@ -37,6 +38,8 @@ MAX_TOKENS = 12
 PHASE = prompts(8, 224, seed=7, shared_prefix=64)  # 7 full blocks each, the first 2 shared
 OTHER = prompts(8, 224, seed=8)  # flushes G1 between phases
 UNIQUE_BLOCKS = 2 + 8 * 5  # full blocks of PHASE, the shared prefix counted once
+# 4 requests growing to 224 + 100 tokens need 44 blocks at once: vLLM must preempt and resume some of them.
+LONG_TOKENS = 100
 
 
 def _clean(engine: Engine) -> dict:
@@ -63,8 +66,9 @@ def reference(model, tmp_path_factory) -> dict[str, list[list[int]]]:
         phase = e.generate(PHASE, MAX_TOKENS)
         other = e.generate(OTHER, MAX_TOKENS)
         again = e.generate(PHASE, MAX_TOKENS)
+        long = e.generate(PHASE[:4], LONG_TOKENS)
     assert phase == again, "vLLM alone is not deterministic here; nothing below could be judged"
-    return {"phase": phase, "other": other}
+    return {"phase": phase, "other": other, "long": long}
 
 
 def _phases(e: Engine, reference) -> list[dict]:
@@ -85,6 +89,9 @@ def test_host_tier_repeats_are_identical(model, reference, tmp_path):
     with Engine(model, tmp_path / "host.log", kv_cache_blocks=G1_BLOCKS,
                 kv_transfer_config=connector_config(settings={"host.num_blocks": 512, "async_loads": True})) as e:
         filled, repeated, after_reset = _phases(e, reference)
+        # Preemption: requests lose their device blocks mid-decode and are matched and loaded again.
+        assert e.generate(PHASE[:4], LONG_TOKENS) == reference["long"]
+        assert _clean(e)["preempted_requests"] > 0, "the workload no longer makes vLLM preempt"
     assert filled["offload_confirmed"] >= UNIQUE_BLOCKS
     assert repeated["onboard_host_blocks"] > filled["onboard_host_blocks"]
     assert after_reset["onboard_host_blocks"] > repeated["onboard_host_blocks"]

@@ -366,6 +366,7 @@ class _SchedulerSide:
         self._sync_loads_pending = False
         self._delayed_frees: list[str] = []
         self._last_stats: dict[str, float] = {}
+        self._preempted = 0
         self._errors = 0
 
     def _error(self, what: str, e: BaseException) -> None:
@@ -379,6 +380,7 @@ class _SchedulerSide:
             if rid in self._scheduled:
                 # Matched again after running: vLLM preempted it and freed its device blocks.
                 self._scheduled.discard(rid)
+                self._preempted += 1
                 self._leader.request_preempted(rid)
             n = int(self._leader.get_num_new_matched_tokens(rid, list(request.all_token_ids),
                                                             int(num_computed_tokens)))
@@ -414,6 +416,17 @@ class _SchedulerSide:
             return False
 
     def build_meta(self, so: "SchedulerOutput") -> KvtierConnectorMetadata:
+        # Preemptions first: a request's device table is gone before any record of this step could rebuild it.
+        preempted = sorted(so.preempted_req_ids or ())
+        for rid in preempted:
+            if rid not in self._scheduled:
+                continue  # already handled when it was matched again
+            self._scheduled.discard(rid)
+            self._preempted += 1
+            try:
+                self._leader.request_preempted(rid)
+            except Exception as e:
+                self._error("request_preempted", e)
         records: list[dict[str, Any]] = []
         spec = so.scheduled_spec_decode_tokens or {}
         for r in so.scheduled_new_reqs:
@@ -437,13 +450,6 @@ class _SchedulerSide:
             self._scheduled.add(rid)
             records.append(_record(rid, new_tokens, _first_group(c.new_block_ids[i]), c.num_computed_tokens[i],
                                    so.num_scheduled_tokens.get(rid, 0), len(spec.get(rid, ())), False, resumed))
-        preempted = sorted(so.preempted_req_ids or ())
-        for rid in preempted:
-            self._scheduled.discard(rid)
-            try:
-                self._leader.request_preempted(rid)
-            except Exception as e:
-                self._error("request_preempted", e)
         finished = sorted(so.finished_req_ids)
         for rid in finished:
             self._tokens_sent.pop(rid, None)
@@ -509,6 +515,7 @@ class _SchedulerSide:
         except Exception as e:
             self._error("stats", e)
         s["adapter_errors"] = s.get("adapter_errors", 0) + self._errors
+        s["preempted_requests"] = self._preempted
         return s
 
     def take_stats_delta(self) -> dict[str, float]:
@@ -546,7 +553,7 @@ _COUNTERS = frozenset((
     "steps", "match_queries", "matched_tokens", "offload_blocks", "offload_confirmed", "offload_failed",
     "offload_deduplicated", "offload_dropped", "onboard_host_blocks", "onboard_disk_blocks", "onboard_remote_blocks",
     "onboard_failed", "spill_disk_blocks", "spill_disk_failed", "remote_put_blocks", "remote_put_failed",
-    "adapter_errors",
+    "adapter_errors", "preempted_requests",
 ))
 
 
