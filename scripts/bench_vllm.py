@@ -7,7 +7,9 @@ tokens (the cache sees the same prefixes either way). Each request is measured a
 latency is the time to first token (TTFT), i.e. the prefill. Both engines get the same G1 size; kvtier adds a host
 tier big enough for every history. Both engines run at the same time, each request going to one then the other
 in alternating order, so that load changes on a shared machine hit both alike. Throughput is prompt tokens over
-the summed request latencies. First tokens must be identical in both runs (greedy decoding).
+the summed request latencies. kvtier's first tokens must equal those of vLLM with a G1 big enough to keep every
+history (greedy decoding; vLLM's CPU kernels are not batch-invariant, so vLLM's own full recompute may differ from
+prefix reuse in near-ties, and the script reports how often).
 
 Usage (from the repository root, in the vLLM venv with kvtier installed):
     python scripts/bench_vllm.py [--conversations 8] [--rounds 6] [--g1-blocks 64] [--out bench-out/vllm.json]
@@ -102,10 +104,10 @@ def run_both(model: Path, requests: list[list[int]], g1_blocks: int, kv: dict, l
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--conversations", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--system", type=int, default=128)
-    ap.add_argument("--user", type=int, default=96)
+    ap.add_argument("--user", type=int, default=128)
     ap.add_argument("--reply", type=int, default=32)
     ap.add_argument("--g1-blocks", type=int, default=72)
     ap.add_argument("--host-blocks", type=int, default=1024)
@@ -126,14 +128,22 @@ def main() -> None:
     history_tokens = a.conversations * (a.system + a.rounds * (a.user + a.reply))
     kv = connector_config(settings={"host.num_blocks": a.host_blocks})
     base, kvt = run_both(model, reqs, a.g1_blocks, kv, work, a.conversations)
-    same = base["first_tokens"] == kvt["first_tokens"]
+    # Reference for the tokens: vLLM alone with a G1 that keeps every history (its own prefix-cache hits). vLLM's
+    # CPU kernels are not batch-invariant: a full recompute (vLLM alone, small G1) may differ from prefix reuse in
+    # a near-tie, and kvtier's loads are prefix reuse.
+    with Engine(model, work / "reference.log", kv_cache_blocks=4 * a.g1_blocks + history_tokens // BLOCK,
+                bytes_per_block=BYTES_PER_BLOCK, max_model_len=2048, max_num_batched_tokens=2048) as ref:
+        ref_first = ref.call("ttft", prompts=reqs)["first_tokens"]
+    same = kvt["first_tokens"] == ref_first
+    base_diff = [i for i, (x, y) in enumerate(zip(base["first_tokens"], ref_first)) if x != y]
     ks = kvt["kvtier"]
     onboard = ks.get("onboard_host_blocks", 0) + ks.get("onboard_disk_blocks", 0) + ks.get("onboard_remote_blocks", 0)
     hit_rate = onboard * BLOCK / max(1, kvt["prompt_tokens"])
     result = {
         "machine": f"{platform.node()} {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}",
         "args": vars(a), "history_tokens": history_tokens, "g1_tokens": a.g1_blocks * BLOCK,
-        "identical_first_tokens": same, "kvtier_hit_rate": hit_rate,
+        "kvtier_first_tokens_equal_prefix_cache_reference": same,
+        "vllm_small_g1_first_token_differences_vs_reference": base_diff, "kvtier_hit_rate": hit_rate,
         "ttft_p50_ratio": base["ttft_p50_ms"] / kvt["ttft_p50_ms"],
         "ttft_p50_history_ratio": base["ttft_p50_history_ms"] / kvt["ttft_p50_history_ms"],
         "throughput_ratio": kvt["prompt_tokens_per_s"] / base["prompt_tokens_per_s"],
@@ -149,12 +159,13 @@ def main() -> None:
         print(f"| {r['name']} | {r['ttft_p50_ms']:.1f} | {r['ttft_p90_ms']:.1f} | {r['ttft_p50_history_ms']:.1f} | "
               f"{r['requests_per_s']:.2f} | {r['prompt_tokens_per_s']:.0f} | {hr} |")
     print(f"\nTTFT p50 ratio (vLLM / vLLM+kvtier): {result['ttft_p50_ratio']:.2f}x; rounds 2+: "
-          f"{result['ttft_p50_history_ratio']:.2f}x; throughput ratio {result['throughput_ratio']:.2f}x; "
-          f"identical first tokens: {same}")
+          f"{result['ttft_p50_history_ratio']:.2f}x; throughput ratio {result['throughput_ratio']:.2f}x")
+    print(f"first tokens: vLLM+kvtier equal to the prefix-cache reference: {same}; vLLM alone (full recompute) "
+          f"differs from it in {len(base_diff)} of {len(reqs)} requests")
     print(f"history {history_tokens} tokens vs G1 {a.g1_blocks * BLOCK} tokens; kvtier: "
           f"{ks.get('onboard_host_blocks', 0)} blocks onboarded from host, {ks.get('offload_confirmed', 0)} offloaded")
     if not same:
-        sys.exit("first tokens differ between vLLM and vLLM+kvtier")
+        sys.exit("vLLM+kvtier's first tokens differ from vLLM's own prefix-cache reference")
 
 
 if __name__ == "__main__":

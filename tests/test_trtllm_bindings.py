@@ -68,6 +68,15 @@ def test_step_flow_and_metadata_bytes(kvtier_env):
     ld.build_step([{"request_id": "9", "new_tokens": tokens + [1], "new_block_ids": [10, 11, 12],
                     "num_computed_tokens": 40, "num_scheduled_tokens": 1}])
     assert ld.stats()["active_requests"] >= 1
+    # Tuples: (request_id, new_tokens, new_block_ids, num_computed, num_scheduled[, drafts, is_new, resumed]).
+    other = list(range(100, 120))
+    assert ld.get_num_new_matched_tokens("11", other, 0) == 0
+    ld.update_state_after_alloc("11", [20, 21])
+    before = ld.stats()["offload_blocks"]
+    ld.build_step([("11", other, [20, 21], 0, 20, 0, True)])
+    assert ld.stats()["offload_blocks"] == before + 1
+    with pytest.raises(TypeError, match="5 to 8 items"):
+        ld.build_step([("11", [], [])])
 
 
 def test_connector_errors_name_the_request(kvtier_env):

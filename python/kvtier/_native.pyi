@@ -117,9 +117,14 @@ class Leader:
         """The engine allocated ``block_ids`` (the request's whole table; known ids are recognised).
         ``num_external_tokens`` None = the count of the last match (TensorRT-LLM)."""
     def build_step(
-        self, records: Sequence[Union[StepRecord, Mapping[str, Any]]], finished: Sequence[str] = ()
+        self,
+        records: Sequence[Union[StepRecord, tuple, Mapping[str, Any]]],
+        finished: Sequence[str] = (),
     ) -> bytes:
         """Consume one engine step; returns the metadata (picklable bytes) every worker's ``bind`` takes.
+        A record is a StepRecord, a dict with its field names, or (cheapest) a tuple
+        ``(request_id, new_tokens, new_block_ids, num_computed_tokens, num_scheduled_tokens
+        [, num_draft_tokens, is_new, resumed_from_preemption])``.
         A record for a request the leader has never seen counts as new (TensorRT-LLM reports
         generation-only requests in cached_requests). Invalid input raises ConnectorError; the
         planned work stays queued for the next call."""

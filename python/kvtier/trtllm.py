@@ -195,6 +195,8 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
         self._leader.update_state_after_alloc(str(request.request_id), [int(b) for b in block_ids])
 
     def build_connector_meta(self, scheduler_output: Any) -> bytes:
+        # Records as tuples (request_id, new_tokens, new_block_ids, num_computed, num_scheduled,
+        # num_draft, is_new): the cheapest form to hand to Rust every step.
         records = []
         for is_new, group in ((True, scheduler_output.new_requests), (False, scheduler_output.cached_requests)):
             for rd in group:
@@ -205,14 +207,7 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
                         f"{rd.request_id}: kvtier needs TensorRT-LLM >= {MIN_TRTLLM_VERSION}"
                     )
                 records.append(
-                    _native.StepRecord(
-                        str(rd.request_id),
-                        rd.new_tokens,
-                        rd.new_block_ids,
-                        int(rd.computed_position),
-                        int(scheduled),
-                        is_new=is_new,
-                    )
+                    (str(rd.request_id), rd.new_tokens, rd.new_block_ids, rd.computed_position, scheduled, 0, is_new)
                 )
         return self._leader.build_step(records)
 

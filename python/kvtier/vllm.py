@@ -4,24 +4,29 @@ Configure vLLM with::
 
     --kv-transfer-config '{"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                           "kv_connector_extra_config": {"host_cache_gb": 4, "disk_cache_dir": "/nvme/kvtier"}}'
+                           "kv_connector_extra_config": {"host.gb": 4, "disk.gb": 100, "disk.dir": "/nvme/kvtier"}}'
 
-Roles: ``kv_both`` (aggregated), ``kv_producer`` (prefill: writes every full block through to the shared tier),
-``kv_consumer`` (decode: matches from the shared tier). Settings not given in ``kv_connector_extra_config`` come
-from ``KVTIER_*`` environment variables (then the ``DYN_KVBM_*`` aliases), resolved by kvtier's configuration.
+``kv_connector_extra_config`` takes kvtier's configuration keys (docs/CONFIG.md, nested or dotted) plus
+``async_loads`` (default false: a matched request is loaded in the step that first computes it). Settings not given
+there come from ``KVTIER_*`` environment variables (then the ``DYN_KVBM_*`` aliases). Roles: ``kv_both``
+(aggregated), ``kv_producer`` (prefill) and ``kv_consumer`` (decode); with ``remote.url`` set (``dir:///shared`` or
+``redis://...``) every full block goes through to the shared tier and every process matches from it, which is how
+a producer hands its KV to a consumer.
 
 This module is an adapter: it translates vLLM's objects into kvtier's engine-neutral step contract and back. It
-holds no cache logic; matching, pools, offload policy and transfers live in kvtier's Rust core.
+holds no cache logic; matching, pools, offload policy and transfers live in kvtier's Rust core (docs/arch/vllm.md).
 
 Invariants:
-- matching (``get_num_new_matched_tokens``) has no side effects: vLLM may call it repeatedly; only
+- matching (``get_num_new_matched_tokens``) has no side effects on kvtier's tiers: vLLM calls it repeatedly; only
   ``update_state_after_alloc`` commits a load;
-- a load that kvtier could not complete is never reported as loaded: its request is reported finished-receiving
-  together with the device block ids that did not arrive, so vLLM recomputes them (policy ``recompute``);
+- a load that kvtier could not complete is never reported as loaded: its device block ids go to
+  ``get_block_ids_with_load_errors`` (an async load's request also to finished-receiving), so vLLM recomputes them
+  (policy ``recompute``, which the connector sets if it was left at vLLM's default ``fail``);
 - nothing raised inside kvtier escapes into vLLM: every failure becomes a logged error, a cache miss or a failed
-  load, and is counted in kvtier's metrics;
+  load, and is counted (``adapter_errors``);
 - each device block id enters kvtier's block table once per request: new requests bring their table, cached requests
-  append ``new_block_ids``, resumed requests replace it.
+  append ``new_block_ids``, resumed requests replace it;
+- vLLM hears of a finished request in ``finished_sending`` only if ``request_finished`` kept its blocks.
 """
 
 from __future__ import annotations
@@ -361,6 +366,7 @@ class _SchedulerSide:
         self._sync_loads_pending = False
         self._delayed_frees: list[str] = []
         self._last_stats: dict[str, float] = {}
+        self._preempted = 0
         self._errors = 0
 
     def _error(self, what: str, e: BaseException) -> None:
@@ -374,6 +380,7 @@ class _SchedulerSide:
             if rid in self._scheduled:
                 # Matched again after running: vLLM preempted it and freed its device blocks.
                 self._scheduled.discard(rid)
+                self._preempted += 1
                 self._leader.request_preempted(rid)
             n = int(self._leader.get_num_new_matched_tokens(rid, list(request.all_token_ids),
                                                             int(num_computed_tokens)))
@@ -409,6 +416,17 @@ class _SchedulerSide:
             return False
 
     def build_meta(self, so: "SchedulerOutput") -> KvtierConnectorMetadata:
+        # Preemptions first: a request's device table is gone before any record of this step could rebuild it.
+        preempted = sorted(so.preempted_req_ids or ())
+        for rid in preempted:
+            if rid not in self._scheduled:
+                continue  # already handled when it was matched again
+            self._scheduled.discard(rid)
+            self._preempted += 1
+            try:
+                self._leader.request_preempted(rid)
+            except Exception as e:
+                self._error("request_preempted", e)
         records: list[dict[str, Any]] = []
         spec = so.scheduled_spec_decode_tokens or {}
         for r in so.scheduled_new_reqs:
@@ -432,13 +450,6 @@ class _SchedulerSide:
             self._scheduled.add(rid)
             records.append(_record(rid, new_tokens, _first_group(c.new_block_ids[i]), c.num_computed_tokens[i],
                                    so.num_scheduled_tokens.get(rid, 0), len(spec.get(rid, ())), False, resumed))
-        preempted = sorted(so.preempted_req_ids or ())
-        for rid in preempted:
-            self._scheduled.discard(rid)
-            try:
-                self._leader.request_preempted(rid)
-            except Exception as e:
-                self._error("request_preempted", e)
         finished = sorted(so.finished_req_ids)
         for rid in finished:
             self._tokens_sent.pop(rid, None)
@@ -504,6 +515,7 @@ class _SchedulerSide:
         except Exception as e:
             self._error("stats", e)
         s["adapter_errors"] = s.get("adapter_errors", 0) + self._errors
+        s["preempted_requests"] = self._preempted
         return s
 
     def take_stats_delta(self) -> dict[str, float]:
@@ -541,7 +553,7 @@ _COUNTERS = frozenset((
     "steps", "match_queries", "matched_tokens", "offload_blocks", "offload_confirmed", "offload_failed",
     "offload_deduplicated", "offload_dropped", "onboard_host_blocks", "onboard_disk_blocks", "onboard_remote_blocks",
     "onboard_failed", "spill_disk_blocks", "spill_disk_failed", "remote_put_blocks", "remote_put_failed",
-    "adapter_errors",
+    "adapter_errors", "preempted_requests",
 ))
 
 

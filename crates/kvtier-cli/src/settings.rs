@@ -101,6 +101,10 @@ pub struct TierArgs {
     /// Shared remote (G4) tier, e.g. `dir:///shared/kv` or `redis://127.0.0.1:6379`.
     #[arg(long, value_name = "URL")]
     pub remote_url: Option<String>,
+    /// Send every host block to disk, not only blocks offloaded twice within the filter window
+    /// (the original's DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER).
+    #[arg(long)]
+    pub no_disk_filter: bool,
 }
 
 /// The user's cache directory for the disk tier.
@@ -153,6 +157,9 @@ impl TierArgs {
         }
         if let Some(u) = &self.remote_url {
             m.insert("remote.url".into(), u.clone().into());
+        }
+        if self.no_disk_filter {
+            m.insert("policy.disk_filter.enabled".into(), false.into());
         }
         Ok(serde_json::Value::Object(m))
     }
@@ -266,6 +273,14 @@ mod tests {
         let c = flags.kvtier_config_with_env(&env).unwrap();
         assert_eq!(c.host.size, Some(TierSize::Gb(0.5)));
         assert_eq!(c.remote, Some(RemoteTarget::Dir("/tmp/shared".into())));
+        assert!(c.policy.disk_filter.enabled);
+        let c = TierArgs {
+            no_disk_filter: true,
+            ..Default::default()
+        }
+        .kvtier_config_with_env(&env)
+        .unwrap();
+        assert!(!c.policy.disk_filter.enabled);
     }
 
     #[test]

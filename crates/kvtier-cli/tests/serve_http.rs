@@ -35,15 +35,20 @@ fn engine_args(connector: ConnectorKind, dir: &std::path::Path) -> EngineArgs {
             disk_cache_gb: Some(0.05),
             disk_cache_dir: Some(dir.join("disk")),
             remote_url: None,
+            no_disk_filter: false,
         },
     }
 }
 
 async fn start(connector: ConnectorKind) -> Server {
+    start_with(connector, |_| {}).await
+}
+
+async fn start_with(connector: ConnectorKind, tweak: impl FnOnce(&mut EngineArgs)) -> Server {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = engine_args(connector, dir.path())
-        .engine_config(Role::Aggregated)
-        .unwrap();
+    let mut args = engine_args(connector, dir.path());
+    tweak(&mut args);
+    let cfg = args.engine_config(Role::Aggregated).unwrap();
     let backend = Arc::new(EngineBackend::start(cfg).unwrap());
     let state = AppState::new(backend, Generator::Local, "agg");
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -321,5 +326,59 @@ async fn kvtier_and_none_give_identical_tokens_and_metrics_move() {
     assert!(
         after.contains("kvtier_request_ttft_seconds_bucket"),
         "{after}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_gives_503_json_and_the_server_keeps_serving() {
+    // One running sequence, at most two waiting: a burst of eight must see refusals.
+    let s = Arc::new(
+        start_with(ConnectorKind::None, |a| {
+            a.max_num_seqs = 1;
+            a.max_waiting = 2;
+        })
+        .await,
+    );
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            post(
+                &s,
+                "/v1/completions",
+                json!({"prompt": format!("burst {i} "), "max_tokens": 48, "ignore_eos": true}),
+            )
+            .await
+        }));
+    }
+    let mut ok = 0;
+    let mut refused = 0;
+    for t in tasks {
+        let (status, v) = t.await.unwrap();
+        match status {
+            200 => {
+                assert_eq!(v["usage"]["completion_tokens"], 48);
+                ok += 1;
+            }
+            503 => {
+                assert_openai_error(status, &v, 503);
+                assert_eq!(v["error"]["code"], "overloaded");
+                refused += 1;
+            }
+            other => panic!("unexpected status {other}: {v}"),
+        }
+    }
+    assert!(ok >= 1 && refused >= 1, "ok {ok}, refused {refused}");
+    let (status, _) = post(
+        &s,
+        "/v1/completions",
+        json!({"prompt": "after", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let (_, m) = get_text(&s, "/metrics").await;
+    assert!(
+        metric(&m, "kvtier_engine_requests_total{state=\"rejected\"}") >= refused as f64,
+        "{m}"
     );
 }

@@ -751,6 +751,13 @@ impl EngineCore {
         {
             r.send(&mut self.outbox, GenerateEvent::Error(why.to_owned()));
         }
+        // Prefill requests still waiting for their KV to be saved never got their Done.
+        for r in &self.saving {
+            if self.done_after_save.contains(&r.id) {
+                r.send(&mut self.outbox, GenerateEvent::Error(why.to_owned()));
+            }
+        }
+        self.done_after_save.clear();
     }
 }
 

@@ -196,12 +196,80 @@ fn collect(
 #[test]
 fn disaggregated_prefill_and_decode_match_aggregated() {
     let remote = tempfile::tempdir().unwrap();
+    disaggregated_round_trip(RemoteTarget::Dir(remote.path().to_path_buf()));
+}
+
+/// A private Redis server on a free port, stopped on drop.
+struct RedisServer {
+    child: std::process::Child,
+    url: String,
+}
+
+impl RedisServer {
+    fn start() -> Option<RedisServer> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .ok()?
+            .local_addr()
+            .ok()?
+            .port();
+        let child = std::process::Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .ok()?;
+        let server = RedisServer {
+            child,
+            url: format!("redis://127.0.0.1:{port}"),
+        };
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return Some(server);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn disaggregated_through_redis_matches_aggregated() {
+    if std::process::Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("redis-server is not installed (scripts/start-services.sh installs it): skipped");
+        return;
+    }
+    let server = RedisServer::start().expect("redis-server did not start");
+    disaggregated_round_trip(RemoteTarget::Redis(server.url.clone()));
+}
+
+fn disaggregated_round_trip(remote: RemoteTarget) {
     let ps = prompts(8, 64);
     let max_tokens = 10;
     let want = reference(EngineConfig::builtin(26), &ps, max_tokens);
-    let mut pc = engine_cfg(26, tiers(256, None, Some(remote.path())));
+    let mut kv = tiers(256, None, None);
+    kv.remote = Some(remote);
+    let mut pc = engine_cfg(26, kv.clone());
     pc.role = Role::Prefill;
-    let mut dc = engine_cfg(26, tiers(256, None, Some(remote.path())));
+    let mut dc = engine_cfg(26, kv);
     dc.role = Role::Decode;
     let prefill = EngineHandle::start(pc).unwrap();
     let decode = EngineHandle::start(dc).unwrap();
@@ -288,4 +356,36 @@ fn connector_without_tiers_is_a_clear_start_error() {
         Err(other) => panic!("unexpected error {other}"),
         Ok(_) => panic!("a connector without tiers started"),
     }
+}
+
+#[test]
+fn finished_request_keeps_its_blocks_until_saved() {
+    // Pins the "finished, no async save" failure class: blocks a store still reads must not be
+    // handed to another request.
+    let held: Arc<std::sync::Mutex<Option<Arc<FaultyTransfer>>>> = Arc::default();
+    let h2 = held.clone();
+    let mut setup = ConnectorSetup::new(tiers(64, None, None));
+    setup.wrap_transfer = Some(Arc::new(move |inner| {
+        let f = Arc::new(FaultyTransfer::new(inner));
+        *h2.lock().unwrap() = Some(f.clone());
+        f as Arc<dyn kvtier::transfer::BlockTransfer>
+    }));
+    let mut cfg = EngineConfig::builtin(29);
+    cfg.num_device_blocks = 24;
+    cfg.connector = Some(setup);
+    let e = EngineHandle::start(cfg).unwrap();
+    let f = held.lock().unwrap().clone().unwrap();
+    f.hold();
+    let p: Vec<u32> = (0..70u32).map(|i| (i * 7 + 1) % 256).collect();
+    let (toks, _) = e.generate_blocking(request(&p, 4)).unwrap();
+    assert_eq!(toks.len(), 4);
+    // Done arrived, but the stores are held: the request's 5 blocks are still allocated.
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(e.metrics().free_device_blocks, 24 - 5, "{:?}", e.metrics());
+    assert!(!e.wait_idle(Duration::from_millis(100)));
+    f.release();
+    assert!(e.wait_idle(IDLE));
+    let m = e.metrics();
+    assert_eq!(m.free_device_blocks, 24);
+    assert_eq!(m.offloaded_blocks, 4);
 }

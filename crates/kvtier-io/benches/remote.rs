@@ -2,15 +2,19 @@
 //! the same bytes (no header, no checksum; the baseline) vs the shared-directory backend, all in one
 //! run against one private local redis-server.
 //!
+//! After the criterion groups, an interleaved A/B pass times the same operations round-robin
+//! (baseline, kvtier redis, kvtier dir, repeated) and prints medians and the median per-round ratio:
+//! on a shared, loaded machine this keeps load swings out of the ratios.
+//!
 //! Run: `cargo bench -p kvtier-io --bench remote`.
 #![allow(clippy::unwrap_used)]
 
 #[path = "../tests/remote_support/mod.rs"]
 mod remote_support;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use kvtier_io::remote::from_url;
 use remote_support::{block, RedisServer};
 
@@ -102,6 +106,75 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Round-robin A/B timing: each round runs every variant once, so all see the same load.
+fn interleaved() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let redis_store = from_url(&srv.url(), "ab").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let dir_store = from_url(&format!("dir://{}", dir.path().display()), "ab").unwrap();
+    let mut raw = srv.raw().unwrap();
+    let data = block(7, BLOCK);
+    let mut out = vec![0u8; BLOCK];
+    const ROUNDS: usize = 150;
+    // [raw, kvtier redis, kvtier dir] x [put, get], in milliseconds.
+    let mut t: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); 3]; 2];
+    let time = |f: &mut dyn FnMut()| {
+        let s = Instant::now();
+        f();
+        s.elapsed().as_secs_f64() * 1e3
+    };
+    for round in 0..ROUNDS + 5 {
+        let k = (round as u128) % KEYS;
+        let name = format!("raw:{k}");
+        let ms = [
+            time(&mut || {
+                let _: () = redis::cmd("SET")
+                    .arg(&name)
+                    .arg(&data[..])
+                    .query(&mut raw)
+                    .unwrap();
+            }),
+            time(&mut || redis_store.put(k, &data).unwrap()),
+            time(&mut || dir_store.put(k, &data).unwrap()),
+        ];
+        let gets = [
+            time(&mut || {
+                let v: Vec<u8> = redis::cmd("GET").arg(&name).query(&mut raw).unwrap();
+                assert_eq!(v.len(), BLOCK);
+            }),
+            time(&mut || redis_store.get(k, &mut out).unwrap()),
+            time(&mut || dir_store.get(k, &mut out).unwrap()),
+        ];
+        if round >= 5 {
+            for v in 0..3 {
+                t[0][v].push(ms[v]);
+                t[1][v].push(gets[v]);
+            }
+        }
+    }
+    println!("interleaved A/B, 2 MiB blocks, {ROUNDS} rounds (median ms, MiB/s, median per-round ratio vs raw):");
+    for (op, row) in ["put", "get"].iter().zip(&t) {
+        let base = row[0].clone();
+        for (name, samples) in ["raw_redis", "kvtier_redis", "kvtier_dir"].iter().zip(row) {
+            let mut ratios: Vec<f64> = base.iter().zip(samples).map(|(b, x)| b / x).collect();
+            let mut s = samples.clone();
+            let m = median(&mut s);
+            println!(
+                "  {op} {name:<13} {m:7.3} ms {:8.1} MiB/s  x{:.3} of raw throughput",
+                2.0 / (m / 1e3),
+                median(&mut ratios)
+            );
+        }
+    }
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
@@ -110,4 +183,9 @@ criterion_group! {
         .measurement_time(Duration::from_secs(4));
     targets = bench
 }
-criterion_main!(benches);
+
+fn main() {
+    benches();
+    interleaved();
+    Criterion::default().configure_from_args().final_summary();
+}

@@ -19,7 +19,7 @@ use kvtier::connector::ConnectorError;
 use kvtier::ids::{DeviceBlockId, RequestId, Tier};
 use kvtier::pool::PoolEvent;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::errors::{BridgeError, BridgeResult, Family};
 use crate::rendezvous::Rendezvous;
@@ -101,8 +101,38 @@ fn record_from_py(obj: &Bound<'_, PyAny>) -> PyResult<StepRecord> {
     if let Ok(r) = obj.cast::<PyStepRecord>() {
         return Ok(r.borrow().inner.clone());
     }
+    if let Ok(t) = obj.cast::<PyTuple>() {
+        // (request_id, new_tokens, new_block_ids, num_computed, num_scheduled
+        //  [, num_draft, is_new, resumed]): the cheapest form for per-step calls.
+        let n = t.len();
+        if !(5..=8).contains(&n) {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "a step record tuple has 5 to 8 items, got {n}"
+            )));
+        }
+        let flag = |i: usize| -> PyResult<bool> {
+            if i < n {
+                t.get_item(i)?.extract()
+            } else {
+                Ok(false)
+            }
+        };
+        let new_block_ids: Vec<u32> = t.get_item(2)?.extract()?;
+        return Ok(StepRecord {
+            request_id: RequestId(t.get_item(0)?.str()?.to_string()),
+            new_tokens: t.get_item(1)?.extract()?,
+            new_block_ids: new_block_ids.into_iter().map(DeviceBlockId).collect(),
+            num_computed_tokens: t.get_item(3)?.extract()?,
+            num_scheduled_tokens: t.get_item(4)?.extract()?,
+            num_draft_tokens: if n > 5 { t.get_item(5)?.extract()? } else { 0 },
+            is_new: flag(6)?,
+            resumed_from_preemption: flag(7)?,
+        });
+    }
     let d = obj.cast::<PyDict>().map_err(|_| {
-        pyo3::exceptions::PyTypeError::new_err("a step record must be a StepRecord or a dict")
+        pyo3::exceptions::PyTypeError::new_err(
+            "a step record must be a StepRecord, a tuple or a dict",
+        )
     })?;
     let req = |k: &str| -> PyResult<Bound<'_, PyAny>> {
         d.get_item(k)?.ok_or_else(|| {
@@ -198,6 +228,7 @@ fn capacities(settings: &Settings, total_bytes_per_block: u64) -> BridgeResult<(
 impl Inner {
     fn build(&mut self, layout: ClusterLayout) -> BridgeResult<()> {
         let (host, disk) = capacities(&self.settings, layout.total_bytes_per_block())?;
+        let remote = crate::vllm_support::remote_store(&self.settings)?;
         let cfg = LeaderConfig {
             block_size: self.block_size,
             salt: self.settings.salt()?,
@@ -209,8 +240,8 @@ impl Inner {
             } else {
                 DiskPolicy::Never
             },
-            remote: None,
-            remote_put: false,
+            remote_put: remote.is_some(),
+            remote,
             async_loads: self.async_loads,
             priority: Default::default(),
         };

@@ -32,6 +32,7 @@ pub mod rendezvous;
 pub mod settings;
 pub mod staged;
 pub mod tensor;
+pub mod vllm_support;
 pub mod worker;
 
 /// Installs a `tracing` subscriber that writes kvtier's logs to stderr, filtered by `filter` (an

@@ -215,6 +215,7 @@ impl PyWorker {
             layout::DeviceKind::Cuda(i) => Some(i as i32),
         };
         let bounce_layout = dl.clone();
+        let remote_layout = dl.clone();
         let mut builder = TransferEngine::builder().device_layout(dl);
         if caps.host_blocks > 0 {
             let mut opts = HostOptions::new(n32(caps.host_blocks, "host")?, bpb);
@@ -251,7 +252,21 @@ impl PyWorker {
             bounce = Some((Arc::new(engine) as Arc<dyn BlockTransfer>, bopts.num_blocks));
             disk_dir = Some(dir);
         }
+        // The shared remote tier (G4): puts go host -> remote; loads go remote -> device via a bounce buffer.
+        let remote = crate::vllm_support::remote_store(settings)?;
+        let mut remote_bounce = None;
+        if let Some(store) = &remote {
+            builder = builder.remote(Arc::clone(store));
+            remote_bounce = Some(crate::vllm_support::bounce_engine(
+                &remote_layout,
+                store,
+                bpb,
+                cuda_ordinal,
+            )?);
+        }
         let main: Arc<dyn BlockTransfer> = Arc::new(builder.build().map_err(io_err)?);
+        let main: Arc<dyn BlockTransfer> =
+            Arc::new(crate::vllm_support::RemoteStaged::new(main, remote_bounce));
         let engine: Arc<dyn BlockTransfer> = Arc::new(StagedTransfer::new(main, bounce));
         let (link, buffer) = match link_name.as_str() {
             "engine" => {

@@ -1,9 +1,11 @@
 //! Connector benchmarks: the leader's work per engine step, and matching a long prompt.
 //!
-//! - `leader_step/256_mixed`: one `build_step` for 256 running requests (about a quarter in
-//!   chunked prefill, the rest decoding; finished requests are replaced by new 1024-token ones)
-//!   plus applying the workers' reports for the step's stores. Baseline in the same run:
-//!   `leader_step/slots_only_256_mixed`, the same records through bare slots (no pools, no jobs).
+//! - `leader_step/256_mixed`: one `build_step` for 256 running requests (about 15 of them in
+//!   chunked prefill with 256-token chunks, i.e. ~3800 prefill tokens and ~240 newly full blocks
+//!   per step; the rest decoding; finished requests are replaced by new 1024-token ones), plus
+//!   applying the workers' reports for the step's stores and taking the step's KV events.
+//!   `leader_step/256_decode`: the same with all 256 requests decoding. Baselines in the same run:
+//!   `leader_step/slots_only_*`, the same records through bare slots (no pools, no jobs).
 //! - `match/32k_prompt`: `get_num_new_matched_tokens` on a fresh 32768-token prompt whose 2048
 //!   blocks are all in G2, hashing included. Baseline: `match/hash_only_32k`, hashing alone.
 //!
@@ -28,6 +30,8 @@ const PROMPT: usize = 1024;
 const CHUNK: usize = 256;
 const DECODE: usize = 64;
 const DEV_BLOCKS: u32 = 1 << 20;
+/// G2 blocks: 100 GB of host memory at 2 MiB per block (Llama-3.1-8B, 16 tokens).
+const HOST_BLOCKS: usize = 50_000;
 
 struct Req {
     id: RequestId,
@@ -41,14 +45,17 @@ struct Req {
 
 /// A steady stream of engine steps over `RUNNING` requests.
 struct Workload {
+    decode: usize,
     reqs: Vec<Req>,
     next_id: u64,
     next_block: u32,
 }
 
 impl Workload {
-    fn new() -> Self {
+    /// `decode`: generated tokens per request; `all_decoding`: every request starts past its prompt.
+    fn new(decode: usize, all_decoding: bool) -> Self {
         let mut w = Workload {
+            decode,
             reqs: Vec::new(),
             next_id: 0,
             next_block: 0,
@@ -56,7 +63,11 @@ impl Workload {
         for i in 0..RUNNING {
             // Stagger: request i starts `i % (PROMPT/CHUNK + DECODE)` steps into its life.
             let mut r = w.fresh();
-            let age = i % (PROMPT / CHUNK + DECODE);
+            let age = if all_decoding {
+                PROMPT / CHUNK + 1 + i % DECODE
+            } else {
+                i % (PROMPT / CHUNK + DECODE)
+            };
             r.computed = (age * CHUNK).min(PROMPT);
             if age > PROMPT / CHUNK {
                 let extra = age - PROMPT / CHUNK;
@@ -94,7 +105,7 @@ impl Workload {
         let mut records = Vec::with_capacity(RUNNING);
         let mut finished = Vec::new();
         for i in 0..self.reqs.len() {
-            if self.reqs[i].tokens.len() >= PROMPT + DECODE {
+            if self.reqs[i].tokens.len() >= PROMPT + self.decode {
                 finished.push(self.reqs[i].id.clone());
                 self.reqs[i] = self.fresh();
             }
@@ -144,7 +155,7 @@ fn thread_cpu() -> Duration {
 }
 
 fn leader() -> Leader {
-    let mut cfg = LeaderConfig::new(BS, SALT, 200_000);
+    let mut cfg = LeaderConfig::new(BS, SALT, HOST_BLOCKS);
     cfg.layout = Some(ClusterLayout {
         block_size: BS as u32,
         num_device_blocks: DEV_BLOCKS,
@@ -155,8 +166,23 @@ fn leader() -> Leader {
 
 fn bench_step(c: &mut Criterion) {
     let mut g = c.benchmark_group("leader_step");
+    // 256_mixed: a quarter-ish in chunked prefill; 256_decode: everyone decoding (per-record cost).
+    for (label, decode, all_decoding) in
+        [("256_mixed", DECODE, false), ("256_decode", 1 << 30, true)]
+    {
+        step_group(&mut g, label, decode, all_decoding);
+    }
+    g.finish();
+}
+
+fn step_group(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    label: &str,
+    decode: usize,
+    all_decoding: bool,
+) {
     // Pre-generate steps so the workload generator is not measured.
-    let mut w = Workload::new();
+    let mut w = Workload::new(decode, all_decoding);
     let steps: Vec<SchedulerStep> = (0..2000).map(|_| w.step()).collect();
 
     fn warm(steps: &[SchedulerStep]) -> Leader {
@@ -175,6 +201,8 @@ fn bench_step(c: &mut Criterion) {
                 outcome: TransferOutcome::Ok,
             });
         }
+        // An engine pulls the KV events every step (vLLM's take_events).
+        black_box(l.take_events().len());
         m.stores.len()
     }
     // Steady state: slots exist and the host pool cycles (the warm-up is not timed).
@@ -184,9 +212,9 @@ fn bench_step(c: &mut Criterion) {
     // Each variant reports one clock: wall time, or this thread's on-CPU time.
     for cpu_clock in [false, true] {
         let name = if cpu_clock {
-            "256_mixed_oncpu"
+            format!("{label}_oncpu")
         } else {
-            "256_mixed"
+            label.to_string()
         };
         g.bench_function(name, |b| {
             b.iter_custom(|iters| {
@@ -218,9 +246,9 @@ fn bench_step(c: &mut Criterion) {
     let mut j = 0;
     for cpu_clock in [false, true] {
         let name = if cpu_clock {
-            "slots_only_256_mixed_oncpu"
+            format!("slots_only_{label}_oncpu")
         } else {
-            "slots_only_256_mixed"
+            format!("slots_only_{label}")
         };
         g.bench_function(name, |b| {
             b.iter_custom(|iters| {
@@ -257,7 +285,6 @@ fn bench_step(c: &mut Criterion) {
             })
         });
     }
-    g.finish();
 }
 
 fn bench_match(c: &mut Criterion) {

@@ -22,8 +22,10 @@ use crate::bench::workload::{RequestKey, Script, Workload};
 pub struct TierSetup {
     /// Host (G2) capacity in GB (decimal).
     pub host_gb: f64,
-    /// Disk (G3) capacity in GB (0 = no disk tier).
+    /// Disk (G3) capacity in GB.
     pub disk_gb: f64,
+    /// Apply the disk frequency filter (blocks reach disk only when offloaded twice in its window).
+    pub disk_filter: bool,
 }
 
 /// One engine configuration of the comparison.
@@ -346,7 +348,8 @@ mod tests {
                     description: "second".into(),
                     kvtier: Some(TierSetup {
                         host_gb: 0.001,
-                        disk_gb: 0.0,
+                        disk_gb: 0.01,
+                        disk_filter: true,
                     }),
                 },
             ],

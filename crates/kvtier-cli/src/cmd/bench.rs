@@ -61,10 +61,10 @@ pub struct BenchArgs {
     /// Chat: shared system prompt length in tokens.
     #[arg(long)]
     pub system_tokens: Option<usize>,
-    /// Chat: tokens per user question.
+    /// Tokens per question (both workloads; default 32).
     #[arg(long)]
     pub question_tokens: Option<usize>,
-    /// Chat and docqa: tokens per answer.
+    /// Tokens per answer (both workloads; default chat 64, docqa 16).
     #[arg(long)]
     pub answer_tokens: Option<u32>,
     /// Chat: requests per second.
@@ -102,8 +102,9 @@ pub struct BenchEngineArgs {
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
     /// G1 capacity in blocks (small on purpose: the workloads' history must not fit).
-    #[arg(long, default_value_t = 128)]
-    pub num_device_blocks: usize,
+    /// Default 96 (1536 tokens), 128 with --large.
+    #[arg(long)]
+    pub num_device_blocks: Option<usize>,
     #[arg(long, default_value_t = 16)]
     pub max_num_seqs: usize,
     #[arg(long, default_value_t = 256)]
@@ -129,22 +130,21 @@ impl BenchArgs {
 
     fn workloads(&self) -> Vec<Workload> {
         let large = self.large;
-        let answer = self.answer_tokens.unwrap_or(if large { 32 } else { 16 });
         let chat = ChatParams {
             users: self.users.unwrap_or(if large { 16 } else { 8 }),
-            rounds: self.rounds.unwrap_or(if large { 8 } else { 5 }),
+            rounds: self.rounds.unwrap_or(if large { 10 } else { 8 }),
             system_tokens: self.system_tokens.unwrap_or(if large { 512 } else { 256 }),
             question_tokens: self.question_tokens.unwrap_or(32),
-            answer_tokens: answer,
-            qps: self.chat_qps.unwrap_or(4.0),
+            answer_tokens: self.answer_tokens.unwrap_or(64),
+            qps: self.chat_qps.unwrap_or(3.0),
         };
         let docqa = DocQaParams {
             docs: self.docs.unwrap_or(if large { 12 } else { 6 }),
             doc_tokens: self.doc_tokens.unwrap_or(if large { 1536 } else { 768 }),
-            questions_per_doc: self.questions_per_doc.unwrap_or(3),
+            questions_per_doc: self.questions_per_doc.unwrap_or(if large { 4 } else { 3 }),
             question_tokens: self.question_tokens.unwrap_or(32),
-            answer_tokens: answer,
-            qps: self.docqa_qps.unwrap_or(3.0),
+            answer_tokens: self.answer_tokens.unwrap_or(16),
+            qps: self.docqa_qps.unwrap_or(if large { 2.0 } else { 3.0 }),
         };
         self.workloads
             .iter()
@@ -173,17 +173,19 @@ impl BenchArgs {
                     kvtier: Some(TierSetup {
                         host_gb: self.engine.host_cache_gb,
                         disk_gb: self.engine.disk_cache_gb,
+                        disk_filter: true,
                     }),
                 },
                 ConfigChoice::KvtierDisk => BenchConfig {
                     name: "kvtier-disk".into(),
                     description: format!(
-                        "kvtier: tiny host tier (1 MB) + disk tier {} GB, so hits come from disk",
+                        "kvtier: tiny host tier (1 MB) + disk tier {} GB, disk filter off, so hits come from disk",
                         self.engine.disk_cache_gb
                     ),
                     kvtier: Some(TierSetup {
                         host_gb: 0.001,
                         disk_gb: self.engine.disk_cache_gb,
+                        disk_filter: false,
                     }),
                 },
             })
@@ -194,6 +196,7 @@ impl BenchArgs {
 /// Starts reference engines for the bench.
 struct RealFactory {
     engine: BenchEngineArgs,
+    num_device_blocks: usize,
 }
 
 impl EngineFactory for RealFactory {
@@ -202,7 +205,7 @@ impl EngineFactory for RealFactory {
             model: self.engine.model.clone(),
             model_seed: 0,
             block_size: self.engine.block_size,
-            num_device_blocks: self.engine.num_device_blocks,
+            num_device_blocks: self.num_device_blocks,
             max_num_seqs: self.engine.max_num_seqs,
             max_batch_tokens: self.engine.max_batch_tokens,
             max_waiting: 4096,
@@ -217,6 +220,7 @@ impl EngineFactory for RealFactory {
                     disk_cache_gb: Some(t.disk_gb),
                     disk_cache_dir: Some(scratch.join("disk")),
                     remote_url: None,
+                    no_disk_filter: !t.disk_filter,
                 },
                 None => TierArgs::default(),
             },
@@ -226,7 +230,7 @@ impl EngineFactory for RealFactory {
     }
 
     fn device_tokens(&self) -> usize {
-        self.engine.num_device_blocks * self.engine.block_size
+        self.num_device_blocks * self.engine.block_size
     }
 }
 
@@ -254,8 +258,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         target_ratio: 3.0,
         command,
     };
+    let num_device_blocks =
+        args.engine
+            .num_device_blocks
+            .unwrap_or(if args.large { 128 } else { 96 });
     let factory = RealFactory {
         engine: args.engine.clone(),
+        num_device_blocks,
     };
     let started = std::time::Instant::now();
     let report = run_suite(&factory, &opts).await?;

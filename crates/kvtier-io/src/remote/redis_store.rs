@@ -15,7 +15,7 @@
 //! - `get` returns bytes only after `frame::decode_into` checked header and checksum.
 //!
 //! Locking: `slots[i]` guards pooled connection `i` (`None` = not connected). An operation holds one
-//! slot's lock for its whole round trip; `next` only spreads threads over the slots. `down` guards
+//! slot's lock for its whole round trip; `next` only spreads waiting threads over the slots. `down` guards
 //! the outage record and is never held across network I/O.
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -73,18 +73,50 @@ enum Client {
     Cluster(ClusterClient),
 }
 
-/// One pooled connection: to a single server, or to every node of a cluster.
+/// One pooled connection: to a single server (with a reusable buffer for packed `SET`s), or to
+/// every node of a cluster.
 enum Conn {
-    Single(Connection),
+    Single { conn: Connection, buf: Vec<u8> },
     Cluster(Box<ClusterConnection>),
 }
 
 impl Conn {
     fn as_dyn(&mut self) -> &mut dyn ConnectionLike {
         match self {
-            Conn::Single(c) => c,
+            Conn::Single { conn, .. } => conn,
             Conn::Cluster(c) => c.as_mut(),
         }
+    }
+}
+
+/// Appends one RESP bulk string made of `parts` to `out`.
+fn push_bulk(out: &mut Vec<u8>, parts: &[&[u8]]) {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    out.push(b'$');
+    out.extend_from_slice(len.to_string().as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for p in parts {
+        out.extend_from_slice(p);
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+/// `SET name (header || payload) [PX ttl_ms]` as one RESP command in `out` (cleared first): the
+/// payload is copied once, straight into the bytes that go on the wire.
+fn pack_set(out: &mut Vec<u8>, name: &str, header: &[u8], payload: &[u8], ttl_ms: Option<u64>) {
+    out.clear();
+    out.reserve(header.len() + payload.len() + name.len() + 64);
+    out.extend_from_slice(if ttl_ms.is_some() {
+        b"*5\r\n"
+    } else {
+        b"*3\r\n"
+    });
+    push_bulk(out, &[b"SET"]);
+    push_bulk(out, &[name.as_bytes()]);
+    push_bulk(out, &[header, payload]);
+    if let Some(ms) = ttl_ms {
+        push_bulk(out, &[b"PX"]);
+        push_bulk(out, &[ms.to_string().as_bytes()]);
     }
 }
 
@@ -187,11 +219,12 @@ impl RedisStore {
         })
     }
 
+    /// The lowest-numbered free slot (so a single thread keeps reusing one warm connection and
+    /// its buffers), or, when all are busy, a wait on one chosen round-robin.
     fn lock_slot(&self) -> MutexGuard<'_, Option<Conn>> {
         let n = self.slots.len();
-        let start = self.next.fetch_add(1, Ordering::Relaxed);
         for i in 0..n {
-            match self.slots[(start + i) % n].try_lock() {
+            match self.slots[i].try_lock() {
                 Ok(g) => return g,
                 Err(std::sync::TryLockError::Poisoned(p)) => {
                     // A panic elsewhere while holding the slot: its connection state is unknown.
@@ -202,6 +235,7 @@ impl RedisStore {
                 Err(std::sync::TryLockError::WouldBlock) => {}
             }
         }
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
         self.slots[start % n].lock().unwrap_or_else(|p| {
             let mut g = p.into_inner();
             *g = None;
@@ -215,7 +249,10 @@ impl RedisStore {
                 let c = client.get_connection_with_timeout(self.opts.connect_timeout)?;
                 c.set_read_timeout(Some(self.opts.io_timeout))?;
                 c.set_write_timeout(Some(self.opts.io_timeout))?;
-                Ok(Conn::Single(c))
+                Ok(Conn::Single {
+                    conn: c,
+                    buf: Vec::new(),
+                })
             }
             Client::Cluster(client) => {
                 let c = client.get_connection()?;
@@ -314,17 +351,31 @@ impl RedisStore {
 
     fn put_inner(&self, key: u128, data: &[u8]) -> Result<(), RemoteError> {
         let rkey = self.ns.redis_key(key);
-        let value = FramedValue {
-            header: frame::encode_header(key, data),
-            payload: data,
-        };
-        let mut cmd = redis::cmd("SET");
-        cmd.arg(&rkey).arg(&value);
-        if let Some(ttl) = self.opts.ttl {
-            cmd.arg("PX")
-                .arg(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
-        }
-        self.with_conn("put", |c| cmd.query::<()>(c.as_dyn()))
+        let header = frame::encode_header(key, data);
+        let ttl_ms = self
+            .opts
+            .ttl
+            .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX));
+        self.with_conn("put", |c| match c {
+            Conn::Single { conn, buf } => {
+                pack_set(buf, &rkey, &header, data, ttl_ms);
+                let reply = conn.req_packed_command(buf)?;
+                redis::from_redis_value::<()>(reply.extract_error()?).map_err(Into::into)
+            }
+            Conn::Cluster(c) => {
+                // The cluster connection routes by parsing the command: give it a `Cmd`.
+                let value = FramedValue {
+                    header,
+                    payload: data,
+                };
+                let mut cmd = redis::cmd("SET");
+                cmd.arg(&rkey).arg(&value);
+                if let Some(ms) = ttl_ms {
+                    cmd.arg("PX").arg(ms);
+                }
+                cmd.query::<()>(c.as_mut())
+            }
+        })
     }
 
     fn get_inner(&self, key: u128, out: &mut [u8]) -> Result<(), RemoteError> {
@@ -343,12 +394,12 @@ impl RedisStore {
         }
         let names: Vec<String> = keys.iter().map(|&k| self.ns.redis_key(k)).collect();
         let found: Vec<bool> = self.with_conn("contains", |c| match c {
-            Conn::Single(c) => {
+            Conn::Single { conn, .. } => {
                 let mut pipe = redis::pipe();
                 for n in &names {
                     pipe.cmd("EXISTS").arg(n);
                 }
-                pipe.query(c)
+                pipe.query(conn)
             }
             Conn::Cluster(c) => {
                 // Keys live on different nodes: the cluster pipeline groups them per node.
@@ -417,6 +468,24 @@ fn cluster_seed_urls(url: &str) -> Result<Vec<String>, RemoteError> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn packed_set_is_the_resp_the_crate_would_send() {
+        let payload = vec![7u8; 1000];
+        let header = [1u8; frame::HEADER_LEN];
+        for ttl in [None, Some(1234u64)] {
+            let mut ours = Vec::new();
+            pack_set(&mut ours, "kvtier:v1:n:00ff", &header, &payload, ttl);
+            let mut value = header.to_vec();
+            value.extend_from_slice(&payload);
+            let mut cmd = redis::cmd("SET");
+            cmd.arg("kvtier:v1:n:00ff").arg(value);
+            if let Some(ms) = ttl {
+                cmd.arg("PX").arg(ms);
+            }
+            assert_eq!(ours, cmd.get_packed_command());
+        }
+    }
 
     #[test]
     fn cluster_seeds_carry_credentials() {

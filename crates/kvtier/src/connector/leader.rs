@@ -141,6 +141,9 @@ impl LeaderConfig {
     }
 }
 
+/// Pool events the leader keeps for `take_events` before dropping the oldest.
+pub const MAX_EVENTS: usize = 1 << 16;
+
 /// A change in what the tiers hold (for KV-aware routers).
 pub type KvEvent = PoolEvent;
 
@@ -169,6 +172,8 @@ pub struct LeaderStats {
     pub spill_disk_failed: u64,
     pub remote_put_blocks: u64,
     pub remote_put_failed: u64,
+    /// Pool events dropped because nobody took them (`take_events`) in time.
+    pub events_dropped: u64,
     pub host_capacity: usize,
     pub host_free: usize,
     pub host_registered: usize,
@@ -235,7 +240,8 @@ pub struct Leader {
     remote_put: bool,
     async_loads: bool,
     priority: Priority,
-    slots: FastMap<RequestId, SlotEntry>,
+    /// Boxed so that growing the map moves pointers, not slots.
+    slots: FastMap<RequestId, Box<SlotEntry>>,
     jobs: FastMap<JobId, PendingJob>,
     next_job: u64,
     step: u64,
@@ -247,7 +253,8 @@ pub struct Leader {
     reports_rx: Receiver<WorkerReport>,
     reports_tx: Sender<WorkerReport>,
     stats: LeaderStats,
-    events: Vec<KvEvent>,
+    /// Pool events not yet taken, oldest first, at most `MAX_EVENTS` (older ones are dropped).
+    events: std::collections::VecDeque<KvEvent>,
 }
 
 impl Leader {
@@ -319,7 +326,7 @@ impl Leader {
             reports_rx,
             reports_tx,
             stats: LeaderStats::default(),
-            events: Vec::new(),
+            events: std::collections::VecDeque::new(),
         })
     }
 
@@ -453,10 +460,12 @@ impl Leader {
         self.poll_reports();
         let bs = self.block_size;
         let (block_size, salt) = (self.block_size, self.salt);
-        let entry = self.slots.entry(req.clone()).or_insert_with(|| SlotEntry {
-            slot: Slot::new(req.clone(), block_size, salt),
-            stores_in_flight: 0,
-            loads_in_flight: 0,
+        let entry = self.slots.entry(req.clone()).or_insert_with(|| {
+            Box::new(SlotEntry {
+                slot: Slot::new(req.clone(), block_size, salt),
+                stores_in_flight: 0,
+                loads_in_flight: 0,
+            })
         });
         if !entry.slot.can_match() {
             return Err(ConnectorError::invalid(
@@ -529,11 +538,11 @@ impl Leader {
             }
             self.slots.insert(
                 req.clone(),
-                SlotEntry {
+                Box::new(SlotEntry {
                     slot: Slot::new(req.clone(), self.block_size, self.salt),
                     stores_in_flight: 0,
                     loads_in_flight: 0,
-                },
+                }),
             );
         }
         let onboard = match self.slots.get_mut(req) {
@@ -674,6 +683,7 @@ impl Leader {
             }
             self.maybe_drop_slot(f);
         }
+        self.collect_events();
         self.step += 1;
         self.stats.steps += 1;
         let mut meta = std::mem::take(&mut self.outbox);
@@ -700,11 +710,11 @@ impl Leader {
                 let out = slot.apply(rec)?;
                 self.slots.insert(
                     req.clone(),
-                    SlotEntry {
+                    Box::new(SlotEntry {
                         slot,
                         stores_in_flight: 0,
                         loads_in_flight: 0,
-                    },
+                    }),
                 );
                 out
             }
@@ -1103,17 +1113,28 @@ impl Leader {
         s
     }
 
-    /// Stored/removed events of every tier since the last call, oldest first.
-    pub fn take_events(&mut self) -> Vec<KvEvent> {
-        self.poll_reports();
-        let mut out = std::mem::take(&mut self.events);
+    /// Move the pools' events into the leader's bounded queue (so a leader whose events nobody
+    /// takes does not grow without bound).
+    fn collect_events(&mut self) {
         if let Some(h) = self.host.as_mut() {
-            out.extend(h.take_events());
+            self.events.extend(h.take_events());
         }
         if let Some(d) = self.disk.as_mut() {
-            out.extend(d.take_events());
+            self.events.extend(d.take_events());
         }
-        out
+        if self.events.len() > MAX_EVENTS {
+            let excess = self.events.len() - MAX_EVENTS;
+            self.events.drain(..excess);
+            self.stats.events_dropped += excess as u64;
+        }
+    }
+
+    /// Stored/removed events of every tier since the last call, oldest first (at most
+    /// `MAX_EVENTS`; `LeaderStats::events_dropped` counts the older ones that were dropped).
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.poll_reports();
+        self.collect_events();
+        self.events.drain(..).collect()
     }
 
     /// Read access to the host pool (tests, metrics).
