@@ -17,7 +17,7 @@ echo "== rust: fmt, clippy, tests"
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
-cargo test --workspace
+cargo test --workspace --no-fail-fast
 
 if [ "${KVTIER_SKIP_PYTHON:-0}" = 1 ]; then
   exit 0

@@ -5,8 +5,10 @@
 //! -> `pool` (one per tier: ids, registry, ref-counts, eviction) -> `policy` (what goes where)
 //! -> `connector` (per-request slots, leader, workers) -> `transfer` (the trait the I/O crate implements).
 //!
-//! Invariant of this crate: it performs no I/O of its own and contains no `unsafe`; memory and
-//! data movement are reached only through the traits in [`transfer`].
+//! Invariant of this crate: it contains no `unsafe` and moves no KV bytes of its own: memory and
+//! data movement are reached only through the traits in [`transfer`]. Its only I/O is the
+//! optional ZeroMQ leader<->worker channel (`connector::zmq`, feature `zmq`) and reading the
+//! TOML file named by `KVTIER_CONFIG`.
 #![forbid(unsafe_code)]
 
 pub mod config;
