@@ -14,9 +14,9 @@ use kvtier::Tier;
 
 use crate::cuda::CudaCopyMethod;
 use crate::device::{DeviceKind, DeviceSide};
-use crate::disk::DiskStorage;
+use crate::disk::{DiskOptions, DiskStorage};
 use crate::error::IoError;
-use crate::host::HostStorage;
+use crate::host::{HostOptions, HostStorage};
 use crate::layout::{BlockChunks, DeviceLayout};
 use crate::sys::mem;
 
@@ -29,6 +29,7 @@ pub struct TransferEngineBuilder {
     remote: Option<Arc<dyn RemoteStore>>,
     bytes_per_block: Option<usize>,
     cuda_copy: CudaCopyMethod,
+    setup_errors: Vec<String>,
 }
 
 impl TransferEngineBuilder {
@@ -51,6 +52,31 @@ impl TransferEngineBuilder {
     }
     pub fn host(mut self, host: Arc<HostStorage>) -> Self {
         self.host = Some(host);
+        self
+    }
+    /// Allocate the host tier; if that fails (memory, memlock limit, no driver with
+    /// `PinMode::Require`) log the error with its hint and leave the tier out (see
+    /// [`TransferEngine::setup_errors`]) instead of failing the engine.
+    pub fn host_from(mut self, opts: &HostOptions) -> Self {
+        match HostStorage::new(opts) {
+            Ok(h) => self.host = Some(Arc::new(h)),
+            Err(e) => {
+                tracing::error!("host tier left out: {e}");
+                self.setup_errors.push(format!("host tier left out: {e}"));
+            }
+        }
+        self
+    }
+    /// Create the disk tier; on failure (directory, permissions, disk full) log it and leave
+    /// the tier out.
+    pub fn disk_from(mut self, opts: &DiskOptions) -> Self {
+        match DiskStorage::create(opts) {
+            Ok(d) => self.disk = Some(Arc::new(d)),
+            Err(e) => {
+                tracing::error!("disk tier left out: {e}");
+                self.setup_errors.push(format!("disk tier left out: {e}"));
+            }
+        }
         self
     }
     pub fn disk(mut self, disk: Arc<DiskStorage>) -> Self {
@@ -110,6 +136,7 @@ impl TransferEngineBuilder {
             host: self.host,
             disk: self.disk,
             remote: self.remote,
+            setup_errors: self.setup_errors,
         })
     }
 }
@@ -122,6 +149,7 @@ pub struct TransferEngine {
     host: Option<Arc<HostStorage>>,
     disk: Option<Arc<DiskStorage>>,
     remote: Option<Arc<dyn RemoteStore>>,
+    setup_errors: Vec<String>,
 }
 
 impl std::fmt::Debug for TransferEngine {
@@ -163,6 +191,10 @@ impl TransferEngine {
         TransferEngineBuilder::default()
     }
 
+    /// Tiers that were asked for but left out (`host_from`/`disk_from`), with why.
+    pub fn setup_errors(&self) -> &[String] {
+        &self.setup_errors
+    }
     pub fn host(&self) -> Option<&Arc<HostStorage>> {
         self.host.as_ref()
     }

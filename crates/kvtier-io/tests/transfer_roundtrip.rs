@@ -389,3 +389,32 @@ fn core_device_layouts_round_trip() {
         assert_eq!(pool[r.clone()], orig[r]);
     }
 }
+
+/// A tier that cannot be set up is left out with its reason; the engine still works.
+#[test]
+fn failing_tiers_are_left_out_not_fatal() {
+    let mut ho = HostOptions::new(u32::MAX, 1 << 30);
+    ho.pin = PinMode::Never;
+    let file = tempfile::NamedTempFile::new().unwrap();
+    // A regular file where the cache directory should be.
+    let d = DiskOptions::new(file.path().join("sub"), 4, 4096);
+    let mut pool = vec![0u8; 4 * 4096];
+    let layout = StridedLayout::contiguous(pool.as_mut_ptr() as u64, 4, 4096).unwrap();
+    let e = TransferEngine::builder()
+        .device(Arc::new(layout), DeviceKind::Cpu)
+        .host_from(&ho)
+        .disk_from(&d)
+        .build()
+        .unwrap();
+    assert!(!e.has_tier(Tier::Host) && !e.has_tier(Tier::Disk) && e.has_tier(Tier::Device));
+    assert_eq!(e.setup_errors().len(), 2);
+    assert!(
+        e.setup_errors()[0].contains("lower the host tier size"),
+        "{:?}",
+        e.setup_errors()
+    );
+    assert_eq!(
+        run(&e, job(Tier::Device, Tier::Host, &[(0, 0)])).failed_pairs(),
+        vec![0]
+    );
+}
