@@ -16,7 +16,10 @@
 //! - a tier's `gb` and `num_blocks` exclude each other across layers: a higher layer setting one
 //!   clears the other from lower layers; in one layer both may be set and `num_blocks` wins
 //!   (the `*_OVERRIDE_NUM_BLOCKS` semantics);
-//! - a built config has at least one offload tier, and disk or remote tiers only with a host tier.
+//! - a built config has at least one offload tier; a disk tier may stand alone (disk-only: the
+//!   device's blocks go to disk and come back from it directly, written through as they
+//!   complete, since the G2->G3 frequency filter needs G2 sightings); a remote tier needs a host
+//!   tier (puts to the remote store are made from host memory).
 //!
 //! ```
 //! use std::collections::HashMap;
@@ -742,18 +745,12 @@ impl KvtierConfig {
         if !has_host && self.disk.size.is_none() && self.remote.is_none() {
             return Err(ConfigError::NoOffloadTier);
         }
-        if !has_host && self.disk.size.is_some() {
-            return Err(ConfigError::Invalid {
-                setting: "disk.gb / disk.num_blocks (KVTIER_DISK_*, DYN_KVBM_DISK_CACHE_*)".into(),
-                reason: "a disk tier needs a host tier: set host.gb or host.num_blocks \
-                         (blocks reach disk through host memory)"
-                    .into(),
-            });
-        }
         if !has_host && self.remote.is_some() {
             return Err(ConfigError::Invalid {
                 setting: "remote.url (KVTIER_REMOTE_URL)".into(),
-                reason: "a remote tier needs a host tier: set host.gb or host.num_blocks".into(),
+                reason: "a remote tier needs a host tier (blocks are put to the remote store \
+                         from host memory): set host.gb or host.num_blocks"
+                    .into(),
             });
         }
         Ok(())

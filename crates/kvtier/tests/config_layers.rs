@@ -59,8 +59,20 @@ fn no_tier_is_an_error() {
         KvtierConfig::build(None, &env(&[("KVTIER_HOST_GB", "0")]), None),
         Err(ConfigError::NoOffloadTier)
     );
-    let e = KvtierConfig::build(None, &env(&[("DYN_KVBM_DISK_CACHE_GB", "10")]), None).unwrap_err();
-    assert!(setting_of(&e).contains("disk.gb"), "{e}");
+    // A disk tier alone is a configuration (disk-only); a remote tier alone is not.
+    let c = KvtierConfig::build(None, &env(&[("DYN_KVBM_DISK_CACHE_GB", "10")]), None).unwrap();
+    assert_eq!((c.host.size, c.disk.size), (None, Some(TierSize::Gb(10.0))));
+    let e = KvtierConfig::build(
+        None,
+        &env(&[
+            ("KVTIER_REMOTE_URL", "dir:///shared/kv"),
+            ("KVTIER_DISK_GB", "1"),
+        ]),
+        None,
+    )
+    .unwrap_err();
+    assert!(setting_of(&e).contains("remote.url"), "{e}");
+    assert!(e.to_string().contains("needs a host tier"), "{e}");
 }
 
 #[test]
