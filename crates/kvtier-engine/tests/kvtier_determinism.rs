@@ -132,6 +132,8 @@ fn disk_only_tier_serves_identical_tokens() {
     let m1 = e.metrics();
     assert!(m1.offloaded_blocks > 0, "nothing offloaded: {m1:?}");
     assert_eq!(m1.spilled_disk_blocks, 0, "no host tier to spill from");
+    assert_eq!(m1.offloaded_host_blocks, 0);
+    assert_eq!(m1.offloaded_disk_blocks, m1.offloaded_blocks, "{m1:?}");
     for round in 0..2 {
         let before = e.metrics();
         let got = run_all(&e, ps.iter().map(|p| request(p, 8)).collect());
