@@ -68,6 +68,8 @@ pub(crate) struct KvtierConnector {
     remote: Option<Arc<dyn RemoteStore>>,
     block_size: usize,
     salt: HashSalt,
+    /// G1 stores go to the host tier (else straight to disk).
+    has_host: bool,
     wait_for_remote: bool,
     /// Prefill role: the prompt hashes of requests whose KV must reach the remote store.
     prompt_hashes: HashMap<RequestId, Vec<u128>>,
@@ -199,6 +201,7 @@ pub(crate) fn build(
         remote,
         block_size: bs,
         salt,
+        has_host: caps.host_blocks > 0,
         prompt_hashes: HashMap::new(),
         publishing: HashMap::new(),
     }))
@@ -397,6 +400,17 @@ impl EngineConnector for KvtierConnector {
             jobs_in_flight: s.jobs_in_flight as u64,
             spilled_disk_blocks: s.spill_disk_blocks,
             remote_put_blocks: s.remote_put_blocks,
+            offloaded_host_blocks: if self.has_host {
+                s.offload_confirmed
+            } else {
+                0
+            },
+            offloaded_disk_blocks: s.spill_disk_blocks.saturating_sub(s.spill_disk_failed)
+                + if self.has_host {
+                    0
+                } else {
+                    s.offload_confirmed
+                },
         }
     }
 }
