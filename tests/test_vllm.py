@@ -155,6 +155,20 @@ def test_disk_faults_recompute(model, reference, tmp_path, async_loads):
         assert missing["onboard_failed"] > corrupted["onboard_failed"], missing
 
 
+def test_disk_only_repeats_are_identical(model, reference, tmp_path):
+    # No host tier at all: blocks go from vLLM's cache straight to disk and back (through kvtier-io's bounce buffer),
+    # written through as they complete; the disk filter stays at its default and has nothing to filter without G2.
+    disk = tmp_path / "disk"
+    with Engine(model, tmp_path / "disk_only.log", kv_cache_blocks=G1_BLOCKS,
+                kv_transfer_config=connector_config(settings={"disk.num_blocks": 1024, "disk.dir": str(disk)})) as e:
+        filled, repeated, after_reset = _phases(e, reference)
+        assert _disk_files(disk), f"no cache files under {disk}"
+    assert filled["offload_confirmed"] >= UNIQUE_BLOCKS, filled
+    assert repeated["onboard_disk_blocks"] > filled["onboard_disk_blocks"], repeated
+    assert after_reset["onboard_disk_blocks"] > repeated["onboard_disk_blocks"], after_reset
+    assert after_reset["onboard_host_blocks"] == 0 and after_reset["onboard_failed"] == 0, after_reset
+
+
 def test_disaggregated_prefill_decode(model, reference, tmp_path):
     shared = f"dir://{tmp_path / 'shared'}"
     # Prefill engine: computes each prompt (one token out) and writes every full block through to the shared tier.
