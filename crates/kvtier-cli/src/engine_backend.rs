@@ -161,12 +161,12 @@ pub fn counters_of(m: &EngineMetrics, block_size: usize) -> CacheCounters {
     CacheCounters {
         device_hit_tokens: m.g1_prefix_hit_tokens,
         hit_tokens: hit,
-        // The connector's write-through path offloads G1 -> host; per-tier spills are not in the
-        // engine snapshot.
+        // Blocks written into each tier: G1 -> host stores, host -> disk spills (or G1 -> disk
+        // stores when there is no host tier), host -> remote puts.
         offload_blocks: TierCounts {
-            host: m.offloaded_blocks,
-            disk: 0,
-            remote: 0,
+            host: m.offloaded_host_blocks,
+            disk: m.offloaded_disk_blocks,
+            remote: m.remote_put_blocks,
         },
         onboard_blocks: TierCounts {
             host: hit.host / bs,
@@ -289,6 +289,13 @@ pub fn samples_of(m: &EngineMetrics, block_size: usize, num_device_blocks: usize
             value: m.running as f64,
             help: "Requests running",
         },
+        Sample {
+            name: "kvtier_transfer_jobs_in_flight",
+            labels: vec![],
+            kind: SampleKind::Gauge,
+            value: m.kvtier_jobs_in_flight as f64,
+            help: "kvtier transfer jobs (stores, loads, spills) not yet confirmed",
+        },
         labelled(
             "kvtier_pool_capacity_blocks",
             "Blocks per tier",
@@ -380,4 +387,45 @@ pub fn samples_of(m: &EngineMetrics, block_size: usize, num_device_blocks: usize
         ));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(samples: &[Sample], name: &str, tier: &str) -> f64 {
+        samples
+            .iter()
+            .find(|s| s.name == name && s.labels == vec![("tier", tier.to_string())])
+            .map(|s| s.value)
+            .unwrap()
+    }
+
+    #[test]
+    fn offloads_are_counted_per_tier() {
+        let m = EngineMetrics {
+            offloaded_blocks: 40,
+            offloaded_host_blocks: 40,
+            offloaded_disk_blocks: 25,
+            spilled_disk_blocks: 27,
+            remote_put_blocks: 3,
+            kvtier_matched_tokens_disk: 64,
+            ..Default::default()
+        };
+        let c = counters_of(&m, 16);
+        assert_eq!(
+            c.offload_blocks,
+            TierCounts {
+                host: 40,
+                disk: 25,
+                remote: 3
+            }
+        );
+        assert_eq!(c.onboard_blocks.disk, 4);
+        let s = samples_of(&m, 16, 8);
+        assert_eq!(sample(&s, "kvtier_offload_blocks_total", "host"), 40.0);
+        assert_eq!(sample(&s, "kvtier_offload_blocks_total", "disk"), 25.0);
+        assert_eq!(sample(&s, "kvtier_offload_blocks_total", "remote"), 3.0);
+        assert_eq!(sample(&s, "kvtier_onboard_blocks_total", "disk"), 4.0);
+    }
 }

@@ -19,7 +19,8 @@ struct Cli {
 enum Command {
     /// OpenAI-compatible HTTP server on the reference engine.
     Serve(ServeArgs),
-    /// Workload benchmarks: engine alone vs kvtier tiers (table, JSON, PNG in ./bench-out/);
+    /// Workload benchmarks: no cache vs the engine's prefix cache vs kvtier tiers (table, JSON, PNG
+    /// in ./bench-out/);
     /// `kvtier bench transfer --help` for tier transfer throughput.
     Bench(BenchArgs),
     /// Print the resolved configuration, tier sizes and the disk tier's contents.

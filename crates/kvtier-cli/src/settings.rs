@@ -82,6 +82,10 @@ pub struct EngineArgs {
     /// KV connector.
     #[arg(long, value_enum, default_value_t = ConnectorKind::Kvtier)]
     pub connector: ConnectorKind,
+    /// Turn the engine's own G1 prefix cache off: no computed block is reused across requests
+    /// (with `--connector none`, every prompt is computed in full).
+    #[arg(long)]
+    pub no_prefix_cache: bool,
     #[command(flatten)]
     pub tiers: TierArgs,
 }
@@ -223,6 +227,7 @@ impl EngineArgs {
         cfg.max_batch_tokens = self.max_batch_tokens;
         cfg.max_waiting = self.max_waiting;
         cfg.role = role;
+        cfg.enable_prefix_cache = !self.no_prefix_cache;
         cfg.connector = connector;
         Ok(cfg)
     }

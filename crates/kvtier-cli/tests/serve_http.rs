@@ -30,6 +30,7 @@ fn engine_args(connector: ConnectorKind, dir: &std::path::Path) -> EngineArgs {
         max_batch_tokens: 128,
         max_waiting: 64,
         connector,
+        no_prefix_cache: false,
         tiers: TierArgs {
             host_cache_gb: Some(0.05),
             disk_cache_gb: Some(0.05),
@@ -327,6 +328,86 @@ async fn kvtier_and_none_give_identical_tokens_and_metrics_move() {
         after.contains("kvtier_request_ttft_seconds_bucket"),
         "{after}"
     );
+}
+
+/// Waits until kvtier has no transfer in flight.
+async fn idle(s: &Server) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, text) = get_text(s, "/metrics").await;
+        if metric(&text, "kvtier_transfer_jobs_in_flight") == 0.0 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "kvtier never idle\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disk_offloads_and_disk_hits_show_on_metrics() {
+    // A host tier of 12 blocks (16 KiB each) and write-through to disk: what leaves the host
+    // tier is served from disk.
+    let s = start_with(ConnectorKind::Kvtier, |a| {
+        a.tiers.host_cache_gb = Some(12.0 * 16384.0 / 1e9);
+        a.tiers.no_disk_filter = true;
+    })
+    .await;
+    let plain = start(ConnectorKind::None).await;
+    let prompts: Vec<String> = (0..4)
+        .map(|i| format!("Document {i}: ") + &format!("tiered block number {i} ").repeat(12))
+        .collect();
+    let mut want = Vec::new();
+    for p in &prompts {
+        let (toks, _) = generate_ids(&s, p, 4).await;
+        assert_eq!(toks, generate_ids(&plain, p, 4).await.0);
+        want.push(toks);
+        idle(&s).await;
+    }
+    let disk_offload = "kvtier_offload_blocks_total{tier=\"disk\"}";
+    let (_, text) = get_text(&s, "/metrics").await;
+    let offloaded = metric(&text, disk_offload);
+    assert!(offloaded >= 12.0, "disk offloads {offloaded}\n{text}");
+    // The first document's blocks left G1 (reset) and the host tier (12 blocks): disk serves them.
+    let (status, _) = http_client::call(&s.url, "POST", "/reset_prefix_cache", None, T)
+        .await
+        .unwrap();
+    assert_eq!(status.as_u16(), 200);
+    let (again, cached) = generate_ids(&s, &prompts[0], 4).await;
+    assert_eq!(again, want[0], "KV from disk changed the answer");
+    assert!(cached >= 16, "only {cached} tokens came from kvtier");
+    let (_, after) = get_text(&s, "/metrics").await;
+    for name in [
+        "kvtier_hit_tokens_total{tier=\"disk\"}",
+        "kvtier_onboard_blocks_total{tier=\"disk\"}",
+    ] {
+        assert!(metric(&after, name) > 0.0, "{name}\n{after}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_prefix_cache_recomputes_repeated_prompts() {
+    let off = start_with(ConnectorKind::None, |a| a.no_prefix_cache = true).await;
+    let on = start(ConnectorKind::None).await;
+    let prompt = "The same long prompt, sent twice to the same server. ".repeat(4);
+    let (first, c1) = generate_ids(&off, &prompt, 8).await;
+    let (second, c2) = generate_ids(&off, &prompt, 8).await;
+    let (_, m) = get_text(&off, "/metrics").await;
+    assert_eq!((c1, c2), (0, 0), "prefix cache off still reused tokens");
+    assert_eq!(
+        metric(&m, "kvtier_engine_computed_tokens_total"),
+        (2 * (prompt.len() + 7)) as f64,
+        "{m}"
+    );
+    assert_eq!(metric(&m, "kvtier_hit_tokens_total{tier=\"device\"}"), 0.0);
+    let (want, _) = generate_ids(&on, &prompt, 8).await;
+    let (cached_run, cached) = generate_ids(&on, &prompt, 8).await;
+    assert!(cached > 0, "the prefix cache on must reuse the repeat");
+    for got in [&first, &second, &cached_run] {
+        assert_eq!(got, &want);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

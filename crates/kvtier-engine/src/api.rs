@@ -43,12 +43,17 @@ pub struct EngineConfig {
     /// Most requests waiting for admission; beyond it `submit` returns `EngineError::Overloaded`.
     pub max_waiting: usize,
     pub role: Role,
+    /// The engine's own G1 prefix cache. `false`: computed blocks are never shared or reused
+    /// across requests (each prompt is computed in full, or loaded through the connector); the
+    /// generated tokens are the same either way.
+    pub enable_prefix_cache: bool,
     /// kvtier on (`Some`) or off (`None`).
     pub connector: Option<ConnectorSetup>,
 }
 
 impl EngineConfig {
-    /// Built-in model, block 16, 256 G1 blocks, 16 sequences, 256 tokens per step, no connector.
+    /// Built-in model, block 16, 256 G1 blocks, 16 sequences, 256 tokens per step, prefix cache
+    /// on, no connector.
     pub fn builtin(seed: u64) -> Self {
         EngineConfig {
             model: ModelSource::BuiltIn { seed },
@@ -58,6 +63,7 @@ impl EngineConfig {
             max_batch_tokens: 256,
             max_waiting: 1024,
             role: Role::Aggregated,
+            enable_prefix_cache: true,
             connector: None,
         }
     }
@@ -170,6 +176,9 @@ pub struct EngineMetrics {
     /// Blocks copied host -> disk and host -> remote by kvtier.
     pub spilled_disk_blocks: u64,
     pub remote_put_blocks: u64,
+    /// Blocks kvtier wrote into its host tier / its disk tier (spills from host included).
+    pub offloaded_host_blocks: u64,
+    pub offloaded_disk_blocks: u64,
     /// Device blocks whose kvtier load failed (their tokens were recomputed).
     pub load_failures: u64,
     pub recomputed_tokens: u64,

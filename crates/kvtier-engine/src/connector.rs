@@ -37,6 +37,11 @@ pub struct ConnectorStats {
     pub jobs_in_flight: u64,
     pub spilled_disk_blocks: u64,
     pub remote_put_blocks: u64,
+    /// Blocks written into the host tier (G1 -> host stores).
+    pub offloaded_host_blocks: u64,
+    /// Blocks written into the disk tier: host -> disk spills, plus G1 -> disk stores when
+    /// there is no host tier (failed copies excluded).
+    pub offloaded_disk_blocks: u64,
 }
 
 pub trait EngineConnector: Send {

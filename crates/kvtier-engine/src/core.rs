@@ -9,7 +9,9 @@
 //! - a request is reported to the connector as new exactly once, then as cached;
 //! - blocks whose kvtier load failed are recomputed, and a token sampled from a step that used
 //!   them is discarded;
-//! - blocks of a request are freed only when no transfer can touch them (connector said so).
+//! - blocks of a request are freed only when no transfer can touch them (connector said so);
+//! - with the prefix cache off no block is ever registered, so no request matches another's
+//!   blocks: every token is computed or loaded by the connector.
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -40,6 +42,8 @@ pub(crate) struct EngineCore {
     block_size: usize,
     max_num_seqs: usize,
     max_batch_tokens: usize,
+    /// G1 prefix cache on: full computed blocks are registered and matched across requests.
+    prefix_cache: bool,
     role: Role,
     waiting: VecDeque<Request>,
     running: Vec<Request>,
@@ -95,6 +99,7 @@ impl EngineCore {
             block_size: cfg.block_size,
             max_num_seqs: cfg.max_num_seqs,
             max_batch_tokens: cfg.max_batch_tokens,
+            prefix_cache: cfg.enable_prefix_cache,
             role: cfg.role,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -382,7 +387,11 @@ impl EngineCore {
             }
             r.num_computed += n;
             r.update_hashes(self.salt, bs);
-            let full = r.num_computed / bs;
+            let full = if self.prefix_cache {
+                r.num_computed / bs
+            } else {
+                0
+            };
             while r.num_registered < full.min(r.hashes.len()) {
                 self.pool
                     .register(r.blocks[r.num_registered], r.hashes[r.num_registered]);
@@ -472,6 +481,8 @@ impl EngineCore {
             self.metrics.kvtier_jobs_in_flight = s.jobs_in_flight;
             self.metrics.spilled_disk_blocks = s.spilled_disk_blocks;
             self.metrics.remote_put_blocks = s.remote_put_blocks;
+            self.metrics.offloaded_host_blocks = s.offloaded_host_blocks;
+            self.metrics.offloaded_disk_blocks = s.offloaded_disk_blocks;
         }
     }
 
@@ -630,7 +641,11 @@ impl EngineCore {
                 break;
             };
             r.update_hashes(self.salt, bs);
-            let max_match = (r.tokens.len() - 1) / bs;
+            let max_match = if self.prefix_cache {
+                (r.tokens.len() - 1) / bs
+            } else {
+                0
+            };
             let g1 = self
                 .pool
                 .match_prefix(&r.hashes[..max_match.min(r.hashes.len())]);

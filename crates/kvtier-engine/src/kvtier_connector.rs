@@ -32,13 +32,9 @@ use kvtier_io::{DiskOptions, DiskStorage, HostOptions, HostStorage, PinMode, Tra
 use crate::api::{EngineConfig, EngineError, Role};
 use crate::connector::{ConnectorSetup, ConnectorStats, EngineConnector, RequestView};
 use crate::kv_cache::KvCache;
-use crate::staging::StagedTransfer;
 
 /// How long a prefill-role request waits for its blocks to reach the remote store.
 const REMOTE_PUBLISH_DEADLINE: Duration = Duration::from_secs(10);
-
-/// Host blocks of the engine's own used to stage disk and remote loads.
-const STAGING_BLOCKS: u32 = 16;
 
 static ENGINE_SEQ: AtomicU64 = AtomicU64::new(0);
 
@@ -72,6 +68,8 @@ pub(crate) struct KvtierConnector {
     remote: Option<Arc<dyn RemoteStore>>,
     block_size: usize,
     salt: HashSalt,
+    /// G1 stores go to the host tier (else straight to disk).
+    has_host: bool,
     wait_for_remote: bool,
     /// Prefill role: the prompt hashes of requests whose KV must reach the remote store.
     prompt_hashes: HashMap<RequestId, Vec<u128>>,
@@ -114,13 +112,8 @@ pub(crate) fn build(
             bytes_per_block
         )));
     }
-    let device: Arc<DeviceLayout> = Arc::new(dl);
-    let mut tb = TransferEngine::builder().device(device.clone(), layout::DeviceKind::Cpu);
-    // The same device, disk and remote with a private host tier: stages disk/remote loads.
-    let mut sb = TransferEngine::builder().device(device, layout::DeviceKind::Cpu);
-    let mut staging_host = HostOptions::new(STAGING_BLOCKS, bytes_per_block);
-    staging_host.pin = PinMode::Never;
-    staging_host.touch_threads = 1;
+    // Device <-> disk/remote jobs go through the transfer engine's own bounce buffers.
+    let mut tb = TransferEngine::builder().device(Arc::new(dl), layout::DeviceKind::Cpu);
     let seq = ENGINE_SEQ.fetch_add(1, Ordering::Relaxed);
     if caps.host_blocks > 0 {
         let mut o = HostOptions::new(caps.host_blocks as u32, bytes_per_block);
@@ -142,8 +135,7 @@ pub(crate) fn build(
             kvtier::config::IoBackend::Pread => kvtier_io::DiskIoMode::Sync,
         };
         let disk = Arc::new(DiskStorage::create(&o).map_err(|e| cerr("disk tier", e))?);
-        tb = tb.disk(disk.clone());
-        sb = sb.disk(disk);
+        tb = tb.disk(disk);
     }
     let model_id = c
         .hashing
@@ -160,24 +152,11 @@ pub(crate) fn build(
             let r = kvtier_io::remote::from_url(&url, &namespace_for(&model_id))
                 .map_err(|e| cerr("remote tier", e))?;
             tb = tb.remote(r.clone());
-            sb = sb.remote(r.clone());
             Some(r)
         }
     };
     let engine = tb.build().map_err(|e| cerr("transfer engine", e))?;
     let mut transfer: Arc<dyn BlockTransfer> = Arc::new(engine);
-    if caps.disk_blocks > 0 || remote.is_some() {
-        let host = HostStorage::new(&staging_host).map_err(|e| cerr("staging host blocks", e))?;
-        let stager = sb
-            .host(Arc::new(host))
-            .build()
-            .map_err(|e| cerr("staging transfer engine", e))?;
-        transfer = Arc::new(StagedTransfer::new(
-            transfer,
-            Arc::new(stager),
-            STAGING_BLOCKS,
-        ));
-    }
     if let Some(w) = &setup.wrap_transfer {
         transfer = w(transfer);
     }
@@ -222,6 +201,7 @@ pub(crate) fn build(
         remote,
         block_size: bs,
         salt,
+        has_host: caps.host_blocks > 0,
         prompt_hashes: HashMap::new(),
         publishing: HashMap::new(),
     }))
@@ -420,6 +400,17 @@ impl EngineConnector for KvtierConnector {
             jobs_in_flight: s.jobs_in_flight as u64,
             spilled_disk_blocks: s.spill_disk_blocks,
             remote_put_blocks: s.remote_put_blocks,
+            offloaded_host_blocks: if self.has_host {
+                s.offload_confirmed
+            } else {
+                0
+            },
+            offloaded_disk_blocks: s.spill_disk_blocks.saturating_sub(s.spill_disk_failed)
+                + if self.has_host {
+                    0
+                } else {
+                    s.offload_confirmed
+                },
         }
     }
 }

@@ -30,7 +30,6 @@ pub mod kv_cache;
 mod kvtier_connector;
 pub mod model;
 mod request;
-mod staging;
 pub mod tokenizer;
 
 pub use api::{

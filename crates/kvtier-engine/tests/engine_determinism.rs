@@ -233,6 +233,58 @@ fn g1_prefix_cache_hits_and_matches() {
     assert_eq!(e.metrics().g1_prefix_hit_tokens, before);
 }
 
+/// Prompt tokens plus generated tokens minus one: what a request costs with nothing reused.
+fn full_cost(ps: &[Vec<u32>], max_tokens: usize) -> u64 {
+    ps.iter().map(|p| (p.len() + max_tokens - 1) as u64).sum()
+}
+
+#[test]
+fn prefix_cache_off_recomputes_every_prompt_with_identical_tokens() {
+    let ps = prompts(6, 64);
+    let want = reference(cfg(6), &ps, 10);
+    let run_twice = |prefix_cache: bool| {
+        let mut c = cfg(6);
+        c.enable_prefix_cache = prefix_cache;
+        let e = EngineHandle::start(c).unwrap();
+        let mut computed = Vec::new();
+        for _ in 0..2 {
+            let before = e.metrics().computed_tokens;
+            for (i, p) in ps.iter().enumerate() {
+                assert_eq!(e.generate_blocking(request(p, 10)).unwrap().0, want[i]);
+            }
+            computed.push(e.metrics().computed_tokens - before);
+        }
+        // Concurrently, too.
+        let got = run_all(&e, ps.iter().map(|p| request(p, 10)).collect());
+        for (i, (toks, _)) in got.iter().enumerate() {
+            assert_eq!(toks, &want[i], "concurrent prompt {i}");
+        }
+        // The usage of a repeated prompt says what was reused.
+        let mut rx = e.submit(request(&ps[0], 10)).unwrap();
+        let cached = loop {
+            match rx.blocking_recv() {
+                Some(GenerateEvent::Done { usage, .. }) => break usage.cached_tokens,
+                Some(GenerateEvent::Token(_)) => {}
+                other => panic!("{other:?}"),
+            }
+        };
+        (computed, cached, e.metrics().g1_prefix_hit_tokens)
+    };
+    let full = full_cost(&ps, 10);
+    let (off, off_cached, off_hits) = run_twice(false);
+    assert_eq!(off, vec![full, full], "prefix cache off must recompute all");
+    assert_eq!(off_cached, 0);
+    assert_eq!(off_hits, 0);
+    // The same repeats with the cache on reuse blocks: the switch is what made the difference.
+    let (on, on_cached, on_hits) = run_twice(true);
+    assert!(
+        on[0] < full && on[1] < on[0],
+        "prefix cache on: {on:?} of {full}"
+    );
+    assert_eq!(on_cached, (ps[0].len() - 1) / 16 * 16);
+    assert!(on_hits > 0);
+}
+
 #[test]
 fn invalid_requests_get_error_events_not_panics() {
     let e = EngineHandle::start(cfg(0)).unwrap();

@@ -103,6 +103,9 @@ fn aggregated_disk_tier_serves_identical_tokens() {
         m1.spilled_disk_blocks > 0,
         "nothing spilled to disk: {m1:?}"
     );
+    assert!(m1.offloaded_disk_blocks > 0, "{m1:?}");
+    assert!(m1.offloaded_disk_blocks <= m1.spilled_disk_blocks);
+    assert_eq!(m1.offloaded_host_blocks, m1.offloaded_blocks);
     let phase2 = run_all(&e, ps.iter().map(|p| request(p, 8)).collect());
     check_exact(&phase2, &want, "phase 2 (disk)");
     let m2 = e.metrics();
@@ -111,6 +114,64 @@ fn aggregated_disk_tier_serves_identical_tokens() {
         "nothing served from disk: {m2:?}"
     );
     assert_eq!(m2.load_failures, 0, "{m2:?}");
+}
+
+/// No host tier at all: completed blocks go from G1 straight to disk and come back from it
+/// (through the transfer engine's bounce buffers). The disk filter is left at its default
+/// (enabled): without G2 there are no sightings to filter, so every block is written through.
+#[test]
+fn disk_only_tier_serves_identical_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut kv = KvtierConfig::default();
+    kv.disk.size = Some(TierSize::Blocks(512));
+    kv.disk.dir = dir.path().to_path_buf();
+    kv.validate().unwrap();
+    assert_eq!(kv.host.size, None);
+    let ps = prompts(8, 64);
+    let (e, want) = fill_flush_repeat(engine_cfg(24, kv), &ps, 8);
+    let m1 = e.metrics();
+    assert!(m1.offloaded_blocks > 0, "nothing offloaded: {m1:?}");
+    assert_eq!(m1.spilled_disk_blocks, 0, "no host tier to spill from");
+    assert_eq!(m1.offloaded_host_blocks, 0);
+    assert_eq!(m1.offloaded_disk_blocks, m1.offloaded_blocks, "{m1:?}");
+    for round in 0..2 {
+        let before = e.metrics();
+        let got = run_all(&e, ps.iter().map(|p| request(p, 8)).collect());
+        check_exact(&got, &want, &format!("round {round} (disk only)"));
+        let after = e.metrics();
+        assert!(
+            after.kvtier_matched_tokens_disk > before.kvtier_matched_tokens_disk,
+            "round {round}: nothing served from disk: {after:?}"
+        );
+        assert!(
+            after.computed_tokens - before.computed_tokens < m1.computed_tokens,
+            "round {round}: disk hits saved no computation: {after:?}"
+        );
+        e.reset_prefix_cache();
+    }
+    let m = e.metrics();
+    assert_eq!(m.kvtier_matched_tokens_host, 0);
+    assert_eq!(m.load_failures, 0, "{m:?}");
+}
+
+#[test]
+fn prefix_cache_off_repeats_come_from_kvtier_only() {
+    let ps = prompts(8, 64);
+    let mut cfg = engine_cfg(24, tiers(512, None, None));
+    cfg.enable_prefix_cache = false;
+    let want = reference(cfg.clone(), &ps, 8);
+    let e = EngineHandle::start(cfg).unwrap();
+    let phase1 = run_all(&e, ps.iter().map(|p| request(p, 8)).collect());
+    check_exact(&phase1, &want, "phase 1");
+    assert!(e.wait_idle(IDLE), "kvtier did not go idle");
+    let m1 = e.metrics();
+    // No reset: with the prefix cache on, G1 would serve part of the repeat.
+    let phase2 = run_all(&e, ps.iter().map(|p| request(p, 8)).collect());
+    check_exact(&phase2, &want, "phase 2 (prefix cache off)");
+    let m2 = e.metrics();
+    assert_eq!(m2.g1_prefix_hit_tokens, 0, "{m2:?}");
+    assert!(m2.kvtier_matched_tokens_host > m1.kvtier_matched_tokens_host);
+    assert_eq!(m2.load_failures, 0);
 }
 
 #[test]

@@ -1,11 +1,20 @@
 //! `TransferEngine`: kvtier's implementation of `BlockTransfer`, moving blocks between the
 //! engine's memory (G1, CUDA or CPU), the host tier, the disk tier and a remote store.
 //!
+//! Device <-> disk and device <-> remote jobs (a configuration without a host tier, or a block
+//! found only on disk or in the remote store) go through a private bounce buffer per direction:
+//! a few host blocks of the engine's own, never part of the host pool, pinned when the device is
+//! CUDA. A job runs in slices of the buffer's size: loads read the slice from disk/remote into
+//! the buffer, then copy the blocks that arrived intact to the device; stores copy the device
+//! blocks into the buffer, then write the ones that copied to disk/remote.
+//!
 //! Invariants: every pair of a job is either copied completely or listed in `Failed` with its
-//! reason (a bad block id, a checksum mismatch, a CUDA or I/O error); pairs are independent, so
-//! one failure never hides or fails another pair's data; device memory is only touched after the
-//! job's fence has passed.
-use std::sync::Arc;
+//! reason (a bad block id, a checksum mismatch, a missing remote key, a CUDA or I/O error); pairs
+//! are independent, so one failure never hides or fails another pair's data; a pair whose disk or
+//! remote leg failed never touches engine memory; device memory is only touched after the job's
+//! fence has passed; a bounce buffer is used by one slice at a time (its mutex), and a slice's
+//! second leg starts only after its first leg completed.
+use std::sync::{Arc, Mutex};
 
 use kvtier::transfer::{
     BlockFailure, BlockTransfer, Fence, RemoteStore, TransferError, TransferJob, TransferOutcome,
@@ -16,7 +25,7 @@ use crate::cuda::CudaCopyMethod;
 use crate::device::{DeviceKind, DeviceSide};
 use crate::disk::{DiskOptions, DiskStorage};
 use crate::error::IoError;
-use crate::host::{HostOptions, HostStorage};
+use crate::host::{HostOptions, HostStorage, PinMode};
 use crate::layout::{BlockChunks, DeviceLayout};
 use crate::sys::mem;
 
@@ -29,10 +38,28 @@ pub struct TransferEngineBuilder {
     remote: Option<Arc<dyn RemoteStore>>,
     bytes_per_block: Option<usize>,
     cuda_copy: CudaCopyMethod,
+    bounce_blocks: Option<u32>,
     setup_errors: Vec<String>,
 }
 
+/// Bytes each bounce buffer aims at when the builder is not given a block count.
+const BOUNCE_BYTES: usize = 32 << 20;
+/// Bounds on the default bounce buffer size, in blocks.
+const BOUNCE_MIN_BLOCKS: usize = 2;
+const BOUNCE_MAX_BLOCKS: usize = 64;
+
+/// Default bounce blocks for blocks of `bytes_per_block`: about [`BOUNCE_BYTES`].
+fn default_bounce_blocks(bytes_per_block: usize) -> u32 {
+    (BOUNCE_BYTES / bytes_per_block.max(1)).clamp(BOUNCE_MIN_BLOCKS, BOUNCE_MAX_BLOCKS) as u32
+}
+
 impl TransferEngineBuilder {
+    /// Blocks in each of the two bounce buffers (loads, stores) that device <-> disk and
+    /// device <-> remote jobs pass through (default: about 32 MiB, 2 to 64 blocks).
+    pub fn bounce_blocks(mut self, n: u32) -> Self {
+        self.bounce_blocks = Some(n.max(1));
+        self
+    }
     /// How CUDA copies move scattered chunks (default `Auto`).
     pub fn cuda_copy_method(mut self, m: CudaCopyMethod) -> Self {
         self.cuda_copy = m;
@@ -130,12 +157,25 @@ impl TransferEngineBuilder {
             )?),
             None => None,
         };
+        let bounce = match &device {
+            Some(dev) if self.disk.is_some() || self.remote.is_some() => {
+                let blocks = self
+                    .bounce_blocks
+                    .unwrap_or_else(|| default_bounce_blocks(bytes_per_block));
+                Some(Bounces {
+                    load: Bounce::new(blocks, bytes_per_block, dev.kind())?,
+                    store: Bounce::new(blocks, bytes_per_block, dev.kind())?,
+                })
+            }
+            _ => None,
+        };
         Ok(TransferEngine {
             bytes_per_block,
             device,
             host: self.host,
             disk: self.disk,
             remote: self.remote,
+            bounce,
             setup_errors: self.setup_errors,
         })
     }
@@ -149,7 +189,51 @@ pub struct TransferEngine {
     host: Option<Arc<HostStorage>>,
     disk: Option<Arc<DiskStorage>>,
     remote: Option<Arc<dyn RemoteStore>>,
+    /// Present when there is a device and a disk or remote tier.
+    bounce: Option<Bounces>,
     setup_errors: Vec<String>,
+}
+
+/// A bounce buffer: a few host blocks, used by one slice of one job at a time.
+struct Bounce {
+    mem: Mutex<HostStorage>,
+    blocks: usize,
+}
+
+/// One buffer per direction, so loads and stores never wait for each other.
+struct Bounces {
+    load: Bounce,
+    store: Bounce,
+}
+
+impl Bounce {
+    /// `blocks` host blocks, pinned for a CUDA device (pageable, with a warning, if pinning
+    /// fails), plain memory for a CPU device.
+    fn new(blocks: u32, bytes_per_block: usize, kind: DeviceKind) -> Result<Self, IoError> {
+        let mut opts = HostOptions::new(blocks, bytes_per_block);
+        opts.touch_threads = 1;
+        opts.pin = match kind {
+            DeviceKind::Cpu => PinMode::Never,
+            DeviceKind::Cuda(ordinal) => {
+                opts.cuda_device = i32::try_from(ordinal)
+                    .map_err(|_| IoError::Config(format!("CUDA device {ordinal}")))?;
+                PinMode::Require
+            }
+        };
+        let mem = match HostStorage::new(&opts) {
+            Ok(m) => m,
+            Err(e) if opts.pin == PinMode::Require => {
+                tracing::warn!("bounce buffer not pinned ({e}); disk/remote loads will be slower");
+                opts.pin = PinMode::Never;
+                HostStorage::new(&opts)?
+            }
+            Err(e) => return Err(e),
+        };
+        Ok(Bounce {
+            mem: Mutex::new(mem),
+            blocks: blocks as usize,
+        })
+    }
 }
 
 impl std::fmt::Debug for TransferEngine {
@@ -160,6 +244,10 @@ impl std::fmt::Debug for TransferEngine {
             .field("host", &self.host)
             .field("disk", &self.disk)
             .field("remote", &self.remote.is_some())
+            .field(
+                "bounce_blocks",
+                &self.bounce.as_ref().map(|b| b.load.blocks),
+            )
             .finish()
     }
 }
@@ -204,6 +292,20 @@ impl TransferEngine {
     /// Whether the device side is CUDA or CPU memory (None without a device layout).
     pub fn device_kind(&self) -> Option<DeviceKind> {
         self.device.as_ref().map(|d| d.kind())
+    }
+    /// Blocks in each bounce buffer (None when no device <-> disk/remote path exists).
+    pub fn bounce_blocks(&self) -> Option<usize> {
+        self.bounce.as_ref().map(|b| b.load.blocks)
+    }
+    /// Whether the bounce buffers are pinned (page-locked for CUDA).
+    pub fn bounce_pinned(&self) -> Option<bool> {
+        self.bounce.as_ref().map(|b| {
+            b.load
+                .mem
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_pinned()
+        })
     }
 
     fn host_addrs(
@@ -252,6 +354,8 @@ impl TransferEngine {
             (Tier::Host, Tier::Remote) | (Tier::Remote, Tier::Host) => {
                 self.host_remote(job, &mut res)
             }
+            (Tier::Disk | Tier::Remote, Tier::Device) => self.staged(job, fence, false, &mut res),
+            (Tier::Device, Tier::Disk | Tier::Remote) => self.staged(job, fence, true, &mut res),
             (src, dst) => {
                 for i in 0..job.pairs.len() {
                     res.fail(i, TransferError::Unsupported { src, dst });
@@ -293,58 +397,155 @@ impl TransferEngine {
     }
 
     fn host_disk(&self, job: &TransferJob, res: &mut Results) {
-        let Some(disk) = &self.disk else { return };
         let to_disk = job.dst == Tier::Disk;
         let host_addrs = self.host_addrs(job, to_disk, res);
-        let mut idx = Vec::with_capacity(job.pairs.len());
-        let mut items = Vec::with_capacity(job.pairs.len());
-        for (i, (p, h)) in job.pairs.iter().zip(host_addrs).enumerate() {
-            if let Some(h) = h {
-                idx.push(i);
-                items.push((if to_disk { p.dst } else { p.src }, h));
-            }
-        }
-        let out = if to_disk {
-            disk.write_from(&items)
-        } else {
-            disk.read_into(&items)
-        };
-        for (i, r) in idx.into_iter().zip(out) {
-            if let Err(e) = r {
-                res.fail(i, e);
-            }
-        }
+        let items: Vec<(usize, usize)> = host_addrs
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, h)| h.map(|h| (i, h)))
+            .collect();
+        self.far_leg(job, Tier::Disk, to_disk, &items, res);
     }
 
     fn host_remote(&self, job: &TransferJob, res: &mut Results) {
-        let Some(remote) = &self.remote else { return };
         let to_remote = job.dst == Tier::Remote;
         let host_addrs = self.host_addrs(job, to_remote, res);
-        for (i, (p, h)) in job.pairs.iter().zip(host_addrs).enumerate() {
-            let Some(h) = h else { continue };
-            let key_idx = if to_remote { p.dst } else { p.src } as usize;
-            let Some(&key) = job.remote_keys.get(key_idx) else {
-                res.fail(
-                    i,
-                    format!(
-                        "remote key index {key_idx} out of range ({} keys)",
-                        job.remote_keys.len()
-                    ),
-                );
-                continue;
-            };
-            let r = if to_remote {
-                // SAFETY: `h` is a whole host block that the job holds read-only.
-                remote.put(key, unsafe { mem::slice(h, self.bytes_per_block) })
+        let items: Vec<(usize, usize)> = host_addrs
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, h)| h.map(|h| (i, h)))
+            .collect();
+        self.far_leg(job, Tier::Remote, to_remote, &items, res);
+    }
+
+    /// Move whole blocks between `far` (disk or remote) and host memory: `items[k] = (pair
+    /// index, host block address)`; `to_far` writes the host blocks out, else reads them in.
+    /// Failures go to `res`; returns, per item, whether it was copied.
+    fn far_leg(
+        &self,
+        job: &TransferJob,
+        far: Tier,
+        to_far: bool,
+        items: &[(usize, usize)],
+        res: &mut Results,
+    ) -> Vec<bool> {
+        let far_id = |i: usize| {
+            let p = &job.pairs[i];
+            if to_far {
+                p.dst
             } else {
-                // SAFETY: `h` is a whole host block that the job owns exclusively.
-                remote.get(key, unsafe { mem::slice_mut(h, self.bytes_per_block) })
-            };
-            if let Err(e) = r {
-                res.fail(
-                    i,
-                    format!("remote {}: {e}", if to_remote { "put" } else { "get" }),
-                );
+                p.src
+            }
+        };
+        let mut ok = vec![false; items.len()];
+        match far {
+            Tier::Disk => {
+                let Some(disk) = &self.disk else { return ok };
+                let io: Vec<(u32, usize)> = items.iter().map(|&(i, h)| (far_id(i), h)).collect();
+                let out = if to_far {
+                    disk.write_from(&io)
+                } else {
+                    disk.read_into(&io)
+                };
+                for (k, r) in out.into_iter().enumerate() {
+                    match r {
+                        Ok(()) => ok[k] = true,
+                        Err(e) => res.fail(items[k].0, e),
+                    }
+                }
+            }
+            Tier::Remote => {
+                let Some(remote) = &self.remote else {
+                    return ok;
+                };
+                for (k, &(i, h)) in items.iter().enumerate() {
+                    let key_idx = far_id(i) as usize;
+                    let Some(&key) = job.remote_keys.get(key_idx) else {
+                        res.fail(
+                            i,
+                            format!(
+                                "remote key index {key_idx} out of range ({} keys)",
+                                job.remote_keys.len()
+                            ),
+                        );
+                        continue;
+                    };
+                    let r = if to_far {
+                        // SAFETY: `h` is a whole host block that the job holds read-only.
+                        remote.put(key, unsafe { mem::slice(h, self.bytes_per_block) })
+                    } else {
+                        // SAFETY: `h` is a whole host block that the job owns exclusively.
+                        remote.get(key, unsafe { mem::slice_mut(h, self.bytes_per_block) })
+                    };
+                    match r {
+                        Ok(()) => ok[k] = true,
+                        Err(e) => res.fail(
+                            i,
+                            format!("remote {}: {e}", if to_far { "put" } else { "get" }),
+                        ),
+                    }
+                }
+            }
+            Tier::Device | Tier::Host => {
+                for &(i, _) in items {
+                    res.fail(i, "internal: far leg to a near tier");
+                }
+            }
+        }
+        ok
+    }
+
+    /// Device <-> disk/remote through the bounce buffer of the direction, a slice at a time.
+    /// `store`: device -> far (device leg first); else far -> device (far leg first, and only
+    /// the pairs whose far leg copied reach the device).
+    fn staged(&self, job: &TransferJob, fence: &Fence, store: bool, res: &mut Results) {
+        let (Some(dev), Some(bounces)) = (&self.device, &self.bounce) else {
+            for i in 0..job.pairs.len() {
+                res.fail(i, "no bounce buffer for device <-> disk/remote");
+            }
+            return;
+        };
+        let (far, bounce) = if store {
+            (job.dst, &bounces.store)
+        } else {
+            (job.src, &bounces.load)
+        };
+        let indices: Vec<usize> = (0..job.pairs.len()).collect();
+        for slice in indices.chunks(bounce.blocks.max(1)) {
+            let mem = bounce.mem.lock().unwrap_or_else(|p| p.into_inner());
+            let mut items = Vec::with_capacity(slice.len());
+            for (k, &i) in slice.iter().enumerate() {
+                match mem.block_addr(k as u32) {
+                    Ok(a) => items.push((i, a)),
+                    Err(e) => res.fail(i, format!("bounce buffer {e}")),
+                }
+            }
+            if store {
+                let dev_items: Vec<(usize, u32, usize)> = items
+                    .iter()
+                    .map(|&(i, a)| (i, job.pairs[i].src, a))
+                    .collect();
+                let failed = dev.copy(&dev_items, true, fence);
+                let copied: Vec<(usize, usize)> = items
+                    .iter()
+                    .filter(|(i, _)| !failed.iter().any(|(f, _)| f == i))
+                    .copied()
+                    .collect();
+                for (i, reason) in failed {
+                    res.fail(i, format!("device read: {reason}"));
+                }
+                self.far_leg(job, far, true, &copied, res);
+            } else {
+                let ok = self.far_leg(job, far, false, &items, res);
+                let dev_items: Vec<(usize, u32, usize)> = items
+                    .iter()
+                    .zip(ok)
+                    .filter(|(_, ok)| *ok)
+                    .map(|(&(i, a), _)| (i, job.pairs[i].dst, a))
+                    .collect();
+                for (i, reason) in dev.copy(&dev_items, false, fence) {
+                    res.fail(i, format!("device write: {reason}"));
+                }
             }
         }
     }

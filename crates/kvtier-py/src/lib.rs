@@ -30,7 +30,6 @@ pub mod errors;
 pub mod leader;
 pub mod rendezvous;
 pub mod settings;
-pub mod staged;
 pub mod tensor;
 pub mod vllm_support;
 pub mod worker;

@@ -26,7 +26,6 @@ use crate::errors::{BridgeError, BridgeResult, Family};
 use crate::leader::encode_reports;
 use crate::rendezvous::Rendezvous;
 use crate::settings::Settings;
-use crate::staged::StagedTransfer;
 use crate::tensor::TensorDesc;
 
 /// Reports kept for the engine's own worker -> scheduler channel.
@@ -136,9 +135,6 @@ pub struct PyWorker {
 
 static DISK_SEQ: AtomicU64 = AtomicU64::new(0);
 
-/// Host blocks of the private buffer that disk -> device loads pass through.
-const BOUNCE_BLOCKS: u32 = 64;
-
 impl PyWorker {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
@@ -214,8 +210,7 @@ impl PyWorker {
             layout::DeviceKind::Cpu => None,
             layout::DeviceKind::Cuda(i) => Some(i as i32),
         };
-        let bounce_layout = dl.clone();
-        let remote_layout = dl.clone();
+        // Device <-> disk/remote jobs go through the transfer engine's own bounce buffers.
         let mut builder = TransferEngine::builder().device_layout(dl);
         if caps.host_blocks > 0 {
             let mut opts = HostOptions::new(n32(caps.host_blocks, "host")?, bpb);
@@ -225,7 +220,6 @@ impl PyWorker {
             builder = builder.host(Arc::new(HostStorage::new(&opts).map_err(io_err)?));
         }
         let mut disk_dir = None;
-        let mut bounce = None;
         if caps.disk_blocks > 0 {
             let seq = DISK_SEQ.fetch_add(1, Ordering::Relaxed);
             let dir = settings
@@ -236,38 +230,14 @@ impl PyWorker {
             let mut opts = DiskOptions::new(dir.clone(), n32(caps.disk_blocks, "disk")?, bpb);
             opts.name = format!("rank{rank}");
             let disk = Arc::new(DiskStorage::create(&opts).map_err(io_err)?);
-            builder = builder.disk(Arc::clone(&disk));
-            // Disk -> device loads go through a small host buffer of their own (see staged.rs).
-            let mut bopts =
-                HostOptions::new(BOUNCE_BLOCKS.min(n32(caps.disk_blocks, "disk")?), bpb);
-            if let Some(ordinal) = cuda_ordinal {
-                bopts.cuda_device = ordinal;
-            }
-            let engine = TransferEngine::builder()
-                .device_layout(bounce_layout)
-                .host(Arc::new(HostStorage::new(&bopts).map_err(io_err)?))
-                .disk(disk)
-                .build()
-                .map_err(io_err)?;
-            bounce = Some((Arc::new(engine) as Arc<dyn BlockTransfer>, bopts.num_blocks));
+            builder = builder.disk(disk);
             disk_dir = Some(dir);
         }
-        // The shared remote tier (G4): puts go host -> remote; loads go remote -> device via a bounce buffer.
-        let remote = crate::vllm_support::remote_store(settings)?;
-        let mut remote_bounce = None;
-        if let Some(store) = &remote {
-            builder = builder.remote(Arc::clone(store));
-            remote_bounce = Some(crate::vllm_support::bounce_engine(
-                &remote_layout,
-                store,
-                bpb,
-                cuda_ordinal,
-            )?);
+        // The shared remote tier (G4).
+        if let Some(store) = crate::vllm_support::remote_store(settings)? {
+            builder = builder.remote(store);
         }
-        let main: Arc<dyn BlockTransfer> = Arc::new(builder.build().map_err(io_err)?);
-        let main: Arc<dyn BlockTransfer> =
-            Arc::new(crate::vllm_support::RemoteStaged::new(main, remote_bounce));
-        let engine: Arc<dyn BlockTransfer> = Arc::new(StagedTransfer::new(main, bounce));
+        let engine: Arc<dyn BlockTransfer> = Arc::new(builder.build().map_err(io_err)?);
         let (link, buffer) = match link_name.as_str() {
             "engine" => {
                 let buf = Arc::new(BufferSink::default());

@@ -16,7 +16,10 @@
 //! - a tier's `gb` and `num_blocks` exclude each other across layers: a higher layer setting one
 //!   clears the other from lower layers; in one layer both may be set and `num_blocks` wins
 //!   (the `*_OVERRIDE_NUM_BLOCKS` semantics);
-//! - a built config has at least one offload tier, and disk or remote tiers only with a host tier.
+//! - a built config has at least one offload tier; a disk tier may stand alone (disk-only: the
+//!   device's blocks go to disk and come back from it directly, written through as they
+//!   complete, since the G2->G3 frequency filter needs G2 sightings); a remote tier needs a host
+//!   tier (puts to the remote store are made from host memory).
 //!
 //! ```
 //! use std::collections::HashMap;
@@ -125,6 +128,10 @@ pub struct ConnectorConfig {
     pub leader_worker_timeout_secs: u64,
     /// ZeroMQ endpoint between leader and workers; None = in process.
     pub zmq_endpoint: Option<String>,
+    /// Load matched blocks asynchronously (the engine parks the request until its loads are
+    /// reported finished) instead of before the forward pass that first computes it. None = the
+    /// engine adapter's default (vLLM: true, TensorRT-LLM: false).
+    pub async_loads: Option<bool>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -186,6 +193,7 @@ impl Default for KvtierConfig {
                 block_size: None,
                 leader_worker_timeout_secs: 120,
                 zmq_endpoint: None,
+                async_loads: None,
             },
             metrics: MetricsConfig {
                 enabled: false,
@@ -258,6 +266,7 @@ pub const SETTINGS: &[Setting] = &[
         &["DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS"],
     ),
     s("connector.zmq_endpoint", "KVTIER_ZMQ_ENDPOINT", &[]),
+    s("connector.async_loads", "KVTIER_ASYNC_LOADS", &[]),
     s("metrics.enabled", "KVTIER_METRICS", &["DYN_KVBM_METRICS"]),
     s(
         "metrics.port",
@@ -585,6 +594,9 @@ impl ConfigBuilder {
             }
             c.connector.zmq_endpoint = Some(e);
         }
+        if let Some(g) = merged.get("connector.async_loads") {
+            c.connector.async_loads = Some(parse_bool(&g.value).map_err(|r| invalid(g, r))?);
+        }
         if let Some(g) = merged.get("metrics.enabled") {
             c.metrics.enabled = parse_bool(&g.value).map_err(|r| invalid(g, r))?;
         }
@@ -742,18 +754,12 @@ impl KvtierConfig {
         if !has_host && self.disk.size.is_none() && self.remote.is_none() {
             return Err(ConfigError::NoOffloadTier);
         }
-        if !has_host && self.disk.size.is_some() {
-            return Err(ConfigError::Invalid {
-                setting: "disk.gb / disk.num_blocks (KVTIER_DISK_*, DYN_KVBM_DISK_CACHE_*)".into(),
-                reason: "a disk tier needs a host tier: set host.gb or host.num_blocks \
-                         (blocks reach disk through host memory)"
-                    .into(),
-            });
-        }
         if !has_host && self.remote.is_some() {
             return Err(ConfigError::Invalid {
                 setting: "remote.url (KVTIER_REMOTE_URL)".into(),
-                reason: "a remote tier needs a host tier: set host.gb or host.num_blocks".into(),
+                reason: "a remote tier needs a host tier (blocks are put to the remote store \
+                         from host memory): set host.gb or host.num_blocks"
+                    .into(),
             });
         }
         Ok(())

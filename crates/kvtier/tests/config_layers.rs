@@ -59,8 +59,20 @@ fn no_tier_is_an_error() {
         KvtierConfig::build(None, &env(&[("KVTIER_HOST_GB", "0")]), None),
         Err(ConfigError::NoOffloadTier)
     );
-    let e = KvtierConfig::build(None, &env(&[("DYN_KVBM_DISK_CACHE_GB", "10")]), None).unwrap_err();
-    assert!(setting_of(&e).contains("disk.gb"), "{e}");
+    // A disk tier alone is a configuration (disk-only); a remote tier alone is not.
+    let c = KvtierConfig::build(None, &env(&[("DYN_KVBM_DISK_CACHE_GB", "10")]), None).unwrap();
+    assert_eq!((c.host.size, c.disk.size), (None, Some(TierSize::Gb(10.0))));
+    let e = KvtierConfig::build(
+        None,
+        &env(&[
+            ("KVTIER_REMOTE_URL", "dir:///shared/kv"),
+            ("KVTIER_DISK_GB", "1"),
+        ]),
+        None,
+    )
+    .unwrap_err();
+    assert!(setting_of(&e).contains("remote.url"), "{e}");
+    assert!(e.to_string().contains("needs a host tier"), "{e}");
 }
 
 #[test]
@@ -332,4 +344,43 @@ fn every_setting_is_documented() {
             );
         }
     }
+}
+
+#[test]
+fn async_loads_layers_and_stays_unset_by_default() {
+    let host = ("KVTIER_HOST_NUM_BLOCKS", "8");
+    let c = KvtierConfig::build(None, &env(&[host]), None).unwrap();
+    assert_eq!(
+        c.connector.async_loads, None,
+        "unset: the engine adapter decides"
+    );
+    let toml = "[connector]\nasync_loads = true\n";
+    let c = KvtierConfig::build(Some(toml), &env(&[host]), None).unwrap();
+    assert_eq!(c.connector.async_loads, Some(true));
+    let c = KvtierConfig::build(
+        Some(toml),
+        &env(&[host, ("KVTIER_ASYNC_LOADS", "off")]),
+        None,
+    )
+    .unwrap();
+    assert_eq!(
+        c.connector.async_loads,
+        Some(false),
+        "environment over TOML"
+    );
+    let engine = serde_json::json!({"connector.async_loads": true});
+    let c = KvtierConfig::build(
+        Some(toml),
+        &env(&[host, ("KVTIER_ASYNC_LOADS", "0")]),
+        Some(&engine),
+    )
+    .unwrap();
+    assert_eq!(
+        c.connector.async_loads,
+        Some(true),
+        "engine over environment"
+    );
+    let e = KvtierConfig::build(None, &env(&[host, ("KVTIER_ASYNC_LOADS", "maybe")]), None)
+        .unwrap_err();
+    assert_eq!(setting_of(&e), "KVTIER_ASYNC_LOADS");
 }

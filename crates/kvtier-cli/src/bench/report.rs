@@ -120,25 +120,39 @@ impl Summary {
     }
 }
 
-/// The comparison table (fixed-width, Markdown-compatible).
-pub fn table(rows: &[Summary], baseline: &str) -> String {
+/// The comparison table (fixed-width, Markdown-compatible), with one TTFT p50 ratio column per
+/// baseline configuration.
+pub fn table(rows: &[Summary], baselines: &[String]) -> String {
     let mut out = String::new();
+    out.push_str("| workload | config | reqs | TTFT p50 ms | p90 ms | p99 ms |");
+    for b in baselines {
+        out.push_str(&format!(" vs {b} (p50) |"));
+    }
     out.push_str(
-        "| workload | config | reqs | TTFT p50 ms | p90 ms | p99 ms | vs baseline (p50) | req/s | out tok/s | \
-         hit G1/host/disk/remote % | recomputed tok | offload host/disk/remote | onboard host/disk/remote |\n",
+        " req/s | out tok/s | hit G1/host/disk/remote % | recomputed tok | offload host/disk/remote | \
+         onboard host/disk/remote |\n",
     );
-    out.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|\n");
+    out.push_str("|---|---|---:|---:|---:|---:|");
+    out.push_str(&"---:|".repeat(baselines.len()));
+    out.push_str("---:|---:|---|---:|---|---|\n");
     for r in rows {
-        let base = rows
+        let ratios: String = baselines
             .iter()
-            .find(|b| b.workload == r.workload && b.config == baseline);
-        let ratio = match base {
-            Some(b) if r.ttft_p50_ms > 0.0 => format!("{:.2}x", b.ttft_p50_ms / r.ttft_p50_ms),
-            _ => "-".into(),
-        };
+            .map(|baseline| {
+                let base = rows
+                    .iter()
+                    .find(|b| b.workload == r.workload && &b.config == baseline);
+                match base {
+                    Some(b) if r.ttft_p50_ms > 0.0 => {
+                        format!(" {:.2}x |", b.ttft_p50_ms / r.ttft_p50_ms)
+                    }
+                    _ => " - |".into(),
+                }
+            })
+            .collect();
         let h = r.hit_rate;
         out.push_str(&format!(
-            "| {} | {} | {}{} | {:.1} | {:.1} | {:.1} | {} | {:.2} | {:.1} | {:.0}/{:.0}/{:.0}/{:.0} | {} | {}/{}/{} | {}/{}/{} |\n",
+            "| {} | {} | {}{} | {:.1} | {:.1} | {:.1} |{} {:.2} | {:.1} | {:.0}/{:.0}/{:.0}/{:.0} | {} | {}/{}/{} | {}/{}/{} |\n",
             r.workload,
             r.config,
             r.requests,
@@ -146,7 +160,7 @@ pub fn table(rows: &[Summary], baseline: &str) -> String {
             r.ttft_p50_ms,
             r.ttft_p90_ms,
             r.ttft_p99_ms,
-            ratio,
+            ratios,
             r.requests_per_s,
             r.output_tokens_per_s,
             h.device * 100.0,
@@ -221,8 +235,23 @@ mod tests {
         assert!((s.hit_rate.host - 32.0 / 120.0).abs() < 1e-12);
         assert_eq!(s.ttft_p50_ms_by_turn, vec![10.0, 20.0]);
         assert!((s.output_tokens_per_s - 2.0).abs() < 1e-12);
-        let t = table(std::slice::from_ref(&s), "x");
-        assert!(t.contains("| chat | x | 2 | 10.0 |"), "{t}");
-        assert!(t.contains("1.00x"));
+        let mut other = s.clone();
+        other.config = "y".into();
+        other.ttft_p50_ms = 40.0;
+        let t = table(&[s, other], &["x".into(), "y".into()]);
+        assert!(t.contains("| vs x (p50) | vs y (p50) |"), "{t}");
+        // x: 1.00x against itself, 4.00x against y (a quarter of y's p50); y: 0.25x and 1.00x.
+        assert!(
+            t.contains("| chat | x | 2 | 10.0 | 20.0 | 20.0 | 1.00x | 4.00x |"),
+            "{t}"
+        );
+        assert!(
+            t.contains("| chat | y | 2 | 40.0 | 20.0 | 20.0 | 0.25x | 1.00x |"),
+            "{t}"
+        );
+        let header_cols = t.lines().next().unwrap().matches('|').count();
+        for l in t.lines() {
+            assert_eq!(l.matches('|').count(), header_cols, "{l}");
+        }
     }
 }

@@ -33,7 +33,9 @@ pub struct TierSetup {
 pub struct BenchConfig {
     pub name: String,
     pub description: String,
-    /// `None`: no connector (the engine's own G1 prefix cache only).
+    /// The engine's own G1 prefix cache (off: nothing computed is reused across requests).
+    pub prefix_cache: bool,
+    /// `None`: no connector.
     pub kvtier: Option<TierSetup>,
 }
 
@@ -53,8 +55,10 @@ pub struct SuiteOptions {
     pub out_dir: PathBuf,
     pub seed: u64,
     pub quiet: bool,
-    /// The configuration ratios are computed against.
+    /// The configuration the target ratio is computed against.
     pub baseline: String,
+    /// Every configuration the table's ratio columns (and `SuiteReport::ratios`) compare with.
+    pub baselines: Vec<String>,
     /// The configuration the target is about.
     pub target_config: String,
     /// The target ratio (baseline TTFT p50 / target TTFT p50) on the first workload.
@@ -82,7 +86,20 @@ pub struct SuiteReport {
     pub outputs_identical: bool,
     pub mismatches: Vec<Mismatch>,
     pub target: Option<TargetCheck>,
+    /// The target configuration's TTFT p50 ratio against every baseline, per workload.
+    pub ratios: Vec<Ratio>,
+    /// 1-minute load average of the machine when the run started and ended (Linux).
+    pub load_avg: Option<(f64, f64)>,
     pub requests: BTreeMap<String, BTreeMap<String, Vec<RequestRecord>>>,
+}
+
+/// `baseline`'s TTFT p50 divided by `config`'s on one workload (higher: `config` is faster).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Ratio {
+    pub workload: String,
+    pub config: String,
+    pub baseline: String,
+    pub ttft_p50: f64,
 }
 
 /// The headline check: kvtier vs the baseline on the first workload.
@@ -106,6 +123,29 @@ fn machine() -> String {
     format!("{} {} cores", std::env::consts::ARCH, cores)
 }
 
+/// The 1-minute load average (`None` where `/proc/loadavg` is missing).
+fn load_avg() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+fn ttft_ratio(rows: &[Summary], workload: &str, baseline: &str, config: &str) -> Option<f64> {
+    let find = |c: &str| {
+        rows.iter()
+            .find(|r| r.workload == workload && r.config == c)
+    };
+    let (b, t) = (find(baseline)?, find(config)?);
+    Some(if t.ttft_p50_ms > 0.0 {
+        b.ttft_p50_ms / t.ttft_p50_ms
+    } else {
+        0.0
+    })
+}
+
 fn working_set(w: &Workload) -> usize {
     match w {
         Workload::Chat(p) => {
@@ -122,6 +162,7 @@ pub async fn run_suite(
 ) -> anyhow::Result<SuiteReport> {
     std::fs::create_dir_all(&opts.out_dir)
         .with_context(|| format!("creating {}", opts.out_dir.display()))?;
+    let load_start = load_avg();
     let scratch_root = opts.out_dir.join("scratch");
     let mut rows = Vec::new();
     let mut mismatches = Vec::new();
@@ -201,17 +242,7 @@ pub async fn run_suite(
     let _ = std::fs::remove_dir(&scratch_root);
 
     let target = opts.workloads.first().and_then(|w| {
-        let base = rows
-            .iter()
-            .find(|r| r.workload == w.name() && r.config == opts.baseline)?;
-        let tgt = rows
-            .iter()
-            .find(|r| r.workload == w.name() && r.config == opts.target_config)?;
-        let ratio = if tgt.ttft_p50_ms > 0.0 {
-            base.ttft_p50_ms / tgt.ttft_p50_ms
-        } else {
-            0.0
-        };
+        let ratio = ttft_ratio(&rows, w.name(), &opts.baseline, &opts.target_config)?;
         Some(TargetCheck {
             workload: w.name().into(),
             baseline: opts.baseline.clone(),
@@ -223,6 +254,19 @@ pub async fn run_suite(
             device_tokens: factory.device_tokens(),
         })
     });
+    let mut ratios = Vec::new();
+    for w in &opts.workloads {
+        for b in opts.baselines.iter().filter(|b| **b != opts.target_config) {
+            if let Some(r) = ttft_ratio(&rows, w.name(), b, &opts.target_config) {
+                ratios.push(Ratio {
+                    workload: w.name().into(),
+                    config: opts.target_config.clone(),
+                    baseline: b.clone(),
+                    ttft_p50: r,
+                });
+            }
+        }
+    }
     let report = SuiteReport {
         command: opts.command.clone(),
         machine: machine(),
@@ -231,6 +275,8 @@ pub async fn run_suite(
         outputs_identical: mismatches.is_empty(),
         mismatches,
         target,
+        ratios,
+        load_avg: load_start.zip(load_avg()),
         rows,
         requests,
     };
@@ -248,6 +294,12 @@ pub fn verdict(report: &SuiteReport) -> String {
             "outputs: MISMATCH in {} request(s) (first: {:?}) — kvtier must never change an answer\n",
             report.mismatches.len(),
             report.mismatches.first()
+        ));
+    }
+    for r in &report.ratios {
+        s.push_str(&format!(
+            "{} on `{}`: TTFT p50 {:.2}x better than `{}`\n",
+            r.config, r.workload, r.ttft_p50, r.baseline
         ));
     }
     if let Some(t) = &report.target {
@@ -271,12 +323,20 @@ fn write_outputs(report: &SuiteReport, opts: &SuiteOptions) -> anyhow::Result<()
     let json = serde_json::to_string_pretty(report)?;
     std::fs::write(&json_path, json).with_context(|| format!("writing {}", json_path.display()))?;
     let md_path = opts.out_dir.join("bench.md");
+    let load = report.load_avg.map_or_else(String::new, |(a, b)| {
+        format!("\nload average (1 min): {a:.2} at start, {b:.2} at end")
+    });
     let md = format!(
-        "# kvtier bench\n\ncommand: `{}`\nmachine: {}\nbaseline for ratios: `{}`\n\n{}\n{}",
+        "# kvtier bench\n\ncommand: `{}`\nmachine: {}{load}\nbaselines for ratios: {}; target baseline `{}`\n\n{}\n{}",
         report.command,
         report.machine,
+        opts.baselines
+            .iter()
+            .map(|b| format!("`{b}`"))
+            .collect::<Vec<_>>()
+            .join(", "),
         opts.baseline,
-        table(&report.rows, &opts.baseline),
+        table(&report.rows, &opts.baselines),
         verdict(report)
     );
     std::fs::write(&md_path, md).with_context(|| format!("writing {}", md_path.display()))?;
@@ -341,11 +401,13 @@ mod tests {
                 BenchConfig {
                     name: "a".into(),
                     description: "first".into(),
+                    prefix_cache: true,
                     kvtier: None,
                 },
                 BenchConfig {
                     name: "b".into(),
                     description: "second".into(),
+                    prefix_cache: true,
                     kvtier: Some(TierSetup {
                         host_gb: 0.001,
                         disk_gb: 0.01,
@@ -357,6 +419,7 @@ mod tests {
             seed: 1,
             quiet: true,
             baseline: "a".into(),
+            baselines: vec!["a".into()],
             target_config: "b".into(),
             target_ratio: 3.0,
             command: "test".into(),
@@ -367,6 +430,12 @@ mod tests {
         let t = r.target.as_ref().unwrap();
         assert_eq!(t.workload, "chat");
         assert_eq!(t.working_set_tokens, 8 + 2 * 2 * 6);
+        let rs: Vec<(&str, &str)> = r
+            .ratios
+            .iter()
+            .map(|x| (x.workload.as_str(), x.baseline.as_str()))
+            .collect();
+        assert_eq!(rs, [("chat", "a"), ("docqa", "a")]);
         for f in ["bench.json", "bench.md", "bench.png"] {
             assert!(opts.out_dir.join(f).is_file(), "{f}");
         }

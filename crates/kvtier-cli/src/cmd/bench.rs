@@ -1,8 +1,11 @@
 //! `kvtier bench`: the embedded default workload comparison (the project's main command).
 //!
-//! Invariant: with no flags it runs the multi-round chat and document-QA workloads against the engine
-//! alone and the engine with kvtier, on the built-in model, with a G1 deliberately too small for the
-//! workloads' history, and writes `bench.json`, `bench.md` and `bench.png` into `./bench-out/`.
+//! Invariant: with no flags it runs the multi-round chat and document-QA workloads against three
+//! configurations — the engine with no cache at all (G1 prefix cache off, no connector), the engine's
+//! own prefix cache alone, and the engine with kvtier's host and disk tiers — on the built-in model,
+//! with a G1 deliberately too small for the workloads' history, and writes `bench.json`, `bench.md`
+//! and `bench.png` into `./bench-out/`. kvtier's ratios are reported against both baselines; the
+//! target is against the prefix cache alone.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -29,6 +32,8 @@ pub enum WorkloadChoice {
 /// Which configurations to compare.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ConfigChoice {
+    /// No connector and the engine's G1 prefix cache off: nothing is reused across requests.
+    NoCache,
     /// No connector: the engine's own G1 prefix cache only.
     Engine,
     /// kvtier with host and disk tiers.
@@ -47,7 +52,7 @@ pub struct BenchArgs {
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [WorkloadChoice::Chat, WorkloadChoice::Docqa])]
     pub workloads: Vec<WorkloadChoice>,
     /// Configurations, in order (the first is the reference for the identical-output check).
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [ConfigChoice::Engine, ConfigChoice::Kvtier])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [ConfigChoice::NoCache, ConfigChoice::Engine, ConfigChoice::Kvtier])]
     pub configs: Vec<ConfigChoice>,
     /// A larger run (more users, longer histories and documents); several minutes.
     #[arg(long)]
@@ -120,12 +125,18 @@ pub struct BenchEngineArgs {
 impl BenchArgs {
     /// The flags' defaults (what `kvtier` with no command runs).
     pub fn parse_defaults() -> Self {
+        Self::parse_flags(&[]).unwrap_or_else(|e| e.exit())
+    }
+
+    /// `kvtier bench` flags from a list (without the program name).
+    pub fn parse_flags(flags: &[&str]) -> Result<Self, clap::Error> {
         #[derive(clap::Parser)]
         struct Wrapper {
             #[command(flatten)]
             args: BenchArgs,
         }
-        <Wrapper as clap::Parser>::parse_from(["kvtier-bench"]).args
+        let argv = std::iter::once("kvtier-bench").chain(flags.iter().copied());
+        Ok(<Wrapper as clap::Parser>::try_parse_from(argv)?.args)
     }
 
     fn workloads(&self) -> Vec<Workload> {
@@ -159,9 +170,17 @@ impl BenchArgs {
         self.configs
             .iter()
             .map(|c| match c {
+                ConfigChoice::NoCache => BenchConfig {
+                    name: "no-cache".into(),
+                    description: "no connector, G1 prefix cache off: every prompt computed in full"
+                        .into(),
+                    prefix_cache: false,
+                    kvtier: None,
+                },
                 ConfigChoice::Engine => BenchConfig {
                     name: "engine".into(),
                     description: "no connector: the engine's own G1 prefix cache only".into(),
+                    prefix_cache: true,
                     kvtier: None,
                 },
                 ConfigChoice::Kvtier => BenchConfig {
@@ -170,6 +189,7 @@ impl BenchArgs {
                         "kvtier: host tier {} GB + disk tier {} GB",
                         self.engine.host_cache_gb, self.engine.disk_cache_gb
                     ),
+                    prefix_cache: true,
                     kvtier: Some(TierSetup {
                         host_gb: self.engine.host_cache_gb,
                         disk_gb: self.engine.disk_cache_gb,
@@ -182,6 +202,7 @@ impl BenchArgs {
                         "kvtier: tiny host tier (1 MB) + disk tier {} GB, disk filter off, so hits come from disk",
                         self.engine.disk_cache_gb
                     ),
+                    prefix_cache: true,
                     kvtier: Some(TierSetup {
                         host_gb: 0.001,
                         disk_gb: self.engine.disk_cache_gb,
@@ -214,6 +235,7 @@ impl EngineFactory for RealFactory {
             } else {
                 ConnectorKind::None
             },
+            no_prefix_cache: !config.prefix_cache,
             tiers: match &config.kvtier {
                 Some(t) => TierArgs {
                     host_cache_gb: Some(t.host_gb),
@@ -234,6 +256,43 @@ impl EngineFactory for RealFactory {
     }
 }
 
+/// Which configurations the ratios are computed against.
+#[derive(Debug, Clone, PartialEq)]
+struct BaselinePlan {
+    /// The target's baseline: the engine without kvtier (its prefix cache on if such a
+    /// configuration runs, else the first configuration).
+    baseline: String,
+    /// Every configuration without kvtier (ratio columns), or the first one if all have kvtier.
+    baselines: Vec<String>,
+    /// The configuration the target is about: the first with kvtier.
+    target: String,
+}
+
+fn baselines_of(configs: &[BenchConfig]) -> BaselinePlan {
+    let first = configs.first().map(|c| c.name.clone()).unwrap_or_default();
+    let mut baselines: Vec<String> = configs
+        .iter()
+        .filter(|c| c.kvtier.is_none())
+        .map(|c| c.name.clone())
+        .collect();
+    if baselines.is_empty() {
+        baselines.push(first.clone());
+    }
+    let baseline = configs
+        .iter()
+        .find(|c| c.kvtier.is_none() && c.prefix_cache)
+        .map_or_else(|| baselines[0].clone(), |c| c.name.clone());
+    let target = configs
+        .iter()
+        .find(|c| c.kvtier.is_some())
+        .map_or(first, |c| c.name.clone());
+    BaselinePlan {
+        baseline,
+        baselines,
+        target,
+    }
+}
+
 /// Runs the bench and prints the table.
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let workloads = args.workloads();
@@ -241,11 +300,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if workloads.is_empty() || configs.is_empty() {
         bail!("--workloads and --configs must not be empty");
     }
-    let baseline = configs[0].name.clone();
-    let target_config = configs
-        .iter()
-        .find(|c| c.kvtier.is_some())
-        .map_or(baseline.clone(), |c| c.name.clone());
+    let plan = baselines_of(&configs);
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let opts = SuiteOptions {
         workloads,
@@ -253,8 +308,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         out_dir: args.out.clone(),
         seed: args.seed,
         quiet: args.quiet,
-        baseline: baseline.clone(),
-        target_config,
+        baseline: plan.baseline.clone(),
+        baselines: plan.baselines.clone(),
+        target_config: plan.target,
         target_ratio: 3.0,
         command,
     };
@@ -268,7 +324,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     };
     let started = std::time::Instant::now();
     let report = run_suite(&factory, &opts).await?;
-    println!("{}", crate::bench::report::table(&report.rows, &baseline));
+    println!(
+        "{}",
+        crate::bench::report::table(&report.rows, &plan.baselines)
+    );
     print!("{}", verdict(&report));
     println!(
         "wrote {0}/bench.json, {0}/bench.md, {0}/bench.png in {1:.1} s",
@@ -279,4 +338,34 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         bail!("configurations generated different tokens: see mismatches in bench.json");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_run_compares_three_configurations() {
+        let a = BenchArgs::parse_defaults();
+        let c = a.configs();
+        let names: Vec<&str> = c.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["no-cache", "engine", "kvtier"]);
+        assert!(!c[0].prefix_cache && c[0].kvtier.is_none());
+        assert!(c[1].prefix_cache && c[1].kvtier.is_none());
+        assert!(c[2].prefix_cache && c[2].kvtier.is_some());
+        let plan = baselines_of(&c);
+        assert_eq!(plan.baseline, "engine");
+        assert_eq!(plan.baselines, ["no-cache", "engine"]);
+        assert_eq!(plan.target, "kvtier");
+    }
+
+    #[test]
+    fn baselines_without_the_prefix_cache_configuration() {
+        let a = BenchArgs::parse_flags(&["--configs", "no-cache,kvtier-disk"]).unwrap();
+        let plan = baselines_of(&a.configs());
+        assert_eq!(plan.baseline, "no-cache");
+        assert_eq!(plan.baselines, ["no-cache"]);
+        assert_eq!(plan.target, "kvtier-disk");
+        assert!(BenchArgs::parse_flags(&["--configs", "bogus"]).is_err());
+    }
 }

@@ -9,6 +9,9 @@
 //! - a block being written is allocated (pinned, invisible to matching) at dispatch and
 //!   registered only after every rank confirmed its store; a failed store frees it;
 //! - a block that a load reads stays pinned until every rank reported the load;
+//! - a block whose load failed is never matched again: a host or disk block is invalidated, a
+//!   remote hash is remembered (at most `MAX_REMOTE_FAILED`) and skipped by matching until the
+//!   leader puts it again;
 //! - a hash is never stored twice at once (a store reserves its hash in the target pool at
 //!   dispatch, `BlockPool::reserve`, so a second store of it finds the reservation), and a hash
 //!   already registered in the target tier is not stored again;
@@ -142,6 +145,9 @@ impl LeaderConfig {
     }
 }
 
+/// Remote hashes whose load failed that matching skips; beyond this many the memory starts over.
+pub const MAX_REMOTE_FAILED: usize = 1 << 16;
+
 /// Pool events the leader keeps for `take_events` before dropping the oldest.
 pub const MAX_EVENTS: usize = 1 << 16;
 
@@ -202,6 +208,8 @@ enum JobBooks {
         pinned: Vec<BlockId>,
         /// Destination device block per pair.
         devices: Vec<DeviceBlockId>,
+        /// Remote loads: the hash each pair reads (empty for host and disk).
+        remote_hashes: Vec<u128>,
     },
     /// Host -> disk: `(host block read, disk block written, hash)` per pair.
     SpillDisk {
@@ -291,6 +299,8 @@ pub struct Leader {
     step: u64,
     /// Hashes with a disk spill in flight.
     spilling: FastSet<SequenceHash>,
+    /// Remote hashes whose load failed (corrupt, short or missing value): never matched again.
+    remote_failed: FastSet<SequenceHash>,
     outbox: StepMetadata,
     /// Per-step scratch buffers, kept to avoid allocating on every record.
     scratch: Scratch,
@@ -362,6 +372,7 @@ impl Leader {
             next_job: 1,
             step: 0,
             spilling: FastSet::default(),
+            remote_failed: FastSet::default(),
             outbox: StepMetadata {
                 version: PROTOCOL_VERSION,
                 ..Default::default()
@@ -482,6 +493,8 @@ impl Leader {
         }
         if out.len() < hashes.len() && self.remote.is_some() {
             let rest = &hashes[out.len()..];
+            let known_bad = rest.iter().position(|h| self.remote_failed.contains(h));
+            let rest = &rest[..known_bad.unwrap_or(rest.len())];
             for (i, found) in self.remote_contains(rest).into_iter().enumerate() {
                 if !found {
                     break;
@@ -659,6 +672,11 @@ impl Leader {
             }
             let id = self.new_job_id();
             let devices = pairs.iter().map(|p| DeviceBlockId(p.dst)).collect();
+            let remote_hashes = if tier == Tier::Remote {
+                keys.clone()
+            } else {
+                Vec::new()
+            };
             jobs.push(TransferJob {
                 id,
                 src: tier,
@@ -673,6 +691,7 @@ impl Leader {
                     src: tier,
                     pinned,
                     devices,
+                    remote_hashes,
                 },
             );
         }
@@ -1000,6 +1019,7 @@ impl Leader {
                 src,
                 pinned,
                 devices,
+                remote_hashes,
             } => {
                 if let Some(e) = self.slots.get_mut(&request) {
                     let first_failed = failed
@@ -1024,6 +1044,14 @@ impl Leader {
                         }
                     }
                     self.release(src, blk);
+                }
+                for &i in &failed {
+                    if let Some(&h) = remote_hashes.get(i) {
+                        if self.remote_failed.len() >= MAX_REMOTE_FAILED {
+                            self.remote_failed.clear();
+                        }
+                        self.remote_failed.insert(SequenceHash(h));
+                    }
                 }
                 self.stats.onboard_failed += failed.len() as u64;
                 if let Some(e) = self.slots.get_mut(&request) {
@@ -1124,6 +1152,8 @@ impl Leader {
             }
         }
         if first_store && self.remote_put && self.remote.is_some() {
+            // A fresh value replaces whatever failed to load under this hash.
+            self.remote_failed.remove(&hash);
             if let Some(h) = self.host.as_mut() {
                 let _ = h.pin(host_block);
             }
