@@ -65,14 +65,14 @@ def test_settings_derived_from_vllm_config():
     assert s["world_size"] == 2
     assert s["bytes_per_block"] == 8192 * 2 * 2  # page * layers * ranks
     assert s["num_device_blocks"] == 100
-    assert s["async_loads"] is False
+    assert "async_loads" not in s and s["async_loads_default"] is True  # kvtier's configuration decides
     assert "/models/llama" in s["salt"]
     # Producer and consumer of one model hash alike; another model does not.
     other = _config(role="kv_consumer")
     other.model_config.model = "/models/other"
     assert kv._settings(_config(role="kv_producer"), None)["salt"] == s["salt"]
     assert kv._settings(other, None)["salt"] != s["salt"]
-    assert kv._settings(_config(extra={"async_loads": "true"}), None)["async_loads"] is True
+    assert kv._settings(_config(extra={"async_loads": False}), None)["async_loads"] is False
 
 
 def test_settings_reject_unknown_role():

@@ -145,8 +145,9 @@ def _settings(llm_args: Any, **extra: Any) -> dict[str, Any]:
     s: dict[str, Any] = {
         "block_size": _tokens_per_block(llm_args),
         "world_size": _world_size(llm_args),
-        # TensorRT-LLM accepts both; sync loads run before the forward pass reads layer 0.
-        "async_loads": os.environ.get("KVTIER_ASYNC_LOADS", "false"),
+        # Sync loads (they run before the forward pass reads layer 0) unless kvtier's configuration says
+        # otherwise: `connector.async_loads` in the TOML, KVTIER_ASYNC_LOADS, or an `async_loads` setting.
+        "async_loads_default": False,
         # Scheduler and rank-0 worker of one engine pair up in-process under this key.
         "channel": f"trtllm-{os.getpid()}",
     }

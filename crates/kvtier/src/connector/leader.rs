@@ -9,6 +9,9 @@
 //! - a block being written is allocated (pinned, invisible to matching) at dispatch and
 //!   registered only after every rank confirmed its store; a failed store frees it;
 //! - a block that a load reads stays pinned until every rank reported the load;
+//! - a block whose load failed is never matched again: a host or disk block is invalidated, a
+//!   remote hash is remembered (at most `MAX_REMOTE_FAILED`) and skipped by matching until the
+//!   leader puts it again;
 //! - a hash is never stored twice at once (`writing` holds every hash with a store in flight),
 //!   and a hash already registered in the target tier is not stored again;
 //! - `request_finished` returns true exactly while a store of that request is not confirmed by
@@ -141,6 +144,9 @@ impl LeaderConfig {
     }
 }
 
+/// Remote hashes whose load failed that matching skips; beyond this many the memory starts over.
+pub const MAX_REMOTE_FAILED: usize = 1 << 16;
+
 /// Pool events the leader keeps for `take_events` before dropping the oldest.
 pub const MAX_EVENTS: usize = 1 << 16;
 
@@ -201,6 +207,8 @@ enum JobBooks {
         pinned: Vec<BlockId>,
         /// Destination device block per pair.
         devices: Vec<DeviceBlockId>,
+        /// Remote loads: the hash each pair reads (empty for host and disk).
+        remote_hashes: Vec<u128>,
     },
     /// Host -> disk: `(host block read, disk block written, hash)` per pair.
     SpillDisk {
@@ -249,6 +257,8 @@ pub struct Leader {
     writing: FastSet<SequenceHash>,
     /// Hashes with a disk spill in flight.
     spilling: FastSet<SequenceHash>,
+    /// Remote hashes whose load failed (corrupt, short or missing value): never matched again.
+    remote_failed: FastSet<SequenceHash>,
     outbox: StepMetadata,
     reports_rx: Receiver<WorkerReport>,
     reports_tx: Sender<WorkerReport>,
@@ -319,6 +329,7 @@ impl Leader {
             step: 0,
             writing: FastSet::default(),
             spilling: FastSet::default(),
+            remote_failed: FastSet::default(),
             outbox: StepMetadata {
                 version: PROTOCOL_VERSION,
                 ..Default::default()
@@ -437,6 +448,8 @@ impl Leader {
         }
         if out.len() < hashes.len() && self.remote.is_some() {
             let rest = &hashes[out.len()..];
+            let known_bad = rest.iter().position(|h| self.remote_failed.contains(h));
+            let rest = &rest[..known_bad.unwrap_or(rest.len())];
             for (i, found) in self.remote_contains(rest).into_iter().enumerate() {
                 if !found {
                     break;
@@ -614,6 +627,11 @@ impl Leader {
             }
             let id = self.new_job_id();
             let devices = pairs.iter().map(|p| DeviceBlockId(p.dst)).collect();
+            let remote_hashes = if tier == Tier::Remote {
+                keys.clone()
+            } else {
+                Vec::new()
+            };
             jobs.push(TransferJob {
                 id,
                 src: tier,
@@ -628,6 +646,7 @@ impl Leader {
                     src: tier,
                     pinned,
                     devices,
+                    remote_hashes,
                 },
             );
         }
@@ -946,6 +965,7 @@ impl Leader {
                 src,
                 pinned,
                 devices,
+                remote_hashes,
             } => {
                 if let Some(e) = self.slots.get_mut(&request) {
                     let first_failed = failed
@@ -970,6 +990,14 @@ impl Leader {
                         }
                     }
                     self.release(src, blk);
+                }
+                for &i in &failed {
+                    if let Some(&h) = remote_hashes.get(i) {
+                        if self.remote_failed.len() >= MAX_REMOTE_FAILED {
+                            self.remote_failed.clear();
+                        }
+                        self.remote_failed.insert(SequenceHash(h));
+                    }
                 }
                 self.stats.onboard_failed += failed.len() as u64;
                 if let Some(e) = self.slots.get_mut(&request) {
@@ -1070,6 +1098,8 @@ impl Leader {
             }
         }
         if first_store && self.remote_put && self.remote.is_some() {
+            // A fresh value replaces whatever failed to load under this hash.
+            self.remote_failed.remove(&hash);
             if let Some(h) = self.host.as_mut() {
                 let _ = h.pin(host_block);
             }
