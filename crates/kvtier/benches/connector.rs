@@ -18,7 +18,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use criterion::{black_box, criterion_group, criterion_main, Criterion};
+use criterion::{black_box, criterion_group, Criterion};
 use kvtier::connector::{
     ClusterLayout, Leader, LeaderConfig, SchedulerStep, Slot, StepRecord, WorkerReport,
 };
@@ -171,6 +171,21 @@ fn leader() -> Leader {
     Leader::new(cfg).unwrap()
 }
 
+/// One engine step as the benchmark times it: `build_step`, a report for each store, the KV events.
+fn run_step(l: &mut Leader, s: &SchedulerStep) -> usize {
+    let m = l.build_step(s).unwrap();
+    for st in &m.stores {
+        l.apply_report(WorkerReport {
+            rank: 0,
+            job: st.job.id,
+            outcome: TransferOutcome::Ok,
+        });
+    }
+    // An engine pulls the KV events every step (vLLM's take_events).
+    black_box(l.take_events().len());
+    m.stores.len()
+}
+
 fn bench_step(c: &mut Criterion) {
     let mut g = c.benchmark_group("leader_step");
     // 256_mixed: a quarter-ish in chunked prefill; 256_decode: everyone decoding (per-record cost).
@@ -198,19 +213,6 @@ fn step_group(
             run_step(&mut l, s);
         }
         l
-    }
-    fn run_step(l: &mut Leader, s: &SchedulerStep) -> usize {
-        let m = l.build_step(s).unwrap();
-        for st in &m.stores {
-            l.apply_report(WorkerReport {
-                rank: 0,
-                job: st.job.id,
-                outcome: TransferOutcome::Ok,
-            });
-        }
-        // An engine pulls the KV events every step (vLLM's take_events).
-        black_box(l.take_events().len());
-        m.stores.len()
     }
     // Steady state: slots exist and the host pool cycles (the warm-up is not timed).
     const WARM: usize = 200;
@@ -376,4 +378,26 @@ fn bench_match(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench_step, bench_match);
-criterion_main!(benches);
+
+/// `KVTIER_PROFILE_STEPS=<n>`: run the warm-up and then exactly `n` steps of `256_mixed`
+/// (`run_step`, no criterion), for instruction-level profilers such as
+/// `valgrind --tool=callgrind --toggle-collect='*run_step*'`, whose counts are then comparable
+/// between builds.
+fn main() {
+    if let Some(n) = std::env::var("KVTIER_PROFILE_STEPS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        let mut w = Workload::new(DECODE, false);
+        let steps: Vec<SchedulerStep> = (0..200 + n).map(|_| w.step()).collect();
+        let mut l = leader();
+        let mut stores = 0;
+        for s in &steps {
+            stores += run_step(&mut l, s);
+        }
+        println!("{n} steps after 200 warm-up steps: {stores} store jobs in all");
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

@@ -1,12 +1,13 @@
 //! Pool operations at scale: prefix matching of a 32K-token prompt (2,048 blocks of 16) against
-//! a pool of 1M registered blocks, and the allocate + register + evict cycle per block.
+//! a pool of 1M registered blocks, and the allocate + register + evict cycle per block (and the
+//! same cycle through the batched `reserve` + `confirm` store path).
 //! Baseline in the same run: the same 2,048 lookups in a `std::collections::HashMap<u128, u32>`.
 use std::collections::HashMap;
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvtier::hash::SequenceHash;
-use kvtier::pool::{BlockPool, Priority};
+use kvtier::pool::{BlockPool, Priority, Reservation};
 use kvtier::Tier;
 
 #[path = "support/mod.rs"]
@@ -100,6 +101,29 @@ fn bench(c: &mut Criterion) {
                     let got = pool.register(blk, key(next), Priority(0)).unwrap_or(blk);
                     let _ = pool.release(got);
                     next += 1;
+                }
+            });
+            let _ = pool.take_events();
+            d
+        })
+    });
+    // The same cycle through the batched store path: one `reserve` call for the 64 hashes (one
+    // registry probe each dedups and reserves), then `confirm` + release.
+    let mut res = Vec::with_capacity(BATCH);
+    let mut hashes = Vec::with_capacity(BATCH);
+    g.bench_function("reserve_confirm_evict_64", |b| {
+        b.iter_custom(|iters| {
+            let d = clock::time(iters, || {
+                hashes.clear();
+                hashes.extend((0..BATCH as u64).map(|k| key(next + k)));
+                next += BATCH as u64;
+                res.clear();
+                pool.reserve(&hashes, &mut res);
+                for r in &res {
+                    if let Reservation::Allocated(blk) = *r {
+                        let _ = pool.confirm(blk, Priority(0));
+                        let _ = pool.release(blk);
+                    }
                 }
             });
             let _ = pool.take_events();

@@ -925,6 +925,28 @@ impl Leader {
         self.slots.get(req).is_some_and(|e| e.stores_in_flight > 0)
     }
 
+    /// A store (`store`) or load job of `req` completed: one lookup updates the count and
+    /// drops a finished slot with nothing left in flight.
+    fn job_done(&mut self, req: &RequestId, store: bool) {
+        let drop = match self.slots.get_mut(req) {
+            Some(e) => {
+                let n = if store {
+                    &mut e.stores_in_flight
+                } else {
+                    &mut e.loads_in_flight
+                };
+                *n = n.saturating_sub(1);
+                e.slot.state() == crate::connector::slot::SlotState::Finished
+                    && e.stores_in_flight == 0
+                    && e.loads_in_flight == 0
+            }
+            None => false,
+        };
+        if drop {
+            self.slots.remove(req);
+        }
+    }
+
     fn maybe_drop_slot(&mut self, req: &RequestId) {
         let drop = self.slots.get(req).is_some_and(|e| {
             e.slot.state() == crate::connector::slot::SlotState::Finished
@@ -985,6 +1007,34 @@ impl Leader {
                 tier,
                 blocks,
             } => {
+                // Spills and remote puts follow a confirmed G2 store only when configured.
+                let spills = tier == Tier::Host
+                    && ((self.disk.is_some() && self.disk_policy != DiskPolicy::Never)
+                        || (self.remote_put && self.remote.is_some()));
+                if failed.is_empty() && !spills {
+                    // The common case in one pass over the pool: publish, unpin.
+                    let pool = if tier == Tier::Host {
+                        self.host.as_mut()
+                    } else {
+                        self.disk.as_mut()
+                    };
+                    if let Some(pool) = pool {
+                        for &(blk, _) in &blocks {
+                            match pool.confirm(blk, self.priority) {
+                                Ok(()) => self.stats.offload_confirmed += 1,
+                                Err(e) => {
+                                    tracing::error!(error = %e, "confirming a stored block failed");
+                                    continue;
+                                }
+                            }
+                            if let Err(e) = pool.release(blk) {
+                                tracing::error!(error = %e, "releasing a pool block failed");
+                            }
+                        }
+                    }
+                    self.job_done(&request, true);
+                    return;
+                }
                 for (i, (blk, hash)) in blocks.into_iter().enumerate() {
                     if failed.contains(&i) {
                         // Releasing the unconfirmed block frees it and drops its reservation.
@@ -1009,10 +1059,7 @@ impl Leader {
                         Err(e) => tracing::error!(error = %e, "confirming a stored block failed"),
                     }
                 }
-                if let Some(e) = self.slots.get_mut(&request) {
-                    e.stores_in_flight = e.stores_in_flight.saturating_sub(1);
-                }
-                self.maybe_drop_slot(&request);
+                self.job_done(&request, true);
             }
             JobBooks::Load {
                 request,
@@ -1054,10 +1101,7 @@ impl Leader {
                     }
                 }
                 self.stats.onboard_failed += failed.len() as u64;
-                if let Some(e) = self.slots.get_mut(&request) {
-                    e.loads_in_flight = e.loads_in_flight.saturating_sub(1);
-                }
-                self.maybe_drop_slot(&request);
+                self.job_done(&request, false);
             }
             JobBooks::SpillDisk { blocks } => {
                 for (i, (hblk, dblk, hash)) in blocks.into_iter().enumerate() {

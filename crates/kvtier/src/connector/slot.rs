@@ -63,12 +63,39 @@ pub struct MatchRecord {
 }
 
 /// A request's device block table: the ids in request order, and a membership index that is
-/// built only once the table outgrows a linear scan (most requests never need it).
+/// built only once the table outgrows a linear scan (most requests never need it). Until then a
+/// 256-bit filter of the ids answers most "not in the table" questions without a scan.
 #[derive(Clone, Debug, Default)]
 struct DeviceTable {
     ids: Vec<DeviceBlockId>,
+    /// A bit per id of `ids` (`IdFilter`), while there is no `index`.
+    filter: IdFilter,
     /// Every id of `ids`, once `ids` is longer than `LINEAR_MAX`; `None` before.
     index: Option<FastSet<DeviceBlockId>>,
+}
+
+/// A 256-bit set of id fingerprints: a clear bit proves an id absent; a set bit means "scan".
+#[derive(Clone, Copy, Debug, Default)]
+struct IdFilter([u64; 4]);
+
+impl IdFilter {
+    #[inline]
+    fn bit(b: DeviceBlockId) -> (usize, u64) {
+        let h = (b.0.wrapping_mul(0x9E37_79B1) >> 24) as usize;
+        (h >> 6, 1u64 << (h & 63))
+    }
+
+    #[inline]
+    fn may_contain(&self, b: DeviceBlockId) -> bool {
+        let (w, m) = Self::bit(b);
+        self.0[w] & m != 0
+    }
+
+    #[inline]
+    fn insert(&mut self, b: DeviceBlockId) {
+        let (w, m) = Self::bit(b);
+        self.0[w] |= m;
+    }
 }
 
 impl DeviceTable {
@@ -82,7 +109,7 @@ impl DeviceTable {
     fn contains(&self, b: DeviceBlockId) -> bool {
         match &self.index {
             Some(set) => set.contains(&b),
-            None => scan(&self.ids, b),
+            None => self.filter.may_contain(b) && scan(&self.ids, b),
         }
     }
 
@@ -95,12 +122,13 @@ impl DeviceTable {
             None if self.ids.len() > Self::LINEAR_MAX => {
                 self.index = Some(self.ids.iter().copied().collect());
             }
-            None => {}
+            None => self.filter.insert(b),
         }
     }
 
     fn clear(&mut self) {
         self.ids.clear();
+        self.filter = IdFilter::default();
         self.index = None;
     }
 }
@@ -215,13 +243,18 @@ impl Slot {
     fn extend_tokens(&mut self, new_tokens: &[u32]) {
         self.tokens.extend_from_slice(new_tokens);
         let bs = self.block_size;
-        self.hashes
-            .reserve((self.tokens.len() / bs).saturating_sub(self.hashes.len()));
-        while (self.hashes.len() + 1) * bs <= self.tokens.len() {
-            let i = self.hashes.len();
-            let parent = self.hashes.last().copied();
-            let h = chain_block(parent, self.salt, &self.tokens[i * bs..(i + 1) * bs]);
+        let done = self.hashes.len();
+        // Cheap test first: a decode step rarely completes a block.
+        if (done + 1) * bs > self.tokens.len() {
+            return;
+        }
+        let full = self.tokens.len() / bs;
+        self.hashes.reserve(full - done);
+        let mut parent = self.hashes.last().copied();
+        for block in self.tokens[done * bs..full * bs].chunks_exact(bs) {
+            let h = chain_block(parent, self.salt, block);
             self.hashes.push(h);
+            parent = Some(h);
         }
     }
 
@@ -232,10 +265,23 @@ impl Slot {
 
     /// How many of `ids` are not yet in the table (`in_table`: whether the table counts; a
     /// restart rebuilds it from nothing). An id listed twice that is not in the table is an error.
+    #[inline]
     fn count_fresh(&self, ids: &[DeviceBlockId], in_table: bool) -> Result<usize, ConnectorError> {
-        // Duplicates inside one report: a linear scan for short reports, a set for long ones.
+        if ids.is_empty() {
+            return Ok(0); // most records of a running request
+        }
+        self.count_fresh_slow(ids, in_table)
+    }
+
+    fn count_fresh_slow(
+        &self,
+        ids: &[DeviceBlockId],
+        in_table: bool,
+    ) -> Result<usize, ConnectorError> {
+        // Duplicates inside one report: a filtered scan for short reports, a set for long ones.
         let mut seen: FastSet<DeviceBlockId> = FastSet::default();
         let long = ids.len() > 16;
+        let mut earlier = IdFilter::default();
         let mut fresh = 0;
         for (k, &b) in ids.iter().enumerate() {
             if in_table && self.table.contains(b) {
@@ -245,7 +291,9 @@ impl Slot {
             let dup = if long {
                 !seen.insert(b)
             } else {
-                scan(&ids[..k], b)
+                let maybe = earlier.may_contain(b);
+                earlier.insert(b);
+                maybe && scan(&ids[..k], b)
             };
             if dup {
                 return Err(self.invalid(
@@ -260,6 +308,7 @@ impl Slot {
 
     /// Append the ids of `ids` that are not yet in the table, in order (validated by
     /// `count_fresh`).
+    #[inline]
     fn push_fresh(&mut self, ids: &[DeviceBlockId], fresh: usize) {
         if fresh == 0 {
             return;
@@ -497,11 +546,13 @@ impl Slot {
             self.offloaded_watermark = watermark;
         }
         let start = evaluated.max(self.offloaded_watermark);
-        out.extend((start..end).map(|i| OffloadBlock {
-            index: i,
-            device: self.table.ids[i],
-            hash: self.hashes[i],
-        }));
+        if start < end {
+            out.extend((start..end).map(|i| OffloadBlock {
+                index: i,
+                device: self.table.ids[i],
+                hash: self.hashes[i],
+            }));
+        }
         self.evaluated = evaluated.max(end);
         self.offloaded_watermark = self.offloaded_watermark.max(end);
         self.position = position + rec.num_scheduled_tokens - rec.num_draft_tokens;

@@ -1,8 +1,8 @@
 //! `BlockPool`: the books of one tier's blocks (ids, registry, pins, eviction order, events).
 //!
 //! Each block has one 40-byte [`Slot`] record (hash, pins, priority, state, list links); free
-//! blocks form an intrusive stack through the same links. With the registry's 12 bytes per
-//! block (8-byte buckets at load <= 2/3) a pool costs about 52 bytes per block (see
+//! blocks form an intrusive stack through the same links. With the registry's 16 bytes per
+//! block (8-byte buckets at load <= 1/2) a pool costs about 56 bytes per block (see
 //! `heap_bytes`, measured by `tests/pool_memory.rs`).
 //!
 //! Invariants:
