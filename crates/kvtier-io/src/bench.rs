@@ -950,6 +950,29 @@ fn gpu_staged(
             )),
         );
     }
+    // A larger bounce buffer (64 blocks: two halves of 32, the job size): disk rows only.
+    let big = TransferEngine::builder()
+        .device(Arc::new(layout.clone()), kind)
+        .disk(disk.clone())
+        .bounce_blocks(64)
+        .build()
+        .map_err(|e| e.to_string())?;
+    let load = jobs(&pairs, Tier::Disk, Tier::Device, jb);
+    let store = jobs(&pairs, Tier::Device, Tier::Disk, jb);
+    let t_load = best_of(2, || run_jobs(&big, &load, es))?;
+    let t_store = best_of(2, || run_jobs(&big, &store, es))?;
+    r.add(
+        "gpu staged disk -> device (bounce of 64 blocks)",
+        gbps(bytes, t_load),
+        "GB/s",
+        None,
+    );
+    r.add(
+        "gpu staged device -> disk (bounce of 64 blocks)",
+        gbps(bytes, t_store),
+        "GB/s",
+        None,
+    );
     // Everything still as it was.
     for (i, t) in truth.iter().enumerate() {
         if &cache.block_bytes(layout, sample[i])? != t {

@@ -4,16 +4,17 @@
 //! Device <-> disk and device <-> remote jobs (a configuration without a host tier, or a block
 //! found only on disk or in the remote store) go through a private bounce buffer per direction:
 //! a few host blocks of the engine's own, never part of the host pool, pinned when the device is
-//! CUDA. A job runs in slices of the buffer's size: loads read the slice from disk/remote into
-//! the buffer, then copy the blocks that arrived intact to the device; stores copy the device
-//! blocks into the buffer, then write the ones that copied to disk/remote.
+//! CUDA. A job runs in slices of half the buffer: loads read a slice from disk/remote into one
+//! half, then copy the blocks that arrived intact to the device; stores copy device blocks into
+//! one half, then write the ones that copied to disk/remote. The disk/remote leg of one slice
+//! overlaps the device leg of the neighbouring slice, which uses the other half.
 //!
 //! Invariants: every pair of a job is either copied completely or listed in `Failed` with its
 //! reason (a bad block id, a checksum mismatch, a missing remote key, a CUDA or I/O error); pairs
 //! are independent, so one failure never hides or fails another pair's data; a pair whose disk or
 //! remote leg failed never touches engine memory; device memory is only touched after the job's
-//! fence has passed; a bounce buffer is used by one slice at a time (its mutex), and a slice's
-//! second leg starts only after its first leg completed.
+//! fence has passed; a bounce buffer is used by one job at a time (its mutex), each half by one
+//! leg at a time, and a slice's second leg starts only after its first leg completed.
 use std::sync::{Arc, Mutex};
 
 use kvtier::transfer::{
