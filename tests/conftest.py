@@ -15,6 +15,10 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: real-engine variants left out of the default run (KVTIER_FULL=1)")
+
+
 @pytest.fixture
 def kvtier_env(tmp_path, monkeypatch):
     """A clean kvtier environment: no inherited KVTIER_* / DYN_KVBM_* settings, disk tier in tmp."""

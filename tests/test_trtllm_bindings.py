@@ -27,6 +27,25 @@ def test_leader_settings_and_stats(kvtier_env):
     assert leader(async_loads="true").loads_are_async is True
 
 
+def test_async_loads_come_from_kvtier_configuration(kvtier_env, tmp_path):
+    # Unset everywhere: the adapter's default.
+    assert leader().loads_are_async is False
+    assert leader(async_loads_default=True).loads_are_async is True
+    # TOML < KVTIER_ASYNC_LOADS < engine-supplied (nested, dotted, or the adapter key `async_loads`).
+    toml = tmp_path / "kvtier.toml"
+    toml.write_text("[connector]\nasync_loads = true\n")
+    kvtier_env.setenv("KVTIER_CONFIG", str(toml))
+    assert leader().loads_are_async is True
+    kvtier_env.setenv("KVTIER_ASYNC_LOADS", "false")
+    assert leader(async_loads_default=True).loads_are_async is False
+    assert leader(**{"connector.async_loads": True}).loads_are_async is True
+    assert leader(connector={"async_loads": True}).loads_are_async is True
+    assert leader(async_loads=True).loads_are_async is True
+    kvtier_env.setenv("KVTIER_ASYNC_LOADS", "sometimes")
+    with pytest.raises(kvtier.ConfigError, match="KVTIER_ASYNC_LOADS"):
+        leader()
+
+
 def test_environment_aliases_size_the_tiers(kvtier_env):
     kvtier_env.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "5")
     kvtier_env.setenv("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "7")

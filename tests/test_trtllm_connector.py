@@ -262,3 +262,63 @@ def test_bad_pool_tensors_raise_value_error(tiers):
     # Nothing was registered: the hooks say so instead of failing later.
     with pytest.raises(kvtier.ConnectorError, match="register_kv_caches"):
         w.start_load_kv(None)
+
+
+def _corrupt_disk_tier(disk_dir):
+    """Flip bytes all over every kvtier cache file: every block's checksum fails on read."""
+    files = [p for p in disk_dir.rglob("*") if p.is_file() and p.stat().st_size > 0]
+    assert files, f"no cache files under {disk_dir}"
+    for f in files:
+        data = bytearray(f.read_bytes())
+        for off in range(0, len(data), 256):
+            data[off] ^= 0x5A
+        f.write_bytes(bytes(data))
+
+
+def _disk_only_repeats(tiers, tmp_path, world_size, async_loads):
+    """An engine whose repeated prompts can only come from a corrupted disk tier."""
+    tiers.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "2")
+    tiers.setenv("KVTIER_ASYNC_LOADS", "true" if async_loads else "false")
+    prompts = _workload(seed=31, n_docs=3, per_doc=2)
+    want = _reference_tokens(prompts, 4)
+    e = _engine(geo=Geometry(world_size=world_size), num_device_blocks=40)
+    first = [e.add_request(p, 4) for p in prompts]
+    e.run()
+    assert [r.get_tokens(0) for r in first] == want
+    _flush(e)
+    for w in e.workers:
+        w.native.wait_idle()
+    _corrupt_disk_tier(tmp_path / "disk")
+    return e, prompts, want
+
+
+def test_failed_async_loads_are_recomputed(tiers, tmp_path):
+    e, prompts, want = _disk_only_repeats(tiers, tmp_path, world_size=1, async_loads=True)
+    again = [e.add_request(p, 4) for p in prompts]
+    e.run()  # the driver checks every position a request reads: a bad block would fail here
+    assert [r.get_tokens(0) for r in again] == want
+    s = _stats(e)
+    assert e.stats.async_matches > 0 and s["onboard_failed"] > 0, s
+    assert e.workers[0].recomputed_loads > 0
+    # Again after a flush: blocks not read before may still fail (and are recomputed), the output holds.
+    _flush(e)
+    third = [e.add_request(p, 4) for p in prompts]
+    e.run()
+    assert [r.get_tokens(0) for r in third] == want
+
+
+def test_failed_sync_load_fails_the_pass_never_runs_on_it(tiers, tmp_path):
+    e, prompts, _ = _disk_only_repeats(tiers, tmp_path, world_size=1, async_loads=False)
+    [e.add_request(p, 4) for p in prompts]
+    with pytest.raises(kvtier.TransferError, match="refusing to run the forward pass"):
+        e.run()
+    assert _stats(e)["onboard_failed"] > 0
+
+
+def test_failed_async_load_on_two_ranks_is_an_error_not_a_load(tiers, tmp_path):
+    # No rank can rewind the other ranks' copies of the request: the failure stops the engine loudly.
+    e, prompts, _ = _disk_only_repeats(tiers, tmp_path, world_size=2, async_loads=True)
+    [e.add_request(p, 4) for p in prompts]
+    with pytest.raises(kvtier.TransferError, match="could not load"):
+        e.run()
+    assert e.stats.async_matches > 0

@@ -5,17 +5,19 @@ Every engine runs in its own process (tests/vllm_support/engine_proc.py) with a 
 prefix cache if they are recomputed, or by kvtier. What must hold:
 
 - greedy outputs with kvtier are token-for-token those of an engine without any connector, whether the KV comes
-  back from host memory (asynchronous loads), from disk (synchronous loads; a host tier of 2-8 blocks, since
-  kvtier's configuration requires a host tier under disk), or after vLLM's prefix cache was reset;
+  back from host memory or from disk (a host tier of 2-8 blocks), or after vLLM's prefix cache was reset, with
+  asynchronous loads (the default) and with synchronous ones (``"async_loads": false``);
 - kvtier really served the repeats (its onboard counters grew for the tier under test);
-- a corrupted disk block or a vanished cache file turns into recompute with the same output, and the failure
-  is visible in kvtier's counters;
+- a corrupted disk block, a vanished cache file, or a corrupt or missing value in the shared tier turns into
+  recompute with the same output (never a stalled scheduler: the fault tests time out instead of hanging), and the
+  failure is visible in kvtier's counters;
 - a prefill engine (kv_producer) and a decode engine (kv_consumer) in separate processes hand the KV over through
   kvtier's shared tier and the consumer's output equals the aggregated run's;
 - requests that vLLM preempts mid-decode (the device cache cannot hold their growth) resume with the same tokens;
 - a normal run never makes kvtier log an error or raise into vLLM.
 
-Run: ``cd tests && ../.venv-vllm/bin/python -m pytest -q test_vllm.py`` (scripts/test.sh installs the venv).
+Run: ``cd tests && ../.venv-vllm/bin/python -m pytest -q test_vllm.py`` (scripts/test.sh installs the venv); the
+variants marked ``slow`` (disk tier with async loads, disk faults with sync loads) run with ``KVTIER_FULL=1``.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def _phases(e: Engine, reference) -> list[dict]:
 
 def test_host_tier_repeats_are_identical(model, reference, tmp_path):
     with Engine(model, tmp_path / "host.log", kv_cache_blocks=G1_BLOCKS,
-                kv_transfer_config=connector_config(settings={"host.num_blocks": 512, "async_loads": True})) as e:
+                kv_transfer_config=connector_config(settings={"host.num_blocks": 512})) as e:
         filled, repeated, after_reset = _phases(e, reference)
         # Preemption: requests lose their device blocks mid-decode and are matched and loaded again.
         assert e.generate(PHASE[:4], LONG_TOKENS) == reference["long"]
@@ -97,12 +99,14 @@ def test_host_tier_repeats_are_identical(model, reference, tmp_path):
     assert after_reset["onboard_host_blocks"] > repeated["onboard_host_blocks"]
 
 
-def test_disk_tier_repeats_are_identical(model, reference, tmp_path):
+# Asynchronous loads are the default; the synchronous mode ("async_loads": false) keeps a test of its own.
+@pytest.mark.parametrize("async_loads", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sync", "async"])
+def test_disk_tier_repeats_are_identical(model, reference, tmp_path, async_loads):
     # The host tier holds 8 blocks, a fraction of one phase: most repeats must come from disk.
     with Engine(model, tmp_path / "disk.log", kv_cache_blocks=G1_BLOCKS,
                 kv_transfer_config=connector_config(settings={
                     "host.num_blocks": 8, "disk.num_blocks": 1024, "disk.dir": str(tmp_path / "disk"),
-                    "policy.disk_filter.enabled": False})) as e:
+                    "policy.disk_filter.enabled": False, "async_loads": async_loads})) as e:
         filled, repeated, after_reset = _phases(e, reference)
     assert repeated["onboard_disk_blocks"] > filled["onboard_disk_blocks"]
     assert after_reset["onboard_disk_blocks"] > repeated["onboard_disk_blocks"]
@@ -112,12 +116,17 @@ def _disk_files(d: Path) -> list[Path]:
     return sorted(p for p in d.rglob("*") if p.is_file() and p.stat().st_size > 0)
 
 
-def test_disk_faults_recompute(model, reference, tmp_path):
+# A stalled scheduler shows as a timeout here instead of hanging the suite.
+FAULT_TIMEOUT = 240.0
+
+
+@pytest.mark.parametrize("async_loads", [pytest.param(False, marks=pytest.mark.slow), True], ids=["sync", "async"])
+def test_disk_faults_recompute(model, reference, tmp_path, async_loads):
     disk = tmp_path / "disk"
-    with Engine(model, tmp_path / "diskonly.log", kv_cache_blocks=G1_BLOCKS,
+    with Engine(model, tmp_path / "faults.log", kv_cache_blocks=G1_BLOCKS,
                 kv_transfer_config=connector_config(settings={
                     "host.num_blocks": 2, "disk.num_blocks": 1024, "disk.dir": str(disk),
-                    "policy.disk_filter.enabled": False})) as e:
+                    "policy.disk_filter.enabled": False, "async_loads": async_loads})) as e:
         filled, repeated, after_reset = _phases(e, reference)
         assert repeated["onboard_disk_blocks"] > filled["onboard_disk_blocks"]
         assert after_reset["onboard_disk_blocks"] > repeated["onboard_disk_blocks"]
@@ -132,16 +141,16 @@ def test_disk_faults_recompute(model, reference, tmp_path):
             f.write_bytes(bytes(data))
         before = e.stats()["stats"]
         assert e.reset_prefix_cache()
-        assert e.generate(PHASE, MAX_TOKENS) == reference["phase"]
+        assert e.generate(PHASE, MAX_TOKENS, timeout=FAULT_TIMEOUT) == reference["phase"]
         corrupted = e.stats()["stats"]
         assert corrupted["onboard_failed"] > before["onboard_failed"], corrupted
 
         # Remove the cache files altogether: loads fail, vLLM recomputes, output unchanged.
-        assert e.generate(OTHER, MAX_TOKENS) == reference["other"]
+        assert e.generate(OTHER, MAX_TOKENS, timeout=FAULT_TIMEOUT) == reference["other"]
         for f in _disk_files(disk):
             f.unlink()
         assert e.reset_prefix_cache()
-        assert e.generate(OTHER, MAX_TOKENS) == reference["other"]
+        assert e.generate(OTHER, MAX_TOKENS, timeout=FAULT_TIMEOUT) == reference["other"]
         missing = e.stats()["stats"]
         assert missing["onboard_failed"] > corrupted["onboard_failed"], missing
 
@@ -176,3 +185,34 @@ def test_disaggregated_prefill_decode(model, reference, tmp_path):
         consumed = _clean(c)
     # Each prompt's last full block is recomputed (vLLM needs logits), so at least 2 + 8 * 4 come from G4.
     assert consumed["onboard_remote_blocks"] >= 2 + 8 * 4
+
+
+def test_remote_faults_recompute(model, reference, tmp_path):
+    """A consumer whose shared-tier values are corrupted or gone recomputes them (asynchronous loads, G1 nearly
+    full): the failed blocks are dropped from matching, so a request whose first block failed is not matched to
+    the same values again."""
+    shared_dir = tmp_path / "shared"
+    shared = f"dir://{shared_dir}"
+    with Engine(model, tmp_path / "producer.log", kv_cache_blocks=G1_BLOCKS,
+                kv_transfer_config=connector_config("kv_producer", {"host.num_blocks": 64, "remote.url": shared})) as p:
+        p.generate(OTHER, 1)
+        assert p.drain(), "the producer's copies to the shared tier did not finish"
+    files = _disk_files(shared_dir)
+    assert files, f"no values under {shared_dir}"
+    for i, f in enumerate(files):
+        if i % 4 == 3:
+            f.unlink()
+        else:
+            data = bytearray(f.read_bytes())
+            data[len(data) // 2] ^= 0x5A
+            f.write_bytes(bytes(data))
+    with Engine(model, tmp_path / "consumer.log", kv_cache_blocks=G1_BLOCKS,
+                kv_transfer_config=connector_config("kv_consumer", {"host.num_blocks": 64, "remote.url": shared,
+                                                                    "async_loads": True})) as c:
+        assert c.generate(OTHER, MAX_TOKENS, timeout=FAULT_TIMEOUT) == reference["other"]
+        s = _clean(c)
+    assert s["onboard_failed"] > 0, s
+    # Some request failed at its first block, so vLLM freed its blocks and matched it again: kvtier let it
+    # recompute instead of loading it again (vLLM 0.32 drains the queue of block-holding requests first, so a
+    # request cycling through load -> fail -> match there starves every other request).
+    assert s["load_restarts"] > 0, s

@@ -65,14 +65,14 @@ def test_settings_derived_from_vllm_config():
     assert s["world_size"] == 2
     assert s["bytes_per_block"] == 8192 * 2 * 2  # page * layers * ranks
     assert s["num_device_blocks"] == 100
-    assert s["async_loads"] is False
+    assert "async_loads" not in s and s["async_loads_default"] is True  # kvtier's configuration decides
     assert "/models/llama" in s["salt"]
     # Producer and consumer of one model hash alike; another model does not.
     other = _config(role="kv_consumer")
     other.model_config.model = "/models/other"
     assert kv._settings(_config(role="kv_producer"), None)["salt"] == s["salt"]
     assert kv._settings(other, None)["salt"] != s["salt"]
-    assert kv._settings(_config(extra={"async_loads": "true"}), None)["async_loads"] is True
+    assert kv._settings(_config(extra={"async_loads": False}), None)["async_loads"] is False
 
 
 def test_settings_reject_unknown_role():
@@ -85,3 +85,52 @@ def test_block_ids_of_the_single_group():
     assert kv._first_group([1, 2]) == [1, 2]
     assert kv._first_group(None) == []
     assert kv._first_group(()) == []
+
+
+class _RecordingLeader:
+    """Stands in for kvtier's Leader: always matches 64 tokens, refuses nothing, records the calls."""
+
+    loads_are_async = True
+
+    def __init__(self, settings):
+        self.calls = []
+
+    def get_num_new_matched_tokens(self, rid, tokens, num_computed):
+        self.calls.append(("match", rid))
+        return 64
+
+    def update_state_after_alloc(self, rid, block_ids, n):
+        self.calls.append(("alloc", rid, n))
+
+    def request_preempted(self, rid):
+        self.calls.append(("preempted", rid))
+
+    def request_finished(self, rid):
+        self.calls.append(("finished", rid))
+        return False
+
+    def stats(self):
+        return {}
+
+
+def test_request_restarted_after_a_failed_load_is_recomputed(monkeypatch):
+    """vLLM frees an async-loading request whose first block failed and matches it again: kvtier must drop its
+    device table and offer nothing, or the request cycles through load -> fail -> match (the stall of
+    docs/arch/vllm.md)."""
+    monkeypatch.setattr(kv, "_backend", lambda settings: SimpleNamespace(Leader=_RecordingLeader))
+    side = kv._SchedulerSide({}, 32)
+    assert side.async_loads is True
+    req = SimpleNamespace(request_id="r", all_token_ids=list(range(200)), num_tokens=200)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5, 6, 7],))
+    assert side.lookup(req, 0) == 64
+    assert side.lookup(req, 0) == 64  # repeated matching before allocation changes nothing
+    side.on_alloc(req, blocks, 64)
+    assert side.lookup(req, 0) == 0, "a restarted request must be recomputed"
+    assert ("preempted", "r") in side._leader.calls
+    assert side.lookup(req, 0) == 0
+    stats = side.cumulative_stats()
+    assert stats["load_restarts"] == 1 and stats["adapter_errors"] == 0
+    # Finishing forgets it; a request never allocated keeps matching.
+    side.request_finished(req, [])
+    other = SimpleNamespace(request_id="s", all_token_ids=list(range(200)), num_tokens=200)
+    assert side.lookup(other, 0) == 64

@@ -24,15 +24,24 @@ Invariants kept here:
 * request ids cross into Rust as ``str(request_id)`` and come back as ``int``;
 * rank 0's scheduler and worker (one process, same ``llm_args``) share the in-process channel;
   every other rank reaches the leader over ZeroMQ at the endpoint the leader publishes
-  (``KVTIER_LEADER_ENDPOINT``, default chosen by the leader and exported to child processes).
+  (``KVTIER_LEADER_ENDPOINT``, default chosen by the leader and exported to child processes);
+* a load that failed is never reported loaded. TensorRT-LLM's connector API has no load-error
+  path (``get_finished`` returns only saved and loaded ids), so: an asynchronous load that failed
+  on a single-rank engine is recomputed from its first failed block (rank 0's worker rewinds the
+  parked request's ``context_current_position`` before reporting it loaded, so TensorRT-LLM computes
+  the rest itself); any other failed load raises :class:`kvtier.TransferError` naming the requests
+  (a synchronous one before layer 0 reads the blocks). kvtier's leader drops the failed blocks
+  from matching either way, so the same bad block is never offered again (docs/arch/py.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
+import threading
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from . import _native
@@ -76,6 +85,38 @@ def _load_bases() -> tuple[type, type, Optional[str]]:
 
 
 _SchedulerBase, _WorkerBase, TRTLLM_BASE_MODULE = _load_bases()
+
+logger = logging.getLogger("kvtier.trtllm")
+
+
+class _AsyncLoads:
+    """Requests of one engine with an asynchronous load in flight: the scheduler records the
+    ``LlmRequest`` and its device blocks, rank 0's worker (same process, same channel) uses them to
+    turn a failed load into a recompute. Thread-safe; one instance per channel."""
+
+    _all: "dict[str, _AsyncLoads]" = {}
+    _all_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reqs: dict[str, tuple[Any, list[int]]] = {}
+
+    @classmethod
+    def of(cls, channel: str) -> "_AsyncLoads":
+        with cls._all_lock:
+            return cls._all.setdefault(channel, cls())
+
+    def add(self, rid: str, request: Any, block_ids: list[int]) -> None:
+        with self._lock:
+            self._reqs[rid] = (request, block_ids)
+
+    def pop(self, rid: str) -> Optional[tuple[Any, list[int]]]:
+        with self._lock:
+            return self._reqs.pop(rid, None)
+
+    def blocks(self) -> set[int]:
+        with self._lock:
+            return {b for _, ids in self._reqs.values() for b in ids}
 
 
 def _trtllm_version() -> str:
@@ -140,15 +181,21 @@ def _uses_zmq(llm_args: Any) -> bool:
     return TRTLLM_BASE_MODULE is not None and _world_size(llm_args) > 1
 
 
+def _settings_channel() -> str:
+    """The in-process channel pairing an engine's scheduler with rank 0's worker."""
+    return f"trtllm-{os.getpid()}"
+
+
 def _settings(llm_args: Any, **extra: Any) -> dict[str, Any]:
     """The engine-supplied settings of this engine (the rest comes from KVTIER_* / DYN_KVBM_*)."""
     s: dict[str, Any] = {
         "block_size": _tokens_per_block(llm_args),
         "world_size": _world_size(llm_args),
-        # TensorRT-LLM accepts both; sync loads run before the forward pass reads layer 0.
-        "async_loads": os.environ.get("KVTIER_ASYNC_LOADS", "false"),
+        # Sync loads (they run before the forward pass reads layer 0) unless kvtier's configuration says
+        # otherwise: `connector.async_loads` in the TOML, KVTIER_ASYNC_LOADS, or an `async_loads` setting.
+        "async_loads_default": False,
         # Scheduler and rank-0 worker of one engine pair up in-process under this key.
-        "channel": f"trtllm-{os.getpid()}",
+        "channel": _settings_channel(),
     }
     s.update(extra)
     return s
@@ -171,7 +218,11 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
             super().__init__(llm_args)
         self._llm_args = llm_args
         extra = {"link": "zmq"} if _uses_zmq(llm_args) else {}
-        self._leader = _native.Leader(_settings(llm_args, **extra))
+        settings = _settings(llm_args, **extra)
+        self._leader = _native.Leader(settings)
+        self._async = _AsyncLoads.of(str(settings["channel"]))
+        # Requests answered (n, True) and not yet allocated.
+        self._matched_async: dict[str, Any] = {}
 
     @property
     def leader(self) -> Any:
@@ -188,11 +239,19 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
             )
         )
         # (0, True) is an error to TensorRT-LLM.
-        return (n, bool(self._leader.loads_are_async)) if n > 0 else (0, False)
+        if n > 0 and self._leader.loads_are_async:
+            self._matched_async[str(request.request_id)] = request
+            return n, True
+        self._matched_async.pop(str(request.request_id), None)
+        return (n, False) if n > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int]) -> None:
         # TensorRT-LLM passes no external-token count: the leader remembers its last match.
-        self._leader.update_state_after_alloc(str(request.request_id), [int(b) for b in block_ids])
+        rid = str(request.request_id)
+        ids = [int(b) for b in block_ids]
+        self._leader.update_state_after_alloc(rid, ids)
+        if self._matched_async.pop(rid, None) is not None:
+            self._async.add(rid, request, ids)
 
     def build_connector_meta(self, scheduler_output: Any) -> bytes:
         # Records as tuples (request_id, new_tokens, new_block_ids, num_computed, num_scheduled,
@@ -214,7 +273,10 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
     def request_finished(self, request: Any, cache_block_ids: Sequence[int]) -> bool:
         # The leader owns the request's block table; the ids TensorRT-LLM passes (with -1 for blocks
         # a sliding window has passed) add nothing.
-        return bool(self._leader.request_finished(str(request.request_id)))
+        rid = str(request.request_id)
+        self._matched_async.pop(rid, None)
+        self._async.pop(rid)
+        return bool(self._leader.request_finished(rid))
 
     def wait_for_initialization(self) -> None:
         return None
@@ -233,6 +295,15 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         self._llm_args = llm_args
         self._metadata = None
         self._rank = _rank(llm_args)
+        self._tokens_per_block = _tokens_per_block(llm_args)
+        # Failed async loads become recomputes only where rank 0's worker shares the process (and the
+        # request objects) with the scheduler and no other rank runs the request.
+        self._can_recompute = _world_size(llm_args) == 1 and not _uses_zmq(llm_args)
+        self._async = _AsyncLoads.of(str(_settings_channel()))
+        # Device blocks of async loads that failed, not yet matched to their request.
+        self._async_errors: set[int] = set()
+        #: Asynchronous loads that failed and were handed back to TensorRT-LLM for recompute.
+        self.recomputed_loads = 0
         # Built at register_kv_caches (it needs the pool tensor).
         self._worker: Any = None
 
@@ -286,10 +357,20 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         w = self._require()
         w.wait_for_layer_load(int(layer_idx), stream_handle(stream))
         if layer_idx == 0:
-            failed = w.take_load_errors()
+            failed = {int(b) for b in w.take_load_errors()}
+            if self._can_recompute:
+                # Blocks of parked async loads are settled in get_finished.
+                parked = failed & self._async.blocks()
+                self._async_errors |= parked
+                failed -= parked
             if failed:
-                # TensorRT-LLM cannot recompute a failed load: fail the pass rather than read wrong KV.
-                raise TransferError(f"kvtier could not load device blocks {sorted(failed)}; refusing to run on them")
+                # A synchronous load failed and this pass is about to read its blocks: TensorRT-LLM
+                # cannot recompute them, so fail the pass rather than run on wrong KV.
+                raise TransferError(
+                    f"kvtier could not load device blocks {sorted(failed)}; refusing to run the forward pass "
+                    "on them (on a single-rank engine, asynchronous loads - KVTIER_ASYNC_LOADS=true - are "
+                    "recomputed instead)"
+                )
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         # Stores are whole blocks across layers, issued at the end of the forward pass.
@@ -310,15 +391,46 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
     def get_finished(
         self, finished_gen_req_ids: Sequence[int], started_loading_req_ids: Sequence[int]
     ) -> tuple[list[int], list[int]]:
-        saved, loaded, load_failed = self._require().get_finished(
-            _ids(finished_gen_req_ids), _ids(started_loading_req_ids)
-        )
+        w = self._require()
+        saved, loaded, load_failed = w.get_finished(_ids(finished_gen_req_ids), _ids(started_loading_req_ids))
+        loaded = list(loaded)
+        for rid in loaded:
+            self._async.pop(str(rid))
         if load_failed:
+            loaded += self._recompute(load_failed, {int(b) for b in w.take_load_errors()})
+        return [int(x) for x in saved], [int(x) for x in loaded]
+
+    def _recompute(self, load_failed: Sequence[str], errors: set[int]) -> list[str]:
+        """Rewind each failed request to its first failed block so TensorRT-LLM computes the rest, and
+        return the ids to report loaded. Raises TransferError where that is impossible."""
+        errors |= self._async_errors
+        if not self._can_recompute:
             raise TransferError(
                 f"kvtier could not load the KV of requests {sorted(int(x) for x in load_failed)}; "
-                "TensorRT-LLM has no way to recompute them"
+                "TensorRT-LLM's connector API cannot recompute them on a multi-rank engine"
             )
-        return [int(x) for x in saved], [int(x) for x in loaded]
+        out = []
+        for rid in load_failed:
+            entry = self._async.pop(str(rid))
+            first = None
+            if entry is not None:
+                request, blocks = entry
+                bad = [i for i, b in enumerate(blocks) if b in errors]
+                first = min(bad) if bad else None
+            if first is None:
+                raise TransferError(
+                    f"kvtier could not load the KV of request {rid} and cannot tell which blocks failed; "
+                    "refusing to report it loaded"
+                )
+            pos = first * self._tokens_per_block
+            if pos < int(request.context_current_position):
+                request.context_current_position = pos
+            self._async_errors -= set(blocks)
+            self.recomputed_loads += 1
+            logger.warning("kvtier: the load of request %s failed at block %d; TensorRT-LLM recomputes from token %d",
+                           rid, first, pos)
+            out.append(rid)
+        return out
 
 
 def _current_stream_handle() -> Optional[int]:

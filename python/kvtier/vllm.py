@@ -6,8 +6,10 @@ Configure vLLM with::
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"host.gb": 4, "disk.gb": 100, "disk.dir": "/nvme/kvtier"}}'
 
-``kv_connector_extra_config`` takes kvtier's configuration keys (docs/CONFIG.md, nested or dotted) plus
-``async_loads`` (default false: a matched request is loaded in the step that first computes it). Settings not given
+``kv_connector_extra_config`` takes kvtier's configuration keys (docs/CONFIG.md, nested or dotted); ``async_loads``
+(kvtier's ``connector.async_loads``, default true here) may also be given at its top. With asynchronous loads a
+matched request waits in ``WAITING_FOR_REMOTE_KVS`` while kvtier loads it; ``false`` loads it in the step that first
+computes it. Settings not given
 there come from ``KVTIER_*`` environment variables (then the ``DYN_KVBM_*`` aliases). Roles: ``kv_both``
 (aggregated), ``kv_producer`` (prefill) and ``kv_consumer`` (decode); with ``remote.url`` set (``dir:///shared`` or
 ``redis://...``) every full block goes through to the shared tier and every process matches from it, which is how
@@ -142,10 +144,12 @@ def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None"
     cache = vllm_config.cache_config
     model = vllm_config.model_config
     extra["block_size"] = int(cache.block_size)
-    # Synchronous loads by default: a request is loaded in the step that first computes it. vLLM's asynchronous
-    # loads park loaded requests in the waiting queue holding their device blocks; when a failed load sends the
-    # queue's head back for recompute and the device cache is nearly full, the scheduler can stall behind it.
-    extra["async_loads"] = _truthy(extra.get("async_loads", False))
+    # Asynchronous loads unless configured otherwise (kvtier's `connector.async_loads`: TOML, KVTIER_ASYNC_LOADS,
+    # or "async_loads" here): vLLM parks the request in WAITING_FOR_REMOTE_KVS while kvtier loads it, and
+    # recomputes whatever failed to load (docs/arch/vllm.md).
+    if extra.get("async_loads") is None:
+        extra.pop("async_loads", None)
+    extra["async_loads_default"] = True
     # The salt separates caches of different models and KV dtypes sharing a tier (disk, remote): every process
     # of one model (producer and consumer alike) must compute the same hashes.
     extra.setdefault("salt", f"vllm|{model.model}|{cache.cache_dtype}|{model.dtype}|{model.revision or ''}")
@@ -157,10 +161,6 @@ def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None"
         extra.setdefault("bytes_per_block", per_rank * int(extra["world_size"]))
         extra.setdefault("num_device_blocks", int(kv_cache_config.num_blocks))
     return extra
-
-
-def _truthy(v: Any) -> bool:
-    return str(v).strip().lower() in ("1", "true", "yes", "on")
 
 
 def _backend(settings: dict[str, Any]) -> Any:
@@ -357,12 +357,18 @@ class _SchedulerSide:
     def __init__(self, settings: dict[str, Any], block_size: int) -> None:
         self._leader = _backend(settings).Leader(settings)
         self._block_size = block_size
+        # Resolved by kvtier's configuration (engine setting > environment > TOML > this adapter's default).
+        self.async_loads = bool(getattr(self._leader, "loads_are_async", False))
         self._requests: dict[str, "Request"] = {}
         self._tokens_sent: dict[str, int] = {}
         self._scheduled: set[str] = set()
+        # Requests with device blocks kvtier knows of that vLLM has not scheduled yet (an async load in flight).
+        self._allocated: set[str] = set()
+        # Requests vLLM restarted after a failed load: never offered external tokens again, they are recomputed.
+        self._recompute: set[str] = set()
+        self._restarted = 0
         self._failed_loads: dict[str, list[int]] = {}
         self._local_computed: dict[str, int] = {}
-        self.async_loads = bool(settings.get("async_loads", False))
         self._sync_loads_pending = False
         self._delayed_frees: list[str] = []
         self._last_stats: dict[str, float] = {}
@@ -380,12 +386,24 @@ class _SchedulerSide:
             if rid in self._scheduled:
                 # Matched again after running: vLLM preempted it and freed its device blocks.
                 self._scheduled.discard(rid)
+                self._allocated.discard(rid)
                 self._preempted += 1
+                self._leader.request_preempted(rid)
+            elif rid in self._allocated:
+                # Matched again after an allocation but before ever running: an async load failed at the
+                # request's first block and vLLM freed its blocks to start it over. kvtier drops the device
+                # table (as for a preemption) and offers it nothing external again, so it cannot cycle through
+                # load -> fail -> match while vLLM drains the queue of requests holding blocks first.
+                self._allocated.discard(rid)
+                self._recompute.add(rid)
+                self._restarted += 1
                 self._leader.request_preempted(rid)
             n = int(self._leader.get_num_new_matched_tokens(rid, list(request.all_token_ids),
                                                             int(num_computed_tokens)))
         except Exception as e:
             self._error("get_num_new_matched_tokens", e)
+            return 0
+        if rid in self._recompute:
             return 0
         # Never offer a partial block or tokens beyond the request: vLLM would wait for them.
         n = max(0, n - n % self._block_size)
@@ -394,6 +412,7 @@ class _SchedulerSide:
     def on_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         rid = request.request_id
         self._requests[rid] = request
+        self._allocated.add(rid)
         block_ids = _first_group(blocks.get_block_ids())
         # vLLM calls this again with 0 once an async load finished; kvtier recognises ids it already has.
         if num_external_tokens <= 0:
@@ -402,7 +421,9 @@ class _SchedulerSide:
         if not self.async_loads:
             self._sync_loads_pending = True
         if not self._call_alloc(rid, block_ids, int(num_external_tokens)):
-            # vLLM now waits for these tokens: fail the load so that it recomputes them.
+            # vLLM now waits for these tokens: fail the load so that it recomputes them, and never offer this
+            # request external tokens again (a refusal would repeat).
+            self._recompute.add(rid)
             first = self._local_computed.get(rid, 0) // self._block_size
             count = num_external_tokens // self._block_size
             self._failed_loads[rid] = block_ids[first:first + count]
@@ -435,6 +456,7 @@ class _SchedulerSide:
             tokens = list(req.all_token_ids) if req is not None else list(r.prompt_token_ids or [])
             self._tokens_sent[rid] = len(tokens)
             self._scheduled.add(rid)
+            self._allocated.discard(rid)
             records.append(_record(rid, tokens, _first_group(r.block_ids), r.num_computed_tokens,
                                    so.num_scheduled_tokens.get(rid, 0), len(spec.get(rid, ())), True, False))
         c = so.scheduled_cached_reqs
@@ -448,6 +470,7 @@ class _SchedulerSide:
                 new_tokens = list(all_tokens[sent:])
                 self._tokens_sent[rid] = len(all_tokens)
             self._scheduled.add(rid)
+            self._allocated.discard(rid)
             records.append(_record(rid, new_tokens, _first_group(c.new_block_ids[i]), c.num_computed_tokens[i],
                                    so.num_scheduled_tokens.get(rid, 0), len(spec.get(rid, ())), False, resumed))
         finished = sorted(so.finished_req_ids)
@@ -480,6 +503,8 @@ class _SchedulerSide:
         self._requests.pop(rid, None)
         self._local_computed.pop(rid, None)
         self._scheduled.discard(rid)
+        self._allocated.discard(rid)
+        self._recompute.discard(rid)
         if not known:  # aborted before kvtier ever saw it: nothing of it is stored
             return False, None
         try:
@@ -516,6 +541,7 @@ class _SchedulerSide:
             self._error("stats", e)
         s["adapter_errors"] = s.get("adapter_errors", 0) + self._errors
         s["preempted_requests"] = self._preempted
+        s["load_restarts"] = self._restarted
         return s
 
     def take_stats_delta(self) -> dict[str, float]:
@@ -553,7 +579,7 @@ _COUNTERS = frozenset((
     "steps", "match_queries", "matched_tokens", "offload_blocks", "offload_confirmed", "offload_failed",
     "offload_deduplicated", "offload_dropped", "onboard_host_blocks", "onboard_disk_blocks", "onboard_remote_blocks",
     "onboard_failed", "spill_disk_blocks", "spill_disk_failed", "remote_put_blocks", "remote_put_failed",
-    "adapter_errors", "preempted_requests",
+    "adapter_errors", "preempted_requests", "load_restarts",
 ))
 
 

@@ -113,8 +113,10 @@ class Engine:
         self._proc.stdin.flush()
         return self._read(timeout)
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        return self.call("generate", prompts=prompts, max_tokens=max_tokens)["outputs"]
+    def generate(self, prompts: list[list[int]], max_tokens: int, timeout: float = 600.0) -> list[list[int]]:
+        """Greedy outputs; an engine that does not answer within ``timeout`` seconds (e.g. a stalled scheduler)
+        raises :class:`EngineError` with the tail of its log."""
+        return self.call("generate", timeout=timeout, prompts=prompts, max_tokens=max_tokens)["outputs"]
 
     def ttft(self, prompts: list[list[int]]) -> list[float]:
         return self.call("ttft", prompts=prompts)["seconds"]

@@ -395,7 +395,7 @@ impl PyLeader {
         let settings = Settings::from_py(settings)?;
         let block_size = settings.block_size()?;
         let world_size = settings.world_size()?;
-        let async_loads = settings.bool("async_loads")?.unwrap_or(false);
+        let async_loads = settings.async_loads()?;
         let total = settings.usize("bytes_per_block")?;
         let num_device_blocks = settings.usize("num_device_blocks")?;
         let timeout = settings.timeout();

@@ -23,6 +23,7 @@ const ADAPTER_KEYS: &[&str] = &[
     "world_size",
     "rank",
     "async_loads",
+    "async_loads_default",
     "salt",
     "bytes_per_block",
     "num_device_blocks",
@@ -164,6 +165,17 @@ impl Settings {
             Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
             Some(v) => Err(bad(key, format!("{v} is not a string"))),
         }
+    }
+
+    /// Whether loads are asynchronous: the `async_loads` setting (engine-supplied, e.g. vLLM's
+    /// `kv_connector_extra_config`), else `connector.async_loads` (TOML < `KVTIER_ASYNC_LOADS` <
+    /// engine keys), else the adapter's `async_loads_default`, else false.
+    pub fn async_loads(&self) -> BridgeResult<bool> {
+        Ok(self
+            .bool("async_loads")?
+            .or(self.config.connector.async_loads)
+            .or(self.bool("async_loads_default")?)
+            .unwrap_or(false))
     }
 
     /// Tokens per block: the `block_size` setting, else the configuration's.

@@ -9,6 +9,9 @@
 //! - `match/32k_prompt`: `get_num_new_matched_tokens` on a fresh 32768-token prompt whose 2048
 //!   blocks are all in G2, hashing included. Baseline: `match/hash_only_32k`, hashing alone.
 //!
+//! `KVTIER_BENCH_HOST=<blocks>` changes the G2 size (default 50,000), e.g. to see how much of the
+//! step is cache misses in the pool (a pool that fits in L2 against one that does not).
+//!
 //! Every figure comes twice: wall time, and (`*_oncpu`) the benchmark thread's on-CPU time from
 //! `CLOCK_THREAD_CPUTIME_ID`, which stays meaningful on a shared, overloaded machine.
 #![allow(clippy::unwrap_used)]
@@ -155,7 +158,11 @@ fn thread_cpu() -> Duration {
 }
 
 fn leader() -> Leader {
-    let mut cfg = LeaderConfig::new(BS, SALT, HOST_BLOCKS);
+    let host: usize = std::env::var("KVTIER_BENCH_HOST")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(HOST_BLOCKS);
+    let mut cfg = LeaderConfig::new(BS, SALT, host);
     cfg.layout = Some(ClusterLayout {
         block_size: BS as u32,
         num_device_blocks: DEV_BLOCKS,
@@ -243,6 +250,7 @@ fn step_group(
     }
 
     let mut slots: HashMap<RequestId, Slot> = HashMap::new();
+    let mut out = Vec::new();
     let mut j = 0;
     for cpu_clock in [false, true] {
         let name = if cpu_clock {
@@ -265,10 +273,16 @@ fn step_group(
                     let t = Instant::now();
                     let mut n = 0;
                     for r in &steps[j].records {
-                        let s = slots
-                            .entry(r.request_id.clone())
-                            .or_insert_with(|| Slot::new(r.request_id.clone(), BS, SALT));
-                        n += s.apply(r).unwrap().len();
+                        // As the leader does: one lookup, a key copy only for a new request.
+                        out.clear();
+                        if let Some(s) = slots.get_mut(&r.request_id) {
+                            s.apply_into(r, &mut out).unwrap();
+                        } else {
+                            let mut s = Slot::new(r.request_id.clone(), BS, SALT);
+                            s.apply_into(r, &mut out).unwrap();
+                            slots.insert(r.request_id.clone(), s);
+                        }
+                        n += out.len();
                     }
                     for f in &steps[j].finished {
                         slots.remove(f);

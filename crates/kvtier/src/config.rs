@@ -128,6 +128,10 @@ pub struct ConnectorConfig {
     pub leader_worker_timeout_secs: u64,
     /// ZeroMQ endpoint between leader and workers; None = in process.
     pub zmq_endpoint: Option<String>,
+    /// Load matched blocks asynchronously (the engine parks the request until its loads are
+    /// reported finished) instead of before the forward pass that first computes it. None = the
+    /// engine adapter's default (vLLM: true, TensorRT-LLM: false).
+    pub async_loads: Option<bool>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -189,6 +193,7 @@ impl Default for KvtierConfig {
                 block_size: None,
                 leader_worker_timeout_secs: 120,
                 zmq_endpoint: None,
+                async_loads: None,
             },
             metrics: MetricsConfig {
                 enabled: false,
@@ -261,6 +266,7 @@ pub const SETTINGS: &[Setting] = &[
         &["DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS"],
     ),
     s("connector.zmq_endpoint", "KVTIER_ZMQ_ENDPOINT", &[]),
+    s("connector.async_loads", "KVTIER_ASYNC_LOADS", &[]),
     s("metrics.enabled", "KVTIER_METRICS", &["DYN_KVBM_METRICS"]),
     s(
         "metrics.port",
@@ -587,6 +593,9 @@ impl ConfigBuilder {
                 ));
             }
             c.connector.zmq_endpoint = Some(e);
+        }
+        if let Some(g) = merged.get("connector.async_loads") {
+            c.connector.async_loads = Some(parse_bool(&g.value).map_err(|r| invalid(g, r))?);
         }
         if let Some(g) = merged.get("metrics.enabled") {
             c.metrics.enabled = parse_bool(&g.value).map_err(|r| invalid(g, r))?;

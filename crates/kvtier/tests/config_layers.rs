@@ -345,3 +345,42 @@ fn every_setting_is_documented() {
         }
     }
 }
+
+#[test]
+fn async_loads_layers_and_stays_unset_by_default() {
+    let host = ("KVTIER_HOST_NUM_BLOCKS", "8");
+    let c = KvtierConfig::build(None, &env(&[host]), None).unwrap();
+    assert_eq!(
+        c.connector.async_loads, None,
+        "unset: the engine adapter decides"
+    );
+    let toml = "[connector]\nasync_loads = true\n";
+    let c = KvtierConfig::build(Some(toml), &env(&[host]), None).unwrap();
+    assert_eq!(c.connector.async_loads, Some(true));
+    let c = KvtierConfig::build(
+        Some(toml),
+        &env(&[host, ("KVTIER_ASYNC_LOADS", "off")]),
+        None,
+    )
+    .unwrap();
+    assert_eq!(
+        c.connector.async_loads,
+        Some(false),
+        "environment over TOML"
+    );
+    let engine = serde_json::json!({"connector.async_loads": true});
+    let c = KvtierConfig::build(
+        Some(toml),
+        &env(&[host, ("KVTIER_ASYNC_LOADS", "0")]),
+        Some(&engine),
+    )
+    .unwrap();
+    assert_eq!(
+        c.connector.async_loads,
+        Some(true),
+        "engine over environment"
+    );
+    let e = KvtierConfig::build(None, &env(&[host, ("KVTIER_ASYNC_LOADS", "maybe")]), None)
+        .unwrap_err();
+    assert_eq!(setting_of(&e), "KVTIER_ASYNC_LOADS");
+}

@@ -426,6 +426,57 @@ fn remote_handover_between_two_leaders_tp2() {
 }
 
 #[test]
+fn failed_remote_load_is_not_matched_again() {
+    let store = Arc::new(MemoryRemoteStore::new());
+    let remote: Arc<dyn RemoteStore> = store.clone();
+    let mut pcfg = LeaderConfig::new(BS, SALT, 32);
+    pcfg.remote = Some(remote.clone());
+    pcfg.remote_put = true;
+    let mut producer = Rig::new(pcfg, &[BPB], Some(remote.clone()));
+    let prompt: Vec<u32> = (500..600).collect();
+    prefill(&mut producer, "a", &prompt, 0);
+    producer.settle();
+    producer.run(&step(vec![]), &[]); // carries the remote puts
+    producer.settle();
+    assert_eq!(store.len(), 6);
+
+    // A consumer whose remote reads of block 2 fail (a corrupt value): the request loads blocks
+    // 0..5, block 2 fails, and from then on matching stops before block 2.
+    let mut ccfg = LeaderConfig::new(BS, SALT, 32);
+    ccfg.remote = Some(remote.clone());
+    let mut consumer = Rig::new(ccfg, &[BPB], Some(remote));
+    consumer.ranks[0].faulty.set_rules(FaultRules {
+        fail_dst: [(Tier::Device, 10)].into_iter().collect(),
+        ..Default::default()
+    });
+    let a: RequestId = "a".into();
+    assert_eq!(
+        consumer
+            .leader
+            .get_num_new_matched_tokens(&a, &prompt, 0)
+            .unwrap(),
+        96
+    );
+    consumer
+        .leader
+        .update_state_after_alloc(&a, &ids(8..15), None)
+        .unwrap();
+    consumer.run(&step(vec![new_rec("a", &prompt, ids(8..15), 0, 4)]), &[]);
+    consumer.settle();
+    assert_eq!(consumer.leader.stats().onboard_failed, 1);
+    assert_eq!(consumer.ranks[0].worker.take_load_errors(), ids(10..11));
+    // Another request with the same prompt: only the blocks before the failed one match.
+    let b: RequestId = "b".into();
+    assert_eq!(
+        consumer
+            .leader
+            .get_num_new_matched_tokens(&b, &prompt, 0)
+            .unwrap(),
+        2 * BS
+    );
+}
+
+#[test]
 fn tp2_store_is_confirmed_only_when_both_ranks_report() {
     let mut rig = Rig::new(LeaderConfig::new(BS, SALT, 32), &[BPB, BPB], None);
     rig.ranks[1].faulty.hold();

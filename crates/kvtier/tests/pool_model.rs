@@ -5,11 +5,14 @@
 //! conserved (free + evictable + pinned == capacity); the eviction order is (priority, last use);
 //! allocation takes never-registered free blocks first and evicts exactly the lowest
 //! (priority, last use) unpinned blocks; pinned blocks are never evicted; events match.
+//! Reservations (`reserve`, `confirm`) are modelled as their own state: hidden from lookups,
+//! published by `confirm`, dropped when released unconfirmed; a batch `reserve` behaves exactly
+//! as the same hashes passed one by one to `reserve_one`.
 #![allow(clippy::unwrap_used)]
 use std::collections::{BTreeMap, HashMap};
 
 use kvtier::hash::SequenceHash;
-use kvtier::pool::{BlockPool, BlockState, PoolError, PoolEvent, Priority};
+use kvtier::pool::{BlockPool, BlockState, PoolError, PoolEvent, Priority, Reservation};
 use kvtier::{BlockId, Tier};
 use proptest::prelude::*;
 
@@ -17,7 +20,14 @@ use proptest::prelude::*;
 enum MState {
     Free,
     Writing,
-    Registered { hash: u128, prio: u32 },
+    /// `Writing`, with its hash reserved.
+    Reserved {
+        hash: u128,
+    },
+    Registered {
+        hash: u128,
+        prio: u32,
+    },
 }
 
 struct Model {
@@ -26,6 +36,7 @@ struct Model {
     last_use: Vec<u64>,
     tick: u64,
     by_hash: HashMap<u128, u32>,
+    reserved: HashMap<u128, u32>,
 }
 
 impl Model {
@@ -36,6 +47,7 @@ impl Model {
             last_use: vec![0; n],
             tick: 0,
             by_hash: HashMap::new(),
+            reserved: HashMap::new(),
         }
     }
     fn free_count(&self) -> usize {
@@ -59,6 +71,10 @@ impl Model {
         if self.pins[b] == 0 {
             match self.state[b] {
                 MState::Writing => self.state[b] = MState::Free,
+                MState::Reserved { hash } => {
+                    self.reserved.remove(&hash);
+                    self.state[b] = MState::Free;
+                }
                 MState::Registered { .. } => {
                     self.tick += 1;
                     self.last_use[b] = self.tick;
@@ -72,11 +88,24 @@ impl Model {
 #[derive(Clone, Debug)]
 enum Op {
     Allocate(usize),
-    Register { pick: usize, hash: u128, prio: u32 },
+    Register {
+        pick: usize,
+        hash: u128,
+        prio: u32,
+    },
     Release(usize),
     Pin(usize),
     Match(Vec<u128>),
     Invalidate(usize),
+    /// `reserve` of the hashes (as one batch, or one by one with `reserve_one`).
+    Reserve {
+        hashes: Vec<u128>,
+        batch: bool,
+    },
+    Confirm {
+        pick: usize,
+        prio: u32,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -87,6 +116,9 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(Op::Pin),
         2 => proptest::collection::vec(0u128..12, 0..6).prop_map(Op::Match),
         1 => any::<usize>().prop_map(Op::Invalidate),
+        3 => (proptest::collection::vec(0u128..12, 0..20), any::<bool>())
+            .prop_map(|(hashes, batch)| Op::Reserve { hashes, batch }),
+        3 => (any::<usize>(), 0u32..3).prop_map(|(pick, prio)| Op::Confirm { pick, prio }),
     ]
 }
 
@@ -112,6 +144,13 @@ fn check(pool: &BlockPool, m: &Model) -> Result<(), TestCaseError> {
                 prop_assert!(m.pins[b] > 0);
                 prop_assert_eq!(pool.hash_of(id), None);
             }
+            MState::Reserved { hash } => {
+                prop_assert_eq!(st, BlockState::Writing);
+                prop_assert!(m.pins[b] > 0);
+                prop_assert_eq!(pool.hash_of(id), None);
+                prop_assert_eq!(pool.lookup(key(hash)), None);
+                prop_assert_eq!(pool.reserved_block(key(hash)), Some(id));
+            }
             MState::Registered { hash, prio } => {
                 registered += 1;
                 prop_assert_eq!(st, BlockState::Registered);
@@ -126,6 +165,11 @@ fn check(pool: &BlockPool, m: &Model) -> Result<(), TestCaseError> {
         prop_assert_eq!(pool.lookup(key(h)), expect);
     }
     prop_assert_eq!(pool.num_registered(), registered);
+    prop_assert_eq!(pool.num_reserved(), m.reserved.len());
+    for h in 0u128..12 {
+        let expect = m.reserved.get(&h).map(|b| BlockId(*b));
+        prop_assert_eq!(pool.reserved_block(key(h)), expect);
+    }
     let evictable = m.evictable();
     prop_assert_eq!(pool.num_free(), m.free_count() + evictable.len());
     prop_assert_eq!(pool.num_evictable(), evictable.len());
@@ -184,15 +228,46 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
             }
             Op::Register { pick, hash, prio } => {
                 let writing: Vec<usize> = (0..capacity)
-                    .filter(|b| m.state[*b] == MState::Writing)
+                    .filter(|b| matches!(m.state[*b], MState::Writing | MState::Reserved { .. }))
                     .collect();
                 if writing.is_empty() {
                     continue;
                 }
                 let b = writing[pick % writing.len()];
-                let got = pool
-                    .register(BlockId(b as u32), key(hash), Priority(prio))
-                    .unwrap();
+                let r = pool.register(BlockId(b as u32), key(hash), Priority(prio));
+                if let MState::Reserved { hash: mine } = m.state[b] {
+                    if mine == hash {
+                        // Registering a reservation under its own hash confirms it.
+                        prop_assert_eq!(r, Ok(BlockId(b as u32)));
+                        m.reserved.remove(&hash);
+                        m.state[b] = MState::Registered { hash, prio };
+                        m.by_hash.insert(hash, b as u32);
+                        expected_events.push(PoolEvent::Stored {
+                            hash: key(hash),
+                            tier: Tier::Host,
+                        });
+                    } else {
+                        let is_reserved = matches!(r, Err(PoolError::Reserved { .. }));
+                        prop_assert!(is_reserved, "{:?}", r);
+                    }
+                    prop_assert_eq!(pool.take_events(), expected_events);
+                    check(&pool, &m)?;
+                    continue;
+                }
+                if let Some(&owner) = m.reserved.get(&hash) {
+                    prop_assert_eq!(
+                        r,
+                        Err(PoolError::Reserved {
+                            tier: Tier::Host,
+                            block: BlockId(owner),
+                            hash: key(hash).0
+                        })
+                    );
+                    prop_assert_eq!(pool.take_events(), expected_events);
+                    check(&pool, &m)?;
+                    continue;
+                }
+                let got = r.unwrap();
                 match m.by_hash.get(&hash).copied() {
                     Some(e) => {
                         prop_assert_eq!(got, BlockId(e));
@@ -259,6 +334,68 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     m.pins[b.0 as usize] += 1;
                 }
             }
+            Op::Reserve { hashes, batch } => {
+                let keys: Vec<SequenceHash> = hashes.iter().map(|h| key(*h)).collect();
+                let got: Vec<Reservation> = if batch {
+                    let mut out = vec![Reservation::NoSpace]; // `reserve` appends
+                    pool.reserve(&keys, &mut out);
+                    out.split_off(1)
+                } else {
+                    keys.iter().map(|k| pool.reserve_one(*k)).collect()
+                };
+                prop_assert_eq!(got.len(), hashes.len());
+                for (h, r) in hashes.iter().zip(got) {
+                    if let Some(&b) = m.by_hash.get(h) {
+                        prop_assert_eq!(r, Reservation::Registered(BlockId(b)));
+                        continue;
+                    }
+                    if let Some(&b) = m.reserved.get(h) {
+                        prop_assert_eq!(r, Reservation::Writing(BlockId(b)));
+                        continue;
+                    }
+                    let free = m.free_count();
+                    let evictable = m.evictable();
+                    let Reservation::Allocated(blk) = r else {
+                        prop_assert_eq!(r, Reservation::NoSpace);
+                        prop_assert_eq!(free + evictable.len(), 0);
+                        continue;
+                    };
+                    let i = blk.0 as usize;
+                    if free > 0 {
+                        prop_assert_eq!(m.state[i], MState::Free, "free blocks first");
+                    } else {
+                        prop_assert_eq!(blk.0, evictable[0], "eviction order");
+                        let MState::Registered { hash: old, .. } = m.state[i] else {
+                            unreachable!()
+                        };
+                        m.by_hash.remove(&old);
+                        expected_events.push(PoolEvent::Removed {
+                            hash: key(old),
+                            tier: Tier::Host,
+                        });
+                    }
+                    m.state[i] = MState::Reserved { hash: *h };
+                    m.pins[i] = 1;
+                    m.reserved.insert(*h, blk.0);
+                }
+            }
+            Op::Confirm { pick, prio } => {
+                let b = pick % capacity.max(1);
+                let r = pool.confirm(BlockId(b as u32), Priority(prio));
+                match m.state.get(b).copied() {
+                    Some(MState::Reserved { hash }) => {
+                        prop_assert_eq!(r, Ok(()));
+                        m.reserved.remove(&hash);
+                        m.state[b] = MState::Registered { hash, prio };
+                        m.by_hash.insert(hash, b as u32);
+                        expected_events.push(PoolEvent::Stored {
+                            hash: key(hash),
+                            tier: Tier::Host,
+                        });
+                    }
+                    _ => prop_assert!(r.is_err(), "{:?}", r),
+                }
+            }
             Op::Invalidate(pick) => {
                 let b = pick % capacity.max(1);
                 let r = pool.invalidate(BlockId(b as u32));
@@ -322,4 +459,89 @@ fn pinned_blocks_survive_pressure() {
         assert_eq!(pool.lookup(key(5)), Some(blocks[5]));
     }
     assert_eq!(seen.len(), 6);
+}
+
+/// Applies `op` to `pool`, with every `reserve` done as one batch (`batch_all`) or hash by hash,
+/// and returns everything the call answered.
+fn apply_op(pool: &mut BlockPool, op: &Op, batch_all: bool) -> String {
+    let cap = pool.capacity().max(1) as u32;
+    let pick = |p: usize| BlockId((p % cap as usize) as u32);
+    match op {
+        Op::Allocate(k) => format!("{:?}", pool.allocate(*k)),
+        Op::Register {
+            pick: p,
+            hash,
+            prio,
+        } => {
+            // The n-th `Writing` block, as the model test picks it.
+            let writing: Vec<BlockId> = (0..pool.capacity() as u32)
+                .map(BlockId)
+                .filter(|b| pool.state(*b) == Some(BlockState::Writing))
+                .collect();
+            match writing.get(p % writing.len().max(1)) {
+                Some(b) => format!("{:?}", pool.register(*b, key(*hash), Priority(*prio))),
+                None => String::new(),
+            }
+        }
+        Op::Release(p) => format!("{:?}", pool.release(pick(*p))),
+        Op::Pin(p) => format!("{:?}", pool.pin(pick(*p))),
+        Op::Match(hs) => {
+            let keys: Vec<SequenceHash> = hs.iter().map(|h| key(*h)).collect();
+            format!("{:?}", pool.match_prefix(&keys))
+        }
+        Op::Invalidate(p) => format!("{:?}", pool.invalidate(pick(*p))),
+        Op::Reserve { hashes, .. } => {
+            let keys: Vec<SequenceHash> = hashes.iter().map(|h| key(*h)).collect();
+            let got: Vec<Reservation> = if batch_all {
+                let mut out = Vec::new();
+                pool.reserve(&keys, &mut out);
+                out
+            } else {
+                keys.iter().map(|k| pool.reserve_one(*k)).collect()
+            };
+            format!("{got:?}")
+        }
+        Op::Confirm { pick: p, prio } => format!("{:?}", pool.confirm(pick(*p), Priority(*prio))),
+    }
+}
+
+/// Every observable fact about `pool`.
+fn snapshot(pool: &mut BlockPool) -> String {
+    let blocks: Vec<_> = (0..pool.capacity() as u32)
+        .map(BlockId)
+        .map(|b| {
+            (
+                pool.state(b),
+                pool.pin_count(b),
+                pool.hash_of(b),
+                pool.priority_of(b),
+            )
+        })
+        .collect();
+    let reserved: Vec<_> = (0u128..12).map(|h| pool.reserved_block(key(h))).collect();
+    format!(
+        "{blocks:?} {reserved:?} {:?} {:?} {} {} {}",
+        pool.eviction_order(),
+        pool.take_events(),
+        pool.num_free(),
+        pool.num_registered(),
+        pool.num_reserved()
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    /// `reserve` of a batch is exactly `reserve_one` of each hash in turn: same answers, same
+    /// evictions, same events, same state afterwards.
+    #[test]
+    fn batch_reserve_equals_single_reserves(capacity in 0usize..10, ops in proptest::collection::vec(op(), 0..120)) {
+        let mut batch = BlockPool::new(Tier::Host, capacity).unwrap();
+        let mut single = BlockPool::new(Tier::Host, capacity).unwrap();
+        for op in &ops {
+            let a = apply_op(&mut batch, op, true);
+            let b = apply_op(&mut single, op, false);
+            prop_assert_eq!(a, b, "{:?}", op);
+            prop_assert_eq!(snapshot(&mut batch), snapshot(&mut single));
+        }
+    }
 }

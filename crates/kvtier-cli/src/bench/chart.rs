@@ -64,7 +64,9 @@ pub fn draw(
         }
         w
     };
-    let ymax = rows.iter().map(|r| r.ttft_p50_ms).fold(1.0_f64, f64::max) * 1.2;
+    // Head room above the tallest bar for the legend.
+    let ymax = rows.iter().map(|r| r.ttft_p50_ms).fold(1.0_f64, f64::max)
+        * (1.25 + 0.06 * configs.len() as f64);
     let n = configs.len().max(1) as f64;
     let mut chart = ChartBuilder::on(&left)
         .caption("TTFT p50 (ms) by configuration", ("sans-serif", 18))

@@ -318,6 +318,24 @@ pub fn verdict(report: &SuiteReport) -> String {
     s
 }
 
+/// The chart's title: the headline ratios of the first workload.
+fn chart_title(report: &SuiteReport) -> String {
+    let mut t = String::from("kvtier bench: time to first token");
+    let first = report.workloads.first().map(|w| w.name().to_string());
+    let parts: Vec<String> = report
+        .ratios
+        .iter()
+        .filter(|r| Some(&r.workload) == first.as_ref())
+        .map(|r| format!("{:.1}x vs {}", r.ttft_p50, r.baseline))
+        .collect();
+    if let (Some(w), Some(r)) = (&first, report.ratios.first()) {
+        if !parts.is_empty() {
+            t.push_str(&format!(" ({w}, {}: {})", r.config, parts.join(", ")));
+        }
+    }
+    t
+}
+
 fn write_outputs(report: &SuiteReport, opts: &SuiteOptions) -> anyhow::Result<()> {
     let json_path = opts.out_dir.join("bench.json");
     let json = serde_json::to_string_pretty(report)?;
@@ -342,13 +360,8 @@ fn write_outputs(report: &SuiteReport, opts: &SuiteOptions) -> anyhow::Result<()
     std::fs::write(&md_path, md).with_context(|| format!("writing {}", md_path.display()))?;
     let names: Vec<String> = opts.configs.iter().map(|c| c.name.clone()).collect();
     let png = opts.out_dir.join("bench.png");
-    crate::bench::chart::draw(
-        &png,
-        &report.rows,
-        &names,
-        "kvtier bench: time to first token",
-    )
-    .with_context(|| format!("writing {}", png.display()))?;
+    crate::bench::chart::draw(&png, &report.rows, &names, &chart_title(report))
+        .with_context(|| format!("writing {}", png.display()))?;
     Ok(())
 }
 
@@ -436,6 +449,11 @@ mod tests {
             .map(|x| (x.workload.as_str(), x.baseline.as_str()))
             .collect();
         assert_eq!(rs, [("chat", "a"), ("docqa", "a")]);
+        let title = chart_title(&r);
+        assert!(
+            title.contains("(chat, b: ") && title.contains("x vs a)"),
+            "{title}"
+        );
         for f in ["bench.json", "bench.md", "bench.png"] {
             assert!(opts.out_dir.join(f).is_file(), "{f}");
         }

@@ -9,8 +9,12 @@
 //! - a block being written is allocated (pinned, invisible to matching) at dispatch and
 //!   registered only after every rank confirmed its store; a failed store frees it;
 //! - a block that a load reads stays pinned until every rank reported the load;
-//! - a hash is never stored twice at once (`writing` holds every hash with a store in flight),
-//!   and a hash already registered in the target tier is not stored again;
+//! - a block whose load failed is never matched again: a host or disk block is invalidated, a
+//!   remote hash is remembered (at most `MAX_REMOTE_FAILED`) and skipped by matching until the
+//!   leader puts it again;
+//! - a hash is never stored twice at once (a store reserves its hash in the target pool at
+//!   dispatch, `BlockPool::reserve`, so a second store of it finds the reservation), and a hash
+//!   already registered in the target tier is not stored again;
 //! - `request_finished` returns true exactly while a store of that request is not confirmed by
 //!   every rank; the slot lives until its stores and loads are all confirmed;
 //! - invalid engine input returns [`ConnectorError::InvalidInput`] and changes nothing for any
@@ -32,7 +36,7 @@ use crate::connector::ConnectorError;
 use crate::hash::{HashSalt, SequenceHash};
 use crate::ids::{BlockId, DeviceBlockId, JobId, RequestId, Tier};
 use crate::policy::{FilterParams, FrequencyFilter};
-use crate::pool::{BlockPool, PoolEvent, Priority};
+use crate::pool::{BlockPool, PoolEvent, Priority, Reservation};
 use crate::transfer::{BlockPair, RemoteStore, TransferJob, TransferOutcome};
 
 /// A pool size: in blocks, or in bytes (then divided by the sum of the ranks' bytes per block).
@@ -141,6 +145,9 @@ impl LeaderConfig {
     }
 }
 
+/// Remote hashes whose load failed that matching skips; beyond this many the memory starts over.
+pub const MAX_REMOTE_FAILED: usize = 1 << 16;
+
 /// Pool events the leader keeps for `take_events` before dropping the oldest.
 pub const MAX_EVENTS: usize = 1 << 16;
 
@@ -201,6 +208,8 @@ enum JobBooks {
         pinned: Vec<BlockId>,
         /// Destination device block per pair.
         devices: Vec<DeviceBlockId>,
+        /// Remote loads: the hash each pair reads (empty for host and disk).
+        remote_hashes: Vec<u128>,
     },
     /// Host -> disk: `(host block read, disk block written, hash)` per pair.
     SpillDisk {
@@ -210,11 +219,54 @@ enum JobBooks {
     PutRemote { host_blocks: Vec<BlockId> },
 }
 
+/// The ranks that reported a job: one bit per rank, inline for the first 64 (no allocation in
+/// the common case).
+#[derive(Debug)]
+struct RankSet {
+    low: u64,
+    high: Vec<bool>,
+}
+
+impl RankSet {
+    fn new(world: u32) -> Self {
+        RankSet {
+            low: 0,
+            high: vec![false; world.saturating_sub(64) as usize],
+        }
+    }
+
+    /// Mark `rank` (below the world size); false if it was marked already.
+    fn insert(&mut self, rank: u32) -> bool {
+        if rank < 64 {
+            let bit = 1u64 << rank;
+            let fresh = self.low & bit == 0;
+            self.low |= bit;
+            fresh
+        } else {
+            match self.high.get_mut(rank as usize - 64) {
+                Some(seen) => !std::mem::replace(seen, true),
+                None => false,
+            }
+        }
+    }
+}
+
 #[derive(Debug)]
 struct PendingJob {
     books: JobBooks,
-    reported: Vec<bool>,
+    reported: RankSet,
+    /// Ranks that have not reported yet.
+    waiting: u32,
     failed: BTreeSet<usize>,
+}
+
+/// Reused buffers of the per-record store path.
+#[derive(Debug, Default)]
+struct Scratch {
+    offloads: Vec<OffloadBlock>,
+    hashes: Vec<SequenceHash>,
+    reservations: Vec<Reservation>,
+    seen_again: Vec<(BlockId, SequenceHash)>,
 }
 
 #[derive(Debug)]
@@ -245,11 +297,13 @@ pub struct Leader {
     jobs: FastMap<JobId, PendingJob>,
     next_job: u64,
     step: u64,
-    /// Hashes with a store (device -> offload tier) in flight.
-    writing: FastSet<SequenceHash>,
     /// Hashes with a disk spill in flight.
     spilling: FastSet<SequenceHash>,
+    /// Remote hashes whose load failed (corrupt, short or missing value): never matched again.
+    remote_failed: FastSet<SequenceHash>,
     outbox: StepMetadata,
+    /// Per-step scratch buffers, kept to avoid allocating on every record.
+    scratch: Scratch,
     reports_rx: Receiver<WorkerReport>,
     reports_tx: Sender<WorkerReport>,
     stats: LeaderStats,
@@ -317,12 +371,13 @@ impl Leader {
             jobs: FastMap::default(),
             next_job: 1,
             step: 0,
-            writing: FastSet::default(),
             spilling: FastSet::default(),
+            remote_failed: FastSet::default(),
             outbox: StepMetadata {
                 version: PROTOCOL_VERSION,
                 ..Default::default()
             },
+            scratch: Scratch::default(),
             reports_rx,
             reports_tx,
             stats: LeaderStats::default(),
@@ -364,7 +419,8 @@ impl Leader {
             id,
             PendingJob {
                 books,
-                reported: vec![false; self.world as usize],
+                reported: RankSet::new(self.world),
+                waiting: self.world,
                 failed: BTreeSet::new(),
             },
         );
@@ -437,6 +493,8 @@ impl Leader {
         }
         if out.len() < hashes.len() && self.remote.is_some() {
             let rest = &hashes[out.len()..];
+            let known_bad = rest.iter().position(|h| self.remote_failed.contains(h));
+            let rest = &rest[..known_bad.unwrap_or(rest.len())];
             for (i, found) in self.remote_contains(rest).into_iter().enumerate() {
                 if !found {
                     break;
@@ -614,6 +672,11 @@ impl Leader {
             }
             let id = self.new_job_id();
             let devices = pairs.iter().map(|p| DeviceBlockId(p.dst)).collect();
+            let remote_hashes = if tier == Tier::Remote {
+                keys.clone()
+            } else {
+                Vec::new()
+            };
             jobs.push(TransferJob {
                 id,
                 src: tier,
@@ -628,6 +691,7 @@ impl Leader {
                     src: tier,
                     pinned,
                     devices,
+                    remote_hashes,
                 },
             );
         }
@@ -696,18 +760,33 @@ impl Leader {
     fn apply_record(&mut self, rec: &StepRecord) -> Result<(), ConnectorError> {
         let req = &rec.request_id;
         self.check_device_ids(req, "new_block_ids", &rec.new_block_ids)?;
-        let offloads = match self.slots.get_mut(req) {
-            Some(e) => e.slot.apply(rec)?,
-            None if !rec.is_new => {
-                return Err(ConnectorError::invalid(
-                    req,
-                    "request_id",
-                    "unknown request (not new)",
-                ));
-            }
+        let mut offloads = std::mem::take(&mut self.scratch.offloads);
+        offloads.clear();
+        let applied = self.apply_to_slot(rec, &mut offloads);
+        if applied.is_ok() && !offloads.is_empty() {
+            self.dispatch_stores(req, &offloads);
+        }
+        self.scratch.offloads = offloads;
+        applied
+    }
+
+    /// Feed `rec` to its slot (created for a new request); the blocks to offload go to `out`.
+    fn apply_to_slot(
+        &mut self,
+        rec: &StepRecord,
+        out: &mut Vec<OffloadBlock>,
+    ) -> Result<(), ConnectorError> {
+        let req = &rec.request_id;
+        match self.slots.get_mut(req) {
+            Some(e) => e.slot.apply_into(rec, out),
+            None if !rec.is_new => Err(ConnectorError::invalid(
+                req,
+                "request_id",
+                "unknown request (not new)",
+            )),
             None => {
                 let mut slot = Slot::new(req.clone(), self.block_size, self.salt);
-                let out = slot.apply(rec)?;
+                slot.apply_into(rec, out)?;
                 self.slots.insert(
                     req.clone(),
                     Box::new(SlotEntry {
@@ -716,90 +795,81 @@ impl Leader {
                         loads_in_flight: 0,
                     }),
                 );
-                out
+                Ok(())
             }
-        };
-        if !offloads.is_empty() {
-            self.dispatch_stores(req, &offloads);
         }
-        Ok(())
     }
 
+    /// Reserve the target tier's blocks for `offloads` (one batched pool call: one registry probe
+    /// per block both deduplicates and reserves) and queue one store job for those it got.
     fn dispatch_stores(&mut self, req: &RequestId, offloads: &[OffloadBlock]) {
         let (tier, pool) = match (self.host.as_mut(), self.disk.as_mut()) {
             (Some(p), _) => (Tier::Host, p),
             (None, Some(p)) => (Tier::Disk, p),
             (None, None) => return,
         };
-        let mut todo: Vec<&OffloadBlock> = Vec::with_capacity(offloads.len());
-        let mut seen_again = Vec::new();
-        for b in offloads {
-            if let Some(existing) = pool.lookup(b.hash) {
-                self.stats.offload_deduplicated += 1;
-                if tier == Tier::Host {
-                    seen_again.push((existing, b.hash));
+        let sc = &mut self.scratch;
+        sc.hashes.clear();
+        sc.hashes.extend(offloads.iter().map(|b| b.hash));
+        sc.reservations.clear();
+        pool.reserve(&sc.hashes, &mut sc.reservations);
+        sc.seen_again.clear();
+        let mut pairs = Vec::with_capacity(offloads.len());
+        let mut books = Vec::with_capacity(offloads.len());
+        let mut dropped = 0u64;
+        for (ob, r) in offloads.iter().zip(&sc.reservations) {
+            match *r {
+                Reservation::Allocated(blk) => {
+                    pairs.push(BlockPair {
+                        src: ob.device.0,
+                        dst: blk.0,
+                    });
+                    books.push((blk, ob.hash));
                 }
-            } else if self.writing.contains(&b.hash) {
-                self.stats.offload_deduplicated += 1;
-            } else {
-                todo.push(b);
+                Reservation::Registered(existing) => {
+                    self.stats.offload_deduplicated += 1;
+                    if tier == Tier::Host {
+                        sc.seen_again.push((existing, ob.hash));
+                    }
+                }
+                Reservation::Writing(_) => self.stats.offload_deduplicated += 1,
+                Reservation::NoSpace => dropped += 1,
             }
         }
-        if todo.is_empty() {
-            self.spill_seen_again(&seen_again);
-            return;
+        if dropped > 0 {
+            self.stats.offload_dropped += dropped;
+            tracing::debug!(request = %req, dropped, "offload tier full");
         }
-        let n = todo.len().min(pool.num_free());
-        if n < todo.len() {
-            self.stats.offload_dropped += (todo.len() - n) as u64;
-            tracing::debug!(request = %req, dropped = todo.len() - n, "offload tier full");
-        }
-        if n == 0 {
-            self.spill_seen_again(&seen_again);
-            return;
-        }
-        let blocks = match pool.allocate(n) {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::warn!(error = %e, "offload allocation failed");
-                self.stats.offload_dropped += n as u64;
-                return;
-            }
-        };
-        let mut pairs = Vec::with_capacity(n);
-        let mut books = Vec::with_capacity(n);
-        for (ob, blk) in todo.iter().zip(&blocks) {
-            pairs.push(BlockPair {
-                src: ob.device.0,
-                dst: blk.0,
-            });
-            books.push((*blk, ob.hash));
-            self.writing.insert(ob.hash);
-        }
-        self.stats.offload_blocks += n as u64;
-        let id = self.new_job_id();
-        self.track(
-            id,
-            JobBooks::Store {
-                request: req.clone(),
-                tier,
-                blocks: books,
-            },
-        );
-        if let Some(e) = self.slots.get_mut(req) {
-            e.stores_in_flight += 1;
-        }
-        self.outbox.stores.push(RequestStore {
-            request: req.clone(),
-            job: TransferJob {
+        if !pairs.is_empty() {
+            self.stats.offload_blocks += pairs.len() as u64;
+            let id = self.new_job_id();
+            self.track(
                 id,
-                src: Tier::Device,
-                dst: tier,
-                pairs,
-                remote_keys: Vec::new(),
-            },
-        });
-        self.spill_seen_again(&seen_again);
+                JobBooks::Store {
+                    request: req.clone(),
+                    tier,
+                    blocks: books,
+                },
+            );
+            if let Some(e) = self.slots.get_mut(req) {
+                e.stores_in_flight += 1;
+            }
+            self.outbox.stores.push(RequestStore {
+                request: req.clone(),
+                job: TransferJob {
+                    id,
+                    src: Tier::Device,
+                    dst: tier,
+                    pairs,
+                    remote_keys: Vec::new(),
+                },
+            });
+        }
+        if !self.scratch.seen_again.is_empty() {
+            let seen = std::mem::take(&mut self.scratch.seen_again);
+            self.spill_seen_again(&seen);
+            self.scratch.seen_again = seen;
+        }
     }
 
     /// Blocks found again in G2 count as sightings for the disk filter.
@@ -808,7 +878,10 @@ impl Leader {
             return;
         }
         for &(blk, hash) in seen {
-            self.plan_spills(blk, hash, false);
+            // A later block of the same batch may have evicted it since it was found.
+            if self.host.as_ref().and_then(|h| h.hash_of(blk)) == Some(hash) {
+                self.plan_spills(blk, hash, false);
+            }
         }
     }
 
@@ -878,26 +951,26 @@ impl Leader {
             tracing::warn!(job = r.job.0, rank = r.rank, "report for an unknown job");
             return;
         };
-        let Some(seen) = job.reported.get_mut(r.rank as usize) else {
+        if r.rank >= self.world {
             tracing::warn!(
                 job = r.job.0,
                 rank = r.rank,
                 "report from a rank beyond the world size"
             );
             return;
-        };
-        if *seen {
+        }
+        if !job.reported.insert(r.rank) {
             tracing::warn!(job = r.job.0, rank = r.rank, "duplicate report");
             return;
         }
-        *seen = true;
+        job.waiting = job.waiting.saturating_sub(1);
         if let TransferOutcome::Failed(f) = &r.outcome {
             for b in f {
                 tracing::warn!(job = r.job.0, rank = r.rank, pair = b.pair_index, reason = %b.reason, "transfer pair failed");
                 job.failed.insert(b.pair_index);
             }
         }
-        if job.reported.iter().all(|&s| s) {
+        if job.waiting == 0 {
             if let Some(done) = self.jobs.remove(&r.job) {
                 self.complete(done);
             }
@@ -913,8 +986,8 @@ impl Leader {
                 blocks,
             } => {
                 for (i, (blk, hash)) in blocks.into_iter().enumerate() {
-                    self.writing.remove(&hash);
                     if failed.contains(&i) {
+                        // Releasing the unconfirmed block frees it and drops its reservation.
                         self.stats.offload_failed += 1;
                         self.release(tier, blk);
                         continue;
@@ -925,15 +998,15 @@ impl Leader {
                         self.disk.as_mut()
                     };
                     let Some(pool) = pool else { continue };
-                    match pool.register(blk, hash, self.priority) {
-                        Ok(canonical) => {
+                    match pool.confirm(blk, self.priority) {
+                        Ok(()) => {
                             self.stats.offload_confirmed += 1;
                             if tier == Tier::Host {
-                                self.plan_spills(canonical, hash, canonical == blk);
+                                self.plan_spills(blk, hash, true);
                             }
-                            self.release(tier, canonical);
+                            self.release(tier, blk);
                         }
-                        Err(e) => tracing::error!(error = %e, "registering a stored block failed"),
+                        Err(e) => tracing::error!(error = %e, "confirming a stored block failed"),
                     }
                 }
                 if let Some(e) = self.slots.get_mut(&request) {
@@ -946,6 +1019,7 @@ impl Leader {
                 src,
                 pinned,
                 devices,
+                remote_hashes,
             } => {
                 if let Some(e) = self.slots.get_mut(&request) {
                     let first_failed = failed
@@ -970,6 +1044,14 @@ impl Leader {
                         }
                     }
                     self.release(src, blk);
+                }
+                for &i in &failed {
+                    if let Some(&h) = remote_hashes.get(i) {
+                        if self.remote_failed.len() >= MAX_REMOTE_FAILED {
+                            self.remote_failed.clear();
+                        }
+                        self.remote_failed.insert(SequenceHash(h));
+                    }
                 }
                 self.stats.onboard_failed += failed.len() as u64;
                 if let Some(e) = self.slots.get_mut(&request) {
@@ -1070,6 +1152,8 @@ impl Leader {
             }
         }
         if first_store && self.remote_put && self.remote.is_some() {
+            // A fresh value replaces whatever failed to load under this hash.
+            self.remote_failed.remove(&hash);
             if let Some(h) = self.host.as_mut() {
                 let _ = h.pin(host_block);
             }
@@ -1117,10 +1201,10 @@ impl Leader {
     /// takes does not grow without bound).
     fn collect_events(&mut self) {
         if let Some(h) = self.host.as_mut() {
-            self.events.extend(h.take_events());
+            self.events.extend(h.drain_events());
         }
         if let Some(d) = self.disk.as_mut() {
-            self.events.extend(d.take_events());
+            self.events.extend(d.drain_events());
         }
         if self.events.len() > MAX_EVENTS {
             let excess = self.events.len() - MAX_EVENTS;
@@ -1134,7 +1218,14 @@ impl Leader {
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         self.poll_reports();
         self.collect_events();
-        self.events.drain(..).collect()
+        // Hand over the buffer itself (no copy); the next one starts at the same size. It was
+        // filled from empty, so it is contiguous unless events were dropped, and the conversion
+        // moves nothing.
+        let size = self.events.len();
+        Vec::from(std::mem::replace(
+            &mut self.events,
+            std::collections::VecDeque::with_capacity(size),
+        ))
     }
 
     /// Read access to the host pool (tests, metrics).

@@ -62,6 +62,62 @@ pub struct MatchRecord {
     pub external_tokens: usize,
 }
 
+/// A request's device block table: the ids in request order, and a membership index that is
+/// built only once the table outgrows a linear scan (most requests never need it).
+#[derive(Clone, Debug, Default)]
+struct DeviceTable {
+    ids: Vec<DeviceBlockId>,
+    /// Every id of `ids`, once `ids` is longer than `LINEAR_MAX`; `None` before.
+    index: Option<FastSet<DeviceBlockId>>,
+}
+
+impl DeviceTable {
+    /// Up to this many ids, membership is a scan of `ids` (a few cache lines, no hashing).
+    const LINEAR_MAX: usize = 128;
+
+    fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    fn contains(&self, b: DeviceBlockId) -> bool {
+        match &self.index {
+            Some(set) => set.contains(&b),
+            None => scan(&self.ids, b),
+        }
+    }
+
+    fn push(&mut self, b: DeviceBlockId) {
+        self.ids.push(b);
+        match &mut self.index {
+            Some(set) => {
+                set.insert(b);
+            }
+            None if self.ids.len() > Self::LINEAR_MAX => {
+                self.index = Some(self.ids.iter().copied().collect());
+            }
+            None => {}
+        }
+    }
+
+    fn clear(&mut self) {
+        self.ids.clear();
+        self.index = None;
+    }
+}
+
+/// Whether `ids` holds `b`: a branch-free compare of 8 ids at a time (vectorised), which beats
+/// hashing for the short lists it is used on.
+#[inline]
+fn scan(ids: &[DeviceBlockId], b: DeviceBlockId) -> bool {
+    let mut chunks = ids.chunks_exact(8);
+    for c in &mut chunks {
+        if c.iter().fold(false, |hit, x| hit | (x.0 == b.0)) {
+            return true;
+        }
+    }
+    chunks.remainder().iter().any(|x| x.0 == b.0)
+}
+
 /// The per-request state machine. See the module documentation for its invariants.
 #[derive(Clone, Debug)]
 pub struct Slot {
@@ -71,8 +127,7 @@ pub struct Slot {
     tokens: Vec<u32>,
     /// Hashes of every full block of `tokens`.
     hashes: Vec<SequenceHash>,
-    table: Vec<DeviceBlockId>,
-    in_table: FastSet<DeviceBlockId>,
+    table: DeviceTable,
     /// Tokens whose KV is known to be on the device after the last record's forward pass.
     position: usize,
     /// Blocks `0..evaluated` were either offloaded, onboarded or taken from the device prefix cache.
@@ -93,8 +148,7 @@ impl Slot {
             salt,
             tokens: Vec::new(),
             hashes: Vec::new(),
-            table: Vec::new(),
-            in_table: FastSet::default(),
+            table: DeviceTable::default(),
             position: 0,
             evaluated: 0,
             offloaded_watermark: 0,
@@ -117,7 +171,7 @@ impl Slot {
         &self.hashes
     }
     pub fn device_table(&self) -> &[DeviceBlockId] {
-        &self.table
+        &self.table.ids
     }
     pub fn position(&self) -> usize {
         self.position
@@ -149,8 +203,8 @@ impl Slot {
     /// changed. Used by matching, which always sees the whole sequence.
     pub fn set_all_tokens(&mut self, all_tokens: &[u32]) {
         if all_tokens.starts_with(&self.tokens) {
-            let extra = all_tokens[self.tokens.len()..].to_vec();
-            self.extend_tokens(&extra);
+            let known = self.tokens.len();
+            self.extend_tokens(&all_tokens[known..]);
         } else {
             self.tokens.clear();
             self.hashes.clear();
@@ -161,6 +215,8 @@ impl Slot {
     fn extend_tokens(&mut self, new_tokens: &[u32]) {
         self.tokens.extend_from_slice(new_tokens);
         let bs = self.block_size;
+        self.hashes
+            .reserve((self.tokens.len() / bs).saturating_sub(self.hashes.len()));
         while (self.hashes.len() + 1) * bs <= self.tokens.len() {
             let i = self.hashes.len();
             let parent = self.hashes.last().copied();
@@ -174,20 +230,22 @@ impl Slot {
         self.last_match = Some(m);
     }
 
-    /// Indices of `ids` that are not yet in the table, in order, without duplicates.
-    fn fresh_ids(&self, ids: &[DeviceBlockId]) -> Result<Vec<DeviceBlockId>, ConnectorError> {
-        let mut out = Vec::with_capacity(ids.len());
+    /// How many of `ids` are not yet in the table (`in_table`: whether the table counts; a
+    /// restart rebuilds it from nothing). An id listed twice that is not in the table is an error.
+    fn count_fresh(&self, ids: &[DeviceBlockId], in_table: bool) -> Result<usize, ConnectorError> {
         // Duplicates inside one report: a linear scan for short reports, a set for long ones.
         let mut seen: FastSet<DeviceBlockId> = FastSet::default();
         let long = ids.len() > 16;
-        for &b in ids {
-            if self.in_table.contains(&b) {
+        let mut fresh = 0;
+        for (k, &b) in ids.iter().enumerate() {
+            if in_table && self.table.contains(b) {
                 continue;
             }
+            // An earlier copy of `b` is not in the table either, so it was counted as fresh.
             let dup = if long {
                 !seen.insert(b)
             } else {
-                out.contains(&b)
+                scan(&ids[..k], b)
             };
             if dup {
                 return Err(self.invalid(
@@ -195,21 +253,28 @@ impl Slot {
                     format!("device block {} listed twice in one report", b.0),
                 ));
             }
-            out.push(b);
+            fresh += 1;
         }
-        Ok(out)
+        Ok(fresh)
     }
 
-    fn push_ids(&mut self, ids: Vec<DeviceBlockId>) {
-        for b in ids {
-            self.in_table.insert(b);
-            self.table.push(b);
+    /// Append the ids of `ids` that are not yet in the table, in order (validated by
+    /// `count_fresh`).
+    fn push_fresh(&mut self, ids: &[DeviceBlockId], fresh: usize) {
+        if fresh == 0 {
+            return;
+        }
+        let all = fresh == ids.len();
+        self.table.ids.reserve(fresh);
+        for &b in ids {
+            if all || !self.table.contains(b) {
+                self.table.push(b);
+            }
         }
     }
 
     fn reset_device_state(&mut self) {
         self.table.clear();
-        self.in_table.clear();
         self.position = 0;
         self.evaluated = 0;
     }
@@ -237,7 +302,7 @@ impl Slot {
         if self.state == SlotState::Finished {
             return Err(self.invalid("request_id", "allocation for a finished request"));
         }
-        let fresh = self.fresh_ids(block_ids)?;
+        let fresh = self.count_fresh(block_ids, true)?;
         let bs = self.block_size;
         let m = self.last_match;
         let external = match num_external_tokens {
@@ -245,7 +310,7 @@ impl Slot {
             None => m.map_or(0, |m| m.external_tokens),
         };
         if external == 0 {
-            self.push_ids(fresh);
+            self.push_fresh(block_ids, fresh);
             if self.state == SlotState::Waiting || self.state == SlotState::Preempted {
                 if let Some(m) = m {
                     self.position = self.position.max(m.device_tokens);
@@ -280,7 +345,7 @@ impl Slot {
         }
         let first = m.device_tokens / bs;
         let end = (m.device_tokens + external) / bs;
-        let table_len = self.table.len() + fresh.len();
+        let table_len = self.table.len() + fresh;
         if table_len < end {
             return Err(self.invalid(
                 "block_ids",
@@ -300,11 +365,11 @@ impl Slot {
                 ),
             ));
         }
-        self.push_ids(fresh);
+        self.push_fresh(block_ids, fresh);
         let out = (first..end)
             .map(|i| OnboardBlock {
                 index: i,
-                device: self.table[i],
+                device: self.table.ids[i],
                 hash: self.hashes[i],
             })
             .collect();
@@ -318,6 +383,18 @@ impl Slot {
     /// (gated on the end of this step's forward pass). Implements REFERENCE.md section 1 with
     /// `num_scheduled_tokens`, plus draft-token exclusion and preemption reset.
     pub fn apply(&mut self, rec: &StepRecord) -> Result<Vec<OffloadBlock>, ConnectorError> {
+        let mut out = Vec::new();
+        self.apply_into(rec, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Slot::apply`], appending the blocks to offload to `out` (which the caller may reuse
+    /// across records). On error `out` and the slot are left as they were.
+    pub fn apply_into(
+        &mut self,
+        rec: &StepRecord,
+        out: &mut Vec<OffloadBlock>,
+    ) -> Result<(), ConnectorError> {
         if self.state == SlotState::Finished {
             return Err(self.invalid("request_id", "scheduled after it finished"));
         }
@@ -341,22 +418,7 @@ impl Slot {
         } else {
             (self.table.len(), self.position, self.evaluated)
         };
-        let fresh = if restart {
-            let mut seen = FastSet::default();
-            let mut v = Vec::new();
-            for &b in &rec.new_block_ids {
-                if !seen.insert(b) {
-                    return Err(self.invalid(
-                        "new_block_ids",
-                        format!("device block {} listed twice in one report", b.0),
-                    ));
-                }
-                v.push(b);
-            }
-            v
-        } else {
-            self.fresh_ids(&rec.new_block_ids)?
-        };
+        let fresh = self.count_fresh(&rec.new_block_ids, !restart)?;
         // Tokens: a new request reports its full list (which may repeat what matching saw);
         // every other record reports the tokens appended since the last one.
         let full_list = (rec.is_new || rec.resumed_from_preemption)
@@ -377,7 +439,7 @@ impl Slot {
         };
         let total_tokens = self.tokens.len() + appended.len();
         let bs = self.block_size;
-        let table_len = table_len_before + fresh.len();
+        let table_len = table_len_before + fresh;
         let computed = rec.num_computed_tokens;
         // The first record after allocation may report fewer computed tokens than kvtier
         // onboarded (TensorRT-LLM subtracts connector-matched tokens): keep the larger. Later, a
@@ -421,7 +483,7 @@ impl Slot {
             self.reset_device_state();
         }
         self.extend_tokens(appended);
-        self.push_ids(fresh);
+        self.push_fresh(&rec.new_block_ids, fresh);
         self.state = if !appended.is_empty() && !rec.is_new && !full_list {
             SlotState::Decoding
         } else {
@@ -435,17 +497,15 @@ impl Slot {
             self.offloaded_watermark = watermark;
         }
         let start = evaluated.max(self.offloaded_watermark);
-        let out: Vec<OffloadBlock> = (start..end)
-            .map(|i| OffloadBlock {
-                index: i,
-                device: self.table[i],
-                hash: self.hashes[i],
-            })
-            .collect();
+        out.extend((start..end).map(|i| OffloadBlock {
+            index: i,
+            device: self.table.ids[i],
+            hash: self.hashes[i],
+        }));
         self.evaluated = evaluated.max(end);
         self.offloaded_watermark = self.offloaded_watermark.max(end);
         self.position = position + rec.num_scheduled_tokens - rec.num_draft_tokens;
-        Ok(out)
+        Ok(())
     }
 
     /// A load into block `index` (and maybe later ones) failed: the engine recomputes from
@@ -459,7 +519,7 @@ impl Slot {
 
     /// The block index of a device block in this request's table.
     pub fn index_of(&self, device: DeviceBlockId) -> Option<usize> {
-        self.table.iter().position(|&b| b == device)
+        self.table.ids.iter().position(|&b| b == device)
     }
 
     /// The engine finished the request.
@@ -528,6 +588,40 @@ mod tests {
         r.is_new = true;
         assert_eq!(idx(&s.apply(&r).unwrap()), vec![0, 1]);
         assert_eq!(s.device_table(), &[DeviceBlockId(3), DeviceBlockId(9)]);
+    }
+
+    #[test]
+    fn long_tables_recognise_known_ids_past_the_linear_scan() {
+        // 200 blocks of 1 token: the table crosses LINEAR_MAX and builds its index.
+        let n = 200u32;
+        let mut s = Slot::new("r".into(), 1, HashSalt(1));
+        let ids: Vec<u32> = (0..n).map(|i| i * 7 + 3).collect();
+        let mut r = rec((0..n).collect(), &ids[..100], 0, 100);
+        r.is_new = true;
+        assert_eq!(s.apply(&r).unwrap().len(), 100);
+        // Re-reported ids (old ones mixed in) are recognised, new ones appended in order.
+        let mut again: Vec<u32> = ids[50..150].to_vec();
+        again.extend_from_slice(&ids[..10]);
+        let out = s.apply(&rec(vec![], &again, 100, 50)).unwrap();
+        assert_eq!(idx(&out), (100..150).collect::<Vec<_>>());
+        assert_eq!(s.device_table().len(), 150);
+        assert!(s.table.index.is_some(), "index built past LINEAR_MAX");
+        let out = s.apply(&rec(vec![], &ids[140..200], 150, 50)).unwrap();
+        assert_eq!(idx(&out), (150..200).collect::<Vec<_>>());
+        let want: Vec<DeviceBlockId> = ids.iter().map(|&b| DeviceBlockId(b)).collect();
+        assert_eq!(s.device_table(), &want[..]);
+        // A fresh id listed twice is an error, whichever the table's representation.
+        let e = s
+            .apply(&rec(vec![n], &[9999, 5, 9999], 200, 0))
+            .unwrap_err();
+        assert!(matches!(
+            e,
+            ConnectorError::InvalidInput {
+                field: "new_block_ids",
+                ..
+            }
+        ));
+        assert_eq!(s.device_table().len(), 200);
     }
 
     #[test]

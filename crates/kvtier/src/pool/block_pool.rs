@@ -8,7 +8,8 @@
 //! Invariants:
 //! - `state == Free`  <=> the block is on the free stack (exactly once) <=> pins 0 and not in
 //!   the registry;
-//! - `state == Writing` => pins > 0 and not in the registry;
+//! - `state == Writing` => pins > 0; it is in the registry exactly when `reserved` (a store in
+//!   flight reserved its hash with `reserve`), and lookups never return it;
 //! - `state == Registered` <=> the registry maps its hash to it; it is in the LRU lists exactly
 //!   when its pin count is 0;
 //! - `free_len + lru.len() + (blocks with pins) == capacity`.
@@ -20,7 +21,7 @@ use crate::ids::{BlockId, Tier};
 use super::lru::PriorityLru;
 use super::registry::Registry;
 use super::slot::{Slot, NIL};
-use super::types::{BlockState, PoolError, PoolEvent, Priority};
+use super::types::{BlockState, PoolError, PoolEvent, Priority, Reservation};
 
 /// The largest capacity a pool accepts (block ids are `u32`, and `u32::MAX` marks list ends).
 pub const MAX_POOL_BLOCKS: usize = (u32::MAX - 1) as usize;
@@ -35,6 +36,8 @@ pub struct BlockPool {
     free_len: usize,
     lru: PriorityLru,
     registry: Registry,
+    /// Registry entries that are reservations (`Writing` blocks), not registered blocks.
+    reserved: usize,
     events: Vec<PoolEvent>,
     record_events: bool,
 }
@@ -65,6 +68,7 @@ impl BlockPool {
             free_len: n,
             lru: PriorityLru::default(),
             registry: Registry::new(n),
+            reserved: 0,
             events: Vec::new(),
             record_events: true,
         })
@@ -91,7 +95,12 @@ impl BlockPool {
 
     /// Blocks published in the registry (pinned or not).
     pub fn num_registered(&self) -> usize {
-        self.registry.len()
+        self.registry.len() - self.reserved
+    }
+
+    /// Blocks allocated by `reserve` whose hash is reserved and not yet confirmed.
+    pub fn num_reserved(&self) -> usize {
+        self.reserved
     }
 
     /// Blocks with at least one pin.
@@ -119,15 +128,29 @@ impl BlockPool {
         }
     }
 
+    /// The block `hash` names in the registry: registered, or reserved (`Writing`).
     #[inline]
     fn find(&self, hash: SequenceHash) -> Option<u32> {
         let slots = &self.slots;
         self.registry.find(hash, |b| slots[b as usize].hash())
     }
 
-    /// The registered block holding `hash`.
+    #[inline]
+    fn find_registered(&self, hash: SequenceHash) -> Option<u32> {
+        self.find(hash)
+            .filter(|&b| self.slots[b as usize].state == BlockState::Registered)
+    }
+
+    /// The registered block holding `hash` (a reservation is not a registration).
     pub fn lookup(&self, hash: SequenceHash) -> Option<BlockId> {
-        self.find(hash).map(BlockId)
+        self.find_registered(hash).map(BlockId)
+    }
+
+    /// The block whose write reserved `hash` (see `reserve`), if that write is not yet confirmed.
+    pub fn reserved_block(&self, hash: SequenceHash) -> Option<BlockId> {
+        self.find(hash)
+            .filter(|&b| self.slots[b as usize].reserved)
+            .map(BlockId)
     }
 
     /// The hash `block` is registered under (None unless it is `Registered`).
@@ -170,8 +193,9 @@ impl BlockPool {
             }
             for (g, h) in guess.iter().zip(chunk) {
                 let hit = match self.slots.get(*g as usize) {
-                    Some(s) if s.hash() == *h => Some(*g),
-                    _ => self.find(*h),
+                    // The registry names each hash once: a reservation means "not registered".
+                    Some(s) if s.hash() == *h => (s.state == BlockState::Registered).then_some(*g),
+                    _ => self.find_registered(*h),
                 };
                 match hit {
                     Some(b) => {
@@ -242,26 +266,102 @@ impl BlockPool {
         }
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
-            let b = match self.pop_free() {
-                Some(b) => b,
-                None => match self.lru.pop_victim(&mut self.slots) {
-                    Some(victim) => {
-                        self.unpublish(victim as usize);
-                        victim
-                    }
-                    None => {
-                        // Unreachable: `n <= free + evictable` was checked above.
-                        debug_assert!(false, "pool accounting broken");
-                        break;
-                    }
-                },
+            let Some(b) = self.take_block() else {
+                // Unreachable: `n <= free + evictable` was checked above.
+                debug_assert!(false, "pool accounting broken");
+                break;
             };
-            let s = &mut self.slots[b as usize];
-            s.state = BlockState::Writing;
-            s.pins = 1;
             out.push(BlockId(b));
         }
         Ok(out)
+    }
+
+    /// One block for a writer: the top of the free stack, else the next victim (unpublished,
+    /// `Removed` emitted). It comes back `Writing` with one pin and no reservation.
+    #[inline]
+    fn take_block(&mut self) -> Option<u32> {
+        let b = match self.pop_free() {
+            Some(b) => b,
+            None => {
+                let victim = self.lru.pop_victim(&mut self.slots)?;
+                self.unpublish(victim as usize);
+                victim
+            }
+        };
+        let s = &mut self.slots[b as usize];
+        s.state = BlockState::Writing;
+        s.pins = 1;
+        s.reserved = false;
+        Some(b)
+    }
+
+    /// The store path in one registry probe per hash; see [`BlockPool::reserve`].
+    pub fn reserve_one(&mut self, hash: SequenceHash) -> Reservation {
+        if let Some(b) = self.find(hash) {
+            return if self.slots[b as usize].state == BlockState::Registered {
+                Reservation::Registered(BlockId(b))
+            } else {
+                Reservation::Writing(BlockId(b))
+            };
+        }
+        let Some(b) = self.take_block() else {
+            return Reservation::NoSpace;
+        };
+        let s = &mut self.slots[b as usize];
+        s.set_hash(hash);
+        s.reserved = true;
+        // Inserted only after `take_block`: an eviction may reshape the probe run of `hash`.
+        self.registry.insert(b, hash);
+        self.reserved += 1;
+        Reservation::Allocated(BlockId(b))
+    }
+
+    /// Reserve blocks for storing `hashes`; appends one [`Reservation`] per hash to `out`, in
+    /// order. Exactly the same as calling [`BlockPool::reserve_one`] on each hash in turn:
+    /// a hash the pool holds or is writing is left alone, any other gets a block (free first,
+    /// then evicting, `Removed` emitted), pinned once and `Writing`, whose hash goes into the
+    /// registry at once, hidden from lookups and matching until [`BlockPool::confirm`]. A later
+    /// copy of a hash in the same batch sees the earlier one's reservation (`Writing`).
+    ///
+    /// The home buckets of a batch are read first, independently of one another, so their cache
+    /// misses overlap instead of queueing behind each hash's own operations.
+    pub fn reserve(&mut self, hashes: &[SequenceHash], out: &mut Vec<Reservation>) {
+        const BATCH: usize = 16;
+        out.reserve(hashes.len());
+        for chunk in hashes.chunks(BATCH) {
+            let mut warm = 0u32;
+            for h in chunk {
+                warm ^= self.registry.first_candidate(*h);
+            }
+            std::hint::black_box(warm);
+            for h in chunk {
+                out.push(self.reserve_one(*h));
+            }
+        }
+    }
+
+    /// Publish the reserved block `block` under the hash it reserved, with `priority`: no
+    /// registry probe (the entry exists); emits `Stored`. The caller keeps its pin.
+    pub fn confirm(&mut self, block: BlockId, priority: Priority) -> Result<(), PoolError> {
+        let i = self.index(block)?;
+        let s = &mut self.slots[i];
+        if !s.reserved {
+            return Err(PoolError::NotReserved {
+                tier: self.tier,
+                block,
+            });
+        }
+        debug_assert_eq!(s.state, BlockState::Writing);
+        s.reserved = false;
+        s.state = BlockState::Registered;
+        s.priority = priority;
+        let hash = s.hash();
+        self.reserved -= 1;
+        self.emit(PoolEvent::Stored {
+            hash,
+            tier: self.tier,
+        });
+        Ok(())
     }
 
     /// Remove block `i` (registered) from the registry and emit `Removed`. Leaves its state to
@@ -306,10 +406,28 @@ impl BlockPool {
                     requested: hash.0,
                 });
             }
+            BlockState::Writing if self.slots[i].reserved => {
+                if self.slots[i].hash() == hash {
+                    self.confirm(block, priority)?;
+                    return Ok(block);
+                }
+                return Err(PoolError::Reserved {
+                    tier: self.tier,
+                    block,
+                    hash: self.slots[i].hash().0,
+                });
+            }
             BlockState::Writing => {}
         }
         if let Some(existing) = self.find(hash) {
             let e = existing as usize;
+            if self.slots[e].reserved {
+                return Err(PoolError::Reserved {
+                    tier: self.tier,
+                    block: BlockId(existing),
+                    hash: hash.0,
+                });
+            }
             // Pinning first takes it off the LRU lists, so its priority may change.
             self.pin_index(e);
             if priority > self.slots[e].priority {
@@ -359,8 +477,8 @@ impl BlockPool {
 
     /// Unpublish `block` (e.g. its bytes were found corrupt or a write failed after
     /// registration): it leaves the registry at once (`Removed` is emitted); it becomes free
-    /// now if unpinned, otherwise when its last pin is released. A free or `Writing` block is
-    /// left as it is.
+    /// now if unpinned, otherwise when its last pin is released. A free or `Writing` block
+    /// (reserved or not) is left as it is.
     pub fn invalidate(&mut self, block: BlockId) -> Result<(), PoolError> {
         let i = self.index(block)?;
         if self.slots[i].state != BlockState::Registered {
@@ -381,6 +499,11 @@ impl BlockPool {
     /// never takes them should turn recording off.
     pub fn take_events(&mut self) -> Vec<PoolEvent> {
         std::mem::take(&mut self.events)
+    }
+
+    /// Like `take_events`, but keeps the buffer for the next events (no allocation per call).
+    pub fn drain_events(&mut self) -> std::vec::Drain<'_, PoolEvent> {
+        self.events.drain(..)
     }
 
     /// Record `Stored`/`Removed` events (on by default). Turning it off drops queued events.
@@ -416,7 +539,18 @@ impl BlockPool {
         }
         match s.state {
             BlockState::Registered => self.lru.push_back(&mut self.slots, i as u32),
-            BlockState::Writing => self.push_free(i),
+            BlockState::Writing => {
+                if s.reserved {
+                    // A write that never confirmed: drop its reservation.
+                    s.reserved = false;
+                    let hash = s.hash();
+                    let slots = &self.slots;
+                    let removed = self.registry.remove(hash, |b| slots[b as usize].hash());
+                    debug_assert_eq!(removed, Some(i as u32));
+                    self.reserved -= 1;
+                }
+                self.push_free(i)
+            }
             BlockState::Free => debug_assert!(false, "free block had pins"),
         }
     }
@@ -709,6 +843,78 @@ mod tests {
         p.set_record_events(true);
         p.allocate(1).unwrap();
         assert_eq!(p.take_events().len(), 1);
+    }
+
+    #[test]
+    fn reserve_dedups_hides_and_confirm_publishes() {
+        let mut p = BlockPool::new(Tier::Host, 3).unwrap();
+        let old = fill(&mut p, &[h(1)], Priority(0))[0];
+        p.take_events();
+        let mut r = Vec::new();
+        p.reserve(&[h(1), h(2), h(2), h(3), h(4)], &mut r);
+        let (b2, b3) = match (r[1], r[3]) {
+            (Reservation::Allocated(a), Reservation::Allocated(b)) => (a, b),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            r,
+            vec![
+                Reservation::Registered(old),
+                Reservation::Allocated(b2),
+                Reservation::Writing(b2),
+                Reservation::Allocated(b3),
+                // The only evictable block is h(1)'s, and h(4) takes it.
+                Reservation::Allocated(old),
+            ]
+        );
+        assert_eq!(p.num_reserved(), 3);
+        assert_eq!(p.num_registered(), 0);
+        assert_eq!(p.lookup(h(2)), None, "a reservation is not a registration");
+        assert_eq!(p.peek_prefix(&[h(2)]), 0);
+        assert_eq!(p.reserved_block(h(2)), Some(b2));
+        assert_eq!(
+            p.take_events(),
+            vec![PoolEvent::Removed {
+                hash: h(1),
+                tier: Tier::Host
+            }]
+        );
+        // Nothing is left to allocate; another hash gets no space.
+        assert_eq!(p.reserve_one(h(5)), Reservation::NoSpace);
+        // Confirm publishes without a second store; a failed write frees its block.
+        p.confirm(b2, Priority(4)).unwrap();
+        assert_eq!(p.lookup(h(2)), Some(b2));
+        assert_eq!(p.priority_of(b2), Some(Priority(4)));
+        assert_eq!(
+            p.take_events(),
+            vec![PoolEvent::Stored {
+                hash: h(2),
+                tier: Tier::Host
+            }]
+        );
+        assert_eq!(
+            p.confirm(b2, Priority(0)),
+            Err(PoolError::NotReserved {
+                tier: Tier::Host,
+                block: b2
+            })
+        );
+        p.release(b3).unwrap();
+        assert_eq!(p.state(b3), Some(BlockState::Free));
+        assert_eq!(p.reserved_block(h(3)), None);
+        assert!(
+            p.take_events().is_empty(),
+            "an unconfirmed write was never stored"
+        );
+        // `register` cannot take a reserved hash, and registers a reservation as `confirm`.
+        let other = p.allocate(1).unwrap()[0];
+        assert!(matches!(
+            p.register(other, h(4), Priority(0)),
+            Err(PoolError::Reserved { .. })
+        ));
+        assert_eq!(p.register(old, h(4), Priority(0)), Ok(old));
+        assert_eq!(p.lookup(h(4)), Some(old));
+        assert_eq!(p.num_reserved(), 0);
     }
 
     #[test]

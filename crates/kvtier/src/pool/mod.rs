@@ -13,6 +13,15 @@
 //!   (pinned, `Writing`) block. If `hash` is already registered elsewhere, the caller's pin moves
 //!   to the existing block (which is returned), the given block loses that pin (and becomes free
 //!   when it has no other), and the existing block keeps the higher of the two priorities
+//! - `reserve(&mut self, &[SequenceHash], &mut Vec<Reservation>)`: the batched store path. Per
+//!   hash, in order (exactly as a sequence of `reserve_one`): `Registered(block)` or
+//!   `Writing(block)` if the pool already holds or is writing it; else `Allocated(block)`, a block
+//!   allocated (free first, then evicting) and pinned once, whose hash is entered in the registry
+//!   at once but hidden from lookups; `NoSpace` if nothing was free or evictable. One registry
+//!   probe per hash both deduplicates and reserves
+//! - `confirm(&mut self, block, priority) -> Result<(), PoolError>`: publish a reserved block
+//!   (no registry probe; emits `Stored`; the caller keeps its pin). Releasing a reserved block to
+//!   zero pins without confirming it (a failed write) frees it and drops the reservation
 //! - `pin(&mut self, block) -> Result<(), PoolError>`, `release(&mut self, block) -> Result<(), PoolError>`:
 //!   pin count +1 / -1. A registered block at 0 pins becomes evictable; an unregistered one free
 //! - `invalidate(&mut self, block) -> Result<(), PoolError>`: unpublish (e.g. its bytes were lost)
@@ -20,14 +29,14 @@
 //!   `state(&self, block)`, `pin_count(&self, block)`
 //! - `capacity()`, `num_free()` (free + evictable), `num_evictable()`, `num_registered()`,
 //!   `num_pinned()`, `priority_of(block)`, `eviction_order()`, `heap_bytes()`
-//! - `take_events() -> Vec<PoolEvent>` (`Stored`/`Removed`); `set_record_events(false)` for an
-//!   owner that never takes them
+//! - `take_events() -> Vec<PoolEvent>` (`Stored`/`Removed`), `drain_events()` (keeps the
+//!   buffer); `set_record_events(false)` for an owner that never takes them
 //!
 //! Invariants (checked by the property tests in `tests/pool_model.rs`):
 //! - every block is in exactly one state; a `Free` block is on the free list and in no registry;
 //! - a block with pins is never evicted or handed out by `allocate`;
 //! - `num_free() + (pinned blocks) == capacity()`;
-//! - one hash names at most one block.
+//! - one hash names at most one block (registered or reserved).
 //!
 //! ```
 //! use kvtier::hash::{sequence_hashes, HashSalt};
@@ -59,4 +68,4 @@ mod slot;
 mod types;
 
 pub use block_pool::BlockPool;
-pub use types::{BlockState, PoolError, PoolEvent, Priority};
+pub use types::{BlockState, PoolError, PoolEvent, Priority, Reservation};

@@ -1,8 +1,9 @@
 //! The per-block record of a pool: everything the books hold about one block, in one 40-byte
 //! struct, so an operation on a block touches one cache line (plus its LRU neighbours').
 //!
-//! Invariant: `prev`/`next` are meaningful only while the block is linked in a list (an LRU
+//! Invariants: `prev`/`next` are meaningful only while the block is linked in a list (an LRU
 //! list when `Registered` with no pins, the free list when `Free`); `NIL` ends a list.
+//! `reserved` is set only while the block is `Writing` and its hash is in the registry.
 use crate::hash::SequenceHash;
 
 use super::types::{BlockState, Priority};
@@ -20,6 +21,9 @@ pub(crate) struct Slot {
     pub(crate) pins: u32,
     pub(crate) priority: Priority,
     pub(crate) state: BlockState,
+    /// A `Writing` block whose hash is already in the registry (a reservation, see
+    /// `BlockPool::reserve`): lookups skip it, `confirm` publishes it.
+    pub(crate) reserved: bool,
 }
 
 impl Slot {
@@ -31,6 +35,7 @@ impl Slot {
         pins: 0,
         priority: Priority(0),
         state: BlockState::Free,
+        reserved: false,
     };
 
     #[inline]

@@ -37,6 +37,20 @@ pub enum PoolEvent {
     Removed { hash: SequenceHash, tier: Tier },
 }
 
+/// What [`BlockPool::reserve`](super::BlockPool::reserve) did with one hash.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reservation {
+    /// The hash is registered in this block (nothing was pinned or changed).
+    Registered(BlockId),
+    /// The hash is already reserved by a write in flight to this block (nothing changed).
+    Writing(BlockId),
+    /// This block was allocated for the hash: pinned once, `Writing`, the hash reserved (hidden
+    /// from lookups until `confirm`; a release to zero pins before that frees the block).
+    Allocated(BlockId),
+    /// Nothing changed: no block was free or evictable.
+    NoSpace,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PoolError {
@@ -73,6 +87,19 @@ pub enum PoolError {
     /// `register` on a block that is not pinned by its writer.
     #[error("{tier:?} pool: block {block:?} must be allocated (pinned) to be registered")]
     NotWritable { tier: Tier, block: BlockId },
+    /// `register` of a hash that a write in flight to another block has reserved, or of a
+    /// reserved block under another hash than its reservation.
+    #[error(
+        "{tier:?} pool: hash {hash:032x} is reserved by block {block:?}, whose write is in flight"
+    )]
+    Reserved {
+        tier: Tier,
+        block: BlockId,
+        hash: u128,
+    },
+    /// `confirm` of a block that holds no reservation.
+    #[error("{tier:?} pool: block {block:?} holds no reservation to confirm")]
+    NotReserved { tier: Tier, block: BlockId },
     /// A pool cannot hold this many blocks (ids are 32-bit).
     #[error("{tier:?} pool: capacity {requested} exceeds the maximum of {max} blocks")]
     CapacityTooLarge {
