@@ -559,21 +559,36 @@ impl TransferEngine {
                 let ok = self.far_leg(job, far, store, far_items, &mut r);
                 (ok, r)
             };
+            let sequential = || {
+                if store {
+                    // One half: the far leg must be done with it before the device leg refills it.
+                    let f = far_run();
+                    (near(), Some(f))
+                } else {
+                    // One half: the device leg must be done with it before the far leg refills it.
+                    let n = near();
+                    (n, Some(far_run()))
+                }
+            };
             let parallel = halves == 2 && !near_items.is_empty() && !far_items.is_empty();
             let (near_failed, far_out) = if parallel {
                 std::thread::scope(|sc| {
-                    let h = sc.spawn(far_run);
-                    let n = near();
-                    (n, h.join().ok())
+                    match std::thread::Builder::new()
+                        .name("kvtier-bounce".into())
+                        .spawn_scoped(sc, far_run)
+                    {
+                        Ok(h) => {
+                            let n = near();
+                            (n, h.join().ok())
+                        }
+                        Err(e) => {
+                            tracing::debug!("no helper thread ({e}): bounce legs in turn");
+                            sequential()
+                        }
+                    }
                 })
-            } else if store {
-                // One half: the far leg must be done with it before the device leg refills it.
-                let f = far_run();
-                (near(), Some(f))
             } else {
-                // One half: the device leg must be done with it before the far leg refills it.
-                let n = near();
-                (n, Some(far_run()))
+                sequential()
             };
             let dir = if store { "device read" } else { "device write" };
             let mut near_ok = vec![true; near_items.len()];
