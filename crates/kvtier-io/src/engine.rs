@@ -44,7 +44,7 @@ pub struct TransferEngineBuilder {
 }
 
 /// Bytes each bounce buffer aims at when the builder is not given a block count.
-const BOUNCE_BYTES: usize = 32 << 20;
+const BOUNCE_BYTES: usize = 64 << 20;
 /// Bounds on the default bounce buffer size, in blocks.
 const BOUNCE_MIN_BLOCKS: usize = 2;
 const BOUNCE_MAX_BLOCKS: usize = 64;
@@ -56,7 +56,7 @@ fn default_bounce_blocks(bytes_per_block: usize) -> u32 {
 
 impl TransferEngineBuilder {
     /// Blocks in each of the two bounce buffers (loads, stores) that device <-> disk and
-    /// device <-> remote jobs pass through (default: about 32 MiB, 2 to 64 blocks).
+    /// device <-> remote jobs pass through (default: about 64 MiB, 2 to 64 blocks).
     pub fn bounce_blocks(mut self, n: u32) -> Self {
         self.bounce_blocks = Some(n.max(1));
         self
@@ -663,5 +663,18 @@ impl BlockTransfer for TransferEngine {
             );
         }
         outcome
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_bounce_is_about_64_mib_within_bounds() {
+        assert_eq!(default_bounce_blocks(2 << 20), 32);
+        assert_eq!(default_bounce_blocks(256), 64);
+        assert_eq!(default_bounce_blocks(48 << 20), 2);
+        assert_eq!(default_bounce_blocks(0), 64);
     }
 }
