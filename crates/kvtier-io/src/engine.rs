@@ -44,7 +44,7 @@ pub struct TransferEngineBuilder {
 }
 
 /// Bytes each bounce buffer aims at when the builder is not given a block count.
-const BOUNCE_BYTES: usize = 32 << 20;
+const BOUNCE_BYTES: usize = 64 << 20;
 /// Bounds on the default bounce buffer size, in blocks.
 const BOUNCE_MIN_BLOCKS: usize = 2;
 const BOUNCE_MAX_BLOCKS: usize = 64;
@@ -56,7 +56,7 @@ fn default_bounce_blocks(bytes_per_block: usize) -> u32 {
 
 impl TransferEngineBuilder {
     /// Blocks in each of the two bounce buffers (loads, stores) that device <-> disk and
-    /// device <-> remote jobs pass through (default: about 32 MiB, 2 to 64 blocks).
+    /// device <-> remote jobs pass through (default: about 64 MiB, 2 to 64 blocks).
     pub fn bounce_blocks(mut self, n: u32) -> Self {
         self.bounce_blocks = Some(n.max(1));
         self
@@ -559,21 +559,36 @@ impl TransferEngine {
                 let ok = self.far_leg(job, far, store, far_items, &mut r);
                 (ok, r)
             };
+            let sequential = || {
+                if store {
+                    // One half: the far leg must be done with it before the device leg refills it.
+                    let f = far_run();
+                    (near(), Some(f))
+                } else {
+                    // One half: the device leg must be done with it before the far leg refills it.
+                    let n = near();
+                    (n, Some(far_run()))
+                }
+            };
             let parallel = halves == 2 && !near_items.is_empty() && !far_items.is_empty();
             let (near_failed, far_out) = if parallel {
                 std::thread::scope(|sc| {
-                    let h = sc.spawn(far_run);
-                    let n = near();
-                    (n, h.join().ok())
+                    match std::thread::Builder::new()
+                        .name("kvtier-bounce".into())
+                        .spawn_scoped(sc, far_run)
+                    {
+                        Ok(h) => {
+                            let n = near();
+                            (n, h.join().ok())
+                        }
+                        Err(e) => {
+                            tracing::debug!("no helper thread ({e}): bounce legs in turn");
+                            sequential()
+                        }
+                    }
                 })
-            } else if store {
-                // One half: the far leg must be done with it before the device leg refills it.
-                let f = far_run();
-                (near(), Some(f))
             } else {
-                // One half: the device leg must be done with it before the far leg refills it.
-                let n = near();
-                (n, Some(far_run()))
+                sequential()
             };
             let dir = if store { "device read" } else { "device write" };
             let mut near_ok = vec![true; near_items.len()];
@@ -648,5 +663,18 @@ impl BlockTransfer for TransferEngine {
             );
         }
         outcome
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_bounce_is_about_64_mib_within_bounds() {
+        assert_eq!(default_bounce_blocks(2 << 20), 32);
+        assert_eq!(default_bounce_blocks(256), 64);
+        assert_eq!(default_bounce_blocks(48 << 20), 2);
+        assert_eq!(default_bounce_blocks(0), 64);
     }
 }
