@@ -76,8 +76,10 @@ KVTIER_* / DYN_KVBM_* environment. Adapter keys:
 
 - ``block_size`` (int, required): tokens per block (TensorRT-LLM ``tokens_per_block``).
 - ``world_size`` (int, default 1), ``rank`` (int, Worker only, default 0).
-- ``async_loads`` (bool, default False): loads complete through ``get_finished`` instead of before
-  the forward pass.
+- ``async_loads`` (bool): loads complete through ``get_finished`` instead of before the forward
+  pass. Unset: kvtier's ``connector.async_loads`` (TOML < ``KVTIER_ASYNC_LOADS`` < engine keys), else
+  ``async_loads_default`` (bool, the adapter's default: vLLM True, TensorRT-LLM False), else False.
+  The resolved value is ``Leader.loads_are_async``.
 - ``salt`` (str): separates key spaces (model, dtype, LoRA, tenant); default from ``hashing.*``.
 - ``bytes_per_block`` (int): one block summed over all ranks. Without it the Leader waits (up to
   ``connector.leader_worker_timeout_secs``) for an in-process Worker's layout and assumes equal shards.

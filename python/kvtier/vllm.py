@@ -23,7 +23,12 @@ Invariants:
   ``update_state_after_alloc`` commits a load;
 - a load that kvtier could not complete is never reported as loaded: its device block ids go to
   ``get_block_ids_with_load_errors`` (an async load's request also to finished-receiving), so vLLM recomputes them
-  (policy ``recompute``, which the connector sets if it was left at vLLM's default ``fail``);
+  (policy ``recompute``, which the connector sets if it was left at vLLM's default ``fail``); kvtier's leader drops
+  the failed blocks from matching;
+- a request matched again after its allocation but before it ever ran (vLLM freed it after its async load failed at
+  the first block) loses its device table in kvtier and is offered no external tokens again: it is recomputed, so
+  it can never cycle load -> fail -> match in vLLM's queue of block-holding requests (which vLLM drains before any
+  other waiting request);
 - nothing raised inside kvtier escapes into vLLM: every failure becomes a logged error, a cache miss or a failed
   load, and is counted (``adapter_errors``);
 - each device block id enters kvtier's block table once per request: new requests bring their table, cached requests

@@ -4,16 +4,17 @@
 //! Device <-> disk and device <-> remote jobs (a configuration without a host tier, or a block
 //! found only on disk or in the remote store) go through a private bounce buffer per direction:
 //! a few host blocks of the engine's own, never part of the host pool, pinned when the device is
-//! CUDA. A job runs in slices of the buffer's size: loads read the slice from disk/remote into
-//! the buffer, then copy the blocks that arrived intact to the device; stores copy the device
-//! blocks into the buffer, then write the ones that copied to disk/remote.
+//! CUDA. A job runs in slices of half the buffer: loads read a slice from disk/remote into one
+//! half, then copy the blocks that arrived intact to the device; stores copy device blocks into
+//! one half, then write the ones that copied to disk/remote. The disk/remote leg of one slice
+//! overlaps the device leg of the neighbouring slice, which uses the other half.
 //!
 //! Invariants: every pair of a job is either copied completely or listed in `Failed` with its
 //! reason (a bad block id, a checksum mismatch, a missing remote key, a CUDA or I/O error); pairs
 //! are independent, so one failure never hides or fails another pair's data; a pair whose disk or
 //! remote leg failed never touches engine memory; device memory is only touched after the job's
-//! fence has passed; a bounce buffer is used by one slice at a time (its mutex), and a slice's
-//! second leg starts only after its first leg completed.
+//! fence has passed; a bounce buffer is used by one job at a time (its mutex), each half by one
+//! leg at a time, and a slice's second leg starts only after its first leg completed.
 use std::sync::{Arc, Mutex};
 
 use kvtier::transfer::{
@@ -43,7 +44,7 @@ pub struct TransferEngineBuilder {
 }
 
 /// Bytes each bounce buffer aims at when the builder is not given a block count.
-const BOUNCE_BYTES: usize = 32 << 20;
+const BOUNCE_BYTES: usize = 64 << 20;
 /// Bounds on the default bounce buffer size, in blocks.
 const BOUNCE_MIN_BLOCKS: usize = 2;
 const BOUNCE_MAX_BLOCKS: usize = 64;
@@ -55,7 +56,7 @@ fn default_bounce_blocks(bytes_per_block: usize) -> u32 {
 
 impl TransferEngineBuilder {
     /// Blocks in each of the two bounce buffers (loads, stores) that device <-> disk and
-    /// device <-> remote jobs pass through (default: about 32 MiB, 2 to 64 blocks).
+    /// device <-> remote jobs pass through (default: about 64 MiB, 2 to 64 blocks).
     pub fn bounce_blocks(mut self, n: u32) -> Self {
         self.bounce_blocks = Some(n.max(1));
         self
@@ -495,9 +496,13 @@ impl TransferEngine {
         ok
     }
 
-    /// Device <-> disk/remote through the bounce buffer of the direction, a slice at a time.
-    /// `store`: device -> far (device leg first); else far -> device (far leg first, and only
-    /// the pairs whose far leg copied reach the device).
+    /// Device <-> disk/remote through the bounce buffer of the direction. The buffer is split in
+    /// two halves (when it has two blocks or more) and the job runs in slices of one half; slice
+    /// `s` uses half `s % 2`. Loads: far leg (disk read / remote get) of a slice, then its device
+    /// leg for the pairs whose far leg succeeded; stores: device leg of a slice, then its far leg
+    /// for the pairs that copied. With two halves the far leg of one slice (on a scoped helper
+    /// thread) runs while the device leg of the neighbouring slice (on this thread, after the
+    /// fence) uses the other half; with one half they alternate.
     fn staged(&self, job: &TransferJob, fence: &Fence, store: bool, res: &mut Results) {
         let (Some(dev), Some(bounces)) = (&self.device, &self.bounce) else {
             for i in 0..job.pairs.len() {
@@ -510,43 +515,115 @@ impl TransferEngine {
         } else {
             (job.src, &bounces.load)
         };
+        // Held for the whole job: both halves are in use at once.
+        let mem = bounce.mem.lock().unwrap_or_else(|p| p.into_inner());
+        let halves = if bounce.blocks >= 2 { 2 } else { 1 };
+        let per = (bounce.blocks / halves).max(1);
         let indices: Vec<usize> = (0..job.pairs.len()).collect();
-        for slice in indices.chunks(bounce.blocks.max(1)) {
-            let mem = bounce.mem.lock().unwrap_or_else(|p| p.into_inner());
-            let mut items = Vec::with_capacity(slice.len());
-            for (k, &i) in slice.iter().enumerate() {
-                match mem.block_addr(k as u32) {
+        let mut slices: Vec<Vec<(usize, usize)>> = Vec::with_capacity(indices.len() / per + 1);
+        for (s, chunk) in indices.chunks(per).enumerate() {
+            let mut items = Vec::with_capacity(chunk.len());
+            for (k, &i) in chunk.iter().enumerate() {
+                match mem.block_addr(((s % halves) * per + k) as u32) {
                     Ok(a) => items.push((i, a)),
                     Err(e) => res.fail(i, format!("bounce buffer {e}")),
                 }
             }
-            if store {
-                let dev_items: Vec<(usize, u32, usize)> = items
-                    .iter()
-                    .map(|&(i, a)| (i, job.pairs[i].src, a))
-                    .collect();
-                let failed = dev.copy(&dev_items, true, fence);
-                let copied: Vec<(usize, usize)> = items
-                    .iter()
-                    .filter(|(i, _)| !failed.iter().any(|(f, _)| f == i))
-                    .copied()
-                    .collect();
-                for (i, reason) in failed {
-                    res.fail(i, format!("device read: {reason}"));
-                }
-                self.far_leg(job, far, true, &copied, res);
+            slices.push(items);
+        }
+        let dev_items = |items: &[(usize, usize)]| -> Vec<(usize, u32, usize)> {
+            items
+                .iter()
+                .map(|&(i, a)| {
+                    let p = &job.pairs[i];
+                    (i, if store { p.src } else { p.dst }, a)
+                })
+                .collect()
+        };
+        // The slice between its first and second leg.
+        let mut pending: Vec<(usize, usize)> = Vec::new();
+        for s in 0..=slices.len() {
+            let next: &[(usize, usize)] = slices.get(s).map_or(&[], Vec::as_slice);
+            // Loads: device leg of `pending` beside the far leg of `next`.
+            // Stores: far leg of `pending` beside the device leg of `next`.
+            let (near_items, far_items) = if store {
+                (next, pending.as_slice())
             } else {
-                let ok = self.far_leg(job, far, false, &items, res);
-                let dev_items: Vec<(usize, u32, usize)> = items
-                    .iter()
-                    .zip(ok)
-                    .filter(|(_, ok)| *ok)
-                    .map(|(&(i, a), _)| (i, job.pairs[i].dst, a))
-                    .collect();
-                for (i, reason) in dev.copy(&dev_items, false, fence) {
-                    res.fail(i, format!("device write: {reason}"));
+                (pending.as_slice(), next)
+            };
+            let near = || dev.copy(&dev_items(near_items), store, fence);
+            let far_run = || {
+                let mut r = Results {
+                    failures: Vec::new(),
+                };
+                let ok = self.far_leg(job, far, store, far_items, &mut r);
+                (ok, r)
+            };
+            let sequential = || {
+                if store {
+                    // One half: the far leg must be done with it before the device leg refills it.
+                    let f = far_run();
+                    (near(), Some(f))
+                } else {
+                    // One half: the device leg must be done with it before the far leg refills it.
+                    let n = near();
+                    (n, Some(far_run()))
                 }
+            };
+            let parallel = halves == 2 && !near_items.is_empty() && !far_items.is_empty();
+            let (near_failed, far_out) = if parallel {
+                std::thread::scope(|sc| {
+                    match std::thread::Builder::new()
+                        .name("kvtier-bounce".into())
+                        .spawn_scoped(sc, far_run)
+                    {
+                        Ok(h) => {
+                            let n = near();
+                            (n, h.join().ok())
+                        }
+                        Err(e) => {
+                            tracing::debug!("no helper thread ({e}): bounce legs in turn");
+                            sequential()
+                        }
+                    }
+                })
+            } else {
+                sequential()
+            };
+            let dir = if store { "device read" } else { "device write" };
+            let mut near_ok = vec![true; near_items.len()];
+            for (i, reason) in near_failed {
+                if let Some(k) = near_items.iter().position(|&(j, _)| j == i) {
+                    near_ok[k] = false;
+                }
+                res.fail(i, format!("{dir}: {reason}"));
             }
+            let far_ok = match far_out {
+                Some((ok, r)) => {
+                    res.failures.extend(r.failures);
+                    ok
+                }
+                None => {
+                    for &(i, _) in far_items {
+                        res.fail(i, "internal: the disk/remote leg panicked");
+                    }
+                    vec![false; far_items.len()]
+                }
+            };
+            // What goes on to its second leg.
+            pending = if store {
+                next.iter()
+                    .zip(near_ok)
+                    .filter(|(_, ok)| *ok)
+                    .map(|(&x, _)| x)
+                    .collect()
+            } else {
+                next.iter()
+                    .zip(far_ok)
+                    .filter(|(_, ok)| *ok)
+                    .map(|(&x, _)| x)
+                    .collect()
+            };
         }
     }
 }
@@ -586,5 +663,18 @@ impl BlockTransfer for TransferEngine {
             );
         }
         outcome
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_bounce_is_about_64_mib_within_bounds() {
+        assert_eq!(default_bounce_blocks(2 << 20), 32);
+        assert_eq!(default_bounce_blocks(256), 64);
+        assert_eq!(default_bounce_blocks(48 << 20), 2);
+        assert_eq!(default_bounce_blocks(0), 64);
     }
 }

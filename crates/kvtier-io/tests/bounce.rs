@@ -88,7 +88,14 @@ fn disk(dir: &std::path::Path, io: DiskIoMode) -> Arc<DiskStorage> {
 
 #[test]
 fn device_disk_device_round_trip_without_host_tier() {
-    for io in [DiskIoMode::Uring, DiskIoMode::Sync] {
+    // 1 block: the two legs alternate on one half; 3 blocks: two halves of 1 (the usual shape,
+    // overlapped); 8 blocks: two halves of 4, the job in 3 slices.
+    for (io, bounce) in [
+        (DiskIoMode::Uring, BOUNCE),
+        (DiskIoMode::Sync, BOUNCE),
+        (DiskIoMode::Auto, 1),
+        (DiskIoMode::Auto, 8),
+    ] {
         let tmp = tempfile::tempdir().unwrap();
         let mut cache = Cache::new();
         for b in 0..BLOCKS {
@@ -98,11 +105,11 @@ fn device_disk_device_round_trip_without_host_tier() {
         let e = TransferEngine::builder()
             .device(Arc::new(cache.layout()), DeviceKind::Cpu)
             .disk(d.clone())
-            .bounce_blocks(BOUNCE)
+            .bounce_blocks(bounce)
             .build()
             .unwrap();
         assert!(!e.has_tier(Tier::Host));
-        assert_eq!(e.bounce_blocks(), Some(BOUNCE as usize));
+        assert_eq!(e.bounce_blocks(), Some(bounce as usize));
         assert_eq!(e.bounce_pinned(), Some(false));
         // Store all 11 device blocks (4 slices) to disk slots 15 - b.
         let store: Vec<(u32, u32)> = (0..BLOCKS).map(|b| (b, 15 - b)).collect();
@@ -137,6 +144,12 @@ fn device_disk_device_round_trip_without_host_tier() {
 
 #[test]
 fn corrupted_disk_block_fails_only_its_pair_and_leaves_its_device_block() {
+    for bounce in [1, BOUNCE, 4] {
+        corrupted_disk_block(bounce);
+    }
+}
+
+fn corrupted_disk_block(bounce: u32) {
     let tmp = tempfile::tempdir().unwrap();
     let mut cache = Cache::new();
     for b in 0..BLOCKS {
@@ -146,7 +159,7 @@ fn corrupted_disk_block_fails_only_its_pair_and_leaves_its_device_block() {
     let e = TransferEngine::builder()
         .device(Arc::new(cache.layout()), DeviceKind::Cpu)
         .disk(d.clone())
-        .bounce_blocks(BOUNCE)
+        .bounce_blocks(bounce)
         .build()
         .unwrap();
     let store: Vec<(u32, u32)> = (0..8).map(|b| (b, b)).collect();
@@ -192,6 +205,12 @@ fn corrupted_disk_block_fails_only_its_pair_and_leaves_its_device_block() {
 
 #[test]
 fn bad_device_ids_fail_only_their_pairs() {
+    for bounce in [1, BOUNCE, 4] {
+        bad_device_ids(bounce);
+    }
+}
+
+fn bad_device_ids(bounce: u32) {
     let tmp = tempfile::tempdir().unwrap();
     let mut cache = Cache::new();
     for b in 0..BLOCKS {
@@ -201,7 +220,7 @@ fn bad_device_ids_fail_only_their_pairs() {
     let e = TransferEngine::builder()
         .device(Arc::new(cache.layout()), DeviceKind::Cpu)
         .disk(d.clone())
-        .bounce_blocks(BOUNCE)
+        .bounce_blocks(bounce)
         .build()
         .unwrap();
     // Device block 40 does not exist; disk slot 30 does not exist.
@@ -233,6 +252,12 @@ fn keyed(src: Tier, dst: Tier, pairs: &[(u32, u32)], keys: &[u128]) -> TransferJ
 
 #[test]
 fn device_remote_device_round_trip_and_missing_key() {
+    for bounce in [1, BOUNCE, 4] {
+        remote_round_trip(bounce);
+    }
+}
+
+fn remote_round_trip(bounce: u32) {
     let tmp = tempfile::tempdir().unwrap();
     let url = format!("dir://{}", tmp.path().display());
     let mut producer = Cache::new();
@@ -246,7 +271,7 @@ fn device_remote_device_round_trip_and_missing_key() {
         let e = TransferEngine::builder()
             .device(Arc::new(producer.layout()), DeviceKind::Cpu)
             .remote(kvtier_io::remote::from_url(&url, "bounce-test").unwrap())
-            .bounce_blocks(BOUNCE)
+            .bounce_blocks(bounce)
             .build()
             .unwrap();
         // Device block b -> key b (pair dst indexes `remote_keys`).
@@ -264,7 +289,7 @@ fn device_remote_device_round_trip_and_missing_key() {
     let e = TransferEngine::builder()
         .device(Arc::new(consumer.layout()), DeviceKind::Cpu)
         .remote(kvtier_io::remote::from_url(&url, "bounce-test").unwrap())
-        .bounce_blocks(BOUNCE)
+        .bounce_blocks(bounce)
         .build()
         .unwrap();
     // Load keys reversed; key index 11 (one past the stored ones) is a key never put, index 20
