@@ -1282,3 +1282,98 @@ impl Leader {
         self.disk.as_ref()
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn confirm_all(l: &mut Leader, m: &StepMetadata) {
+        let jobs = m
+            .stores
+            .iter()
+            .map(|s| s.job.id)
+            .chain(m.background.iter().map(|j| j.id));
+        for job in jobs.collect::<Vec<_>>() {
+            l.apply_report(WorkerReport {
+                rank: 0,
+                job,
+                outcome: TransferOutcome::Ok,
+            });
+        }
+    }
+
+    fn new_record(id: &str, tokens: Vec<u32>, first_block: u32) -> StepRecord {
+        let blocks = (tokens.len() / 4) as u32;
+        StepRecord {
+            request_id: id.into(),
+            num_scheduled_tokens: tokens.len(),
+            new_tokens: tokens,
+            new_block_ids: (first_block..first_block + blocks)
+                .map(DeviceBlockId)
+                .collect(),
+            is_new: true,
+            ..Default::default()
+        }
+    }
+
+    /// Regression: a record's offloads are reserved in order, so a block found in G2 can be evicted
+    /// to make room for a later block of the same record. It must not then be spilled to disk under
+    /// its old hash (its host block is being overwritten by the new store).
+    #[test]
+    fn a_g2_hit_evicted_by_its_own_batch_is_not_spilled() {
+        let mut cfg = LeaderConfig::new(4, HashSalt(3), 2);
+        cfg.disk = Capacity::Blocks(8);
+        cfg.disk_policy = DiskPolicy::filtered(); // spill on the second sighting
+        let mut l = Leader::new(cfg).unwrap();
+        // A stores two blocks (first sighting of each); G2 is then full, A's block 0 the LRU.
+        let a: Vec<u32> = (0..8).collect();
+        let m = l
+            .build_step(&SchedulerStep {
+                records: vec![new_record("a", a.clone(), 0)],
+                finished: vec![],
+            })
+            .unwrap();
+        assert_eq!(m.stores.len(), 1);
+        confirm_all(&mut l, &m);
+        let hashes =
+            crate::hash::sequence_hashes(HashSalt(3), &[&a[..], &[100, 101, 102, 103]].concat(), 4);
+        let host = l.host_pool().unwrap();
+        let (blk0, blk1) = (
+            host.lookup(hashes[0]).unwrap(),
+            host.lookup(hashes[1]).unwrap(),
+        );
+        assert_eq!(host.eviction_order(), vec![blk0, blk1]);
+        // B repeats A's two blocks and adds a third: [hit, hit, new]; the new block evicts blk0.
+        let mut b = a.clone();
+        b.extend([100, 101, 102, 103]);
+        let m = l
+            .build_step(&SchedulerStep {
+                records: vec![new_record("b", b, 10)],
+                finished: vec![],
+            })
+            .unwrap();
+        assert_eq!(m.stores.len(), 1);
+        assert_eq!(
+            m.stores[0].job.pairs,
+            vec![BlockPair {
+                src: 12,
+                dst: blk0.0
+            }]
+        );
+        // Only A's block 1, still in G2, is spilled on its second sighting.
+        assert_eq!(m.background.len(), 1);
+        assert_eq!(m.background[0].dst, Tier::Disk);
+        assert_eq!(m.background[0].pairs[0].src, blk1.0);
+        confirm_all(&mut l, &m);
+        let disk = l.disk_pool().unwrap();
+        assert!(disk.lookup(hashes[1]).is_some());
+        assert_eq!(disk.lookup(hashes[0]), None);
+        let host = l.host_pool().unwrap();
+        assert_eq!(host.lookup(hashes[2]), Some(blk0));
+        assert_eq!(host.lookup(hashes[0]), None);
+        assert_eq!(host.num_pinned(), 0);
+        let s = l.stats();
+        assert_eq!((s.offload_deduplicated, s.spill_disk_blocks), (2, 1));
+    }
+}
