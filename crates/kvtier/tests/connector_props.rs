@@ -115,6 +115,9 @@ struct Sim {
     store_jobs: HashMap<usize, Vec<JobId>>,
     /// Load destination device block -> request index, for outstanding loads.
     load_dst: HashMap<u32, usize>,
+    /// Load errors the worker reported whose request has not been reported yet (vLLM keeps the
+    /// invalid blocks of a request still waiting for its asynchronous load until the load finishes).
+    errors_seen: HashSet<u32>,
     finished_unsaved: HashSet<usize>,
     to_report_finished: Vec<RequestId>,
     vllm_alloc: bool,
@@ -304,18 +307,7 @@ impl Sim {
         }
 
         // Engine bookkeeping after the forward pass.
-        let errors = self.worker.take_load_errors();
-        for e in &errors {
-            assert!(
-                self.fail_load.contains(&e.0),
-                "load error for device block {e:?} whose load did not fail"
-            );
-            assert!(
-                self.load_dst.contains_key(&e.0),
-                "load error for a block nobody was loading"
-            );
-        }
-        let err_ids: Vec<u32> = errors.iter().map(|e| e.0).collect();
+        let err_ids = self.take_load_errors();
         for &(r, scheduled, drafts) in &plans {
             let failed: Vec<u32> = self.reqs[r]
                 .loading
@@ -328,6 +320,9 @@ impl Sim {
                     self.load_dst.remove(&d);
                 }
                 if !failed.is_empty() {
+                    for d in &failed {
+                        self.errors_seen.remove(d);
+                    }
                     // vLLM discards the step's output and recomputes from the failed block.
                     self.rollback(r, &failed);
                     continue;
@@ -370,12 +365,33 @@ impl Sim {
             }
         }
 
-        self.collect(err_ids);
+        self.collect();
     }
 
-    fn collect(&mut self, err_ids: Vec<u32>) {
+    /// The worker's load errors since the last call, checked and remembered until their request
+    /// is reported.
+    fn take_load_errors(&mut self) -> Vec<u32> {
+        let errors = self.worker.take_load_errors();
+        for e in &errors {
+            assert!(
+                self.fail_load.contains(&e.0),
+                "load error for device block {e:?} whose load did not fail"
+            );
+            assert!(
+                self.load_dst.contains_key(&e.0),
+                "load error for a block nobody was loading"
+            );
+        }
+        let ids: Vec<u32> = errors.iter().map(|e| e.0).collect();
+        self.errors_seen.extend(ids.iter().copied());
+        ids
+    }
+
+    fn collect(&mut self) {
         let finished = self.to_report_finished.clone();
+        // vLLM's order: the transfer results first, then the blocks with load errors.
         let f = self.worker.get_finished(&finished, None);
+        self.take_load_errors();
         let ran = self.ran.lock().unwrap().clone();
         self.leader.poll_reports();
         for id in &f.saved {
@@ -393,7 +409,6 @@ impl Sim {
                 self.release_blocks(r);
             }
         }
-        let errs: HashSet<u32> = err_ids.into_iter().collect();
         for (id, ok) in f
             .loaded
             .iter()
@@ -410,6 +425,7 @@ impl Sim {
             for d in &loading {
                 self.load_dst.remove(d);
             }
+            let errs = &self.errors_seen;
             if ok {
                 assert!(
                     failed.is_empty(),
@@ -424,6 +440,9 @@ impl Sim {
                     failed.iter().all(|d| errs.contains(d)),
                     "failed blocks of {id} missing from the load errors"
                 );
+                for d in &loading {
+                    self.errors_seen.remove(d);
+                }
                 self.rollback(r, &failed);
             }
             self.reqs[r].st = St::Running;
@@ -497,6 +516,7 @@ fn run_script(s: Script) {
         dice: s.dice.clone(),
         pos: 0,
         fail_load: s.fail_load_dev.iter().copied().collect(),
+        errors_seen: HashSet::new(),
         dispatched: HashSet::new(),
         store_jobs: HashMap::new(),
         load_dst: HashMap::new(),
@@ -517,7 +537,7 @@ fn run_script(s: Script) {
     sim.worker.forward_done(None);
     sim.worker.wait_idle();
     for _ in 0..3 {
-        sim.collect(Vec::new());
+        sim.collect();
         sim.worker.wait_idle();
     }
     sim.leader.poll_reports();
@@ -555,4 +575,24 @@ proptest! {
     fn random_schedules_keep_the_invariants(s in script()) {
         run_script(s);
     }
+}
+
+/// A schedule proptest found on a fresh CI run (async loads, vLLM-style allocation, failed loads into
+/// device blocks 0/2/4/12): every failed block of a request reported `load_failed` must be in the load errors.
+#[test]
+fn regression_failed_async_load_blocks_are_all_reported() {
+    run_script(Script {
+        prompts: vec![(0, 4, 1), (0, 4, 22), (0, 1, 8), (0, 4, 20)],
+        dice: vec![
+            11, 134, 251, 87, 106, 142, 155, 223, 157, 98, 78, 144, 72, 246, 189, 194, 184, 231,
+            112, 83, 187, 6, 82, 219, 221, 62, 211, 58, 159, 142, 118, 234, 132, 225, 110, 78, 167,
+            204, 17, 136, 123, 47, 41, 21, 20, 74, 53, 38, 45, 39, 17, 217, 121, 88, 42, 245, 205,
+            113, 113, 49, 254,
+        ],
+        async_loads: true,
+        vllm_alloc: true,
+        fail_load_dev: vec![0, 4, 12, 2],
+        fail_store_dev: vec![47, 19, 44],
+        host_blocks: 36,
+    });
 }
