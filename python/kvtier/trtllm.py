@@ -396,14 +396,17 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         loaded = list(loaded)
         for rid in loaded:
             self._async.pop(str(rid))
+        # Errors of a load that finished after get_finished looked belong to a request reported on a
+        # later call: remember them all until their request is reported.
+        self._async_errors |= {int(b) for b in w.take_load_errors()}
         if load_failed:
-            loaded += self._recompute(load_failed, {int(b) for b in w.take_load_errors()})
+            loaded += self._recompute(load_failed)
         return [int(x) for x in saved], [int(x) for x in loaded]
 
-    def _recompute(self, load_failed: Sequence[str], errors: set[int]) -> list[str]:
+    def _recompute(self, load_failed: Sequence[str]) -> list[str]:
         """Rewind each failed request to its first failed block so TensorRT-LLM computes the rest, and
         return the ids to report loaded. Raises TransferError where that is impossible."""
-        errors |= self._async_errors
+        errors = self._async_errors
         if not self._can_recompute:
             raise TransferError(
                 f"kvtier could not load the KV of requests {sorted(int(x) for x in load_failed)}; "
