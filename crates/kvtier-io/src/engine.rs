@@ -351,9 +351,11 @@ impl TransferEngine {
             (Tier::Device, Tier::Host) | (Tier::Host, Tier::Device) => {
                 self.device_host(job, fence, &mut res)
             }
-            (Tier::Host, Tier::Disk) | (Tier::Disk, Tier::Host) => self.host_disk(job, &mut res),
+            (Tier::Host, Tier::Disk) | (Tier::Disk, Tier::Host) => {
+                self.host_far(job, Tier::Disk, &mut res)
+            }
             (Tier::Host, Tier::Remote) | (Tier::Remote, Tier::Host) => {
-                self.host_remote(job, &mut res)
+                self.host_far(job, Tier::Remote, &mut res)
             }
             (Tier::Disk | Tier::Remote, Tier::Device) => self.staged(job, fence, false, &mut res),
             (Tier::Device, Tier::Disk | Tier::Remote) => self.staged(job, fence, true, &mut res),
@@ -397,26 +399,16 @@ impl TransferEngine {
         }
     }
 
-    fn host_disk(&self, job: &TransferJob, res: &mut Results) {
-        let to_disk = job.dst == Tier::Disk;
-        let host_addrs = self.host_addrs(job, to_disk, res);
+    /// Host <-> disk or host <-> remote (`far`), straight from and into host tier blocks.
+    fn host_far(&self, job: &TransferJob, far: Tier, res: &mut Results) {
+        let to_far = job.dst == far;
+        let host_addrs = self.host_addrs(job, to_far, res);
         let items: Vec<(usize, usize)> = host_addrs
             .into_iter()
             .enumerate()
             .filter_map(|(i, h)| h.map(|h| (i, h)))
             .collect();
-        self.far_leg(job, Tier::Disk, to_disk, &items, res);
-    }
-
-    fn host_remote(&self, job: &TransferJob, res: &mut Results) {
-        let to_remote = job.dst == Tier::Remote;
-        let host_addrs = self.host_addrs(job, to_remote, res);
-        let items: Vec<(usize, usize)> = host_addrs
-            .into_iter()
-            .enumerate()
-            .filter_map(|(i, h)| h.map(|h| (i, h)))
-            .collect();
-        self.far_leg(job, Tier::Remote, to_remote, &items, res);
+        self.far_leg(job, far, to_far, &items, res);
     }
 
     /// Move whole blocks between `far` (disk or remote) and host memory: `items[k] = (pair
@@ -441,7 +433,9 @@ impl TransferEngine {
         let mut ok = vec![false; items.len()];
         match far {
             Tier::Disk => {
-                let Some(disk) = &self.disk else { return ok };
+                let Some(disk) = &self.disk else {
+                    return Self::far_tier_missing(far, items, res, ok);
+                };
                 let io: Vec<(u32, usize)> = items.iter().map(|&(i, h)| (far_id(i), h)).collect();
                 let out = if to_far {
                     disk.write_from(&io)
@@ -457,7 +451,7 @@ impl TransferEngine {
             }
             Tier::Remote => {
                 let Some(remote) = &self.remote else {
-                    return ok;
+                    return Self::far_tier_missing(far, items, res, ok);
                 };
                 for (k, &(i, h)) in items.iter().enumerate() {
                     let key_idx = far_id(i) as usize;
@@ -492,6 +486,20 @@ impl TransferEngine {
                     res.fail(i, "internal: far leg to a near tier");
                 }
             }
+        }
+        ok
+    }
+
+    /// Every item fails: `far` is not configured (callers check `has_tier` first; this keeps the
+    /// "copied or listed failed" invariant local to `far_leg`).
+    fn far_tier_missing(
+        far: Tier,
+        items: &[(usize, usize)],
+        res: &mut Results,
+        ok: Vec<bool>,
+    ) -> Vec<bool> {
+        for &(i, _) in items {
+            res.fail(i, TransferError::TierMissing(far));
         }
         ok
     }

@@ -1011,30 +1011,6 @@ impl Leader {
                 let spills = tier == Tier::Host
                     && ((self.disk.is_some() && self.disk_policy != DiskPolicy::Never)
                         || (self.remote_put && self.remote.is_some()));
-                if failed.is_empty() && !spills {
-                    // The common case in one pass over the pool: publish, unpin.
-                    let pool = if tier == Tier::Host {
-                        self.host.as_mut()
-                    } else {
-                        self.disk.as_mut()
-                    };
-                    if let Some(pool) = pool {
-                        for &(blk, _) in &blocks {
-                            match pool.confirm(blk, self.priority) {
-                                Ok(()) => self.stats.offload_confirmed += 1,
-                                Err(e) => {
-                                    tracing::error!(error = %e, "confirming a stored block failed");
-                                    continue;
-                                }
-                            }
-                            if let Err(e) = pool.release(blk) {
-                                tracing::error!(error = %e, "releasing a pool block failed");
-                            }
-                        }
-                    }
-                    self.job_done(&request, true);
-                    return;
-                }
                 for (i, (blk, hash)) in blocks.into_iter().enumerate() {
                     if failed.contains(&i) {
                         // Releasing the unconfirmed block frees it and drops its reservation.
@@ -1048,16 +1024,15 @@ impl Leader {
                         self.disk.as_mut()
                     };
                     let Some(pool) = pool else { continue };
-                    match pool.confirm(blk, self.priority) {
-                        Ok(()) => {
-                            self.stats.offload_confirmed += 1;
-                            if tier == Tier::Host {
-                                self.plan_spills(blk, hash, true);
-                            }
-                            self.release(tier, blk);
-                        }
-                        Err(e) => tracing::error!(error = %e, "confirming a stored block failed"),
+                    if let Err(e) = pool.confirm(blk, self.priority) {
+                        tracing::error!(error = %e, "confirming a stored block failed");
+                        continue;
                     }
+                    self.stats.offload_confirmed += 1;
+                    if spills {
+                        self.plan_spills(blk, hash, true);
+                    }
+                    self.release(tier, blk);
                 }
                 self.job_done(&request, true);
             }
