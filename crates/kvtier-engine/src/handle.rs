@@ -155,7 +155,7 @@ impl EngineHandle {
             return Err(EngineError::Overloaded(prev));
         }
         let (etx, erx) = unbounded_channel();
-        let id = RequestId(format!(
+        let id = RequestId::from(format!(
             "req-{}",
             self.inner.next_id.fetch_add(1, Ordering::Relaxed)
         ));

@@ -49,7 +49,7 @@ impl PyStepRecord {
     ) -> Self {
         PyStepRecord {
             inner: StepRecord {
-                request_id: RequestId(request_id),
+                request_id: RequestId::from(request_id),
                 new_tokens,
                 new_block_ids: new_block_ids.into_iter().map(DeviceBlockId).collect(),
                 num_computed_tokens,
@@ -62,7 +62,7 @@ impl PyStepRecord {
     }
     #[getter]
     fn request_id(&self) -> &str {
-        &self.inner.request_id.0
+        self.inner.request_id.as_str()
     }
     #[getter]
     fn new_tokens(&self) -> Vec<u32> {
@@ -119,7 +119,7 @@ fn record_from_py(obj: &Bound<'_, PyAny>) -> PyResult<StepRecord> {
         };
         let new_block_ids: Vec<u32> = t.get_item(2)?.extract()?;
         return Ok(StepRecord {
-            request_id: RequestId(t.get_item(0)?.str()?.to_string()),
+            request_id: RequestId::new(t.get_item(0)?.str()?.to_str()?),
             new_tokens: t.get_item(1)?.extract()?,
             new_block_ids: new_block_ids.into_iter().map(DeviceBlockId).collect(),
             num_computed_tokens: t.get_item(3)?.extract()?,
@@ -143,7 +143,7 @@ fn record_from_py(obj: &Bound<'_, PyAny>) -> PyResult<StepRecord> {
     let request_id: String = req("request_id")?.str()?.to_string();
     let new_block_ids: Vec<u32> = req("new_block_ids")?.extract()?;
     Ok(StepRecord {
-        request_id: RequestId(request_id),
+        request_id: RequestId::from(request_id),
         new_tokens: req("new_tokens")?.extract()?,
         new_block_ids: new_block_ids.into_iter().map(DeviceBlockId).collect(),
         num_computed_tokens: req("num_computed_tokens")?.extract()?,
@@ -488,7 +488,7 @@ impl PyLeader {
         let mut g = self.lock();
         let leader = g.ready(py)?;
         Ok(leader
-            .get_num_new_matched_tokens(&RequestId(request_id), &tokens, num_computed_tokens)
+            .get_num_new_matched_tokens(&RequestId::from(request_id), &tokens, num_computed_tokens)
             .map_err(BridgeError::from)?)
     }
 
@@ -503,7 +503,7 @@ impl PyLeader {
         let ids: Vec<DeviceBlockId> = block_ids.into_iter().map(DeviceBlockId).collect();
         let mut g = self.lock();
         g.ready(py)?
-            .update_state_after_alloc(&RequestId(request_id), &ids, num_external_tokens)
+            .update_state_after_alloc(&RequestId::from(request_id), &ids, num_external_tokens)
             .map_err(BridgeError::from)?;
         Ok(())
     }
@@ -517,7 +517,7 @@ impl PyLeader {
     ) -> PyResult<Bound<'py, PyBytes>> {
         let mut step = SchedulerStep {
             records: Vec::with_capacity(records.len()),
-            finished: finished.into_iter().map(RequestId).collect(),
+            finished: finished.into_iter().map(RequestId::from).collect(),
         };
         for r in &records {
             step.records.push(record_from_py(r)?);
@@ -538,14 +538,14 @@ impl PyLeader {
     fn request_finished(&self, py: Python<'_>, request_id: String) -> PyResult<bool> {
         let mut g = self.lock();
         Ok(g.ready(py)?
-            .request_finished(&RequestId(request_id))
+            .request_finished(&RequestId::from(request_id))
             .map_err(BridgeError::from)?)
     }
 
     fn request_preempted(&self, py: Python<'_>, request_id: String) -> PyResult<()> {
         let mut g = self.lock();
         g.ready(py)?
-            .request_preempted(&RequestId(request_id))
+            .request_preempted(&RequestId::from(request_id))
             .map_err(BridgeError::from)?;
         Ok(())
     }

@@ -321,7 +321,7 @@ fn gone() -> PyErr {
 }
 
 fn ids(v: Vec<RequestId>) -> Vec<String> {
-    v.into_iter().map(|r| r.0).collect()
+    v.into_iter().map(|r| r.to_string()).collect()
 }
 
 #[pymethods]
@@ -396,9 +396,9 @@ impl PyWorker {
         finished: Vec<String>,
         started_loading: Option<Vec<String>>,
     ) -> PyResult<(Vec<String>, Vec<String>, Vec<String>)> {
-        let finished: Vec<RequestId> = finished.into_iter().map(RequestId).collect();
+        let finished: Vec<RequestId> = finished.into_iter().map(RequestId::from).collect();
         let started: Option<Vec<RequestId>> =
-            started_loading.map(|v| v.into_iter().map(RequestId).collect());
+            started_loading.map(|v| v.into_iter().map(RequestId::from).collect());
         let mut g = self.lock();
         let r = g
             .worker

@@ -4,7 +4,9 @@
 //!   chunked prefill with 256-token chunks, i.e. ~3800 prefill tokens and ~240 newly full blocks
 //!   per step; the rest decoding; finished requests are replaced by new 1024-token ones), plus
 //!   applying the workers' reports for the step's stores and taking the step's KV events.
-//!   `leader_step/256_decode`: the same with all 256 requests decoding. Baselines in the same run:
+//!   `leader_step/256_decode`: the same with all 256 requests decoding. `*_hot`: the same, each
+//!   step built just before it is timed (its records in cache, as an adapter's are) instead of
+//!   read from 2,000 steps generated in advance. Baselines in the same run:
 //!   `leader_step/slots_only_*`, the same records through bare slots (no pools, no jobs).
 //! - `match/32k_prompt`: `get_num_new_matched_tokens` on a fresh 32768-token prompt whose 2048
 //!   blocks are all in G2, hashing included. Baseline: `match/hash_only_32k`, hashing alone.
@@ -86,7 +88,7 @@ impl Workload {
         self.next_id += 1;
         let seed = self.next_id as u32;
         Req {
-            id: RequestId(format!("req-{}", self.next_id)),
+            id: RequestId::from(format!("req-{}", self.next_id)),
             tokens: (0..PROMPT as u32)
                 .map(|t| t.wrapping_mul(2_654_435_761) ^ seed)
                 .collect(),
@@ -251,6 +253,40 @@ fn step_group(
         });
     }
 
+    // Hot inputs: each step is built just before it is timed, as an adapter builds its records
+    // from the scheduler's output right before `build_step` (its records are then in cache).
+    let mut hot = Workload::new(decode, all_decoding);
+    let mut hl = leader();
+    for _ in 0..WARM {
+        let s = hot.step();
+        run_step(&mut hl, &s);
+    }
+    for cpu_clock in [false, true] {
+        let name = if cpu_clock {
+            format!("{label}_hot_oncpu")
+        } else {
+            format!("{label}_hot")
+        };
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut wall = Duration::ZERO;
+                let mut cpu = Duration::ZERO;
+                for _ in 0..iters {
+                    let s = hot.step();
+                    let (t, c) = (Instant::now(), thread_cpu());
+                    black_box(run_step(&mut hl, &s));
+                    cpu += thread_cpu() - c;
+                    wall += t.elapsed();
+                }
+                if cpu_clock {
+                    cpu
+                } else {
+                    wall
+                }
+            })
+        });
+    }
+
     let mut slots: HashMap<RequestId, Slot> = HashMap::new();
     let mut out = Vec::new();
     let mut j = 0;
@@ -388,12 +424,21 @@ fn main() {
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
     {
+        // `KVTIER_PROFILE_HOT=1`: build each step just before running it (hot inputs).
+        let hot = std::env::var("KVTIER_PROFILE_HOT").is_ok_and(|v| v == "1");
         let mut w = Workload::new(DECODE, false);
-        let steps: Vec<SchedulerStep> = (0..200 + n).map(|_| w.step()).collect();
         let mut l = leader();
         let mut stores = 0;
-        for s in &steps {
-            stores += run_step(&mut l, s);
+        if hot {
+            for _ in 0..200 + n {
+                let s = w.step();
+                stores += run_step(&mut l, &s);
+            }
+        } else {
+            let steps: Vec<SchedulerStep> = (0..200 + n).map(|_| w.step()).collect();
+            for s in &steps {
+                stores += run_step(&mut l, s);
+            }
         }
         println!("{n} steps after 200 warm-up steps: {stores} store jobs in all");
         return;

@@ -2,11 +2,27 @@
 //!
 //! Invariant: an id of one kind is never usable where another kind is expected; the tier a
 //! block id belongs to always travels with it where the two could be confused.
+use compact_str::CompactString;
 use serde::{Deserialize, Serialize};
 
 /// The engine's request id, as a string (TensorRT-LLM uses ints, vLLM strings; both map here).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct RequestId(pub String);
+///
+/// Ids of up to 24 bytes (every TensorRT-LLM id, vLLM's `cmpl-…` ids up to that length) are
+/// stored inline: comparing, hashing and cloning them touch no heap memory, which keeps the
+/// leader's per-record slot lookup to the map's own cache line. Serialised as a plain string.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RequestId(CompactString);
+
+impl RequestId {
+    pub fn new(id: impl AsRef<str>) -> Self {
+        RequestId(CompactString::new(id.as_ref()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        self.0.as_str()
+    }
+}
 
 impl std::fmt::Display for RequestId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -16,13 +32,20 @@ impl std::fmt::Display for RequestId {
 
 impl From<&str> for RequestId {
     fn from(s: &str) -> Self {
-        RequestId(s.to_owned())
+        RequestId(CompactString::new(s))
+    }
+}
+
+impl From<String> for RequestId {
+    fn from(s: String) -> Self {
+        RequestId(CompactString::from(s))
     }
 }
 
 impl From<u64> for RequestId {
     fn from(v: u64) -> Self {
-        RequestId(v.to_string())
+        use compact_str::ToCompactString;
+        RequestId(v.to_compact_string())
     }
 }
 

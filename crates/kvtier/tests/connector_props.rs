@@ -463,7 +463,7 @@ fn run_script(s: Script) {
             let mut tokens: Vec<u32> = bases[base][..shared_blocks * BS].to_vec();
             tokens.extend((0..tail).map(|t| ((t * 13 + i * 17) % 50) as u32));
             Req {
-                id: RequestId(format!("r{i}")),
+                id: RequestId::from(format!("r{i}")),
 
                 tokens,
                 table: Vec::new(),

@@ -108,7 +108,7 @@ fn run(name: &str, events: Vec<Ev>) {
                     s.position(),
                     s.evaluated_blocks(),
                     s.device_table().to_vec(),
-                    s.tokens().len(),
+                    s.num_tokens(),
                 );
                 match (s.apply(&rec), expect) {
                     (Ok(got), Ok(want)) => {
@@ -124,7 +124,7 @@ fn run(name: &str, events: Vec<Ev>) {
                                 "{name} #{i}: device pairing"
                             );
                             assert!(
-                                (o.index + 1) * BS <= s.tokens().len(),
+                                (o.index + 1) * BS <= s.num_tokens(),
                                 "{name} #{i}: partial block"
                             );
                         }
@@ -135,7 +135,7 @@ fn run(name: &str, events: Vec<Ev>) {
                             s.position(),
                             s.evaluated_blocks(),
                             s.device_table().to_vec(),
-                            s.tokens().len(),
+                            s.num_tokens(),
                         );
                         assert_eq!(
                             before, after,

@@ -102,9 +102,11 @@ enum Op {
         hashes: Vec<u128>,
         batch: bool,
     },
+    /// `confirm`, or (`release`) `confirm_and_release`.
     Confirm {
         pick: usize,
         prio: u32,
+        release: bool,
     },
 }
 
@@ -118,7 +120,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(Op::Invalidate),
         3 => (proptest::collection::vec(0u128..12, 0..20), any::<bool>())
             .prop_map(|(hashes, batch)| Op::Reserve { hashes, batch }),
-        3 => (any::<usize>(), 0u32..3).prop_map(|(pick, prio)| Op::Confirm { pick, prio }),
+        3 => (any::<usize>(), 0u32..3, any::<bool>())
+            .prop_map(|(pick, prio, release)| Op::Confirm { pick, prio, release }),
     ]
 }
 
@@ -379,12 +382,20 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     m.reserved.insert(*h, blk.0);
                 }
             }
-            Op::Confirm { pick, prio } => {
+            Op::Confirm {
+                pick,
+                prio,
+                release,
+            } => {
                 let b = pick % capacity.max(1);
-                let r = pool.confirm(BlockId(b as u32), Priority(prio));
+                let r = if release {
+                    pool.confirm_and_release(BlockId(b as u32), Priority(prio))
+                } else {
+                    pool.confirm(BlockId(b as u32), Priority(prio))
+                };
                 match m.state.get(b).copied() {
                     Some(MState::Reserved { hash }) => {
-                        prop_assert_eq!(r, Ok(()));
+                        prop_assert_eq!(r, Ok(key(hash)));
                         m.reserved.remove(&hash);
                         m.state[b] = MState::Registered { hash, prio };
                         m.by_hash.insert(hash, b as u32);
@@ -392,6 +403,9 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                             hash: key(hash),
                             tier: Tier::Host,
                         });
+                        if release {
+                            m.unpin(b);
+                        }
                     }
                     _ => prop_assert!(r.is_err(), "{:?}", r),
                 }
@@ -501,7 +515,17 @@ fn apply_op(pool: &mut BlockPool, op: &Op, batch_all: bool) -> String {
             };
             format!("{got:?}")
         }
-        Op::Confirm { pick: p, prio } => format!("{:?}", pool.confirm(pick(*p), Priority(*prio))),
+        Op::Confirm {
+            pick: p,
+            prio,
+            release,
+        } => {
+            if *release {
+                format!("{:?}", pool.confirm_and_release(pick(*p), Priority(*prio)))
+            } else {
+                format!("{:?}", pool.confirm(pick(*p), Priority(*prio)))
+            }
+        }
     }
 }
 

@@ -195,11 +195,11 @@ type TierLoad = (Tier, Vec<BlockPair>, Vec<BlockId>, Vec<u128>);
 /// What one in-flight job will do to the books when every rank has reported it.
 #[derive(Debug)]
 enum JobBooks {
-    /// Device -> `tier`: `(written block, hash)` per pair.
+    /// Device -> `tier`: the block written per pair (each reserved its hash in the pool).
     Store {
         request: RequestId,
         tier: Tier,
-        blocks: Vec<(BlockId, SequenceHash)>,
+        blocks: Vec<BlockId>,
     },
     /// `src` -> device: pool blocks pinned for the read (empty for remote).
     Load {
@@ -747,13 +747,15 @@ impl Leader {
             }
             self.maybe_drop_slot(f);
         }
-        self.collect_events();
+        self.bound_events();
         self.step += 1;
         self.stats.steps += 1;
         let mut meta = std::mem::take(&mut self.outbox);
         meta.version = PROTOCOL_VERSION;
         meta.step = self.step;
         self.outbox.version = PROTOCOL_VERSION;
+        // The next step most likely stores about as many jobs: no regrowth on the way.
+        self.outbox.stores.reserve(meta.stores.len());
         (meta, errors)
     }
 
@@ -815,7 +817,7 @@ impl Leader {
         pool.reserve(&sc.hashes, &mut sc.reservations);
         sc.seen_again.clear();
         let mut pairs = Vec::with_capacity(offloads.len());
-        let mut books = Vec::with_capacity(offloads.len());
+        let mut books: Vec<BlockId> = Vec::with_capacity(offloads.len());
         let mut dropped = 0u64;
         for (ob, r) in offloads.iter().zip(&sc.reservations) {
             match *r {
@@ -824,7 +826,7 @@ impl Leader {
                         src: ob.device.0,
                         dst: blk.0,
                     });
-                    books.push((blk, ob.hash));
+                    books.push(blk);
                 }
                 Reservation::Registered(existing) => {
                     self.stats.offload_deduplicated += 1;
@@ -1011,7 +1013,8 @@ impl Leader {
                 let spills = tier == Tier::Host
                     && ((self.disk.is_some() && self.disk_policy != DiskPolicy::Never)
                         || (self.remote_put && self.remote.is_some()));
-                for (i, (blk, hash)) in blocks.into_iter().enumerate() {
+                let priority = self.priority;
+                for (i, blk) in blocks.into_iter().enumerate() {
                     if failed.contains(&i) {
                         // Releasing the unconfirmed block frees it and drops its reservation.
                         self.stats.offload_failed += 1;
@@ -1024,15 +1027,24 @@ impl Leader {
                         self.disk.as_mut()
                     };
                     let Some(pool) = pool else { continue };
-                    if let Err(e) = pool.confirm(blk, self.priority) {
-                        tracing::error!(error = %e, "confirming a stored block failed");
-                        continue;
-                    }
+                    // Without spills the writer's pin goes in the same call (one pass).
+                    let confirmed = if spills {
+                        pool.confirm(blk, priority)
+                    } else {
+                        pool.confirm_and_release(blk, priority)
+                    };
+                    let hash = match confirmed {
+                        Ok(hash) => hash,
+                        Err(e) => {
+                            tracing::error!(error = %e, "confirming a stored block failed");
+                            continue;
+                        }
+                    };
                     self.stats.offload_confirmed += 1;
                     if spills {
                         self.plan_spills(blk, hash, true);
+                        self.release(tier, blk);
                     }
-                    self.release(tier, blk);
                 }
                 self.job_done(&request, true);
             }
@@ -1216,14 +1228,23 @@ impl Leader {
         s
     }
 
-    /// Move the pools' events into the leader's bounded queue (so a leader whose events nobody
-    /// takes does not grow without bound).
-    fn collect_events(&mut self) {
-        if let Some(h) = self.host.as_mut() {
-            self.events.extend(h.drain_events());
+    /// Bound the events nobody has taken yet: once a pool holds more than `MAX_EVENTS`, they
+    /// move into the leader's queue, which keeps the newest `MAX_EVENTS`. Below that they stay
+    /// in the pools, and `take_events` hands the pools' buffers over without copying them.
+    fn bound_events(&mut self) {
+        let over = |p: &Option<BlockPool>| p.as_ref().is_some_and(|p| p.num_events() > MAX_EVENTS);
+        if over(&self.host) || over(&self.disk) || !self.events.is_empty() {
+            self.collect_events();
         }
-        if let Some(d) = self.disk.as_mut() {
-            self.events.extend(d.drain_events());
+    }
+
+    /// Move every pool's events into the leader's queue, dropping the oldest beyond `MAX_EVENTS`.
+    fn collect_events(&mut self) {
+        for pool in [self.host.as_mut(), self.disk.as_mut()]
+            .into_iter()
+            .flatten()
+        {
+            self.events.extend(pool.drain_events());
         }
         if self.events.len() > MAX_EVENTS {
             let excess = self.events.len() - MAX_EVENTS;
@@ -1232,19 +1253,18 @@ impl Leader {
         }
     }
 
-    /// Stored/removed events of every tier since the last call, oldest first (at most
-    /// `MAX_EVENTS`; `LeaderStats::events_dropped` counts the older ones that were dropped).
+    /// Stored/removed events of every tier since the last call, oldest first within each tier
+    /// (at most `MAX_EVENTS`; `LeaderStats::events_dropped` counts older ones that were dropped).
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         self.poll_reports();
+        let queued = |p: &Option<BlockPool>| p.as_ref().map_or(0, |p| p.num_events());
+        if self.events.is_empty() && queued(&self.disk) == 0 {
+            if let Some(h) = self.host.as_mut() {
+                return h.take_events(); // the common case: one pool's buffer, moved
+            }
+        }
         self.collect_events();
-        // Hand over the buffer itself (no copy); the next one starts at the same size. It was
-        // filled from empty, so it is contiguous unless events were dropped, and the conversion
-        // moves nothing.
-        let size = self.events.len();
-        Vec::from(std::mem::replace(
-            &mut self.events,
-            std::collections::VecDeque::with_capacity(size),
-        ))
+        Vec::from(std::mem::take(&mut self.events))
     }
 
     /// Read access to the host pool (tests, metrics).

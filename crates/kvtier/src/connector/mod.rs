@@ -62,7 +62,7 @@ impl ConnectorError {
         reason: impl Into<String>,
     ) -> Self {
         ConnectorError::InvalidInput {
-            request: request.0.clone(),
+            request: request.to_string(),
             field,
             reason: reason.into(),
         }

@@ -11,7 +11,11 @@
 //! - blocks the engine took from its own prefix cache (below `num_computed_tokens` at the first
 //!   record) and blocks onboarded by kvtier are not offloaded again;
 //! - invalid input returns [`ConnectorError::InvalidInput`] naming the request and the field and
-//!   leaves the slot exactly as it was (validation happens before any mutation).
+//!   leaves the slot exactly as it was (validation happens before any mutation);
+//! - the slot knows every token's block through `hashes` (one per full block), but keeps the
+//!   tokens themselves only from `token_base` on: matching stores the whole list (the first
+//!   record is compared with it exactly), a running request only its partial tail block, so a
+//!   step never copies a prompt and a long generation never grows a token buffer.
 use crate::connector::fasthash::FastSet;
 
 use crate::connector::step::StepRecord;
@@ -152,8 +156,11 @@ pub struct Slot {
     id: RequestId,
     block_size: usize,
     salt: HashSalt,
+    /// The known tokens from index `token_base` on (`token_base` is block aligned and at most
+    /// `hashes.len() * block_size`: tokens before it are known only through their hashes).
     tokens: Vec<u32>,
-    /// Hashes of every full block of `tokens`.
+    token_base: usize,
+    /// Hashes of every full block of the known tokens.
     hashes: Vec<SequenceHash>,
     table: DeviceTable,
     /// Tokens whose KV is known to be on the device after the last record's forward pass.
@@ -175,6 +182,7 @@ impl Slot {
             block_size: block_size.max(1),
             salt,
             tokens: Vec::new(),
+            token_base: 0,
             hashes: Vec::new(),
             table: DeviceTable::default(),
             position: 0,
@@ -191,8 +199,9 @@ impl Slot {
     pub fn state(&self) -> SlotState {
         self.state
     }
-    pub fn tokens(&self) -> &[u32] {
-        &self.tokens
+    /// How many tokens of the request the slot knows (prompt and generated).
+    pub fn num_tokens(&self) -> usize {
+        self.token_base + self.tokens.len()
     }
     /// Hashes of the full blocks of the known tokens.
     pub fn hashes(&self) -> &[SequenceHash] {
@@ -213,7 +222,7 @@ impl Slot {
 
     fn invalid(&self, field: &'static str, reason: impl Into<String>) -> ConnectorError {
         ConnectorError::InvalidInput {
-            request: self.id.0.clone(),
+            request: self.id.to_string(),
             field,
             reason: reason.into(),
         }
@@ -228,34 +237,116 @@ impl Slot {
     }
 
     /// Replace or extend the known tokens with the engine's full token list, rehashing only what
-    /// changed. Used by matching, which always sees the whole sequence.
+    /// changed, and keep the whole list (the first record is compared with it). Used by
+    /// matching, which always sees the whole sequence.
     pub fn set_all_tokens(&mut self, all_tokens: &[u32]) {
-        if all_tokens.starts_with(&self.tokens) {
+        if self.token_base == 0 && all_tokens.starts_with(&self.tokens) {
             let known = self.tokens.len();
-            self.extend_tokens(&all_tokens[known..]);
+            self.extend_keeping_all(&all_tokens[known..]);
         } else {
+            // A running slot kept only its tail: the list is rehashed and kept whole again.
             self.tokens.clear();
+            self.token_base = 0;
             self.hashes.clear();
-            self.extend_tokens(all_tokens);
+            self.extend_keeping_all(all_tokens);
         }
     }
 
-    fn extend_tokens(&mut self, new_tokens: &[u32]) {
+    /// Whether the known tokens are a prefix of `other` (earlier blocks compared by hash).
+    fn known_is_prefix_of(&self, other: &[u32]) -> bool {
+        other.len() >= self.num_tokens()
+            && self.hashed_prefix_matches(other, self.token_base)
+            && other[self.token_base..].starts_with(&self.tokens)
+    }
+
+    /// Whether `other` is a prefix of the known tokens. Tokens before `token_base` are compared
+    /// by block hash, so a prefix that ends inside such a block cannot be confirmed: false.
+    fn is_prefix_of_known(&self, other: &[u32]) -> bool {
+        let n = other.len();
+        if n > self.num_tokens() {
+            return false;
+        }
+        if n < self.token_base {
+            return n.is_multiple_of(self.block_size) && self.hashed_prefix_matches(other, n);
+        }
+        self.hashed_prefix_matches(other, self.token_base)
+            && self.tokens.starts_with(&other[self.token_base..])
+    }
+
+    /// Whether the first `upto` tokens of `other` (block aligned, at most the hashed blocks)
+    /// hash to this slot's blocks. Chained hashes: comparing the last block's hash covers all.
+    fn hashed_prefix_matches(&self, other: &[u32], upto: usize) -> bool {
+        let blocks = upto / self.block_size;
+        if blocks == 0 {
+            return true;
+        }
+        let mut parent = None;
+        for block in other[..upto].chunks_exact(self.block_size) {
+            parent = Some(chain_block(parent, self.salt, block));
+        }
+        parent == Some(self.hashes[blocks - 1])
+    }
+
+    /// Append tokens and keep them all (matching).
+    fn extend_keeping_all(&mut self, new_tokens: &[u32]) {
         self.tokens.extend_from_slice(new_tokens);
         let bs = self.block_size;
         let done = self.hashes.len();
-        // Cheap test first: a decode step rarely completes a block.
-        if (done + 1) * bs > self.tokens.len() {
+        let known = self.num_tokens();
+        if (done + 1) * bs > known {
             return;
         }
-        let full = self.tokens.len() / bs;
+        let full = known / bs;
         self.hashes.reserve(full - done);
         let mut parent = self.hashes.last().copied();
-        for block in self.tokens[done * bs..full * bs].chunks_exact(bs) {
+        let from = done * bs - self.token_base;
+        let to = full * bs - self.token_base;
+        for block in self.tokens[from..to].chunks_exact(bs) {
             let h = chain_block(parent, self.salt, block);
             self.hashes.push(h);
             parent = Some(h);
         }
+    }
+
+    /// Append tokens, hashing the blocks they complete straight from `new_tokens`, and keep only
+    /// the partial tail block (a running request).
+    fn extend_tokens(&mut self, new_tokens: &[u32]) {
+        let bs = self.block_size;
+        let hashed = self.hashes.len() * bs;
+        if self.token_base < hashed {
+            // Tokens kept by matching: from now on only the tail is needed.
+            self.tokens.drain(..hashed - self.token_base);
+            self.token_base = hashed;
+            if self.tokens.capacity() > 4 * bs {
+                self.tokens.shrink_to(2 * bs);
+            }
+        }
+        // A decode step rarely completes a block.
+        if self.tokens.len() + new_tokens.len() < bs {
+            self.tokens.extend_from_slice(new_tokens);
+            return;
+        }
+        self.hashes
+            .reserve((self.tokens.len() + new_tokens.len()) / bs);
+        let mut parent = self.hashes.last().copied();
+        let mut rest = new_tokens;
+        if !self.tokens.is_empty() {
+            let (head, tail) = rest.split_at(bs - self.tokens.len());
+            self.tokens.extend_from_slice(head);
+            let h = chain_block(parent, self.salt, &self.tokens);
+            self.hashes.push(h);
+            parent = Some(h);
+            self.tokens.clear();
+            rest = tail;
+        }
+        let mut blocks = rest.chunks_exact(bs);
+        for block in &mut blocks {
+            let h = chain_block(parent, self.salt, block);
+            self.hashes.push(h);
+            parent = Some(h);
+        }
+        self.tokens.extend_from_slice(blocks.remainder());
+        self.token_base = self.hashes.len() * bs;
     }
 
     /// Remember what matching found (book-keeping only: nothing is pinned here).
@@ -470,15 +561,14 @@ impl Slot {
         let fresh = self.count_fresh(&rec.new_block_ids, !restart)?;
         // Tokens: a new request reports its full list (which may repeat what matching saw);
         // every other record reports the tokens appended since the last one.
-        let full_list = (rec.is_new || rec.resumed_from_preemption)
-            && rec.new_tokens.len() >= self.tokens.len()
-            && rec.new_tokens.starts_with(&self.tokens);
+        let known = self.num_tokens();
+        let full_list =
+            (rec.is_new || rec.resumed_from_preemption) && self.known_is_prefix_of(&rec.new_tokens);
         let appended: &[u32] = if full_list {
-            &rec.new_tokens[self.tokens.len()..]
-        } else if rec.is_new && !self.tokens.is_empty() && self.tokens.starts_with(&rec.new_tokens)
-        {
+            &rec.new_tokens[known..]
+        } else if rec.is_new && known > 0 && self.is_prefix_of_known(&rec.new_tokens) {
             &[]
-        } else if rec.is_new && !self.tokens.is_empty() {
+        } else if rec.is_new && known > 0 {
             return Err(self.invalid(
                 "new_tokens",
                 "a new request's tokens disagree with the tokens seen at matching",
@@ -486,7 +576,7 @@ impl Slot {
         } else {
             &rec.new_tokens
         };
-        let total_tokens = self.tokens.len() + appended.len();
+        let total_tokens = known + appended.len();
         let bs = self.block_size;
         let table_len = table_len_before + fresh;
         let computed = rec.num_computed_tokens;
@@ -531,6 +621,17 @@ impl Slot {
             tracing::debug!(request = %self.id, "slot restarted after preemption");
             self.reset_device_state();
         }
+        if first_record {
+            // Room for the known tokens' blocks and some generation, so that a typical request
+            // grows its hash list and block table once, here.
+            let blocks = total_tokens / bs + total_tokens / (8 * bs) + 4;
+            self.hashes
+                .reserve(blocks.saturating_sub(self.hashes.len()));
+            self.table
+                .ids
+                .reserve(blocks.saturating_sub(self.table.ids.len()));
+            self.tokens.reserve(bs);
+        }
         self.extend_tokens(appended);
         self.push_fresh(&rec.new_block_ids, fresh);
         self.state = if !appended.is_empty() && !rec.is_new && !full_list {
@@ -538,8 +639,8 @@ impl Slot {
         } else {
             SlotState::Prefilling
         };
-        let confirmed = (next - rec.num_draft_tokens).min(self.tokens.len());
-        debug_assert_eq!(self.tokens.len(), total_tokens);
+        let confirmed = (next - rec.num_draft_tokens).min(total_tokens);
+        debug_assert_eq!(self.num_tokens(), total_tokens);
         let end = confirmed / bs;
         if rollback {
             tracing::debug!(request = %self.id, from = base_position, to = computed, "engine rolled back");
@@ -688,7 +789,7 @@ mod tests {
                 ..
             }
         ));
-        assert!(s.tokens().is_empty());
+        assert_eq!(s.num_tokens(), 0);
         assert!(s.device_table().is_empty());
         assert_eq!(s.state(), SlotState::Waiting);
     }

@@ -34,9 +34,3 @@ pub struct SchedulerStep {
     pub records: Vec<StepRecord>,
     pub finished: Vec<RequestId>,
 }
-#[allow(clippy::derivable_impls)] // RequestId lives in ids.rs; the contract needs a default here
-impl Default for RequestId {
-    fn default() -> Self {
-        RequestId(String::new())
-    }
-}

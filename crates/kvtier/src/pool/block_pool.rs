@@ -340,9 +340,26 @@ impl BlockPool {
         }
     }
 
+    /// [`BlockPool::confirm`], then drop the writer's pin (`release`) in the same pass: the
+    /// store path's last two steps for a block nobody reads right away.
+    pub fn confirm_and_release(
+        &mut self,
+        block: BlockId,
+        priority: Priority,
+    ) -> Result<SequenceHash, PoolError> {
+        let hash = self.confirm(block, priority)?;
+        self.unpin_index(block.0 as usize); // confirm checked the index; Writing blocks have a pin
+        Ok(hash)
+    }
+
     /// Publish the reserved block `block` under the hash it reserved, with `priority`: no
-    /// registry probe (the entry exists); emits `Stored`. The caller keeps its pin.
-    pub fn confirm(&mut self, block: BlockId, priority: Priority) -> Result<(), PoolError> {
+    /// registry probe (the entry exists); emits `Stored` and returns the hash. The caller keeps
+    /// its pin.
+    pub fn confirm(
+        &mut self,
+        block: BlockId,
+        priority: Priority,
+    ) -> Result<SequenceHash, PoolError> {
         let i = self.index(block)?;
         let s = &mut self.slots[i];
         if !s.reserved {
@@ -361,7 +378,7 @@ impl BlockPool {
             hash,
             tier: self.tier,
         });
-        Ok(())
+        Ok(hash)
     }
 
     /// Remove block `i` (registered) from the registry and emit `Removed`. Leaves its state to
@@ -498,7 +515,14 @@ impl BlockPool {
     /// Events since the last call, oldest first. Events queue up until taken: an owner that
     /// never takes them should turn recording off.
     pub fn take_events(&mut self) -> Vec<PoolEvent> {
-        std::mem::take(&mut self.events)
+        // The next buffer starts at this one's size: a steady stream reallocates nothing.
+        let size = self.events.len();
+        std::mem::replace(&mut self.events, Vec::with_capacity(size))
+    }
+
+    /// Events queued and not yet taken.
+    pub fn num_events(&self) -> usize {
+        self.events.len()
     }
 
     /// Like `take_events`, but keeps the buffer for the next events (no allocation per call).
