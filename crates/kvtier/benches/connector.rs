@@ -425,22 +425,44 @@ fn main() {
         .and_then(|v| v.parse::<usize>().ok())
     {
         // `KVTIER_PROFILE_HOT=1`: build each step just before running it (hot inputs).
+        // `KVTIER_PROFILE_TIMING=1`: time every step (wall clock) and print percentiles, which
+        // stay readable on a shared machine where means do not.
         let hot = std::env::var("KVTIER_PROFILE_HOT").is_ok_and(|v| v == "1");
+        let timing = std::env::var("KVTIER_PROFILE_TIMING").is_ok_and(|v| v == "1");
         let mut w = Workload::new(DECODE, false);
         let mut l = leader();
         let mut stores = 0;
+        let mut times = Vec::with_capacity(n);
+        let mut timed = |l: &mut Leader, s: &SchedulerStep, i: usize| {
+            let t = Instant::now();
+            stores += run_step(l, s);
+            if i >= 200 {
+                times.push(t.elapsed());
+            }
+        };
         if hot {
-            for _ in 0..200 + n {
+            for i in 0..200 + n {
                 let s = w.step();
-                stores += run_step(&mut l, &s);
+                timed(&mut l, &s, i);
             }
         } else {
             let steps: Vec<SchedulerStep> = (0..200 + n).map(|_| w.step()).collect();
-            for s in &steps {
-                stores += run_step(&mut l, s);
+            for (i, s) in steps.iter().enumerate() {
+                timed(&mut l, s, i);
             }
         }
         println!("{n} steps after 200 warm-up steps: {stores} store jobs in all");
+        if timing {
+            times.sort();
+            let p = |q: f64| times[((times.len() - 1) as f64 * q) as usize].as_secs_f64() * 1e6;
+            println!(
+                "per step (us): p10 {:.1}  p25 {:.1}  p50 {:.1}  p90 {:.1}",
+                p(0.1),
+                p(0.25),
+                p(0.5),
+                p(0.9)
+            );
+        }
         return;
     }
     benches();

@@ -25,12 +25,14 @@ use std::collections::BTreeSet;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
-use crate::connector::fasthash::{FastMap, FastSet};
+use crate::connector::fasthash::FastSet;
+use crate::connector::jobs::JobTable;
 use crate::connector::messages::{
     remote_key_for_rank, ClusterLayout, RequestLoad, RequestStore, StepMetadata, WorkerReport,
     PROTOCOL_VERSION,
 };
 use crate::connector::slot::{MatchRecord, OffloadBlock, OnboardBlock, Slot};
+use crate::connector::slot_table::SlotTable;
 use crate::connector::step::{SchedulerStep, StepRecord};
 use crate::connector::ConnectorError;
 use crate::hash::{HashSalt, SequenceHash};
@@ -276,6 +278,16 @@ struct SlotEntry {
     loads_in_flight: usize,
 }
 
+impl SlotEntry {
+    fn new(slot: Slot) -> Self {
+        SlotEntry {
+            slot,
+            stores_in_flight: 0,
+            loads_in_flight: 0,
+        }
+    }
+}
+
 /// The scheduler-side connector. See the module documentation.
 pub struct Leader {
     block_size: usize,
@@ -292,10 +304,8 @@ pub struct Leader {
     remote_put: bool,
     async_loads: bool,
     priority: Priority,
-    /// Boxed so that growing the map moves pointers, not slots.
-    slots: FastMap<RequestId, Box<SlotEntry>>,
-    jobs: FastMap<JobId, PendingJob>,
-    next_job: u64,
+    slots: SlotTable<SlotEntry>,
+    jobs: JobTable<PendingJob>,
     step: u64,
     /// Hashes with a disk spill in flight.
     spilling: FastSet<SequenceHash>,
@@ -367,9 +377,8 @@ impl Leader {
             remote_put: cfg.remote_put,
             async_loads: cfg.async_loads,
             priority: cfg.priority,
-            slots: FastMap::default(),
-            jobs: FastMap::default(),
-            next_job: 1,
+            slots: SlotTable::default(),
+            jobs: JobTable::default(),
             step: 0,
             spilling: FastSet::default(),
             remote_failed: FastSet::default(),
@@ -409,9 +418,7 @@ impl Leader {
     }
 
     fn new_job_id(&mut self) -> JobId {
-        let id = JobId(self.next_job);
-        self.next_job += 1;
-        id
+        self.jobs.claim()
     }
 
     fn track(&mut self, id: JobId, books: JobBooks) {
@@ -517,14 +524,13 @@ impl Leader {
     ) -> Result<usize, ConnectorError> {
         self.poll_reports();
         let bs = self.block_size;
-        let (block_size, salt) = (self.block_size, self.salt);
-        let entry = self.slots.entry(req.clone()).or_insert_with(|| {
-            Box::new(SlotEntry {
-                slot: Slot::new(req.clone(), block_size, salt),
-                stores_in_flight: 0,
-                loads_in_flight: 0,
-            })
-        });
+        if !self.slots.contains_key(req) {
+            let slot = Slot::new(req.clone(), self.block_size, self.salt);
+            self.slots.insert(req.clone(), SlotEntry::new(slot), None);
+        }
+        let Some(entry) = self.slots.get_mut(req) else {
+            return Err(ConnectorError::invalid(req, "request_id", "slot missing"));
+        };
         if !entry.slot.can_match() {
             return Err(ConnectorError::invalid(
                 req,
@@ -594,14 +600,8 @@ impl Leader {
                     "external tokens for a request that was never matched",
                 ));
             }
-            self.slots.insert(
-                req.clone(),
-                Box::new(SlotEntry {
-                    slot: Slot::new(req.clone(), self.block_size, self.salt),
-                    stores_in_flight: 0,
-                    loads_in_flight: 0,
-                }),
-            );
+            let slot = Slot::new(req.clone(), self.block_size, self.salt);
+            self.slots.insert(req.clone(), SlotEntry::new(slot), None);
         }
         let onboard = match self.slots.get_mut(req) {
             Some(e) => e.slot.allocate(block_ids, num_external_tokens)?,
@@ -735,8 +735,8 @@ impl Leader {
     ) -> (StepMetadata, Vec<ConnectorError>) {
         self.poll_reports();
         let mut errors = Vec::new();
-        for rec in &step.records {
-            if let Err(e) = self.apply_record(rec) {
+        for (pos, rec) in step.records.iter().enumerate() {
+            if let Err(e) = self.apply_record(pos, rec) {
                 tracing::warn!(error = %e, "invalid step record");
                 errors.push(e);
             }
@@ -759,12 +759,13 @@ impl Leader {
         (meta, errors)
     }
 
-    fn apply_record(&mut self, rec: &StepRecord) -> Result<(), ConnectorError> {
+    /// Apply the record at position `pos` of its step.
+    fn apply_record(&mut self, pos: usize, rec: &StepRecord) -> Result<(), ConnectorError> {
         let req = &rec.request_id;
         self.check_device_ids(req, "new_block_ids", &rec.new_block_ids)?;
         let mut offloads = std::mem::take(&mut self.scratch.offloads);
         offloads.clear();
-        let applied = self.apply_to_slot(rec, &mut offloads);
+        let applied = self.apply_to_slot(pos, rec, &mut offloads);
         if applied.is_ok() && !offloads.is_empty() {
             self.dispatch_stores(req, &offloads);
         }
@@ -775,11 +776,12 @@ impl Leader {
     /// Feed `rec` to its slot (created for a new request); the blocks to offload go to `out`.
     fn apply_to_slot(
         &mut self,
+        pos: usize,
         rec: &StepRecord,
         out: &mut Vec<OffloadBlock>,
     ) -> Result<(), ConnectorError> {
         let req = &rec.request_id;
-        match self.slots.get_mut(req) {
+        match self.slots.get_mut_at(pos, req) {
             Some(e) => e.slot.apply_into(rec, out),
             None if !rec.is_new => Err(ConnectorError::invalid(
                 req,
@@ -789,14 +791,8 @@ impl Leader {
             None => {
                 let mut slot = Slot::new(req.clone(), self.block_size, self.salt);
                 slot.apply_into(rec, out)?;
-                self.slots.insert(
-                    req.clone(),
-                    Box::new(SlotEntry {
-                        slot,
-                        stores_in_flight: 0,
-                        loads_in_flight: 0,
-                    }),
-                );
+                self.slots
+                    .insert(req.clone(), SlotEntry::new(slot), Some(pos));
                 Ok(())
             }
         }
@@ -971,7 +967,7 @@ impl Leader {
 
     /// Apply one worker report (also usable directly by a channel that is not an mpsc).
     pub fn apply_report(&mut self, r: WorkerReport) {
-        let Some(job) = self.jobs.get_mut(&r.job) else {
+        let Some(job) = self.jobs.get_mut(r.job) else {
             tracing::warn!(job = r.job.0, rank = r.rank, "report for an unknown job");
             return;
         };
@@ -995,7 +991,7 @@ impl Leader {
             }
         }
         if job.waiting == 0 {
-            if let Some(done) = self.jobs.remove(&r.job) {
+            if let Some(done) = self.jobs.remove(r.job) {
                 self.complete(done);
             }
         }
@@ -1310,6 +1306,69 @@ mod tests {
             is_new: true,
             ..Default::default()
         }
+    }
+
+    /// Events come out in order per tier, are handed over once, and a leader nobody takes them
+    /// from keeps only the newest `MAX_EVENTS`, counting the rest as dropped.
+    #[test]
+    fn events_are_ordered_bounded_and_counted() {
+        let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), 2)).unwrap();
+        let mut step = |l: &mut Leader, i: u32| {
+            let tokens: Vec<u32> = (0..4).map(|t| i * 4 + t).collect();
+            let rec = new_record(&format!("r{i}"), tokens.clone(), i);
+            let m = l
+                .build_step(&SchedulerStep {
+                    records: vec![rec],
+                    finished: vec![format!("r{i}").as_str().into()],
+                })
+                .unwrap();
+            confirm_all(l, &m);
+            crate::hash::sequence_hashes(HashSalt(3), &tokens, 4)[0]
+        };
+        let h: Vec<SequenceHash> = (0..3).map(|i| step(&mut l, i)).collect();
+        let host = Tier::Host;
+        assert_eq!(
+            l.take_events(),
+            vec![
+                KvEvent::Stored {
+                    hash: h[0],
+                    tier: host
+                },
+                KvEvent::Stored {
+                    hash: h[1],
+                    tier: host
+                },
+                KvEvent::Removed {
+                    hash: h[0],
+                    tier: host
+                },
+                KvEvent::Stored {
+                    hash: h[2],
+                    tier: host
+                },
+            ]
+        );
+        assert!(l.take_events().is_empty(), "handed over once");
+        // Nobody takes events: two per step (a store and an eviction) pile up to the bound.
+        let steps = (MAX_EVENTS / 2 + 10) as u32;
+        let mut last = h[2];
+        for i in 3..3 + steps {
+            last = step(&mut l, i);
+        }
+        let ev = l.take_events();
+        assert_eq!(ev.len(), MAX_EVENTS);
+        assert_eq!(
+            ev.last(),
+            Some(&KvEvent::Stored {
+                hash: last,
+                tier: host
+            })
+        );
+        assert_eq!(
+            l.stats().events_dropped,
+            2 * steps as u64 - MAX_EVENTS as u64
+        );
+        assert!(l.take_events().is_empty());
     }
 
     /// Regression: a record's offloads are reserved in order, so a block found in G2 can be evicted

@@ -6,9 +6,11 @@
 //! Invariant: nothing the engine passes in can panic this module; invalid input becomes a
 //! [`ConnectorError`] naming the request and the field, and leaves every other request untouched.
 pub(crate) mod fasthash;
+pub(crate) mod jobs;
 pub mod leader;
 pub mod messages;
 pub mod slot;
+pub(crate) mod slot_table;
 pub mod step;
 pub mod testing;
 pub mod worker;

@@ -68,7 +68,7 @@ pub struct MatchRecord {
 
 /// A request's device block table: the ids in request order, and a membership index that is
 /// built only once the table outgrows a linear scan (most requests never need it). Until then a
-/// 256-bit filter of the ids answers most "not in the table" questions without a scan.
+/// 1024-bit filter of the ids answers most "not in the table" questions without a scan.
 #[derive(Clone, Debug, Default)]
 struct DeviceTable {
     ids: Vec<DeviceBlockId>,
@@ -78,14 +78,15 @@ struct DeviceTable {
     index: Option<FastSet<DeviceBlockId>>,
 }
 
-/// A 256-bit set of id fingerprints: a clear bit proves an id absent; a set bit means "scan".
+/// A 1024-bit set of id fingerprints: a clear bit proves an id absent; a set bit means "scan".
+/// (A table of up to `LINEAR_MAX` ids sets at most an eighth of the bits.)
 #[derive(Clone, Copy, Debug, Default)]
-struct IdFilter([u64; 4]);
+struct IdFilter([u64; 16]);
 
 impl IdFilter {
     #[inline]
     fn bit(b: DeviceBlockId) -> (usize, u64) {
-        let h = (b.0.wrapping_mul(0x9E37_79B1) >> 24) as usize;
+        let h = (b.0.wrapping_mul(0x9E37_79B1) >> 22) as usize;
         (h >> 6, 1u64 << (h & 63))
     }
 
@@ -321,9 +322,12 @@ impl Slot {
                 self.tokens.shrink_to(2 * bs);
             }
         }
-        // A decode step rarely completes a block.
+        // A decode step rarely completes a block (and appends one token: no copy call).
         if self.tokens.len() + new_tokens.len() < bs {
-            self.tokens.extend_from_slice(new_tokens);
+            match new_tokens {
+                [t] => self.tokens.push(*t),
+                _ => self.tokens.extend_from_slice(new_tokens),
+            }
             return;
         }
         self.hashes
@@ -535,6 +539,19 @@ impl Slot {
         rec: &StepRecord,
         out: &mut Vec<OffloadBlock>,
     ) -> Result<(), ConnectorError> {
+        if self.is_plain_continuation(rec) {
+            self.apply_continuation(rec, out);
+            return Ok(());
+        }
+        self.apply_general(rec, out)
+    }
+
+    /// `apply_into` for any record: validates everything before changing anything.
+    fn apply_general(
+        &mut self,
+        rec: &StepRecord,
+        out: &mut Vec<OffloadBlock>,
+    ) -> Result<(), ConnectorError> {
         if self.state == SlotState::Finished {
             return Err(self.invalid("request_id", "scheduled after it finished"));
         }
@@ -660,6 +677,45 @@ impl Slot {
         Ok(())
     }
 
+    /// Whether `rec` is the common record of a running request: no new blocks, no draft tokens,
+    /// no restart, no rollback, and it fits the table. [`Slot::apply_into`] then reduces to
+    /// [`Slot::apply_continuation`] (the same result, without the general path's checks).
+    #[inline]
+    fn is_plain_continuation(&self, rec: &StepRecord) -> bool {
+        matches!(self.state, SlotState::Prefilling | SlotState::Decoding)
+            && !rec.is_new
+            && !rec.resumed_from_preemption
+            && rec.new_block_ids.is_empty()
+            && rec.num_draft_tokens == 0
+            && rec.num_computed_tokens >= self.position
+            && rec.num_computed_tokens + rec.num_scheduled_tokens
+                <= self.table.len() * self.block_size
+    }
+
+    /// `apply_into` for a record that passed `is_plain_continuation`.
+    #[inline]
+    fn apply_continuation(&mut self, rec: &StepRecord, out: &mut Vec<OffloadBlock>) {
+        let next = rec.num_computed_tokens + rec.num_scheduled_tokens;
+        self.extend_tokens(&rec.new_tokens);
+        self.state = if rec.new_tokens.is_empty() {
+            SlotState::Prefilling
+        } else {
+            SlotState::Decoding
+        };
+        let end = next.min(self.num_tokens()) / self.block_size;
+        let start = self.evaluated.max(self.offloaded_watermark);
+        if start < end {
+            out.extend((start..end).map(|i| OffloadBlock {
+                index: i,
+                device: self.table.ids[i],
+                hash: self.hashes[i],
+            }));
+        }
+        self.evaluated = self.evaluated.max(end);
+        self.offloaded_watermark = self.offloaded_watermark.max(end);
+        self.position = next;
+    }
+
     /// A load into block `index` (and maybe later ones) failed: the engine recomputes from
     /// there, so the slot's position and evaluated blocks go back to that block.
     pub fn load_failed(&mut self, index: usize) {
@@ -774,6 +830,160 @@ mod tests {
             }
         ));
         assert_eq!(s.device_table().len(), 200);
+    }
+
+    fn hashes_of(tokens: &[u32], bs: usize) -> Vec<SequenceHash> {
+        crate::hash::sequence_hashes(HashSalt(1), tokens, bs)
+    }
+
+    #[test]
+    fn matched_tokens_are_compared_then_only_the_tail_is_kept() {
+        let prompt: Vec<u32> = (0..10).collect();
+        let mut s = Slot::new("r".into(), 4, HashSalt(1));
+        s.set_all_tokens(&prompt);
+        assert_eq!((s.num_tokens(), s.tokens.len()), (10, 10));
+        let mut r = rec(prompt.clone(), &[1, 2, 3], 0, 10);
+        r.is_new = true;
+        assert_eq!(idx(&s.apply(&r).unwrap()), vec![0, 1]);
+        // Running: the two hashed blocks' tokens are gone, the tail (8, 9) stays.
+        assert_eq!((s.token_base, &s.tokens[..]), (8, &[8u32, 9][..]));
+        assert_eq!(s.hashes(), &hashes_of(&prompt, 4)[..]);
+        // Decoding completes block 2 from the tail.
+        s.apply(&rec(vec![10], &[], 10, 1)).unwrap();
+        let out = s.apply(&rec(vec![11], &[], 11, 1)).unwrap();
+        assert_eq!(idx(&out), vec![2]);
+        assert_eq!(out[0].hash, hashes_of(&(0..12).collect::<Vec<_>>(), 4)[2]);
+        assert_eq!((s.num_tokens(), s.tokens.len()), (12, 0));
+    }
+
+    #[test]
+    fn a_first_record_may_repeat_part_of_the_match_but_not_contradict_it() {
+        let prompt: Vec<u32> = (0..12).collect();
+        let mut s = Slot::new("r".into(), 4, HashSalt(1));
+        s.set_all_tokens(&prompt);
+        let mut short = rec(prompt[..6].to_vec(), &[1, 2, 3], 0, 12);
+        short.is_new = true;
+        assert_eq!(idx(&s.apply(&short).unwrap()), vec![0, 1, 2]);
+        assert_eq!(s.num_tokens(), 12);
+
+        let mut s = Slot::new("r".into(), 4, HashSalt(1));
+        s.set_all_tokens(&prompt);
+        let mut other = prompt.clone();
+        other[5] = 99;
+        let mut bad = rec(other, &[1, 2, 3], 0, 12);
+        bad.is_new = true;
+        let e = s.apply(&bad).unwrap_err();
+        assert!(matches!(
+            e,
+            ConnectorError::InvalidInput {
+                field: "new_tokens",
+                ..
+            }
+        ));
+        assert_eq!((s.num_tokens(), s.state()), (12, SlotState::Waiting));
+    }
+
+    #[test]
+    fn after_preemption_full_lists_are_recognised_by_hash() {
+        let prompt: Vec<u32> = (0..10).collect();
+        let mut s = Slot::new("r".into(), 4, HashSalt(1));
+        let mut r = rec(prompt.clone(), &[1, 2, 3], 0, 10);
+        r.is_new = true;
+        s.apply(&r).unwrap();
+        assert_eq!(s.token_base, 8, "only the tail is kept");
+        s.preempt().unwrap();
+        // vLLM resends every token of a resumed request: recognised, nothing appended.
+        let mut resumed = rec(prompt.clone(), &[7, 8, 9], 0, 10);
+        resumed.resumed_from_preemption = true;
+        assert_eq!(idx(&s.apply(&resumed).unwrap()), Vec::<usize>::new());
+        assert_eq!(s.num_tokens(), 10);
+        assert_eq!(
+            s.device_table(),
+            &[DeviceBlockId(7), DeviceBlockId(8), DeviceBlockId(9)]
+        );
+        // Matching again after a preemption keeps the whole list again, hashes unchanged.
+        s.preempt().unwrap();
+        let mut longer = prompt.clone();
+        longer.extend([10, 11, 12]);
+        s.set_all_tokens(&longer);
+        assert_eq!((s.token_base, s.num_tokens()), (0, 13));
+        assert_eq!(s.hashes(), &hashes_of(&longer, 4)[..]);
+        // A matching list that contradicts the known tokens starts over.
+        let other: Vec<u32> = (100..109).collect();
+        s.set_all_tokens(&other);
+        assert_eq!(s.hashes(), &hashes_of(&other, 4)[..]);
+        assert_eq!(s.num_tokens(), 9);
+    }
+
+    proptest::proptest! {
+        /// The fast path for plain continuation records gives exactly what the general path
+        /// gives: the same offloads and the same slot afterwards.
+        #[test]
+        fn plain_continuations_match_the_general_path(
+            prompt in 1usize..80,
+            chunk in 1usize..40,
+            steps in proptest::collection::vec((0u8..5, 1usize..6), 1..60),
+        ) {
+            let bs = 4;
+            let mut s = Slot::new("r".into(), bs, HashSalt(9));
+            let tokens: Vec<u32> = (0..prompt as u32).collect();
+            let first = chunk.min(prompt);
+            let mut r = rec(tokens.clone(), &[], 0, first);
+            r.is_new = true;
+            r.new_block_ids = (0..first.div_ceil(bs) as u32).map(DeviceBlockId).collect();
+            s.apply(&r).unwrap();
+            let (mut computed, mut len, mut blocks) = (first, prompt, first.div_ceil(bs));
+            let mut next_id = blocks as u32;
+            for (kind, n) in steps {
+                // kind 0: a plain chunk or decode; 1: with a new block; 2: a rollback; 3: drafts;
+                // 4: more tokens scheduled than the slot knows.
+                let scheduled = if computed < len { n.min(len - computed) } else { 1 };
+                let new_tokens: Vec<u32> = if computed >= len {
+                    len += 1;
+                    vec![len as u32 + 1000]
+                } else {
+                    vec![]
+                };
+                let scheduled = if kind == 4 { scheduled + 2 } else { scheduled };
+                let mut r = rec(new_tokens, &[], computed, scheduled);
+                let need = (computed + scheduled).div_ceil(bs);
+                if kind == 1 || need > blocks {
+                    r.new_block_ids = (next_id..next_id + (need.max(blocks + 1) - blocks) as u32)
+                        .map(DeviceBlockId)
+                        .collect();
+                    next_id += r.new_block_ids.len() as u32;
+                    blocks += r.new_block_ids.len();
+                }
+                if kind == 2 && computed > 0 {
+                    r.num_computed_tokens -= 1;
+                }
+                if kind == 3 {
+                    r.num_draft_tokens = 1;
+                    r.num_scheduled_tokens += 1;
+                    if (r.num_computed_tokens + r.num_scheduled_tokens).div_ceil(bs) > blocks {
+                        r.new_block_ids.push(DeviceBlockId(next_id));
+                        next_id += 1;
+                        blocks += 1;
+                    }
+                }
+                let plain = s.is_plain_continuation(&r);
+                let mut general = s.clone();
+                let (mut got, mut want) = (Vec::new(), Vec::new());
+                let g = general.apply_general(&r, &mut want);
+                if plain {
+                    s.apply_continuation(&r, &mut got);
+                    proptest::prop_assert!(g.is_ok());
+                    proptest::prop_assert_eq!(&got, &want);
+                    proptest::prop_assert_eq!(format!("{s:?}"), format!("{general:?}"));
+                } else {
+                    s = general;
+                    if g.is_err() {
+                        break;
+                    }
+                }
+                computed = s.position();
+            }
+        }
     }
 
     #[test]

@@ -324,7 +324,8 @@ impl BlockPool {
     /// copy of a hash in the same batch sees the earlier one's reservation (`Writing`).
     ///
     /// The home buckets of a batch are read first, independently of one another, so their cache
-    /// misses overlap instead of queueing behind each hash's own operations.
+    /// misses overlap instead of queueing behind each hash's own operations; so are the home
+    /// buckets of the blocks the batch may evict (their removal probes there).
     pub fn reserve(&mut self, hashes: &[SequenceHash], out: &mut Vec<Reservation>) {
         const BATCH: usize = 16;
         out.reserve(hashes.len());
@@ -332,6 +333,14 @@ impl BlockPool {
             let mut warm = 0u32;
             for h in chunk {
                 warm ^= self.registry.first_candidate(*h);
+            }
+            let mut victim = self.lru.first_victim();
+            for _ in self.free_len..chunk.len() {
+                let Some(s) = self.slots.get(victim as usize) else {
+                    break;
+                };
+                warm ^= self.registry.first_candidate(s.hash());
+                victim = s.next;
             }
             std::hint::black_box(warm);
             for h in chunk {
