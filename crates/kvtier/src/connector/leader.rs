@@ -1313,7 +1313,7 @@ mod tests {
     #[test]
     fn events_are_ordered_bounded_and_counted() {
         let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), 2)).unwrap();
-        let mut step = |l: &mut Leader, i: u32| {
+        let step = |l: &mut Leader, i: u32| {
             let tokens: Vec<u32> = (0..4).map(|t| i * 4 + t).collect();
             let rec = new_record(&format!("r{i}"), tokens.clone(), i);
             let m = l
