@@ -1,9 +1,9 @@
 //! `BlockPool`: the books of one tier's blocks (ids, registry, pins, eviction order, events).
 //!
 //! Each block has one 40-byte [`Slot`] record (hash, pins, priority, state, list links); free
-//! blocks form an intrusive stack through the same links. With the registry's 16 bytes per
-//! block (8-byte buckets at load <= 1/2) a pool costs about 56 bytes per block (see
-//! `heap_bytes`, measured by `tests/pool_memory.rs`).
+//! blocks form an intrusive stack through the same links. With the registry's 5 bytes per
+//! bucket (a control byte and a block id, at most half the buckets in use) a pool costs about
+//! 50 bytes per block (see `heap_bytes`, measured by `tests/pool_memory.rs`).
 //!
 //! Invariants:
 //! - `state == Free`  <=> the block is on the free stack (exactly once) <=> pins 0 and not in
@@ -180,30 +180,17 @@ impl BlockPool {
     }
 
     /// Call `f` with the block of each hash of the longest registered prefix of `hashes`, in
-    /// order; returns the prefix length. Lookups go in batches whose loads are independent
-    /// (home buckets, then candidate records), so their cache misses overlap.
+    /// order; returns the prefix length.
     #[inline]
     fn for_each_prefix_block(&self, hashes: &[SequenceHash], mut f: impl FnMut(u32)) -> usize {
-        const BATCH: usize = 16;
         let mut n = 0;
-        for chunk in hashes.chunks(BATCH) {
-            let mut guess = [NIL; BATCH];
-            for (g, h) in guess.iter_mut().zip(chunk) {
-                *g = self.registry.first_candidate(*h);
-            }
-            for (g, h) in guess.iter().zip(chunk) {
-                let hit = match self.slots.get(*g as usize) {
-                    // The registry names each hash once: a reservation means "not registered".
-                    Some(s) if s.hash() == *h => (s.state == BlockState::Registered).then_some(*g),
-                    _ => self.find_registered(*h),
-                };
-                match hit {
-                    Some(b) => {
-                        f(b);
-                        n += 1;
-                    }
-                    None => return n,
+        for h in hashes {
+            match self.find_registered(*h) {
+                Some(b) => {
+                    f(b);
+                    n += 1;
                 }
+                None => break,
             }
         }
         n
@@ -311,7 +298,8 @@ impl BlockPool {
         s.set_hash(hash);
         s.reserved = true;
         // Inserted only after `take_block`: an eviction may reshape the probe run of `hash`.
-        self.registry.insert(b, hash);
+        let slots = &self.slots;
+        self.registry.insert(b, hash, |x| slots[x as usize].hash());
         self.reserved += 1;
         Reservation::Allocated(BlockId(b))
     }
@@ -322,30 +310,10 @@ impl BlockPool {
     /// then evicting, `Removed` emitted), pinned once and `Writing`, whose hash goes into the
     /// registry at once, hidden from lookups and matching until [`BlockPool::confirm`]. A later
     /// copy of a hash in the same batch sees the earlier one's reservation (`Writing`).
-    ///
-    /// The home buckets of a batch are read first, independently of one another, so their cache
-    /// misses overlap instead of queueing behind each hash's own operations; so are the home
-    /// buckets of the blocks the batch may evict (their removal probes there).
     pub fn reserve(&mut self, hashes: &[SequenceHash], out: &mut Vec<Reservation>) {
-        const BATCH: usize = 16;
         out.reserve(hashes.len());
-        for chunk in hashes.chunks(BATCH) {
-            let mut warm = 0u32;
-            for h in chunk {
-                warm ^= self.registry.first_candidate(*h);
-            }
-            let mut victim = self.lru.first_victim();
-            for _ in self.free_len..chunk.len() {
-                let Some(s) = self.slots.get(victim as usize) else {
-                    break;
-                };
-                warm ^= self.registry.first_candidate(s.hash());
-                victim = s.next;
-            }
-            std::hint::black_box(warm);
-            for h in chunk {
-                out.push(self.reserve_one(*h));
-            }
+        for h in hashes {
+            out.push(self.reserve_one(*h));
         }
     }
 
@@ -466,7 +434,9 @@ impl BlockPool {
         s.set_hash(hash);
         s.priority = priority;
         s.state = BlockState::Registered;
-        self.registry.insert(i as u32, hash);
+        let slots = &self.slots;
+        self.registry
+            .insert(i as u32, hash, |x| slots[x as usize].hash());
         self.emit(PoolEvent::Stored {
             hash,
             tier: self.tier,

@@ -105,12 +105,6 @@ impl PriorityLru {
     }
 
     /// Remove and return the next victim: least recently used block of the lowest priority.
-    /// The next victim (`NIL` if none); later ones follow its `next` links within its list.
-    #[inline]
-    pub(crate) fn first_victim(&self) -> u32 {
-        self.lists.first().map_or(NIL, |(_, ends)| ends.head)
-    }
-
     pub(crate) fn pop_victim(&mut self, slots: &mut [Slot]) -> Option<u32> {
         let block = self.lists.first()?.1.head;
         self.remove(slots, block);
