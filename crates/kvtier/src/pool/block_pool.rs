@@ -362,9 +362,8 @@ impl BlockPool {
     /// the caller.
     fn unpublish(&mut self, i: usize) {
         let hash = self.slots[i].hash();
-        let slots = &self.slots;
-        let removed = self.registry.remove(hash, |b| slots[b as usize].hash());
-        debug_assert_eq!(removed, Some(i as u32));
+        let removed = self.registry.remove_block(hash, i as u32);
+        debug_assert!(removed);
         self.emit(PoolEvent::Removed {
             hash,
             tier: self.tier,
@@ -547,9 +546,8 @@ impl BlockPool {
                     // A write that never confirmed: drop its reservation.
                     s.reserved = false;
                     let hash = s.hash();
-                    let slots = &self.slots;
-                    let removed = self.registry.remove(hash, |b| slots[b as usize].hash());
-                    debug_assert_eq!(removed, Some(i as u32));
+                    let removed = self.registry.remove_block(hash, i as u32);
+                    debug_assert!(removed);
                     self.reserved -= 1;
                 }
                 self.push_free(i)
