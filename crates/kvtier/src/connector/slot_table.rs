@@ -96,12 +96,8 @@ impl<V> SlotTable<V> {
         if let Some(pos) = pos {
             self.hint(pos, i);
         }
-        let entry = &mut self.entries[i as usize];
-        *entry = Some((id, value));
-        match entry {
-            Some((_, v)) => v,
-            None => unreachable!("just stored"),
-        }
+        let (_, v) = self.entries[i as usize].insert((id, value));
+        v
     }
 
     pub(crate) fn remove(&mut self, id: &RequestId) -> Option<V> {
