@@ -405,7 +405,8 @@ impl EngineConnector for KvtierConnector {
             } else {
                 0
             },
-            offloaded_disk_blocks: s.spill_disk_blocks.saturating_sub(s.spill_disk_failed)
+            // Spills count once written and registered, not while in flight.
+            offloaded_disk_blocks: s.spill_disk_confirmed
                 + if self.has_host {
                     0
                 } else {

@@ -362,6 +362,7 @@ fn stats_dict(py: Python<'_>, s: &LeaderStats) -> PyResult<Py<PyDict>> {
         ("onboard_remote_blocks", s.onboard_remote_blocks),
         ("onboard_failed", s.onboard_failed),
         ("spill_disk_blocks", s.spill_disk_blocks),
+        ("spill_disk_confirmed", s.spill_disk_confirmed),
         ("spill_disk_failed", s.spill_disk_failed),
         ("remote_put_blocks", s.remote_put_blocks),
         ("remote_put_failed", s.remote_put_failed),

@@ -11,6 +11,7 @@
 //! - `match/32k_prompt`: `get_num_new_matched_tokens` on a fresh 32768-token prompt whose 2048
 //!   blocks are all in G2, hashing included. Baseline: `match/hash_only_32k`, hashing alone.
 //!
+//! `KVTIER_BENCH_IDS=vllm` uses vLLM-shaped request ids (39 bytes) instead of short ones.
 //! `KVTIER_BENCH_HOST=<blocks>` changes the G2 size (default 50,000), e.g. to see how much of the
 //! step is cache misses in the pool (a pool that fits in L2 against one that does not).
 //!
@@ -46,6 +47,20 @@ struct Req {
     table: Vec<DeviceBlockId>,
     reported_blocks: usize,
     first: bool,
+}
+
+/// The bench's request ids: short (`req-N`, like TensorRT-LLM's integers), or with
+/// `KVTIER_BENCH_IDS=vllm` shaped like vLLM's (`cmpl-` + 32 hex digits + `-0`, 39 bytes: too long
+/// to live inline in a `RequestId`).
+fn request_id(n: u64) -> RequestId {
+    if std::env::var("KVTIER_BENCH_IDS").is_ok_and(|v| v == "vllm") {
+        RequestId::from(format!(
+            "cmpl-{:032x}-0",
+            (n as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835)
+        ))
+    } else {
+        RequestId::from(format!("req-{n}"))
+    }
 }
 
 /// A steady stream of engine steps over `RUNNING` requests.
@@ -88,7 +103,7 @@ impl Workload {
         self.next_id += 1;
         let seed = self.next_id as u32;
         Req {
-            id: RequestId::from(format!("req-{}", self.next_id)),
+            id: request_id(self.next_id),
             tokens: (0..PROMPT as u32)
                 .map(|t| t.wrapping_mul(2_654_435_761) ^ seed)
                 .collect(),

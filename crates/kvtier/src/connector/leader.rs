@@ -177,7 +177,9 @@ pub struct LeaderStats {
     pub onboard_remote_blocks: u64,
     /// Blocks whose load failed (on any rank) or whose source had vanished.
     pub onboard_failed: u64,
+    /// Host -> disk copies dispatched / written and registered in G3 / failed.
     pub spill_disk_blocks: u64,
+    pub spill_disk_confirmed: u64,
     pub spill_disk_failed: u64,
     pub remote_put_blocks: u64,
     pub remote_put_failed: u64,
@@ -1098,6 +1100,7 @@ impl Leader {
                     if let Some(d) = self.disk.as_mut() {
                         match d.register(dblk, hash, self.priority) {
                             Ok(c) => {
+                                self.stats.spill_disk_confirmed += 1;
                                 let _ = d.release(c);
                             }
                             Err(e) => {
@@ -1306,6 +1309,60 @@ mod tests {
             is_new: true,
             ..Default::default()
         }
+    }
+
+    /// A spill counts as confirmed only once every rank wrote it (not while in flight, not failed).
+    #[test]
+    fn spills_are_confirmed_only_when_written() {
+        let mut cfg = LeaderConfig::new(4, HashSalt(3), 4);
+        cfg.disk = Capacity::Blocks(8);
+        cfg.disk_policy = DiskPolicy::WriteThrough;
+        let mut l = Leader::new(cfg).unwrap();
+        let m = l
+            .build_step(&SchedulerStep {
+                records: vec![new_record("a", (0..8).collect(), 0)],
+                finished: vec![],
+            })
+            .unwrap();
+        for st in &m.stores {
+            l.apply_report(WorkerReport {
+                rank: 0,
+                job: st.job.id,
+                outcome: TransferOutcome::Ok,
+            });
+        }
+        // The confirmed stores planned two spills, for the next metadata.
+        let m = l.build_step(&SchedulerStep::default()).unwrap();
+        assert_eq!(m.background.len(), 2);
+        let s = l.stats();
+        assert_eq!(
+            (s.spill_disk_blocks, s.spill_disk_confirmed),
+            (2, 0),
+            "in flight"
+        );
+        l.apply_report(WorkerReport {
+            rank: 0,
+            job: m.background[0].id,
+            outcome: TransferOutcome::Ok,
+        });
+        l.apply_report(WorkerReport {
+            rank: 0,
+            job: m.background[1].id,
+            outcome: TransferOutcome::Failed(vec![crate::transfer::BlockFailure {
+                pair_index: 0,
+                reason: "disk full".into(),
+            }]),
+        });
+        let s = l.stats();
+        assert_eq!(
+            (
+                s.spill_disk_blocks,
+                s.spill_disk_confirmed,
+                s.spill_disk_failed
+            ),
+            (2, 1, 1)
+        );
+        assert_eq!(l.disk_pool().unwrap().num_registered(), 1);
     }
 
     /// Events come out in order per tier, are handed over once, and a leader nobody takes them
