@@ -139,4 +139,19 @@ mod tests {
         assert_eq!(t.len(), 2);
         assert_eq!(t.get(&c).copied(), Some(4));
     }
+
+    #[test]
+    fn long_ids_are_compared_in_full() {
+        // 39 bytes (vLLM-like, on the heap) and 60 bytes, differing in the last byte.
+        for n in [39usize, 60] {
+            let id = |last: char| RequestId::from(format!("{}{last}", "x".repeat(n - 1)));
+            let mut t: SlotTable<u32> = SlotTable::default();
+            t.insert(id('a'), 1, Some(0));
+            assert_eq!(t.get_mut_at(0, &id('a')).copied(), Some(1));
+            assert_eq!(t.get_mut_at(0, &id('b')), None, "len {n}");
+            t.insert(id('b'), 2, Some(1));
+            assert_eq!(t.get_mut_at(0, &id('b')).copied(), Some(2), "len {n}");
+            assert_eq!(t.get_mut_at(0, &id('a')).copied(), Some(1), "len {n}");
+        }
+    }
 }
