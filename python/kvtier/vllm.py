@@ -366,12 +366,10 @@ class _SchedulerSide:
         self.async_loads = bool(getattr(self._leader, "loads_are_async", False))
         self._requests: dict[str, "Request"] = {}
         self._tokens_sent: dict[str, int] = {}
+        # Requests vLLM has scheduled: matched again, one was preempted (vLLM tells the connector no other way
+        # before it matches it). A request matched again after its allocation but before it ran (vLLM restarted
+        # it after a failed load) is the leader's to recognise: it then offers it nothing external.
         self._scheduled: set[str] = set()
-        # Requests with device blocks kvtier knows of that vLLM has not scheduled yet (an async load in flight).
-        self._allocated: set[str] = set()
-        # Requests vLLM restarted after a failed load: never offered external tokens again, they are recomputed.
-        self._recompute: set[str] = set()
-        self._restarted = 0
         self._failed_loads: dict[str, list[int]] = {}
         self._local_computed: dict[str, int] = {}
         self._sync_loads_pending = False
@@ -391,24 +389,12 @@ class _SchedulerSide:
             if rid in self._scheduled:
                 # Matched again after running: vLLM preempted it and freed its device blocks.
                 self._scheduled.discard(rid)
-                self._allocated.discard(rid)
                 self._preempted += 1
-                self._leader.request_preempted(rid)
-            elif rid in self._allocated:
-                # Matched again after an allocation but before ever running: an async load failed at the
-                # request's first block and vLLM freed its blocks to start it over. kvtier drops the device
-                # table (as for a preemption) and offers it nothing external again, so it cannot cycle through
-                # load -> fail -> match while vLLM drains the queue of requests holding blocks first.
-                self._allocated.discard(rid)
-                self._recompute.add(rid)
-                self._restarted += 1
                 self._leader.request_preempted(rid)
             n = int(self._leader.get_num_new_matched_tokens(rid, list(request.all_token_ids),
                                                             int(num_computed_tokens)))
         except Exception as e:
             self._error("get_num_new_matched_tokens", e)
-            return 0
-        if rid in self._recompute:
             return 0
         # Never offer a partial block or tokens beyond the request: vLLM would wait for them.
         n = max(0, n - n % self._block_size)
@@ -417,7 +403,6 @@ class _SchedulerSide:
     def on_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         rid = request.request_id
         self._requests[rid] = request
-        self._allocated.add(rid)
         block_ids = _first_group(blocks.get_block_ids())
         # vLLM calls this again with 0 once an async load finished; kvtier recognises ids it already has.
         if num_external_tokens <= 0:
@@ -426,9 +411,8 @@ class _SchedulerSide:
         if not self.async_loads:
             self._sync_loads_pending = True
         if not self._call_alloc(rid, block_ids, int(num_external_tokens)):
-            # vLLM now waits for these tokens: fail the load so that it recomputes them, and never offer this
-            # request external tokens again (a refusal would repeat).
-            self._recompute.add(rid)
+            # vLLM now waits for these tokens: fail the load so that it recomputes them (the leader offers this
+            # request no external tokens again: a refusal would repeat).
             first = self._local_computed.get(rid, 0) // self._block_size
             count = num_external_tokens // self._block_size
             self._failed_loads[rid] = block_ids[first:first + count]
@@ -461,7 +445,6 @@ class _SchedulerSide:
             tokens = list(req.all_token_ids) if req is not None else list(r.prompt_token_ids or [])
             self._tokens_sent[rid] = len(tokens)
             self._scheduled.add(rid)
-            self._allocated.discard(rid)
             records.append(_record(rid, tokens, _first_group(r.block_ids), r.num_computed_tokens,
                                    so.num_scheduled_tokens.get(rid, 0), len(spec.get(rid, ())), True, False))
         c = so.scheduled_cached_reqs
@@ -475,7 +458,6 @@ class _SchedulerSide:
                 new_tokens = list(all_tokens[sent:])
                 self._tokens_sent[rid] = len(all_tokens)
             self._scheduled.add(rid)
-            self._allocated.discard(rid)
             records.append(_record(rid, new_tokens, _first_group(c.new_block_ids[i]), c.num_computed_tokens[i],
                                    so.num_scheduled_tokens.get(rid, 0), len(spec.get(rid, ())), False, resumed))
         finished = sorted(so.finished_req_ids)
@@ -508,8 +490,6 @@ class _SchedulerSide:
         self._requests.pop(rid, None)
         self._local_computed.pop(rid, None)
         self._scheduled.discard(rid)
-        self._allocated.discard(rid)
-        self._recompute.discard(rid)
         if not known:  # aborted before kvtier ever saw it: nothing of it is stored
             return False, None
         try:
@@ -546,7 +526,6 @@ class _SchedulerSide:
             self._error("stats", e)
         s["adapter_errors"] = s.get("adapter_errors", 0) + self._errors
         s["preempted_requests"] = self._preempted
-        s["load_restarts"] = self._restarted
         return s
 
     def take_stats_delta(self) -> dict[str, float]:

@@ -366,6 +366,7 @@ fn stats_dict(py: Python<'_>, s: &LeaderStats) -> PyResult<Py<PyDict>> {
         ("spill_disk_failed", s.spill_disk_failed),
         ("remote_put_blocks", s.remote_put_blocks),
         ("remote_put_failed", s.remote_put_failed),
+        ("load_restarts", s.load_restarts),
         ("host_capacity", u(s.host_capacity)),
         ("host_free", u(s.host_free)),
         ("host_registered", u(s.host_registered)),

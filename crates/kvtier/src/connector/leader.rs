@@ -31,7 +31,7 @@ use crate::connector::messages::{
     remote_key_for_rank, ClusterLayout, RequestLoad, RequestStore, StepMetadata, WorkerReport,
     PROTOCOL_VERSION,
 };
-use crate::connector::slot::{MatchRecord, OffloadBlock, OnboardBlock, Slot};
+use crate::connector::slot::{MatchRecord, OffloadBlock, OnboardBlock, Slot, SlotState};
 use crate::connector::slot_table::SlotTable;
 use crate::connector::step::{SchedulerStep, StepRecord};
 use crate::connector::ConnectorError;
@@ -185,6 +185,9 @@ pub struct LeaderStats {
     pub remote_put_failed: u64,
     /// Pool events dropped because nobody took them (`take_events`) in time.
     pub events_dropped: u64,
+    /// Requests matched again after an allocation but before they ever ran (the engine freed
+    /// their blocks to start them over, e.g. after a failed asynchronous load): recomputed.
+    pub load_restarts: u64,
     pub host_capacity: usize,
     pub host_free: usize,
     pub host_registered: usize,
@@ -540,6 +543,16 @@ impl Leader {
                 format!("matching a request in state {:?}", entry.slot.state()),
             ));
         }
+        if entry.slot.state() == SlotState::Allocated {
+            // Matched again after an allocation but before any record: the engine freed the
+            // request's blocks to start it over (vLLM, after an asynchronous load failed at the
+            // request's first block). Its device table is gone; it is recomputed from now on.
+            entry.slot.preempt()?;
+            entry.slot.refuse_external();
+            self.stats.load_restarts += 1;
+            tracing::debug!(request = %req, "restarted before running; recomputed from now on");
+        }
+        let refused = entry.slot.external_refused();
         if num_computed_tokens > all_tokens.len() {
             return Err(ConnectorError::invalid(
                 req,
@@ -554,7 +567,7 @@ impl Leader {
         self.stats.match_queries += 1;
         let device_blocks = num_computed_tokens / bs;
         let mut external = 0;
-        if num_computed_tokens.is_multiple_of(bs) {
+        if num_computed_tokens.is_multiple_of(bs) && !refused {
             let hashes = match self.slots.get(req) {
                 Some(e) => e.slot.hashes(),
                 None => &[],
@@ -594,20 +607,33 @@ impl Leader {
         // so the promised blocks are still there.
         self.check_device_ids(req, "block_ids", block_ids)?;
         let external = num_external_tokens.unwrap_or(0);
-        if !self.slots.contains_key(req) {
-            if num_external_tokens.is_some() && external > 0 {
-                return Err(ConnectorError::invalid(
-                    req,
-                    "request_id",
-                    "external tokens for a request that was never matched",
-                ));
-            }
+        let never_matched = !self.slots.contains_key(req);
+        if never_matched {
             let slot = Slot::new(req.clone(), self.block_size, self.salt);
             self.slots.insert(req.clone(), SlotEntry::new(slot), None);
         }
-        let onboard = match self.slots.get_mut(req) {
-            Some(e) => e.slot.allocate(block_ids, num_external_tokens)?,
-            None => Vec::new(),
+        let Some(e) = self.slots.get_mut(req) else {
+            return Err(ConnectorError::invalid(req, "request_id", "slot missing"));
+        };
+        let allocated = if never_matched && external > 0 {
+            Err(ConnectorError::invalid(
+                req,
+                "request_id",
+                "external tokens for a request that was never matched",
+            ))
+        } else {
+            e.slot.allocate(block_ids, num_external_tokens)
+        };
+        let onboard = match allocated {
+            Ok(onboard) => onboard,
+            Err(err) => {
+                // The engine now waits for tokens kvtier will not load: it must recompute them,
+                // and must not be offered them again.
+                if external > 0 {
+                    e.slot.refuse_external();
+                }
+                return Err(err);
+            }
         };
         if onboard.is_empty() {
             return Ok(());
@@ -936,7 +962,7 @@ impl Leader {
                     &mut e.loads_in_flight
                 };
                 *n = n.saturating_sub(1);
-                e.slot.state() == crate::connector::slot::SlotState::Finished
+                e.slot.state() == SlotState::Finished
                     && e.stores_in_flight == 0
                     && e.loads_in_flight == 0
             }
@@ -949,7 +975,7 @@ impl Leader {
 
     fn maybe_drop_slot(&mut self, req: &RequestId) {
         let drop = self.slots.get(req).is_some_and(|e| {
-            e.slot.state() == crate::connector::slot::SlotState::Finished
+            e.slot.state() == SlotState::Finished
                 && e.stores_in_flight == 0
                 && e.loads_in_flight == 0
         });
@@ -1309,6 +1335,50 @@ mod tests {
             is_new: true,
             ..Default::default()
         }
+    }
+
+    /// A request matched again after its allocation, before it ever ran, was restarted by the
+    /// engine (vLLM: an asynchronous load failed at its first block): it is recomputed from then
+    /// on, as is a request whose allocation with external tokens was refused.
+    #[test]
+    fn restarted_or_refused_requests_are_recomputed() {
+        let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), 16)).unwrap();
+        let prompt: Vec<u32> = (0..12).collect();
+        let m = l
+            .build_step(&SchedulerStep {
+                records: vec![new_record("fill", prompt.clone(), 0)],
+                finished: vec!["fill".into()],
+            })
+            .unwrap();
+        confirm_all(&mut l, &m);
+        let devs: Vec<DeviceBlockId> = (20..23).map(DeviceBlockId).collect();
+
+        let r: RequestId = "r".into();
+        assert_eq!(l.get_num_new_matched_tokens(&r, &prompt, 0).unwrap(), 8);
+        l.update_state_after_alloc(&r, &devs, Some(8)).unwrap();
+        // Matched again before any record: restarted; nothing external from now on.
+        assert_eq!(l.get_num_new_matched_tokens(&r, &prompt, 0).unwrap(), 0);
+        assert_eq!(l.stats().load_restarts, 1);
+        assert!(l.slot(&r).unwrap().device_table().is_empty());
+        l.update_state_after_alloc(&r, &devs, Some(0)).unwrap();
+        let mut rec = new_record("r", prompt.clone(), 20);
+        rec.num_scheduled_tokens = 12;
+        l.build_step(&SchedulerStep {
+            records: vec![rec],
+            finished: vec![],
+        })
+        .unwrap();
+
+        let q: RequestId = "q".into();
+        assert_eq!(l.get_num_new_matched_tokens(&q, &prompt, 0).unwrap(), 8);
+        // 6 is not a whole number of blocks: refused, and never offered again.
+        assert!(l.update_state_after_alloc(&q, &devs, Some(6)).is_err());
+        assert_eq!(l.get_num_new_matched_tokens(&q, &prompt, 0).unwrap(), 0);
+        // A request allocated with external tokens it was never matched for is refused too.
+        let u: RequestId = "u".into();
+        assert!(l.update_state_after_alloc(&u, &devs, Some(4)).is_err());
+        assert_eq!(l.get_num_new_matched_tokens(&u, &prompt, 0).unwrap(), 0);
+        assert_eq!(l.stats().load_restarts, 1);
     }
 
     /// A spill counts as confirmed only once every rank wrote it (not while in flight, not failed).

@@ -172,6 +172,9 @@ pub struct Slot {
     offloaded_watermark: usize,
     state: SlotState,
     last_match: Option<MatchRecord>,
+    /// Set when the request must be recomputed rather than loaded: matching then finds nothing
+    /// external for it (see `Slot::refuse_external`). Survives preemption.
+    external_refused: bool,
 }
 
 impl Slot {
@@ -191,6 +194,7 @@ impl Slot {
             offloaded_watermark: 0,
             state: SlotState::Waiting,
             last_match: None,
+            external_refused: false,
         }
     }
 
@@ -217,6 +221,17 @@ impl Slot {
     pub fn evaluated_blocks(&self) -> usize {
         self.evaluated
     }
+    /// From now on matching offers this request no external tokens: a load of it failed before
+    /// it ever ran, or an allocation with external tokens was refused. It is recomputed, and
+    /// cannot cycle through match -> load -> fail.
+    pub fn refuse_external(&mut self) {
+        self.external_refused = true;
+    }
+
+    pub fn external_refused(&self) -> bool {
+        self.external_refused
+    }
+
     pub fn last_match(&self) -> Option<MatchRecord> {
         self.last_match
     }
