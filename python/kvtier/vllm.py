@@ -562,7 +562,7 @@ _MEDIA = {"host": "CPU", "disk": "STORAGE", "remote": "STORAGE"}
 _COUNTERS = frozenset((
     "steps", "match_queries", "matched_tokens", "offload_blocks", "offload_confirmed", "offload_failed",
     "offload_deduplicated", "offload_dropped", "onboard_host_blocks", "onboard_disk_blocks", "onboard_remote_blocks",
-    "onboard_failed", "spill_disk_blocks", "spill_disk_confirmed", "spill_disk_failed", "remote_put_blocks", "remote_put_failed",
+    "onboard_failed", "spill_disk_blocks", "spill_disk_confirmed", "spill_disk_failed", "remote_put_blocks", "remote_put_confirmed", "remote_put_failed",
     "adapter_errors", "preempted_requests", "load_restarts",
 ))
 

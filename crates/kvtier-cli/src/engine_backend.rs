@@ -166,7 +166,7 @@ pub fn counters_of(m: &EngineMetrics, block_size: usize) -> CacheCounters {
         offload_blocks: TierCounts {
             host: m.offloaded_host_blocks,
             disk: m.offloaded_disk_blocks,
-            remote: m.remote_put_blocks,
+            remote: m.offloaded_remote_blocks,
         },
         onboard_blocks: TierCounts {
             host: hit.host / bs,
@@ -408,7 +408,8 @@ mod tests {
             offloaded_host_blocks: 40,
             offloaded_disk_blocks: 25,
             spilled_disk_blocks: 27,
-            remote_put_blocks: 3,
+            remote_put_blocks: 4,
+            offloaded_remote_blocks: 3,
             kvtier_matched_tokens_disk: 64,
             ..Default::default()
         };

@@ -179,6 +179,8 @@ pub struct EngineMetrics {
     /// Blocks kvtier wrote into its host tier / its disk tier (spills from host included).
     pub offloaded_host_blocks: u64,
     pub offloaded_disk_blocks: u64,
+    /// Blocks kvtier wrote into its remote tier (puts confirmed; `remote_put_blocks` counts dispatched ones).
+    pub offloaded_remote_blocks: u64,
     /// Device blocks whose kvtier load failed (their tokens were recomputed).
     pub load_failures: u64,
     pub recomputed_tokens: u64,

@@ -42,6 +42,8 @@ pub struct ConnectorStats {
     /// Blocks written into the disk tier: host -> disk spills, plus G1 -> disk stores when
     /// there is no host tier (failed copies excluded).
     pub offloaded_disk_blocks: u64,
+    /// Blocks written into the remote tier (host -> remote puts every rank confirmed).
+    pub offloaded_remote_blocks: u64,
 }
 
 pub trait EngineConnector: Send {

@@ -483,6 +483,7 @@ impl EngineCore {
             self.metrics.remote_put_blocks = s.remote_put_blocks;
             self.metrics.offloaded_host_blocks = s.offloaded_host_blocks;
             self.metrics.offloaded_disk_blocks = s.offloaded_disk_blocks;
+            self.metrics.offloaded_remote_blocks = s.offloaded_remote_blocks;
         }
     }
 

@@ -400,6 +400,7 @@ impl EngineConnector for KvtierConnector {
             jobs_in_flight: s.jobs_in_flight as u64,
             spilled_disk_blocks: s.spill_disk_blocks,
             remote_put_blocks: s.remote_put_blocks,
+            offloaded_remote_blocks: s.remote_put_confirmed,
             offloaded_host_blocks: if self.has_host {
                 s.offload_confirmed
             } else {

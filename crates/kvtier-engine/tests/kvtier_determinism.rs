@@ -366,6 +366,11 @@ fn disaggregated_round_trip(remote: RemoteTarget) {
         pm.remote_put_blocks > 0,
         "prefill published nothing: {pm:?}"
     );
+    // The decode side loaded from the remote, so the puts it read were confirmed.
+    assert!(
+        pm.offloaded_remote_blocks > 0 && pm.offloaded_remote_blocks <= pm.remote_put_blocks,
+        "confirmed puts: {pm:?}"
+    );
     assert!(
         dm.kvtier_matched_tokens_remote > 0,
         "decode loaded nothing from the remote: {dm:?}"

@@ -365,6 +365,7 @@ fn stats_dict(py: Python<'_>, s: &LeaderStats) -> PyResult<Py<PyDict>> {
         ("spill_disk_confirmed", s.spill_disk_confirmed),
         ("spill_disk_failed", s.spill_disk_failed),
         ("remote_put_blocks", s.remote_put_blocks),
+        ("remote_put_confirmed", s.remote_put_confirmed),
         ("remote_put_failed", s.remote_put_failed),
         ("load_restarts", s.load_restarts),
         ("host_capacity", u(s.host_capacity)),

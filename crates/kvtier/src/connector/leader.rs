@@ -181,7 +181,9 @@ pub struct LeaderStats {
     pub spill_disk_blocks: u64,
     pub spill_disk_confirmed: u64,
     pub spill_disk_failed: u64,
+    /// Host -> remote puts dispatched / written by every rank / failed.
     pub remote_put_blocks: u64,
+    pub remote_put_confirmed: u64,
     pub remote_put_failed: u64,
     /// Pool events dropped because nobody took them (`take_events`) in time.
     pub events_dropped: u64,
@@ -1137,7 +1139,9 @@ impl Leader {
                 }
             }
             JobBooks::PutRemote { host_blocks } => {
-                self.stats.remote_put_failed += failed.len() as u64;
+                let bad = failed.iter().filter(|&&i| i < host_blocks.len()).count();
+                self.stats.remote_put_failed += bad as u64;
+                self.stats.remote_put_confirmed += (host_blocks.len() - bad) as u64;
                 for b in host_blocks {
                     self.release(Tier::Host, b);
                 }
@@ -1433,6 +1437,48 @@ mod tests {
             (2, 1, 1)
         );
         assert_eq!(l.disk_pool().unwrap().num_registered(), 1);
+    }
+
+    /// A remote put counts as confirmed once every rank reported it, failed pairs excepted.
+    #[test]
+    fn remote_puts_are_confirmed_only_when_written() {
+        let mut cfg = LeaderConfig::new(4, HashSalt(3), 4);
+        cfg.remote = Some(Arc::new(crate::connector::testing::MemoryRemoteStore::new()));
+        cfg.remote_put = true;
+        let mut l = Leader::new(cfg).unwrap();
+        let m = l
+            .build_step(&SchedulerStep {
+                records: vec![new_record("a", (0..8).collect(), 0)],
+                finished: vec![],
+            })
+            .unwrap();
+        confirm_all(&mut l, &m);
+        let m = l.build_step(&SchedulerStep::default()).unwrap();
+        assert_eq!(m.background.len(), 2);
+        assert_eq!(l.stats().remote_put_confirmed, 0, "in flight");
+        l.apply_report(WorkerReport {
+            rank: 0,
+            job: m.background[0].id,
+            outcome: TransferOutcome::Ok,
+        });
+        l.apply_report(WorkerReport {
+            rank: 0,
+            job: m.background[1].id,
+            outcome: TransferOutcome::Failed(vec![crate::transfer::BlockFailure {
+                pair_index: 0,
+                reason: "unreachable".into(),
+            }]),
+        });
+        let s = l.stats();
+        assert_eq!(
+            (
+                s.remote_put_blocks,
+                s.remote_put_confirmed,
+                s.remote_put_failed
+            ),
+            (2, 1, 1)
+        );
+        assert_eq!(l.host_pool().unwrap().num_pinned(), 0);
     }
 
     /// Events come out in order per tier, are handed over once, and a leader nobody takes them
