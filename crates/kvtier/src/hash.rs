@@ -88,15 +88,28 @@ fn fill(buf: &mut [u8], parent: Option<SequenceHash>, tokens: &[u32]) {
 
 /// Hashes of every full block of `tokens` (the partial tail is ignored).
 pub fn sequence_hashes(salt: HashSalt, tokens: &[u32], block_size: usize) -> Vec<SequenceHash> {
+    let mut out = Vec::new();
+    extend_chain(&mut out, salt, tokens, block_size);
+    out
+}
+
+/// Append to `hashes` the hashes of every full block of `tokens`, chained from the last hash
+/// already there (the blocks continue that sequence; a partial tail is ignored).
+#[inline]
+pub fn extend_chain(
+    hashes: &mut Vec<SequenceHash>,
+    salt: HashSalt,
+    tokens: &[u32],
+    block_size: usize,
+) {
     if block_size == 0 {
-        return Vec::new();
+        return;
     }
-    let mut out = Vec::with_capacity(tokens.len() / block_size);
-    let mut parent = None;
+    hashes.reserve(tokens.len() / block_size);
+    let mut parent = hashes.last().copied();
     for block in tokens.chunks_exact(block_size) {
         let h = chain_block(parent, salt, block);
-        out.push(h);
+        hashes.push(h);
         parent = Some(h);
     }
-    out
 }

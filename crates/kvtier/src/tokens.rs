@@ -19,7 +19,7 @@
 //! ```
 use std::num::NonZeroUsize;
 
-use crate::hash::{chain_block, HashSalt, SequenceHash};
+use crate::hash::{extend_chain, HashSalt, SequenceHash};
 
 /// A request's tokens with the hashes of its full blocks.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -52,13 +52,7 @@ impl TokenBlockSequence {
         let bs = self.block_size.get();
         let before = self.hashes.len();
         self.tokens.extend_from_slice(tokens);
-        let full = self.tokens.len() / bs;
-        let mut parent = self.hashes.last().copied();
-        for i in before..full {
-            let h = chain_block(parent, self.salt, &self.tokens[i * bs..(i + 1) * bs]);
-            self.hashes.push(h);
-            parent = Some(h);
-        }
+        extend_chain(&mut self.hashes, self.salt, &self.tokens[before * bs..], bs);
         &self.hashes[before..]
     }
 
@@ -115,7 +109,7 @@ impl TokenBlockSequence {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::hash::sequence_hashes;
+    use crate::hash::{chain_block, sequence_hashes};
 
     fn bs(n: usize) -> NonZeroUsize {
         NonZeroUsize::new(n).unwrap()

@@ -66,6 +66,16 @@ impl Model {
         v.sort();
         v.into_iter().map(|(_, _, b)| b).collect()
     }
+    /// The reservation of `hash` in block `b` becomes a registration; returns its event.
+    fn publish(&mut self, b: usize, hash: u128, prio: u32) -> PoolEvent {
+        self.reserved.remove(&hash);
+        self.state[b] = MState::Registered { hash, prio };
+        self.by_hash.insert(hash, b as u32);
+        PoolEvent::Stored {
+            hash: key(hash),
+            tier: Tier::Host,
+        }
+    }
     fn unpin(&mut self, b: usize) {
         self.pins[b] -= 1;
         if self.pins[b] == 0 {
@@ -242,13 +252,7 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     if mine == hash {
                         // Registering a reservation under its own hash confirms it.
                         prop_assert_eq!(r, Ok(BlockId(b as u32)));
-                        m.reserved.remove(&hash);
-                        m.state[b] = MState::Registered { hash, prio };
-                        m.by_hash.insert(hash, b as u32);
-                        expected_events.push(PoolEvent::Stored {
-                            hash: key(hash),
-                            tier: Tier::Host,
-                        });
+                        expected_events.push(m.publish(b, hash, prio));
                     } else {
                         let is_reserved = matches!(r, Err(PoolError::Reserved { .. }));
                         prop_assert!(is_reserved, "{:?}", r);
@@ -396,13 +400,7 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 match m.state.get(b).copied() {
                     Some(MState::Reserved { hash }) => {
                         prop_assert_eq!(r, Ok(key(hash)));
-                        m.reserved.remove(&hash);
-                        m.state[b] = MState::Registered { hash, prio };
-                        m.by_hash.insert(hash, b as u32);
-                        expected_events.push(PoolEvent::Stored {
-                            hash: key(hash),
-                            tier: Tier::Host,
-                        });
+                        expected_events.push(m.publish(b, hash, prio));
                         if release {
                             m.unpin(b);
                         }

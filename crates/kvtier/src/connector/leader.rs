@@ -1385,35 +1385,21 @@ mod tests {
         assert_eq!(l.stats().load_restarts, 1);
     }
 
-    /// A spill counts as confirmed only once every rank wrote it (not while in flight, not failed).
-    #[test]
-    fn spills_are_confirmed_only_when_written() {
-        let mut cfg = LeaderConfig::new(4, HashSalt(3), 4);
-        cfg.disk = Capacity::Blocks(8);
-        cfg.disk_policy = DiskPolicy::WriteThrough;
-        let mut l = Leader::new(cfg).unwrap();
+    /// Request "a" stores two blocks and every rank confirms them; returns the next metadata,
+    /// which carries the background jobs (spills, remote puts) those confirmations planned.
+    fn two_blocks_confirmed(l: &mut Leader) -> StepMetadata {
         let m = l
             .build_step(&SchedulerStep {
                 records: vec![new_record("a", (0..8).collect(), 0)],
                 finished: vec![],
             })
             .unwrap();
-        for st in &m.stores {
-            l.apply_report(WorkerReport {
-                rank: 0,
-                job: st.job.id,
-                outcome: TransferOutcome::Ok,
-            });
-        }
-        // The confirmed stores planned two spills, for the next metadata.
-        let m = l.build_step(&SchedulerStep::default()).unwrap();
-        assert_eq!(m.background.len(), 2);
-        let s = l.stats();
-        assert_eq!(
-            (s.spill_disk_blocks, s.spill_disk_confirmed),
-            (2, 0),
-            "in flight"
-        );
+        confirm_all(l, &m);
+        l.build_step(&SchedulerStep::default()).unwrap()
+    }
+
+    /// Report the first of two background jobs written, the second failed.
+    fn one_written_one_failed(l: &mut Leader, m: &StepMetadata) {
         l.apply_report(WorkerReport {
             rank: 0,
             job: m.background[0].id,
@@ -1424,9 +1410,27 @@ mod tests {
             job: m.background[1].id,
             outcome: TransferOutcome::Failed(vec![crate::transfer::BlockFailure {
                 pair_index: 0,
-                reason: "disk full".into(),
+                reason: "write failed".into(),
             }]),
         });
+    }
+
+    /// A spill counts as confirmed only once every rank wrote it (not while in flight, not failed).
+    #[test]
+    fn spills_are_confirmed_only_when_written() {
+        let mut cfg = LeaderConfig::new(4, HashSalt(3), 4);
+        cfg.disk = Capacity::Blocks(8);
+        cfg.disk_policy = DiskPolicy::WriteThrough;
+        let mut l = Leader::new(cfg).unwrap();
+        let m = two_blocks_confirmed(&mut l);
+        assert_eq!(m.background.len(), 2);
+        let s = l.stats();
+        assert_eq!(
+            (s.spill_disk_blocks, s.spill_disk_confirmed),
+            (2, 0),
+            "in flight"
+        );
+        one_written_one_failed(&mut l, &m);
         let s = l.stats();
         assert_eq!(
             (
@@ -1446,29 +1450,10 @@ mod tests {
         cfg.remote = Some(Arc::new(crate::connector::testing::MemoryRemoteStore::new()));
         cfg.remote_put = true;
         let mut l = Leader::new(cfg).unwrap();
-        let m = l
-            .build_step(&SchedulerStep {
-                records: vec![new_record("a", (0..8).collect(), 0)],
-                finished: vec![],
-            })
-            .unwrap();
-        confirm_all(&mut l, &m);
-        let m = l.build_step(&SchedulerStep::default()).unwrap();
+        let m = two_blocks_confirmed(&mut l);
         assert_eq!(m.background.len(), 2);
         assert_eq!(l.stats().remote_put_confirmed, 0, "in flight");
-        l.apply_report(WorkerReport {
-            rank: 0,
-            job: m.background[0].id,
-            outcome: TransferOutcome::Ok,
-        });
-        l.apply_report(WorkerReport {
-            rank: 0,
-            job: m.background[1].id,
-            outcome: TransferOutcome::Failed(vec![crate::transfer::BlockFailure {
-                pair_index: 0,
-                reason: "unreachable".into(),
-            }]),
-        });
+        one_written_one_failed(&mut l, &m);
         let s = l.stats();
         assert_eq!(
             (

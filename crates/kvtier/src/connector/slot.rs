@@ -20,7 +20,7 @@ use crate::connector::fasthash::FastSet;
 
 use crate::connector::step::StepRecord;
 use crate::connector::ConnectorError;
-use crate::hash::{chain_block, HashSalt, SequenceHash};
+use crate::hash::{chain_block, extend_chain, HashSalt, SequenceHash};
 use crate::ids::{DeviceBlockId, RequestId};
 
 /// Where a slot is in its life.
@@ -312,16 +312,8 @@ impl Slot {
         if (done + 1) * bs > known {
             return;
         }
-        let full = known / bs;
-        self.hashes.reserve(full - done);
-        let mut parent = self.hashes.last().copied();
         let from = done * bs - self.token_base;
-        let to = full * bs - self.token_base;
-        for block in self.tokens[from..to].chunks_exact(bs) {
-            let h = chain_block(parent, self.salt, block);
-            self.hashes.push(h);
-            parent = Some(h);
-        }
+        extend_chain(&mut self.hashes, self.salt, &self.tokens[from..], bs);
     }
 
     /// Append tokens, hashing the blocks they complete straight from `new_tokens`, and keep only
@@ -345,26 +337,21 @@ impl Slot {
             }
             return;
         }
-        self.hashes
-            .reserve((self.tokens.len() + new_tokens.len()) / bs);
-        let mut parent = self.hashes.last().copied();
         let mut rest = new_tokens;
         if !self.tokens.is_empty() {
+            // Complete the kept tail block first.
             let (head, tail) = rest.split_at(bs - self.tokens.len());
             self.tokens.extend_from_slice(head);
-            let h = chain_block(parent, self.salt, &self.tokens);
+            let h = chain_block(self.hashes.last().copied(), self.salt, &self.tokens);
             self.hashes.push(h);
-            parent = Some(h);
             self.tokens.clear();
             rest = tail;
         }
-        let mut blocks = rest.chunks_exact(bs);
-        for block in &mut blocks {
-            let h = chain_block(parent, self.salt, block);
-            self.hashes.push(h);
-            parent = Some(h);
+        if rest.len() >= bs {
+            extend_chain(&mut self.hashes, self.salt, rest, bs);
         }
-        self.tokens.extend_from_slice(blocks.remainder());
+        self.tokens
+            .extend_from_slice(&rest[rest.len() - rest.len() % bs..]);
         self.token_base = self.hashes.len() * bs;
     }
 
@@ -638,7 +625,8 @@ impl Slot {
             };
             (p, e, self.offloaded_watermark)
         };
-        let next = position + rec.num_scheduled_tokens;
+        // Engine-supplied counts: an absurd one saturates and fails the table check below.
+        let next = position.saturating_add(rec.num_scheduled_tokens);
         if next > table_len * bs {
             return Err(self.invalid(
                 "num_scheduled_tokens",
@@ -678,16 +666,7 @@ impl Slot {
             tracing::debug!(request = %self.id, from = base_position, to = computed, "engine rolled back");
             self.offloaded_watermark = watermark;
         }
-        let start = evaluated.max(self.offloaded_watermark);
-        if start < end {
-            out.extend((start..end).map(|i| OffloadBlock {
-                index: i,
-                device: self.table.ids[i],
-                hash: self.hashes[i],
-            }));
-        }
-        self.evaluated = evaluated.max(end);
-        self.offloaded_watermark = self.offloaded_watermark.max(end);
+        self.hand_out(evaluated, end, out);
         self.position = position + rec.num_scheduled_tokens - rec.num_draft_tokens;
         Ok(())
     }
@@ -703,8 +682,10 @@ impl Slot {
             && rec.new_block_ids.is_empty()
             && rec.num_draft_tokens == 0
             && rec.num_computed_tokens >= self.position
-            && rec.num_computed_tokens + rec.num_scheduled_tokens
-                <= self.table.len() * self.block_size
+            && rec
+                .num_computed_tokens
+                .checked_add(rec.num_scheduled_tokens)
+                .is_some_and(|next| next <= self.table.len() * self.block_size)
     }
 
     /// `apply_into` for a record that passed `is_plain_continuation`.
@@ -718,7 +699,15 @@ impl Slot {
             SlotState::Decoding
         };
         let end = next.min(self.num_tokens()) / self.block_size;
-        let start = self.evaluated.max(self.offloaded_watermark);
+        self.hand_out(self.evaluated, end, out);
+        self.position = next;
+    }
+
+    /// Hand out blocks `max(evaluated, watermark) .. end` for offload; they count as evaluated
+    /// and handed out from then on.
+    #[inline]
+    fn hand_out(&mut self, evaluated: usize, end: usize, out: &mut Vec<OffloadBlock>) {
+        let start = evaluated.max(self.offloaded_watermark);
         if start < end {
             out.extend((start..end).map(|i| OffloadBlock {
                 index: i,
@@ -726,9 +715,8 @@ impl Slot {
                 hash: self.hashes[i],
             }));
         }
-        self.evaluated = self.evaluated.max(end);
+        self.evaluated = evaluated.max(end);
         self.offloaded_watermark = self.offloaded_watermark.max(end);
-        self.position = next;
     }
 
     /// A load into block `index` (and maybe later ones) failed: the engine recomputes from

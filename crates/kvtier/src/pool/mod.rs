@@ -19,8 +19,9 @@
 //!   allocated (free first, then evicting) and pinned once, whose hash is entered in the registry
 //!   at once but hidden from lookups; `NoSpace` if nothing was free or evictable. One registry
 //!   probe per hash both deduplicates and reserves
-//! - `confirm(&mut self, block, priority) -> Result<(), PoolError>`: publish a reserved block
-//!   (no registry probe; emits `Stored`; the caller keeps its pin). Releasing a reserved block to
+//! - `confirm(&mut self, block, priority) -> Result<SequenceHash, PoolError>`: publish a reserved
+//!   block under the hash it reserved, which it returns (no registry probe; emits `Stored`; the
+//!   caller keeps its pin); `confirm_and_release` also drops the caller's pin in the same pass. Releasing a reserved block to
 //!   zero pins without confirming it (a failed write) frees it and drops the reservation
 //! - `pin(&mut self, block) -> Result<(), PoolError>`, `release(&mut self, block) -> Result<(), PoolError>`:
 //!   pin count +1 / -1. A registered block at 0 pins becomes evictable; an unregistered one free
