@@ -6,6 +6,7 @@
 //! [`disagg`] adds the decode-mode prefill hop; [`prom`] renders Prometheus text; [`backend`] is the one
 //! seam to the engine. Nothing here panics on what a client sends.
 
+#![forbid(unsafe_code)]
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod api;

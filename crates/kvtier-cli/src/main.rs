@@ -1,6 +1,8 @@
 //! The `kvtier` binary: `serve`, `bench`, `inspect`. With no command it runs `kvtier bench` on its
 //! embedded defaults (the project's main job).
 
+#![forbid(unsafe_code)]
+
 #[path = "bench/transfer.rs"]
 mod bench_transfer;
 

@@ -22,6 +22,7 @@
 //! let layout = desc.trtllm_layout(16).unwrap();
 //! assert_eq!(layout.bytes_per_block(), 64 * 2 * 2 * 2);
 //! ```
+#![forbid(unsafe_code)]
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 use pyo3::prelude::*;
