@@ -33,6 +33,9 @@
 //! assert!(out.iter().all(|&b| b == 7));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+/// The transfer benchmark behind `kvtier bench transfer` (feature `transfer-bench`; not part of
+/// the storage and transfer API).
+#[cfg(feature = "transfer-bench")]
 pub mod bench;
 pub mod cuda;
 mod device;

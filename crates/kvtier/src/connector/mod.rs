@@ -12,6 +12,7 @@ pub mod messages;
 pub mod slot;
 pub(crate) mod slot_table;
 pub mod step;
+#[cfg(any(test, feature = "test-util"))]
 pub mod testing;
 pub mod worker;
 #[cfg(feature = "zmq")]
