@@ -44,6 +44,7 @@ mod engine;
 pub mod error;
 mod host;
 pub mod layout;
+pub mod node;
 pub mod remote;
 mod sys;
 

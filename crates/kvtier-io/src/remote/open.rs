@@ -12,6 +12,7 @@ use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
 
 use super::dir_store::{DirOptions, DirStore};
 use super::redis_store::{RedisOptions, RedisStore};
+use crate::node::{NodeClientOptions, NodeStore};
 
 /// Opens the remote store named by `url`, with its keys in `namespace`.
 ///
@@ -25,6 +26,9 @@ use super::redis_store::{RedisOptions, RedisStore};
 ///   the `redis` crate's own options (`protocol`, `db`) pass through.
 /// - `dir:///absolute/path` — one file per key under the directory (shared storage). Option
 ///   `fsync=1` syncs each value before publishing it.
+/// - `node:///absolute/socket` — the node tier of this machine (`kvtier node`): one host cache
+///   shared by every engine process here, through shared memory. Options `io_timeout_ms`
+///   (default 2000), `pool` (connections, default 4). Attaches lazily.
 ///
 /// Keys are `kvtier:v<hash scheme>:<namespace>:<32 hex>` (Redis) or
 /// `kvtier-v<hash scheme>/<namespace>/<2 hex>/<32 hex>` (directory). `namespace` must be 1..=64
@@ -85,11 +89,33 @@ fn open_url(url: &str, namespace: &str) -> Result<Arc<dyn RemoteStore>, RemoteEr
             }
             Ok(Arc::new(RedisStore::open(url, namespace, opts)?))
         }
+        "node" => {
+            let path = &base["node://".len()..];
+            if !path.starts_with('/') {
+                return Err(RemoteError::Config(format!(
+                    "node url {url:?}: the socket path must be absolute (node:///run/kvtier/node.sock)"
+                )));
+            }
+            let mut opts = NodeClientOptions::default();
+            for (k, v) in &params {
+                match *k {
+                    "io_timeout_ms" => opts.io_timeout = parse_ms(k, v)?,
+                    "pool" => opts.pool = parse_num(k, v)?,
+                    _ => return Err(unknown_option(k, url)),
+                }
+            }
+            if opts.io_timeout.is_zero() || opts.pool == 0 {
+                return Err(RemoteError::Config(format!(
+                    "node url {url:?}: io_timeout_ms and pool must be positive"
+                )));
+            }
+            Ok(Arc::new(NodeStore::lazy(Path::new(path), namespace, opts)))
+        }
         "rediss" | "valkeys" => Err(RemoteError::Config(
             "TLS (rediss://) is not built into kvtier; use a TLS tunnel or redis://".into(),
         )),
         other => Err(RemoteError::Config(format!(
-            "unknown remote store scheme {other:?} (expected redis://, valkey://, redis+unix:// or dir://)"
+            "unknown remote store scheme {other:?} (expected redis://, valkey://, redis+unix://, dir:// or node://)"
         ))),
     }
 }
@@ -151,6 +177,9 @@ mod tests {
         assert!(config_err("redis://127.0.0.1:1?io_timeout_ms=0").contains("timeouts"));
         assert!(config_err("dir://relative/path").contains("absolute"));
         assert!(config_err("dir:///tmp/x?fsync=maybe").contains("fsync"));
+        assert!(config_err("node://relative.sock").contains("absolute"));
+        assert!(config_err("node:///x.sock?pool=0").contains("positive"));
+        assert!(config_err("node:///x.sock?color=red").contains("unknown option"));
         assert!(matches!(
             open_url("redis://127.0.0.1:1", "bad/ns"),
             Err(RemoteError::Config(_))

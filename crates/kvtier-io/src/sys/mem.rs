@@ -181,7 +181,7 @@ const STREAM_MIN: usize = 16 * 1024;
 static NON_TEMPORAL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
 /// Choose the bulk copy routine (see [`NON_TEMPORAL`]); the transfer benchmark compares both.
-#[cfg(feature = "transfer-bench")]
+#[cfg(any(test, feature = "transfer-bench"))]
 pub(crate) fn set_non_temporal(on: bool) {
     NON_TEMPORAL.store(on, std::sync::atomic::Ordering::Relaxed);
 }

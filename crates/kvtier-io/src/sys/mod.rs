@@ -10,4 +10,5 @@ pub(crate) mod cublas;
 pub(crate) mod cuda;
 pub(crate) mod file;
 pub(crate) mod mem;
+pub(crate) mod shm;
 pub(crate) mod uring;
