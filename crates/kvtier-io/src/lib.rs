@@ -34,6 +34,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 pub mod bench;
+pub mod compose;
 pub mod cuda;
 mod device;
 pub mod disk;
@@ -41,6 +42,7 @@ mod engine;
 pub mod error;
 mod host;
 pub mod layout;
+pub mod metrics_http;
 pub mod remote;
 mod sys;
 
