@@ -309,7 +309,7 @@ pub const METRICS: &[Metric] = &[
     m(
         "host_capacity",
         CAPACITY,
-        "Blocks a tier holds",
+        "Blocks per tier",
         Gauge,
         &[("tier", "host")],
         |s| u(s.host_capacity),
@@ -317,7 +317,7 @@ pub const METRICS: &[Metric] = &[
     m(
         "disk_capacity",
         CAPACITY,
-        "Blocks a tier holds",
+        "Blocks per tier",
         Gauge,
         &[("tier", "disk")],
         |s| u(s.disk_capacity),
@@ -325,7 +325,7 @@ pub const METRICS: &[Metric] = &[
     m(
         "host_free",
         FREE,
-        "Blocks of a tier holding nothing",
+        "Free blocks per tier",
         Gauge,
         &[("tier", "host")],
         |s| u(s.host_free),
@@ -333,7 +333,7 @@ pub const METRICS: &[Metric] = &[
     m(
         "disk_free",
         FREE,
-        "Blocks of a tier holding nothing",
+        "Free blocks per tier",
         Gauge,
         &[("tier", "disk")],
         |s| u(s.disk_free),
