@@ -277,7 +277,7 @@ mod tests {
         };
         let c = flags.kvtier_config_with_env(&env).unwrap();
         assert_eq!(c.host.size, Some(TierSize::Gb(0.5)));
-        assert_eq!(c.remote, Some(RemoteTarget::Dir("/tmp/shared".into())));
+        assert_eq!(c.remote, Some(RemoteTarget::dir("/tmp/shared")));
         assert!(c.policy.disk_filter.enabled);
         let c = TierArgs {
             no_disk_filter: true,

@@ -484,6 +484,7 @@ impl EngineCore {
             self.metrics.offloaded_host_blocks = s.offloaded_host_blocks;
             self.metrics.offloaded_disk_blocks = s.offloaded_disk_blocks;
             self.metrics.offloaded_remote_blocks = s.offloaded_remote_blocks;
+            self.metrics.kvtier = s.kvtier;
         }
     }
 

@@ -37,6 +37,7 @@
 /// the storage and transfer API).
 #[cfg(feature = "transfer-bench")]
 pub mod bench;
+pub mod compose;
 pub mod cuda;
 mod device;
 pub mod disk;
@@ -44,6 +45,7 @@ mod engine;
 pub mod error;
 mod host;
 pub mod layout;
+pub mod metrics_http;
 pub mod node;
 pub mod remote;
 mod sys;

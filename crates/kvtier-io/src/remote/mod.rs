@@ -16,5 +16,5 @@ mod redis_store;
 pub use dir_store::{DirOptions, DirStore};
 pub use frame::{encode_value, HEADER_LEN};
 pub use key::Namespace;
-pub use open::from_url;
+pub use open::{from_url, open};
 pub use redis_store::{RedisOptions, RedisStore};
