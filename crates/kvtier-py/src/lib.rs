@@ -29,6 +29,7 @@ use pyo3::prelude::*;
 
 pub mod errors;
 pub mod leader;
+pub mod node;
 pub mod rendezvous;
 pub mod settings;
 pub mod tensor;
@@ -61,6 +62,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<leader::PyStepRecord>()?;
     m.add_class::<leader::PyLeader>()?;
     m.add_class::<worker::PyWorker>()?;
+    m.add_class::<node::PyNodeServer>()?;
 
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     Ok(())
