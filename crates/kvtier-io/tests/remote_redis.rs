@@ -57,7 +57,7 @@ fn round_trip_is_bit_exact() -> Result<()> {
     let mut raw = srv.raw()?;
     let name = format!("kvtier:v1:rt:{:032x}", keys[0]);
     let stored: Vec<u8> = redis::cmd("GET").arg(&name).query(&mut raw)?;
-    assert_eq!(stored, encode_value(keys[0], &block(99, 4096)));
+    assert_eq!(stored, encode_value("rt", keys[0], &block(99, 4096)));
     assert_eq!(stored.len(), HEADER_LEN + 4096);
     Ok(())
 }
@@ -99,7 +99,7 @@ fn damaged_values_are_errors_never_bytes() -> Result<()> {
     let mut raw = srv.raw()?;
     let name = |k: u128| format!("kvtier:v1:bad:{k:032x}");
     let good = block(7, 1000);
-    let framed = encode_value(10, &good);
+    let framed = encode_value("bad", 10, &good);
     let mut out = vec![0u8; 1000];
 
     // Garbage over a key.
@@ -122,7 +122,7 @@ fn damaged_values_are_errors_never_bytes() -> Result<()> {
         .query(&mut raw)?;
     let e = remote_err(store.get(10, &mut out));
     assert!(
-        matches!(&e, RemoteError::Corrupt { reason, .. } if reason.contains("checksum")),
+        matches!(&e, RemoteError::Corrupt { reason, .. } if reason.contains("tag mismatch")),
         "{e:?}"
     );
 
@@ -349,5 +349,62 @@ fn ttl_and_db_options_apply() -> Result<()> {
     let _: () = redis::cmd("SELECT").arg(0).query(&mut raw)?;
     let exists: bool = redis::cmd("EXISTS").arg(&name).query(&mut raw)?;
     assert!(!exists, "value landed in db 0");
+    Ok(())
+}
+
+/// Regression (#13, forged remote values): a Redis value copied from another block with its
+/// 16-byte key field patched to the victim's key was accepted and served, because the checksum
+/// covered the payload only. Format version 2 binds the key (and the namespace) into the tag; a
+/// version-1 value reads as a clean miss.
+#[test]
+fn forged_value_with_patched_key_is_rejected_and_old_frames_miss() -> Result<()> {
+    let Some(srv) = RedisServer::start() else {
+        return Ok(());
+    };
+    let store = from_url(&srv.url(), "forge")?;
+    let mut raw = srv.raw()?;
+    let name = |k: u128| format!("kvtier:v1:forge:{k:032x}");
+    let (victim, donor) = (0x51u128, 0x52u128);
+    store.put(donor, &block(1, 4096))?;
+    let mut forged: Vec<u8> = redis::cmd("GET").arg(name(donor)).query(&mut raw)?;
+    forged[16..32].copy_from_slice(&victim.to_le_bytes());
+    let _: () = redis::cmd("SET")
+        .arg(name(victim))
+        .arg(&forged)
+        .query(&mut raw)?;
+    let mut out = vec![0u8; 4096];
+    let e = remote_err(store.get(victim, &mut out));
+    assert!(
+        matches!(&e, RemoteError::Corrupt { key, .. } if *key == victim),
+        "forged value accepted or misreported: {e:?}"
+    );
+
+    // The same value copied into another namespace under the same key.
+    let other = from_url(&srv.url(), "forge2")?;
+    let copied: Vec<u8> = redis::cmd("GET").arg(name(donor)).query(&mut raw)?;
+    let _: () = redis::cmd("SET")
+        .arg(format!("kvtier:v1:forge2:{donor:032x}"))
+        .arg(&copied)
+        .query(&mut raw)?;
+    assert!(matches!(
+        remote_err(other.get(donor, &mut out)),
+        RemoteError::Corrupt { .. }
+    ));
+
+    // A value written by format version 1 (payload-only checksum) is a miss, never bytes.
+    let payload = block(2, 4096);
+    let mut v1 = Vec::new();
+    v1.extend_from_slice(b"KVT4");
+    v1.extend_from_slice(&1u16.to_le_bytes());
+    v1.extend_from_slice(&0u16.to_le_bytes());
+    v1.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    v1.extend_from_slice(&victim.to_le_bytes());
+    v1.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&payload).to_le_bytes());
+    v1.extend_from_slice(&payload);
+    let _: () = redis::cmd("SET").arg(name(victim)).arg(&v1).query(&mut raw)?;
+    assert_eq!(
+        remote_err(store.get(victim, &mut out)),
+        RemoteError::Missing { key: victim }
+    );
     Ok(())
 }

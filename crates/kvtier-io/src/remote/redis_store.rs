@@ -12,7 +12,8 @@
 //!   `backoff`: operations in that window fail at once with `Unavailable` instead of each waiting
 //!   for its own timeout (a job of many blocks against a hung server fails in one timeout, not in
 //!   one per block); the first operation after the window probes the server again;
-//! - `get` returns bytes only after `frame::decode_into` checked header and checksum.
+//! - `get` returns bytes only after `frame::decode_into` checked header and tag (bound to the key
+//!   and the namespace).
 //!
 //! Locking: `slots[i]` guards pooled connection `i` (`None` = not connected). An operation holds one
 //! slot's lock for its whole round trip; `next` only spreads waiting threads over the slots. `down` guards
@@ -62,6 +63,7 @@ impl Default for RedisOptions {
 pub struct RedisStore {
     client: Client,
     ns: Namespace,
+    seal: frame::FrameSeal,
     opts: RedisOptions,
     slots: Box<[Mutex<Option<Conn>>]>,
     next: AtomicUsize,
@@ -200,6 +202,7 @@ impl RedisStore {
         let slots = (0..opts.pool_size).map(|_| Mutex::new(None)).collect();
         Ok(RedisStore {
             client,
+            seal: frame::FrameSeal::for_namespace(ns.as_str()),
             ns,
             opts,
             slots,
@@ -351,7 +354,7 @@ impl RedisStore {
 
     fn put_inner(&self, key: u128, data: &[u8]) -> Result<(), RemoteError> {
         let rkey = self.ns.redis_key(key);
-        let header = frame::encode_header(key, data);
+        let header = frame::encode_header(&self.seal, key, data);
         let ttl_ms = self
             .opts
             .ttl
@@ -384,7 +387,7 @@ impl RedisStore {
             self.with_conn("get", |c| redis::cmd("GET").arg(&rkey).query(c.as_dyn()))?;
         match value {
             None => Err(RemoteError::Missing { key }),
-            Some(v) => frame::decode_into(key, &v, out),
+            Some(v) => frame::decode_into(&self.seal, key, &v, out),
         }
     }
 
