@@ -301,3 +301,42 @@ fn other_protocol_version_is_refused_by_name() {
         other => panic!("expected a rejection, got {other:?}"),
     }
 }
+
+/// Regression (#13, panics): an `ipc://` leader endpoint, listed in docs/CONFIG.md, panicked
+/// because the ZeroMQ transport was built TCP-only. It now works, the socket is mode 0600, a
+/// stale socket file of a dead leader is reclaimed, and transports this build lacks are refused
+/// with an error instead of a panic.
+#[test]
+fn ipc_endpoint_works_is_private_and_others_are_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("leader.sock");
+    // A stale socket file nobody listens on, as a killed leader leaves it.
+    drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+    let ep = format!("ipc://{}", path.display());
+    let chan = LeaderChannel::bind(&ep).unwrap();
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "leader socket mode {mode:o}");
+    let single = |rank| RankLayout {
+        world_size: 1,
+        ..layout(rank, BS)
+    };
+    let w = {
+        let ep = ep.clone();
+        std::thread::spawn(move || {
+            WorkerChannel::connect(&ep, single(0), Duration::from_secs(20)).map(|c| c.layout().clone())
+        })
+    };
+    let agreed = chan.handshake(1, BS, Duration::from_secs(20)).unwrap();
+    assert_eq!(w.join().unwrap().unwrap(), agreed);
+    // A second leader on the live socket is an error, not a takeover.
+    assert!(LeaderChannel::bind(&ep).is_err());
+    for bad in ["inproc://kvtier", "ipc://", "udp://127.0.0.1:1"] {
+        let e = LeaderChannel::bind(bad).err().expect("accepted");
+        assert!(matches!(e, ConnectorError::Channel(_)), "{bad}: {e}");
+        let e = WorkerChannel::connect(bad, single(0), Duration::from_secs(1))
+            .err()
+            .expect("accepted");
+        assert!(matches!(e, ConnectorError::Channel(_)), "{bad}: {e}");
+    }
+}

@@ -13,6 +13,12 @@
 //! with both versions named); the handshake and the wait for metadata are bounded by one
 //! configurable timeout; no call here panics on anything a peer sends.
 //!
+//! Endpoints: `tcp://host:port` and `ipc:///path` (a Unix socket, local only: the leader creates
+//! it mode 0600, so only the deployment's user can connect, and reclaims a stale socket file a
+//! dead leader left behind). Anything else (`inproc://`, typos) is refused with
+//! `ConnectorError::Channel` before it reaches the ZeroMQ crate, which panics on transports it
+//! was not built with.
+//!
 //! Threading: each endpoint runs one background thread with a single-threaded tokio runtime
 //! that owns the socket; the public handles talk to it through channels only.
 use std::collections::HashMap;
@@ -70,6 +76,55 @@ pub fn decode(bytes: &[u8]) -> Result<Wire, ConnectorError> {
     postcard::from_bytes(rest).map_err(|e| ConnectorError::Codec(format!("frame body: {e}")))
 }
 
+/// The endpoints this build can bind and connect: `tcp://…` or `ipc://<non-empty path>`.
+pub fn check_endpoint(endpoint: &str) -> Result<(), ConnectorError> {
+    let bad = |why: &str| {
+        ConnectorError::Channel(format!(
+            "ZeroMQ endpoint {endpoint:?} {why} (expected tcp://host:port or ipc:///path)"
+        ))
+    };
+    if let Some(path) = endpoint.strip_prefix("ipc://") {
+        if path.is_empty() {
+            return Err(bad("has no socket path"));
+        }
+    } else if !endpoint.starts_with("tcp://") {
+        return Err(bad("uses an unsupported transport"));
+    }
+    endpoint
+        .parse::<zeromq::Endpoint>()
+        .map_err(|e| bad(&format!("does not parse: {e}")))?;
+    Ok(())
+}
+
+/// Before binding `ipc://path`: removes a socket file nobody listens on (left by a leader that
+/// died); a live one is left alone (the bind then fails with "address in use").
+fn reclaim_stale_ipc(endpoint: &str) {
+    use std::os::unix::fs::FileTypeExt;
+    let Some(path) = endpoint.strip_prefix("ipc://") else {
+        return;
+    };
+    let is_socket = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket());
+    if is_socket {
+        if let Err(e) = std::os::unix::net::UnixStream::connect(path) {
+            if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                tracing::info!(path, "removing a stale leader socket");
+                let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+}
+
+/// After binding `ipc://path`: only this user may connect.
+fn restrict_ipc(endpoint: &str) -> Result<(), ConnectorError> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(path) = endpoint.strip_prefix("ipc://") {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(|e| {
+            ConnectorError::Channel(format!("chmod 0600 of the leader socket {path}: {e}"))
+        })?;
+    }
+    Ok(())
+}
+
 fn runtime() -> Result<tokio::runtime::Runtime, ConnectorError> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -109,6 +164,8 @@ impl LeaderChannel {
     /// Bind a ROUTER at `endpoint` (e.g. `tcp://127.0.0.1:0`; the resolved one is
     /// [`LeaderChannel::endpoint`]).
     pub fn bind(endpoint: &str) -> Result<LeaderChannel, ConnectorError> {
+        check_endpoint(endpoint)?;
+        reclaim_stale_ipc(endpoint);
         let (cmd_tx, cmd_rx) = tk::unbounded_channel();
         let (ready_tx, ready_rx) = std_mpsc::channel();
         let ep = endpoint.to_owned();
@@ -217,6 +274,10 @@ async fn leader_loop(
             return;
         }
     };
+    if let Err(e) = restrict_ipc(&bound) {
+        let _ = ready.send(Err(e));
+        return;
+    }
     let _ = ready.send(Ok(bound));
     let (mut tx, mut rx) = socket.split();
     // identity -> rank layout (or the reason its hello was unusable)
@@ -386,6 +447,7 @@ impl WorkerChannel {
         me: RankLayout,
         timeout: Duration,
     ) -> Result<WorkerChannel, ConnectorError> {
+        check_endpoint(endpoint)?;
         let (out_tx, out_rx) = tk::unbounded_channel::<Vec<u8>>();
         let (stop_tx, stop_rx) = tk::unbounded_channel::<()>();
         let (steps_tx, steps_rx) = std_mpsc::channel();
@@ -567,5 +629,15 @@ mod tests {
             decode(&encode(&Wire::Shutdown).unwrap()).unwrap(),
             Wire::Shutdown
         );
+    }
+
+    #[test]
+    fn unsupported_endpoints_are_refused_by_name() {
+        for ep in ["inproc://x", "ipc://", "udp://1.2.3.4:5", "127.0.0.1:5", "tcp://"] {
+            let e = check_endpoint(ep).unwrap_err();
+            assert!(e.to_string().contains("expected tcp://"), "{ep}: {e}");
+        }
+        check_endpoint("tcp://127.0.0.1:0").unwrap();
+        check_endpoint("ipc:///tmp/x.sock").unwrap();
     }
 }
