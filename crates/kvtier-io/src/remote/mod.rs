@@ -7,12 +7,14 @@
 //! and the payload, seeded by the namespace) plus the payload, and `get` fills the caller's buffer
 //! only with bytes whose header and tag verified for the key and namespace asked for; anything else is a typed [`kvtier::transfer::RemoteError`]. Every network operation is
 //! bounded by timeouts, so an outage produces errors (the connector then recomputes), never a hang.
+mod breaker;
 mod dir_store;
 mod frame;
 mod key;
 mod open;
 mod redis_store;
 
+pub use breaker::{BreakerState, BreakerStats};
 pub use dir_store::{DirOptions, DirStore};
 pub use frame::{decode_value, encode_value, FrameSeal, HEADER_LEN};
 pub use key::Namespace;

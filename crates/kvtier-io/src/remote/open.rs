@@ -19,7 +19,9 @@ use super::redis_store::{RedisOptions, RedisStore};
 /// - `redis://[user:password@]host:port[/db]`, `valkey://…`, `redis+unix:///socket` — a Redis or
 ///   Valkey server. Options (query string): `connect_timeout_ms` (default 1000), `io_timeout_ms`
 ///   (default 5000), `pool` (connections, default 8), `ttl_s` (expiry of values, default none),
-///   `backoff_ms` (how long operations fail fast after a connection failure, default 1000, 0 = off),
+///   `lookup_timeout_ms` (deadline of `contains`, the lookup on the engine's step, default 250),
+///   `backoff_ms` (how long operations fail fast after a connection failure, default 1000, 0 = off;
+///   each failed probe doubles it up to `max_backoff_ms`, default 30000),
 ///   `cluster=1` (Redis/Valkey Cluster: the hosts, comma-separated, are seed nodes:
 ///   `redis://h1:p1,h2:p2?cluster=1`);
 ///   the `redis` crate's own options (`protocol`, `db`) pass through.
@@ -77,6 +79,8 @@ fn open_url(url: &str, namespace: &str) -> Result<Arc<dyn RemoteStore>, RemoteEr
                     "pool" => opts.pool_size = parse_num(k, v)?,
                     "ttl_s" => opts.ttl = Some(Duration::from_secs(parse_num(k, v)?)),
                     "backoff_ms" => opts.backoff = parse_ms(k, v)?,
+                    "max_backoff_ms" => opts.max_backoff = parse_ms(k, v)?,
+                    "lookup_timeout_ms" => opts.lookup_timeout = parse_ms(k, v)?,
                     "cluster" => opts.cluster = parse_bool(k, v)?,
                     // Understood by the redis crate itself.
                     "protocol" | "db" => {}
