@@ -18,5 +18,5 @@ pub use breaker::{BreakerState, BreakerStats};
 pub use dir_store::{DirOptions, DirStore};
 pub use frame::{decode_value, encode_value, FrameSeal, HEADER_LEN};
 pub use key::Namespace;
-pub use open::from_url;
+pub use open::{from_url, redact_url};
 pub use redis_store::{RedisOptions, RedisStore};

@@ -52,7 +52,9 @@ pub fn from_url(url: &str, namespace: &str) -> Result<Arc<dyn RemoteStore>, Tran
 fn open_url(url: &str, namespace: &str) -> Result<Arc<dyn RemoteStore>, RemoteError> {
     let (scheme, _) = url
         .split_once("://")
-        .ok_or_else(|| RemoteError::Config(format!("remote url {url:?} has no scheme")))?;
+        .ok_or_else(|| {
+            RemoteError::Config(format!("remote url {:?} has no scheme", redact_url(url)))
+        })?;
     let (base, query) = match url.split_once('?') {
         Some((b, q)) => (b, q),
         None => (url, ""),
@@ -98,6 +100,25 @@ fn open_url(url: &str, namespace: &str) -> Result<Arc<dyn RemoteStore>, RemoteEr
     }
 }
 
+/// `url` with the password of its userinfo replaced by `***` (`redis://user:***@host`,
+/// `redis://:***@host`), for logs, errors and `kvtier inspect`. Everything else is unchanged.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    let Some((userinfo, hosts)) = authority.rsplit_once('@') else {
+        return url.to_owned();
+    };
+    let user = match userinfo.split_once(':') {
+        Some((u, _)) => format!("{u}:***"),
+        // `redis://secret@host`: the redis crate reads a lone userinfo as the password.
+        None => "***".to_owned(),
+    };
+    format!("{scheme}://{user}@{hosts}{tail}")
+}
+
 fn parse_query(q: &str) -> Result<Vec<(&str, &str)>, RemoteError> {
     q.split('&')
         .filter(|p| !p.is_empty())
@@ -109,7 +130,10 @@ fn parse_query(q: &str) -> Result<Vec<(&str, &str)>, RemoteError> {
 }
 
 fn unknown_option(k: &str, url: &str) -> RemoteError {
-    RemoteError::Config(format!("unknown option {k:?} in remote url {url:?}"))
+    RemoteError::Config(format!(
+        "unknown option {k:?} in remote url {:?}",
+        redact_url(url)
+    ))
 }
 
 fn parse_num<T: std::str::FromStr>(k: &str, v: &str) -> Result<T, RemoteError> {
@@ -159,6 +183,29 @@ mod tests {
             open_url("redis://127.0.0.1:1", "bad/ns"),
             Err(RemoteError::Config(_))
         ));
+    }
+
+    /// Regression (#13, security): a Redis password was printed by `kvtier inspect` and in
+    /// errors.
+    #[test]
+    fn passwords_are_redacted_from_urls_and_errors() {
+        assert_eq!(
+            redact_url("redis://user:hunter2@h:1/0?pool=2"),
+            "redis://user:***@h:1/0?pool=2"
+        );
+        assert_eq!(redact_url("redis://:hunter2@h:1"), "redis://:***@h:1");
+        assert_eq!(redact_url("redis://hunter2@h:1"), "redis://***@h:1");
+        assert_eq!(redact_url("redis://h:1"), "redis://h:1");
+        assert_eq!(redact_url("dir:///a@b"), "dir:///a@b");
+        for url in [
+            "redis://u:hunter2@127.0.0.1:1?bogus=1",
+            "redis://u:hunter2@127.0.0.1:1?pool=0",
+            "redis://u:hunter2@h1:1,h2:2/3?cluster=1",
+            "redis://u:hunter2@[::1:1",
+        ] {
+            let e = config_err(url);
+            assert!(!e.contains("hunter2"), "{url}: {e}");
+        }
     }
 
     #[test]

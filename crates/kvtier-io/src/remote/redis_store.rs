@@ -230,7 +230,12 @@ impl RedisStore {
         if opts.ttl.is_some_and(|t| t.as_millis() == 0) {
             return Err(RemoteError::Config("ttl must be at least 1 ms".into()));
         }
-        let bad_url = |e: redis::RedisError| RemoteError::Config(format!("redis url {url:?}: {e}"));
+        let shown = super::open::redact_url(url);
+        let bad_url = |e: redis::RedisError| {
+            // The crate's message may quote the URL: redact that too.
+            let msg = e.to_string().replace(url, &shown);
+            RemoteError::Config(format!("redis url {shown:?}: {msg}"))
+        };
         let client = if opts.cluster {
             let nodes = cluster_seed_urls(url)?;
             let c = ClusterClient::builder(nodes)
@@ -510,7 +515,12 @@ impl RemoteStore for RedisStore {
 
 /// `redis://[user:pass@]h1:p1,h2:p2[/][?query]` -> one URL per seed node, each with the userinfo.
 fn cluster_seed_urls(url: &str) -> Result<Vec<String>, RemoteError> {
-    let bad = |why: &str| RemoteError::Config(format!("cluster url {url:?}: {why}"));
+    let bad = |why: &str| {
+        RemoteError::Config(format!(
+            "cluster url {:?}: {why}",
+            super::open::redact_url(url)
+        ))
+    };
     let (scheme, rest) = url.split_once("://").ok_or_else(|| bad("no scheme"))?;
     if !matches!(scheme, "redis" | "valkey") {
         return Err(bad("cluster mode needs redis:// or valkey://"));
