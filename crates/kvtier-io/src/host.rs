@@ -12,6 +12,10 @@ use crate::error::{BlockIoError, IoError};
 use crate::sys::cuda::Driver;
 use crate::sys::mem::{self, Mapping};
 
+/// The hint of a host tier that does not fit: names the settings that size it.
+const HOST_SIZE_HINT: &str =
+    "lower host.gb or host.num_blocks (KVTIER_HOST_GB, KVTIER_HOST_NUM_BLOCKS) or free memory";
+
 /// Whether to pin the host tier for CUDA.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum PinMode {
@@ -90,14 +94,14 @@ impl HostStorage {
                         std::io::ErrorKind::OutOfMemory,
                         format!("only {avail} bytes of memory available"),
                     ),
-                    hint: "lower the host tier size (host_bytes) or free memory",
+                    hint: HOST_SIZE_HINT,
                 });
             }
         }
         let map = Mapping::new(bytes).map_err(|source| IoError::HostAlloc {
             bytes,
             source,
-            hint: "lower the host tier size (host_bytes) or free memory",
+            hint: HOST_SIZE_HINT,
         })?;
         let threads = if opts.touch_threads == 0 {
             std::thread::available_parallelism()
@@ -119,7 +123,7 @@ impl HostStorage {
                             reason,
                             hint: "raise the locked-memory limit (`ulimit -l unlimited`, \
                                    LimitMEMLOCK=infinity, docker --ulimit memlock=-1) or lower \
-                                   the host tier size",
+                                   host.gb / host.num_blocks",
                         })
                     }
                 },
@@ -127,7 +131,7 @@ impl HostStorage {
                     return Err(IoError::HostPin {
                         bytes,
                         reason: e,
-                        hint: "install the NVIDIA driver or set pin = never",
+                        hint: "install the NVIDIA driver, or ask for PinMode::Never (CPU engines)",
                     })
                 }
                 Err(e) => {
@@ -245,7 +249,9 @@ mod tests {
         o.pin = PinMode::Never;
         let e = HostStorage::new(&o).unwrap_err();
         let msg = e.to_string();
-        assert!(msg.contains("lower the host tier size"), "{msg}");
+        // Regression (#13, unclear errors): the hint named `host_bytes`, which is no setting.
+        assert!(msg.contains("host.gb or host.num_blocks"), "{msg}");
+        assert!(!msg.contains("host_bytes"), "{msg}");
     }
 
     /// Regression (#13, aborts): a host tier larger than memory but within the address space
