@@ -17,6 +17,7 @@ pub mod detok;
 pub mod disagg;
 pub mod engine_backend;
 pub mod http_client;
+pub mod listener;
 pub mod prom;
 pub mod server;
 pub mod settings;

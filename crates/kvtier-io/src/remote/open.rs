@@ -21,7 +21,9 @@ use crate::node::{NodeClientOptions, NodeStore};
 ///   `valkey+unix:///socket`, `unix:///socket` — a Redis or
 ///   Valkey server. Options (query string): `connect_timeout_ms` (default 1000), `io_timeout_ms`
 ///   (default 5000), `pool` (connections, default 8), `ttl_s` (expiry of values, default none),
-///   `backoff_ms` (how long operations fail fast after a connection failure, default 1000, 0 = off),
+///   `lookup_timeout_ms` (deadline of `contains`, the lookup on the engine's step, default 250),
+///   `backoff_ms` (how long operations fail fast after a connection failure, default 1000, 0 = off;
+///   each failed probe doubles it up to `max_backoff_ms`, default 30000),
 ///   `cluster=1` (Redis/Valkey Cluster: the hosts, comma-separated, are seed nodes:
 ///   `redis://h1:p1,h2:p2?cluster=1`);
 ///   the `redis` crate's own options (`protocol`; `db`, `user`, `pass` on a Unix socket) pass
@@ -58,6 +60,8 @@ pub fn open(target: &RemoteTarget, namespace: &str) -> Result<Arc<dyn RemoteStor
     Ok(open_target(target, namespace)?)
 }
 
+pub use kvtier::config::redact_url;
+
 fn open_url(url: &str, namespace: &str) -> Result<Arc<dyn RemoteStore>, RemoteError> {
     let target = RemoteTarget::parse(url).map_err(RemoteError::Config)?;
     open_target(&target, namespace)
@@ -78,6 +82,8 @@ fn open_target(target: &RemoteTarget, namespace: &str) -> Result<Arc<dyn RemoteS
             opts.pool_size = r.pool_size;
             opts.ttl = r.ttl;
             opts.backoff = r.backoff;
+            opts.max_backoff = r.max_backoff;
+            opts.lookup_timeout = r.lookup_timeout;
             opts.cluster = !r.cluster_seeds.is_empty();
             // The redis crate reads the URL's address and its own options, ignoring kvtier's.
             Ok(Arc::new(RedisStore::open(&target.url, namespace, opts)?))
@@ -163,6 +169,30 @@ mod tests {
             }
         }
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Regression (#13, security): a Redis password was printed by `kvtier inspect` and in
+    /// errors.
+    #[test]
+    fn passwords_are_redacted_from_urls_and_errors() {
+        assert_eq!(
+            redact_url("redis://user:hunter2@h:1/0?pool=2"),
+            "redis://user:***@h:1/0?pool=2"
+        );
+        assert_eq!(redact_url("redis://:hunter2@h:1"), "redis://:***@h:1");
+        assert_eq!(redact_url("redis://hunter2@h:1"), "redis://***@h:1");
+        assert_eq!(redact_url("redis://h:1"), "redis://h:1");
+        assert_eq!(redact_url("dir:///a@b"), "dir:///a@b");
+        for url in [
+            "redis://u:hunter2@127.0.0.1:1?bogus=1",
+            "redis://u:hunter2@127.0.0.1:1?pool=0",
+            "redis://u:hunter2@h1:1,h2:2/3?cluster=1",
+            "redis://u:hunter2@[::1:1",
+            "rediss://u:hunter2@h:1",
+        ] {
+            let e = config_err(url);
+            assert!(!e.contains("hunter2"), "{url}: {e}");
+        }
     }
 
     #[test]

@@ -10,6 +10,15 @@ use std::ptr::NonNull;
 /// Alignment of direct I/O buffers and of disk slots.
 pub(crate) const IO_ALIGN: usize = 4096;
 
+/// `MemAvailable` of `/proc/meminfo` in bytes (memory the kernel can hand out without swapping),
+/// if readable.
+pub(crate) fn available_bytes() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// An anonymous private memory mapping (the host tier's one large allocation).
 #[derive(Debug)]
 pub(crate) struct Mapping {

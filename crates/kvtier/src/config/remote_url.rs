@@ -65,6 +65,10 @@ pub struct RedisTarget {
     pub ttl: Option<Duration>,
     /// How long operations fail fast after a connection failure. Default 1 s; zero disables.
     pub backoff: Duration,
+    /// Each failed probe doubles the backoff up to this. Default 30 s.
+    pub max_backoff: Duration,
+    /// Deadline of a lookup (`contains`, which runs on the engine's step). Default 250 ms.
+    pub lookup_timeout: Duration,
 }
 
 impl Default for RedisTarget {
@@ -77,6 +81,8 @@ impl Default for RedisTarget {
             pool_size: 8,
             ttl: None,
             backoff: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(30),
+            lookup_timeout: Duration::from_millis(250),
         }
     }
 }
@@ -91,9 +97,13 @@ impl RemoteTarget {
         }
     }
 
-    /// Parse a remote URL; the error says what is wrong (without the setting's name).
+    /// Parse a remote URL; the error says what is wrong (without the setting's name) and never
+    /// contains the URL's password.
     pub fn parse(url: &str) -> Result<Self, String> {
-        let url = url.trim();
+        Self::parse_raw(url.trim()).map_err(|e| redact_message(&e, url.trim()))
+    }
+
+    fn parse_raw(url: &str) -> Result<Self, String> {
         let (scheme, _) = url.split_once("://").ok_or_else(|| {
             format!("`{url}` has no scheme (redis://, valkey://, redis+unix:// or dir://)")
         })?;
@@ -125,6 +135,35 @@ impl RemoteTarget {
     /// A Redis/Valkey cluster (several seed nodes).
     pub fn is_cluster(&self) -> bool {
         matches!(&self.backend, RemoteBackend::Redis(r) if !r.cluster_seeds.is_empty())
+    }
+}
+
+/// `url` with the password of its userinfo replaced by `***` (`redis://user:***@host`,
+/// `redis://:***@host`, and `redis://***@host` where a lone userinfo is the password), for logs,
+/// errors and `kvtier inspect`. Everything else is unchanged.
+pub fn redact_url(url: &str) -> String {
+    match secret(url) {
+        Some(s) if !s.is_empty() => url.replacen(s, "***", 1),
+        _ => url.to_owned(),
+    }
+}
+
+/// The password part of `url`'s userinfo, if any.
+fn secret(url: &str) -> Option<&str> {
+    let (_, rest) = url.split_once("://")?;
+    let authority = &rest[..rest.find(['/', '?']).unwrap_or(rest.len())];
+    let (userinfo, _) = authority.rsplit_once('@')?;
+    Some(match userinfo.split_once(':') {
+        Some((_, pass)) => pass,
+        None => userinfo,
+    })
+}
+
+/// `msg` with every occurrence of `url`'s password replaced by `***`.
+fn redact_message(msg: &str, url: &str) -> String {
+    match secret(url) {
+        Some(s) if !s.is_empty() => msg.replace(s, "***"),
+        _ => msg.to_owned(),
     }
 }
 
@@ -227,6 +266,8 @@ fn redis_options(url: &str, query: &str, unix_extra: bool) -> Result<(RedisTarge
             }
             "ttl_s" => t.ttl = Some(Duration::from_secs(opt_num(&k, &v)?)),
             "backoff_ms" => t.backoff = Duration::from_millis(opt_num(&k, &v)?),
+            "max_backoff_ms" => t.max_backoff = Duration::from_millis(opt_num(&k, &v)?),
+            "lookup_timeout_ms" => t.lookup_timeout = Duration::from_millis(opt_num(&k, &v)?),
             "cluster" => cluster = opt_bool(&k, &v)?,
             "protocol" => {
                 if !matches!(v.as_str(), "2" | "3" | "resp2" | "resp3") {
@@ -237,7 +278,7 @@ fn redis_options(url: &str, query: &str, unix_extra: bool) -> Result<(RedisTarge
             _ => {
                 return Err(format!(
                     "unknown option `{k}` in `{url}` (connect_timeout_ms, io_timeout_ms, pool, \
-                     ttl_s, backoff_ms, cluster, protocol)"
+                     ttl_s, backoff_ms, max_backoff_ms, lookup_timeout_ms, cluster, protocol)"
                 ))
             }
         }

@@ -17,6 +17,8 @@ pub mod testing;
 pub mod worker;
 #[cfg(feature = "zmq")]
 pub mod zmq;
+#[cfg(feature = "zmq")]
+pub mod zmq_auth;
 
 pub use leader::{Capacity, DiskPolicy, KvEvent, Leader, LeaderConfig, LeaderStats, RequestKey};
 pub use messages::{
