@@ -13,6 +13,7 @@ use std::process::{Command, Stdio};
 use common::pattern;
 use kvtier::hash::SequenceHash;
 use kvtier::ids::BlockId;
+use kvtier_io::disk::recoverable_blocks;
 use kvtier_io::*;
 
 const BPB: usize = 2 * 4096;
@@ -384,4 +385,33 @@ fn sigkilled_process_files_are_reclaimed() {
     );
     drop(d);
     assert_eq!(dir_bytes(&sub), 0, "only the empty lock file is left");
+}
+
+/// A leader apart from its workers learns what a warm restart serves from the journals alone:
+/// the (key, slot) pairs every rank's set holds alike.
+#[test]
+fn recoverable_blocks_are_those_every_rank_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rank = |r: u32| {
+        let mut o = opts(tmp.path(), true);
+        o.name = format!("rank{r}");
+        DiskStorage::create(&o).unwrap()
+    };
+    let (r0, r1) = (rank(0), rank(1));
+    fill(&r0, 0..6);
+    fill(&r1, 0..4);
+    r1.write_block_keyed(5, key(99), &pattern(5, BPB)).unwrap();
+    r0.sync().unwrap();
+    r1.sync().unwrap();
+    let sets = [("rank0", BPB), ("rank1", BPB)];
+    let want: Vec<(SequenceHash, BlockId)> =
+        (0..4).map(|b| (SequenceHash(key(b)), BlockId(b))).collect();
+    // Read while the stores are live (no lock needed) and after they are gone.
+    assert_eq!(recoverable_blocks(tmp.path(), SLOTS, PER_FILE, &sets), want);
+    drop((r0, r1));
+    assert_eq!(recoverable_blocks(tmp.path(), SLOTS, PER_FILE, &sets), want);
+    // Another geometry, a missing set or a bad name: nothing.
+    assert!(recoverable_blocks(tmp.path(), SLOTS, PER_FILE, &[("rank0", BPB * 2)]).is_empty());
+    assert!(recoverable_blocks(tmp.path(), SLOTS, PER_FILE, &[("rank7", BPB)]).is_empty());
+    assert!(recoverable_blocks(tmp.path(), SLOTS, PER_FILE, &[("../x", BPB)]).is_empty());
 }

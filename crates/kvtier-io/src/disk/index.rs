@@ -166,6 +166,35 @@ fn open_rw(path: &Path, truncate: bool) -> std::io::Result<File> {
         .open(path)
 }
 
+/// Apply the whole, valid records of `body` to `live` (highest generation per slot wins),
+/// stopping at the first torn or failing one; returns how many were applied.
+fn apply_records(body: &[u8], set_id: u64, num_blocks: u32, live: &mut [Record]) -> usize {
+    let mut good = 0usize;
+    for chunk in body.chunks(REC_BYTES) {
+        let rec = (chunk.len() == REC_BYTES)
+            .then(|| decode_record(chunk, set_id, num_blocks))
+            .flatten();
+        let Some(r) = rec else { break };
+        let cur = &mut live[r.slot as usize];
+        if r.generation > cur.generation {
+            *cur = r;
+        }
+        good += 1;
+    }
+    good
+}
+
+/// The live table of the journal at `path`, read without changing it (no lock needed: a torn
+/// tail is ignored, compaction replaces the file atomically). `None` if it does not exist or
+/// was not written for `g`.
+pub(crate) fn read_live(path: &Path, g: Geometry) -> Option<Vec<Record>> {
+    let bytes = std::fs::read(path).ok()?;
+    let set_id = decode_super(&bytes, &g)?;
+    let mut live = vec![Record::default(); g.num_blocks as usize];
+    apply_records(&bytes[SUPER_BYTES..], set_id, g.num_blocks, &mut live);
+    Some(live.into_iter().filter(|r| r.generation != 0).collect())
+}
+
 impl Index {
     /// Open the journal at `path`: replay it if `warm_ok` and it was written for `g`, else
     /// start it cold (new set id, no records).
@@ -202,19 +231,8 @@ impl Index {
             }
         };
         replay.warm = true;
+        let good = apply_records(&bytes[SUPER_BYTES..], set_id, g.num_blocks, &mut live);
         let body = &bytes[SUPER_BYTES..];
-        let mut good = 0usize;
-        for chunk in body.chunks(REC_BYTES) {
-            let rec = (chunk.len() == REC_BYTES)
-                .then(|| decode_record(chunk, set_id, g.num_blocks))
-                .flatten();
-            let Some(r) = rec else { break };
-            let cur = &mut live[r.slot as usize];
-            if r.generation > cur.generation {
-                *cur = r;
-            }
-            good += 1;
-        }
         let whole = good * REC_BYTES;
         replay.torn_tail = body.len().saturating_sub(whole).div_ceil(REC_BYTES) as u64;
         let end = (SUPER_BYTES + whole) as u64;

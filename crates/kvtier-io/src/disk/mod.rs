@@ -12,4 +12,6 @@ mod store;
 pub use dir::SUBDIR;
 pub use fault::{Fault, FaultInjector, FaultOp};
 pub use format::KEY_OFFSET as HEADER_KEY_OFFSET;
-pub use store::{DirectMode, DiskIoMode, DiskOptions, DiskStorage, FLUSH_AGE, FLUSH_RECORDS};
+pub use store::{
+    recoverable_blocks, DirectMode, DiskIoMode, DiskOptions, DiskStorage, FLUSH_AGE, FLUSH_RECORDS,
+};

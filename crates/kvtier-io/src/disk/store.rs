@@ -192,19 +192,8 @@ impl DiskStorage {
         let sub = dir::own_dir(&opts.dir)?;
         let set_lock = dir::lock_set(&sub, &opts.name)?;
         let set = set_lock.set.clone();
-        let payload = opts.block_bytes.div_ceil(IO_ALIGN) * IO_ALIGN;
-        let slot_bytes = HEADER_BYTES + payload;
-        let blocks_per_file = if opts.blocks_per_file == 0 {
-            ((1usize << 30) / slot_bytes).clamp(1, u32::MAX as usize) as u32
-        } else {
-            opts.blocks_per_file
-        };
-        let g = Geometry {
-            num_blocks: opts.num_blocks,
-            blocks_per_file,
-            block_bytes: opts.block_bytes as u64,
-            slot_bytes: slot_bytes as u64,
-        };
+        let g = geometry(opts.num_blocks, opts.block_bytes, opts.blocks_per_file);
+        let (blocks_per_file, slot_bytes) = (g.blocks_per_file, g.slot_bytes as usize);
         let opened = match open_set(&sub, &set, opts, g) {
             Ok(o) => o,
             Err(e) => {
@@ -461,6 +450,63 @@ impl DiskStorage {
     pub(super) fn next_gen(&self) -> u64 {
         self.next_generation.fetch_add(1, Ordering::Relaxed)
     }
+}
+
+/// The geometry of a store of `num_blocks` blocks of `block_bytes` (`blocks_per_file` 0: about
+/// 1 GiB per file).
+fn geometry(num_blocks: u32, block_bytes: usize, blocks_per_file: u32) -> Geometry {
+    let payload = block_bytes.div_ceil(IO_ALIGN) * IO_ALIGN;
+    let slot_bytes = HEADER_BYTES + payload;
+    let blocks_per_file = if blocks_per_file == 0 {
+        ((1usize << 30) / slot_bytes).clamp(1, u32::MAX as usize) as u32
+    } else {
+        blocks_per_file
+    };
+    Geometry {
+        num_blocks,
+        blocks_per_file,
+        block_bytes: block_bytes as u64,
+        slot_bytes: slot_bytes as u64,
+    }
+}
+
+/// The blocks a warm restart of the file sets `sets` (one per rank: set name and that rank's
+/// block bytes; `num_blocks` and `blocks_per_file` as in [`DiskOptions`]) under `dir` would
+/// serve: the `(key, slot)` pairs every set's journal holds alike, read without opening or
+/// locking the sets. For a leader that lives apart from its workers' disk stores: a hint only
+/// (the stores verify every block when it is loaded; one that fails is a failed load).
+pub fn recoverable_blocks(
+    dir: &Path,
+    num_blocks: u32,
+    blocks_per_file: u32,
+    sets: &[(&str, usize)],
+) -> Vec<(SequenceHash, BlockId)> {
+    let sub = dir.join(dir::SUBDIR);
+    let mut common: Option<std::collections::HashMap<u32, u128>> = None;
+    for &(set, block_bytes) in sets {
+        if dir::check_name(set).is_err() {
+            return Vec::new();
+        }
+        let g = geometry(num_blocks, block_bytes, blocks_per_file);
+        let Some(live) = index::read_live(&dir::index_path(&sub, set), g) else {
+            return Vec::new();
+        };
+        let here = live
+            .into_iter()
+            .filter(|r| r.key != 0)
+            .map(|r| (r.slot, r.key));
+        common = Some(match common {
+            None => here.collect(),
+            Some(prev) => here.filter(|(s, k)| prev.get(s) == Some(k)).collect(),
+        });
+    }
+    let mut out: Vec<(SequenceHash, BlockId)> = common
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(s, k)| (SequenceHash(k), BlockId(s)))
+        .collect();
+    out.sort_unstable_by_key(|b| b.1 .0);
+    out
 }
 
 /// Open the data files and the journal of `set` (holding its lock).
