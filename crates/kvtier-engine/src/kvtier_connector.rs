@@ -13,7 +13,6 @@
 //!   `Done` finds them.
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -35,8 +34,6 @@ use crate::kv_cache::KvCache;
 
 /// How long a prefill-role request waits for its blocks to reach the remote store.
 const REMOTE_PUBLISH_DEADLINE: Duration = Duration::from_secs(10);
-
-static ENGINE_SEQ: AtomicU64 = AtomicU64::new(0);
 
 fn cerr(what: &str, e: impl std::fmt::Display) -> EngineError {
     EngineError::Connector(format!("{what}: {e}"))
@@ -114,7 +111,6 @@ pub(crate) fn build(
     }
     // Device <-> disk/remote jobs go through the transfer engine's own bounce buffers.
     let mut tb = TransferEngine::builder().device(Arc::new(dl), layout::DeviceKind::Cpu);
-    let seq = ENGINE_SEQ.fetch_add(1, Ordering::Relaxed);
     if caps.host_blocks > 0 {
         let mut o = HostOptions::new(caps.host_blocks as u32, bytes_per_block);
         o.pin = PinMode::Never;
@@ -123,9 +119,13 @@ pub(crate) fn build(
             HostStorage::new(&o).map_err(|e| cerr("host tier", e))?,
         ));
     }
+    let mut recovered = Vec::new();
     if caps.disk_blocks > 0 {
         let mut o = DiskOptions::new(c.disk.dir.clone(), caps.disk_blocks as u32, bytes_per_block);
-        o.name = format!("kvtier-engine-{}-{seq}", std::process::id());
+        // A stable name: a restart re-opens (with `disk.persist`, serves) the same file set; a
+        // second live engine on the directory gets its own (`engine.1`, ...).
+        o.name = "engine".into();
+        o.persist = c.disk.persist;
         if !c.disk.use_o_direct {
             o.direct = kvtier_io::DirectMode::Off;
         }
@@ -135,6 +135,7 @@ pub(crate) fn build(
             kvtier::config::IoBackend::Pread => kvtier_io::DiskIoMode::Sync,
         };
         let disk = Arc::new(DiskStorage::create(&o).map_err(|e| cerr("disk tier", e))?);
+        recovered = disk.recovered().to_vec();
         tb = tb.disk(disk);
     }
     let model_id = c
@@ -161,7 +162,7 @@ pub(crate) fn build(
         transfer = w(transfer);
     }
     let salt = HashSalt::new(&model_id, None, c.hashing.salt.as_deref());
-    let leader = Leader::new(LeaderConfig {
+    let mut leader = Leader::new(LeaderConfig {
         block_size: bs,
         salt,
         layout: None,
@@ -183,6 +184,8 @@ pub(crate) fn build(
         priority: Priority::default(),
     })
     .map_err(|e| cerr("leader", e))?;
+    // Warm restart: the blocks the disk tier kept are hits from the first request on.
+    leader.adopt_disk_blocks(&recovered);
     let worker = Worker::new(
         transfer,
         WorkerLink::in_process(0, 1, leader.report_sender()),

@@ -228,6 +228,7 @@ fn capacities(settings: &Settings, total_bytes_per_block: u64) -> BridgeResult<(
 impl Inner {
     fn build(&mut self, layout: ClusterLayout) -> BridgeResult<()> {
         let (host, disk) = capacities(&self.settings, layout.total_bytes_per_block())?;
+        let layout_bytes = layout.bytes_per_block.clone();
         let remote = crate::vllm_support::remote_store(&self.settings)?;
         let cfg = LeaderConfig {
             block_size: self.block_size,
@@ -245,7 +246,24 @@ impl Inner {
             async_loads: self.async_loads,
             priority: Default::default(),
         };
-        self.leader = Some(Leader::new(cfg)?);
+        let mut leader = Leader::new(cfg)?;
+        if disk > 0 && self.settings.config.disk.persist {
+            // Warm restart: the blocks every rank's disk set kept (each rank's worker opens the
+            // set `rank<N>` under the same directory and verifies every block it loads).
+            let names: Vec<String> = (0..self.world_size).map(|r| format!("rank{r}")).collect();
+            let sets: Vec<(&str, usize)> = names
+                .iter()
+                .zip(&layout_bytes)
+                .map(|(n, b)| (n.as_str(), *b as usize))
+                .collect();
+            let kept = u32::try_from(disk)
+                .map(|n| {
+                    kvtier_io::disk::recoverable_blocks(&self.settings.config.disk.dir, n, 0, &sets)
+                })
+                .unwrap_or_default();
+            leader.adopt_disk_blocks(&kept);
+        }
+        self.leader = Some(leader);
         Ok(())
     }
 

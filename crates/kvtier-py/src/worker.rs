@@ -7,8 +7,6 @@
 //! shards: `bytes_per_block * world_size`, or the `bytes_per_block` setting); job reports go to
 //! the in-process Leader (`link = "in_process"`) or into a buffer drained by `take_reports`
 //! (`link = "engine"`). Blocking calls release the GIL. One mutex guards the connector worker.
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvtier::connector::messages::{RankLayout, StepMetadata, WorkerReport};
@@ -119,7 +117,6 @@ struct Inner {
     buffer: Option<Arc<BufferSink>>,
     /// Kept open for the worker's lifetime (link "zmq"); closed after the worker.
     zmq: Option<WorkerChannel>,
-    disk_dir: Option<PathBuf>,
 }
 
 /// One rank's worker (see `_native.pyi`).
@@ -132,8 +129,6 @@ pub struct PyWorker {
     host_blocks: usize,
     disk_blocks: usize,
 }
-
-static DISK_SEQ: AtomicU64 = AtomicU64::new(0);
 
 impl PyWorker {
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -219,19 +214,16 @@ impl PyWorker {
             }
             builder = builder.host(Arc::new(HostStorage::new(&opts).map_err(io_err)?));
         }
-        let mut disk_dir = None;
         if caps.disk_blocks > 0 {
-            let seq = DISK_SEQ.fetch_add(1, Ordering::Relaxed);
-            let dir = settings
-                .config
-                .disk
-                .dir
-                .join(format!("kvtier-{}-{seq}-rank{rank}", std::process::id()));
-            let mut opts = DiskOptions::new(dir.clone(), n32(caps.disk_blocks, "disk")?, bpb);
+            // One file set per rank under <disk.dir>/kvtier-g3/, locked while this worker lives
+            // and taken over (reclaimed, or served again with disk.persist) by the next one; the
+            // leader reads the same sets' journals (`kvtier_io::disk::recoverable_blocks`).
+            let dir = settings.config.disk.dir.clone();
+            let mut opts = DiskOptions::new(dir, n32(caps.disk_blocks, "disk")?, bpb);
             opts.name = format!("rank{rank}");
+            opts.persist = settings.config.disk.persist;
             let disk = Arc::new(DiskStorage::create(&opts).map_err(io_err)?);
             builder = builder.disk(disk);
-            disk_dir = Some(dir);
         }
         // The shared remote tier (G4).
         if let Some(store) = crate::vllm_support::remote_store(settings)? {
@@ -290,7 +282,6 @@ impl PyWorker {
                 worker: Some(worker),
                 buffer,
                 zmq,
-                disk_dir,
             }),
             rank,
             bytes_per_block: bpb,
@@ -309,11 +300,6 @@ fn shut(py: Python<'_>, inner: &mut Inner) {
         });
     }
     inner.zmq = None;
-    if let Some(dir) = inner.disk_dir.take() {
-        if let Err(e) = std::fs::remove_dir_all(&dir) {
-            tracing::warn!(error = %e, dir = %dir.display(), "could not remove the disk tier's files");
-        }
-    }
 }
 
 fn gone() -> PyErr {
@@ -460,16 +446,5 @@ impl PyWorker {
     fn shutdown(&self, py: Python<'_>) {
         let mut g = self.lock();
         shut(py, &mut g);
-    }
-}
-
-impl Drop for PyWorker {
-    fn drop(&mut self) {
-        let inner = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
-        if let Some(dir) = inner.disk_dir.take() {
-            // Executor threads finish their current job and exit when the worker is dropped.
-            inner.worker = None;
-            let _ = std::fs::remove_dir_all(dir);
-        }
     }
 }
