@@ -15,8 +15,11 @@
 //!   against `meta[s]`, the set id and the key the job asks for (see `format`);
 //! - durability point (`persist`): a completed write is visible to this process at once; it is
 //!   recorded in the journal, and so visible to a restart, only after its data file was
-//!   `fdatasync`ed; records are batched ([`FLUSH_RECORDS`], [`FLUSH_AGE`], [`DiskStorage::sync`],
-//!   drop). A crash loses at most the unflushed records: those blocks are misses, never wrong;
+//!   `fdatasync`ed; records are batched: a write flushes when [`FLUSH_RECORDS`] are queued or the
+//!   oldest is [`FLUSH_AGE`] old, a flusher thread flushes whatever is queued every
+//!   [`FLUSH_AGE`], and so do [`DiskStorage::sync`] and drop. A crash loses at most the
+//!   unflushed records (about the last `FLUSH_AGE` plus one `fdatasync`): those blocks are misses,
+//!   never wrong;
 //! - without `persist`, a store starts cold (its files truncated) and removes its data files
 //!   and journal when dropped; a failed start removes what it created in either mode.
 use std::path::{Path, PathBuf};
@@ -121,11 +124,87 @@ struct Pending {
     since: Option<Instant>,
 }
 
-/// The journal and the records waiting for their data to be made durable.
+/// The journal and the records waiting for their data to be made durable; shared with the
+/// flusher thread.
 struct Journal {
     /// Lock order: `index` before `pending`; `index` also serialises flushes.
     index: Mutex<Index>,
     pending: Mutex<Pending>,
+    index_path: PathBuf,
+    /// Duplicated descriptors of the data files (same open files), for `fdatasync`.
+    data: Vec<(PathBuf, std::fs::File)>,
+    blocks_per_file: u32,
+    /// Set when the store drops; the flusher exits.
+    stop: Mutex<bool>,
+    wake: std::sync::Condvar,
+}
+
+impl Journal {
+    /// Queue one completed write's record; true if a flush is due.
+    fn push(&self, r: Record) -> bool {
+        let mut p = lock(&self.pending);
+        if let Some(d) = p.dirty.get_mut((r.slot / self.blocks_per_file) as usize) {
+            *d = true;
+        }
+        p.recs.push(r);
+        let since = *p.since.get_or_insert_with(Instant::now);
+        p.recs.len() >= FLUSH_RECORDS || since.elapsed() >= FLUSH_AGE
+    }
+
+    /// Make the queued records' data durable, then append the records.
+    fn flush(&self) -> Result<(), IoError> {
+        let mut ix = lock(&self.index);
+        let (recs, dirty) = {
+            let mut p = lock(&self.pending);
+            p.since = None;
+            let n = p.dirty.len();
+            (
+                std::mem::take(&mut p.recs),
+                std::mem::replace(&mut p.dirty, vec![false; n]),
+            )
+        };
+        if recs.is_empty() {
+            return Ok(());
+        }
+        // The durability point: the data before the records that name it.
+        for ((path, f), d) in self.data.iter().zip(dirty) {
+            if d {
+                f.sync_data().map_err(|source| IoError::Disk {
+                    path: path.clone(),
+                    what: "fdatasync of a cache file",
+                    source,
+                })?;
+            }
+        }
+        ix.append(&recs).map_err(|source| IoError::Disk {
+            path: self.index_path.clone(),
+            what: "appending to the journal",
+            source,
+        })
+    }
+
+    /// The flusher thread: every `FLUSH_AGE`, flush what is queued (so a quiet store's last
+    /// writes do not wait for the next write to become durable), until `stop`.
+    fn run_flusher(&self) {
+        let mut stop = lock(&self.stop);
+        loop {
+            stop = match self.wake.wait_timeout(stop, FLUSH_AGE) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+            if *stop {
+                return;
+            }
+            drop(stop);
+            let queued = !lock(&self.pending).recs.is_empty();
+            if queued {
+                if let Err(e) = self.flush() {
+                    tracing::warn!(error = %e, "disk tier: journal flush failed; the blocks it held are not kept across a restart");
+                }
+            }
+            stop = lock(&self.stop);
+        }
+    }
 }
 
 /// The disk tier.
@@ -143,7 +222,8 @@ pub struct DiskStorage {
     pub(super) set_id: u64,
     pub(super) meta: Mutex<Vec<SlotMeta>>,
     pub(super) next_generation: AtomicU64,
-    journal: Option<Journal>,
+    journal: Option<Arc<Journal>>,
+    flusher: Option<std::thread::JoinHandle<()>>,
     recovered: Vec<(SequenceHash, BlockId)>,
     /// Idle rings, taken by one operation at a time.
     pub(super) rings: Mutex<Vec<Ring>>,
@@ -239,6 +319,42 @@ impl DiskStorage {
             max_gen = ix.max_generation();
         }
         let nfiles = opened.files.len();
+        let (journal, flusher) = match opened.index {
+            None => (None, None),
+            Some(ix) => {
+                let mut data = Vec::with_capacity(nfiles);
+                for f in &opened.files {
+                    let dup = f.file.try_clone().map_err(|source| IoError::Disk {
+                        path: f.path.clone(),
+                        what: "duplicating a cache file's descriptor",
+                        source,
+                    })?;
+                    data.push((f.path.clone(), dup));
+                }
+                let j = Arc::new(Journal {
+                    index: Mutex::new(ix),
+                    pending: Mutex::new(Pending {
+                        dirty: vec![false; nfiles],
+                        ..Pending::default()
+                    }),
+                    index_path: dir::index_path(&sub, &set),
+                    data,
+                    blocks_per_file,
+                    stop: Mutex::new(false),
+                    wake: std::sync::Condvar::new(),
+                });
+                let jf = Arc::clone(&j);
+                let h = std::thread::Builder::new()
+                    .name("kvtier-g3-flush".into())
+                    .spawn(move || jf.run_flusher())
+                    .map_err(|source| IoError::Disk {
+                        path: sub.clone(),
+                        what: "starting the journal flusher thread",
+                        source,
+                    })?;
+                (Some(j), Some(h))
+            }
+        };
         tracing::info!(
             dir = %sub.display(),
             set = %set,
@@ -264,13 +380,8 @@ impl DiskStorage {
             set_id: opened.set_id,
             meta: Mutex::new(meta),
             next_generation: AtomicU64::new(max_gen + 1),
-            journal: opened.index.map(|ix| Journal {
-                index: Mutex::new(ix),
-                pending: Mutex::new(Pending {
-                    dirty: vec![false; nfiles],
-                    ..Pending::default()
-                }),
-            }),
+            journal,
+            flusher,
             recovered,
             rings: Mutex::new(Vec::new()),
             faults: opts.faults.clone(),
@@ -379,60 +490,24 @@ impl DiskStorage {
     /// Called once per completed write: queue its journal record, flush if due.
     pub(super) fn written(&self, slot: u32, generation: u64, key: u128, payload_hash: u64) {
         let Some(j) = &self.journal else { return };
-        let due = {
-            let mut p = lock(&j.pending);
-            p.recs.push(Record {
-                slot,
-                generation,
-                key,
-                payload_hash,
-            });
-            if let Some(d) = p.dirty.get_mut((slot / self.blocks_per_file) as usize) {
-                *d = true;
-            }
-            let since = *p.since.get_or_insert_with(Instant::now);
-            p.recs.len() >= FLUSH_RECORDS || since.elapsed() >= FLUSH_AGE
-        };
+        let due = j.push(Record {
+            slot,
+            generation,
+            key,
+            payload_hash,
+        });
         if due {
-            if let Err(e) = self.flush() {
+            if let Err(e) = j.flush() {
                 tracing::warn!(error = %e, "disk tier: journal flush failed; the blocks it held are not kept across a restart");
             }
         }
     }
 
     fn flush(&self) -> Result<(), IoError> {
-        let Some(j) = &self.journal else {
-            return Ok(());
-        };
-        let mut ix = lock(&j.index);
-        let (recs, dirty) = {
-            let mut p = lock(&j.pending);
-            p.since = None;
-            let n = p.dirty.len();
-            (
-                std::mem::take(&mut p.recs),
-                std::mem::replace(&mut p.dirty, vec![false; n]),
-            )
-        };
-        if recs.is_empty() {
-            return Ok(());
+        match &self.journal {
+            Some(j) => j.flush(),
+            None => Ok(()),
         }
-        // The durability point: the data before the records that name it.
-        for (f, d) in self.files.iter().zip(dirty) {
-            if d {
-                f.file.sync_data().map_err(|source| IoError::Disk {
-                    path: f.path.clone(),
-                    what: "fdatasync of a cache file",
-                    source,
-                })?;
-            }
-        }
-        let path = dir::index_path(&self.dir, &self.set);
-        ix.append(&recs).map_err(|source| IoError::Disk {
-            path,
-            what: "appending to the journal",
-            source,
-        })
     }
 
     /// Records in the journal file (tests and diagnostics; 0 without `persist`).
@@ -603,6 +678,13 @@ fn remove_set_files(sub: &Path, set: &str) {
 
 impl Drop for DiskStorage {
     fn drop(&mut self) {
+        if let Some(j) = &self.journal {
+            *lock(&j.stop) = true;
+            j.wake.notify_all();
+        }
+        if let Some(h) = self.flusher.take() {
+            let _ = h.join();
+        }
         if self.journal.is_some() {
             if let Err(e) = self.flush() {
                 tracing::warn!(error = %e, "disk tier: final journal flush failed");
