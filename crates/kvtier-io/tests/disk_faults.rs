@@ -390,3 +390,23 @@ fn block_copied_over_another_slot_or_rekeyed_is_refused() {
     // Slot 0 untouched.
     assert!(r.load_keyed(0, key(0)).is_ok());
 }
+
+/// Fault matrix: a cache file replaced under the running store (another file renamed over its
+/// path, even one with the very same bytes) fails its blocks; the other files keep serving.
+#[test]
+fn replaced_file_fails_its_blocks() {
+    let r = rig(8, DiskIoMode::Auto);
+    r.store_keyed(8);
+    let (path, _) = r.file_of(4);
+    let copy = path.with_extension("copy");
+    std::fs::copy(&path, &copy).unwrap();
+    std::fs::rename(&copy, &path).unwrap();
+    for s in 0..8 {
+        let out = r.load_keyed(s, key(s));
+        if s < 4 {
+            assert!(out.is_ok(), "slot {s}: {out:?}");
+        } else {
+            assert!(reason(&out, 0).contains("deleted"), "slot {s}: {out:?}");
+        }
+    }
+}
