@@ -12,7 +12,6 @@
 //!   blocks are in the remote store (or a deadline passed), so a decode engine that starts after
 //!   `Done` finds them.
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -50,8 +49,6 @@ pub(crate) struct KvtierConnector {
     publishing: HashMap<RequestId, Instant>,
     /// Stats snapshots for the process's metrics endpoint (`metrics.enabled`).
     metrics: Option<StatsPublisher>,
-    /// The disk tier's private directory, removed on drop.
-    disk_dir: Option<PathBuf>,
 }
 
 /// Build the connector for an engine whose G1 is `kv`. `kv`'s memory must outlive the connector.
@@ -150,7 +147,6 @@ pub(crate) fn build(
         prompt_hashes: HashMap::new(),
         publishing: HashMap::new(),
         metrics,
-        disk_dir: tiers.disk_dir,
     }))
 }
 
@@ -362,10 +358,8 @@ impl EngineConnector for KvtierConnector {
 impl Drop for KvtierConnector {
     fn drop(&mut self) {
         // Every job touching the engine's memory finishes before that memory can be freed.
+        // The disk tier's file set stays (reclaimed or, with `disk.persist`, served by the next
+        // engine on the directory).
         self.worker.wait_idle();
-        if let Some(dir) = self.disk_dir.take() {
-            // The disk files are closed with the worker's transfer engine, dropped after this.
-            let _ = std::fs::remove_dir_all(&dir);
-        }
     }
 }

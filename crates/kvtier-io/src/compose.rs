@@ -15,8 +15,9 @@
 //! - the disk policy: the `policy.disk_filter.*` frequency filter whenever there are both a
 //!   host and a disk tier (with no host tier every stored block goes straight to disk);
 //! - remote puts: every role but `Decode` writes to the remote store;
-//! - the disk tier's files: `disk.dir`, `disk.use_o_direct`, `disk.io_backend`, one private
-//!   directory per rank instance (removed by its owner with [`RankTiers::disk_dir`]).
+//! - the disk tier's files: `disk.dir`, `disk.use_o_direct`, `disk.io_backend`, one locked file
+//!   set per rank (`rank<N>` under `<disk.dir>/kvtier-g3/`), kept across restarts with
+//!   `disk.persist`: the leader then adopts the blocks every rank's journal holds (warm restart).
 //!
 //! Invariants: a `Composition` only exists for a valid configuration whose tiers hold at least
 //! one block each; the leader and every rank built from equal inputs get equal capacities,
@@ -37,8 +38,6 @@
 //!     ClusterLayout { block_size: 16, num_device_blocks: 64, bytes_per_block: vec![4096] },
 //!     ServingRole::Aggregated).unwrap().namespace());
 //! ```
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use kvtier::config::{ConfigError, IoBackend, KvtierConfig, TierCapacities};
@@ -164,11 +163,9 @@ impl Default for HostMemory {
     }
 }
 
-/// One rank's transfer engine and the private directory of its disk tier (if any), which the
-/// owner removes once the engine is dropped.
+/// One rank's transfer engine.
 pub struct RankTiers {
     pub engine: TransferEngine,
-    pub disk_dir: Option<PathBuf>,
 }
 
 /// The resolved plan for one engine; see the module docs.
@@ -182,8 +179,6 @@ pub struct Composition {
     salt: HashSalt,
     namespace: String,
 }
-
-static INSTANCE_SEQ: AtomicU64 = AtomicU64::new(0);
 
 impl Composition {
     pub fn new(
@@ -300,7 +295,7 @@ impl Composition {
         async_loads: bool,
     ) -> Result<Leader, ComposeError> {
         let remote_put = self.remote_put() && remote.is_some();
-        Ok(Leader::new(LeaderConfig {
+        let mut leader = Leader::new(LeaderConfig {
             block_size: self.cluster.block_size as usize,
             salt: self.salt,
             layout: Some(self.cluster.clone()),
@@ -311,7 +306,28 @@ impl Composition {
             remote_put,
             async_loads,
             priority: Priority::default(),
-        })?)
+        })?;
+        let d = &self.config.disk;
+        if self.caps.disk_blocks > 0 && d.persist {
+            // Warm restart: the blocks every rank's file set kept (each rank's store verifies
+            // every block it loads; one that fails is a failed load, recomputed).
+            let names: Vec<String> = (0..self.cluster.bytes_per_block.len())
+                .map(|r| format!("rank{r}"))
+                .collect();
+            let sets: Vec<(&str, usize)> = names
+                .iter()
+                .zip(&self.cluster.bytes_per_block)
+                .map(|(n, b)| (n.as_str(), *b as usize))
+                .collect();
+            let kept = u32::try_from(self.caps.disk_blocks)
+                .map(|n| crate::disk::recoverable_blocks(&d.dir, n, 0, &sets))
+                .unwrap_or_default();
+            let adopted = leader.adopt_disk_blocks(&kept);
+            if adopted > 0 {
+                tracing::info!(blocks = adopted, dir = %d.dir.display(), "kvtier: disk tier warm restart");
+            }
+        }
+        Ok(leader)
     }
 
     /// Rank `rank`'s transfer engine over the engine's memory (`device`, of `kind`), with the
@@ -340,15 +356,13 @@ impl Composition {
             o.touch_threads = host.touch_threads;
             b = b.host(Arc::new(HostStorage::new(&o)?));
         }
-        let mut disk_dir = None;
         if self.caps.disk_blocks > 0 {
             let d = &self.config.disk;
-            let seq = INSTANCE_SEQ.fetch_add(1, Ordering::Relaxed);
-            let dir = d
-                .dir
-                .join(format!("kvtier-{}-{seq}-rank{rank}", std::process::id()));
-            let mut o = DiskOptions::new(dir.clone(), n32(self.caps.disk_blocks, "disk.gb")?, bpb);
+            // One locked file set per rank under <disk.dir>/kvtier-g3/; a second live engine on
+            // the directory gets its own (`rank0.1`, ...), a dead one's set is taken over.
+            let mut o = DiskOptions::new(d.dir.clone(), n32(self.caps.disk_blocks, "disk.gb")?, bpb);
             o.name = format!("rank{rank}");
+            o.persist = d.persist;
             if !d.use_o_direct {
                 o.direct = DirectMode::Off;
             }
@@ -358,14 +372,12 @@ impl Composition {
                 IoBackend::Pread => DiskIoMode::Sync,
             };
             b = b.disk(Arc::new(DiskStorage::create(&o)?));
-            disk_dir = Some(dir);
         }
         if let Some(r) = remote {
             b = b.remote(r);
         }
         Ok(RankTiers {
             engine: b.build()?,
-            disk_dir,
         })
     }
 }

@@ -436,7 +436,12 @@ impl TransferEngine {
                 let Some(disk) = &self.disk else {
                     return Self::far_tier_missing(far, items, res, ok);
                 };
-                let io: Vec<(u32, usize)> = items.iter().map(|&(i, h)| (far_id(i), h)).collect();
+                // Disk jobs name each pair's key (its sequence hash) at the pair's index; the
+                // disk tier binds the slot to it and refuses to serve another key's bytes.
+                let io: Vec<(u32, u128, usize)> = items
+                    .iter()
+                    .map(|&(i, h)| (far_id(i), job.remote_keys.get(i).copied().unwrap_or(0), h))
+                    .collect();
                 let out = if to_far {
                     disk.write_from(&io)
                 } else {

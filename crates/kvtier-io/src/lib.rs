@@ -52,7 +52,10 @@ mod sys;
 
 pub use cuda::CudaCopyMethod;
 pub use device::DeviceKind;
-pub use disk::{DirectMode, DiskIoMode, DiskOptions, DiskStorage, Fault, FaultInjector, FaultOp};
+pub use disk::{
+    DirectMode, DiskIoMode, DiskOptions, DiskStorage, Fault, FaultInjector, FaultOp,
+    HEADER_KEY_OFFSET, SUBDIR,
+};
 pub use engine::{TransferEngine, TransferEngineBuilder};
 pub use error::{BlockIoError, IoError};
 pub use host::{HostOptions, HostStorage, PinMode};

@@ -297,3 +297,116 @@ fn full_file_system_is_a_setup_error() {
     let e = r.unwrap_err();
     assert!(e.to_string().contains("disk full"), "{e}");
 }
+
+fn keyed_job(
+    src: Tier,
+    dst: Tier,
+    pairs: &[(u32, u32)],
+    keys: &[u128],
+) -> kvtier::transfer::TransferJob {
+    let mut j = job(src, dst, pairs);
+    j.remote_keys = keys.to_vec();
+    j
+}
+
+fn key(b: u32) -> u128 {
+    0xabcd_0000_0000_0000_0000_0000_0000_0000u128 | b as u128
+}
+
+impl Rig {
+    fn store_keyed(&self, n: u32) {
+        for b in 0..n {
+            self.host.write_block(b, &pattern(b, BPB)).unwrap();
+        }
+        let pairs: Vec<(u32, u32)> = (0..n).map(|b| (b, b)).collect();
+        let keys: Vec<u128> = (0..n).map(key).collect();
+        let f = self.engine.fence(None).unwrap();
+        let out = self
+            .engine
+            .execute(&keyed_job(Tier::Host, Tier::Disk, &pairs, &keys), &f);
+        assert_eq!(out, TransferOutcome::Ok);
+    }
+    fn load_keyed(&self, slot: u32, k: u128) -> TransferOutcome {
+        self.host.write_block(slot, &vec![0; BPB]).unwrap();
+        let f = self.engine.fence(None).unwrap();
+        self.engine.execute(
+            &keyed_job(Tier::Disk, Tier::Host, &[(slot, slot)], &[k]),
+            &f,
+        )
+    }
+    fn slot_bytes(&self, slot: u32) -> Vec<u8> {
+        let (path, off) = self.file_of(slot);
+        let mut f = std::fs::File::open(path).unwrap();
+        let mut b = vec![0u8; 4096 + BPB];
+        f.seek(SeekFrom::Start(off)).unwrap();
+        f.read_exact(&mut b).unwrap();
+        b
+    }
+    fn put_slot_bytes(&self, slot: u32, b: &[u8]) {
+        let (path, off) = self.file_of(slot);
+        let mut f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+        f.seek(SeekFrom::Start(off)).unwrap();
+        f.write_all(b).unwrap();
+    }
+}
+
+/// Regression (#13, key binding): a load that names another key than the one the slot was
+/// written under is refused (a stale or confused leader mapping never serves foreign bytes).
+#[test]
+fn load_under_another_key_is_refused() {
+    let r = rig(4, DiskIoMode::Auto);
+    r.store_keyed(4);
+    let out = r.load_keyed(2, key(2));
+    assert!(out.is_ok(), "{out:?}");
+    let mut buf = vec![0u8; BPB];
+    r.host.read_block(2, &mut buf).unwrap();
+    assert_eq!(buf, pattern(2, BPB));
+    let out = r.load_keyed(2, key(3));
+    assert!(reason(&out, 0).contains("not the requested"), "{out:?}");
+}
+
+/// Regression (#13, key binding): one block's bytes copied over another's slot are refused,
+/// and so is a header whose key field was patched and re-sealed with a valid checksum.
+#[test]
+fn block_copied_over_another_slot_or_rekeyed_is_refused() {
+    let r = rig(4, DiskIoMode::Auto);
+    r.store_keyed(4);
+    // Slot 1's header and payload copied over slot 2.
+    let one = r.slot_bytes(1);
+    r.put_slot_bytes(2, &one);
+    let out = r.load_keyed(2, key(2));
+    assert!(!out.is_ok(), "copied block served: {out:?}");
+    let out = r.load_keyed(2, 0);
+    assert!(!out.is_ok(), "copied block served unkeyed: {out:?}");
+    // Slot 3's header re-keyed to key(1) and re-sealed: its checksum is valid, its key is not.
+    let mut three = r.slot_bytes(3);
+    let k = HEADER_KEY_OFFSET;
+    three[k..k + 16].copy_from_slice(&key(1).to_le_bytes());
+    let sum = xxhash_rust::xxh3::xxh3_64(&three[..64]);
+    three[64..72].copy_from_slice(&sum.to_le_bytes());
+    r.put_slot_bytes(3, &three);
+    let out = r.load_keyed(3, key(3));
+    assert!(reason(&out, 0).contains("another block"), "{out:?}");
+    // Slot 0 untouched.
+    assert!(r.load_keyed(0, key(0)).is_ok());
+}
+
+/// Fault matrix: a cache file replaced under the running store (another file renamed over its
+/// path, even one with the very same bytes) fails its blocks; the other files keep serving.
+#[test]
+fn replaced_file_fails_its_blocks() {
+    let r = rig(8, DiskIoMode::Auto);
+    r.store_keyed(8);
+    let (path, _) = r.file_of(4);
+    let copy = path.with_extension("copy");
+    std::fs::copy(&path, &copy).unwrap();
+    std::fs::rename(&copy, &path).unwrap();
+    for s in 0..8 {
+        let out = r.load_keyed(s, key(s));
+        if s < 4 {
+            assert!(out.is_ok(), "slot {s}: {out:?}");
+        } else {
+            assert!(reason(&out, 0).contains("deleted"), "slot {s}: {out:?}");
+        }
+    }
+}

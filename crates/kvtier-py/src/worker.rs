@@ -7,7 +7,6 @@
 //! shards: `bytes_per_block * world_size`, or the `bytes_per_block` setting); job reports go to
 //! the in-process Leader (`link = "in_process"`) or into a buffer drained by `take_reports`
 //! (`link = "engine"`). Blocking calls release the GIL. One mutex guards the connector worker.
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvtier::connector::messages::{ClusterLayout, RankLayout, StepMetadata, WorkerReport};
@@ -114,7 +113,6 @@ struct Inner {
     buffer: Option<Arc<BufferSink>>,
     /// Kept open for the worker's lifetime (link "zmq"); closed after the worker.
     zmq: Option<WorkerChannel>,
-    disk_dir: Option<PathBuf>,
 }
 
 /// One rank's worker (see `_native.pyi`).
@@ -214,7 +212,6 @@ impl PyWorker {
         let tiers = plan
             .transfer(rank, Arc::new(dl), kind, host, remote)
             .map_err(crate::vllm_support::bridge)?;
-        let disk_dir = tiers.disk_dir;
         let engine: Arc<dyn BlockTransfer> = Arc::new(tiers.engine);
         let (link, buffer) = match link_name.as_str() {
             "engine" => {
@@ -268,7 +265,6 @@ impl PyWorker {
                 worker: Some(worker),
                 buffer,
                 zmq,
-                disk_dir,
             }),
             rank,
             bytes_per_block: bpb,
@@ -287,11 +283,8 @@ fn shut(py: Python<'_>, inner: &mut Inner) {
         });
     }
     inner.zmq = None;
-    if let Some(dir) = inner.disk_dir.take() {
-        if let Err(e) = std::fs::remove_dir_all(&dir) {
-            tracing::warn!(error = %e, dir = %dir.display(), "could not remove the disk tier's files");
-        }
-    }
+    // The disk tier's file set stays: the next worker of this rank on the directory takes it
+    // over (and, with `disk.persist`, serves its blocks).
 }
 
 fn gone() -> PyErr {
@@ -438,16 +431,5 @@ impl PyWorker {
     fn shutdown(&self, py: Python<'_>) {
         let mut g = self.lock();
         shut(py, &mut g);
-    }
-}
-
-impl Drop for PyWorker {
-    fn drop(&mut self) {
-        let inner = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
-        if let Some(dir) = inner.disk_dir.take() {
-            // Executor threads finish their current job and exit when the worker is dropped.
-            inner.worker = None;
-            let _ = std::fs::remove_dir_all(dir);
-        }
     }
 }

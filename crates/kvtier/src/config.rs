@@ -101,6 +101,9 @@ pub struct DiskConfig {
     pub dir: PathBuf,
     pub use_o_direct: bool,
     pub io_backend: IoBackend,
+    /// Keep G3's blocks across restarts (warm restart): a new process on the same `dir` serves
+    /// what the last one made durable. Off: every start is cold and files go with the process.
+    pub persist: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -173,6 +176,7 @@ impl Default for KvtierConfig {
                 dir: PathBuf::from("/tmp"),
                 use_o_direct: true,
                 io_backend: IoBackend::Auto,
+                persist: true,
             },
             remote: None,
             policy: PolicyConfig {
@@ -233,6 +237,7 @@ pub const SETTINGS: &[Setting] = &[
     s("disk.dir", "KVTIER_DISK_DIR", &["DYN_KVBM_DISK_CACHE_DIR"]),
     s("disk.use_o_direct", "KVTIER_DISK_USE_O_DIRECT", &[]),
     s("disk.io_backend", "KVTIER_DISK_IO_BACKEND", &[]),
+    s("disk.persist", "KVTIER_DISK_PERSIST", &[]),
     s("remote.url", "KVTIER_REMOTE_URL", &[]),
     Setting {
         key: "policy.disk_filter.enabled",
@@ -535,6 +540,9 @@ impl ConfigBuilder {
         }
         if let Some(g) = merged.get("disk.use_o_direct") {
             c.disk.use_o_direct = parse_bool(&g.value).map_err(|r| invalid(g, r))?;
+        }
+        if let Some(g) = merged.get("disk.persist") {
+            c.disk.persist = parse_bool(&g.value).map_err(|r| invalid(g, r))?;
         }
         if let Some(g) = merged.get("disk.io_backend") {
             c.disk.io_backend = match parse_str(g)?.to_ascii_lowercase().as_str() {

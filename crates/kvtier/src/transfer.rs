@@ -29,7 +29,10 @@ pub struct TransferJob {
     pub dst: Tier,
     pub pairs: Vec<BlockPair>,
     /// For jobs whose source or destination is `Tier::Remote`: the content keys (sequence hashes);
-    /// the remote side of `pairs[i]` is an index into this list. Empty otherwise.
+    /// the remote side of `pairs[i]` is an index into this list. For jobs whose source or
+    /// destination is `Tier::Disk`: `remote_keys[i]` is the sequence hash of `pairs[i]`, which the
+    /// disk tier binds the slot to (a read of a slot holding another key fails). Empty otherwise
+    /// (and for unkeyed disk jobs, e.g. tests).
     pub remote_keys: Vec<u128>,
 }
 

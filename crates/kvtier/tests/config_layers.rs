@@ -382,3 +382,24 @@ fn async_loads_layers_and_stays_unset_by_default() {
         .unwrap_err();
     assert_eq!(setting_of(&e), "KVTIER_ASYNC_LOADS (environment variable)");
 }
+
+/// `disk.persist` (warm restart of G3) is on by default and can be turned off.
+#[test]
+fn disk_persist_defaults_on() {
+    let on = KvtierConfig::build(None, &env(&[("KVTIER_DISK_GB", "1")]), None).unwrap();
+    assert!(on.disk.persist);
+    let off = KvtierConfig::build(
+        None,
+        &env(&[("KVTIER_DISK_GB", "1"), ("KVTIER_DISK_PERSIST", "false")]),
+        None,
+    )
+    .unwrap();
+    assert!(!off.disk.persist);
+    let e = KvtierConfig::build(
+        None,
+        &env(&[("KVTIER_DISK_GB", "1"), ("KVTIER_DISK_PERSIST", "maybe")]),
+        None,
+    )
+    .unwrap_err();
+    assert_eq!(setting_of(&e), "KVTIER_DISK_PERSIST (environment variable)");
+}

@@ -1,28 +1,49 @@
-//! Cache files of the disk tier and block reads/writes on them.
+//! The disk tier's store: one locked file set in kvtier's own subdirectory, its in-memory table
+//! of what each slot holds, and (with `persist`) the journal that lets a restart serve the
+//! blocks again.
 //!
 //! Invariants:
-//! - the cache directory is created with mode 0700 and every file with mode 0600; files are
-//!   preallocated at creation and removed when the storage is dropped (the disk tier's index
-//!   lives in memory, so nothing on disk outlives the process that wrote it);
+//! - files live in `<dir>/kvtier-g3/` (see `dir`): data files `<set>-NNNNN.kvblk` (0600), the
+//!   journal `<set>.index`, the lock `<set>.lock`; the store holds the set's exclusive `flock` for
+//!   its lifetime, so two live stores never share files, and a dead store's files are taken over
+//!   by the next store of that name (reclaimed, or served again with `persist`);
 //! - slot `s` lives in file `s / blocks_per_file` at offset `(s % blocks_per_file) * slot_bytes`,
 //!   all 4 KiB aligned: one header page, then the payload padded to 4 KiB;
-//! - `generations[s]` is the generation of the last *completed* write of slot `s` (0 = none);
-//!   it is cleared before a write starts, so a failed or torn write never leaves readable data;
-//! - a read succeeds only if the slot verifies against `generations[s]` (see `format`); a
-//!   failure is reported for exactly that slot.
-use std::fs::File;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+//! - `meta[s]` (lock `meta`) holds the generation and key of the last *completed* write of slot
+//!   `s` (generation 0 = none); it is cleared before a write starts, so a failed or torn write
+//!   never leaves readable data; a read succeeds only if the slot's header and payload verify
+//!   against `meta[s]`, the set id and the key the job asks for (see `format`);
+//! - durability point (`persist`): a completed write is visible to this process at once; it is
+//!   recorded in the journal, and so visible to a restart, only after its data file was
+//!   `fdatasync`ed; records are batched by a flusher thread, which flushes whatever is queued
+//!   every [`FLUSH_AGE`] and as soon as a write queues the [`FLUSH_RECORDS`]th record (writers
+//!   never wait for an `fdatasync`); [`DiskStorage::sync`] and drop flush too. A crash loses at most the
+//!   unflushed records (about the last `FLUSH_AGE` plus one `fdatasync`): those blocks are misses,
+//!   never wrong;
+//! - without `persist`, a store starts cold (its files truncated) and removes its data files
+//!   and journal when dropped; a failed start removes what it created in either mode.
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
-use super::fault::{Fault, FaultInjector, FaultOp};
-use super::format::{self, Header, HEADER_BYTES};
+use kvtier::hash::SequenceHash;
+use kvtier::ids::BlockId;
+
+use super::dir::{self, SetLock};
+use super::fault::FaultInjector;
+use super::files;
+use super::format::HEADER_BYTES;
+use super::index::{self, Geometry, Index, Record};
 use crate::error::{BlockIoError, IoError};
-use crate::sys::file::{self, IoReq, IoSeg};
-use crate::sys::mem::{self, AlignedBuf, IO_ALIGN};
+use crate::sys::file;
+use crate::sys::mem::IO_ALIGN;
 use crate::sys::uring::Ring;
+
+/// Journal records queued before a flush is forced.
+pub const FLUSH_RECORDS: usize = 256;
+/// Age of the oldest queued record after which the next write flushes.
+pub const FLUSH_AGE: Duration = Duration::from_millis(20);
 
 /// Which system interface moves the bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -47,6 +68,8 @@ pub enum DirectMode {
 /// How to build a [`DiskStorage`].
 #[derive(Clone, Debug)]
 pub struct DiskOptions {
+    /// The configured directory (`disk.dir`); kvtier's files go into its subdirectory
+    /// [`super::SUBDIR`], and `dir` itself is never chmodded.
     pub dir: PathBuf,
     pub num_blocks: u32,
     pub block_bytes: usize,
@@ -54,10 +77,14 @@ pub struct DiskOptions {
     pub blocks_per_file: u32,
     pub io: DiskIoMode,
     pub direct: DirectMode,
-    /// File name prefix (e.g. `rank0`), so several workers can share one directory.
+    /// File set name (e.g. `rank0`): a restart with the same name re-opens the same files; a
+    /// second live store of the name gets `name.1`, `name.2`, ...
     pub name: String,
     /// In-flight requests per io_uring.
     pub queue_depth: u32,
+    /// Keep the blocks across restarts (journal + files kept on drop). Off: cold start, files
+    /// removed on drop.
+    pub persist: bool,
     pub faults: Option<Arc<FaultInjector>>,
 }
 
@@ -72,97 +99,190 @@ impl DiskOptions {
             direct: DirectMode::Auto,
             name: "kvtier".into(),
             queue_depth: 32,
+            persist: false,
             faults: None,
         }
     }
 }
 
-struct CacheFile {
-    path: PathBuf,
-    file: File,
+pub(super) struct CacheFile {
+    pub path: PathBuf,
+    pub file: std::fs::File,
+}
+
+/// What the store knows of one slot.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct SlotMeta {
+    pub generation: u64,
+    pub key: u128,
+}
+
+#[derive(Default)]
+struct Pending {
+    recs: Vec<Record>,
+    dirty: Vec<bool>,
+    since: Option<Instant>,
+}
+
+/// The journal and the records waiting for their data to be made durable; shared with the
+/// flusher thread.
+struct Journal {
+    /// Lock order: `index` before `pending`; `index` also serialises flushes.
+    index: Mutex<Index>,
+    pending: Mutex<Pending>,
+    index_path: PathBuf,
+    /// Duplicated descriptors of the data files (same open files), for `fdatasync`.
+    data: Vec<(PathBuf, std::fs::File)>,
+    blocks_per_file: u32,
+    /// Set when the store drops; the flusher exits.
+    stop: Mutex<bool>,
+    wake: std::sync::Condvar,
+}
+
+impl Journal {
+    /// Queue one completed write's record; true if a flush is due.
+    fn push(&self, r: Record) -> bool {
+        let mut p = lock(&self.pending);
+        if let Some(d) = p.dirty.get_mut((r.slot / self.blocks_per_file) as usize) {
+            *d = true;
+        }
+        p.recs.push(r);
+        let since = *p.since.get_or_insert_with(Instant::now);
+        p.recs.len() >= FLUSH_RECORDS || since.elapsed() >= FLUSH_AGE
+    }
+
+    /// Make the queued records' data durable, then append the records.
+    fn flush(&self) -> Result<(), IoError> {
+        let mut ix = lock(&self.index);
+        let (recs, dirty) = {
+            let mut p = lock(&self.pending);
+            p.since = None;
+            let n = p.dirty.len();
+            (
+                std::mem::take(&mut p.recs),
+                std::mem::replace(&mut p.dirty, vec![false; n]),
+            )
+        };
+        if recs.is_empty() {
+            return Ok(());
+        }
+        // The durability point: the data before the records that name it.
+        for ((path, f), d) in self.data.iter().zip(dirty) {
+            if d {
+                f.sync_data().map_err(|source| IoError::Disk {
+                    path: path.clone(),
+                    what: "fdatasync of a cache file",
+                    source,
+                })?;
+            }
+        }
+        ix.append(&recs).map_err(|source| IoError::Disk {
+            path: self.index_path.clone(),
+            what: "appending to the journal",
+            source,
+        })
+    }
+
+    /// The flusher thread: every `FLUSH_AGE`, flush what is queued (so a quiet store's last
+    /// writes do not wait for the next write to become durable), until `stop`.
+    fn run_flusher(&self) {
+        let mut stop = lock(&self.stop);
+        loop {
+            // Woken early by a writer that queued FLUSH_RECORDS (or by drop).
+            stop = match self.wake.wait_timeout(stop, FLUSH_AGE) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+            if *stop {
+                return;
+            }
+            drop(stop);
+            let queued = !lock(&self.pending).recs.is_empty();
+            if queued {
+                if let Err(e) = self.flush() {
+                    tracing::warn!(error = %e, "disk tier: journal flush failed; the blocks it held are not kept across a restart");
+                }
+            }
+            stop = lock(&self.stop);
+        }
+    }
 }
 
 /// The disk tier.
 pub struct DiskStorage {
-    dir: PathBuf,
-    files: Vec<CacheFile>,
-    blocks_per_file: u32,
-    num_blocks: u32,
-    block_bytes: usize,
-    slot_bytes: usize,
-    direct: bool,
-    use_uring: bool,
-    queue_depth: u32,
-    generations: Vec<AtomicU64>,
-    next_generation: AtomicU64,
+    pub(super) dir: PathBuf,
+    set: String,
+    pub(super) files: Vec<CacheFile>,
+    pub(super) blocks_per_file: u32,
+    pub(super) num_blocks: u32,
+    pub(super) block_bytes: usize,
+    pub(super) slot_bytes: usize,
+    pub(super) direct: bool,
+    pub(super) use_uring: bool,
+    pub(super) queue_depth: u32,
+    pub(super) set_id: u64,
+    pub(super) meta: Mutex<Vec<SlotMeta>>,
+    pub(super) next_generation: AtomicU64,
+    journal: Option<Arc<Journal>>,
+    flusher: Option<std::thread::JoinHandle<()>>,
+    recovered: Vec<(SequenceHash, BlockId)>,
     /// Idle rings, taken by one operation at a time.
-    rings: Mutex<Vec<Ring>>,
-    faults: Option<Arc<FaultInjector>>,
+    pub(super) rings: Mutex<Vec<Ring>>,
+    pub(super) faults: Option<Arc<FaultInjector>>,
+    /// Declared last: released after everything above is closed.
+    _lock: SetLock,
 }
 
 impl std::fmt::Debug for DiskStorage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DiskStorage")
             .field("dir", &self.dir)
+            .field("set", &self.set)
             .field("num_blocks", &self.num_blocks)
             .field("block_bytes", &self.block_bytes)
             .field("direct", &self.direct)
             .field("io_uring", &self.use_uring)
+            .field("persist", &self.journal.is_some())
             .finish()
     }
 }
 
-fn disk_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(std::io::Error) -> IoError + 'a {
-    move |source| IoError::Disk {
-        path: path.to_owned(),
-        what,
-        source,
-    }
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// One block operation prepared for submission.
-struct Op {
-    index: usize,
-    slot: u32,
-    generation: u64,
-    header: AlignedBuf,
-    staging: Option<AlignedBuf>,
-    req: IoReq,
-    /// Bytes the operation must move to succeed (before any injected shortening).
-    full_len: usize,
-    fault: Option<Fault>,
+/// Everything `open_set` builds before the store exists.
+struct OpenedSet {
+    files: Vec<CacheFile>,
+    direct: bool,
+    set_id: u64,
+    index: Option<Index>,
+    forgotten: u64,
 }
 
 impl DiskStorage {
-    /// Create the directory (0700) and the preallocated cache files (0600).
+    /// Open the store's file set under `opts.dir` (see the module docs): warm with `persist`
+    /// if the set's journal matches this geometry, cold otherwise.
     pub fn create(opts: &DiskOptions) -> Result<Self, IoError> {
         if opts.num_blocks == 0 || opts.block_bytes == 0 {
             return Err(IoError::Config(
                 "disk tier needs at least one non-empty block".into(),
             ));
         }
-        let dir = &opts.dir;
-        std::fs::create_dir_all(dir).map_err(disk_err(dir, "creating the cache directory"))?;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-            .map_err(disk_err(dir, "setting the cache directory's mode to 0700"))?;
-        let payload = opts.block_bytes.div_ceil(IO_ALIGN) * IO_ALIGN;
-        let slot_bytes = HEADER_BYTES + payload;
-        let blocks_per_file = if opts.blocks_per_file == 0 {
-            ((1usize << 30) / slot_bytes).clamp(1, u32::MAX as usize) as u32
-        } else {
-            opts.blocks_per_file
+        dir::check_name(&opts.name)?;
+        let sub = dir::own_dir(&opts.dir)?;
+        let set_lock = dir::lock_set(&sub, &opts.name)?;
+        let set = set_lock.set.clone();
+        let g = geometry(opts.num_blocks, opts.block_bytes, opts.blocks_per_file);
+        let (blocks_per_file, slot_bytes) = (g.blocks_per_file, g.slot_bytes as usize);
+        let opened = match open_set(&sub, &set, opts, g) {
+            Ok(o) => o,
+            Err(e) => {
+                // A failed start leaves nothing behind but the (empty) lock file.
+                remove_set_files(&sub, &set);
+                return Err(e);
+            }
         };
-        let nfiles = opts.num_blocks.div_ceil(blocks_per_file);
-        let mut direct = opts.direct != DirectMode::Off;
-        let mut files = Vec::with_capacity(nfiles as usize);
-        for f in 0..nfiles {
-            let slots = blocks_per_file.min(opts.num_blocks - f * blocks_per_file);
-            let len = slots as u64 * slot_bytes as u64;
-            let path = dir.join(format!("{}-{f:05}.kvblk", opts.name));
-            let (file, d) = open_file(&path, len, direct, opts.direct)?;
-            direct = d;
-            files.push(CacheFile { path, file });
-        }
         let use_uring = match opts.io {
             DiskIoMode::Sync => false,
             DiskIoMode::Auto | DiskIoMode::Uring => match Ring::new(opts.queue_depth.max(1)) {
@@ -171,11 +291,12 @@ impl DiskStorage {
                     true
                 }
                 Err(e) if opts.io == DiskIoMode::Uring => {
+                    remove_set_files(&sub, &set);
                     return Err(IoError::Disk {
-                        path: dir.clone(),
+                        path: sub.clone(),
                         what: "creating an io_uring",
                         source: e,
-                    })
+                    });
                 }
                 Err(e) => {
                     tracing::warn!("io_uring unavailable ({e}); disk tier uses pread/pwrite");
@@ -183,21 +304,89 @@ impl DiskStorage {
                 }
             },
         };
-        tracing::info!(dir = %dir.display(), blocks = opts.num_blocks, direct, io_uring = use_uring, "disk tier ready");
+        let mut meta = vec![SlotMeta::default(); opts.num_blocks as usize];
+        let mut recovered = Vec::new();
+        let mut max_gen = 0;
+        if let Some(ix) = &opened.index {
+            for r in ix.live() {
+                meta[r.slot as usize] = SlotMeta {
+                    generation: r.generation,
+                    key: r.key,
+                };
+                if r.key != 0 {
+                    recovered.push((SequenceHash(r.key), BlockId(r.slot)));
+                }
+            }
+            max_gen = ix.max_generation();
+        }
+        let nfiles = opened.files.len();
+        let (journal, flusher) = match opened.index {
+            None => (None, None),
+            Some(ix) => {
+                let mut data = Vec::with_capacity(nfiles);
+                for f in &opened.files {
+                    let dup = f.file.try_clone().map_err(|source| IoError::Disk {
+                        path: f.path.clone(),
+                        what: "duplicating a cache file's descriptor",
+                        source,
+                    })?;
+                    data.push((f.path.clone(), dup));
+                }
+                let j = Arc::new(Journal {
+                    index: Mutex::new(ix),
+                    pending: Mutex::new(Pending {
+                        dirty: vec![false; nfiles],
+                        ..Pending::default()
+                    }),
+                    index_path: dir::index_path(&sub, &set),
+                    data,
+                    blocks_per_file,
+                    stop: Mutex::new(false),
+                    wake: std::sync::Condvar::new(),
+                });
+                let jf = Arc::clone(&j);
+                let h = std::thread::Builder::new()
+                    .name("kvtier-g3-flush".into())
+                    .spawn(move || jf.run_flusher())
+                    .map_err(|source| IoError::Disk {
+                        path: sub.clone(),
+                        what: "starting the journal flusher thread",
+                        source,
+                    })?;
+                (Some(j), Some(h))
+            }
+        };
+        tracing::info!(
+            dir = %sub.display(),
+            set = %set,
+            blocks = opts.num_blocks,
+            direct = opened.direct,
+            io_uring = use_uring,
+            persist = opts.persist,
+            recovered = recovered.len(),
+            dropped = opened.forgotten,
+            "disk tier ready"
+        );
         Ok(DiskStorage {
-            dir: dir.clone(),
-            files,
+            dir: sub,
+            set,
+            files: opened.files,
             blocks_per_file,
             num_blocks: opts.num_blocks,
             block_bytes: opts.block_bytes,
             slot_bytes,
-            direct,
+            direct: opened.direct,
             use_uring,
             queue_depth: opts.queue_depth.max(1),
-            generations: (0..opts.num_blocks).map(|_| AtomicU64::new(0)).collect(),
-            next_generation: AtomicU64::new(1),
+            set_id: opened.set_id,
+            meta: Mutex::new(meta),
+            next_generation: AtomicU64::new(max_gen + 1),
+            journal,
+            flusher,
+            recovered,
             rings: Mutex::new(Vec::new()),
             faults: opts.faults.clone(),
+            _lock: set_lock,
         })
     }
 
@@ -215,12 +404,33 @@ impl DiskStorage {
     pub fn uses_io_uring(&self) -> bool {
         self.use_uring
     }
+    /// kvtier's own subdirectory, where the files are (not the configured `disk.dir`).
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+    /// The file set this store holds (`name`, or `name.N` if `name` was taken).
+    pub fn set_name(&self) -> &str {
+        &self.set
+    }
+    /// True if the store keeps its blocks across restarts.
+    pub fn persists(&self) -> bool {
+        self.journal.is_some()
+    }
+    /// Blocks found at start (journal of an earlier run): `(key, slot)`. They read back (or
+    /// fail verification, never serve other bytes) like blocks written by this process; the
+    /// leader registers them in its disk pool so they are hits.
+    pub fn recovered(&self) -> &[(SequenceHash, BlockId)] {
+        &self.recovered
     }
     /// Paths of the cache files (for tests and diagnostics).
     pub fn file_paths(&self) -> Vec<PathBuf> {
         self.files.iter().map(|f| f.path.clone()).collect()
+    }
+    /// Path of the journal (with `persist`).
+    pub fn index_path(&self) -> Option<PathBuf> {
+        self.journal
+            .as_ref()
+            .map(|_| dir::index_path(&self.dir, &self.set))
     }
     /// Where slot `slot` starts: (file index, byte offset of its header).
     pub fn slot_position(&self, slot: u32) -> Option<(usize, u64)> {
@@ -232,18 +442,33 @@ impl DiskStorage {
         })
     }
 
-    /// Write one block from `data`.
+    /// Write one unkeyed block from `data` (tests and tools; the connector's jobs carry keys).
     pub fn write_block(&self, slot: u32, data: &[u8]) -> Result<(), BlockIoError> {
+        self.write_block_keyed(slot, 0, data)
+    }
+
+    /// Write one block from `data`, bound to `key` (its sequence hash).
+    pub fn write_block_keyed(&self, slot: u32, key: u128, data: &[u8]) -> Result<(), BlockIoError> {
         self.check_len(data.len())?;
-        self.write_from(&[(slot, data.as_ptr() as usize)])
+        self.write_from(&[(slot, key, data.as_ptr() as usize)])
             .pop()
             .unwrap_or(Ok(()))
     }
 
-    /// Read one block into `out`.
+    /// Read one block into `out` (checked against the key its last write named).
     pub fn read_block(&self, slot: u32, out: &mut [u8]) -> Result<(), BlockIoError> {
+        self.read_block_keyed(slot, 0, out)
+    }
+
+    /// Read one block into `out`; fails unless the slot holds `key`'s block (0: any key).
+    pub fn read_block_keyed(
+        &self,
+        slot: u32,
+        key: u128,
+        out: &mut [u8],
+    ) -> Result<(), BlockIoError> {
         self.check_len(out.len())?;
-        self.read_into(&[(slot, out.as_mut_ptr() as usize)])
+        self.read_into(&[(slot, key, out.as_mut_ptr() as usize)])
             .pop()
             .unwrap_or(Ok(()))
     }
@@ -258,341 +483,214 @@ impl DiskStorage {
         Ok(())
     }
 
-    /// Write blocks: `items[i] = (slot, address of block_bytes to write)`. The addresses must
-    /// stay valid and unwritten until this returns. One result per item.
-    pub(crate) fn write_from(&self, items: &[(u32, usize)]) -> Vec<Result<(), BlockIoError>> {
-        let mut results: Vec<Result<(), BlockIoError>> = Vec::with_capacity(items.len());
-        for chunk in items.chunks(self.queue_depth as usize * 2) {
-            results.extend(self.run_batch(chunk, true));
-        }
-        results
+    /// Make every completed write durable and journaled now (a no-op without `persist`).
+    pub fn sync(&self) -> Result<(), IoError> {
+        self.flush()
     }
 
-    /// Read blocks: `items[i] = (slot, address of block_bytes to fill)`. A failed item may
-    /// leave garbage at its address but is reported as failed.
-    pub(crate) fn read_into(&self, items: &[(u32, usize)]) -> Vec<Result<(), BlockIoError>> {
-        let mut results: Vec<Result<(), BlockIoError>> = Vec::with_capacity(items.len());
-        for chunk in items.chunks(self.queue_depth as usize * 2) {
-            results.extend(self.run_batch(chunk, false));
-        }
-        results
-    }
-
-    fn run_batch(&self, items: &[(u32, usize)], write: bool) -> Vec<Result<(), BlockIoError>> {
-        let op_name = if write { "write" } else { "read" };
-        let mut results: Vec<Option<Result<(), BlockIoError>>> =
-            (0..items.len()).map(|_| None).collect();
-        let mut deleted: Vec<Option<bool>> = vec![None; self.files.len()];
-        let mut ops: Vec<Op> = Vec::with_capacity(items.len());
-        for (index, &(slot, addr)) in items.iter().enumerate() {
-            match self.prepare(slot, addr, write, &mut deleted) {
-                Ok(op) => ops.push(Op { index, ..op }),
-                Err(e) => results[index] = Some(Err(e)),
-            }
-        }
-        // Injected errno faults never reach the kernel.
-        let mut reqs = Vec::with_capacity(ops.len());
-        let mut issued = Vec::with_capacity(ops.len());
-        for (k, op) in ops.iter().enumerate() {
-            if let Some(Fault::Errno(e)) = op.fault {
-                results[op.index] = Some(Err(BlockIoError::Io {
-                    slot: op.slot,
-                    op: op_name,
-                    source: std::io::Error::from_raw_os_error(e),
-                }));
-                continue;
-            }
-            reqs.push(op.req.clone());
-            issued.push(k);
-        }
-        let outcomes = self.submit(&reqs);
-        for (k, outcome) in issued.into_iter().zip(outcomes) {
-            let op = &ops[k];
-            let want = op.full_len;
-            let r = match outcome {
-                Err(source) => Err(BlockIoError::Io {
-                    slot: op.slot,
-                    op: op_name,
-                    source,
-                }),
-                Ok(got) if got < want => Err(BlockIoError::Short {
-                    slot: op.slot,
-                    op: op_name,
-                    got,
-                    want,
-                }),
-                Ok(_) if write => {
-                    self.generations[op.slot as usize].store(op.generation, Ordering::Release);
-                    Ok(())
-                }
-                Ok(_) => self.finish_read(op, items[op.index].1),
-            };
-            results[op.index] = Some(r);
-        }
-        results
-            .into_iter()
-            .map(|r| r.unwrap_or_else(|| Err(BlockIoError::Other("operation was not run".into()))))
-            .collect()
-    }
-
-    /// Build the request for one slot (header page + payload, or one staging buffer).
-    fn prepare(
-        &self,
-        slot: u32,
-        addr: usize,
-        write: bool,
-        deleted: &mut [Option<bool>],
-    ) -> Result<Op, BlockIoError> {
-        let (file_idx, offset) = self
-            .slot_position(slot)
-            .ok_or(BlockIoError::OutOfRange(slot))?;
-        let cf = &self.files[file_idx];
-        let gone = *deleted[file_idx]
-            .get_or_insert_with(|| cf.file.metadata().map(|m| m.nlink() == 0).unwrap_or(true));
-        if gone {
-            if write {
-                self.generations[slot as usize].store(0, Ordering::Release);
-            }
-            return Err(BlockIoError::FileDeleted {
-                slot,
-                path: cf.path.clone(),
-            });
-        }
-        let fault = self
-            .faults
-            .as_ref()
-            .and_then(|f| f.take(if write { FaultOp::Write } else { FaultOp::Read }, slot));
-        let header =
-            AlignedBuf::new(HEADER_BYTES).map_err(|e| BlockIoError::Other(e.to_string()))?;
-        let mut op = Op {
-            index: 0,
+    /// Called once per completed write: queue its journal record, flush if due.
+    pub(super) fn written(&self, slot: u32, generation: u64, key: u128, payload_hash: u64) {
+        let Some(j) = &self.journal else { return };
+        let due = j.push(Record {
             slot,
-            generation: 0,
-            header,
-            staging: None,
-            req: IoReq {
-                fd: cf.file.as_raw_fd(),
-                offset,
-                segs: Vec::new(),
-                write,
-            },
-            full_len: 0,
-            fault,
-        };
-        let aligned = addr.is_multiple_of(IO_ALIGN) && self.block_bytes.is_multiple_of(IO_ALIGN);
-        let zero_copy = aligned || !self.direct;
-        if write {
-            self.generations[slot as usize].store(0, Ordering::Release);
-            op.generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
-            // SAFETY: the caller guarantees `addr..addr+block_bytes` is valid and unwritten
-            // until this call returns.
-            let payload = unsafe { mem::slice(addr, self.block_bytes) };
-            let h = Header {
-                slot,
-                generation: op.generation,
-                len: self.block_bytes as u64,
-                payload_hash: format::payload_hash(payload, op.generation),
-            };
-            if zero_copy {
-                h.encode(op.header.as_mut_slice());
-            } else {
-                let mut st = AlignedBuf::new(self.slot_bytes)
-                    .map_err(|e| BlockIoError::Other(e.to_string()))?;
-                let s = st.as_mut_slice();
-                h.encode(&mut s[..HEADER_BYTES]);
-                s[HEADER_BYTES..HEADER_BYTES + self.block_bytes].copy_from_slice(payload);
-                op.staging = Some(st);
-            }
-        } else {
-            op.generation = self.generations[slot as usize].load(Ordering::Acquire);
-            if op.generation == 0 {
-                return Err(BlockIoError::NotWritten(slot));
-            }
-            if !zero_copy {
-                op.staging = Some(
-                    AlignedBuf::new(self.slot_bytes)
-                        .map_err(|e| BlockIoError::Other(e.to_string()))?,
-                );
-            }
+            generation,
+            key,
+            payload_hash,
+        });
+        if due {
+            // The flusher does the fdatasyncs: writers never wait for them.
+            j.wake.notify_one();
         }
-        op.req.segs = match &op.staging {
-            Some(st) => vec![IoSeg {
-                addr: st.addr(),
-                len: self.slot_bytes,
-            }],
-            None => {
-                // Buffered I/O of an unaligned size needs no padding; O_DIRECT only gets here
-                // with aligned sizes.
-                vec![
-                    IoSeg {
-                        addr: op.header.addr(),
-                        len: HEADER_BYTES,
-                    },
-                    IoSeg {
-                        addr,
-                        len: self.block_bytes,
-                    },
-                ]
-            }
-        };
-        op.full_len = op.req.total_len();
-        if let Some(Fault::Short(n)) = op.fault {
-            let mut total = 0;
-            let mut segs = Vec::new();
-            for s in &op.req.segs {
-                let take = s.len.min(n.saturating_sub(total));
-                if take > 0 {
-                    segs.push(IoSeg {
-                        addr: s.addr,
-                        len: take,
-                    });
-                }
-                total += take;
-            }
-            op.req.segs = segs;
-        }
-        Ok(op)
     }
 
-    fn finish_read(&self, op: &Op, dst: usize) -> Result<(), BlockIoError> {
-        let (hdr, payload_addr) = match &op.staging {
-            Some(st) => (
-                st.as_slice()[..HEADER_BYTES].to_vec(),
-                st.addr() + HEADER_BYTES,
-            ),
-            None => (op.header.as_slice().to_vec(), dst),
-        };
-        if let Some(Fault::FlipByte(k)) = op.fault {
-            let k = k.min(self.block_bytes - 1);
-            // SAFETY: `payload_addr` is either our staging buffer or the caller's block, both
-            // valid and exclusively ours until this call returns.
-            let p = unsafe { mem::slice_mut(payload_addr, self.block_bytes) };
-            p[k] ^= 0x01;
+    fn flush(&self) -> Result<(), IoError> {
+        match &self.journal {
+            Some(j) => j.flush(),
+            None => Ok(()),
         }
-        // SAFETY: as above; the slice is dropped before the caller regains the memory.
-        let payload = unsafe { mem::slice(payload_addr, self.block_bytes) };
-        format::verify(&hdr, payload, op.slot, op.generation).map_err(|what| {
-            BlockIoError::Corrupt {
-                slot: op.slot,
-                what,
-            }
-        })?;
-        if op.staging.is_some() {
-            // SAFETY: `dst` is the caller's block (valid, exclusive for this call), the staging
-            // buffer is ours; they do not overlap.
-            unsafe { mem::copy(payload_addr, dst, self.block_bytes) };
-        }
-        Ok(())
     }
 
-    fn submit(&self, reqs: &[IoReq]) -> Vec<std::io::Result<usize>> {
-        if reqs.is_empty() {
+    /// Records in the journal file (tests and diagnostics; 0 without `persist`).
+    pub fn journal_records(&self) -> u64 {
+        self.journal
+            .as_ref()
+            .map(|j| lock(&j.index).num_records())
+            .unwrap_or(0)
+    }
+
+    pub(super) fn meta(&self) -> MutexGuard<'_, Vec<SlotMeta>> {
+        lock(&self.meta)
+    }
+
+    pub(super) fn next_gen(&self) -> u64 {
+        self.next_generation.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// The geometry of a store of `num_blocks` blocks of `block_bytes` (`blocks_per_file` 0: about
+/// 1 GiB per file).
+fn geometry(num_blocks: u32, block_bytes: usize, blocks_per_file: u32) -> Geometry {
+    let payload = block_bytes.div_ceil(IO_ALIGN) * IO_ALIGN;
+    let slot_bytes = HEADER_BYTES + payload;
+    let blocks_per_file = if blocks_per_file == 0 {
+        ((1usize << 30) / slot_bytes).clamp(1, u32::MAX as usize) as u32
+    } else {
+        blocks_per_file
+    };
+    Geometry {
+        num_blocks,
+        blocks_per_file,
+        block_bytes: block_bytes as u64,
+        slot_bytes: slot_bytes as u64,
+    }
+}
+
+/// The blocks a warm restart of the file sets `sets` (one per rank: set name and that rank's
+/// block bytes; `num_blocks` and `blocks_per_file` as in [`DiskOptions`]) under `dir` would
+/// serve: the `(key, slot)` pairs every set's journal holds alike, read without opening or
+/// locking the sets. For a leader that lives apart from its workers' disk stores: a hint only
+/// (the stores verify every block when it is loaded; one that fails is a failed load).
+pub fn recoverable_blocks(
+    dir: &Path,
+    num_blocks: u32,
+    blocks_per_file: u32,
+    sets: &[(&str, usize)],
+) -> Vec<(SequenceHash, BlockId)> {
+    let sub = dir.join(dir::SUBDIR);
+    let mut common: Option<std::collections::HashMap<u32, u128>> = None;
+    for &(set, block_bytes) in sets {
+        if dir::check_name(set).is_err() {
             return Vec::new();
         }
-        if self.use_uring {
-            let ring = self.rings.lock().ok().and_then(|mut r| r.pop());
-            let ring = match ring {
-                Some(r) => Ok(r),
-                None => Ring::new(self.queue_depth),
-            };
-            if let Ok(mut ring) = ring {
-                // SAFETY: every segment is a header/staging buffer owned by an `Op` that lives
-                // until the caller has consumed the results, or a caller block valid for the
-                // whole operation (see `write_from`/`read_into`).
-                let out = unsafe { ring.run(reqs) };
-                if let Ok(mut r) = self.rings.lock() {
-                    r.push(ring);
+        let g = geometry(num_blocks, block_bytes, blocks_per_file);
+        let Some(live) = index::read_live(&dir::index_path(&sub, set), g) else {
+            return Vec::new();
+        };
+        let here = live
+            .into_iter()
+            .filter(|r| r.key != 0)
+            .map(|r| (r.slot, r.key));
+        common = Some(match common {
+            None => here.collect(),
+            Some(prev) => here.filter(|(s, k)| prev.get(s) == Some(k)).collect(),
+        });
+    }
+    let mut out: Vec<(SequenceHash, BlockId)> = common
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(s, k)| (SequenceHash(k), BlockId(s)))
+        .collect();
+    out.sort_unstable_by_key(|b| b.1 .0);
+    out
+}
+
+/// Open the data files and the journal of `set` (holding its lock).
+fn open_set(sub: &Path, set: &str, opts: &DiskOptions, g: Geometry) -> Result<OpenedSet, IoError> {
+    let ipath = dir::index_path(sub, set);
+    let (mut index, warm) = if opts.persist {
+        let (ix, replay) = Index::open(&ipath, g, true).map_err(|source| IoError::Disk {
+            path: ipath.clone(),
+            what: "opening the journal",
+            source,
+        })?;
+        if replay.torn_tail > 0 {
+            tracing::warn!(
+                set,
+                records = replay.torn_tail,
+                "disk tier: dropped a torn journal tail"
+            );
+        }
+        if !replay.warm {
+            tracing::info!(
+                set,
+                "disk tier: no usable journal for this geometry; starting cold"
+            );
+        }
+        (Some(ix), replay.warm)
+    } else {
+        let _ = std::fs::remove_file(&ipath);
+        (None, false)
+    };
+    let set_id = index
+        .as_ref()
+        .map(|i| i.set_id)
+        .unwrap_or_else(index::new_set_id);
+    let nfiles = g.num_blocks.div_ceil(g.blocks_per_file);
+    let mut direct = opts.direct != DirectMode::Off;
+    let mut out = Vec::with_capacity(nfiles as usize);
+    let mut forgotten = 0u64;
+    for f in 0..nfiles {
+        let first = f * g.blocks_per_file;
+        let slots = g.blocks_per_file.min(g.num_blocks - first);
+        let len = slots as u64 * g.slot_bytes;
+        let path = dir::data_path(sub, set, f);
+        let o = files::open_data_file(&path, len, direct, opts.direct, !warm)?;
+        direct = o.direct;
+        if let Some(ix) = index.as_mut() {
+            // Slots the file no longer holds in full (cut short, deleted, replaced) are gone.
+            for s in 0..slots {
+                if (s as u64 + 1) * g.slot_bytes > o.old_len && ix.is_live(first + s) {
+                    ix.forget(first + s);
+                    forgotten += 1;
                 }
-                return out;
             }
         }
-        // SAFETY: as above.
-        reqs.iter().map(|r| unsafe { file::run_sync(r) }).collect()
+        out.push(CacheFile { path, file: o.file });
+    }
+    dir::remove_data_files_from(sub, set, nfiles);
+    if forgotten > 0 {
+        tracing::warn!(
+            set,
+            blocks = forgotten,
+            "disk tier: dropped blocks of cut-short or missing files"
+        );
+        if let Some(ix) = index.as_mut() {
+            ix.compact().map_err(|source| IoError::Disk {
+                path: ipath.clone(),
+                what: "compacting the journal",
+                source,
+            })?;
+        }
+    }
+    file::sync_dir(sub).map_err(|source| IoError::Disk {
+        path: sub.to_owned(),
+        what: "fsync of the cache directory",
+        source,
+    })?;
+    Ok(OpenedSet {
+        files: out,
+        direct,
+        set_id,
+        index,
+        forgotten,
+    })
+}
+
+/// Remove the data files and journal of `set` (its lock is held by the caller).
+fn remove_set_files(sub: &Path, set: &str) {
+    dir::remove_data_files_from(sub, set, 0);
+    match std::fs::remove_file(dir::index_path(sub, set)) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!("removing the journal of {set}: {e}"),
     }
 }
 
 impl Drop for DiskStorage {
     fn drop(&mut self) {
-        for f in &self.files {
-            if let Err(e) = std::fs::remove_file(&f.path) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    tracing::warn!("removing {}: {e}", f.path.display());
-                }
-            }
+        if let Some(j) = &self.journal {
+            *lock(&j.stop) = true;
+            j.wake.notify_all();
         }
-    }
-}
-
-/// Create one cache file, preallocate it and probe O_DIRECT; returns the file and whether it
-/// is opened with O_DIRECT.
-fn open_file(
-    path: &Path,
-    len: u64,
-    want_direct: bool,
-    mode: DirectMode,
-) -> Result<(File, bool), IoError> {
-    if want_direct {
-        match file::open_cache_file(path, true) {
-            Ok(f) => {
-                preallocate(&f, path, len)?;
-                match probe_direct(&f) {
-                    Ok(()) => return Ok((f, true)),
-                    Err(e) if mode == DirectMode::Require => {
-                        return Err(IoError::Disk { path: path.to_owned(), what: "O_DIRECT I/O", source: e })
-                    }
-                    Err(e) => tracing::warn!(
-                        "O_DIRECT I/O fails on {} ({e}); the disk tier uses buffered I/O",
-                        path.display()
-                    ),
-                }
-            }
-            Err(e) if mode == DirectMode::Require => {
-                return Err(IoError::Disk { path: path.to_owned(), what: "opening with O_DIRECT", source: e })
-            }
-            Err(e) => tracing::warn!(
-                "O_DIRECT is not supported for {} ({e}, e.g. tmpfs); the disk tier uses buffered I/O",
-                path.display()
-            ),
+        if let Some(h) = self.flusher.take() {
+            let _ = h.join();
         }
-    }
-    let f = file::open_cache_file(path, false).map_err(disk_err(path, "creating a cache file"))?;
-    preallocate(&f, path, len)?;
-    Ok((f, false))
-}
-
-fn preallocate(f: &File, path: &Path, len: u64) -> Result<(), IoError> {
-    match file::preallocate(f, len) {
-        Ok(true) => Ok(()),
-        Ok(false) => {
-            tracing::warn!(
-                "{}: file system cannot preallocate; the file is sparse",
-                path.display()
-            );
-            Ok(())
+        if self.journal.is_some() {
+            if let Err(e) = self.flush() {
+                tracing::warn!(error = %e, "disk tier: final journal flush failed");
+            }
+            return;
         }
-        Err(source) => Err(IoError::Disk {
-            path: path.to_owned(),
-            what: "preallocating (is the disk full? lower disk_bytes or free space)",
-            source,
-        }),
+        remove_set_files(&self.dir, &self.set);
     }
-}
-
-fn probe_direct(f: &File) -> std::io::Result<()> {
-    let buf = AlignedBuf::new(IO_ALIGN)?;
-    let w = IoReq {
-        fd: f.as_raw_fd(),
-        offset: 0,
-        segs: vec![IoSeg {
-            addr: buf.addr(),
-            len: IO_ALIGN,
-        }],
-        write: true,
-    };
-    // SAFETY: `buf` is ours and lives across both calls.
-    unsafe { file::run_sync(&w) }?;
-    let r = IoReq { write: false, ..w };
-    // SAFETY: as above.
-    unsafe { file::run_sync(&r) }?;
-    Ok(())
 }

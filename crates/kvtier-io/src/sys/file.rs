@@ -31,18 +31,46 @@ impl IoReq {
     }
 }
 
-/// Open (creating, truncating) a cache file with mode 0600, with O_DIRECT if `direct`.
-pub(crate) fn open_cache_file(path: &Path, direct: bool) -> io::Result<File> {
+/// Open (creating; truncating if `truncate`) a cache file with mode 0600, with O_DIRECT if
+/// `direct`. Never follows a symlink at the last component (`O_NOFOLLOW`).
+pub(crate) fn open_cache_file(path: &Path, direct: bool, truncate: bool) -> io::Result<File> {
     let mut o = std::fs::OpenOptions::new();
     o.read(true)
         .write(true)
         .create(true)
-        .truncate(true)
+        .truncate(truncate)
         .mode(0o600);
+    let mut flags = libc::O_NOFOLLOW;
     if direct {
-        o.custom_flags(libc::O_DIRECT);
+        flags |= libc::O_DIRECT;
     }
+    o.custom_flags(flags);
     o.open(path)
+}
+
+/// Try to take an exclusive `flock` on `file` without blocking: `Ok(false)` if another open
+/// file description holds it (another process, or another store in this one). The lock lives
+/// as long as the descriptor and is dropped by the kernel when the process dies (SIGKILL
+/// included), which is what makes a dead process's files reclaimable.
+pub(crate) fn try_lock_exclusive(file: &File) -> io::Result<bool> {
+    loop {
+        // SAFETY: flock on an open descriptor we own, with plain integer arguments.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc == 0 {
+            return Ok(true);
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EWOULDBLOCK) => return Ok(false),
+            Some(libc::EINTR) => continue,
+            _ => return Err(e),
+        }
+    }
+}
+
+/// fsync a directory, so the names created or renamed in it survive a power cut.
+pub(crate) fn sync_dir(path: &Path) -> io::Result<()> {
+    File::open(path)?.sync_all()
 }
 
 /// Reserve `len` bytes of disk for `file`. Returns `Ok(false)` where the file system cannot

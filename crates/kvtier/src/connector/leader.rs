@@ -742,6 +742,10 @@ impl Leader {
                         dst: ob.device.0,
                     });
                     entry.2.push(block);
+                    if tier == Tier::Disk {
+                        // The disk tier checks the slot holds this hash's block.
+                        entry.3.push(ob.hash.0);
+                    }
                 }
             }
         }
@@ -905,6 +909,8 @@ impl Leader {
         sc.seen_again.clear();
         let mut pairs = Vec::with_capacity(offloads.len());
         let mut books: Vec<BlockId> = Vec::with_capacity(offloads.len());
+        // Disk stores bind each slot to its hash (`TransferJob::remote_keys`).
+        let mut disk_keys = Vec::new();
         let mut dropped = 0u64;
         for (ob, r) in offloads.iter().zip(&sc.reservations) {
             match *r {
@@ -914,6 +920,9 @@ impl Leader {
                         dst: blk.0,
                     });
                     books.push(blk);
+                    if tier == Tier::Disk {
+                        disk_keys.push(ob.hash.0);
+                    }
                 }
                 Reservation::Registered(existing) => {
                     self.stats.offload_deduplicated += 1;
@@ -950,7 +959,7 @@ impl Leader {
                     src: Tier::Device,
                     dst: tier,
                     pairs,
-                    remote_keys: Vec::new(),
+                    remote_keys: disk_keys,
                 },
             });
         }
@@ -1261,7 +1270,7 @@ impl Leader {
                             src: host_block.0,
                             dst: dblk.0,
                         }],
-                        remote_keys: Vec::new(),
+                        remote_keys: vec![hash.0],
                     });
                     self.track(
                         id,
@@ -1365,6 +1374,25 @@ impl Leader {
     /// Read access to the disk pool (tests, metrics).
     pub fn disk_pool(&self) -> Option<&BlockPool> {
         self.disk.as_ref()
+    }
+
+    /// Register blocks the disk tier already holds at start (a warm restart: the disk store's
+    /// `recovered()` list), so later requests match them. Call before the first step; a block
+    /// whose slot is out of range or in use, or whose hash is already known, is skipped.
+    /// Returns how many were registered. The disk tier still verifies each block (key and
+    /// checksum) when it is loaded: one that fails is a failed load, recomputed and invalidated.
+    pub fn adopt_disk_blocks(&mut self, blocks: &[(SequenceHash, BlockId)]) -> usize {
+        let Some(d) = self.disk.as_mut() else {
+            return 0;
+        };
+        let n = d.adopt(blocks, Priority::default());
+        if n > 0 {
+            tracing::info!(
+                blocks = n,
+                "disk tier: registered blocks kept from an earlier run"
+            );
+        }
+        n
     }
 }
 
@@ -1648,5 +1676,84 @@ mod tests {
         assert_eq!(host.num_pinned(), 0);
         let s = l.stats();
         assert_eq!((s.offload_deduplicated, s.spill_disk_blocks), (2, 1));
+    }
+
+    /// #14 item 1: blocks the disk tier kept from an earlier run, adopted at start, are hits
+    /// loaded from disk, and every disk job names each pair's key (its sequence hash) so the
+    /// disk tier can refuse a slot that holds another block.
+    #[test]
+    fn adopted_disk_blocks_are_hits_and_disk_jobs_carry_keys() {
+        let mut cfg = LeaderConfig::new(4, HashSalt(3), 4);
+        cfg.disk = Capacity::Blocks(8);
+        let mut l = Leader::new(cfg).unwrap();
+        let prompt: Vec<u32> = (0..12).collect();
+        let hashes = crate::hash::sequence_hashes(HashSalt(3), &prompt, 4);
+        let adopted = [
+            (hashes[0], BlockId(5)),
+            (hashes[1], BlockId(2)),
+            (hashes[0], BlockId(3)),        // a hash already adopted: skipped
+            (SequenceHash(77), BlockId(2)), // a block already taken: skipped
+            (SequenceHash(78), BlockId(99)), // out of range: skipped
+        ];
+        assert_eq!(l.adopt_disk_blocks(&adopted), 2);
+        let disk = l.disk_pool().unwrap();
+        assert_eq!(disk.lookup(hashes[1]), Some(BlockId(2)));
+        assert_eq!((disk.num_registered(), disk.num_evictable()), (2, 2));
+        let r: RequestId = "r".into();
+        assert_eq!(l.get_num_new_matched_tokens(&r, &prompt, 0).unwrap(), 8);
+        let devs: Vec<DeviceBlockId> = (20..23).map(DeviceBlockId).collect();
+        l.update_state_after_alloc(&r, &devs, Some(8)).unwrap();
+        let m = l
+            .build_step(&SchedulerStep {
+                records: vec![new_record("r", prompt.clone(), 20)],
+                finished: vec![],
+            })
+            .unwrap();
+        let load = &m.loads[0].jobs[0];
+        assert_eq!(load.src, Tier::Disk);
+        assert_eq!(
+            load.pairs,
+            vec![BlockPair { src: 5, dst: 20 }, BlockPair { src: 2, dst: 21 }]
+        );
+        assert_eq!(load.remote_keys, vec![hashes[0].0, hashes[1].0]);
+        // Free disk blocks are handed out lowest first after the adoption.
+        assert_eq!(
+            l.disk.as_mut().unwrap().allocate(2).unwrap(),
+            vec![BlockId(0), BlockId(1)]
+        );
+    }
+
+    /// Spills to G3 and device -> disk stores name their keys.
+    #[test]
+    fn disk_stores_carry_keys() {
+        let mut cfg = LeaderConfig::new(4, HashSalt(3), 0);
+        cfg.host = Capacity::Blocks(0);
+        cfg.disk = Capacity::Blocks(8);
+        let mut l = Leader::new(cfg).unwrap();
+        let a: Vec<u32> = (0..8).collect();
+        let m = l
+            .build_step(&SchedulerStep {
+                records: vec![new_record("a", a.clone(), 0)],
+                finished: vec![],
+            })
+            .unwrap();
+        let job = &m.stores[0].job;
+        assert_eq!(job.dst, Tier::Disk);
+        let hashes = crate::hash::sequence_hashes(HashSalt(3), &a, 4);
+        assert_eq!(job.remote_keys, vec![hashes[0].0, hashes[1].0]);
+        let mut cfg = LeaderConfig::new(4, HashSalt(3), 4);
+        cfg.disk = Capacity::Blocks(8);
+        cfg.disk_policy = DiskPolicy::WriteThrough;
+        let mut l = Leader::new(cfg).unwrap();
+        let m = two_blocks_confirmed(&mut l);
+        let spills: Vec<&TransferJob> = m
+            .background
+            .iter()
+            .filter(|j| j.dst == Tier::Disk)
+            .collect();
+        assert_eq!(spills.len(), 2);
+        for (j, h) in spills.iter().zip(&hashes) {
+            assert_eq!(j.remote_keys, vec![h.0]);
+        }
     }
 }

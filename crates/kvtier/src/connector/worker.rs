@@ -27,7 +27,7 @@ use std::thread::JoinHandle;
 
 use crate::connector::messages::{remote_key_for_rank, RequestLoad, StepMetadata, WorkerReport};
 use crate::connector::ConnectorError;
-use crate::ids::{DeviceBlockId, JobId, RequestId};
+use crate::ids::{DeviceBlockId, JobId, RequestId, Tier};
 use crate::transfer::{BlockFailure, BlockTransfer, Fence, TransferJob, TransferOutcome};
 
 /// Where a worker's reports go.
@@ -541,7 +541,9 @@ fn executor(
         };
         for job in task.jobs {
             let mut run = job.clone();
-            if !run.remote_keys.is_empty() {
+            // Remote keys are per rank; disk keys stay sequence hashes (each rank has its own
+            // disk files, and the leader re-registers recovered disk blocks by hash).
+            if !run.remote_keys.is_empty() && (run.src == Tier::Remote || run.dst == Tier::Remote) {
                 for k in &mut run.remote_keys {
                     *k = remote_key_for_rank(*k, link.rank, link.world_size);
                 }

@@ -462,6 +462,42 @@ impl BlockPool {
         Ok(block)
     }
 
+    /// Register blocks that already hold data when the pool starts (a disk tier's blocks kept
+    /// from an earlier run): each `(hash, block)` whose block is free and whose hash is not yet
+    /// in the registry becomes `Registered` with `priority`, unpinned (evictable, oldest first in
+    /// list order); others are skipped. Emits `Stored` for each. Returns how many were adopted.
+    /// One pass over the pool to rebuild the free stack (meant for start-up).
+    pub fn adopt(&mut self, blocks: &[(SequenceHash, BlockId)], priority: Priority) -> usize {
+        let mut n = 0;
+        for &(hash, block) in blocks {
+            let i = block.0 as usize;
+            if i >= self.slots.len()
+                || self.slots[i].state != BlockState::Free
+                || self.find(hash).is_some()
+            {
+                continue;
+            }
+            // Off the free stack below; `Writing` with the caller's pin, as `register` expects.
+            self.slots[i].state = BlockState::Writing;
+            self.slots[i].pins = 1;
+            if self.register(block, hash, priority).is_ok() {
+                n += 1;
+            }
+            self.unpin_index(i);
+        }
+        if n > 0 {
+            // Rebuild the free stack from the blocks still free, lowest id on top.
+            self.free_head = NIL;
+            self.free_len = 0;
+            for i in (0..self.slots.len()).rev() {
+                if self.slots[i].state == BlockState::Free {
+                    self.push_free(i);
+                }
+            }
+        }
+        n
+    }
+
     /// Add a pin to a `Writing` or `Registered` block.
     pub fn pin(&mut self, block: BlockId) -> Result<(), PoolError> {
         let i = self.index(block)?;
@@ -766,6 +802,49 @@ mod tests {
         assert_eq!(p.lookup(h(2)), Some(BlockId(2)));
         assert_eq!(p.num_registered(), 1);
         assert_eq!(p.num_free(), 1);
+    }
+
+    /// A warm restart's blocks: adopted into a fresh pool, registered and evictable; free
+    /// blocks keep coming lowest first; taken blocks and known hashes are skipped.
+    #[test]
+    fn adopt_registers_kept_blocks() {
+        let mut p = BlockPool::new(Tier::Disk, 6).unwrap();
+        let n = p.adopt(
+            &[
+                (h(1), BlockId(4)),
+                (h(2), BlockId(1)),
+                (h(1), BlockId(2)),
+                (h(3), BlockId(4)),
+                (h(4), BlockId(6)),
+            ],
+            Priority(0),
+        );
+        assert_eq!(n, 2);
+        assert_eq!(p.lookup(h(1)), Some(BlockId(4)));
+        assert_eq!(p.lookup(h(2)), Some(BlockId(1)));
+        assert_eq!(
+            (p.num_registered(), p.num_evictable(), p.num_pinned()),
+            (2, 2, 0)
+        );
+        assert_eq!(p.num_free(), 6);
+        assert_eq!(p.eviction_order(), ids(&[4, 1]));
+        assert_eq!(
+            p.take_events(),
+            vec![
+                PoolEvent::Stored {
+                    hash: h(1),
+                    tier: Tier::Disk
+                },
+                PoolEvent::Stored {
+                    hash: h(2),
+                    tier: Tier::Disk
+                },
+            ]
+        );
+        assert_eq!(p.allocate(4).unwrap(), ids(&[0, 2, 3, 5]));
+        // Then the adopted blocks are evicted, oldest first.
+        assert_eq!(p.allocate(1).unwrap(), ids(&[4]));
+        assert_eq!(p.lookup(h(1)), None);
     }
 
     #[test]
