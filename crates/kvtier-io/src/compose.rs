@@ -15,6 +15,7 @@
 //! - the disk policy: the `policy.disk_filter.*` frequency filter whenever there are both a
 //!   host and a disk tier (with no host tier every stored block goes straight to disk);
 //! - remote puts: every role but `Decode` writes to the remote store;
+//! - the metrics endpoint (`metrics.enabled`, `metrics.port`): [`Composition::metrics`];
 //! - the disk tier's files: `disk.dir`, `disk.use_o_direct`, `disk.io_backend`, one private
 //!   directory per rank instance (removed by its owner with [`RankTiers::disk_dir`]).
 //!
@@ -49,6 +50,7 @@ use kvtier::policy::FilterParams;
 use kvtier::pool::Priority;
 use kvtier::transfer::{RemoteStore, TransferError};
 
+use crate::metrics_http::{self, StatsPublisher};
 use crate::{
     BlockChunks, DeviceKind, DirectMode, DiskIoMode, DiskOptions, DiskStorage, HostOptions,
     HostStorage, IoError, PinMode, TransferEngine,
@@ -142,6 +144,8 @@ pub enum ComposeError {
     },
     #[error("leader: {0}")]
     Leader(#[from] ConnectorError),
+    #[error("{0}")]
+    Metrics(std::io::Error),
 }
 
 /// How a rank's host tier is allocated (pinning depends on the engine's device).
@@ -290,6 +294,18 @@ impl Composition {
                 url: target.url.clone(),
                 source,
             })
+    }
+
+    /// With `metrics.enabled`: a publisher registered with the process's Prometheus endpoint
+    /// (started on `metrics.port` by the first leader of the process, joined by later ones).
+    /// The leader's owner publishes its stats into it.
+    pub fn metrics(&self) -> Result<Option<StatsPublisher>, ComposeError> {
+        if !self.config.metrics.enabled {
+            return Ok(None);
+        }
+        let p = StatsPublisher::new();
+        metrics_http::register(self.config.metrics.port, &p).map_err(ComposeError::Metrics)?;
+        Ok(Some(p))
     }
 
     /// The scheduler-side leader. `remote` is the store from [`Self::remote_store`] (the same

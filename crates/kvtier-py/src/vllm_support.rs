@@ -34,7 +34,9 @@ pub fn bridge(e: ComposeError) -> BridgeError {
         ComposeError::Config(c) => c.into(),
         ComposeError::Leader(c) => c.into(),
         ComposeError::Io(io) => BridgeError::local(Family::Transfer, io.to_string()),
-        ComposeError::Remote { .. } => BridgeError::local(Family::Config, e.to_string()),
+        ComposeError::Remote { .. } | ComposeError::Metrics(_) => {
+            BridgeError::local(Family::Config, e.to_string())
+        }
         other => BridgeError::local(Family::Connector, other.to_string()),
     }
 }
