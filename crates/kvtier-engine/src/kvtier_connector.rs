@@ -92,7 +92,10 @@ pub(crate) fn build(
         model: model_name.to_owned(),
         revision: None,
         dtype: Some("f32".into()),
-        kv_layout: Some(format!("trtllm_pool{:?}", kv.shape().get(1..).unwrap_or(&[]))),
+        kv_layout: Some(format!(
+            "trtllm_pool{:?}",
+            kv.shape().get(1..).unwrap_or(&[])
+        )),
     };
     let role = match cfg.role {
         Role::Aggregated => ServingRole::Aggregated,
@@ -117,7 +120,13 @@ pub(crate) fn build(
         ..HostMemory::default()
     };
     let tiers = plan
-        .transfer(0, Arc::new(dl), layout::DeviceKind::Cpu, host, remote.clone())
+        .transfer(
+            0,
+            Arc::new(dl),
+            layout::DeviceKind::Cpu,
+            host,
+            remote.clone(),
+        )
         .map_err(|e| cerr("kvtier", e))?;
     let mut transfer: Arc<dyn BlockTransfer> = Arc::new(tiers.engine);
     if let Some(w) = &setup.wrap_transfer {

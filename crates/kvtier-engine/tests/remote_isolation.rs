@@ -47,7 +47,10 @@ fn different_models_sharing_a_remote_store_never_share_a_block() {
     run_all(&a, ps.iter().map(|p| request(p, max_tokens)).collect());
     assert!(a.wait_idle(IDLE));
     let am = a.metrics();
-    assert!(am.offloaded_remote_blocks >= 8, "model A published nothing: {am:?}");
+    assert!(
+        am.offloaded_remote_blocks >= 8,
+        "model A published nothing: {am:?}"
+    );
     drop(a);
 
     // Model B (other weights, other name): same prompts, same store.
@@ -56,7 +59,10 @@ fn different_models_sharing_a_remote_store_never_share_a_block() {
     let got = run_all(&b, ps.iter().map(|p| request(p, max_tokens)).collect());
     assert!(b.wait_idle(IDLE));
     let bm = b.metrics();
-    assert_eq!(bm.kvtier_matched_tokens_remote, 0, "model B read model A's blocks: {bm:?}");
+    assert_eq!(
+        bm.kvtier_matched_tokens_remote, 0,
+        "model B read model A's blocks: {bm:?}"
+    );
     assert_eq!(bm.kvtier.onboard_remote_blocks, 0, "{bm:?}");
     let got: Vec<Vec<u32>> = got.into_iter().map(|g| g.0).collect();
     assert_eq!(got, want_b, "model B's output changed");
@@ -64,7 +70,11 @@ fn different_models_sharing_a_remote_store_never_share_a_block() {
     drop(b);
     let ns = namespaces(remote.path());
     assert_eq!(ns.len(), 2, "one namespace per model: {ns:?}");
-    assert!(ns.iter().any(|n| n.starts_with("kvtier-builtin-llama-seed41-")), "{ns:?}");
+    assert!(
+        ns.iter()
+            .any(|n| n.starts_with("kvtier-builtin-llama-seed41-")),
+        "{ns:?}"
+    );
 
     // Control: another engine of model A finds A's blocks in the store.
     let c = EngineHandle::start(engine(41, remote.path())).unwrap();

@@ -219,12 +219,11 @@ impl Composition {
                  unset: blocks of different models sharing a disk or remote tier are not kept apart"
             );
         }
-        let total = usize::try_from(cluster.total_bytes_per_block()).map_err(|_| {
-            ConfigError::Invalid {
+        let total =
+            usize::try_from(cluster.total_bytes_per_block()).map_err(|_| ConfigError::Invalid {
                 setting: "bytes per block".into(),
                 reason: "does not fit this machine".into(),
-            }
-        })?;
+            })?;
         let caps = config.resolve_capacity(total)?;
         let salt = HashSalt::new(&identity.key(), None, config.hashing.salt.as_deref());
         let namespace = identity.namespace();
@@ -403,7 +402,10 @@ mod tests {
         assert_eq!(a.key(), "meta-llama/Llama-3.1-8B");
         for odd in ["", ".hidden", "x/", &"é".repeat(100)] {
             let ns = EngineIdentity::new(odd).namespace();
-            assert!(crate::remote::Namespace::new(&ns).is_ok(), "{odd:?} -> {ns}");
+            assert!(
+                crate::remote::Namespace::new(&ns).is_ok(),
+                "{odd:?} -> {ns}"
+            );
         }
     }
 }

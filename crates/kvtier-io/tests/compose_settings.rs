@@ -94,7 +94,10 @@ fn build(src: Source, key: &str, value: &str, base: &[(&str, String)]) -> Result
     match src {
         Source::Toml => {
             // In one layer `num_blocks` beats `gb`: the TOML case replaces the base's size.
-            for (a, b) in [("host.gb", "host.num_blocks"), ("disk.gb", "disk.num_blocks")] {
+            for (a, b) in [
+                ("host.gb", "host.num_blocks"),
+                ("disk.gb", "disk.num_blocks"),
+            ] {
                 if key == a {
                     toml.remove(b);
                 }
@@ -130,8 +133,13 @@ fn build(src: Source, key: &str, value: &str, base: &[(&str, String)]) -> Result
         num_device_blocks: SHAPE[0] as u32,
         bytes_per_block: vec![BPB as u64],
     };
-    let plan = Composition::new(&cfg, EngineIdentity::new("model-a"), cluster, ServingRole::Aggregated)
-        .map_err(|e| e.to_string())?;
+    let plan = Composition::new(
+        &cfg,
+        EngineIdentity::new("model-a"),
+        cluster,
+        ServingRole::Aggregated,
+    )
+    .map_err(|e| e.to_string())?;
     let remote = plan.remote_store().map_err(|e| e.to_string())?;
     let host = HostMemory {
         pin: PinMode::Never,
@@ -139,9 +147,17 @@ fn build(src: Source, key: &str, value: &str, base: &[(&str, String)]) -> Result
         ..HostMemory::default()
     };
     let tiers = plan
-        .transfer(0, Arc::new(dl), layout::DeviceKind::Cpu, host, remote.clone())
+        .transfer(
+            0,
+            Arc::new(dl),
+            layout::DeviceKind::Cpu,
+            host,
+            remote.clone(),
+        )
         .map_err(|e| e.to_string())?;
-    let leader = plan.leader(remote.clone(), true).map_err(|e| e.to_string())?;
+    let leader = plan
+        .leader(remote.clone(), true)
+        .map_err(|e| e.to_string())?;
     let metrics = plan.metrics().map_err(|e| e.to_string())?;
     Ok(Built {
         plan,
@@ -155,7 +171,7 @@ fn build(src: Source, key: &str, value: &str, base: &[(&str, String)]) -> Result
 
 type Check = Box<dyn Fn(&Result<Built, String>) -> Result<(), String>>;
 
-fn ok<'a>(b: &'a Result<Built, String>) -> Result<&'a Built, String> {
+fn ok(b: &Result<Built, String>) -> Result<&Built, String> {
     b.as_ref().map_err(|e| format!("build failed: {e}"))
 }
 
@@ -173,7 +189,10 @@ fn host_blocks(n: usize) -> Check {
         let h = b.tiers.engine.host().map_or(0, |h| h.num_blocks() as usize);
         expect(
             b.leader.stats().host_capacity == n && h == n,
-            format!("host pool {} / tier {h}, want {n}", b.leader.stats().host_capacity),
+            format!(
+                "host pool {} / tier {h}, want {n}",
+                b.leader.stats().host_capacity
+            ),
         )
     })
 }
@@ -184,7 +203,10 @@ fn disk_blocks(n: usize) -> Check {
         let d = b.tiers.engine.disk().map_or(0, |d| d.num_blocks() as usize);
         expect(
             b.leader.stats().disk_capacity == n && d == n,
-            format!("disk pool {} / tier {d}, want {n}", b.leader.stats().disk_capacity),
+            format!(
+                "disk pool {} / tier {d}, want {n}",
+                b.leader.stats().disk_capacity
+            ),
         )
     })
 }
@@ -194,7 +216,10 @@ fn disk_policy(want: DiskPolicy) -> Check {
         let b = ok(b)?;
         expect(
             b.leader.disk_policy() == want,
-            format!("leader disk policy {:?}, want {want:?}", b.leader.disk_policy()),
+            format!(
+                "leader disk policy {:?}, want {want:?}",
+                b.leader.disk_policy()
+            ),
         )
     })
 }
@@ -232,7 +257,10 @@ struct Row {
 fn rows(tmp: &Path) -> Vec<Row> {
     let d = tmp.join("disk").display().to_string();
     let base = |extra: &[(&'static str, &str)]| -> Vec<(&'static str, String)> {
-        let mut v = vec![("host.num_blocks", "8".to_string()), ("disk.dir", d.clone())];
+        let mut v = vec![
+            ("host.num_blocks", "8".to_string()),
+            ("disk.dir", d.clone()),
+        ];
         v.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
         v
     };
@@ -246,10 +274,30 @@ fn rows(tmp: &Path) -> Vec<Row> {
     };
     vec![
         // 4000 bytes / 512 per block.
-        Row { key: "host.gb", value: "0.000004".into(), base: base(&[]), check: host_blocks(7) },
-        Row { key: "host.num_blocks", value: "5".into(), base: base(&[]), check: host_blocks(5) },
-        Row { key: "disk.gb", value: "0.000003".into(), base: base(&[]), check: disk_blocks(5) },
-        Row { key: "disk.num_blocks", value: "6".into(), base: base(&[]), check: disk_blocks(6) },
+        Row {
+            key: "host.gb",
+            value: "0.000004".into(),
+            base: base(&[]),
+            check: host_blocks(7),
+        },
+        Row {
+            key: "host.num_blocks",
+            value: "5".into(),
+            base: base(&[]),
+            check: host_blocks(5),
+        },
+        Row {
+            key: "disk.gb",
+            value: "0.000003".into(),
+            base: base(&[]),
+            check: disk_blocks(5),
+        },
+        Row {
+            key: "disk.num_blocks",
+            value: "6".into(),
+            base: base(&[]),
+            check: disk_blocks(6),
+        },
         Row {
             key: "disk.dir",
             value: other.clone(),
@@ -257,9 +305,16 @@ fn rows(tmp: &Path) -> Vec<Row> {
             check: Box::new(move |b| {
                 let b = ok(b)?;
                 let dir = b.tiers.disk_dir.clone().unwrap_or_default();
-                let files = b.tiers.engine.disk().map(|d| d.file_paths()).unwrap_or_default();
+                let files = b
+                    .tiers
+                    .engine
+                    .disk()
+                    .map(|d| d.file_paths())
+                    .unwrap_or_default();
                 expect(
-                    dir.starts_with(&other_dir) && !files.is_empty() && files.iter().all(|f| f.starts_with(&other_dir)),
+                    dir.starts_with(&other_dir)
+                        && !files.is_empty()
+                        && files.iter().all(|f| f.starts_with(&other_dir)),
                     format!("disk files {files:?} not under {}", other_dir.display()),
                 )
             }),
@@ -270,7 +325,10 @@ fn rows(tmp: &Path) -> Vec<Row> {
             base: with_disk.clone(),
             check: Box::new(|b| {
                 let d = ok(b)?.tiers.engine.disk().cloned();
-                expect(d.is_some_and(|d| !d.is_direct()), "disk opened with O_DIRECT".into())
+                expect(
+                    d.is_some_and(|d| !d.is_direct()),
+                    "disk opened with O_DIRECT".into(),
+                )
             }),
         },
         Row {
@@ -279,7 +337,10 @@ fn rows(tmp: &Path) -> Vec<Row> {
             base: with_disk.clone(),
             check: Box::new(|b| {
                 let d = ok(b)?.tiers.engine.disk().cloned();
-                expect(d.is_some_and(|d| !d.uses_io_uring()), "disk uses io_uring".into())
+                expect(
+                    d.is_some_and(|d| !d.uses_io_uring()),
+                    "disk uses io_uring".into(),
+                )
             }),
         },
         Row {
@@ -290,16 +351,39 @@ fn rows(tmp: &Path) -> Vec<Row> {
                 let b = ok(b)?;
                 let r = b.remote.as_ref().ok_or("no remote store")?;
                 r.put(0xabc, b"block").map_err(|e| e.to_string())?;
-                let ns_dir = walk_dirs(&remote_dir).into_iter().any(|p| p.ends_with(b.plan.namespace()));
+                let ns_dir = walk_dirs(&remote_dir)
+                    .into_iter()
+                    .any(|p| p.ends_with(b.plan.namespace()));
                 expect(
-                    b.leader.remote_put() && r.contains(&[0xabc]).map_err(|e| e.to_string())? == vec![true] && ns_dir,
-                    format!("remote store under {} lacks namespace {}", remote_dir.display(), b.plan.namespace()),
+                    b.leader.remote_put()
+                        && r.contains(&[0xabc]).map_err(|e| e.to_string())? == vec![true]
+                        && ns_dir,
+                    format!(
+                        "remote store under {} lacks namespace {}",
+                        remote_dir.display(),
+                        b.plan.namespace()
+                    ),
                 )
             }),
         },
-        Row { key: "policy.disk_filter.enabled", value: "false".into(), base: with_disk.clone(), check: disk_policy(DiskPolicy::WriteThrough) },
-        Row { key: "policy.disk_filter.window_secs", value: "30".into(), base: with_disk.clone(), check: disk_policy(filter(30, 1_000_000)) },
-        Row { key: "policy.disk_filter.max_tracked", value: "77".into(), base: with_disk.clone(), check: disk_policy(filter(600, 77)) },
+        Row {
+            key: "policy.disk_filter.enabled",
+            value: "false".into(),
+            base: with_disk.clone(),
+            check: disk_policy(DiskPolicy::WriteThrough),
+        },
+        Row {
+            key: "policy.disk_filter.window_secs",
+            value: "30".into(),
+            base: with_disk.clone(),
+            check: disk_policy(filter(30, 1_000_000)),
+        },
+        Row {
+            key: "policy.disk_filter.max_tracked",
+            value: "77".into(),
+            base: with_disk.clone(),
+            check: disk_policy(filter(600, 77)),
+        },
         Row {
             key: "connector.block_size",
             value: "32".into(),
@@ -319,7 +403,11 @@ fn rows(tmp: &Path) -> Vec<Row> {
                 let want = EngineIdentity::new("model-b");
                 expect(
                     b.plan.namespace() == want.namespace() && b.leader.salt() != default_salt,
-                    format!("namespace {} / salt {:?}", b.plan.namespace(), b.leader.salt()),
+                    format!(
+                        "namespace {} / salt {:?}",
+                        b.plan.namespace(),
+                        b.leader.salt()
+                    ),
                 )
             }),
         },
@@ -330,7 +418,8 @@ fn rows(tmp: &Path) -> Vec<Row> {
             check: Box::new(move |b| {
                 let b = ok(b)?;
                 expect(
-                    b.leader.salt() != default_salt && b.plan.namespace() == EngineIdentity::new("model-a").namespace(),
+                    b.leader.salt() != default_salt
+                        && b.plan.namespace() == EngineIdentity::new("model-a").namespace(),
                     format!("salt {:?} (default {default_salt:?})", b.leader.salt()),
                 )
             }),
@@ -399,20 +488,33 @@ fn metrics_settings_start_the_endpoint() {
     for src in sources("metrics.port") {
         let b = build(src, "metrics.port", &port.to_string(), &enabled_base).unwrap();
         assert_eq!(b.plan.config().metrics.port, port, "{src:?}");
-        let p = b.metrics.as_ref().expect("metrics.enabled gave no endpoint");
+        let p = b
+            .metrics
+            .as_ref()
+            .expect("metrics.enabled gave no endpoint");
         p.publish(b.leader.stats());
         let addr = kvtier_io::metrics_http::endpoint_addr().unwrap();
-        assert_eq!(*served.get_or_insert(addr), addr, "one endpoint per process");
+        assert_eq!(
+            *served.get_or_insert(addr),
+            addr,
+            "one endpoint per process"
+        );
         assert_eq!(addr.port(), port, "{src:?}: endpoint not on metrics.port");
         let text = scrape(port);
-        assert!(text.contains("kvtier_pool_capacity_blocks{tier=\"host\"} 8"), "{src:?}\n{text}");
+        assert!(
+            text.contains("kvtier_pool_capacity_blocks{tier=\"host\"} 8"),
+            "{src:?}\n{text}"
+        );
     }
     let _ = tmp;
     let mut port_base = base.clone();
     port_base.push(("metrics.port", port.to_string()));
     for src in sources("metrics.enabled") {
         let on = build(src, "metrics.enabled", "true", &port_base).unwrap();
-        assert!(on.metrics.is_some(), "{src:?}: metrics.enabled did not register");
+        assert!(
+            on.metrics.is_some(),
+            "{src:?}: metrics.enabled did not register"
+        );
         let off = build(src, "metrics.enabled", "false", &port_base).unwrap();
         assert!(off.metrics.is_none(), "{src:?}");
     }
@@ -429,6 +531,9 @@ fn every_documented_key_is_covered() {
     }
     let py = include_str!("../../../tests/test_settings_sources.py");
     for k in PY_ONLY {
-        assert!(py.contains(k), "{k} missing from tests/test_settings_sources.py");
+        assert!(
+            py.contains(k),
+            "{k} missing from tests/test_settings_sources.py"
+        );
     }
 }
