@@ -93,7 +93,6 @@ def test_metrics_endpoint_matches_kvtier_stats_and_the_disk_filter_applies(model
         assert filled["offloaded_host_blocks"] >= 6 * 7, filled
         # One sighting each: the filter keeps nearly every block off the disk (vLLM used to write them all).
         assert filled["spill_disk_blocks"] < filled["offloaded_host_blocks"] / 2, filled
-        print("FILLED", filled)
 
         assert e.reset_prefix_cache()
         assert e.generate(PHASE, MAX_TOKENS) == first
