@@ -562,6 +562,8 @@ impl PyLeader {
         let mut g = self.lock();
         g.shut_down = true;
         g.leader = None;
+        // Its series leave the process's metrics endpoint.
+        g.metrics = None;
         g.pending = None;
         g.reports = None;
         if let Some(ch) = g.zmq.take() {
