@@ -131,3 +131,36 @@ def test_invalid_values_name_setting_and_source(kvtier_env, tmp_path):
         make_leader(kvtier_env, tmp_path, "toml", "host.num_blocks", "lots", bytes_per_block=4096)
     with pytest.raises(kvtier.ConfigError, match=r"remote.url .*TLS"):
         make_leader(kvtier_env, tmp_path, "vllm", "remote.url", "rediss://10.0.0.1:6379", bytes_per_block=4096)
+
+
+def _scrape(port: int) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and ln[0] != "#"}
+
+
+def test_metrics_endpoint_in_process(kvtier_env, tmp_path):
+    """TensorRT-LLM's (and vLLM's) leader serves kvtier's metrics from inside the engine process (DYN_KVBM_METRICS,
+    DYN_KVBM_METRICS_PORT); a second leader of the process joins the one endpoint."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kvtier_env.setenv("DYN_KVBM_METRICS", "1")
+    kvtier_env.setenv("DYN_KVBM_METRICS_PORT", str(port))
+    first = make_leader(kvtier_env, tmp_path, "trtllm", "host.num_blocks", 8, bytes_per_block=4096)
+    tokens = list(range(40))
+    first.get_num_new_matched_tokens("1", tokens, 0)
+    first.update_state_after_alloc("1", [3, 4, 5])
+    first.build_step([_native.StepRecord("1", tokens, [3, 4, 5], 0, 40, is_new=True)])
+    st = first.stats()
+    scraped = _scrape(port)
+    assert scraped['kvtier_pool_capacity_blocks{tier="host"}'] == st["host_capacity"] == 8
+    assert scraped['kvtier_dispatched_blocks_total{direction="offload",from="device"}'] == st["offload_blocks"] == 2
+    second = make_leader(kvtier_env, tmp_path, "vllm", "host.num_blocks", 4, bytes_per_block=4096)
+    second.stats()
+    assert _scrape(port)['kvtier_pool_capacity_blocks{tier="host"}'] == 12
+    second.shutdown()
+    first.stats()
+    assert _scrape(port)['kvtier_pool_capacity_blocks{tier="host"}'] == 8
