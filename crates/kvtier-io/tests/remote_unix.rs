@@ -33,7 +33,11 @@ fn unix_socket_urls_pass_the_check_and_round_trip() -> Result<()> {
         let mut out = vec![0u8; 4096];
         store.get(key, &mut out)?;
         assert_eq!(out, data, "{url}");
-        assert_eq!(store.contains(&[key, key + 100])?, vec![true, false], "{url}");
+        assert_eq!(
+            store.contains(&[key, key + 100])?,
+            vec![true, false],
+            "{url}"
+        );
     }
     Ok(())
 }
