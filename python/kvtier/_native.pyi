@@ -20,6 +20,10 @@ class TransferError(KvtierError): ...
 def init_logging(filter: Optional[str] = None) -> bool:
     """Install a tracing subscriber on stderr (filter like "kvtier=debug", else $KVTIER_LOG, else "warn")."""
 
+def metrics_table() -> list[dict[str, Any]]:
+    """kvtier's counter table: per series its stats ``key``, Prometheus ``name``, ``help``, ``kind``
+    ("counter"/"gauge") and ``labels`` (the keys of ``Leader.stats()``)."""
+
 class TensorDesc:
     """A plain description of an engine tensor; build it with ``kvtier.describe(obj)``."""
 

@@ -565,6 +565,12 @@ _COUNTERS = frozenset((
     "onboard_failed", "spill_disk_blocks", "spill_disk_confirmed", "spill_disk_failed", "remote_put_blocks", "remote_put_confirmed", "remote_put_failed",
     "adapter_errors", "preempted_requests", "load_restarts",
 ))
+try:  # every counter of kvtier's one table (kvtier::metrics::METRICS), e.g. offloaded_host_blocks
+    from kvtier import _native as _table_source
+
+    _COUNTERS |= frozenset(m["key"] for m in _table_source.metrics_table() if m["kind"] == "counter")
+except (ImportError, AttributeError):  # a development backend without the native module
+    pass
 
 
 def _key(h: Any) -> bytes:

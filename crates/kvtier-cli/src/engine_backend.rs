@@ -361,7 +361,11 @@ pub fn samples_of(m: &EngineMetrics, block_size: usize, num_device_blocks: usize
     for (def, value) in kvtier::metrics::values(std::slice::from_ref(&m.kvtier)) {
         s.push(Sample {
             name: def.name,
-            labels: def.labels.iter().map(|(k, v)| (*k, (*v).to_string())).collect(),
+            labels: def
+                .labels
+                .iter()
+                .map(|(k, v)| (*k, (*v).to_string()))
+                .collect(),
             kind: match def.kind {
                 kvtier::metrics::MetricKind::Counter => SampleKind::Counter,
                 _ => SampleKind::Gauge,
@@ -418,7 +422,13 @@ mod tests {
         assert_eq!(sample(&s, b, &off("host")), 40.0);
         assert_eq!(sample(&s, b, &off("disk")), 25.0);
         assert_eq!(sample(&s, b, &off("remote")), 3.0);
-        assert_eq!(sample(&s, b, &[("direction", "onboard"), ("tier", "disk")]), 4.0);
-        assert_eq!(sample(&s, "kvtier_hit_tokens_total", &[("tier", "disk")]), 64.0);
+        assert_eq!(
+            sample(&s, b, &[("direction", "onboard"), ("tier", "disk")]),
+            4.0
+        );
+        assert_eq!(
+            sample(&s, "kvtier_hit_tokens_total", &[("tier", "disk")]),
+            64.0
+        );
     }
 }

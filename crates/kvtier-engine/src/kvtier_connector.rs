@@ -22,7 +22,7 @@ use kvtier::layout::{self, DType, DeviceLayout, TensorDesc};
 use kvtier::transfer::{BlockTransfer, RemoteStore};
 use kvtier::{DeviceBlockId, RequestId};
 use kvtier_io::compose::{Composition, EngineIdentity, HostMemory, ServingRole};
-use kvtier_io::metrics_http::{self, StatsPublisher};
+use kvtier_io::metrics_http::StatsPublisher;
 use kvtier_io::PinMode;
 
 use crate::api::{EngineConfig, EngineError, Role};
@@ -89,7 +89,10 @@ pub(crate) fn build(
         model: model_name.to_owned(),
         revision: None,
         dtype: Some("f32".into()),
-        kv_layout: Some(format!("trtllm_pool{:?}", kv.shape().get(1..).unwrap_or(&[]))),
+        kv_layout: Some(format!(
+            "trtllm_pool{:?}",
+            kv.shape().get(1..).unwrap_or(&[])
+        )),
     };
     let role = match cfg.role {
         Role::Aggregated => ServingRole::Aggregated,
@@ -100,6 +103,13 @@ pub(crate) fn build(
         kvtier_io::compose::ComposeError::Config(c) => EngineError::Config(c.to_string()),
         other => cerr("kvtier", other),
     })?;
+    if plan.config().connector.async_loads == Some(false) {
+        // A failed synchronous load would already have fed this step's forward pass and the
+        // stores gated on it; the reference engine therefore only loads asynchronously.
+        return Err(EngineError::Config(
+            "connector.async_loads = false: the reference engine loads asynchronously only".into(),
+        ));
+    }
     let remote = plan.remote_store().map_err(|e| cerr("kvtier", e))?;
     let host = HostMemory {
         pin: PinMode::Never,
@@ -107,7 +117,13 @@ pub(crate) fn build(
         ..HostMemory::default()
     };
     let tiers = plan
-        .transfer(0, Arc::new(dl), layout::DeviceKind::Cpu, host, remote.clone())
+        .transfer(
+            0,
+            Arc::new(dl),
+            layout::DeviceKind::Cpu,
+            host,
+            remote.clone(),
+        )
         .map_err(|e| cerr("kvtier", e))?;
     let mut transfer: Arc<dyn BlockTransfer> = Arc::new(tiers.engine);
     if let Some(w) = &setup.wrap_transfer {
@@ -116,14 +132,7 @@ pub(crate) fn build(
     let leader = plan
         .leader(remote.clone(), true)
         .map_err(|e| cerr("kvtier", e))?;
-    let metrics = if plan.config().metrics.enabled {
-        let p = StatsPublisher::new();
-        metrics_http::register(plan.config().metrics.port, &p)
-            .map_err(|e| cerr("kvtier metrics", e))?;
-        Some(p)
-    } else {
-        None
-    };
+    let metrics = plan.metrics().map_err(|e| cerr("kvtier", e))?;
     let worker = Worker::new(
         transfer,
         WorkerLink::in_process(0, 1, leader.report_sender()),

@@ -15,6 +15,7 @@
 //! - the disk policy: the `policy.disk_filter.*` frequency filter whenever there are both a
 //!   host and a disk tier (with no host tier every stored block goes straight to disk);
 //! - remote puts: every role but `Decode` writes to the remote store;
+//! - the metrics endpoint (`metrics.enabled`, `metrics.port`): [`Composition::metrics`];
 //! - the disk tier's files: `disk.dir`, `disk.use_o_direct`, `disk.io_backend`, one locked file
 //!   set per rank (`rank<N>` under `<disk.dir>/kvtier-g3/`), kept across restarts with
 //!   `disk.persist`: the leader then adopts the blocks every rank's journal holds (warm restart).
@@ -48,6 +49,7 @@ use kvtier::policy::FilterParams;
 use kvtier::pool::Priority;
 use kvtier::transfer::{RemoteStore, TransferError};
 
+use crate::metrics_http::{self, StatsPublisher};
 use crate::{
     BlockChunks, DeviceKind, DirectMode, DiskIoMode, DiskOptions, DiskStorage, HostOptions,
     HostStorage, IoError, PinMode, TransferEngine,
@@ -141,6 +143,8 @@ pub enum ComposeError {
     },
     #[error("leader: {0}")]
     Leader(#[from] ConnectorError),
+    #[error("{0}")]
+    Metrics(std::io::Error),
 }
 
 /// How a rank's host tier is allocated (pinning depends on the engine's device).
@@ -210,12 +214,11 @@ impl Composition {
                  unset: blocks of different models sharing a disk or remote tier are not kept apart"
             );
         }
-        let total = usize::try_from(cluster.total_bytes_per_block()).map_err(|_| {
-            ConfigError::Invalid {
+        let total =
+            usize::try_from(cluster.total_bytes_per_block()).map_err(|_| ConfigError::Invalid {
                 setting: "bytes per block".into(),
                 reason: "does not fit this machine".into(),
-            }
-        })?;
+            })?;
         let caps = config.resolve_capacity(total)?;
         let salt = HashSalt::new(&identity.key(), None, config.hashing.salt.as_deref());
         let namespace = identity.namespace();
@@ -285,6 +288,18 @@ impl Composition {
                 url: target.url.clone(),
                 source,
             })
+    }
+
+    /// With `metrics.enabled`: a publisher registered with the process's Prometheus endpoint
+    /// (started on `metrics.port` by the first leader of the process, joined by later ones).
+    /// The leader's owner publishes its stats into it.
+    pub fn metrics(&self) -> Result<Option<StatsPublisher>, ComposeError> {
+        if !self.config.metrics.enabled {
+            return Ok(None);
+        }
+        let p = StatsPublisher::new();
+        metrics_http::register(self.config.metrics.port, &p).map_err(ComposeError::Metrics)?;
+        Ok(Some(p))
     }
 
     /// The scheduler-side leader. `remote` is the store from [`Self::remote_store`] (the same
@@ -399,7 +414,10 @@ mod tests {
         assert_eq!(a.key(), "meta-llama/Llama-3.1-8B");
         for odd in ["", ".hidden", "x/", &"é".repeat(100)] {
             let ns = EngineIdentity::new(odd).namespace();
-            assert!(crate::remote::Namespace::new(&ns).is_ok(), "{odd:?} -> {ns}");
+            assert!(
+                crate::remote::Namespace::new(&ns).is_ok(),
+                "{odd:?} -> {ns}"
+            );
         }
     }
 }

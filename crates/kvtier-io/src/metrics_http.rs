@@ -112,10 +112,7 @@ pub fn render(sources: &Mutex<Vec<Weak<Mutex<LeaderStats>>>>) -> String {
     kvtier::metrics::render_prometheus(&live)
 }
 
-fn answer(
-    mut c: TcpStream,
-    sources: &Mutex<Vec<Weak<Mutex<LeaderStats>>>>,
-) -> std::io::Result<()> {
+fn answer(mut c: TcpStream, sources: &Mutex<Vec<Weak<Mutex<LeaderStats>>>>) -> std::io::Result<()> {
     c.set_read_timeout(Some(Duration::from_secs(2)))?;
     c.set_write_timeout(Some(Duration::from_secs(2)))?;
     let mut reader = BufReader::new(c.try_clone()?);

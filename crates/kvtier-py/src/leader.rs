@@ -21,7 +21,7 @@ use kvtier::pool::PoolEvent;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
-use kvtier_io::metrics_http::{self, StatsPublisher};
+use kvtier_io::metrics_http::StatsPublisher;
 
 use crate::errors::{BridgeError, BridgeResult, Family};
 use crate::rendezvous::Rendezvous;
@@ -229,12 +229,11 @@ impl Inner {
         let leader = plan
             .leader(remote, self.async_loads)
             .map_err(crate::vllm_support::bridge)?;
-        if plan.config().metrics.enabled && self.metrics.is_none() {
-            let p = StatsPublisher::new();
+        if self.metrics.is_none() {
+            self.metrics = plan.metrics().map_err(crate::vllm_support::bridge)?;
+        }
+        if let Some(p) = &self.metrics {
             p.publish(leader.stats());
-            metrics_http::register(plan.config().metrics.port, &p)
-                .map_err(|e| BridgeError::local(Family::Config, e.to_string()))?;
-            self.metrics = Some(p);
         }
         self.leader = Some(leader);
         Ok(())
@@ -575,6 +574,8 @@ impl PyLeader {
         let mut g = self.lock();
         g.shut_down = true;
         g.leader = None;
+        // Its series leave the process's metrics endpoint.
+        g.metrics = None;
         g.pending = None;
         g.reports = None;
         if let Some(ch) = g.zmq.take() {

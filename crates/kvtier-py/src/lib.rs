@@ -54,6 +54,23 @@ fn init_logging(filter: Option<&str>) -> bool {
         .is_ok()
 }
 
+/// kvtier's counter table (`kvtier::metrics::METRICS`): one dict per series with its stats `key`,
+/// Prometheus `name`, `help`, `kind` ("counter" or "gauge") and `labels`.
+#[pyfunction]
+fn metrics_table(py: Python<'_>) -> PyResult<Vec<Py<pyo3::types::PyDict>>> {
+    let mut out = Vec::with_capacity(kvtier::metrics::METRICS.len());
+    for m in kvtier::metrics::METRICS {
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("key", m.key)?;
+        d.set_item("name", m.name)?;
+        d.set_item("help", m.help)?;
+        d.set_item("kind", m.kind.as_str())?;
+        d.set_item("labels", m.labels.to_vec())?;
+        out.push(d.unbind());
+    }
+    Ok(out)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -65,5 +82,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<node::PyNodeServer>()?;
 
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics_table, m)?)?;
     Ok(())
 }

@@ -14,7 +14,9 @@ use crate::settings::Settings;
 /// The engine's identity: the adapter's `salt` setting (vLLM: `vllm|model|cache dtype|dtype|revision`;
 /// TensorRT-LLM: its model identity), replaced by `hashing.model` when that is set.
 pub fn identity(settings: &Settings) -> BridgeResult<EngineIdentity> {
-    Ok(EngineIdentity::new(settings.string("salt")?.unwrap_or_default()))
+    Ok(EngineIdentity::new(
+        settings.string("salt")?.unwrap_or_default(),
+    ))
 }
 
 /// The composition for this engine over `cluster`.
@@ -34,7 +36,9 @@ pub fn bridge(e: ComposeError) -> BridgeError {
         ComposeError::Config(c) => c.into(),
         ComposeError::Leader(c) => c.into(),
         ComposeError::Io(io) => BridgeError::local(Family::Transfer, io.to_string()),
-        ComposeError::Remote { .. } => BridgeError::local(Family::Config, e.to_string()),
+        ComposeError::Remote { .. } | ComposeError::Metrics(_) => {
+            BridgeError::local(Family::Config, e.to_string())
+        }
         other => BridgeError::local(Family::Connector, other.to_string()),
     }
 }

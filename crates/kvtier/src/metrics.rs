@@ -410,11 +410,13 @@ mod tests {
 
     use super::*;
 
+    /// A family's help, kind and label sets.
+    type Family<'a> = (&'a str, MetricKind, HashSet<Vec<(&'a str, &'a str)>>);
+
     #[test]
     fn keys_unique_families_consistent_and_adjacent() {
         let mut keys = HashSet::new();
-        let mut families: HashMap<&str, (&str, MetricKind, HashSet<Vec<(&str, &str)>>)> =
-            HashMap::new();
+        let mut families: HashMap<&str, Family> = HashMap::new();
         let mut seen_order: Vec<&str> = Vec::new();
         for m in METRICS {
             assert!(keys.insert(m.key), "duplicate key {}", m.key);
@@ -460,5 +462,25 @@ mod tests {
             "{text}"
         );
         assert_eq!(text.matches("# TYPE kvtier_blocks_total").count(), 1);
+    }
+
+    /// The Grafana dashboard in the repository only plots series this table exports.
+    #[test]
+    fn dashboard_uses_only_exported_series() {
+        let dash = include_str!("../../../docs/grafana/kvtier.json");
+        let names: HashSet<&str> = METRICS.iter().map(|m| m.name).collect();
+        let mut used = 0;
+        for (i, _) in dash.match_indices("kvtier_") {
+            let word: String = dash[i..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            assert!(
+                names.contains(word.as_str()),
+                "dashboard plots unknown series {word}"
+            );
+            used += 1;
+        }
+        assert!(used >= 10, "{used}");
     }
 }

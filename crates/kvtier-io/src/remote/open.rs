@@ -67,24 +67,26 @@ fn open_url(url: &str, namespace: &str) -> Result<Arc<dyn RemoteStore>, RemoteEr
     open_target(&target, namespace)
 }
 
-fn open_target(target: &RemoteTarget, namespace: &str) -> Result<Arc<dyn RemoteStore>, RemoteError> {
+fn open_target(
+    target: &RemoteTarget,
+    namespace: &str,
+) -> Result<Arc<dyn RemoteStore>, RemoteError> {
     match &target.backend {
         RemoteBackend::Dir { path, fsync } => {
             let opts = DirOptions { fsync: *fsync };
             Ok(Arc::new(DirStore::open(path, namespace, opts)?))
         }
         RemoteBackend::Redis(r) => {
-            // Field by field: options the URL does not carry keep their defaults.
-            #[allow(clippy::field_reassign_with_default)]
-            let mut opts = RedisOptions::default();
-            opts.connect_timeout = r.connect_timeout;
-            opts.io_timeout = r.io_timeout;
-            opts.pool_size = r.pool_size;
-            opts.ttl = r.ttl;
-            opts.backoff = r.backoff;
-            opts.max_backoff = r.max_backoff;
-            opts.lookup_timeout = r.lookup_timeout;
-            opts.cluster = !r.cluster_seeds.is_empty();
+            let opts = RedisOptions {
+                connect_timeout: r.connect_timeout,
+                io_timeout: r.io_timeout,
+                pool_size: r.pool_size,
+                ttl: r.ttl,
+                backoff: r.backoff,
+                max_backoff: r.max_backoff,
+                lookup_timeout: r.lookup_timeout,
+                cluster: !r.cluster_seeds.is_empty(),
+            };
             // The redis crate reads the URL's address and its own options, ignoring kvtier's.
             Ok(Arc::new(RedisStore::open(&target.url, namespace, opts)?))
         }
@@ -163,7 +165,12 @@ mod tests {
                 None,
             );
             let opened = open_url(url, "t");
-            assert_eq!(checked.is_ok(), opened.is_ok(), "{url}: {checked:?} vs {:?}", opened.err());
+            assert_eq!(
+                checked.is_ok(),
+                opened.is_ok(),
+                "{url}: {checked:?} vs {:?}",
+                opened.err()
+            );
             if let Ok(c) = checked {
                 assert!(open(c.remote.as_ref().unwrap(), "t").is_ok(), "{url}");
             }

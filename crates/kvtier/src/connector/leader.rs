@@ -438,6 +438,21 @@ impl Leader {
         self.block_size
     }
 
+    /// The salt of every sequence hash this leader computes.
+    pub fn salt(&self) -> HashSalt {
+        self.salt
+    }
+
+    /// When blocks confirmed in G2 are also written to G3.
+    pub fn disk_policy(&self) -> DiskPolicy {
+        self.disk_policy
+    }
+
+    /// Whether blocks are put to the remote store (false for a decode-only engine).
+    pub fn remote_put(&self) -> bool {
+        self.remote_put && self.remote.is_some()
+    }
+
     pub fn world_size(&self) -> u32 {
         self.world
     }
