@@ -316,6 +316,27 @@ fn shut(py: Python<'_>, inner: &mut Inner) {
     }
 }
 
+/// Which tiers and load mode `settings` configure, without building anything: the TensorRT-LLM
+/// adapter refuses at construction the configurations whose failed loads it cannot recompute.
+/// Keys: `disk` and `remote` (configured at a non-zero size / with a URL), `async_loads`.
+#[pyfunction]
+#[pyo3(signature = (settings = None))]
+pub fn configured_tiers(py: Python<'_>, settings: Option<&Bound<'_, PyDict>>) -> PyResult<Py<PyDict>> {
+    use kvtier::config::TierSize;
+    let settings = Settings::from_py(settings)?;
+    let nonzero = |s: &Option<TierSize>| match s {
+        Some(TierSize::Gb(g)) => *g > 0.0,
+        Some(TierSize::Blocks(n)) => *n > 0,
+        None => false,
+    };
+    let d = PyDict::new(py);
+    d.set_item("host", nonzero(&settings.config.host.size))?;
+    d.set_item("disk", nonzero(&settings.config.disk.size))?;
+    d.set_item("remote", settings.config.remote.is_some())?;
+    d.set_item("async_loads", settings.async_loads()?)?;
+    Ok(d.unbind())
+}
+
 fn gone() -> PyErr {
     crate::errors::new_err(Family::Connector, "the worker was shut down")
 }

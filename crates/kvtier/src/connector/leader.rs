@@ -928,12 +928,41 @@ impl Leader {
             ));
         };
         e.slot.finish();
-        let in_flight = e.stores_in_flight > 0;
+        // Loads planned for it and not yet handed to a worker never run: nothing was copied.
+        self.withdraw_unsent_loads(req);
+        // Device blocks stay with the request while any of its copies may still land in them
+        // (a load cancelled in flight must not write into blocks given to another request).
+        let in_flight = self
+            .slots
+            .get(req)
+            .is_some_and(|e| e.stores_in_flight > 0 || e.loads_in_flight > 0);
         if in_flight {
             self.outbox.saving.push(req.clone());
         }
         self.maybe_drop_slot(req);
         Ok(in_flight)
+    }
+
+    /// Drops `req`'s loads still waiting in the outbox and releases their sources as if they had
+    /// succeeded (no block is invalidated: nothing was read).
+    fn withdraw_unsent_loads(&mut self, req: &RequestId) {
+        if !self.outbox.loads.iter().any(|l| &l.request == req) {
+            return;
+        }
+        let mut kept = Vec::with_capacity(self.outbox.loads.len());
+        for l in std::mem::take(&mut self.outbox.loads) {
+            if &l.request != req {
+                kept.push(l);
+                continue;
+            }
+            for j in l.jobs {
+                if let Some(mut pending) = self.jobs.remove(j.id) {
+                    pending.failed.clear();
+                    self.complete(pending);
+                }
+            }
+        }
+        self.outbox.loads = kept;
     }
 
     /// The engine preempted the request and freed its device blocks; it may be matched again.
