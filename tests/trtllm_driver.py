@@ -277,6 +277,7 @@ class FakeTrtllmEngine:
         self._reported_before: set = set()
         self._gen_checked: set = set()
         self._previous: Optional[list] = None  # overlap: requests whose tokens await write-back
+        self._allocated = 0
 
     # ----- bring-up ----------------------------------------------------------------------------
 
@@ -460,6 +461,7 @@ class FakeTrtllmEngine:
             num_computed = now
         else:
             device = device[: num_computed // tpb]
+        self._allocated += 1
         self.blocks.take(device)
         if self.manager == "v2":
             # First-chunk-only allocation: the rest arrives chunk by chunk as new_block_ids.
@@ -615,6 +617,7 @@ class FakeTrtllmEngine:
         """One executor iteration. Returns False when nothing is left to do."""
         self.stats.steps += 1
         self.relay_reports()
+        self._allocated = 0
         self._admit()
         context, generation = self._schedule()
         work = []
@@ -636,7 +639,8 @@ class FakeTrtllmEngine:
             self._reported_before.add(req.request_id)
         self.external_loads = {}
         bound = False
-        if self.workers and (context or generation):
+        # Requests parked for async loads were scheduled before being taken out: metadata goes out.
+        if self.workers and (context or generation or self._allocated):
             meta = self.scheduler.build_connector_meta(so) if self.scheduler is not None else None
             blob = self.comm.bcast(pickle.dumps(meta) if self.scheduler is not None else None)
             for w in self.workers.values():
@@ -645,6 +649,9 @@ class FakeTrtllmEngine:
         graph = not context or all(n == 1 for _, n in context)
         if context or generation:
             self._forward(work, bound, graph and self.layer_hooks == "graphs")
+        elif bound:
+            for r, w in self.workers.items():  # an empty batch: loads start, no forward runs
+                w.start_load_kv(self.stream_factory())
         for req, _ in generation:
             self._gen_checked.add(req.request_id)
         # Sampling: the true token sequence grows now; the host sees it at write-back.
@@ -652,6 +659,7 @@ class FakeTrtllmEngine:
         for req, n in context:
             req.context_current_position += n
             req.kv_len = req.context_current_position
+            self._produced(req)
             if req.context_remaining_length == 0:
                 self._register_full_blocks(req)
                 self._sample(req)
@@ -679,8 +687,8 @@ class FakeTrtllmEngine:
         """The host learns the tokens sampled for ``batch``; finished requests are finished."""
         done = []
         for req in batch:
-            if req.state == LlmRequestState.GENERATION_COMPLETE or req.request_id in self.aborted:
-                continue
+            if req not in self.running:
+                continue  # finished (or cancelled) at the previous write-back
             req.visible += 1
             finished = req.is_context_only_request or len(req._tokens[:req.visible]) - req.prompt_len >= req.max_new_tokens
             if finished:
@@ -690,12 +698,16 @@ class FakeTrtllmEngine:
             req.kv_len = min(req.kv_len, len(req._tokens) - 1)
             self._finish(req)
 
+    def _produced(self, req: LlmRequest) -> None:
+        for k in self._block_keys(req, req._tokens[: req.kv_len]):
+            self.produced.add((self.model, self._salt_of(req), k))
+
     def _register_full_blocks(self, req: LlmRequest) -> None:
         keys = self._block_keys(req, req._tokens[: req.kv_len])
         table = self.tables[req.request_id]
         for i, k in enumerate(keys):
             self.blocks.register(table[i], k)
-            self.produced.add((self.model, self._salt_of(req), k))
+        self._produced(req)
 
     def _finish(self, req: LlmRequest) -> None:
         req.state = LlmRequestState.GENERATION_COMPLETE
