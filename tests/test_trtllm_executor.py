@@ -52,7 +52,7 @@ def test_device_prefix_reuse_plus_kvtier_blocks(host_only):
     rnd = random.Random(8)
     doc = [rnd.randrange(VOCAB) for _ in range(64)]
     tails = [[rnd.randrange(VOCAB) for _ in range(40)] for _ in range(3)]
-    e = engine(geo=GEO1, num_device_blocks=60)
+    e = engine(geo=GEO1, num_device_blocks=30)
     e.add_request(doc + tails[0] + tails[1], 2)
     e.run()
     flush(e, n=6)
@@ -62,7 +62,7 @@ def test_device_prefix_reuse_plus_kvtier_blocks(host_only):
     r = e.add_request(doc + tails[0] + tails[2], 2)
     e.run()
     assert r.get_tokens(0) == reference_tokens([doc + tails[0] + tails[2]], 2)[0]
-    assert stats(e)["onboard_host_blocks"] > 0
+    assert e.stats.device_and_connector > 0 and stats(e)["onboard_host_blocks"] > 0
 
 
 @pytest.mark.parametrize("loop", ["overlap", "plain"])
@@ -74,7 +74,27 @@ def test_kv_cache_manager_v2(host_only, loop, api):
     first, second = run_twice(e, prompts, 18)
     assert tokens(first) == want and tokens(second) == want
     assert e.stats.matched_tokens > 0  # is_generation_only_request() is a method here
-    assert e.stats.cancel_loads > 0  # the device cache overtook offers between matching and allocation
+
+
+@pytest.mark.parametrize("shared", [48, 80])
+def test_v2_cancel_load_when_the_device_cache_overtakes_an_offer(host_only, shared):
+    """Matching and allocation one iteration apart: another request registers part (48 tokens) or
+    all (80) of the offered prefix on the device in between, and the engine cancels that part."""
+    rnd = random.Random(47)
+    doc = [rnd.randrange(VOCAB) for _ in range(80)]
+    tail = lambda: [rnd.randrange(VOCAB) for _ in range(10)]  # noqa: E731
+    e = engine(geo=GEO1, manager="v2", alloc_delay=1, chunk_size=256, num_device_blocks=24, loop="plain")
+    e.add_request(doc + tail(), 2)
+    e.run()
+    flush(e, n=8)
+    a = e.add_request(doc[:shared] + tail(), 2)
+    while a not in e.running:
+        e.step()  # a matched, allocated, loaded; it computes its context next
+    b = e.add_request(doc + tail(), 2)
+    e.step()  # b matched before a's blocks are registered on the device
+    e.run()
+    assert e.stats.cancel_loads == 1
+    assert tokens([a, b]) == reference_tokens([a.get_tokens(0)[:a.prompt_len], b.get_tokens(0)[:b.prompt_len]], 2)
 
 
 def test_request_reset_on_v2(host_only):
@@ -137,9 +157,14 @@ def test_two_models_sharing_one_remote_store_never_read_each_other(host_only, tm
 def test_lora_requests_are_uncacheable(host_only):
     prompts = workload(seed=37, n_docs=2, per_doc=1)
     e = engine(geo=GEO1, num_device_blocks=40)
-    run_twice(e, prompts, 2, lora_task_id=3)
-    assert e.stats.matched_tokens == 0
+    [e.add_request(p, 2, lora_task_id=3) for p in prompts]
+    e.run()
     assert stats(e)["offload_blocks"] == 0
+    flush(e)
+    again = [e.add_request(p, 2, lora_task_id=3) for p in prompts]
+    e.run()
+    assert e.stats.matched_tokens == 0
+    assert tokens(again) == reference_tokens(prompts, 2)
 
 
 def test_multimodal_requests_are_keyed_by_their_hashes(host_only):
@@ -165,10 +190,10 @@ def test_cancelled_request_keeps_its_blocks_while_its_load_is_in_flight(host_onl
     e.run()
     flush(e)
     victims = [e.add_request(p, 3) for p in prompts]
-    e.step()  # matched, allocated, parked: loads in flight
-    assert e.loading
-    for r in victims[:2]:
-        e.abort(r.request_id)  # the driver fails the run if the blocks were let go
+    # Cancelled right after their loads started; the driver fails the run if the blocks were let go.
+    e.abort_requested = {r.request_id for r in victims[:2]}
+    e.step()
+    assert e.stats.async_matches >= 2 and not e.abort_requested
     others = [e.add_request(p, 3) for p in workload(seed=44, n_docs=3, per_doc=1)]
     e.run()
     assert not e.tables and not e.saving
@@ -177,8 +202,8 @@ def test_cancelled_request_keeps_its_blocks_while_its_load_is_in_flight(host_onl
 
 
 def test_two_engines_on_one_host_get_their_own_ports(host_only, monkeypatch):
-    monkeypatch.setattr(trtllm, "RANKS_IN_PROCESSES", True)
     args = engine(geo=GEO1).args[0]
+    monkeypatch.setattr(trtllm, "RANKS_IN_PROCESSES", True)
     monkeypatch.setattr(trtllm, "_channel", lambda: "port-test-a")
     a = trtllm.KvtierConnectorScheduler(args)
     monkeypatch.setattr(trtllm, "_channel", lambda: "port-test-b")
@@ -192,6 +217,7 @@ def test_two_engines_on_one_host_get_their_own_ports(host_only, monkeypatch):
 def test_settings_reach_spawned_ranks_through_a_trtllm_variable(kvtier_env):
     kvtier_env.setenv("KVTIER_ASYNC_LOADS", "false")
     kvtier_env.setenv("DYN_KVBM_CPU_CACHE_GB", "3")
+    kvtier_env.setenv(trtllm.RANK_SETTINGS_ENV, "")  # restored (removed) after the test
     trtllm.build_kv_connector_config("kvtier")
     blob = os.environ[trtllm.RANK_SETTINGS_ENV]
     # A spawned rank: only TRTLLM*/TLLM* variables survive.

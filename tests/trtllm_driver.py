@@ -219,6 +219,7 @@ class EngineStats:
     async_matches: int = 0
     hook_free_forwards: int = 0
     cancel_loads: int = 0
+    device_and_connector: int = 0  # matches on top of a device prefix (num_computed_tokens > 0)
 
 
 class FakeTrtllmEngine:
@@ -278,6 +279,7 @@ class FakeTrtllmEngine:
         self._gen_checked: set = set()
         self._previous: Optional[list] = None  # overlap: requests whose tokens await write-back
         self._allocated = 0
+        self.abort_requested: set = set()
 
     # ----- bring-up ----------------------------------------------------------------------------
 
@@ -378,7 +380,7 @@ class FakeTrtllmEngine:
     def _reserved(self) -> int:
         tpb = self.geo.tokens_per_block
         out = 0
-        for req in list(self.running) + list(self.loading.values()):
+        for req in list(self.running) + list(self.loading.values()) + [m[0] for m in self.matched_pending]:
             total = -(-(req.prompt_len + req.max_new_tokens + 1) // tpb)
             out += max(0, total - len(self.tables[req.request_id]))
         return out
@@ -478,6 +480,8 @@ class FakeTrtllmEngine:
         req.py_num_connector_matched_tokens = n
         self.external_loads[req.request_id] = n
         self.stats.matched_tokens += n
+        if n and num_computed:
+            self.stats.device_and_connector += 1
         if n:
             if is_async:
                 self.stats.async_matches += 1
@@ -652,6 +656,10 @@ class FakeTrtllmEngine:
         elif bound:
             for r, w in self.workers.items():  # an empty batch: loads start, no forward runs
                 w.start_load_kv(self.stream_factory())
+        # Clients cancelling requests whose loads were just started (tests set abort_requested).
+        for rid in sorted(self.abort_requested):
+            self.abort(rid)
+        self.abort_requested.clear()
         for req, _ in generation:
             self._gen_checked.add(req.request_id)
         # Sampling: the true token sequence grows now; the host sees it at write-back.

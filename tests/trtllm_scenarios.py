@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import random
 from typing import Any, Optional
 
@@ -57,9 +58,13 @@ def reference_tokens(prompts: list, n: int, seed: int = DEFAULT_MODEL_SEED) -> l
     return out
 
 
-def flush(e: FakeTrtllmEngine, n: int = 12, seed: int = 99) -> None:
-    """Unrelated requests that push earlier blocks out of G1 (and out of a small host tier)."""
-    rnd = random.Random(seed)
+_FLUSH_SEEDS = itertools.count(1000)
+
+
+def flush(e: FakeTrtllmEngine, n: int = 12) -> None:
+    """Unrelated requests (never seen before) that push earlier blocks out of G1 (and out of a
+    small host tier)."""
+    rnd = random.Random(next(_FLUSH_SEEDS))
     for _ in range(n):
         e.add_request([rnd.randrange(VOCAB) for _ in range(100)], 2)
     e.run()

@@ -500,8 +500,10 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
         self._excluded.discard(rid)
         self._keys.pop(rid, None)
         with self._engine.lock:
-            self._engine.loads.pop(rid, None)
-        return bool(self._leader.request_finished(rid))
+            # Parked for an async load not yet reported loaded: the workers report it saved once
+            # their copies into its blocks are done (older TensorRT-LLM frees blocks at once).
+            loading = self._engine.loads.pop(rid, None) is not None
+        return bool(self._leader.request_finished(rid)) or loading
 
     def request_reset(self, request: Any) -> None:
         """KVCacheManagerV2 reset a request to run it again from scratch: its device table is gone."""
