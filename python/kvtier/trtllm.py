@@ -587,6 +587,9 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
             finished_ids_are_saving=True,
             **extra,
         )
+        delay = os.environ.get("TRTLLM_KVTIER_TEST_LOAD_DELAY_MS")
+        if delay:
+            settings["test_load_delay_ms"] = int(delay)  # tests: loads start late (see worker.rs)
         self._worker = _native.Worker(settings, tensors)
 
     def register_kv_caches(self, kv_cache_tensor: Any, secondary_kv_cache_tensor: Any = None) -> None:

@@ -110,6 +110,38 @@ fn layout_kind(
     })
 }
 
+/// Test hook (`test_load_delay_ms` setting): loads into device memory start this much later, so
+/// a test driver can tell a connector that waits for its loads from one that merely races them.
+struct DelayedLoads {
+    inner: Arc<dyn BlockTransfer>,
+    delay: std::time::Duration,
+}
+
+impl BlockTransfer for DelayedLoads {
+    fn bytes_per_block(&self) -> usize {
+        self.inner.bytes_per_block()
+    }
+    fn has_tier(&self, tier: kvtier::ids::Tier) -> bool {
+        self.inner.has_tier(tier)
+    }
+    fn fence(
+        &self,
+        engine_stream: Option<u64>,
+    ) -> Result<kvtier::transfer::Fence, kvtier::transfer::TransferError> {
+        self.inner.fence(engine_stream)
+    }
+    fn execute(
+        &self,
+        job: &kvtier::transfer::TransferJob,
+        fence: &kvtier::transfer::Fence,
+    ) -> kvtier::transfer::TransferOutcome {
+        if job.dst == kvtier::ids::Tier::Device {
+            std::thread::sleep(self.delay);
+        }
+        self.inner.execute(job, fence)
+    }
+}
+
 fn io_err(e: kvtier_io::IoError) -> BridgeError {
     BridgeError::local(Family::Transfer, e.to_string())
 }
@@ -237,7 +269,13 @@ impl PyWorker {
         if let Some(store) = crate::vllm_support::remote_store(settings)? {
             builder = builder.remote(store);
         }
-        let engine: Arc<dyn BlockTransfer> = Arc::new(builder.build().map_err(io_err)?);
+        let mut engine: Arc<dyn BlockTransfer> = Arc::new(builder.build().map_err(io_err)?);
+        if let Some(ms) = settings.usize("test_load_delay_ms")?.filter(|ms| *ms > 0) {
+            engine = Arc::new(DelayedLoads {
+                inner: engine,
+                delay: std::time::Duration::from_millis(ms as u64),
+            });
+        }
         let (link, buffer) = match link_name.as_str() {
             "engine" => {
                 let buf = Arc::new(BufferSink::default());
