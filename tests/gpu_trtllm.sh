@@ -17,10 +17,10 @@ python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site k
 export PYTHONPATH=/tmp/site:$PWD/tests PYTHONUNBUFFERED=1
 lscpu | grep -E "^Model name|^CPU\(s\)"
 echo "== pytest tests/test_trtllm_*.py"
-(cd tests && timeout 120 python3 -m pytest -q -p no:cacheprovider -rs test_trtllm_*.py 2>&1 | tail -15)
+(cd tests && timeout 100 python3 -m pytest -q -p no:cacheprovider -rs test_trtllm_*.py 2>&1 | tail -15)
 echo "== CUDA graphs: python3 tests/gpu_trtllm_graphs.py --requests 24"
-timeout 100 python3 tests/gpu_trtllm_graphs.py --requests 24 --out "$OUT/graphs.json"
+timeout 90 python3 tests/gpu_trtllm_graphs.py --requests 24 --out "$OUT/graphs.json"
 echo "rc=$?"
 echo "== bench cuda (Llama-3.1-8B-like per rank: 32 layers, 8 KV heads, head_dim 128, 32-token blocks, bf16)"
-timeout 60 python3 tests/bench_trtllm_overhead.py --pool torch-cuda --requests 32 --prompt 512 --decode 32 \
+timeout 50 python3 tests/bench_trtllm_overhead.py --pool torch-cuda --requests 32 --prompt 512 --decode 32 \
   --layers 32 --heads 8 --head-dim 128 --block 32 --out "$OUT/bench_cuda.json" | grep -E '"(label|decode_us_mean|decode_us_p50|prefill_us_mean|offload_confirmed)"|ratio|overhead'
