@@ -59,7 +59,9 @@ def graph_runs(out: dict, n_requests: int, worker_cls=None, key: str = "graph") 
     os.environ["KVTIER_ASYNC_LOADS"] = "false"
     os.environ["TRTLLM_KVTIER_TEST_LOAD_DELAY_MS"] = "5"
     e = engine(POOL, geo=geo, num_device_blocks=96, layer_hooks="none", worker=worker_cls)
-    prompts = [p[: (len(p) // tpb) * tpb + 5] for p in workload(seed=5, n_docs=n_requests, per_doc=1, lo=200, hi=400)]
+    # Whole blocks plus 5 tokens: kvtier offers every whole block, the last 5 tokens are computed.
+    prompts = [p[: (len(p) // tpb) * tpb] + [1, 2, 3, 4, 5]
+               for p in workload(seed=5, n_docs=n_requests, per_doc=1, lo=200, hi=400)]
     [e.add_request(p, 2) for p in prompts]
     e.run()
     flush(e, n=16)
