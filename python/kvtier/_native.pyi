@@ -20,6 +20,10 @@ class TransferError(KvtierError): ...
 def init_logging(filter: Optional[str] = None) -> bool:
     """Install a tracing subscriber on stderr (filter like "kvtier=debug", else $KVTIER_LOG, else "warn")."""
 
+def configured_tiers(settings: Optional[dict] = None) -> dict:
+    """Which tiers and load mode the settings configure, building nothing: keys "host", "disk",
+    "remote" (configured at a non-zero size / with a URL) and "async_loads"."""
+
 class TensorDesc:
     """A plain description of an engine tensor; build it with ``kvtier.describe(obj)``."""
 
