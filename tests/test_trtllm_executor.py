@@ -251,3 +251,21 @@ def test_unsupported_settings_are_refused_at_construction(host_only, setting, va
 
     with pytest.raises(kvtier.ConfigError, match=fragment):
         engine(geo=GEO1, configure=configure)
+
+
+@pytest.mark.parametrize("priority", [None, 90])
+def test_retention_priorities_reach_the_pools_eviction(kvtier_env, priority):
+    """RequestData.priorities: a high-priority request's stored blocks outlive a flood of default
+    ones in a small host tier; without a priority LRU evicts them first."""
+    kvtier_env.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "16")
+    rnd = random.Random(53)
+    keep = [rnd.randrange(VOCAB) for _ in range(70)]
+    e = engine(geo=GEO1, num_device_blocks=24)
+    e.add_request(keep, 2, retention_priority=priority)
+    e.run()
+    flush(e, n=8)  # 8 x 100 tokens: far more blocks than the host tier holds
+    before = e.stats.matched_tokens
+    again = e.add_request(keep, 2)
+    e.run()
+    assert again.get_tokens(0) == reference_tokens([keep], 2)[0]
+    assert (e.stats.matched_tokens > before) == (priority is not None)

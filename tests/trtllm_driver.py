@@ -529,13 +529,17 @@ class FakeTrtllmEngine:
         if req.request_id in self.external_loads:
             computed -= self.external_loads[req.request_id]
         args = (req.request_id, tokens[n_tok:], table[n_blk:], computed)
+        # Priorities only with a retention config (get_priority_by_block_id per new block).
+        prio = None
+        if req.kv_cache_retention_config is not None:
+            prio = [int(req.kv_cache_retention_config)] * len(table[n_blk:])
         if self.api == "legacy":
             return LegacyRequestData(*args)
         if self.api == "1.3":
-            return RequestData13(*args, n_sched, cache_salt_id=req.cache_salt_id)
+            return RequestData13(*args, n_sched, priorities=prio, cache_salt_id=req.cache_salt_id)
         if self.api == "1.2":
             return RequestData13(*args, n_sched)
-        return RequestData(*args, n_sched, cache_salt=req.cache_salt)
+        return RequestData(*args, n_sched, priorities=prio, cache_salt=req.cache_salt)
 
     # ----- the forward pass --------------------------------------------------------------------
 

@@ -85,7 +85,8 @@ class LlmRequest:
     def __init__(self, request_id: int, tokens: list, max_new_tokens: int, *, chunk_size: int,
                  context_only: bool = False, generation_only: bool = False, prompt_len: Optional[int] = None,
                  cache_salt: Optional[str] = None, cache_salt_id: Optional[int] = None,
-                 lora_task_id: Optional[int] = None, multimodal: Optional[tuple] = None):
+                 lora_task_id: Optional[int] = None, multimodal: Optional[tuple] = None,
+                 retention_priority: Optional[int] = None):
         self.request_id = request_id
         self.py_request_id = request_id
         self._tokens = list(tokens)
@@ -99,7 +100,8 @@ class LlmRequest:
         self.cache_salt_id = cache_salt_id
         self.lora_task_id = lora_task_id
         self.prompt_embedding_table = None
-        self.kv_cache_retention_config = None
+        # Stands in for KvCacheRetentionConfig: the priority every block of the request gets.
+        self.kv_cache_retention_config = retention_priority
         self.multimodal_hashes, self.multimodal_positions, self.multimodal_lengths = multimodal or (None, None, None)
         self.py_num_connector_matched_tokens = 0
         self.state = LlmRequestState.DISAGG_GENERATION_INIT if generation_only else LlmRequestState.CONTEXT_INIT

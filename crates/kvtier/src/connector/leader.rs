@@ -21,7 +21,7 @@
 //!   other request; work planned before the error stays queued for the next metadata.
 //!
 //! Not thread-safe by itself: the engine's scheduler thread owns it (`&mut self`).
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
@@ -232,6 +232,8 @@ enum JobBooks {
         request: RequestId,
         tier: Tier,
         blocks: Vec<BlockId>,
+        /// Retention priority per block (the engine's, else the configured default).
+        priorities: Vec<Priority>,
     },
     /// `src` -> device: pool blocks pinned for the read (empty for remote).
     Load {
@@ -334,6 +336,9 @@ pub struct Leader {
     remote_put: bool,
     async_loads: bool,
     priority: Priority,
+    /// Engine-supplied retention priority of device blocks (TensorRT-LLM `RequestData.priorities`),
+    /// set when a block is reported and used when it is stored; absent = `priority`.
+    block_priorities: HashMap<DeviceBlockId, Priority>,
     slots: SlotTable<SlotEntry>,
     jobs: JobTable<PendingJob>,
     step: u64,
@@ -407,6 +412,7 @@ impl Leader {
             remote_put: cfg.remote_put,
             async_loads: cfg.async_loads,
             priority: cfg.priority,
+            block_priorities: HashMap::new(),
             slots: SlotTable::default(),
             jobs: JobTable::default(),
             step: 0,
@@ -905,6 +911,7 @@ impl Leader {
         sc.seen_again.clear();
         let mut pairs = Vec::with_capacity(offloads.len());
         let mut books: Vec<BlockId> = Vec::with_capacity(offloads.len());
+        let mut priorities: Vec<Priority> = Vec::with_capacity(offloads.len());
         let mut dropped = 0u64;
         for (ob, r) in offloads.iter().zip(&sc.reservations) {
             match *r {
@@ -914,6 +921,12 @@ impl Leader {
                         dst: blk.0,
                     });
                     books.push(blk);
+                    priorities.push(
+                        self.block_priorities
+                            .get(&ob.device)
+                            .copied()
+                            .unwrap_or(self.priority),
+                    );
                 }
                 Reservation::Registered(existing) => {
                     self.stats.offload_deduplicated += 1;
@@ -938,6 +951,7 @@ impl Leader {
                     request: req.clone(),
                     tier,
                     blocks: books,
+                    priorities,
                 },
             );
             if let Some(e) = self.slots.get_mut(req) {
@@ -1038,6 +1052,26 @@ impl Leader {
         }
     }
 
+    /// The engine's retention priority for device blocks it reports next (aligned with
+    /// `blocks`); blocks stored from then on enter the host/disk pools with it, so the pools'
+    /// priority-aware eviction keeps high-priority blocks longest. `None` clears them (the
+    /// configured default applies again).
+    pub fn set_block_priorities(&mut self, blocks: &[DeviceBlockId], priorities: Option<&[u32]>) {
+        match priorities {
+            Some(p) => {
+                for (b, &v) in blocks.iter().zip(p) {
+                    self.block_priorities.insert(*b, Priority(v));
+                }
+            }
+            None if !self.block_priorities.is_empty() => {
+                for b in blocks {
+                    self.block_priorities.remove(b);
+                }
+            }
+            None => {}
+        }
+    }
+
     /// Whether stores of `req` are still unconfirmed (false for unknown requests).
     pub fn has_pending_saves(&self, req: &RequestId) -> bool {
         self.slots.get(req).is_some_and(|e| e.stores_in_flight > 0)
@@ -1124,13 +1158,14 @@ impl Leader {
                 request,
                 tier,
                 blocks,
+                priorities,
             } => {
                 // Spills and remote puts follow a confirmed G2 store only when configured.
                 let spills = tier == Tier::Host
                     && ((self.disk.is_some() && self.disk_policy != DiskPolicy::Never)
                         || (self.remote_put && self.remote.is_some()));
-                let priority = self.priority;
                 for (i, blk) in blocks.into_iter().enumerate() {
+                    let priority = priorities.get(i).copied().unwrap_or(self.priority);
                     if failed.contains(&i) {
                         // Releasing the unconfirmed block frees it and drops its reservation.
                         self.stats.offload_failed += 1;
