@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import pickle
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -53,6 +52,10 @@ import numpy as np
 
 from trtllm_model import (  # noqa: F401  (re-exported for tests)
     CONTEXT_STATES,
+    BlockManager,
+    Comm,
+    PipeComm,
+    _RankManager,
     DEFAULT_MODEL_SEED,
     VOCAB,
     Geometry,
@@ -70,145 +73,6 @@ from trtllm_model import (  # noqa: F401  (re-exported for tests)
     next_token,
     prefix_hashes,
 )
-
-
-class BlockManager:
-    """Device blocks of one engine (identical ids on every rank). Full blocks of finished requests
-    stay reusable by their (salted) prefix key until evicted (LRU); allocation fills garbage."""
-
-    def __init__(self, num_blocks: int, pools: list):
-        self.num_blocks = num_blocks
-        self.pools = pools
-        self.free = list(range(num_blocks))
-        self.refs = [0] * num_blocks
-        self.cached: "OrderedDict[int, int]" = OrderedDict()
-        self.key_of: dict = {}
-        self.by_key: dict = {}
-
-    def available(self) -> int:
-        return len(self.free) + len(self.cached)
-
-    def match(self, keys: list) -> list:
-        out = []
-        for k in keys:
-            b = self.by_key.get(k)
-            if b is None:
-                break
-            out.append(b)
-        return out
-
-    def take(self, blocks: list) -> None:
-        for b in blocks:
-            if self.refs[b] == 0:
-                self.cached.pop(self.key_of[b], None)
-            self.refs[b] += 1
-
-    def allocate(self, n: int) -> list:
-        assert n <= self.available(), "caller checks capacity"
-        out = []
-        for _ in range(n):
-            if self.free:
-                b = self.free.pop(0)
-            else:
-                key, b = self.cached.popitem(last=False)
-                del self.by_key[key]
-                del self.key_of[b]
-            self.refs[b] = 1
-            out.append(b)
-        for p in self.pools:
-            p.fill_garbage(out)
-        return out
-
-    def register(self, block: int, key: int) -> None:
-        if block not in self.key_of and key not in self.by_key:
-            self.key_of[block] = key
-            self.by_key[key] = block
-
-    def release(self, blocks: list) -> None:
-        for b in blocks:
-            self.refs[b] -= 1
-            assert self.refs[b] >= 0
-            if self.refs[b] == 0:
-                key = self.key_of.get(b)
-                if key is None:
-                    self.free.append(b)
-                    for p in self.pools:
-                        p.fill_garbage([b])
-                else:
-                    self.cached[key] = b
-
-
-class Comm:
-    """Every rank in this process: collectives are local."""
-
-    def __init__(self, world_size: int):
-        self.world_size = world_size
-        self.local = list(range(world_size))
-
-    def bcast(self, obj: Any) -> Any:
-        return obj
-
-    def allgather(self, per_rank: dict) -> list:
-        return [per_rank[r] for r in range(self.world_size)]
-
-
-class PipeComm:
-    """One rank of two in this process; the other is at the end of ``conn`` (mpi4py's role)."""
-
-    def __init__(self, rank: int, conn: Any):
-        self.world_size = 2
-        self.rank = rank
-        self.local = [rank]
-        self.conn = conn
-
-    def bcast(self, obj: Any) -> Any:
-        if self.rank == 0:
-            self.conn.send(obj)
-            return obj
-        return self.conn.recv()
-
-    def allgather(self, per_rank: dict) -> list:
-        mine = per_rank[self.rank]
-        self.conn.send(mine)
-        other = self.conn.recv()
-        return [mine, other] if self.rank == 0 else [other, mine]
-
-
-class _RankManager:
-    """One rank's ``KvCacheConnectorManager`` async bookkeeping."""
-
-    def __init__(self, worker: Any):
-        self.worker = worker
-        self.pending_saving: set = set()
-        self.pending_loading: set = set()
-        self.local_saving: set = set()
-        self.local_loading: set = set()
-        self.passed_saving: set = set()
-        self.passed_loading: set = set()
-
-    def get_finished(self, new_saving: list, new_loading: list) -> tuple:
-        self.pending_saving |= set(new_saving)
-        self.pending_loading |= set(new_loading)
-        self.passed_saving |= set(new_saving)
-        self.passed_loading |= set(new_loading)
-        saved, loaded = self.worker.get_finished(list(new_saving), list(new_loading))
-        assert set(saved) <= self.passed_saving, f"worker reported saves it was never given: {set(saved) - self.passed_saving}"
-        assert set(loaded) <= self.passed_loading, f"worker reported loads it was never given: {set(loaded) - self.passed_loading}"
-        for r in saved:
-            if r in self.pending_saving:
-                self.pending_saving.discard(r)
-                self.local_saving.add(r)
-        for r in loaded:
-            if r in self.pending_loading:
-                self.pending_loading.discard(r)
-                self.local_loading.add(r)
-        return set(self.local_saving), set(self.local_loading)
-
-    def acted_on(self, saving: set, loading: set) -> None:
-        self.local_saving -= saving
-        self.local_loading -= loading
-        self.passed_saving -= saving
-        self.passed_loading -= loading
 
 
 @dataclass
