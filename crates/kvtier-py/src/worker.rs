@@ -359,7 +359,10 @@ fn shut(py: Python<'_>, inner: &mut Inner) {
 /// Keys: `disk` and `remote` (configured at a non-zero size / with a URL), `async_loads`.
 #[pyfunction]
 #[pyo3(signature = (settings = None))]
-pub fn configured_tiers(py: Python<'_>, settings: Option<&Bound<'_, PyDict>>) -> PyResult<Py<PyDict>> {
+pub fn configured_tiers(
+    py: Python<'_>,
+    settings: Option<&Bound<'_, PyDict>>,
+) -> PyResult<Py<PyDict>> {
     use kvtier::config::TierSize;
     let settings = Settings::from_py(settings)?;
     let nonzero = |s: &Option<TierSize>| match s {

@@ -59,7 +59,11 @@ fn loads_never_sent_are_withdrawn_at_finish() {
     // Cancelled before any metadata carried its loads: nothing can land, the blocks may go.
     assert!(!l.request_finished(&r).unwrap());
     let m = empty_step(&mut l);
-    assert!(m.loads.is_empty(), "withdrawn loads were sent: {:?}", m.loads);
+    assert!(
+        m.loads.is_empty(),
+        "withdrawn loads were sent: {:?}",
+        m.loads
+    );
     // Its sources were released, not invalidated: another request still finds them.
     let q: RequestId = "q".into();
     assert_eq!(l.get_num_new_matched_tokens(&q, &prompt, 0).unwrap(), 8);
