@@ -67,9 +67,10 @@ class Timed:
 
 
 class NoopScheduler:
-    supports_generation_only_requests = True
-
     def __init__(self, llm_args):
+        pass
+
+    def wait_for_initialization(self):
         pass
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -91,6 +92,9 @@ class NoopWorker:
 
     def register_kv_caches(self, kv_cache_tensor):
         pass
+
+    def requires_layerwise_transfer_hooks(self):
+        return False
 
     def bind_connector_meta(self, metadata):
         pass

@@ -94,7 +94,7 @@ def test_step_flow_and_metadata_bytes(kvtier_env):
     before = ld.stats()["offload_blocks"]
     ld.build_step([("11", other, [20, 21], 0, 20, 0, True)])
     assert ld.stats()["offload_blocks"] == before + 1
-    with pytest.raises(TypeError, match="5 to 8 items"):
+    with pytest.raises(TypeError, match="5 to 9 items"):
         ld.build_step([("11", [], [])])
 
 

@@ -57,7 +57,31 @@ def test_cli_prints_yaml_for_trtllm_serve():
         text=True,
     ).stdout
     doc = yaml.safe_load(out)
-    assert doc == {"kv_connector_config": EXPECTED, "kv_cache_config": {"enable_partial_reuse": False}}
+    assert doc["kv_connector_config"] == EXPECTED
+    assert doc == trtllm.llm_options("kvtier")
+    # What kvtier needs of the rest of TorchLlmArgs (llmapi/llm_args.py field names, 1.2-1.4).
+    assert doc["kv_cache_config"] == {"enable_partial_reuse": False, "host_cache_size": 0}
+    assert doc["scheduler_config"] == {"capacity_scheduler_policy": "GUARANTEED_NO_EVICT"}
+    assert doc["enable_attention_dp"] is False and "cuda_graph_config" in doc
+    # The `connector` preset field is never used: TensorRT-LLM's registry maps "kvbm" to Dynamo.
+    assert "connector" not in doc["kv_connector_config"] and "Dynamo" in out
+
+
+def test_cli_decode_role_prints_a_block_without_a_connector():
+    yaml = pytest.importorskip("yaml")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.trtllm", "config", "--connector", "kvtier", "--role", "decode"],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    assert yaml.safe_load(out) is None and "generation-only" in out
+
+
+def test_build_llm_kwargs_without_tensorrt_llm():
+    kw = trtllm.build_llm_kwargs("kvtier")
+    if not HAVE_TRTLLM:
+        assert kw["kv_connector_config"] == EXPECTED
+        assert kw["kv_cache_config"]["enable_partial_reuse"] is False
+    assert trtllm.build_llm_kwargs("kvtier", role="decode") == {}
 
 
 def test_cli_rejects_unknown_connector():
@@ -81,8 +105,14 @@ def test_cli_none_prints_nothing():
     assert out == ""
 
 
-def test_scheduler_declares_generation_only_support():
-    assert trtllm.KvtierConnectorScheduler.supports_generation_only_requests is True
+def test_generation_only_requests_property_or_method(kvtier_env):
+    """A property on the C++ LlmRequest, a method on V2's Python one (a bound method is truthy)."""
+    from trtllm_driver import LlmRequest, LlmRequestV2
+
+    assert not getattr(trtllm.KvtierConnectorScheduler, "supports_generation_only_requests", False)
+    for cls in (LlmRequest, LlmRequestV2):
+        assert trtllm._is_generation_only(cls(1, [1] * 40, 2, chunk_size=16, generation_only=True))
+        assert not trtllm._is_generation_only(cls(2, [1] * 40, 2, chunk_size=16))
 
 
 def test_base_classes_follow_tensorrt_llm():

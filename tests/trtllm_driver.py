@@ -1,404 +1,78 @@
-"""A stand-in for TensorRT-LLM's executor that drives a KV connector exactly as TensorRT-LLM's
-PyTorch backend (>= 1.2.0rc2) does, over KV pools whose contents are a deterministic function of
-(prefix, position, layer, plane, head).
+"""A stand-in for TensorRT-LLM's PyTorch executor (1.4 sources; 1.2/1.3 where they differ) that drives
+a KV connector as rudely as the real one, over KV pools checked byte for byte.
 
-What is reproduced (REFERENCE.md sections 2 and 8; TensorRT-LLM's ``KvCacheConnectorManager``):
+Modelled (file: tensorrt_llm/_torch/pyexecutor/...):
 
-* objects: ``LlmRequest`` (``request_id`` int, ``get_tokens(0)``, ``state``,
-  ``context_current_position``, ``context_chunk_size``, ``context_remaining_length``,
-  ``is_generation_only_request``), ``SchedulerOutput`` / ``RequestData`` (``new_tokens``,
-  ``new_block_ids`` as deltas since the last report, ``computed_position``,
-  ``num_scheduled_tokens``), ``llm_args`` (``kv_cache_config.tokens_per_block``,
-  ``parallel_config.to_mapping()``);
-* construction order: each rank's worker first, then rank 0's scheduler, then
-  ``register_kv_caches(pool)`` with one pool tensor per rank
-  ``[num_blocks, num_layers, 2, tokens_per_block * kv_heads * head_dim]``;
-* per step: admission with the engine's own G1 prefix cache, ``get_num_new_matched_tokens``
-  (``(0, True)`` is an error), block allocation, ``update_state_after_alloc`` (all prompt blocks),
-  async-loading requests parked (state DISAGG_GENERATION_TRANS_IN_PROGRESS) and skipped in the
-  scheduler output, connector-matched tokens subtracted from the first ``computed_position``,
-  ``build_connector_meta`` on rank 0, the metadata pickled and unpickled for every rank,
-  ``bind_connector_meta``, ``start_load_kv``, per layer ``wait_for_layer_load`` / compute /
-  ``save_kv_layer``, the forward-pass callable, ``wait_for_save``; then ``request_finished`` for
-  finished requests (True parks the request in DISAGG_CONTEXT_TRANS_IN_PROGRESS with its blocks
-  kept) and ``get_finished`` on every rank with the ids acted on only when every rank reported
-  them (set intersection); ids a worker returns must have been passed in before;
-* chunked prefill; generation requests report ``computed_position = len(tokens) - 1`` and one
-  scheduled token, and always travel in ``cached_requests`` (also on first sight, which is how
-  generation-only requests reach the connector on a disaggregated decode worker);
-* roles: "agg", "prefill" (context-only requests, finished after their first token; their KV goes
-  to the decode side through a stand-in for the cache transceiver) and "decode"
-  (generation-only requests whose prompt KV arrives through that transceiver).
+* bring-up (``py_executor_creator.py``): scheduler (rank 0) and every rank's worker constructed
+  concurrently in threads; ``register_forward_pass_callable()`` right after construction; the
+  callable then runs after *every* forward, including ``warmup_forwards`` KV-cache estimation /
+  warmup forwards that run before ``register_kv_caches`` (``model_engine.py``); then
+  ``register_kv_caches(pool)`` (V1) or ``register_kv_cache_layout(layout)`` (KVCacheManagerV2,
+  ``connectors/kv_cache_layout.py``) on every rank in parallel, then ``wait_for_initialization``;
+* layer hooks (``connectors/kv_cache_connector.py`` ``layer_pre_hook``/``layer_post_hook``) only
+  where they run: ``layer_hooks="eager"`` every forward; ``"graphs"`` (default) not under CUDA-graph
+  replay of decode-only batches nor for a batch whose context chunks are one token each
+  (``model_engine.py`` ``_make_single_token_context_graph_batch``); ``"none"`` never (1.4 installs
+  none when ``requires_layerwise_transfer_hooks()`` is False). ``start_load_kv`` runs only when
+  metadata was bound (1.4 ``start_worker_batch``);
+* both executor loops (``py_executor.py``): ``loop="plain"`` (``_executor_loop``) and
+  ``loop="overlap"`` (``_executor_loop_overlap``, default): batch N+1 is scheduled, allocated and its
+  metadata built before N's sampled tokens are written back (generation ``RequestData`` lag one
+  token) and ``request_finished`` for a request that ended at N comes after N+1 (which still ran
+  it) was launched;
+* blocks (``resource_manager.py``): V1 allocates all prompt blocks at ``add_sequence`` and reports
+  them to ``update_state_after_alloc``; generation blocks one at a time, reported later as
+  ``new_block_ids``; device prefix reuse (salted by ``cache_salt``) gives ``num_computed_tokens`` > 0
+  and shared blocks. ``external_loads`` is cleared at every ``build_scheduler_output``, so an
+  async-loaded request's first record already counts the loaded tokens. V2 (``manager="v2"``):
+  Python ``LlmRequest`` with ``is_generation_only_request()`` a method, first-chunk-only allocation,
+  matching and allocation one iteration apart (``alloc_delay``) with ``cancel_load`` when the device
+  cache overtook the offer, ``request_reset``;
+* the manager (``connectors/kv_cache_connector.py`` ``KvCacheConnectorManager``): matching runs on
+  rank 0 and is broadcast; ``(0, True)`` and generation-only requests raise as upstream does;
+  async-loading requests are parked; metadata broadcast (pickled) to every rank; ``get_finished``
+  ids acted on only once every rank reported them (allgather + intersection); a worker may only
+  return ids it was given; ``request_finished`` True keeps the blocks until saved;
+* ranks: all in this process (``Comm``) or one per process (``PipeComm``, ZeroMQ between them).
 
-Correctness checks: before a layer's compute, every position a scheduled request reads (its prefix,
-including blocks onboarded by the connector) must hold exactly what the model writes for it, on
-every rank; freshly allocated and reallocated blocks are filled with garbage first, so stale,
-missing or early-freed data cannot pass.
+Checks: before each layer's compute every position a scheduled request reads holds exactly what the
+model writes, on every rank; new blocks are filled with garbage; blocks are never freed while a load
+into them may be in flight (a connector must answer ``request_finished`` True then); kvtier never
+offers a request blocks no request of its tenant (cache salt) and model computed (``produced``).
 """
 
 from __future__ import annotations
 
-import enum
 import pickle
 import threading
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
 
-M64 = (1 << 64) - 1
-VOCAB = 32000
-GARBAGE = 0xA5A5
-
-
-# --------------------------------------------------------------------------------------------
-# TensorRT-LLM objects
-
-
-class LlmRequestState(enum.Enum):
-    CONTEXT_INIT = "CONTEXT_INIT"
-    GENERATION_IN_PROGRESS = "GENERATION_IN_PROGRESS"
-    GENERATION_COMPLETE = "GENERATION_COMPLETE"
-    DISAGG_GENERATION_INIT = "DISAGG_GENERATION_INIT"
-    DISAGG_GENERATION_TRANS_IN_PROGRESS = "DISAGG_GENERATION_TRANS_IN_PROGRESS"
-    DISAGG_CONTEXT_TRANS_IN_PROGRESS = "DISAGG_CONTEXT_TRANS_IN_PROGRESS"
-
-
-CONTEXT_STATES = (LlmRequestState.CONTEXT_INIT, LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS)
-
-
-@dataclass
-class RequestData:
-    request_id: int
-    new_tokens: list
-    new_block_ids: list
-    computed_position: int
-    num_scheduled_tokens: int
-
-
-@dataclass
-class LegacyRequestData:
-    """RequestData of TensorRT-LLM < 1.2.0rc2: no num_scheduled_tokens."""
-
-    request_id: int
-    new_tokens: list
-    new_block_ids: list
-    computed_position: int
-
-
-@dataclass
-class SchedulerOutput:
-    new_requests: list = field(default_factory=list)
-    cached_requests: list = field(default_factory=list)
-
-
-class LlmRequest:
-    def __init__(self, request_id: int, tokens: list, max_new_tokens: int, *, chunk_size: int,
-                 context_only: bool = False, generation_only: bool = False, prompt_len: Optional[int] = None):
-        self.request_id = request_id
-        self.py_request_id = request_id
-        self._tokens = list(tokens)
-        self.prompt_len = len(tokens) if prompt_len is None else prompt_len
-        self.max_new_tokens = max_new_tokens
-        self.context_chunk_size = chunk_size
-        self.context_current_position = 0
-        self.is_context_only_request = context_only
-        self.is_generation_only_request = generation_only
-        self.state = LlmRequestState.DISAGG_GENERATION_INIT if generation_only else LlmRequestState.CONTEXT_INIT
-
-    def get_tokens(self, beam: int) -> list:
-        assert beam == 0
-        return list(self._tokens)
-
-    @property
-    def context_remaining_length(self) -> int:
-        return self.prompt_len - self.context_current_position
-
-    @property
-    def generated(self) -> list:
-        return self._tokens[self.prompt_len:]
-
-
-class _Mapping:
-    def __init__(self, world_size: int, rank: int):
-        self.world_size = world_size
-        self.tp_size = world_size
-        self.pp_size = 1
-        self.rank = rank
-
-
-class _ParallelConfig:
-    def __init__(self, world_size: int, rank: int):
-        self._m = _Mapping(world_size, rank)
-
-    def to_mapping(self) -> _Mapping:
-        return self._m
-
-
-class _KvCacheConfig:
-    def __init__(self, tokens_per_block: int):
-        self.tokens_per_block = tokens_per_block
-        self.enable_partial_reuse = False
-
-
-class LlmArgs:
-    """The parts of TorchLlmArgs connectors read."""
-
-    def __init__(self, tokens_per_block: int, world_size: int, rank: int):
-        self.kv_cache_config = _KvCacheConfig(tokens_per_block)
-        self.parallel_config = _ParallelConfig(world_size, rank)
-
-
-# --------------------------------------------------------------------------------------------
-# The "model": tokens and KV as deterministic functions of the prefix
-
-
-def _mix(x: int) -> int:
-    x &= M64
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & M64
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & M64
-    return x ^ (x >> 31)
-
-
-def prefix_hashes(tokens: list, seed: int = 0x5EED) -> list:
-    out, h = [], seed
-    for t in tokens:
-        h = _mix(h ^ ((t + 1) * 0x9E3779B97F4A7C15))
-        out.append(h)
-    return out
-
-
-def next_token(prefix_hash: int) -> int:
-    return _mix(prefix_hash ^ 0x70C0) % VOCAB
-
-
-def _mix_np(x: np.ndarray) -> np.ndarray:
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-@dataclass(frozen=True)
-class Geometry:
-    num_layers: int = 4
-    kv_heads: int = 4  # over all ranks
-    head_dim: int = 8
-    tokens_per_block: int = 16
-    world_size: int = 2
-
-    @property
-    def heads_per_rank(self) -> int:
-        return self.kv_heads // self.world_size
-
-    @property
-    def inner(self) -> int:
-        return self.tokens_per_block * self.heads_per_rank * self.head_dim
-
-
-def expected_kv(hashes: np.ndarray, layer: int, plane: int, geo: Geometry) -> np.ndarray:
-    """uint16 [n_positions, kv_heads * head_dim]: what the model writes for these positions."""
-    width = geo.kv_heads * geo.head_dim
-    with np.errstate(over="ignore"):
-        base = hashes ^ np.uint64(((layer + 1) * 0x9E3779B97F4A7C15 + (plane + 1) * 0xC2B2AE3D27D4EB4F) & M64)
-        x = base[:, None] + np.arange(width, dtype=np.uint64)[None, :] * np.uint64(0xD6E8FEB86659FD93)
-        return (_mix_np(x) >> np.uint64(48)).astype(np.uint16)
-
-
-# --------------------------------------------------------------------------------------------
-# KV pools: numpy arrays or torch tensors (CPU or CUDA), shaped like TensorRT-LLM's primary pool
-
-
-class NumpyPool:
-    def __init__(self, num_blocks: int, geo: Geometry):
-        self.geo = geo
-        self.tensor = np.full((num_blocks, geo.num_layers, 2, geo.inner), 0, dtype=np.float16)
-        self.u16 = self.tensor.view(np.uint16)
-        self.u16[...] = GARBAGE
-
-    def fill_garbage(self, blocks: list) -> None:
-        if blocks:
-            self.u16[np.asarray(blocks)] = GARBAGE
-
-    def write(self, block: int, layer: int, plane: int, s0: int, vals: np.ndarray) -> None:
-        g = self.geo
-        view = self.u16[block, layer, plane].reshape(g.heads_per_rank, g.tokens_per_block, g.head_dim)
-        view[:, s0:s0 + vals.shape[0], :] = vals.reshape(vals.shape[0], g.heads_per_rank, g.head_dim).transpose(1, 0, 2)
-
-    def read_positions(self, table: list, layer: int, plane: int, n: int) -> np.ndarray:
-        """uint16 [n, heads_per_rank * head_dim] for positions 0..n of a request."""
-        g = self.geo
-        nb = -(-n // g.tokens_per_block)
-        x = self.u16[np.asarray(table[:nb]), layer, plane].reshape(nb, g.heads_per_rank, g.tokens_per_block, g.head_dim)
-        return x.transpose(0, 2, 1, 3).reshape(nb * g.tokens_per_block, -1)[:n]
-
-    def snapshot(self, blocks: list) -> Any:
-        return self.u16[np.asarray(blocks)].copy()
-
-    def restore(self, blocks: list, data: Any) -> None:
-        self.u16[np.asarray(blocks)] = data
-
-
-class TorchPool(NumpyPool):
-    def __init__(self, num_blocks: int, geo: Geometry, device: str):
-        import torch
-
-        self.torch = torch
-        self.geo = geo
-        self.tensor = torch.zeros((num_blocks, geo.num_layers, 2, geo.inner), dtype=torch.bfloat16, device=device)
-        self.i16 = self.tensor.view(torch.int16)
-        self.i16.fill_(np.uint16(GARBAGE).view(np.int16).item())
-
-    def fill_garbage(self, blocks: list) -> None:
-        if blocks:
-            idx = self.torch.as_tensor(blocks, device=self.tensor.device)
-            self.i16[idx] = np.uint16(GARBAGE).view(np.int16).item()
-
-    def write(self, block: int, layer: int, plane: int, s0: int, vals: np.ndarray) -> None:
-        g = self.geo
-        v = vals.reshape(vals.shape[0], g.heads_per_rank, g.head_dim).transpose(1, 0, 2).view(np.int16)
-        src = self.torch.from_numpy(np.ascontiguousarray(v)).to(self.tensor.device)
-        view = self.i16[block, layer, plane].view(g.heads_per_rank, g.tokens_per_block, g.head_dim)
-        view[:, s0:s0 + vals.shape[0], :] = src
-
-    def read_positions(self, table: list, layer: int, plane: int, n: int) -> np.ndarray:
-        g = self.geo
-        nb = -(-n // g.tokens_per_block)
-        idx = self.torch.as_tensor(table[:nb], device=self.tensor.device)
-        x = self.i16[idx, layer, plane].reshape(nb, g.heads_per_rank, g.tokens_per_block, g.head_dim)
-        x = x.permute(0, 2, 1, 3).reshape(nb * g.tokens_per_block, -1)[:n]
-        return x.cpu().numpy().view(np.uint16)
-
-    def snapshot(self, blocks: list) -> Any:
-        return self.i16[self.torch.as_tensor(blocks, device=self.tensor.device)].clone()
-
-    def restore(self, blocks: list, data: Any) -> None:
-        self.i16[self.torch.as_tensor(blocks, device=self.tensor.device)] = data.to(self.tensor.device)
-
-
-def make_pool(kind: str, num_blocks: int, geo: Geometry) -> NumpyPool:
-    if kind == "numpy":
-        return NumpyPool(num_blocks, geo)
-    if kind in ("torch-cpu", "torch-cuda"):
-        return TorchPool(num_blocks, geo, "cpu" if kind == "torch-cpu" else "cuda")
-    raise ValueError(kind)
-
-
-# --------------------------------------------------------------------------------------------
-# The engine's own block manager (G1) with TensorRT-LLM-style prefix reuse
-
-
-class BlockManager:
-    """Device blocks of one engine (identical ids on every rank). Full blocks of finished requests
-    stay reusable by their prefix key until evicted (LRU); allocation overwrites with garbage."""
-
-    def __init__(self, num_blocks: int, pools: list):
-        self.num_blocks = num_blocks
-        self.pools = pools
-        self.free = list(range(num_blocks))
-        self.refs = [0] * num_blocks
-        self.cached: "OrderedDict[int, int]" = OrderedDict()  # key -> block, refcount 0 only
-        self.key_of: dict = {}  # block -> key of registered full blocks
-        self.by_key: dict = {}  # key -> block
-
-    def available(self) -> int:
-        return len(self.free) + len(self.cached)
-
-    def match(self, keys: list) -> list:
-        out = []
-        for k in keys:
-            b = self.by_key.get(k)
-            if b is None:
-                break
-            out.append(b)
-        return out
-
-    def take(self, blocks: list) -> None:
-        for b in blocks:
-            if self.refs[b] == 0:
-                self.cached.pop(self.key_of[b], None)
-            self.refs[b] += 1
-
-    def allocate(self, n: int) -> list:
-        assert n <= self.available(), "caller checks capacity"
-        out = []
-        for _ in range(n):
-            if self.free:
-                b = self.free.pop(0)
-            else:
-                key, b = self.cached.popitem(last=False)
-                del self.by_key[key]
-                del self.key_of[b]
-            self.refs[b] = 1
-            out.append(b)
-        for p in self.pools:
-            p.fill_garbage(out)
-        return out
-
-    def register(self, block: int, key: int) -> None:
-        if block not in self.key_of and key not in self.by_key:
-            self.key_of[block] = key
-            self.by_key[key] = block
-
-    def release(self, blocks: list) -> None:
-        for b in blocks:
-            self.refs[b] -= 1
-            assert self.refs[b] >= 0
-            if self.refs[b] == 0:
-                key = self.key_of.get(b)
-                if key is None:
-                    self.free.append(b)
-                    for p in self.pools:
-                        p.fill_garbage([b])
-                else:
-                    self.cached[key] = b
-
-
-# --------------------------------------------------------------------------------------------
-# The per-rank connector manager (TensorRT-LLM's KvCacheConnectorManager bookkeeping)
-
-
-class _RankManager:
-    def __init__(self, worker: Any):
-        self.worker = worker
-        self.pending_saving: set = set()
-        self.pending_loading: set = set()
-        self.local_saving: set = set()
-        self.local_loading: set = set()
-        self.passed_saving: set = set()
-        self.passed_loading: set = set()
-
-    def get_finished(self, new_saving: list, new_loading: list) -> tuple:
-        self.pending_saving |= set(new_saving)
-        self.pending_loading |= set(new_loading)
-        self.passed_saving |= set(new_saving)
-        self.passed_loading |= set(new_loading)
-        saved, loaded = self.worker.get_finished(list(new_saving), list(new_loading))
-        assert set(saved) <= self.passed_saving, f"worker reported saves it was never given: {set(saved) - self.passed_saving}"
-        assert set(loaded) <= self.passed_loading, f"worker reported loads it was never given: {set(loaded) - self.passed_loading}"
-        for r in saved:
-            if r in self.pending_saving:
-                self.pending_saving.discard(r)
-                self.local_saving.add(r)
-        for r in loaded:
-            if r in self.pending_loading:
-                self.pending_loading.discard(r)
-                self.local_loading.add(r)
-        return set(self.local_saving), set(self.local_loading)
-
-    def acted_on(self, saving: set, loading: set) -> None:
-        self.local_saving -= saving
-        self.local_loading -= loading
-        self.passed_saving -= saving
-        self.passed_loading -= loading
-
-
-# --------------------------------------------------------------------------------------------
-# The engine
+from trtllm_model import (  # noqa: F401  (re-exported for tests)
+    CONTEXT_STATES,
+    BlockManager,
+    Comm,
+    PipeComm,
+    _RankManager,
+    DEFAULT_MODEL_SEED,
+    VOCAB,
+    Geometry,
+    LegacyRequestData,
+    LlmArgs,
+    LlmRequest,
+    LlmRequestState,
+    LlmRequestV2,
+    RequestData,
+    RequestData13,
+    SchedulerOutput,
+    _mix,
+    expected_kv,
+    make_pool,
+    next_token,
+    prefix_hashes,
+)
 
 
 @dataclass
@@ -407,180 +81,284 @@ class EngineStats:
     matched_tokens: int = 0
     sync_matches: int = 0
     async_matches: int = 0
+    hook_free_forwards: int = 0
+    cancel_loads: int = 0
+    device_and_connector: int = 0  # matches on top of a device prefix (num_computed_tokens > 0)
 
 
 class FakeTrtllmEngine:
-    """One TensorRT-LLM executor (``world_size`` ranks in this process)."""
+    """One TensorRT-LLM executor (the ranks in ``comm.local`` live in this process)."""
 
-    def __init__(
-        self,
-        scheduler_cls: Optional[type],
-        worker_cls: Optional[type],
-        *,
-        geo: Geometry = Geometry(),
-        num_device_blocks: int = 40,
-        chunk_size: int = 32,
-        max_batch_tokens: int = 256,
-        max_num_requests: int = 8,
-        pool_kind: str = "numpy",
-        role: str = "agg",
-        legacy_request_data: bool = False,
-        stream_factory: Optional[Callable[[], Any]] = None,
-        verify: bool = True,
-        compute: bool = True,
-    ):
-        assert role in ("agg", "prefill", "decode")
-        self.geo = geo
-        self.role = role
-        self.chunk_size = chunk_size
-        self.max_batch_tokens = max_batch_tokens
-        self.max_num_requests = max_num_requests
-        self.legacy = legacy_request_data
-        self.verify = verify
-        self.compute = compute  # False: skip writing KV (benchmarks of the connector alone)
+    def __init__(self, scheduler_cls: Optional[type], worker_cls: Optional[type], *,
+                 geo: Geometry = Geometry(), num_device_blocks: int = 40, chunk_size: int = 32,
+                 max_batch_tokens: int = 256, max_num_requests: int = 8, pool_kind: str = "numpy",
+                 role: str = "agg", api: str = "1.4", manager: str = "v1", loop: str = "overlap",
+                 layer_hooks: str = "graphs", warmup_forwards: int = 2, alloc_delay: int = 0,
+                 stream_factory: Optional[Callable[[], Any]] = None, verify: bool = True, compute: bool = True,
+                 comm: Any = None, model: str = "test-model", model_seed: int = DEFAULT_MODEL_SEED,
+                 produced: Optional[set] = None, configure: Optional[Callable[[LlmArgs], None]] = None):
+        assert role in ("agg", "prefill", "decode") and api in ("1.4", "1.3", "1.2", "legacy")
+        assert manager in ("v1", "v2") and loop in ("plain", "overlap") and layer_hooks in ("eager", "graphs", "none")
+        self.geo, self.role, self.api, self.manager, self.loop = geo, role, api, manager, loop
+        self.layer_hooks, self.alloc_delay = layer_hooks, alloc_delay
+        self.chunk_size, self.max_batch_tokens, self.max_num_requests = chunk_size, max_batch_tokens, max_num_requests
+        self.verify, self.compute = verify, compute
+        self.model, self.seed = model, model_seed
+        self.produced = produced if produced is not None else set()
         self.stream_factory = stream_factory or (lambda: None)
-        self.args = [LlmArgs(geo.tokens_per_block, geo.world_size, r) for r in range(geo.world_size)]
-        self.pools = [make_pool(pool_kind, num_device_blocks, geo) for _ in range(geo.world_size)]
-        self.blocks = BlockManager(num_device_blocks, self.pools)
-        # TensorRT-LLM's order: every rank's worker, then rank 0's scheduler, then the pools.
-        self.workers = [worker_cls(a) for a in self.args] if worker_cls else []
-        self.scheduler = scheduler_cls(self.args[0]) if scheduler_cls else None
-        # Ranks register in parallel, as separate processes would (a ZeroMQ handshake needs them all).
-        errors: list = []
-
-        def register(w: Any, p: Any) -> None:
-            try:
-                w.register_kv_caches(p.tensor)
-            except BaseException as e:  # re-raised below on the engine's thread
-                errors.append(e)
-
-        threads = [threading.Thread(target=register, args=(w, p)) for w, p in zip(self.workers, self.pools)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        self.forward_callables = []
-        for w in self.workers:
-            cb = getattr(w, "register_forward_pass_callable", None)
-            self.forward_callables.append(cb() if cb else None)
-        self.managers = [_RankManager(w) for w in self.workers]
+        self.comm = comm or Comm(geo.world_size)
+        local = self.comm.local
+        self.args = {r: LlmArgs(geo.tokens_per_block, geo.world_size, r, model) for r in local}
+        for a in self.args.values():
+            if configure is not None:
+                configure(a)
+        self.pools = {r: make_pool(pool_kind, num_device_blocks, geo) for r in local}
+        if pool_kind == "numpy" or pool_kind == "torch-cpu":
+            self._layout_device = "cpu"
+        else:
+            self._layout_device = "cuda"
+        self.blocks = BlockManager(num_device_blocks, list(self.pools.values()))
+        self.workers: dict = {}
+        self.scheduler = None
+        self._bring_up(scheduler_cls, worker_cls, warmup_forwards)
+        self.managers = {r: _RankManager(w) for r, w in self.workers.items()}
         self.waiting: list = []
-        self.running: list = []  # admitted, in CONTEXT_INIT / GENERATION_IN_PROGRESS
-        self.loading: dict = {}  # async loads: id -> request
+        self.running: list = []
+        self.loading: dict = {}
         self.new_loading: list = []
-        self.saving: dict = {}  # finished with saves in flight: id -> (request, blocks)
+        self.saving: dict = {}
         self.new_saving: list = []
+        self.matched_pending: list = []  # V2: matched, allocated next iteration
         self.tables: dict = {}
-        self.hashes: dict = {}
-        self.reported: dict = {}  # id -> (n tokens reported, n blocks reported)
+        self.reported: dict = {}
         self.external_loads: dict = {}
-        self.finished: dict = {}  # id -> request
-        self.transceiver_out: dict = {}  # prefill role: id -> (pool snapshot source blocks)
+        self.finished: dict = {}
+        self.aborted: set = set()
+        self.transceiver_out: dict = {}
         self.next_id = 1
         self.stats = EngineStats()
         self.async_save_seen = 0
         self.expected_cache: dict = {}
-        self._reported_before: set = set()  # ids that already appeared in a scheduler output
+        self._reported_before: set = set()
         self._gen_checked: set = set()
+        self._previous: Optional[list] = None  # overlap: requests whose tokens await write-back
+        self._allocated = 0
+        self.abort_requested: set = set()
+
+    # ----- bring-up ----------------------------------------------------------------------------
+
+    def _bring_up(self, scheduler_cls: Optional[type], worker_cls: Optional[type], warmup: int) -> None:
+        built: dict = {}
+
+        def build(key: Any, fn: Callable[[], Any]) -> None:
+            try:
+                built[key] = fn()
+            except BaseException as e:  # re-raised below on the engine's thread
+                built[key] = e
+
+        threads = []
+        if worker_cls is not None:
+            for r in self.comm.local:
+                threads.append(threading.Thread(target=build, args=(r, lambda r=r: worker_cls(self.args[r]))))
+        if scheduler_cls is not None and 0 in self.comm.local:
+            threads.append(threading.Thread(target=build, args=("s", lambda: scheduler_cls(self.args[0]))))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for v in built.values():
+            if isinstance(v, BaseException):
+                raise v
+        self.scheduler = built.get("s")
+        self.workers = {r: built[r] for r in self.comm.local if r in built}
+        self.forward_callables = {}
+        for r, w in self.workers.items():
+            cb = getattr(w, "register_forward_pass_callable", None)
+            self.forward_callables[r] = cb() if cb else None
+        # KV-cache estimation and warmup forwards: the callable runs, nothing is registered yet.
+        for _ in range(warmup):
+            for cb in self.forward_callables.values():
+                if cb is not None:
+                    cb()
+        errors: list = []
+
+        def register(w: Any, r: int) -> None:
+            try:
+                if self.manager == "v2":
+                    layout = self.pools[r].layout()
+                    object.__setattr__(layout, "device", self._layout_device)
+                    w.register_kv_cache_layout(layout)
+                else:
+                    w.register_kv_caches(self.pools[r].tensor)
+            except BaseException as e:
+                errors.append(e)
+
+        reg = [threading.Thread(target=register, args=(w, r)) for r, w in self.workers.items()]
+        for t in reg:
+            t.start()
+        for t in reg:
+            t.join()
+        if errors:
+            raise errors[0]
+        if self.scheduler is not None:
+            self.scheduler.wait_for_initialization()
+        self.layerwise = all(getattr(w, "requires_layerwise_transfer_hooks", lambda: True)() is not False
+                             for w in self.workers.values())
 
     # ----- requests ----------------------------------------------------------------------------
 
-    def add_request(self, prompt: list, max_new_tokens: int, *, request_id: Optional[int] = None) -> LlmRequest:
+    def _request_cls(self) -> type:
+        return LlmRequestV2 if self.manager == "v2" else LlmRequest
+
+    def add_request(self, prompt: list, max_new_tokens: int, *, request_id: Optional[int] = None,
+                    **kw: Any) -> LlmRequest:
         rid = self.next_id if request_id is None else request_id
         self.next_id = max(self.next_id, rid) + 1
-        req = LlmRequest(rid, prompt, max_new_tokens, chunk_size=self.chunk_size,
-                         context_only=self.role == "prefill")
+        req = self._request_cls()(rid, prompt, max_new_tokens, chunk_size=self.chunk_size,
+                                  context_only=self.role == "prefill", **kw)
+        req.visible = len(prompt)
+        req.kv_len = 0
         self.waiting.append(req)
         return req
 
     def add_generation_only_request(self, request_id: int, tokens: list, prompt_len: int, max_new_tokens: int,
-                                    kv: list) -> LlmRequest:
-        """Decode role: a request whose prompt KV (``kv``: one snapshot per rank of the prompt's
-        blocks, from the prefill worker's cache transceiver) and first token came from a prefill worker."""
-        req = LlmRequest(request_id, tokens, max_new_tokens, chunk_size=self.chunk_size,
-                         generation_only=True, prompt_len=prompt_len)
+                                    kv: dict) -> LlmRequest:
+        """Decode role: prompt KV (one snapshot per rank) and first token came from a prefill worker."""
+        req = self._request_cls()(request_id, tokens, max_new_tokens, chunk_size=self.chunk_size,
+                                  generation_only=True, prompt_len=prompt_len)
         req.context_current_position = prompt_len
+        req.visible = len(tokens)
+        req.kv_len = prompt_len
         req._kv = kv
         self.waiting.append(req)
         return req
 
+    def _salt_of(self, req: LlmRequest) -> Any:
+        return (req.cache_salt, req.cache_salt_id, req.lora_task_id)
+
+    def _block_keys(self, req: LlmRequest, tokens: list) -> list:
+        tpb = self.geo.tokens_per_block
+        hs = prefix_hashes(tokens, self.seed ^ (hash(self._salt_of(req)) & 0xFFFF_FFFF))
+        return [hs[(i + 1) * tpb - 1] for i in range(len(tokens) // tpb)]
+
     def _reserved(self) -> int:
         tpb = self.geo.tokens_per_block
         out = 0
-        for req in list(self.running) + list(self.loading.values()):
-            total = -(-(req.prompt_len + req.max_new_tokens) // tpb)
+        for req in list(self.running) + list(self.loading.values()) + [m[0] for m in self.matched_pending]:
+            total = -(-(req.prompt_len + req.max_new_tokens + 1) // tpb)
             out += max(0, total - len(self.tables[req.request_id]))
         return out
 
-    def _block_keys(self, tokens: list) -> list:
-        tpb = self.geo.tokens_per_block
-        hs = prefix_hashes(tokens)
-        return [hs[(i + 1) * tpb - 1] for i in range(len(tokens) // tpb)]
+    # ----- admission (add_sequence / prepare_resources) ---------------------------------------
 
-    # ----- one executor iteration --------------------------------------------------------------
-
-    def _admit(self) -> list:
-        """Admission + allocation (TensorRT-LLM's add_sequence path). Returns newly admitted requests."""
+    def _match(self, req: LlmRequest, num_computed: int) -> tuple:
+        """``KvCacheConnectorManager.get_num_new_matched_tokens``: rank 0 asks, everyone learns."""
+        if req.is_generation_only_request if self.manager == "v1" else req.is_generation_only_request():
+            raise RuntimeError("Connector API is not supported for generation-only requests!")
+        res = None
+        if self.scheduler is not None:
+            res = self.scheduler.get_num_new_matched_tokens(req, num_computed)
+        n, is_async = self.comm.bcast(res)
+        assert isinstance(n, int) and isinstance(is_async, bool), (n, is_async)
+        if n == 0 and is_async:
+            raise RuntimeError("load_kv_async must be False when num_tokens is 0!")
         tpb = self.geo.tokens_per_block
-        admitted = []
-        while self.waiting and len(self.running) + len(self.loading) < self.max_num_requests:
+        assert n % tpb == 0 and num_computed + n < req.prompt_len, (n, num_computed, req.prompt_len)
+        # The connector offers only blocks this tenant and model computed somewhere.
+        keys = self._block_keys(req, req.get_tokens(0))
+        for i in range(num_computed // tpb, (num_computed + n) // tpb):
+            assert (self.model, self._salt_of(req), keys[i]) in self.produced, (
+                f"connector offered request {req.request_id} block {i}, which no request of its tenant "
+                f"{self._salt_of(req)} and model {self.model} computed")
+        return n, is_async
+
+    def _admit(self) -> None:
+        tpb = self.geo.tokens_per_block
+        if self.manager == "v2" and self.alloc_delay:
+            pending, self.matched_pending = self.matched_pending, []
+            for item in pending:
+                self._allocate(*item)
+        while self.waiting and len(self.running) + len(self.loading) + len(self.matched_pending) < self.max_num_requests:
             req = self.waiting[0]
             tokens = req.get_tokens(0)
-            total_blocks = -(-(req.prompt_len + req.max_new_tokens) // tpb)
-            if req.is_generation_only_request:
-                need = -(-len(tokens) // tpb)
+            total_blocks = -(-(req.prompt_len + req.max_new_tokens + 1) // tpb)
+            if req._generation_only:
+                if self.scheduler is not None:
+                    self._match(req, req.prompt_len)  # upstream raises here
                 if self.blocks.available() - self._reserved() < total_blocks:
                     break
                 self.waiting.pop(0)
-                table = self.blocks.allocate(need)
-                # The cache transceiver delivers the prompt KV from the prefill worker.
+                table = self.blocks.allocate(-(-len(tokens) // tpb))
                 n_kv = -(-req.prompt_len // tpb)
-                for pool, snap in zip(self.pools, req._kv):
-                    pool.restore(table[:n_kv], snap)
+                for r, pool in self.pools.items():
+                    pool.restore(table[:n_kv], req._kv[r])
                 self.tables[req.request_id] = table
                 req.state = LlmRequestState.GENERATION_IN_PROGRESS
                 self.running.append(req)
-                admitted.append(req)
                 continue
-            keys = self._block_keys(tokens)
-            # The engine computes at least one token: at most (prompt_len - 1) // tpb blocks reused.
+            keys = self._block_keys(req, tokens)
             device = self.blocks.match(keys[: (req.prompt_len - 1) // tpb])
             unshared = sum(1 for b in device if self.blocks.refs[b] == 0)
             if self.blocks.available() - unshared - self._reserved() < total_blocks - len(device):
                 break
             num_computed = len(device) * tpb
-            n, is_async = (0, False)
-            if self.scheduler is not None:
-                n, is_async = self.scheduler.get_num_new_matched_tokens(req, num_computed)
-                if n == 0 and is_async:
-                    raise RuntimeError("load_kv_async must be False when num_tokens is 0!")
-                assert isinstance(n, int) and isinstance(is_async, bool)
-                assert n % tpb == 0 and num_computed + n < req.prompt_len, (n, num_computed, req.prompt_len)
+            n, is_async = self._match(req, num_computed) if self.workers else (0, False)
             self.waiting.pop(0)
-            self.blocks.take(device)
-            fresh = self.blocks.allocate(-(-req.prompt_len // tpb) - len(device))
-            table = device + fresh
-            self.tables[req.request_id] = table
-            if self.scheduler is not None:
-                self.scheduler.update_state_after_alloc(req, list(table))
-            req.context_current_position = num_computed + n
-            self.external_loads[req.request_id] = n
-            self.stats.matched_tokens += n
-            if n:
-                if is_async:
-                    self.stats.async_matches += 1
-                else:
-                    self.stats.sync_matches += 1
+            if self.manager == "v2" and self.alloc_delay:
+                self.matched_pending.append((req, num_computed, n, is_async))
+                self.tables[req.request_id] = []
+                continue
+            self._allocate(req, num_computed, n, is_async)
+
+    def _allocate(self, req: LlmRequest, num_computed: int, n: int, is_async: bool) -> None:
+        tpb = self.geo.tokens_per_block
+        tokens = req.get_tokens(0)
+        keys = self._block_keys(req, tokens)
+        device = self.blocks.match(keys[: (req.prompt_len - 1) // tpb])
+        now = len(device) * tpb
+        if now > num_computed:
+            # V2: the device cache overtook the offer between matching and allocation.
+            end = min(num_computed + n, now)
+            if n and self.scheduler is not None:
+                self.scheduler.cancel_load(req, num_computed, end)
+                self.stats.cancel_loads += 1
+            n = max(0, num_computed + n - now)
+            is_async = is_async and n > 0
+            num_computed = now
+        else:
+            device = device[: num_computed // tpb]
+        self._allocated += 1
+        self.blocks.take(device)
+        if self.manager == "v2":
+            # First-chunk-only allocation: the rest arrives chunk by chunk as new_block_ids.
+            first = num_computed + n + min(self.chunk_size, req.prompt_len - num_computed - n)
+            want = -(-first // tpb)
+        else:
+            want = -(-req.prompt_len // tpb)
+        table = device + self.blocks.allocate(want - len(device))
+        self.tables[req.request_id] = table
+        if self.scheduler is not None:
+            self.scheduler.update_state_after_alloc(req, list(table))
+        req.context_current_position = num_computed + n
+        req.kv_len = req.context_current_position
+        req.py_num_connector_matched_tokens = n
+        self.external_loads[req.request_id] = n
+        self.stats.matched_tokens += n
+        if n and num_computed:
+            self.stats.device_and_connector += 1
+        if n:
             if is_async:
-                req.state = LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS
-                self.loading[req.request_id] = req
-                self.new_loading.append(req.request_id)
+                self.stats.async_matches += 1
             else:
-                self.running.append(req)
-            admitted.append(req)
-        return admitted
+                self.stats.sync_matches += 1
+        if is_async:
+            req.state = LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS
+            self.loading[req.request_id] = req
+            self.new_loading.append(req.request_id)
+        else:
+            self.running.append(req)
+
+    # ----- scheduling --------------------------------------------------------------------------
 
     def _schedule(self) -> tuple:
         budget = self.max_batch_tokens
@@ -596,15 +374,15 @@ class FakeTrtllmEngine:
                 budget -= n
         return context, generation
 
-    def _ensure_generation_block(self, req: LlmRequest) -> None:
-        tpb = self.geo.tokens_per_block
+    def _ensure_blocks(self, req: LlmRequest, upto_positions: int) -> None:
+        """Blocks for positions < upto_positions (generation: one block at a time)."""
         table = self.tables[req.request_id]
-        need = -(-len(req.get_tokens(0)) // tpb)
+        need = -(-upto_positions // self.geo.tokens_per_block)
         if need > len(table):
             table.extend(self.blocks.allocate(need - len(table)))
 
     def _request_data(self, req: LlmRequest, n_sched: int) -> Any:
-        tokens = req.get_tokens(0)
+        tokens = req.get_tokens(0)[: req.visible]
         table = self.tables[req.request_id]
         n_tok, n_blk = self.reported.get(req.request_id, (0, 0))
         self.reported[req.request_id] = (len(tokens), len(table))
@@ -614,15 +392,26 @@ class FakeTrtllmEngine:
             computed = len(tokens) - 1
         if req.request_id in self.external_loads:
             computed -= self.external_loads[req.request_id]
-        if self.legacy:
-            return LegacyRequestData(req.request_id, tokens[n_tok:], table[n_blk:], computed)
-        return RequestData(req.request_id, tokens[n_tok:], table[n_blk:], computed, n_sched)
+        args = (req.request_id, tokens[n_tok:], table[n_blk:], computed)
+        # Priorities only with a retention config (get_priority_by_block_id per new block).
+        prio = None
+        if req.kv_cache_retention_config is not None:
+            prio = [int(req.kv_cache_retention_config)] * len(table[n_blk:])
+        if self.api == "legacy":
+            return LegacyRequestData(*args)
+        if self.api == "1.3":
+            return RequestData13(*args, n_sched, priorities=prio, cache_salt_id=req.cache_salt_id)
+        if self.api == "1.2":
+            return RequestData13(*args, n_sched)
+        return RequestData(*args, n_sched, priorities=prio, cache_salt=req.cache_salt)
+
+    # ----- the forward pass --------------------------------------------------------------------
 
     def _expected(self, req: LlmRequest, layer: int, plane: int, n: int) -> np.ndarray:
         key = (req.request_id, layer, plane)
         cached = self.expected_cache.get(key)
         if cached is None or cached.shape[0] < n:
-            hs = np.array(prefix_hashes(req.get_tokens(0)), dtype=np.uint64)
+            hs = np.array(prefix_hashes(req._tokens, self.seed), dtype=np.uint64)
             cached = expected_kv(hs, layer, plane, self.geo)
             self.expected_cache[key] = cached
         return cached[:n]
@@ -642,8 +431,7 @@ class FakeTrtllmEngine:
                 raise AssertionError(
                     f"{what}: request {req.request_id} rank {rank} layer {layer} plane {plane}: KV of "
                     f"{len(bad)} of {n} positions differs from the model, first at position {pos} "
-                    f"(device block {table[pos // g.tokens_per_block]})"
-                )
+                    f"(device block {table[pos // g.tokens_per_block]})")
 
     def _compute(self, rank: int, req: LlmRequest, layer: int, start: int, n: int) -> None:
         if not self.compute:
@@ -661,12 +449,38 @@ class FakeTrtllmEngine:
                 self.pools[rank].write(table[b], layer, plane, s0, vals[p - start:p - start + k])
                 p += k
 
+    def _forward(self, work: list, metadata_bound: bool, graph: bool) -> None:
+        """``work``: (request, first position, n positions, check the prefix?)."""
+        hooks = self.layerwise and self.layer_hooks != "none" and not graph
+        if not hooks:
+            self.stats.hook_free_forwards += 1
+        for rank in self.comm.local:
+            w = self.workers.get(rank)
+            stream = self.stream_factory()
+            if w is not None and metadata_bound:
+                w.start_load_kv(stream)
+            for layer in range(self.geo.num_layers):
+                if w is not None and hooks:
+                    w.wait_for_layer_load(layer, stream)
+                for req, start, n, check in work:
+                    if check:
+                        self._check_prefix(rank, req, layer, start, "forward reads its prefix")
+                    self._compute(rank, req, layer, start, n)
+                if w is not None and hooks:
+                    w.save_kv_layer(layer, stream)
+            if w is not None:
+                cb = self.forward_callables.get(rank)
+                if cb is not None:
+                    cb()
+                w.wait_for_save(stream)
+
     def relay_reports(self) -> None:
-        """Carry the job reports of ranks > 0 to the leader, as the channel between processes
-        would, one step late."""
-        for w in self.workers[1:]:
+        """Carry the job reports of in-process ranks > 0 to the leader (link "engine")."""
+        if self.scheduler is None:
+            return
+        for r, w in self.workers.items():
             native = getattr(w, "native", None)
-            if native is not None and self.scheduler is not None:
+            if r > 0 and native is not None:
                 blob = native.take_reports()
                 if blob:
                     self.scheduler.leader.apply_reports(blob)
@@ -675,110 +489,125 @@ class FakeTrtllmEngine:
         """One executor iteration. Returns False when nothing is left to do."""
         self.stats.steps += 1
         self.relay_reports()
+        self._allocated = 0
         self._admit()
         context, generation = self._schedule()
+        work = []
+        for req, n in context:
+            if self.manager == "v2":
+                self._ensure_blocks(req, req.context_current_position + n)
+            work.append((req, req.context_current_position, n, True))
         for req, _ in generation:
-            self._ensure_generation_block(req)
-        # Scheduler output (requests parked for async loads were never scheduled here).
+            pos = len(req._tokens) - 1  # the newest token (overlap: sampled, not yet written back)
+            self._ensure_blocks(req, pos + 1)
+            work.append((req, pos, 1, req.request_id not in self._gen_checked))
         so = SchedulerOutput()
         for req, n in context:
             rd = self._request_data(req, n)
-            (so.new_requests if rd.request_id not in self._reported_before else so.cached_requests).append(rd)
-            self._reported_before.add(rd.request_id)
+            (so.new_requests if req.request_id not in self._reported_before else so.cached_requests).append(rd)
+            self._reported_before.add(req.request_id)
         for req, n in generation:
             so.cached_requests.append(self._request_data(req, n))
             self._reported_before.add(req.request_id)
         self.external_loads = {}
-        work = bool(context or generation)
-        if self.scheduler is not None:
-            meta = self.scheduler.build_connector_meta(so)
-            blob = pickle.dumps(meta)  # mpi_broadcast from rank 0
-            for w in self.workers:
+        bound = False
+        # Requests parked for async loads were scheduled before being taken out: metadata goes out.
+        if self.workers and (context or generation or self._allocated):
+            meta = self.scheduler.build_connector_meta(so) if self.scheduler is not None else None
+            blob = self.comm.bcast(pickle.dumps(meta) if self.scheduler is not None else None)
+            for w in self.workers.values():
                 w.bind_connector_meta(pickle.loads(blob))
-        # Forward pass on every rank.
-        for rank, w in enumerate(self.workers or [None] * self.geo.world_size):
-            stream = self.stream_factory()
-            if w is not None:
-                w.start_load_kv(stream)
-            for layer in range(self.geo.num_layers):
-                if w is not None:
-                    w.wait_for_layer_load(layer, stream)
-                for req, n in context:
-                    start = req.context_current_position
-                    self._check_prefix(rank, req, layer, start, "context chunk reads its prefix")
-                    self._compute(rank, req, layer, start, n)
-                for req, _ in generation:
-                    pos = len(req.get_tokens(0)) - 1
-                    if req.request_id not in self._gen_checked:
-                        self._check_prefix(rank, req, layer, pos, "first generation step reads its prefix")
-                    self._compute(rank, req, layer, pos, 1)
-                if w is not None:
-                    w.save_kv_layer(layer, stream)
-            if w is not None:
-                cb = self.forward_callables[rank]
-                if cb is not None:
-                    cb()
-                w.wait_for_save(stream)
+            bound = True
+        graph = not context or all(n == 1 for _, n in context)
+        if context or generation:
+            self._forward(work, bound, graph and self.layer_hooks == "graphs")
+        elif bound:
+            for r, w in self.workers.items():  # an empty batch: loads start, no forward runs
+                w.start_load_kv(self.stream_factory())
+        # Clients cancelling requests whose loads were just started (tests set abort_requested).
+        for rid in sorted(self.abort_requested):
+            self.abort(rid)
+        self.abort_requested.clear()
         for req, _ in generation:
             self._gen_checked.add(req.request_id)
-        # Sampling and request updates.
-        done = []
+        # Sampling: the true token sequence grows now; the host sees it at write-back.
+        batch = []
         for req, n in context:
             req.context_current_position += n
+            req.kv_len = req.context_current_position
+            self._produced(req)
             if req.context_remaining_length == 0:
                 self._register_full_blocks(req)
-                self._append_token(req)
-                if req.is_context_only_request:
-                    done.append(req)
-                else:
-                    req.state = LlmRequestState.GENERATION_IN_PROGRESS
-                    if len(req.generated) >= req.max_new_tokens:
-                        done.append(req)
+                self._sample(req)
+                req.state = LlmRequestState.GENERATION_IN_PROGRESS
+                batch.append(req)
         for req, _ in generation:
-            self._append_token(req)
+            req.kv_len = len(req._tokens)
             self._register_full_blocks(req)
-            if len(req.generated) >= req.max_new_tokens:
+            self._sample(req)
+            batch.append(req)
+        if self.loop == "overlap":
+            previous, self._previous = self._previous, batch
+            self._write_back(previous or [])
+        else:
+            self._write_back(batch)
+        self._get_finished()
+        return bool(context or generation or self.waiting or self.running or self.loading or self.saving
+                    or self.matched_pending or self._previous)
+
+    def _sample(self, req: LlmRequest) -> None:
+        h = prefix_hashes(req._tokens, self.seed)[-1]
+        req._tokens.append(next_token(h))
+
+    def _write_back(self, batch: list) -> None:
+        """The host learns the tokens sampled for ``batch``; finished requests are finished."""
+        done = []
+        for req in batch:
+            if req not in self.running:
+                continue  # finished (or cancelled) at the previous write-back
+            req.visible += 1
+            finished = req.is_context_only_request or len(req._tokens[:req.visible]) - req.prompt_len >= req.max_new_tokens
+            if finished:
                 done.append(req)
         for req in done:
+            del req._tokens[req.visible:]  # an overlap step that ran past the end is discarded
+            req.kv_len = min(req.kv_len, len(req._tokens) - 1)
             self._finish(req)
-        self._get_finished()
-        return work or bool(self.waiting or self.running or self.loading or self.saving)
 
-    def _append_token(self, req: LlmRequest) -> None:
-        h = getattr(req, "_last_hash", None)
-        if h is None or getattr(req, "_hashed_len", -1) != len(req._tokens):
-            h = prefix_hashes(req.get_tokens(0))[-1]
-        tok = next_token(h)
-        req._tokens.append(tok)
-        req._last_hash = _mix(h ^ ((tok + 1) * 0x9E3779B97F4A7C15))
-        req._hashed_len = len(req._tokens)
+    def _produced(self, req: LlmRequest) -> None:
+        for k in self._block_keys(req, req._tokens[: req.kv_len]):
+            self.produced.add((self.model, self._salt_of(req), k))
 
     def _register_full_blocks(self, req: LlmRequest) -> None:
-        tokens = req.get_tokens(0)
-        computed = req.context_current_position if req.state in CONTEXT_STATES else len(tokens) - 1
-        keys = self._block_keys(tokens[:computed])
+        keys = self._block_keys(req, req._tokens[: req.kv_len])
         table = self.tables[req.request_id]
         for i, k in enumerate(keys):
             self.blocks.register(table[i], k)
+        self._produced(req)
 
     def _finish(self, req: LlmRequest) -> None:
         req.state = LlmRequestState.GENERATION_COMPLETE
         self.running.remove(req)
         table = self.tables[req.request_id]
         if self.verify:
-            n = len(req.get_tokens(0)) - 1
-            for rank in range(self.geo.world_size):
+            for rank in self.comm.local:
                 for layer in range(self.geo.num_layers):
-                    self._check_prefix(rank, req, layer, n, "finished request's KV")
+                    self._check_prefix(rank, req, layer, req.kv_len, "finished request's KV")
         if self.role == "prefill":
-            # The cache transceiver ships the prompt KV to the decode worker (here: a snapshot).
             prompt_blocks = table[: -(-req.prompt_len // self.geo.tokens_per_block)]
-            self.transceiver_out[req.request_id] = (req, [p.snapshot(prompt_blocks) for p in self.pools])
+            self.transceiver_out[req.request_id] = (req, {r: p.snapshot(prompt_blocks) for r, p in self.pools.items()})
         self.finished[req.request_id] = req
-        in_flight = False
-        if self.scheduler is not None:
-            in_flight = self.scheduler.request_finished(req, list(table))
-            assert isinstance(in_flight, bool)
+        self._request_finished(req, loading=False)
+
+    def _request_finished(self, req: LlmRequest, loading: bool) -> None:
+        table = self.tables[req.request_id]
+        res = self.scheduler.request_finished(req, list(table)) if self.scheduler is not None else False
+        in_flight = self.comm.bcast(res) if self.workers else False
+        assert isinstance(in_flight, bool)
+        if loading and not in_flight:
+            raise AssertionError(f"request {req.request_id} was cancelled with its load in flight and the connector "
+                                 "let its blocks go (request_finished returned False): a late copy could land in "
+                                 "blocks given to another request")
         if in_flight:
             self.async_save_seen += 1
             req.state = LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS
@@ -787,33 +616,68 @@ class FakeTrtllmEngine:
         else:
             self._free(req.request_id)
 
-    def _free(self, rid: int) -> None:
+    def abort(self, rid: int) -> None:
+        """The client cancelled request ``rid`` (``py_executor.py`` ``_terminate_request``)."""
+        if rid in self.loading:
+            req = self.loading.pop(rid)
+            self.aborted.add(rid)
+            req.state = LlmRequestState.GENERATION_COMPLETE
+            self._request_finished(req, loading=True)
+            return
+        for req in list(self.running):
+            if req.request_id == rid:
+                self.aborted.add(rid)
+                self.running.remove(req)
+                req.state = LlmRequestState.GENERATION_COMPLETE
+                self._request_finished(req, loading=False)
+
+    def reset(self, rid: int) -> None:
+        """KVCacheManagerV2 resets a running request: its blocks go, it runs again from scratch."""
+        req = next(r for r in self.running if r.request_id == rid)
+        self.running.remove(req)
+        if self.scheduler is not None:
+            self.scheduler.request_reset(req)
+        self._free(rid, keep_expected=True)
+        self.reported.pop(rid, None)
+        self._reported_before.discard(rid)
+        self._gen_checked.discard(rid)
+        del req._tokens[req.prompt_len:]
+        req.visible, req.kv_len, req.context_current_position = req.prompt_len, 0, 0
+        req.state = LlmRequestState.CONTEXT_INIT
+        self.waiting.insert(0, req)
+
+    def _free(self, rid: int, keep_expected: bool = False) -> None:
         table = self.tables.pop(rid)
         self.blocks.release(table)
-        self.expected_cache = {k: v for k, v in self.expected_cache.items() if k[0] != rid}
+        if not keep_expected:
+            self.expected_cache = {k: v for k, v in self.expected_cache.items() if k[0] != rid}
 
     def _get_finished(self) -> None:
         if not self.managers:
             return
         new_saving, new_loading = self.new_saving, self.new_loading
         self.new_saving, self.new_loading = [], []
-        results = [m.get_finished(new_saving, new_loading) for m in self.managers]  # mpi_allgather
+        local = {r: m.get_finished(new_saving, new_loading) for r, m in self.managers.items()}
+        results = self.comm.allgather(local)  # mpi_allgather
         saving = set.intersection(*[r[0] for r in results])
         loading = set.intersection(*[r[1] for r in results])
-        for m in self.managers:
+        for m in self.managers.values():
             m.acted_on(saving, loading)
-        for rid in loading:
-            req = self.loading.pop(rid)
+        for rid in sorted(loading):
+            req = self.loading.pop(rid, None)
+            if req is None:
+                continue  # cancelled meanwhile (1.4 logs "reported IDs that are not pending")
             req.state = LlmRequestState.CONTEXT_INIT
+            req.kv_len = req.context_current_position
             self.running.append(req)
-        for rid in saving:
+        for rid in sorted(saving):
             self.saving.pop(rid)
             self._free(rid)
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
             if not self.step():
-                for w in self.workers:
+                for w in self.workers.values():
                     if getattr(w, "native", None) is not None:
                         w.native.wait_idle()
                 self.relay_reports()

@@ -24,6 +24,10 @@ def metrics_table() -> list[dict[str, Any]]:
     """kvtier's counter table: per series its stats ``key``, Prometheus ``name``, ``help``, ``kind``
     ("counter"/"gauge") and ``labels`` (the keys of ``Leader.stats()``)."""
 
+def configured_tiers(settings: Optional[dict] = None) -> dict:
+    """Which tiers and load mode the settings configure, building nothing: keys "host", "disk",
+    "remote" (configured at a non-zero size / with a URL) and "async_loads"."""
+
 class TensorDesc:
     """A plain description of an engine tensor; build it with ``kvtier.describe(obj)``."""
 

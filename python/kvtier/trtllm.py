@@ -1,64 +1,69 @@
-"""kvtier as a TensorRT-LLM KV cache connector (PyTorch backend, TensorRT-LLM >= 1.2.0rc2).
+"""kvtier as a TensorRT-LLM KV cache connector (PyTorch backend, TensorRT-LLM 1.2.0rc2 to 1.4.x).
 
 Use it the way the original's ``--connector kvbm`` flag does::
 
     from tensorrt_llm import LLM
-    from kvtier.trtllm import build_kv_connector_config
+    from kvtier.trtllm import build_llm_kwargs
 
-    llm = LLM(model, kv_connector_config=build_kv_connector_config("kvtier"),
-              kv_cache_config=KvCacheConfig(enable_partial_reuse=False))
+    llm = LLM(model, **build_llm_kwargs("kvtier"))
 
 or, for ``trtllm-serve``, write the YAML block that ``python -m kvtier.trtllm config --connector kvtier``
-prints into the file passed as ``--extra_llm_api_options``.
+prints into the file passed as ``--extra_llm_api_options`` (``--role decode`` prints the decode
+worker's block of a disaggregated deployment: no connector, see below).
 
 Role of this module: translate TensorRT-LLM's objects (``LlmRequest``, ``SchedulerOutput`` /
-``RequestData``, the pool tensor, CUDA streams) into the engine-neutral calls of
-``kvtier._native.Leader`` / ``kvtier._native.Worker`` and back. It keeps no cache state: which
-blocks match, load, store or are still in flight is decided in Rust.
+``RequestData``, the pool tensor or V2 ``KvCacheLayout``, CUDA streams) into the engine-neutral
+calls of ``kvtier._native.Leader`` / ``Worker`` and back. It keeps no cache state. How the
+executor drives a connector is in REFERENCE.md section 9 and docs/arch/trtllm.md; every modelled
+behaviour cites the TensorRT-LLM file it comes from.
 
 Invariants kept here:
 
-* ``get_num_new_matched_tokens`` never returns ``(0, True)`` (TensorRT-LLM treats it as an error);
-* every ``RequestData`` must carry ``num_scheduled_tokens``; a TensorRT-LLM without it fails at the
-  first step with a :class:`kvtier.ConnectorError` naming the minimum version, 1.2.0rc2;
-* request ids cross into Rust as ``str(request_id)`` and come back as ``int``;
-* rank 0's scheduler and worker (one process, same ``llm_args``) share the in-process channel;
-  every other rank reaches the leader over ZeroMQ at the endpoint the leader publishes
-  (``KVTIER_LEADER_ENDPOINT``, default chosen by the leader and exported to child processes);
-* a load that failed is never reported loaded. TensorRT-LLM's connector API has no load-error
-  path (``get_finished`` returns only saved and loaded ids), so: an asynchronous load that failed
-  on a single-rank engine is recomputed from its first failed block (rank 0's worker rewinds the
-  parked request's ``context_current_position`` before reporting it loaded, so TensorRT-LLM computes
-  the rest itself); any other failed load raises :class:`kvtier.TransferError` naming the requests
-  (a synchronous one before layer 0 reads the blocks). kvtier's leader drops the failed blocks
-  from matching either way, so the same bad block is never offered again (docs/arch/py.md).
+* engine start: the forward-pass callable and every worker hook are no-ops until
+  ``register_kv_caches`` / ``register_kv_cache_layout`` (KV-cache estimation and warmup forwards
+  call the callable first: ``py_executor_creator.py``, ``model_engine.py``);
+* no load depends on a layer hook: ``start_load_kv`` returns only after the step's synchronous
+  loads are in device memory (the copies are CPU-synchronised), so CUDA-graph replay and the
+  single-token context graph, which skip ``wait_for_layer_load``, read loaded KV;
+* nothing raises inside an executor hook because of a failed load (``_handle_errors`` would fail
+  every active request, and on TP > 1 the other ranks would hang in collectives); configurations
+  whose failed loads cannot be recomputed are refused at construction instead (``_refusals``);
+* every key carries the model identity (the engine salt, :func:`engine_salt`) and the request's
+  cache salt, LoRA adapter and multimodal hashes (:func:`request_key`); a request kvtier cannot key
+  is uncacheable, never served another request's KV;
+* ``get_num_new_matched_tokens`` never returns ``(0, True)`` and returns ``(0, False)`` for
+  generation-only requests (``is_generation_only_request`` is a property on the C++ ``LlmRequest``
+  and a method on KVCacheManagerV2's Python one);
+* request ids cross into Rust as ``str(request_id)`` and come back as ``int``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
+import socket
 import sys
 import threading
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from . import _native
-from ._native import ConfigError, ConnectorError, TransferError
+from ._native import ConfigError, ConnectorError
 from ._tensors import describe, stream_handle
 
 __all__ = [
     "KvtierConnectorScheduler",
     "KvtierConnectorWorker",
     "build_kv_connector_config",
+    "build_llm_kwargs",
     "connector_yaml",
+    "engine_salt",
+    "request_key",
     "CONNECTOR_NAMES",
     "MIN_TRTLLM_VERSION",
 ]
-
-#: The oldest TensorRT-LLM whose ``RequestData`` carries ``num_scheduled_tokens``.
-MIN_TRTLLM_VERSION = "1.2.0rc2"
 
 #: Where TensorRT-LLM keeps the connector base classes (newest first: moved in 1.3.0rc14).
 _BASE_MODULES = (
@@ -66,12 +71,7 @@ _BASE_MODULES = (
     "tensorrt_llm._torch.pyexecutor.kv_cache_connector",
 )
 
-SCHEDULER_CLASS = "KvtierConnectorScheduler"
-WORKER_CLASS = "KvtierConnectorWorker"
-
-#: Accepted ``--connector`` names: "kvtier", "kvbm" (the original's name, so configurations
-#: migrate unchanged) and "none".
-CONNECTOR_NAMES = ("kvtier", "kvbm", "none")
+from ._trtllm_config import RANK_SETTINGS_ENV  # noqa: E402
 
 
 def _load_bases() -> tuple[type, type, Optional[str]]:
@@ -87,36 +87,13 @@ def _load_bases() -> tuple[type, type, Optional[str]]:
 _SchedulerBase, _WorkerBase, TRTLLM_BASE_MODULE = _load_bases()
 
 logger = logging.getLogger("kvtier.trtllm")
+_warned: set = set()
 
 
-class _AsyncLoads:
-    """Requests of one engine with an asynchronous load in flight: the scheduler records the
-    ``LlmRequest`` and its device blocks, rank 0's worker (same process, same channel) uses them to
-    turn a failed load into a recompute. Thread-safe; one instance per channel."""
-
-    _all: "dict[str, _AsyncLoads]" = {}
-    _all_lock = threading.Lock()
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._reqs: dict[str, tuple[Any, list[int]]] = {}
-
-    @classmethod
-    def of(cls, channel: str) -> "_AsyncLoads":
-        with cls._all_lock:
-            return cls._all.setdefault(channel, cls())
-
-    def add(self, rid: str, request: Any, block_ids: list[int]) -> None:
-        with self._lock:
-            self._reqs[rid] = (request, block_ids)
-
-    def pop(self, rid: str) -> Optional[tuple[Any, list[int]]]:
-        with self._lock:
-            return self._reqs.pop(rid, None)
-
-    def blocks(self) -> set[int]:
-        with self._lock:
-            return {b for _, ids in self._reqs.values() for b in ids}
+def _warn_once(key: str, msg: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(msg, *args)
 
 
 def _trtllm_version() -> str:
@@ -129,25 +106,46 @@ def _trtllm_version() -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# Settings that reach every rank
+
+
+def _import_rank_settings() -> None:
+    """On a rank: apply ``TRTLLM_KVTIER_SETTINGS`` (variables set in this process win)."""
+    blob = os.environ.get(RANK_SETTINGS_ENV)
+    if not blob:
+        return
+    try:
+        env = json.loads(blob)
+    except ValueError as e:
+        raise ConfigError(f"{RANK_SETTINGS_ENV} is not a JSON object: {e}") from None
+    if not isinstance(env, dict):
+        raise ConfigError(f"{RANK_SETTINGS_ENV} is not a JSON object")
+    for k, v in env.items():
+        if str(k).startswith(("KVTIER_", "DYN_KVBM_")):
+            os.environ.setdefault(str(k), str(v))
+
+
+# --------------------------------------------------------------------------------------------
 # Reading llm_args
 
 
+def _get(obj: Any, *path: str, default: Any = None) -> Any:
+    for p in path:
+        obj = getattr(obj, p, None)
+        if obj is None:
+            return default
+    return obj
+
+
 def _tokens_per_block(llm_args: Any) -> int:
-    kv = getattr(llm_args, "kv_cache_config", None)
-    tpb = getattr(kv, "tokens_per_block", None)
+    tpb = _get(llm_args, "kv_cache_config", "tokens_per_block")
     if tpb is None:
         raise ConfigError("llm_args.kv_cache_config.tokens_per_block is missing")
-    if getattr(kv, "enable_partial_reuse", False):
-        raise ConfigError(
-            "kvtier needs kv_cache_config.enable_partial_reuse: false (partial block reuse would let the "
-            "engine write into blocks kvtier has already stored)"
-        )
     return int(tpb)
 
 
 def _mapping(llm_args: Any) -> Any:
-    pc = getattr(llm_args, "parallel_config", None)
-    to_mapping = getattr(pc, "to_mapping", None)
+    to_mapping = _get(llm_args, "parallel_config", "to_mapping")
     return to_mapping() if callable(to_mapping) else None
 
 
@@ -169,33 +167,186 @@ def _rank(llm_args: Any) -> int:
     return int(getattr(m, "rank", 0) or 0) if m is not None else 0
 
 
-def _ids(xs: Iterable[Any]) -> list[str]:
-    return [str(int(x)) for x in xs]
+def _name(v: Any) -> str:
+    return str(getattr(v, "name", v))
 
 
-def _uses_zmq(llm_args: Any) -> bool:
-    """Ranks reach the leader over ZeroMQ when they live in other processes (TensorRT-LLM with
-    tensor parallelism) or when an endpoint is configured explicitly."""
-    if os.environ.get("KVTIER_ZMQ_ENDPOINT"):
-        return True
-    return TRTLLM_BASE_MODULE is not None and _world_size(llm_args) > 1
+def engine_salt(llm_args: Any) -> str:
+    """The model identity every kvtier key of this engine is hashed with: everything that makes
+    two engines' KV bytes of one token prefix differ (model and revision, dtypes, quantisation,
+    tokens per block, tensor-parallel sharding, the KV cache manager's layout). Two engines share
+    blocks (e.g. through one ``remote.url``) only if these are equal."""
+    kv = getattr(llm_args, "kv_cache_config", None)
+    quant = getattr(llm_args, "quant_config", None)
+    v2 = getattr(llm_args, "use_kv_cache_manager_v2", None)
+    if v2 is None:
+        v2 = getattr(kv, "use_kv_cache_manager_v2", False)
+    parts = [
+        "trtllm",
+        f"model={_get(llm_args, 'model', default='')}",
+        f"revision={_get(llm_args, 'revision', default='')}",
+        f"dtype={_name(_get(llm_args, 'dtype', default='auto'))}",
+        f"kv_dtype={_name(_get(kv, 'dtype', default='auto'))}",
+        f"quant={_name(_get(quant, 'quant_algo', default=''))}",
+        f"kv_quant={_name(_get(quant, 'kv_cache_quant_algo', default=''))}",
+        f"tokens_per_block={_tokens_per_block(llm_args)}",
+        f"tp={_world_size(llm_args)}",
+        f"kv_manager_v2={v2}",
+    ]
+    return "\x1f".join(parts)
 
 
-def _settings_channel() -> str:
-    """The in-process channel pairing an engine's scheduler with rank 0's worker."""
+def request_key(request: Any) -> tuple[Optional[str], bool, str]:
+    """``(identity, cacheable, reason)`` of one ``LlmRequest``: the tenant cache salt
+    (``cache_salt`` in 1.4, ``cache_salt_id`` in 1.3: ``RequestData`` in
+    ``connectors/kv_cache_connector.py`` says connectors MUST mix it into their keys) and the
+    multimodal hashes with their positions. LoRA requests and prompt-embedding tables cannot be
+    keyed from what the request carries (a task id is not an adapter identity across engines):
+    uncacheable. A multimodal request without hashes: uncacheable."""
+    parts = []
+    salt = getattr(request, "cache_salt", None)
+    if salt is not None and str(salt) != "":
+        parts.append(f"salt={salt}")
+    salt_id = getattr(request, "cache_salt_id", None)
+    if salt_id is not None:
+        parts.append(f"salt_id={int(salt_id)}")
+    if getattr(request, "lora_task_id", None) is not None:
+        return None, False, "LoRA adapter requests (lora_task_id) are not cached by kvtier"
+    if getattr(request, "prompt_embedding_table", None) is not None:
+        return None, False, "requests with a prompt embedding table are not cached by kvtier"
+    positions = getattr(request, "multimodal_positions", None)
+    if positions:
+        hashes = getattr(request, "multimodal_hashes", None)
+        if not hashes or len(hashes) != len(positions):
+            return None, False, "multimodal requests without multimodal_hashes are not cached by kvtier"
+        lengths = getattr(request, "multimodal_lengths", None) or [0] * len(positions)
+        mm = ",".join(
+            f"{'-'.join(str(int(x)) for x in (h if isinstance(h, (list, tuple)) else [h]))}@{int(p)}+{int(n)}"
+            for h, p, n in zip(hashes, positions, lengths)
+        )
+        parts.append(f"mm={mm}")
+    return ("\x1f".join(parts) if parts else None), True, ""
+
+
+def _is_generation_only(request: Any) -> bool:
+    """``is_generation_only_request``: a property on the C++ ``LlmRequest``, a method on V2's
+    Python ``LlmRequest`` (``pyexecutor/llm_request.py``); a bound method is truthy."""
+    v = getattr(request, "is_generation_only_request", False)
+    return bool(v() if callable(v) else v)
+
+
+def _refusals(llm_args: Any, tiers: dict) -> list[str]:
+    """Configurations kvtier cannot serve correctly, each named by its setting."""
+    out = []
+    kv = getattr(llm_args, "kv_cache_config", None)
+    if getattr(kv, "enable_partial_reuse", False):
+        out.append("kv_cache_config.enable_partial_reuse must be false (partial block reuse lets the engine "
+                   "write into blocks kvtier has stored)")
+    if int(getattr(kv, "host_cache_size", 0) or 0) > 0:
+        out.append("kv_cache_config.host_cache_size: TensorRT-LLM's native host tier moves blocks kvtier "
+                   "tracks; use kvtier's host tier instead (DYN_KVBM_CPU_CACHE_GB)")
+    window = getattr(kv, "max_attention_window", None)
+    if window:
+        seq = getattr(llm_args, "max_seq_len", None)
+        if len(set(window)) > 1 or seq is None or min(window) < int(seq):
+            out.append("kv_cache_config.max_attention_window: sliding-window / VSWA attention frees blocks "
+                       "(-1 page ids) kvtier would store or load stale")
+    if int(getattr(llm_args, "max_beam_width", 1) or 1) > 1:
+        out.append("max_beam_width > 1: beams share and fork blocks the connector API does not report")
+    if getattr(llm_args, "speculative_config", None) is not None:
+        out.append("speculative_config: rejected draft tokens shrink the page list without telling the "
+                   "connector, so kvtier could store KV of rejected drafts")
+    if getattr(llm_args, "enable_attention_dp", False):
+        out.append("enable_attention_dp: each attention-DP rank schedules its own requests; kvtier's "
+                   "classes do not set supports_attention_dp")
+    m = _mapping(llm_args)
+    if int(getattr(m, "pp_size", 1) or 1) > 1:
+        out.append("pipeline_parallel_size > 1: TensorRT-LLM's connector API does not support it")
+    policy = _get(llm_args, "scheduler_config", "capacity_scheduler_policy")
+    if policy is not None and not _name(policy).upper().endswith("GUARANTEED_NO_EVICT"):
+        out.append(f"scheduler_config.capacity_scheduler_policy={_name(policy)}: kvtier needs GUARANTEED_NO_EVICT "
+                   "(a request evicted mid-flight would lose blocks with copies in flight)")
+    fallible = [n for n in ("disk", "remote") if tiers.get(n)]
+    if fallible and _world_size(llm_args) > 1:
+        out.append(f"{' and '.join(fallible)} tier with tensor parallelism ({_world_size(llm_args)} ranks): a failed "
+                   "load can only be recomputed on a single-rank engine (each rank holds its own request), "
+                   "so TP > 1 uses kvtier's host tier only")
+    elif fallible and not tiers.get("async_loads"):
+        out.append(f"async_loads=false with a {' and '.join(fallible)} tier: a failed synchronous load cannot be "
+                   "recomputed once the batch is scheduled; leave KVTIER_ASYNC_LOADS unset (true)")
+    return out
+
+
+def _check(llm_args: Any, settings: dict) -> None:
+    problems = _refusals(llm_args, dict(_native.configured_tiers(settings)))
+    if problems:
+        raise ConfigError("kvtier cannot run with this TensorRT-LLM configuration: " + "; ".join(problems))
+
+
+# --------------------------------------------------------------------------------------------
+# Engine-wide state shared by rank 0's scheduler and worker (one process, one channel)
+
+
+class _Engine:
+    """The scheduler and rank 0's worker of one engine run in one process; they share the request
+    objects of async loads (for recompute) and the ZeroMQ endpoint the leader bound."""
+
+    _all: "dict[str, _Engine]" = {}
+    _all_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.loads: dict[str, tuple[Any, list[int], int]] = {}  # rid -> (request, blocks, match start)
+        self.endpoint: Optional[str] = None
+        self.endpoint_set = threading.Event()
+
+    @classmethod
+    def of(cls, channel: str) -> "_Engine":
+        with cls._all_lock:
+            return cls._all.setdefault(channel, cls())
+
+
+def _channel() -> str:
     return f"trtllm-{os.getpid()}"
 
 
+#: Whether ranks live in separate processes (None: TensorRT-LLM present and world_size > 1). Tests
+#: running ranks as processes without TensorRT-LLM set it to True.
+RANKS_IN_PROCESSES: Optional[bool] = None
+
+
+def _ranks_in_processes(llm_args: Any) -> bool:
+    if RANKS_IN_PROCESSES is not None:
+        return RANKS_IN_PROCESSES
+    return TRTLLM_BASE_MODULE is not None and _world_size(llm_args) > 1
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (``tensorrt_llm._utils.mpi_broadcast``; tests replace it)."""
+    from tensorrt_llm._utils import mpi_broadcast
+
+    return mpi_broadcast(obj, root=0)
+
+
+def _free_endpoint() -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _configured_endpoint() -> Optional[str]:
+    return os.environ.get("KVTIER_ZMQ_ENDPOINT") or None
+
+
 def _settings(llm_args: Any, **extra: Any) -> dict[str, Any]:
-    """The engine-supplied settings of this engine (the rest comes from KVTIER_* / DYN_KVBM_*)."""
+    """The engine-supplied settings (the rest comes from KVTIER_* / DYN_KVBM_* / KVTIER_CONFIG)."""
     s: dict[str, Any] = {
         "block_size": _tokens_per_block(llm_args),
         "world_size": _world_size(llm_args),
-        # Sync loads (they run before the forward pass reads layer 0) unless kvtier's configuration says
-        # otherwise: `connector.async_loads` in the TOML, KVTIER_ASYNC_LOADS, or an `async_loads` setting.
-        "async_loads_default": False,
-        # Scheduler and rank-0 worker of one engine pair up in-process under this key.
-        "channel": _settings_channel(),
+        # Async loads (a failed one is recomputed) unless configured otherwise.
+        "async_loads_default": True,
+        "channel": _channel(),
+        "salt": engine_salt(llm_args),
     }
     s.update(extra)
     return s
@@ -208,21 +359,27 @@ def _settings(llm_args: Any, **extra: Any) -> dict[str, Any]:
 class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type]
     """TensorRT-LLM ``KvCacheConnectorScheduler`` backed by ``kvtier._native.Leader``."""
 
-    #: kvtier serves decode workers too: generation-only requests (KV from the cache transceiver)
-    #: are accepted; their prompt blocks are never loaded by kvtier, the blocks their generation
-    #: completes are stored.
-    supports_generation_only_requests = True
-
     def __init__(self, llm_args: Any):
         if _SchedulerBase is not object:
             super().__init__(llm_args)
+        _import_rank_settings()
         self._llm_args = llm_args
-        extra = {"link": "zmq"} if _uses_zmq(llm_args) else {}
-        settings = _settings(llm_args, **extra)
+        self._tpb = _tokens_per_block(llm_args)
+        settings = _settings(llm_args)
+        _check(llm_args, settings)
+        self._engine = _Engine.of(_channel())
+        if _ranks_in_processes(llm_args) or _configured_endpoint():
+            # Two engines on one host never share a port: a free one unless configured; rank 0's
+            # worker broadcasts it to the other ranks at register_kv_caches.
+            endpoint = _configured_endpoint() or _free_endpoint()
+            settings.update(link="zmq", zmq_endpoint=endpoint)
+            self._engine.endpoint = endpoint
         self._leader = _native.Leader(settings)
-        self._async = _AsyncLoads.of(str(settings["channel"]))
-        # Requests answered (n, True) and not yet allocated.
-        self._matched_async: dict[str, Any] = {}
+        self._engine.endpoint_set.set()
+        self._matched: dict[str, tuple[Any, int]] = {}  # answered (n, True), not yet allocated
+        self._cancelled: dict[str, tuple[int, int]] = {}
+        self._excluded: set[str] = set()
+        self._keys: dict[str, tuple[Optional[str], bool]] = {}
 
     @property
     def leader(self) -> Any:
@@ -230,28 +387,67 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
         return self._leader
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        if getattr(request, "is_generation_only_request", False):
-            # Its KV arrives through the engine's cache transceiver; loading it too would race.
+        if _is_generation_only(request):
+            # Its KV arrives through the cache transceiver; loading it too would race.
             return 0, False
+        identity, cacheable, why = request_key(request)
+        if not cacheable:
+            _warn_once(why, "kvtier: %s", why)
+        rid = str(request.request_id)
         n = int(
             self._leader.get_num_new_matched_tokens(
-                str(request.request_id), request.get_tokens(0), int(num_computed_tokens)
+                rid, request.get_tokens(0), int(num_computed_tokens), identity=identity, cacheable=cacheable
             )
         )
-        # (0, True) is an error to TensorRT-LLM.
+        self._cancelled.pop(rid, None)
+        self._keys[rid] = (identity, cacheable)
         if n > 0 and self._leader.loads_are_async:
-            self._matched_async[str(request.request_id)] = request
+            self._matched[rid] = (request, int(num_computed_tokens))
             return n, True
-        self._matched_async.pop(str(request.request_id), None)
+        self._matched.pop(rid, None)
         return (n, False) if n > 0 else (0, False)
 
+    def cancel_load(self, request: Any, start: int, end: int) -> None:
+        """KVCacheManagerV2: the engine will not consume tokens ``[start, end)`` of the offer
+        (``kv_cache_manager_v2.py``; matching and allocation can be iterations apart). kvtier then
+        loads nothing for the request (the engine recomputes), which is always correct for a tail
+        cut; a head cut leaves a suffix the engine counts as loaded, so the request is matched again
+        from ``end`` at allocation."""
+        self._cancelled[str(request.request_id)] = (int(start), int(end))
+
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int]) -> None:
-        # TensorRT-LLM passes no external-token count: the leader remembers its last match.
         rid = str(request.request_id)
         ids = [int(b) for b in block_ids]
-        self._leader.update_state_after_alloc(rid, ids)
-        if self._matched_async.pop(rid, None) is not None:
-            self._async.add(rid, request, ids)
+        # V2 reports only the first chunk's pages and may pad with -1: the leading valid pages are
+        # the table so far, the rest arrives as new_block_ids.
+        while ids and ids[-1] < 0:
+            ids.pop()
+        if any(b < 0 for b in ids):
+            self._exclude(rid, "a -1 page id before valid pages (a sliding window passed a block)")
+            ids = ids[: ids.index(next(b for b in ids if b < 0))]
+        external = None
+        cut = self._cancelled.pop(rid, None)
+        if cut is not None:
+            matched = self._matched.get(rid)
+            start_tok = matched[1] if matched else None
+            if start_tok is not None and cut[0] <= start_tok:
+                # Head cut: the engine's own cache covers [start, end); load the rest from `end`.
+                identity, cacheable = self._keys.get(rid, (None, True))
+                n = int(self._leader.get_num_new_matched_tokens(
+                    rid, request.get_tokens(0), cut[1], identity=identity, cacheable=cacheable))
+                self._matched[rid] = (request, cut[1])
+                external = n
+            else:
+                external = max(0, cut[0] - (start_tok or 0))
+        self._leader.update_state_after_alloc(rid, ids, external)
+        entry = self._matched.pop(rid, None)
+        if entry is not None:
+            with self._engine.lock:
+                self._engine.loads[rid] = (entry[0], ids, entry[1])
+
+    def _exclude(self, rid: str, why: str) -> None:
+        _warn_once("exclude:" + why, "kvtier: request %s stops being cached: %s", rid, why)
+        self._excluded.add(rid)
 
     def build_connector_meta(self, scheduler_output: Any) -> bytes:
         # Records as tuples (request_id, new_tokens, new_block_ids, num_computed, num_scheduled,
@@ -265,18 +461,45 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
                         f"TensorRT-LLM {_trtllm_version()} reports no num_scheduled_tokens for request "
                         f"{rd.request_id}: kvtier needs TensorRT-LLM >= {MIN_TRTLLM_VERSION}"
                     )
-                records.append(
-                    (str(rd.request_id), rd.new_tokens, rd.new_block_ids, rd.computed_position, scheduled, 0, is_new)
-                )
+                rid = str(rd.request_id)
+                blocks = list(rd.new_block_ids)
+                if any(int(b) < 0 for b in blocks):
+                    self._exclude(rid, "a -1 page id in new_block_ids")
+                if rid in self._excluded:
+                    continue
+                prio = getattr(rd, "priorities", None)  # 1.3+: retention priority per new block
+                if prio:
+                    records.append((rid, rd.new_tokens, blocks, rd.computed_position, scheduled, 0, is_new, False,
+                                    [int(x) for x in prio]))
+                else:
+                    records.append((rid, rd.new_tokens, blocks, rd.computed_position, scheduled, 0, is_new))
         return self._leader.build_step(records)
 
     def request_finished(self, request: Any, cache_block_ids: Sequence[int]) -> bool:
-        # The leader owns the request's block table; the ids TensorRT-LLM passes (with -1 for blocks
-        # a sliding window has passed) add nothing.
+        # True keeps the request's device blocks until every rank reports it (stores, and loads
+        # still in flight for a cancelled request: a late copy must not land in reused blocks).
         rid = str(request.request_id)
-        self._matched_async.pop(rid, None)
-        self._async.pop(rid)
-        return bool(self._leader.request_finished(rid))
+        self._matched.pop(rid, None)
+        self._cancelled.pop(rid, None)
+        self._excluded.discard(rid)
+        self._keys.pop(rid, None)
+        with self._engine.lock:
+            # Parked for an async load not yet reported loaded: the workers report it saved once
+            # their copies into its blocks are done (older TensorRT-LLM frees blocks at once).
+            loading = self._engine.loads.pop(rid, None) is not None
+        return bool(self._leader.request_finished(rid)) or loading
+
+    def request_reset(self, request: Any) -> None:
+        """KVCacheManagerV2 reset a request to run it again from scratch: its device table is gone."""
+        rid = str(request.request_id)
+        self._matched.pop(rid, None)
+        self._cancelled.pop(rid, None)
+        with self._engine.lock:
+            self._engine.loads.pop(rid, None)
+        try:
+            self._leader.request_preempted(rid)
+        except ConnectorError:
+            pass  # never matched: nothing to forget
 
     def wait_for_initialization(self) -> None:
         return None
@@ -292,52 +515,108 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
     def __init__(self, llm_args: Any):
         if _WorkerBase is not object:
             super().__init__(llm_args)
+        _import_rank_settings()
         self._llm_args = llm_args
-        self._metadata = None
+        self._metadata: Any = None
         self._rank = _rank(llm_args)
-        self._tokens_per_block = _tokens_per_block(llm_args)
-        # Failed async loads become recomputes only where rank 0's worker shares the process (and the
-        # request objects) with the scheduler and no other rank runs the request.
-        self._can_recompute = _world_size(llm_args) == 1 and not _uses_zmq(llm_args)
-        self._async = _AsyncLoads.of(str(_settings_channel()))
-        # Device blocks of async loads that failed, not yet matched to their request.
-        self._async_errors: set[int] = set()
+        self._tpb = _tokens_per_block(llm_args)
+        _check(llm_args, _settings(llm_args))
+        # Failed async loads become recomputes where rank 0's worker shares the request objects
+        # with the scheduler and no other rank runs the request.
+        self._can_recompute = _world_size(llm_args) == 1
+        self._engine = _Engine.of(_channel())
+        self._load_errors: set[int] = set()
+        self._withheld: set[str] = set()
         #: Asynchronous loads that failed and were handed back to TensorRT-LLM for recompute.
         self.recomputed_loads = 0
-        # Built at register_kv_caches (it needs the pool tensor).
+        #: Loads that failed where no recompute is possible (withheld, never reported loaded).
+        self.unrecoverable_loads = 0
         self._worker: Any = None
 
     @property
     def native(self) -> Any:
-        """The native worker (for metrics and tests); None before register_kv_caches."""
+        """The native worker (for metrics and tests); None before registration."""
         return self._worker
 
-    def register_kv_caches(self, kv_cache_tensor: Any) -> None:
-        desc = describe(kv_cache_tensor)
-        if _uses_zmq(self._llm_args):
-            # Ranks in other processes (and, for uniformity, rank 0 too) talk to the leader over
-            # ZeroMQ at KVTIER_ZMQ_ENDPOINT (default tcp://127.0.0.1:56119).
-            link = "zmq"
-        elif self._rank == 0:
-            # The scheduler lives in rank 0's process: job reports go to it directly.
-            link = "in_process"
-        else:
-            # No TensorRT-LLM (tests, custom drivers running all ranks in one process): the caller
-            # carries this rank's reports, worker.native.take_reports() -> scheduler.leader.apply_reports().
-            link = "engine"
+    def requires_layerwise_transfer_hooks(self) -> bool:
+        # 1.4 (connectors/kv_cache_connector.py): kvtier moves whole blocks at batch boundaries.
+        return False
+
+    # ----- registration ------------------------------------------------------------------------
+
+    def _link(self) -> tuple[str, dict]:
+        if _ranks_in_processes(self._llm_args) or _configured_endpoint():
+            endpoint = _configured_endpoint()
+            if endpoint is None:
+                # The scheduler (rank 0, this process) chose a free port; every rank learns it here.
+                if self._rank == 0:
+                    self._engine.endpoint_set.wait(120)
+                    endpoint = self._engine.endpoint
+                endpoint = _broadcast(endpoint)
+            return "zmq", {"zmq_endpoint": endpoint}
+        if self._rank == 0:
+            return "in_process", {}
+        # No TensorRT-LLM, all ranks in one process: the caller carries this rank's reports,
+        # worker.native.take_reports() -> scheduler.leader.apply_reports().
+        return "engine", {}
+
+    def _register(self, tensors: Any, layout: str) -> None:
+        link, extra = self._link()
         settings = _settings(
             self._llm_args,
             rank=self._rank,
             link=link,
-            layout="trtllm_pool",
+            layout=layout,
             # TensorRT-LLM passes get_finished only requests whose request_finished returned True.
             finished_ids_are_saving=True,
+            **extra,
         )
-        self._worker = _native.Worker(settings, desc)
+        delay = os.environ.get("TRTLLM_KVTIER_TEST_LOAD_DELAY_MS")
+        if delay:
+            settings["test_load_delay_ms"] = int(delay)  # tests: loads start late (see worker.rs)
+        self._worker = _native.Worker(settings, tensors)
+
+    def register_kv_caches(self, kv_cache_tensor: Any, secondary_kv_cache_tensor: Any = None) -> None:
+        """V1 manager: the primary pool ``[num_blocks, num_layers, kv_factor, ...]``."""
+        self._register(describe(kv_cache_tensor), "trtllm_pool")
+
+    def register_kv_cache_layout(self, layout: Any) -> None:
+        """KVCacheManagerV2 (``connectors/kv_cache_layout.py``): page slot ``i`` of a region lives at
+        ``base + stride * i`` for ``size`` bytes. One full-attention layer group with shard-specific
+        regions only; each region becomes a ``[num_slots, tokens_per_block, bytes]`` tensor."""
+        groups = list(getattr(layout, "groups", ()))
+        if len(groups) != 1:
+            raise ConfigError(f"KvCacheLayout has {len(groups)} layer groups: kvtier supports one (no VSWA/hybrid)")
+        g = groups[0]
+        if getattr(g, "window_size", None) is not None:
+            raise ConfigError("KvCacheLayout layer group has a window_size: sliding-window attention is refused")
+        if getattr(g, "replicated_regions", ()):
+            raise ConfigError("KvCacheLayout has replicated regions (side caches): not supported by kvtier")
+        tpb = int(getattr(layout, "tokens_per_block", self._tpb))
+        device, index = _current_device()
+        device = str(getattr(layout, "device", device))  # test pools in host memory say "cpu"
+        tensors = []
+        for i, r in enumerate(g.regions):
+            size, stride = int(r.size), int(r.stride)
+            if size % (tpb * 2):
+                raise ConfigError(f"KvCacheLayout region {i}: {size} bytes are not {tpb} tokens of 2-byte units")
+            inner = size // (tpb * 2)
+            desc = _native.TensorDesc(int(r.base), [int(r.num_slots), tpb, inner], [stride, inner * 2, 2], 2,
+                                      "float16", device, index)
+            tensors.append((f"region {i}", desc))
+        if not tensors:
+            raise ConfigError("KvCacheLayout has no regions")
+        self._register(tensors, "vllm_mla")
+
+    # ----- per step ----------------------------------------------------------------------------
 
     def bind_connector_meta(self, metadata: object) -> None:
         self._metadata = metadata
-        self._require().bind(metadata)
+        if self._worker is None:
+            if metadata:
+                logger.error("kvtier: connector metadata arrived before register_kv_caches; ignored")
+            return
+        self._worker.bind(metadata)
 
     def get_connector_meta(self) -> object:
         return self._metadata
@@ -345,95 +624,103 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
     def _clear_connector_meta(self) -> None:
         self._metadata = None
 
-    def _require(self) -> Any:
-        if self._worker is None:
-            raise ConnectorError("the kvtier worker was used before register_kv_caches")
-        return self._worker
-
     def start_load_kv(self, stream: Any) -> None:
-        self._require().start_load(stream_handle(stream))
+        """Starts the step's loads and returns once its synchronous loads are in device memory, so
+        the forward reads them whichever layer hooks run (CUDA-graph replay runs none)."""
+        w = self._worker
+        if w is None:
+            return
+        handle = stream_handle(stream)
+        w.start_load(handle)
+        w.wait_for_layer_load(0, handle)
+        self._collect_errors()
+
+    def _collect_errors(self) -> None:
+        failed = {int(b) for b in self._worker.take_load_errors()}
+        if not failed:
+            return
+        with self._engine.lock:
+            parked = {b for _, ids, _ in self._engine.loads.values() for b in ids}
+        sync_failed = failed - parked
+        self._load_errors |= failed & parked
+        if sync_failed:
+            # Only a CUDA error can fail a synchronous load kvtier allows (host tier; _refusals), and
+            # then the engine's own next CUDA call fails too. kvtier's stores of the request are
+            # dropped; nothing is raised here (it would fail every request).
+            logger.error("kvtier: synchronous load into device blocks %s failed", sorted(sync_failed))
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
-        w = self._require()
-        w.wait_for_layer_load(int(layer_idx), stream_handle(stream))
-        if layer_idx == 0:
-            failed = {int(b) for b in w.take_load_errors()}
-            if self._can_recompute:
-                # Blocks of parked async loads are settled in get_finished.
-                parked = failed & self._async.blocks()
-                self._async_errors |= parked
-                failed -= parked
-            if failed:
-                # A synchronous load failed and this pass is about to read its blocks: TensorRT-LLM
-                # cannot recompute them, so fail the pass rather than run on wrong KV.
-                raise TransferError(
-                    f"kvtier could not load device blocks {sorted(failed)}; refusing to run the forward pass "
-                    "on them (on a single-rank engine, asynchronous loads - KVTIER_ASYNC_LOADS=true - are "
-                    "recomputed instead)"
-                )
+        return None  # loads completed in start_load_kv
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
-        # Stores are whole blocks across layers, issued at the end of the forward pass.
-        self._require()
+        return None  # whole blocks across layers, issued at the end of the forward pass
 
     def wait_for_save(self, stream: Any) -> None:
-        self._require().forward_done(stream_handle(stream))
+        if self._worker is not None:
+            self._worker.forward_done(stream_handle(stream))
 
     def register_forward_pass_callable(self) -> Callable[[], None]:
-        """A callable TensorRT-LLM runs on the forward stream at the end of each forward pass; it
-        marks the point after which this step's stores may read the device blocks."""
+        """Called on the forward stream after every forward (eager or graph replay), from engine
+        start on: before registration (KV-cache estimation, warmup) it does nothing."""
 
         def forward_pass_done() -> None:
-            self._require().forward_done(_current_stream_handle())
+            w = self._worker
+            if w is not None:
+                w.forward_done(_current_stream_handle())
 
         return forward_pass_done
 
     def get_finished(
         self, finished_gen_req_ids: Sequence[int], started_loading_req_ids: Sequence[int]
     ) -> tuple[list[int], list[int]]:
-        w = self._require()
+        w = self._worker
+        if w is None:
+            return [], []
         saved, loaded, load_failed = w.get_finished(_ids(finished_gen_req_ids), _ids(started_loading_req_ids))
-        loaded = list(loaded)
-        for rid in loaded:
-            self._async.pop(str(rid))
-        # Errors of a load that finished after get_finished looked belong to a request reported on a
-        # later call: remember them all until their request is reported.
-        self._async_errors |= {int(b) for b in w.take_load_errors()}
-        if load_failed:
-            loaded += self._recompute(load_failed)
-        return [int(x) for x in saved], [int(x) for x in loaded]
-
-    def _recompute(self, load_failed: Sequence[str]) -> list[str]:
-        """Rewind each failed request to its first failed block so TensorRT-LLM computes the rest, and
-        return the ids to report loaded. Raises TransferError where that is impossible."""
-        errors = self._async_errors
-        if not self._can_recompute:
-            raise TransferError(
-                f"kvtier could not load the KV of requests {sorted(int(x) for x in load_failed)}; "
-                "TensorRT-LLM's connector API cannot recompute them on a multi-rank engine"
-            )
-        out = []
+        self._collect_errors()
+        out = [str(r) for r in loaded]
         for rid in load_failed:
-            entry = self._async.pop(str(rid))
-            first = None
-            if entry is not None:
-                request, blocks = entry
-                bad = [i for i, b in enumerate(blocks) if b in errors]
-                first = min(bad) if bad else None
-            if first is None:
-                raise TransferError(
-                    f"kvtier could not load the KV of request {rid} and cannot tell which blocks failed; "
-                    "refusing to report it loaded"
-                )
-            pos = first * self._tokens_per_block
-            if pos < int(request.context_current_position):
-                request.context_current_position = pos
-            self._async_errors -= set(blocks)
-            self.recomputed_loads += 1
-            logger.warning("kvtier: the load of request %s failed at block %d; TensorRT-LLM recomputes from token %d",
-                           rid, first, pos)
-            out.append(rid)
-        return out
+            if self._recompute(str(rid)):
+                out.append(str(rid))
+        with self._engine.lock:
+            for rid in out:
+                self._engine.loads.pop(rid, None)
+        return [int(x) for x in saved], [int(x) for x in out]
+
+    def _recompute(self, rid: str) -> bool:
+        """Rewind a failed async load to its first failed block so TensorRT-LLM computes the rest;
+        True to report it loaded. Where no rank can rewind every rank's copy of the request
+        (TP > 1), the request is withheld (never reported loaded) and logged: it fails alone."""
+        with self._engine.lock:
+            entry = self._engine.loads.get(rid)
+        if not self._can_recompute or entry is None:
+            if rid not in self._withheld:
+                self._withheld.add(rid)
+                self.unrecoverable_loads += 1
+                logger.error("kvtier: the load of request %s failed and cannot be recomputed on %d ranks; "
+                             "it is never reported loaded", rid, _world_size(self._llm_args))
+            return False
+        request, blocks, match_start = entry
+        bad = [i for i, b in enumerate(blocks) if b in self._load_errors]
+        # Unknown first failed block: recompute everything kvtier offered.
+        pos = min(bad) * self._tpb if bad else match_start
+        if pos < int(request.context_current_position):
+            request.context_current_position = pos
+        self._load_errors -= set(blocks)
+        self.recomputed_loads += 1
+        logger.warning("kvtier: the load of request %s failed; TensorRT-LLM recomputes from token %d", rid, pos)
+        return True
+
+
+def _ids(xs: Iterable[Any]) -> list[str]:
+    return [str(int(x)) for x in xs]
+
+
+def _current_device() -> tuple[str, int]:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return "cuda", int(torch.cuda.current_device())
+    return "cpu", 0
 
 
 def _current_stream_handle() -> Optional[int]:
@@ -444,48 +731,17 @@ def _current_stream_handle() -> Optional[int]:
 
 
 # --------------------------------------------------------------------------------------------
-# Configuration
+# Configuration (kvtier/_trtllm_config.py)
 
-
-def _connector_fields(connector: Optional[str]) -> Optional[dict[str, str]]:
-    if connector is None:
-        return None
-    name = str(connector).strip().lower()
-    if name == "none":
-        return None
-    if name not in ("kvtier", "kvbm"):
-        raise ConfigError(f"unknown connector {connector!r}: valid names are {', '.join(CONNECTOR_NAMES)}")
-    return {
-        "connector_module": __name__ if __name__ != "__main__" else "kvtier.trtllm",
-        "connector_scheduler_class": SCHEDULER_CLASS,
-        "connector_worker_class": WORKER_CLASS,
-    }
-
-
-def build_kv_connector_config(connector: Optional[str]) -> Any:
-    """TensorRT-LLM's ``KvCacheConnectorConfig`` for ``connector`` ("kvtier", its alias "kvbm", or
-    "none"/None for no connector, which returns None). Without TensorRT-LLM installed the same three
-    fields come back as a dict. Any other name raises :class:`kvtier.ConfigError` listing the valid
-    names."""
-    fields = _connector_fields(connector)
-    if fields is None:
-        return None
-    try:
-        from tensorrt_llm.llmapi.llm_args import KvCacheConnectorConfig
-    except ImportError:
-        return fields
-    return KvCacheConnectorConfig(**fields)
-
-
-def connector_yaml(connector: Optional[str]) -> str:
-    """The YAML block for ``trtllm-serve --extra_llm_api_options`` (empty for "none")."""
-    fields = _connector_fields(connector)
-    if fields is None:
-        return ""
-    lines = ["kv_connector_config:"]
-    lines += [f"  {k}: {v}" for k, v in fields.items()]
-    lines += ["kv_cache_config:", "  enable_partial_reuse: false"]
-    return "\n".join(lines) + "\n"
+from ._trtllm_config import (  # noqa: E402,F401  (public API of kvtier.trtllm)
+    CONNECTOR_NAMES,
+    MIN_TRTLLM_VERSION,
+    build_kv_connector_config,
+    build_llm_kwargs,
+    connector_yaml,
+    export_settings_for_ranks,
+    llm_options,
+)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -493,9 +749,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     cfg = sub.add_parser("config", help="print the YAML block for trtllm-serve --extra_llm_api_options")
     cfg.add_argument("--connector", default="kvtier", help=f"one of {', '.join(CONNECTOR_NAMES)} (default kvtier)")
+    cfg.add_argument("--role", default="agg", help="agg (default), prefill or decode (disaggregated serving)")
     args = parser.parse_args(argv)
     try:
-        sys.stdout.write(connector_yaml(args.connector))
+        sys.stdout.write(connector_yaml(args.connector, args.role))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -76,9 +76,15 @@ fn failed_loads_are_recomputed_and_not_reported_as_cached() {
     for (i, ((t1, _), (t2, cached))) in first.iter().zip(&second).enumerate() {
         assert_eq!(t1, &want[i], "request {i}, phase 1");
         assert_eq!(t2, &want[i], "request {i}, phase 2");
-        assert_eq!(*cached, 0, "request {i}: failed loads reported as cached tokens");
+        assert_eq!(
+            *cached, 0,
+            "request {i}: failed loads reported as cached tokens"
+        );
     }
-    assert!(m2.load_failures > m1.load_failures, "no load failed: {m2:?}");
+    assert!(
+        m2.load_failures > m1.load_failures,
+        "no load failed: {m2:?}"
+    );
     assert_eq!(
         m2.kvtier_matched_tokens, m1.kvtier_matched_tokens,
         "failed loads counted as kvtier hits"

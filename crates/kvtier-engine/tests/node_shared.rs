@@ -45,12 +45,22 @@ fn a_second_engine_is_served_from_blocks_the_first_stored() {
     let a = EngineHandle::start(engine_cfg(31, n.socket())).unwrap();
     let got_a = run_all(&a, ps.iter().map(|p| request(p, 8)).collect());
     assert!(a.wait_idle(IDLE));
-    assert!(got_a.iter().map(|g| &g.0).eq(want.iter()), "engine A differs");
-    assert!(n.stats().puts > 0, "engine A stored nothing in the node: {:?}", n.stats());
+    assert!(
+        got_a.iter().map(|g| &g.0).eq(want.iter()),
+        "engine A differs"
+    );
+    assert!(
+        n.stats().puts > 0,
+        "engine A stored nothing in the node: {:?}",
+        n.stats()
+    );
 
     let b = EngineHandle::start(engine_cfg(31, n.socket())).unwrap();
     let got_b = run_all(&b, ps.iter().map(|p| request(p, 8)).collect());
-    assert!(got_b.iter().map(|g| &g.0).eq(want.iter()), "engine B differs");
+    assert!(
+        got_b.iter().map(|g| &g.0).eq(want.iter()),
+        "engine B differs"
+    );
     let mb = b.metrics();
     assert!(
         mb.kvtier_matched_tokens_remote > 0,
@@ -69,7 +79,10 @@ fn an_engine_leaving_mid_run_leaves_the_other_correct() {
     let a = EngineHandle::start(engine_cfg(32, n.socket())).unwrap();
     let b = EngineHandle::start(engine_cfg(32, n.socket())).unwrap();
     // A is torn down while its requests are in flight (its streams end early).
-    let rxs: Vec<_> = ps.iter().map(|p| a.submit(request(p, 6)).unwrap()).collect();
+    let rxs: Vec<_> = ps
+        .iter()
+        .map(|p| a.submit(request(p, 6)).unwrap())
+        .collect();
     std::thread::sleep(Duration::from_millis(20));
     a.shutdown();
     drop(rxs);
@@ -78,6 +91,9 @@ fn an_engine_leaving_mid_run_leaves_the_other_correct() {
     assert!(got.iter().map(|g| &g.0).eq(want.iter()), "engine B differs");
     // And again, now partly from the node.
     let again = run_all(&b, ps.iter().map(|p| request(p, 6)).collect());
-    assert!(again.iter().map(|g| &g.0).eq(want.iter()), "engine B differs on replay");
+    assert!(
+        again.iter().map(|g| &g.0).eq(want.iter()),
+        "engine B differs on replay"
+    );
     b.shutdown();
 }

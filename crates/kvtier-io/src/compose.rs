@@ -375,7 +375,8 @@ impl Composition {
             let d = &self.config.disk;
             // One locked file set per rank under <disk.dir>/kvtier-g3/; a second live engine on
             // the directory gets its own (`rank0.1`, ...), a dead one's set is taken over.
-            let mut o = DiskOptions::new(d.dir.clone(), n32(self.caps.disk_blocks, "disk.gb")?, bpb);
+            let mut o =
+                DiskOptions::new(d.dir.clone(), n32(self.caps.disk_blocks, "disk.gb")?, bpb);
             o.name = format!("rank{rank}");
             o.persist = d.persist;
             if !d.use_o_direct {
@@ -391,9 +392,7 @@ impl Composition {
         if let Some(r) = remote {
             b = b.remote(r);
         }
-        Ok(RankTiers {
-            engine: b.build()?,
-        })
+        Ok(RankTiers { engine: b.build()? })
     }
 }
 

@@ -311,8 +311,7 @@ fn rows(tmp: &Path) -> Vec<Row> {
                     .map(|d| d.file_paths())
                     .unwrap_or_default();
                 expect(
-                    !files.is_empty()
-                        && files.iter().all(|f| f.starts_with(&other_dir)),
+                    !files.is_empty() && files.iter().all(|f| f.starts_with(&other_dir)),
                     format!("disk files {files:?} not under {}", other_dir.display()),
                 )
             }),

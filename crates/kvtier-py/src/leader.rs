@@ -105,11 +105,12 @@ fn record_from_py(obj: &Bound<'_, PyAny>) -> PyResult<StepRecord> {
     }
     if let Ok(t) = obj.cast::<PyTuple>() {
         // (request_id, new_tokens, new_block_ids, num_computed, num_scheduled
-        //  [, num_draft, is_new, resumed]): the cheapest form for per-step calls.
+        //  [, num_draft, is_new, resumed[, priorities]]): the cheapest form for per-step calls;
+        // `priorities` (one per new block, or None) is read by `build_step`.
         let n = t.len();
-        if !(5..=8).contains(&n) {
+        if !(5..=9).contains(&n) {
             return Err(pyo3::exceptions::PyTypeError::new_err(format!(
-                "a step record tuple has 5 to 8 items, got {n}"
+                "a step record tuple has 5 to 9 items, got {n}"
             )));
         }
         let flag = |i: usize| -> PyResult<bool> {
@@ -500,11 +501,23 @@ impl PyLeader {
             records: Vec::with_capacity(records.len()),
             finished: finished.into_iter().map(RequestId::from).collect(),
         };
+        // Engine-supplied retention priorities per new block (TensorRT-LLM `RequestData.priorities`).
+        let mut priorities: Vec<Option<Vec<u32>>> = Vec::with_capacity(records.len());
         for r in &records {
             step.records.push(record_from_py(r)?);
+            let p = match r.cast::<PyTuple>() {
+                Ok(t) if t.len() == 9 => t.get_item(8)?.extract::<Option<Vec<u32>>>()?,
+                _ => None,
+            };
+            priorities.push(p);
         }
         let mut g = self.lock();
         let leader = g.ready(py)?;
+        for (r, p) in step.records.iter().zip(&priorities) {
+            if !r.new_block_ids.is_empty() {
+                leader.set_block_priorities(&r.new_block_ids, p.as_deref());
+            }
+        }
         for r in &mut step.records {
             // TensorRT-LLM reports generation-only requests in cached_requests on first sight.
             if !r.is_new && leader.slot(&r.request_id).is_none() {

@@ -83,5 +83,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     m.add_function(wrap_pyfunction!(metrics_table, m)?)?;
+    m.add_function(wrap_pyfunction!(worker::configured_tiers, m)?)?;
     Ok(())
 }

@@ -32,7 +32,9 @@ impl PyNodeServer {
         allowed_uids: Vec<u32>,
     ) -> PyResult<Self> {
         if capacity_bytes == 0 {
-            return Err(BridgeError::local(Family::Config, "capacity_bytes must be positive").into());
+            return Err(
+                BridgeError::local(Family::Config, "capacity_bytes must be positive").into(),
+            );
         }
         let mut opts = NodeOptions::new(socket.clone(), capacity_bytes);
         if let Some(d) = shm_dir {

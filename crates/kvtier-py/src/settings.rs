@@ -32,6 +32,7 @@ const ADAPTER_KEYS: &[&str] = &[
     "dtype",
     "finished_ids_are_saving",
     "zmq_endpoint",
+    "test_load_delay_ms",
     // Informational keys some adapters pass along; accepted and ignored here.
     "role",
     "backend_module",

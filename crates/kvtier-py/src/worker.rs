@@ -108,6 +108,38 @@ fn layout_kind(
     })
 }
 
+/// Test hook (`test_load_delay_ms` setting): loads into device memory start this much later, so
+/// a test driver can tell a connector that waits for its loads from one that merely races them.
+struct DelayedLoads {
+    inner: Arc<dyn BlockTransfer>,
+    delay: std::time::Duration,
+}
+
+impl BlockTransfer for DelayedLoads {
+    fn bytes_per_block(&self) -> usize {
+        self.inner.bytes_per_block()
+    }
+    fn has_tier(&self, tier: kvtier::ids::Tier) -> bool {
+        self.inner.has_tier(tier)
+    }
+    fn fence(
+        &self,
+        engine_stream: Option<u64>,
+    ) -> Result<kvtier::transfer::Fence, kvtier::transfer::TransferError> {
+        self.inner.fence(engine_stream)
+    }
+    fn execute(
+        &self,
+        job: &kvtier::transfer::TransferJob,
+        fence: &kvtier::transfer::Fence,
+    ) -> kvtier::transfer::TransferOutcome {
+        if job.dst == kvtier::ids::Tier::Device {
+            std::thread::sleep(self.delay);
+        }
+        self.inner.execute(job, fence)
+    }
+}
+
 struct Inner {
     worker: Option<Worker>,
     buffer: Option<Arc<BufferSink>>,
@@ -212,7 +244,13 @@ impl PyWorker {
         let tiers = plan
             .transfer(rank, Arc::new(dl), kind, host, remote)
             .map_err(crate::vllm_support::bridge)?;
-        let engine: Arc<dyn BlockTransfer> = Arc::new(tiers.engine);
+        let mut engine: Arc<dyn BlockTransfer> = Arc::new(tiers.engine);
+        if let Some(ms) = settings.usize("test_load_delay_ms")?.filter(|ms| *ms > 0) {
+            engine = Arc::new(DelayedLoads {
+                inner: engine,
+                delay: std::time::Duration::from_millis(ms as u64),
+            });
+        }
         let (link, buffer) = match link_name.as_str() {
             "engine" => {
                 let buf = Arc::new(BufferSink::default());
@@ -285,6 +323,30 @@ fn shut(py: Python<'_>, inner: &mut Inner) {
     inner.zmq = None;
     // The disk tier's file set stays: the next worker of this rank on the directory takes it
     // over (and, with `disk.persist`, serves its blocks).
+}
+
+/// Which tiers and load mode `settings` configure, without building anything: the TensorRT-LLM
+/// adapter refuses at construction the configurations whose failed loads it cannot recompute.
+/// Keys: `disk` and `remote` (configured at a non-zero size / with a URL), `async_loads`.
+#[pyfunction]
+#[pyo3(signature = (settings = None))]
+pub fn configured_tiers(
+    py: Python<'_>,
+    settings: Option<&Bound<'_, PyDict>>,
+) -> PyResult<Py<PyDict>> {
+    use kvtier::config::TierSize;
+    let settings = Settings::from_py(settings)?;
+    let nonzero = |s: &Option<TierSize>| match s {
+        Some(TierSize::Gb(g)) => *g > 0.0,
+        Some(TierSize::Blocks(n)) => *n > 0,
+        None => false,
+    };
+    let d = PyDict::new(py);
+    d.set_item("host", nonzero(&settings.config.host.size))?;
+    d.set_item("disk", nonzero(&settings.config.disk.size))?;
+    d.set_item("remote", settings.config.remote.is_some())?;
+    d.set_item("async_loads", settings.async_loads()?)?;
+    Ok(d.unbind())
 }
 
 fn gone() -> PyErr {

@@ -7,9 +7,9 @@ use std::path::Path;
 
 use anyhow::Context;
 use clap::Args;
-use kvtier::config::{KvtierConfig, RemoteBackend};
 #[cfg(test)]
 use kvtier::config::RemoteTarget;
+use kvtier::config::{KvtierConfig, RemoteBackend};
 use kvtier_engine::{EngineHandle, Role};
 
 use crate::settings::{ConnectorKind, EngineArgs};

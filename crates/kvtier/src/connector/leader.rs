@@ -21,7 +21,7 @@
 //!   other request; work planned before the error stays queued for the next metadata.
 //!
 //! Not thread-safe by itself: the engine's scheduler thread owns it (`&mut self`).
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
@@ -232,6 +232,8 @@ enum JobBooks {
         request: RequestId,
         tier: Tier,
         blocks: Vec<BlockId>,
+        /// Retention priority per block (the engine's, else the configured default).
+        priorities: Vec<Priority>,
     },
     /// `src` -> device: pool blocks pinned for the read (empty for remote).
     Load {
@@ -334,6 +336,9 @@ pub struct Leader {
     remote_put: bool,
     async_loads: bool,
     priority: Priority,
+    /// Engine-supplied retention priority of device blocks (TensorRT-LLM `RequestData.priorities`),
+    /// set when a block is reported and used when it is stored; absent = `priority`.
+    block_priorities: HashMap<DeviceBlockId, Priority>,
     slots: SlotTable<SlotEntry>,
     jobs: JobTable<PendingJob>,
     step: u64,
@@ -407,6 +412,7 @@ impl Leader {
             remote_put: cfg.remote_put,
             async_loads: cfg.async_loads,
             priority: cfg.priority,
+            block_priorities: HashMap::new(),
             slots: SlotTable::default(),
             jobs: JobTable::default(),
             step: 0,
@@ -926,6 +932,7 @@ impl Leader {
         let mut books: Vec<BlockId> = Vec::with_capacity(offloads.len());
         // Disk stores bind each slot to its hash (`TransferJob::remote_keys`).
         let mut disk_keys = Vec::new();
+        let mut priorities: Vec<Priority> = Vec::with_capacity(offloads.len());
         let mut dropped = 0u64;
         for (ob, r) in offloads.iter().zip(&sc.reservations) {
             match *r {
@@ -938,6 +945,12 @@ impl Leader {
                     if tier == Tier::Disk {
                         disk_keys.push(ob.hash.0);
                     }
+                    priorities.push(
+                        self.block_priorities
+                            .get(&ob.device)
+                            .copied()
+                            .unwrap_or(self.priority),
+                    );
                 }
                 Reservation::Registered(existing) => {
                     self.stats.offload_deduplicated += 1;
@@ -962,6 +975,7 @@ impl Leader {
                     request: req.clone(),
                     tier,
                     blocks: books,
+                    priorities,
                 },
             );
             if let Some(e) = self.slots.get_mut(req) {
@@ -1013,12 +1027,41 @@ impl Leader {
             ));
         };
         e.slot.finish();
-        let in_flight = e.stores_in_flight > 0;
+        // Loads planned for it and not yet handed to a worker never run: nothing was copied.
+        self.withdraw_unsent_loads(req);
+        // Device blocks stay with the request while any of its copies may still land in them
+        // (a load cancelled in flight must not write into blocks given to another request).
+        let in_flight = self
+            .slots
+            .get(req)
+            .is_some_and(|e| e.stores_in_flight > 0 || e.loads_in_flight > 0);
         if in_flight {
             self.outbox.saving.push(req.clone());
         }
         self.maybe_drop_slot(req);
         Ok(in_flight)
+    }
+
+    /// Drops `req`'s loads still waiting in the outbox and releases their sources as if they had
+    /// succeeded (no block is invalidated: nothing was read).
+    fn withdraw_unsent_loads(&mut self, req: &RequestId) {
+        if !self.outbox.loads.iter().any(|l| &l.request == req) {
+            return;
+        }
+        let mut kept = Vec::with_capacity(self.outbox.loads.len());
+        for l in std::mem::take(&mut self.outbox.loads) {
+            if &l.request != req {
+                kept.push(l);
+                continue;
+            }
+            for j in l.jobs {
+                if let Some(mut pending) = self.jobs.remove(j.id) {
+                    pending.failed.clear();
+                    self.complete(pending);
+                }
+            }
+        }
+        self.outbox.loads = kept;
     }
 
     /// The engine preempted the request and freed its device blocks; it may be matched again.
@@ -1030,6 +1073,26 @@ impl Leader {
                 "request_id",
                 "unknown request",
             )),
+        }
+    }
+
+    /// The engine's retention priority for device blocks it reports next (aligned with
+    /// `blocks`); blocks stored from then on enter the host/disk pools with it, so the pools'
+    /// priority-aware eviction keeps high-priority blocks longest. `None` clears them (the
+    /// configured default applies again).
+    pub fn set_block_priorities(&mut self, blocks: &[DeviceBlockId], priorities: Option<&[u32]>) {
+        match priorities {
+            Some(p) => {
+                for (b, &v) in blocks.iter().zip(p) {
+                    self.block_priorities.insert(*b, Priority(v));
+                }
+            }
+            None if !self.block_priorities.is_empty() => {
+                for b in blocks {
+                    self.block_priorities.remove(b);
+                }
+            }
+            None => {}
         }
     }
 
@@ -1119,13 +1182,14 @@ impl Leader {
                 request,
                 tier,
                 blocks,
+                priorities,
             } => {
                 // Spills and remote puts follow a confirmed G2 store only when configured.
                 let spills = tier == Tier::Host
                     && ((self.disk.is_some() && self.disk_policy != DiskPolicy::Never)
                         || (self.remote_put && self.remote.is_some()));
-                let priority = self.priority;
                 for (i, blk) in blocks.into_iter().enumerate() {
+                    let priority = priorities.get(i).copied().unwrap_or(self.priority);
                     if failed.contains(&i) {
                         // Releasing the unconfirmed block frees it and drops its reservation.
                         self.stats.offload_failed += 1;

@@ -375,15 +375,19 @@ impl Worker {
             self.finished_waiting.entry(r.clone()).or_insert(self.binds);
         }
         let mut out = FinishedReport::default();
-        let (stores_pending, saving, trust, binds) = (
+        let (stores_pending, loads, saving, trust, binds) = (
             &self.stores_pending,
+            &self.loads,
             &mut self.saving,
             self.finished_are_saving,
             self.binds,
         );
         self.finished_waiting.retain(|r, passed_at| {
             let declared = trust || saving.contains(r);
-            if declared && stores_pending.get(r).copied().unwrap_or(0) == 0 {
+            // A finished request's blocks are released only after its loads on this rank
+            // finished too (a cancelled load must not land in blocks handed to another request).
+            let idle = stores_pending.get(r).copied().unwrap_or(0) == 0 && !loads.contains_key(r);
+            if declared && idle {
                 saving.remove(r);
                 out.saved.push(r.clone());
                 false

@@ -1,0 +1,132 @@
+"""Configuration of kvtier for TensorRT-LLM: ``KvCacheConnectorConfig``, ``LLM(...)`` keyword
+arguments and the YAML block for ``trtllm-serve --extra_llm_api_options`` (one block for 1.2.0rc2
+to 1.4.x: the fields used exist in every ``llmapi/llm_args.py`` of that range), and the variable
+that carries kvtier's settings to spawned ranks. Re-exported by :mod:`kvtier.trtllm`."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+from ._native import ConfigError
+
+#: The oldest TensorRT-LLM whose ``RequestData`` carries ``num_scheduled_tokens``.
+MIN_TRTLLM_VERSION = "1.2.0rc2"
+
+SCHEDULER_CLASS = "KvtierConnectorScheduler"
+WORKER_CLASS = "KvtierConnectorWorker"
+
+#: Accepted ``--connector`` names. "kvbm" is kept so configurations written for the original migrate,
+#: but only as *this* function's argument: in TensorRT-LLM's own ``kv_connector_config.connector``
+#: preset field (``connectors/registry.py``) "kvbm" means Dynamo's ``kvbm.trtllm_integration``.
+CONNECTOR_NAMES = ("kvtier", "kvbm", "none")
+
+#: Environment variable carrying kvtier's settings to spawned MPI ranks: TensorRT-LLM's workers
+#: inherit only TRTLLM*/TLLM* variables (docs/source/features/kv-cache-connector.md).
+RANK_SETTINGS_ENV = "TRTLLM_KVTIER_SETTINGS"
+
+
+def export_settings_for_ranks() -> None:
+    """Copy this process's KVTIER_* / DYN_KVBM_* variables into ``TRTLLM_KVTIER_SETTINGS``, which
+    TensorRT-LLM's spawned MPI ranks inherit (they inherit no other variable)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(("KVTIER_", "DYN_KVBM_"))}
+    if env:
+        os.environ[RANK_SETTINGS_ENV] = json.dumps(env, sort_keys=True)
+
+
+def _connector_fields(connector: Optional[str]) -> Optional[dict[str, str]]:
+    if connector is None:
+        return None
+    name = str(connector).strip().lower()
+    if name == "none":
+        return None
+    if name not in ("kvtier", "kvbm"):
+        raise ConfigError(f"unknown connector {connector!r}: valid names are {', '.join(CONNECTOR_NAMES)}")
+    return {
+        "connector_module": "kvtier.trtllm",
+        "connector_scheduler_class": SCHEDULER_CLASS,
+        "connector_worker_class": WORKER_CLASS,
+    }
+
+
+def build_kv_connector_config(connector: Optional[str]) -> Any:
+    """TensorRT-LLM's ``KvCacheConnectorConfig`` for ``connector`` ("kvtier", its alias "kvbm", or
+    "none"/None for no connector, which returns None), naming kvtier's module and classes
+    explicitly (never the ``connector`` preset field: TensorRT-LLM's registry maps "kvbm" to
+    Dynamo). Also exports this process's kvtier settings for spawned ranks. Without TensorRT-LLM
+    installed the fields come back as a dict."""
+    fields = _connector_fields(connector)
+    if fields is None:
+        return None
+    export_settings_for_ranks()
+    try:
+        from tensorrt_llm.llmapi.llm_args import KvCacheConnectorConfig
+    except ImportError:
+        return fields
+    return KvCacheConnectorConfig(**fields)
+
+
+def llm_options(connector: Optional[str], role: str = "agg") -> dict[str, Any]:
+    """The ``LLM(...)`` / ``--extra_llm_api_options`` fields kvtier needs, as plain data. Roles:
+    "agg" and "prefill" run the connector; "decode" (a disaggregated decode worker) runs without one:
+    TensorRT-LLM's ``KvCacheConnectorManager.get_num_new_matched_tokens`` raises for
+    generation-only requests whenever a connector is configured."""
+    if role not in ("agg", "prefill", "decode"):
+        raise ConfigError(f"unknown role {role!r}: agg, prefill or decode")
+    fields = None if role == "decode" else _connector_fields(connector)
+    if fields is None:
+        return {}
+    return {
+        "kv_connector_config": dict(fields),
+        # Partial reuse writes into stored blocks; the native host tier moves blocks kvtier tracks.
+        "kv_cache_config": {"enable_partial_reuse": False, "host_cache_size": 0},
+        "scheduler_config": {"capacity_scheduler_policy": "GUARANTEED_NO_EVICT"},
+        # CUDA graphs are fine: kvtier completes loads in start_load_kv and needs no layer hook.
+        "cuda_graph_config": {"enable_padding": True},
+        "enable_attention_dp": False,
+    }
+
+
+def build_llm_kwargs(connector: Optional[str] = "kvtier", role: str = "agg") -> dict[str, Any]:
+    """Keyword arguments for ``tensorrt_llm.LLM`` (TensorRT-LLM's config classes where installed)."""
+    opts = llm_options(connector, role)
+    if not opts:
+        return {}
+    kw: dict[str, Any] = {"kv_connector_config": build_kv_connector_config(connector)}
+    try:
+        from tensorrt_llm.llmapi.llm_args import KvCacheConfig, SchedulerConfig
+    except ImportError:
+        kw.update({k: v for k, v in opts.items() if k != "kv_connector_config"})
+        return kw
+    kw["kv_cache_config"] = KvCacheConfig(**opts["kv_cache_config"])
+    kw["scheduler_config"] = SchedulerConfig(capacity_scheduler_policy=opts["scheduler_config"]["capacity_scheduler_policy"])
+    kw["enable_attention_dp"] = False
+    return kw
+
+
+def _yaml(d: dict, indent: int = 0) -> list[str]:
+    out = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.append(" " * indent + f"{k}:")
+            out += _yaml(v, indent + 2)
+        else:
+            out.append(" " * indent + f"{k}: {str(v).lower() if isinstance(v, bool) else v}")
+    return out
+
+
+def connector_yaml(connector: Optional[str], role: str = "agg") -> str:
+    """The YAML block for ``trtllm-serve --extra_llm_api_options`` (empty for "none")."""
+    opts = llm_options(connector, role)
+    head = [
+        f"# kvtier for TensorRT-LLM {MIN_TRTLLM_VERSION} .. 1.4.x, role {role}.",
+        "# kv_connector_config names kvtier's module and classes; do not use the `connector: kvbm`",
+        "# preset field: TensorRT-LLM's registry maps kvbm to Dynamo's kvbm.trtllm_integration.",
+        f"# Spawned ranks inherit only TRTLLM*/TLLM* variables: export {RANK_SETTINGS_ENV}='{{\"KVTIER_...\": \"...\"}}'.",
+    ]
+    if role == "decode":
+        head.append("# Decode worker: no connector (upstream raises for generation-only requests with one).")
+    if not opts:
+        return "\n".join(head) + "\n" if role == "decode" else ""
+    return "\n".join(head + _yaml(opts)) + "\n"
