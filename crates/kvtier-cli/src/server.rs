@@ -157,7 +157,10 @@ async fn read_body(st: &AppState, body: axum::body::Body) -> Result<Bytes, ApiEr
                     code: Some("payload_too_large"),
                 })
             } else {
-                Err(ApiError::invalid(format!("reading the request body: {e}"), None))
+                Err(ApiError::invalid(
+                    format!("reading the request body: {e}"),
+                    None,
+                ))
             }
         }
     }

@@ -96,7 +96,10 @@ async fn in_flight_returns_to_zero_when_clients_disconnect() {
             drop(c);
             let deadline = Instant::now() + T;
             while gauge(&srv.url, "kvtier_requests_in_flight").await != 0.0 {
-                assert!(Instant::now() < deadline, "in-flight gauge stuck after a disconnect");
+                assert!(
+                    Instant::now() < deadline,
+                    "in-flight gauge stuck after a disconnect"
+                );
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
             b.held.lock().map(|mut h| h.clear()).unwrap_or(());

@@ -154,7 +154,10 @@ pub fn read_config_file(path: &Path) -> anyhow::Result<String> {
         bail!("not a regular file");
     }
     if meta.len() > MAX_CONFIG_BYTES {
-        bail!("{} bytes is larger than the {MAX_CONFIG_BYTES}-byte limit", meta.len());
+        bail!(
+            "{} bytes is larger than the {MAX_CONFIG_BYTES}-byte limit",
+            meta.len()
+        );
     }
     let mut text = String::new();
     f.take(MAX_CONFIG_BYTES + 1).read_to_string(&mut text)?;
@@ -364,13 +367,17 @@ mod tests {
     fn config_file_must_be_a_small_regular_file() {
         let mut env = HashMap::new();
         env.insert(CONFIG_PATH_ENV.to_string(), "/dev/zero".to_string());
-        let e = TierArgs::default().kvtier_config_with_env(&env).unwrap_err();
+        let e = TierArgs::default()
+            .kvtier_config_with_env(&env)
+            .unwrap_err();
         assert!(format!("{e:#}").contains("not a regular file"), "{e:#}");
         let dir = tempfile::tempdir().unwrap();
         let big = dir.path().join("big.toml");
         std::fs::write(&big, vec![b'#'; (MAX_CONFIG_BYTES + 1) as usize]).unwrap();
         env.insert(CONFIG_PATH_ENV.to_string(), big.display().to_string());
-        let e = TierArgs::default().kvtier_config_with_env(&env).unwrap_err();
+        let e = TierArgs::default()
+            .kvtier_config_with_env(&env)
+            .unwrap_err();
         assert!(format!("{e:#}").contains("limit"), "{e:#}");
     }
 
@@ -385,8 +392,18 @@ mod tests {
         }
         let cli = Cli::try_parse_from(["kvtier", "--max-waiting", "0"]).unwrap();
         let e = cli.engine.engine_config(Role::Aggregated).unwrap_err();
-        assert!(e.to_string().contains("--max-waiting must be at least 1"), "{e}");
-        let cli = Cli::try_parse_from(["kvtier", "--max-waiting", "1", "--connector", "none"]).unwrap();
-        assert_eq!(cli.engine.engine_config(Role::Aggregated).unwrap().max_waiting, 1);
+        assert!(
+            e.to_string().contains("--max-waiting must be at least 1"),
+            "{e}"
+        );
+        let cli =
+            Cli::try_parse_from(["kvtier", "--max-waiting", "1", "--connector", "none"]).unwrap();
+        assert_eq!(
+            cli.engine
+                .engine_config(Role::Aggregated)
+                .unwrap()
+                .max_waiting,
+            1
+        );
     }
 }

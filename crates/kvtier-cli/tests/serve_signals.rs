@@ -23,7 +23,12 @@ fn spawn(cache: &std::path::Path) -> (Child, String) {
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
             if let Some(rest) = line.split("listening on http://").nth(1) {
-                let _ = tx.send(rest.split_whitespace().next().unwrap_or_default().to_string());
+                let _ = tx.send(
+                    rest.split_whitespace()
+                        .next()
+                        .unwrap_or_default()
+                        .to_string(),
+                );
             }
         }
     });
@@ -71,7 +76,10 @@ fn second_sigterm_exits_at_once_while_a_request_is_half_sent() {
     std::thread::sleep(Duration::from_millis(200));
     term(&child);
     std::thread::sleep(Duration::from_millis(300));
-    assert!(child.try_wait().unwrap().is_none(), "exited before the grace period");
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "exited before the grace period"
+    );
     term(&child);
     let status = wait(&mut child, Duration::from_secs(3)).expect("second signal did not exit");
     assert_eq!(status.code(), Some(130));

@@ -379,8 +379,10 @@ impl EngineCore {
                     // Matched tokens that are recomputed were not served by kvtier: neither the
                     // request's usage nor the hit counter may claim them (#13).
                     let lost = (r.num_computed - back).min(r.ext_subtract);
-                    self.metrics.kvtier_matched_tokens =
-                        self.metrics.kvtier_matched_tokens.saturating_sub(lost as u64);
+                    self.metrics.kvtier_matched_tokens = self
+                        .metrics
+                        .kvtier_matched_tokens
+                        .saturating_sub(lost as u64);
                     r.cached_tokens = r.cached_tokens.min(back);
                     r.num_computed = back;
                     r.num_registered = r.num_registered.min(bad);

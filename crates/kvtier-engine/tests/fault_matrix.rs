@@ -87,9 +87,15 @@ fn failed_loads_are_recomputed_and_not_reported_as_cached() {
     for (i, ((t1, _), (t2, cached))) in first.iter().zip(&second).enumerate() {
         assert_eq!(t1, &want[i], "request {i}, phase 1");
         assert_eq!(t2, &want[i], "request {i}, phase 2");
-        assert_eq!(*cached, 0, "request {i}: failed loads reported as cached tokens");
+        assert_eq!(
+            *cached, 0,
+            "request {i}: failed loads reported as cached tokens"
+        );
     }
-    assert!(m2.load_failures > m1.load_failures, "no load failed: {m2:?}");
+    assert!(
+        m2.load_failures > m1.load_failures,
+        "no load failed: {m2:?}"
+    );
     assert_eq!(
         m2.kvtier_matched_tokens, m1.kvtier_matched_tokens,
         "failed loads counted as kvtier hits"
@@ -156,7 +162,10 @@ fn disk_read_eio_is_recomputed_identically() {
     rules.fail_direction.insert((Tier::Disk, Tier::Host));
     let (m1, m2) = fill_fault_repeat(engine(41, disk_tiers(6, dir.path()), Some(rules)), || {});
     assert!(m1.spilled_disk_blocks > 0, "{m1:?}");
-    assert!(m2.load_failures > m1.load_failures, "no disk load failed: {m2:?}");
+    assert!(
+        m2.load_failures > m1.load_failures,
+        "no disk load failed: {m2:?}"
+    );
 }
 
 /// Disk writes fail (ENOSPC at the transfer level): nothing is served from disk, identical.
@@ -167,7 +176,10 @@ fn disk_write_enospc_skips_the_store_identically() {
     rules.fail_direction.insert((Tier::Host, Tier::Disk));
     rules.fail_direction.insert((Tier::Device, Tier::Disk));
     let (_, m2) = fill_fault_repeat(engine(42, disk_tiers(6, dir.path()), Some(rules)), || {});
-    assert_eq!(m2.offloaded_disk_blocks, 0, "a failed spill was counted: {m2:?}");
+    assert_eq!(
+        m2.offloaded_disk_blocks, 0,
+        "a failed spill was counted: {m2:?}"
+    );
     assert_eq!(m2.kvtier_matched_tokens_disk, 0, "{m2:?}");
 }
 
@@ -206,7 +218,10 @@ fn torn_disk_blocks_are_recomputed_identically() {
         }
     });
     assert!(m1.spilled_disk_blocks > 0, "{m1:?}");
-    assert!(m2.load_failures > m1.load_failures, "no torn block was detected: {m2:?}");
+    assert!(
+        m2.load_failures > m1.load_failures,
+        "no torn block was detected: {m2:?}"
+    );
 }
 
 /// Every disk tier file is truncated to zero: loads fail, recomputed, identically.
@@ -237,7 +252,11 @@ struct Redis {
 
 impl Redis {
     fn start() -> Option<Redis> {
-        if Command::new("redis-server").arg("--version").output().is_err() {
+        if Command::new("redis-server")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
             assert_eq!(
                 std::env::var("KVTIER_SKIP_REDIS").as_deref(),
                 Ok("1"),
@@ -252,16 +271,30 @@ impl Redis {
             .unwrap()
             .port();
         let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+            ])
             .args(["--appendonly", "no", "--dir"])
             .arg(dir.path())
             .stdout(Stdio::null())
             .spawn()
             .unwrap();
-        let r = Redis { child, port, _dir: dir };
+        let r = Redis {
+            child,
+            port,
+            _dir: dir,
+        };
         let t0 = Instant::now();
         while r.cli(&["PING"]) != "PONG" {
-            assert!(t0.elapsed() < Duration::from_secs(10), "redis-server did not start");
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "redis-server did not start"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         Some(r)
@@ -296,7 +329,9 @@ impl Drop for Redis {
     }
 }
 
-fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<GenerateEvent>) -> (Vec<u32>, FinishReason) {
+fn collect(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<GenerateEvent>,
+) -> (Vec<u32>, FinishReason) {
     let mut toks = Vec::new();
     loop {
         match rx.blocking_recv() {
@@ -376,7 +411,10 @@ fn remote_down_is_recomputed_identically_within_the_bound() {
         let _ = r.child.kill();
         let _ = r.child.wait();
     });
-    assert!(took < Duration::from_secs(20), "decode took {took:?} against a dead store");
+    assert!(
+        took < Duration::from_secs(20),
+        "decode took {took:?} against a dead store"
+    );
 }
 
 /// Redis stops answering (SIGSTOP) before the decode engine starts: every lookup fails within
@@ -386,7 +424,10 @@ fn remote_stalled_is_recomputed_identically_within_the_bound() {
     let Some(r) = Redis::start() else { return };
     let (_, took) = disagg_with_fault(&r.url(), || r.signal("STOP"));
     r.signal("CONT");
-    assert!(took < Duration::from_secs(20), "decode took {took:?} against a stalled store");
+    assert!(
+        took < Duration::from_secs(20),
+        "decode took {took:?} against a stalled store"
+    );
 }
 
 /// Forged values: every kvtier value is overwritten by a copy of another block's value (the
@@ -403,11 +444,17 @@ fn remote_forged_values_are_rejected_and_recomputed_identically() {
         assert!(keys.len() > 1, "nothing was published: {keys:?}");
         // Rotate: every key receives the value of another key.
         let n = keys.len();
-        assert_eq!(r.cli(&["COPY", &keys[n - 1], "kvtier-fuzz-tmp", "REPLACE"]), "1");
+        assert_eq!(
+            r.cli(&["COPY", &keys[n - 1], "kvtier-fuzz-tmp", "REPLACE"]),
+            "1"
+        );
         for i in (1..n).rev() {
             assert_eq!(r.cli(&["COPY", &keys[i - 1], &keys[i], "REPLACE"]), "1");
         }
-        assert_eq!(r.cli(&["COPY", "kvtier-fuzz-tmp", &keys[0], "REPLACE"]), "1");
+        assert_eq!(
+            r.cli(&["COPY", "kvtier-fuzz-tmp", &keys[0], "REPLACE"]),
+            "1"
+        );
     });
     assert!(m.load_failures > 0, "no forged value was detected: {m:?}");
 }

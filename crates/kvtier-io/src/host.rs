@@ -275,7 +275,10 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        assert!(t0.elapsed() < Duration::from_secs(1), "touched memory first");
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "touched memory first"
+        );
     }
 
     #[test]

@@ -401,7 +401,10 @@ fn forged_value_with_patched_key_is_rejected_and_old_frames_miss() -> Result<()>
     v1.extend_from_slice(&victim.to_le_bytes());
     v1.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&payload).to_le_bytes());
     v1.extend_from_slice(&payload);
-    let _: () = redis::cmd("SET").arg(name(victim)).arg(&v1).query(&mut raw)?;
+    let _: () = redis::cmd("SET")
+        .arg(name(victim))
+        .arg(&v1)
+        .query(&mut raw)?;
     assert_eq!(
         remote_err(store.get(victim, &mut out)),
         RemoteError::Missing { key: victim }
@@ -465,8 +468,14 @@ fn stalled_server_costs_one_deadline_per_window_not_per_caller() -> Result<()> {
         let ((io, lookup), n) = th.join().unwrap();
         ops += n;
         // Bound: connect (200 ms) + deadline, with slack for a loaded 2-core machine.
-        assert!(io < Duration::from_millis(200 + 2 * 400 + 300), "get/put took {io:?}");
-        assert!(lookup < Duration::from_millis(100 + 2 * 100 + 300), "contains took {lookup:?}");
+        assert!(
+            io < Duration::from_millis(200 + 2 * 400 + 300),
+            "get/put took {io:?}"
+        );
+        assert!(
+            lookup < Duration::from_millis(100 + 2 * 100 + 300),
+            "contains took {lookup:?}"
+        );
     }
     let s = store.breaker_stats();
     srv.signal("CONT");
@@ -482,7 +491,11 @@ fn stalled_server_costs_one_deadline_per_window_not_per_caller() -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(3);
     let mut out = vec![0u8; 4096];
     while store.get(1, &mut out).is_err() {
-        assert!(Instant::now() < deadline, "never recovered: {:?}", store.breaker_stats());
+        assert!(
+            Instant::now() < deadline,
+            "never recovered: {:?}",
+            store.breaker_stats()
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(store.breaker_stats().state, BreakerState::Closed);

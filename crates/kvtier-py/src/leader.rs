@@ -674,8 +674,10 @@ mod record_tests {
         Python::attach(|py| {
             let d = PyDict::new(py);
             d.set_item("request_id", "r").unwrap();
-            d.set_item("new_tokens", PyList::new(py, [1u32, 2]).unwrap()).unwrap();
-            d.set_item("new_block_ids", PyList::new(py, [0u32]).unwrap()).unwrap();
+            d.set_item("new_tokens", PyList::new(py, [1u32, 2]).unwrap())
+                .unwrap();
+            d.set_item("new_block_ids", PyList::new(py, [0u32]).unwrap())
+                .unwrap();
             d.set_item("num_computed_tokens", 0).unwrap();
             d.set_item("num_scheduled_tokens", 2).unwrap();
             assert!(record_from_py(d.as_any()).is_ok());

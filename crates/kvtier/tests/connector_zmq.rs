@@ -321,10 +321,14 @@ fn unauthenticated_peer_is_refused_and_the_real_rank_joins() {
         ..layout(0, BS)
     };
     let wrong = ChannelSecret::new(b"a guess at the secret, wrong".to_vec()).unwrap();
-    let intruder = WorkerChannel::connect_with(&ep, single.clone(), Duration::from_secs(5), Some(wrong))
-        .err()
-        .expect("an intruder with the wrong secret was welcomed");
-    assert!(intruder.to_string().contains("authentication failed"), "{intruder}");
+    let intruder =
+        WorkerChannel::connect_with(&ep, single.clone(), Duration::from_secs(5), Some(wrong))
+            .err()
+            .expect("an intruder with the wrong secret was welcomed");
+    assert!(
+        intruder.to_string().contains("authentication failed"),
+        "{intruder}"
+    );
     let w = {
         let ep = ep.clone();
         let single = single.clone();
@@ -361,7 +365,10 @@ fn key_file_secret_reaches_a_rank_started_first() {
     let chan = LeaderChannel::bind(&ep).unwrap();
     let key = kvtier::connector::zmq_auth::key_file(&ep).unwrap();
     use std::os::unix::fs::PermissionsExt;
-    assert_eq!(std::fs::metadata(&key).unwrap().permissions().mode() & 0o777, 0o600);
+    assert_eq!(
+        std::fs::metadata(&key).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
     let agreed = chan.handshake(1, BS, Duration::from_secs(20)).unwrap();
     assert_eq!(w.join().unwrap().unwrap(), agreed);
     chan.shutdown();
@@ -390,7 +397,8 @@ fn ipc_endpoint_works_is_private_and_others_are_refused() {
     let w = {
         let ep = ep.clone();
         std::thread::spawn(move || {
-            WorkerChannel::connect(&ep, single(0), Duration::from_secs(20)).map(|c| c.layout().clone())
+            WorkerChannel::connect(&ep, single(0), Duration::from_secs(20))
+                .map(|c| c.layout().clone())
         })
     };
     let agreed = chan.handshake(1, BS, Duration::from_secs(20)).unwrap();

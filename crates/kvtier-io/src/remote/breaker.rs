@@ -220,8 +220,7 @@ impl Drop for Ticket<'_> {
     fn drop(&mut self) {
         if !self.settled && self.probe {
             let mut g = self.breaker.lock();
-            self.breaker
-                .open(&mut g, "probe abandoned".into(), true);
+            self.breaker.open(&mut g, "probe abandoned".into(), true);
         }
     }
 }

@@ -97,7 +97,10 @@ pub(crate) fn check_header(
     let version = u16::from_le_bytes(field(h, 4));
     if version == 1 {
         // Written by an older kvtier whose checksum did not bind the key: never trusted.
-        tracing::debug!(key = format_args!("{key:032x}"), "remote value of format version 1 ignored");
+        tracing::debug!(
+            key = format_args!("{key:032x}"),
+            "remote value of format version 1 ignored"
+        );
         return Err(RemoteError::Missing { key });
     }
     if version != FORMAT_VERSION {

@@ -50,11 +50,9 @@ pub fn from_url(url: &str, namespace: &str) -> Result<Arc<dyn RemoteStore>, Tran
 }
 
 fn open_url(url: &str, namespace: &str) -> Result<Arc<dyn RemoteStore>, RemoteError> {
-    let (scheme, _) = url
-        .split_once("://")
-        .ok_or_else(|| {
-            RemoteError::Config(format!("remote url {:?} has no scheme", redact_url(url)))
-        })?;
+    let (scheme, _) = url.split_once("://").ok_or_else(|| {
+        RemoteError::Config(format!("remote url {:?} has no scheme", redact_url(url)))
+    })?;
     let (base, query) = match url.split_once('?') {
         Some((b, q)) => (b, q),
         None => (url, ""),

@@ -223,7 +223,9 @@ impl RedisStore {
         if opts.pool_size == 0 {
             return Err(RemoteError::Config("pool_size must be at least 1".into()));
         }
-        if opts.connect_timeout.is_zero() || opts.io_timeout.is_zero() || opts.lookup_timeout.is_zero()
+        if opts.connect_timeout.is_zero()
+            || opts.io_timeout.is_zero()
+            || opts.lookup_timeout.is_zero()
         {
             return Err(RemoteError::Config("timeouts must be positive".into()));
         }
@@ -457,10 +459,9 @@ impl RedisStore {
 
     fn get_inner(&self, key: u128, out: &mut [u8]) -> Result<(), RemoteError> {
         let rkey = self.ns.redis_key(key);
-        let value: Option<Vec<u8>> =
-            self.with_conn("get", self.opts.io_timeout, |c| {
-                redis::cmd("GET").arg(&rkey).query(c.as_dyn())
-            })?;
+        let value: Option<Vec<u8>> = self.with_conn("get", self.opts.io_timeout, |c| {
+            redis::cmd("GET").arg(&rkey).query(c.as_dyn())
+        })?;
         match value {
             None => Err(RemoteError::Missing { key }),
             Some(v) => frame::decode_into(&self.seal, key, &v, out),

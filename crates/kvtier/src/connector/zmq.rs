@@ -680,7 +680,9 @@ async fn worker_loop(
                         {
                             return Ok(layout);
                         }
-                        tracing::warn!("ignored a welcome that is not from this deployment's leader");
+                        tracing::warn!(
+                            "ignored a welcome that is not from this deployment's leader"
+                        );
                     }
                     Wire::Reject(reason) if reason == AUTH_FAILED && given.is_none() => {
                         // A key file of an earlier leader on this endpoint: read it again.
@@ -767,7 +769,13 @@ mod tests {
 
     #[test]
     fn unsupported_endpoints_are_refused_by_name() {
-        for ep in ["inproc://x", "ipc://", "udp://1.2.3.4:5", "127.0.0.1:5", "tcp://"] {
+        for ep in [
+            "inproc://x",
+            "ipc://",
+            "udp://1.2.3.4:5",
+            "127.0.0.1:5",
+            "tcp://",
+        ] {
             let e = check_endpoint(ep).unwrap_err();
             assert!(e.to_string().contains("expected tcp://"), "{ep}: {e}");
         }

@@ -161,7 +161,10 @@ fn key_dir() -> Result<PathBuf, ConnectorError> {
 /// The key file of `endpoint` (by TCP port or socket path).
 pub fn key_file(endpoint: &str) -> Result<PathBuf, ConnectorError> {
     let name = if let Some(path) = endpoint.strip_prefix("ipc://") {
-        format!("zmq-ipc-{:016x}.key", xxhash_rust::xxh3::xxh3_64(path.as_bytes()))
+        format!(
+            "zmq-ipc-{:016x}.key",
+            xxhash_rust::xxh3::xxh3_64(path.as_bytes())
+        )
     } else {
         let port = endpoint
             .rsplit(':')

@@ -655,7 +655,10 @@ mod tests {
         let p = BlockPool::new(Tier::Host, 1000).unwrap();
         let est = BlockPool::heap_bytes_for(1000);
         let real = p.heap_bytes();
-        assert!(est >= real * 9 / 10 && est <= real * 11 / 10, "{est} vs {real}");
+        assert!(
+            est >= real * 9 / 10 && est <= real * 11 / 10,
+            "{est} vs {real}"
+        );
     }
 
     #[test]
