@@ -170,8 +170,10 @@ mod tests {
     /// Regression (#13, security): `kvtier inspect` printed the Redis password.
     #[test]
     fn inspect_never_shows_a_redis_password() {
-        let mut cfg = KvtierConfig::default();
-        cfg.remote = Some(RemoteTarget::Redis("redis://u:hunter2@h:6379".into()));
+        let cfg = KvtierConfig {
+            remote: Some(RemoteTarget::Redis("redis://u:hunter2@h:6379".into())),
+            ..KvtierConfig::default()
+        };
         let r = redacted(&cfg);
         let shown = format!(
             "{:?}{}{}",
