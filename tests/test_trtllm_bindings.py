@@ -114,5 +114,8 @@ def test_connector_errors_name_the_request(kvtier_env):
 def test_step_record_requires_ints():
     with pytest.raises(TypeError):
         _native.StepRecord("1", ["a"], [], 0, 1)
-    with pytest.raises(OverflowError):
+    # #13: a negative count is a kvtier error naming the argument, not a bare OverflowError.
+    with pytest.raises(kvtier.ConnectorError, match="new_tokens"):
         _native.StepRecord("1", [-1], [], 0, 1)
+    with pytest.raises(kvtier.ConnectorError, match="num_computed_tokens"):
+        _native.StepRecord("1", [1], [], -5, 1)

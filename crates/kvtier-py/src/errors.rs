@@ -209,6 +209,27 @@ impl From<BridgeError> for PyErr {
     }
 }
 
+/// Extracts argument `name` as `T`; an integer that does not fit `T` (negative where an unsigned
+/// count is expected, or too large) is a kvtier error of `family` naming the argument, not
+/// Python's bare `OverflowError`. Other conversion failures (a string where an int is expected)
+/// stay `TypeError`.
+pub fn extract_arg<'py, T>(family: Family, name: &str, obj: &Bound<'py, PyAny>) -> PyResult<T>
+where
+    T: pyo3::conversion::FromPyObjectOwned<'py>,
+{
+    match obj.extract::<T>().map_err(Into::<PyErr>::into) {
+        Ok(v) => Ok(v),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) => {
+            let shown = obj.repr().map(|r| r.to_string()).unwrap_or_default();
+            Err(new_err(
+                family,
+                format!("{name}: {shown} is out of range (a non-negative integer is expected)"),
+            ))
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// Shorthand for results of binding functions.
 pub type BridgeResult<T> = Result<T, BridgeError>;
 

@@ -23,7 +23,7 @@ use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use kvtier_io::metrics_http::StatsPublisher;
 
-use crate::errors::{BridgeError, BridgeResult, Family};
+use crate::errors::{extract_arg, BridgeError, BridgeResult, Family};
 use crate::rendezvous::Rendezvous;
 use crate::settings::Settings;
 
@@ -37,19 +37,30 @@ pub struct PyStepRecord {
 #[pymethods]
 impl PyStepRecord {
     #[new]
-    #[pyo3(signature = (request_id, new_tokens, new_block_ids, num_computed_tokens, num_scheduled_tokens, *, num_draft_tokens = 0, is_new = false, resumed_from_preemption = false))]
+    #[pyo3(signature = (request_id, new_tokens, new_block_ids, num_computed_tokens, num_scheduled_tokens, *, num_draft_tokens = None, is_new = false, resumed_from_preemption = false))]
     #[allow(clippy::too_many_arguments)]
     fn py_new(
         request_id: String,
-        new_tokens: Vec<u32>,
-        new_block_ids: Vec<u32>,
-        num_computed_tokens: usize,
-        num_scheduled_tokens: usize,
-        num_draft_tokens: usize,
+        new_tokens: &Bound<'_, PyAny>,
+        new_block_ids: &Bound<'_, PyAny>,
+        num_computed_tokens: &Bound<'_, PyAny>,
+        num_scheduled_tokens: &Bound<'_, PyAny>,
+        num_draft_tokens: Option<&Bound<'_, PyAny>>,
         is_new: bool,
         resumed_from_preemption: bool,
-    ) -> Self {
-        PyStepRecord {
+    ) -> PyResult<Self> {
+        // Integers are extracted here, not by PyO3, so that a negative count is a kvtier
+        // ConnectorError naming the argument rather than a bare OverflowError.
+        let c = Family::Connector;
+        let new_tokens: Vec<u32> = extract_arg(c, "new_tokens", new_tokens)?;
+        let new_block_ids: Vec<u32> = extract_arg(c, "new_block_ids", new_block_ids)?;
+        let num_computed_tokens = extract_arg(c, "num_computed_tokens", num_computed_tokens)?;
+        let num_scheduled_tokens = extract_arg(c, "num_scheduled_tokens", num_scheduled_tokens)?;
+        let num_draft_tokens = match num_draft_tokens {
+            Some(v) => extract_arg(c, "num_draft_tokens", v)?,
+            None => 0,
+        };
+        Ok(PyStepRecord {
             inner: StepRecord {
                 request_id: RequestId::from(request_id),
                 new_tokens,
@@ -60,7 +71,7 @@ impl PyStepRecord {
                 is_new,
                 resumed_from_preemption,
             },
-        }
+        })
     }
     #[getter]
     fn request_id(&self) -> &str {
@@ -99,6 +110,18 @@ impl PyStepRecord {
     }
 }
 
+/// The keys of a step record given as a dict.
+const RECORD_KEYS: &[&str] = &[
+    "request_id",
+    "new_tokens",
+    "new_block_ids",
+    "num_computed_tokens",
+    "num_scheduled_tokens",
+    "num_draft_tokens",
+    "is_new",
+    "resumed_from_preemption",
+];
+
 fn record_from_py(obj: &Bound<'_, PyAny>) -> PyResult<StepRecord> {
     if let Ok(r) = obj.cast::<PyStepRecord>() {
         return Ok(r.borrow().inner.clone());
@@ -120,14 +143,19 @@ fn record_from_py(obj: &Bound<'_, PyAny>) -> PyResult<StepRecord> {
                 Ok(false)
             }
         };
-        let new_block_ids: Vec<u32> = t.get_item(2)?.extract()?;
+        let c = Family::Connector;
+        let new_block_ids: Vec<u32> = extract_arg(c, "new_block_ids", &t.get_item(2)?)?;
         return Ok(StepRecord {
             request_id: RequestId::new(t.get_item(0)?.str()?.to_str()?),
-            new_tokens: t.get_item(1)?.extract()?,
+            new_tokens: extract_arg(c, "new_tokens", &t.get_item(1)?)?,
             new_block_ids: new_block_ids.into_iter().map(DeviceBlockId).collect(),
-            num_computed_tokens: t.get_item(3)?.extract()?,
-            num_scheduled_tokens: t.get_item(4)?.extract()?,
-            num_draft_tokens: if n > 5 { t.get_item(5)?.extract()? } else { 0 },
+            num_computed_tokens: extract_arg(c, "num_computed_tokens", &t.get_item(3)?)?,
+            num_scheduled_tokens: extract_arg(c, "num_scheduled_tokens", &t.get_item(4)?)?,
+            num_draft_tokens: if n > 5 {
+                extract_arg(c, "num_draft_tokens", &t.get_item(5)?)?
+            } else {
+                0
+            },
             is_new: flag(6)?,
             resumed_from_preemption: flag(7)?,
         });
@@ -142,17 +170,35 @@ fn record_from_py(obj: &Bound<'_, PyAny>) -> PyResult<StepRecord> {
             crate::errors::new_err(Family::Connector, format!("step record without {k:?}"))
         })
     };
+    // A misspelled key (`num_computed_token`) would silently drop a field: refuse it by name.
+    for k in d.keys() {
+        let k = k.str()?.to_string();
+        if !RECORD_KEYS.contains(&k.as_str()) {
+            return Err(crate::errors::new_err(
+                Family::Connector,
+                format!(
+                    "step record has an unknown key {k:?} (known: {})",
+                    RECORD_KEYS.join(", ")
+                ),
+            ));
+        }
+    }
     let opt = |k: &str| -> PyResult<Option<Bound<'_, PyAny>>> { d.get_item(k) };
+    let c = Family::Connector;
     let request_id: String = req("request_id")?.str()?.to_string();
-    let new_block_ids: Vec<u32> = req("new_block_ids")?.extract()?;
+    let new_block_ids: Vec<u32> = extract_arg(c, "new_block_ids", &req("new_block_ids")?)?;
     Ok(StepRecord {
         request_id: RequestId::from(request_id),
-        new_tokens: req("new_tokens")?.extract()?,
+        new_tokens: extract_arg(c, "new_tokens", &req("new_tokens")?)?,
         new_block_ids: new_block_ids.into_iter().map(DeviceBlockId).collect(),
-        num_computed_tokens: req("num_computed_tokens")?.extract()?,
-        num_scheduled_tokens: req("num_scheduled_tokens")?.extract()?,
+        num_computed_tokens: extract_arg(c, "num_computed_tokens", &req("num_computed_tokens")?)?,
+        num_scheduled_tokens: extract_arg(
+            c,
+            "num_scheduled_tokens",
+            &req("num_scheduled_tokens")?,
+        )?,
         num_draft_tokens: opt("num_draft_tokens")?
-            .map(|v| v.extract())
+            .map(|v| extract_arg(c, "num_draft_tokens", &v))
             .transpose()?
             .unwrap_or(0),
         is_new: opt("is_new")?
@@ -596,5 +642,62 @@ impl PyLeader {
                 ch.shutdown();
             }
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod record_tests {
+    use super::*;
+    use pyo3::types::PyList;
+
+    fn family_of(py: Python<'_>, e: &PyErr) -> Option<Family> {
+        Family::ALL[1..].iter().copied().find(|f| {
+            crate::errors::exception_type(py, *f)
+                .map(|t| e.value(py).is_instance(&t).unwrap_or(false))
+                .unwrap_or(false)
+        })
+    }
+
+    /// Regression (#13, unclear errors): a misspelled key in a step-record dict was accepted (its
+    /// field silently took the default) and a negative count raised a bare OverflowError.
+    #[test]
+    fn misspelled_keys_and_negative_counts_are_kvtier_errors() {
+        Python::initialize();
+        Python::attach(|py| {
+            let d = PyDict::new(py);
+            d.set_item("request_id", "r").unwrap();
+            d.set_item("new_tokens", PyList::new(py, [1u32, 2]).unwrap())
+                .unwrap();
+            d.set_item("new_block_ids", PyList::new(py, [0u32]).unwrap())
+                .unwrap();
+            d.set_item("num_computed_tokens", 0).unwrap();
+            d.set_item("num_scheduled_tokens", 2).unwrap();
+            assert!(record_from_py(d.as_any()).is_ok());
+            d.set_item("num_draft_token", 1).unwrap();
+            let e = record_from_py(d.as_any()).unwrap_err();
+            assert_eq!(family_of(py, &e), Some(Family::Connector));
+            assert!(e.to_string().contains("num_draft_token"), "{e}");
+            d.del_item("num_draft_token").unwrap();
+            d.set_item("num_computed_tokens", -1).unwrap();
+            let e = record_from_py(d.as_any()).unwrap_err();
+            assert!(!e.is_instance_of::<pyo3::exceptions::PyOverflowError>(py));
+            assert_eq!(family_of(py, &e), Some(Family::Connector));
+            assert!(e.to_string().contains("num_computed_tokens: -1"), "{e}");
+            let t = PyTuple::new(
+                py,
+                [
+                    "r".into_pyobject(py).unwrap().into_any(),
+                    PyList::new(py, [1i64]).unwrap().into_any(),
+                    PyList::new(py, [-3i64]).unwrap().into_any(),
+                    0i64.into_pyobject(py).unwrap().into_any(),
+                    1i64.into_pyobject(py).unwrap().into_any(),
+                ],
+            )
+            .unwrap();
+            let e = record_from_py(t.as_any()).unwrap_err();
+            assert_eq!(family_of(py, &e), Some(Family::Connector), "{e}");
+            assert!(e.to_string().contains("new_block_ids"), "{e}");
+        });
     }
 }

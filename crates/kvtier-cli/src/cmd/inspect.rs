@@ -177,8 +177,10 @@ mod tests {
     /// Regression (#13, security): `kvtier inspect` printed the Redis password.
     #[test]
     fn inspect_never_shows_a_redis_password() {
-        let mut cfg = KvtierConfig::default();
-        cfg.remote = Some(RemoteTarget::parse("redis://u:hunter2@h:6379").unwrap());
+        let cfg = KvtierConfig {
+            remote: Some(RemoteTarget::parse("redis://u:hunter2@h:6379").unwrap()),
+            ..KvtierConfig::default()
+        };
         let r = redacted(&cfg);
         let shown = format!(
             "{:?}{}{}",

@@ -125,7 +125,7 @@ impl ChannelSecret {
 
     fn from_hex(s: &str) -> Option<Self> {
         let s = s.trim();
-        if s.len() % 2 != 0 {
+        if !s.len().is_multiple_of(2) {
             return None;
         }
         let bytes: Option<Vec<u8>> = (0..s.len())
