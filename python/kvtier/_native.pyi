@@ -183,5 +183,7 @@ class Worker:
         """Job reports for ``Leader.apply_reports`` (link "engine"); empty when there are none."""
     def wait_idle(self) -> None:
         """Block until every job handed out has finished."""
+    def wait_for_requests(self, request_ids: list[str]) -> None:
+        """Wait for the submitted jobs of these requests only (their device blocks are about to be reused)."""
     def stats(self) -> dict[str, int]: ...
     def shutdown(self) -> None: ...
