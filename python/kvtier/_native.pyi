@@ -110,9 +110,23 @@ class Leader:
     def loads_are_async(self) -> bool: ...
     @property
     def block_size(self) -> int: ...
-    def get_num_new_matched_tokens(self, request_id: str, tokens: Sequence[int], num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(
+        self,
+        request_id: str,
+        tokens: Sequence[int],
+        num_computed_tokens: int,
+        identity: Optional[str] = None,
+        cacheable: bool = True,
+    ) -> int:
         """Tokens kvtier can load beyond the device prefix (block aligned, 0 if none); side-effect free
-        on the pools. Whether the load is async: ``loads_are_async``."""
+        on the pools. Whether the load is async: ``loads_are_async``.
+
+        ``identity``: everything besides the token ids that changes the request's KV (LoRA adapter,
+        tenant cache salt, multimodal inputs, prompt embeddings) as one canonical string; the request's
+        blocks are hashed with the engine salt combined with it, so requests share blocks only with
+        equal identities. ``cacheable=False``: kvtier cannot key this request; it is never matched
+        nor stored (stats ``uncacheable_requests``). Both are fixed by the request's first match; a
+        different value later raises ConnectorError."""
     def update_state_after_alloc(
         self, request_id: str, block_ids: Sequence[int], num_external_tokens: Optional[int] = None
     ) -> None:

@@ -11,7 +11,9 @@ use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use kvtier::connector::leader::{Capacity, DiskPolicy, Leader, LeaderConfig, LeaderStats};
+use kvtier::connector::leader::{
+    Capacity, DiskPolicy, Leader, LeaderConfig, LeaderStats, RequestKey,
+};
 use kvtier::connector::messages::{ClusterLayout, WorkerReport, PROTOCOL_VERSION};
 use kvtier::connector::step::{SchedulerStep, StepRecord};
 use kvtier::connector::zmq::LeaderChannel;
@@ -368,6 +370,7 @@ fn stats_dict(py: Python<'_>, s: &LeaderStats) -> PyResult<Py<PyDict>> {
         ("remote_put_confirmed", s.remote_put_confirmed),
         ("remote_put_failed", s.remote_put_failed),
         ("load_restarts", s.load_restarts),
+        ("uncacheable_requests", s.uncacheable_requests),
         ("host_capacity", u(s.host_capacity)),
         ("host_free", u(s.host_free)),
         ("host_registered", u(s.host_registered)),
@@ -481,17 +484,29 @@ impl PyLeader {
         self.block_size
     }
 
+    #[pyo3(signature = (request_id, tokens, num_computed_tokens, identity = None, cacheable = true))]
     fn get_num_new_matched_tokens(
         &self,
         py: Python<'_>,
         request_id: String,
         tokens: Vec<u32>,
         num_computed_tokens: usize,
+        identity: Option<String>,
+        cacheable: bool,
     ) -> PyResult<usize> {
+        let key = RequestKey {
+            identity,
+            cacheable,
+        };
         let mut g = self.lock();
         let leader = g.ready(py)?;
         Ok(leader
-            .get_num_new_matched_tokens(&RequestId::from(request_id), &tokens, num_computed_tokens)
+            .get_num_new_matched_tokens_for(
+                &RequestId::from(request_id),
+                &tokens,
+                num_computed_tokens,
+                &key,
+            )
             .map_err(BridgeError::from)?)
     }
 

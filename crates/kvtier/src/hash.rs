@@ -33,6 +33,18 @@ impl HashSalt {
         buf.extend_from_slice(cache_salt.unwrap_or("").as_bytes());
         HashSalt(xxh3_64(&buf))
     }
+
+    /// The salt of one request: this engine salt combined with the request's own identity (LoRA
+    /// adapter, tenant cache salt, multimodal inputs, prompt embeddings: everything besides the
+    /// token ids that changes its KV). Distinct identities give distinct salts, and no identity
+    /// string maps back onto the engine salt itself (the domain prefix differs from `new`'s).
+    pub fn for_request(self, identity: &str) -> Self {
+        let mut buf = Vec::with_capacity(24 + identity.len());
+        buf.extend_from_slice(b"kvtier-req-v1\0");
+        buf.extend_from_slice(&self.0.to_le_bytes());
+        buf.extend_from_slice(identity.as_bytes());
+        HashSalt(xxh3_64(&buf))
+    }
 }
 
 /// Tokens per block hashed from a stack buffer; longer blocks use a heap buffer (same bytes).

@@ -26,6 +26,24 @@ fn salt_vectors() {
     assert_eq!(HashSalt::new("", None, None).0, 0x1bc0_ebcc_2537_2358);
 }
 
+/// Per-request salts (`xxh3_64(b"kvtier-req-v1\0" || engine_salt_le8 || identity)`), checked
+/// against Python's `xxhash` on the same bytes.
+#[test]
+fn request_salt_vectors() {
+    let engine = HashSalt::new(MODEL, None, None);
+    assert_eq!(
+        engine.for_request("salt=tenant-42").0,
+        0x7190_201e_35ba_2cc3
+    );
+    assert_eq!(
+        engine.for_request("lora=sql-adapter").0,
+        0x32b4_5ab8_a090_811a
+    );
+    // Even an empty identity is a key space of its own, apart from the engine salt.
+    assert_eq!(engine.for_request("").0, 0xf33d_0813_906a_1796);
+    assert_ne!(engine.for_request(""), engine);
+}
+
 #[test]
 fn block_vectors() {
     let salt = HashSalt::new(MODEL, None, None);

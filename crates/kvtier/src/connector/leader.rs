@@ -190,12 +190,35 @@ pub struct LeaderStats {
     /// Requests matched again after an allocation but before they ever ran (the engine freed
     /// their blocks to start them over, e.g. after a failed asynchronous load): recomputed.
     pub load_restarts: u64,
+    /// Requests the engine marked as not cacheable (kvtier cannot key their KV): never matched,
+    /// never stored.
+    pub uncacheable_requests: u64,
     pub host_capacity: usize,
     pub host_free: usize,
     pub host_registered: usize,
     pub disk_capacity: usize,
     pub disk_free: usize,
     pub disk_registered: usize,
+}
+
+/// What, besides its token ids, decides which blocks a request may share (see
+/// [`Leader::get_num_new_matched_tokens_for`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestKey {
+    /// The request's own identity (LoRA adapter, tenant cache salt, multimodal inputs, prompt
+    /// embeddings), in one canonical string built by the adapter; `None` = the engine salt alone.
+    pub identity: Option<String>,
+    /// `false`: kvtier cannot key this request's KV correctly; it is never matched nor stored.
+    pub cacheable: bool,
+}
+
+impl Default for RequestKey {
+    fn default() -> Self {
+        RequestKey {
+            identity: None,
+            cacheable: true,
+        }
+    }
 }
 
 /// One load job being planned: source tier, pairs, pinned pool blocks, remote keys.
@@ -529,11 +552,49 @@ impl Leader {
         all_tokens: &[u32],
         num_computed_tokens: usize,
     ) -> Result<usize, ConnectorError> {
+        self.get_num_new_matched_tokens_for(
+            req,
+            all_tokens,
+            num_computed_tokens,
+            &RequestKey::default(),
+        )
+    }
+
+    /// [`Leader::get_num_new_matched_tokens`] for a request with its own identity (`key`): its
+    /// blocks are hashed with the engine salt combined with `key.identity`, and a request that
+    /// is not `key.cacheable` is never matched nor stored. A request's key is fixed by its
+    /// first match: a different key later is an error.
+    pub fn get_num_new_matched_tokens_for(
+        &mut self,
+        req: &RequestId,
+        all_tokens: &[u32],
+        num_computed_tokens: usize,
+        key: &RequestKey,
+    ) -> Result<usize, ConnectorError> {
         self.poll_reports();
         let bs = self.block_size;
-        if !self.slots.contains_key(req) {
-            let slot = Slot::new(req.clone(), self.block_size, self.salt);
-            self.slots.insert(req.clone(), SlotEntry::new(slot), None);
+        let salt = match &key.identity {
+            Some(identity) => self.salt.for_request(identity),
+            None => self.salt,
+        };
+        match self.slots.get(req) {
+            None => {
+                let slot = if key.cacheable {
+                    Slot::new(req.clone(), self.block_size, salt)
+                } else {
+                    self.stats.uncacheable_requests += 1;
+                    Slot::private(req.clone(), self.block_size, salt)
+                };
+                self.slots.insert(req.clone(), SlotEntry::new(slot), None);
+            }
+            Some(e) if e.slot.salt() != salt || e.slot.is_private() == key.cacheable => {
+                return Err(ConnectorError::invalid(
+                    req,
+                    "identity",
+                    "a request's identity (and whether it is cacheable) is fixed by its first match",
+                ));
+            }
+            Some(_) => {}
         }
         let Some(entry) = self.slots.get_mut(req) else {
             return Err(ConnectorError::invalid(req, "request_id", "slot missing"));

@@ -17,7 +17,7 @@ pub mod worker;
 #[cfg(feature = "zmq")]
 pub mod zmq;
 
-pub use leader::{Capacity, DiskPolicy, KvEvent, Leader, LeaderConfig, LeaderStats};
+pub use leader::{Capacity, DiskPolicy, KvEvent, Leader, LeaderConfig, LeaderStats, RequestKey};
 pub use messages::{
     ClusterLayout, RankLayout, RequestLoad, RequestStore, StepMetadata, WorkerReport,
     PROTOCOL_VERSION,

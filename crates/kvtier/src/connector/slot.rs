@@ -175,6 +175,9 @@ pub struct Slot {
     /// Set when the request must be recomputed rather than loaded: matching then finds nothing
     /// external for it (see `Slot::refuse_external`). Survives preemption.
     external_refused: bool,
+    /// kvtier cannot key this request correctly (see `Slot::private`): it is never matched and
+    /// none of its blocks is handed out for offload.
+    private: bool,
 }
 
 impl Slot {
@@ -195,7 +198,28 @@ impl Slot {
             state: SlotState::Waiting,
             last_match: None,
             external_refused: false,
+            private: false,
         }
+    }
+
+    /// A slot whose blocks no other request may ever see: matching offers it nothing and no
+    /// block of it is handed out for offload. For requests whose KV depends on inputs kvtier
+    /// cannot put into the key.
+    pub fn private(id: RequestId, block_size: usize, salt: HashSalt) -> Self {
+        let mut slot = Slot::new(id, block_size, salt);
+        slot.private = true;
+        slot.external_refused = true;
+        slot
+    }
+
+    /// Whether this slot is private (see `Slot::private`).
+    pub fn is_private(&self) -> bool {
+        self.private
+    }
+
+    /// The salt this request's blocks are hashed with.
+    pub fn salt(&self) -> HashSalt {
+        self.salt
     }
 
     pub fn id(&self) -> &RequestId {
@@ -708,7 +732,7 @@ impl Slot {
     #[inline]
     fn hand_out(&mut self, evaluated: usize, end: usize, out: &mut Vec<OffloadBlock>) {
         let start = evaluated.max(self.offloaded_watermark);
-        if start < end {
+        if start < end && !self.private {
             out.extend((start..end).map(|i| OffloadBlock {
                 index: i,
                 device: self.table.ids[i],
