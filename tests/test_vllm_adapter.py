@@ -188,8 +188,9 @@ def test_identity_digests_prompt_embeddings():
 
 
 def test_layout_request_and_salt():
-    assert kv._required_layout({}, on_cuda=True) == "BLNHC"
-    assert kv._required_layout({}, on_cuda=False) is None
+    # vLLM's choice by default (measured: no faster replays with BLNHC), a named layout on request.
+    assert kv._required_layout({}, on_cuda=True) is None
+    assert kv._required_layout({"kv_cache_layout": "BLNHC"}, on_cuda=True) == "BLNHC"
     assert kv._required_layout({"kv_cache_layout": "none"}, on_cuda=True) is None
     assert kv._required_layout({"kv_cache_layout": "lbhnc"}, on_cuda=True) == "LBHNC"
     with pytest.raises(ValueError, match="kv_cache_layout"):

@@ -7,9 +7,10 @@ prefilled in chunks. What must hold:
 
 - greedy outputs with kvtier are token-for-token those of vLLM without a connector, eager and with CUDA graphs
   (each against its own reference: the two modes may round differently), with vLLM's own layout (LBNHC) and with
-  the block-outermost layout kvtier asks for (BLNHC), from the host tier and from host + disk;
+  the block-outermost layout kvtier can ask for (BLNHC), from the host tier and from host + disk;
 - kvtier starts with no layout override (it detects vLLM's 4-D views) and really serves the repeats;
-- requests that vLLM preempts mid-decode resume with the same tokens;
+- one request at a time (vLLM on a GPU is not batch-invariant, see SPEC); requests that vLLM preempts mid-decode
+  resume with the same tokens (in vLLM's batch-invariant mode);
 - a prefill engine (kv_producer) and a decode engine (kv_consumer) hand KV over through Redis (a ``redis-server``
   on PATH or named by ``KVTIER_REDIS_SERVER``; the test skips without one);
 - a normal run never makes kvtier log an error or raise into vLLM.
@@ -45,20 +46,19 @@ MAX_TOKENS = 12
 PHASE = prompts(8, 224, seed=7, shared_prefix=64)
 OTHER = prompts(8, 224, seed=8)
 LONG_TOKENS = 160  # 4 requests growing to 384 tokens need 96 blocks at once: vLLM preempts
-SPEC = dict(block_size=BLOCK, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128,
+# One request at a time: vLLM on a GPU is not batch-invariant. With 8 requests in flight (2026-12-01, H200) kvtier's
+# runs diverged from the reference at a late token even for the first request, which loads nothing: asynchronous
+# loads and delayed frees change which requests decode together, GEMMs of another M round differently and a random
+# model's near-ties flip. One request at a time keeps every batch equal; preemption needs several requests and is
+# checked separately, in vLLM's batch-invariant mode.
+SPEC = dict(block_size=BLOCK, max_model_len=512, max_num_seqs=1, max_num_batched_tokens=128,
             gpu_memory_utilization=0.3)
 
 
-# vLLM on a GPU is not batch-invariant: when kvtier's asynchronous loads make a request wait, the other requests
-# decode in different batches, GEMMs of another M round differently and a random model's near-ties flip (seen on
-# the H200: the first request, which loads nothing, diverged at its 6th token). vLLM's batch-invariant mode makes
-# every request's result independent of its batch (and of the prefill split), so the comparison is exact.
-ENV = {"VLLM_BATCH_INVARIANT": "1"}
-
-
-def _engine(model: Path, log: Path, ktc: dict | None = None, eager: bool = True, **kw) -> Engine:
+def _engine(model: Path, log: Path, ktc: dict | None = None, eager: bool = True, env: dict | None = None,
+            **kw) -> Engine:
     return Engine(model, log, kv_cache_blocks=G1_BLOCKS, kv_transfer_config=ktc, bytes_per_block=BYTES_PER_BLOCK,
-                  enforce_eager=eager, start_timeout=600.0, env=ENV, **{**SPEC, **kw})
+                  enforce_eager=eager, start_timeout=600.0, env=env, **{**SPEC, **kw})
 
 
 def _clean(engine: Engine) -> dict:
@@ -86,7 +86,7 @@ def model(tmp_path_factory) -> Path:
 
 def _workload(e: Engine) -> dict:
     return {"phase": e.generate(PHASE, MAX_TOKENS), "other": e.generate(OTHER, MAX_TOKENS),
-            "again": e.generate(PHASE, MAX_TOKENS), "long": e.generate(PHASE[:4], LONG_TOKENS)}
+            "again": e.generate(PHASE, MAX_TOKENS)}
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["eager", "cudagraphs"])
@@ -106,14 +106,12 @@ def _check(e: Engine, ref: dict) -> tuple[dict, dict]:
     filled = _clean(e)
     assert e.generate(PHASE, MAX_TOKENS) == ref["phase"]
     repeated = _clean(e)
-    assert e.generate(PHASE[:4], LONG_TOKENS) == ref["long"]
-    after = _clean(e)
-    assert after["preempted_requests"] > 0, "the workload no longer makes vLLM preempt"
     return filled, repeated
 
 
-# vLLM's own layout (LBNHC: kvtier's gather/scatter kernel) is checked with host + disk below.
-@pytest.mark.parametrize("layout", ["auto"], ids=["BLNHC"])
+# The block-outermost layout kvtier can ask for (BLNHC: one range per block); vLLM's own (LBNHC: kvtier's
+# gather/scatter kernel) is checked with host + disk below.
+@pytest.mark.parametrize("layout", ["BLNHC"], ids=["BLNHC"])
 def test_host_tier_identical(model, reference, tmp_path, layout):
     eager, ref = reference
     ktc = connector_config(settings={"host.num_blocks": 1024, "kv_cache_layout": layout})
@@ -122,7 +120,7 @@ def test_host_tier_identical(model, reference, tmp_path, layout):
         used = _layout_used(e)
         print(f"eager={eager} layout request={layout}: vLLM used {used}, async scheduling "
               f"{e.ready.get('async_scheduling')}, start {e.start_seconds:.1f}s")
-    assert used == ("BLNHC" if layout == "auto" else "LBNHC"), used
+    assert used == layout, used
     assert repeated["onboard_host_blocks"] > filled["onboard_host_blocks"], repeated
 
 
@@ -179,3 +177,17 @@ def test_disaggregated_through_redis(model, reference, tmp_path, redis_url):
         consumed = _clean(c)
     # Each prompt's last block is recomputed (vLLM needs logits); the shared prefix may stay in G1.
     assert consumed["onboard_remote_blocks"] >= 8 * 8, consumed
+
+
+def test_preemption_resumes_identically(model, tmp_path):
+    """4 requests growing to 384 tokens in a 48-block G1: vLLM preempts and resumes them; with kvtier their
+    outputs equal vLLM's alone. Several requests in flight, so both engines run in vLLM's batch-invariant mode
+    (VLLM_BATCH_INVARIANT=1). Not yet seen passing on the H200: the one run with this mode requested diverged as
+    without it, and whether the mode was active was not established (docs/bench/vllm.md)."""
+    env = {"VLLM_BATCH_INVARIANT": "1"}
+    with _engine(model, tmp_path / "ref.log", env=env, max_num_seqs=8) as e:
+        ref = e.generate(PHASE[:4], LONG_TOKENS)
+    ktc = connector_config(settings={"host.num_blocks": 1024})
+    with _engine(model, tmp_path / "kvtier.log", ktc, env=env, max_num_seqs=8) as e:
+        assert e.generate(PHASE[:4], LONG_TOKENS) == ref
+        assert _clean(e)["preempted_requests"] > 0, "the workload no longer makes vLLM preempt"

@@ -32,20 +32,19 @@ def _resolved_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig 
     return None
 
 
-# Layouts kvtier asks vLLM for (get_required_kvcache_layout): block outermost, then layer, so a block's KV over
-# all layers is one contiguous range (one copy per block instead of one per layer); NHD interiors like vLLM's
-# default LBNHC. vLLM uses it only if every attention backend supports it (else it warns and keeps its own).
-_PREFERRED_LAYOUT = "BLNHC"
+# The layout kvtier asks vLLM for (get_required_kvcache_layout). Measured on the H200 (docs/bench/vllm.md,
+# 2026-12-01): kvtier's loads run at the link rate (50-55 GB/s) in vLLM's default LBNHC (64 KiB pieces through the
+# gather/scatter kernel) as in the block-outermost BLNHC (one range per block), and replays were not faster with
+# BLNHC (32K tokens: 139 ms against 119 ms), so by default kvtier keeps vLLM's choice; ``kv_cache_layout`` asks for
+# another. vLLM uses it only if every attention backend supports it (else it warns and keeps its own).
 _LAYOUT_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "NHD", "HND")
 
 
 def _required_layout(extra: dict[str, Any], on_cuda: bool) -> str | None:
-    """``kv_cache_layout`` in the extra config: ``"auto"`` (default: ``BLNHC`` on CUDA, vLLM's choice elsewhere),
-    ``"none"`` (vLLM's choice), or a KVCacheLayout name."""
+    """``kv_cache_layout`` in the extra config: ``"auto"`` or ``"none"`` (default: vLLM's choice), or a
+    KVCacheLayout name to ask vLLM for (e.g. ``"BLNHC"``: a block's KV over all layers in one range)."""
     want = str(extra.get("kv_cache_layout", "auto") or "none")
-    if want.lower() == "auto":
-        return _PREFERRED_LAYOUT if on_cuda else None
-    if want.lower() == "none":
+    if want.lower() in ("auto", "none"):
         return None
     if want.upper() not in _LAYOUT_NAMES:
         raise ValueError(f"kvtier: kv_cache_layout must be auto, none or one of {_LAYOUT_NAMES}, got {want!r}")

@@ -194,14 +194,18 @@ impl KvGeometry {
 /// Which engine tensor convention the tensors follow (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum EngineLayoutKind {
-    TrtllmPool { tokens_per_block: usize },
+    TrtllmPool {
+        tokens_per_block: usize,
+    },
     VllmCudaKvFirst,
     VllmCudaBlockFirst,
     VllmMla,
     VllmCpu,
     /// vLLM >= 0.32's 4-D views in any `KVCacheLayout`; `kernel_blocks` kernel blocks (rows
     /// of the view) per logical block (1 unless vLLM splits blocks for its kernels).
-    VllmPaged { kernel_blocks: usize },
+    VllmPaged {
+        kernel_blocks: usize,
+    },
 }
 
 impl EngineLayoutKind {
@@ -209,12 +213,15 @@ impl EngineLayoutKind {
     /// [`EngineLayoutKind::VllmPaged`] (vLLM >= 0.32, any `KVCacheLayout`), 5-D shapes the
     /// K/V-first or block-first tensors of earlier releases, 3-D MLA tensors `[n, tokens, dim]`.
     /// `num_blocks` (vLLM's logical block count, if known) detects kernel-block splitting.
-    pub fn detect_vllm(tensor: &TensorDesc, num_blocks: Option<usize>) -> Result<Self, LayoutError> {
+    pub fn detect_vllm(
+        tensor: &TensorDesc,
+        num_blocks: Option<usize>,
+    ) -> Result<Self, LayoutError> {
         match tensor.shape.len() {
             4 => {
                 let rows = tensor.shape[0];
                 let kernel_blocks = match num_blocks {
-                    Some(n) if n > 0 && rows > n && rows % n == 0 => rows / n,
+                    Some(n) if n > 0 && rows > n && rows.is_multiple_of(n) => rows / n,
                     _ => 1,
                 };
                 Ok(EngineLayoutKind::VllmPaged { kernel_blocks })
@@ -551,7 +558,9 @@ impl DeviceLayout {
     /// Whether a block's chunks are one contiguous range (the fastest copy: one range per block).
     pub fn block_is_contiguous(&self) -> bool {
         let mut v = Vec::new();
-        self.push_chunks(DeviceBlockId(0), &self.regions, &mut v).is_ok() && v.len() == 1
+        self.push_chunks(DeviceBlockId(0), &self.regions, &mut v)
+            .is_ok()
+            && v.len() == 1
     }
 
     /// vLLM's per-layer CPU tensors `[num_blocks, kv_heads, block_size, 2 * head_size]`.

@@ -861,17 +861,27 @@ fn waiting_for_preempted_requests_waits_for_their_jobs_only() {
     let pa: Vec<u32> = (0..40).collect();
     let pb: Vec<u32> = (100..140).collect();
     let (a, b): (RequestId, RequestId) = ("a".into(), "b".into());
-    rig.leader.update_state_after_alloc(&a, &ids(0..3), Some(0)).unwrap();
-    rig.leader.update_state_after_alloc(&b, &ids(3..6), Some(0)).unwrap();
+    rig.leader
+        .update_state_after_alloc(&a, &ids(0..3), Some(0))
+        .unwrap();
+    rig.leader
+        .update_state_after_alloc(&b, &ids(3..6), Some(0))
+        .unwrap();
     rig.run(
         &step(vec![
             new_rec("a", &pa, ids(0..3), 0, 40),
             new_rec("b", &pb, ids(3..6), 0, 40),
         ]),
-        &[(pa.clone(), vec![(0, 0), (1, 1)]), (pb.clone(), vec![(0, 3), (1, 4)])],
+        &[
+            (pa.clone(), vec![(0, 0), (1, 1)]),
+            (pb.clone(), vec![(0, 3), (1, 4)]),
+        ],
     );
     let in_flight = rig.ranks[0].worker.jobs_in_flight();
-    assert!(in_flight >= 2, "both requests' stores are held ({in_flight})");
+    assert!(
+        in_flight >= 2,
+        "both requests' stores are held ({in_flight})"
+    );
     // A request with no jobs: returns at once although other stores are stuck (wait_idle would block).
     let t = std::time::Instant::now();
     rig.ranks[0].worker.wait_for_requests(&["c".into()]);
@@ -884,8 +894,13 @@ fn waiting_for_preempted_requests_waits_for_their_jobs_only() {
         faulty.release();
     });
     let t = std::time::Instant::now();
-    rig.ranks[0].worker.wait_for_requests(std::slice::from_ref(&a));
-    assert!(t.elapsed() >= std::time::Duration::from_millis(150), "returned before a's stores ran");
+    rig.ranks[0]
+        .worker
+        .wait_for_requests(std::slice::from_ref(&a));
+    assert!(
+        t.elapsed() >= std::time::Duration::from_millis(150),
+        "returned before a's stores ran"
+    );
     releaser.join().unwrap();
     rig.settle();
     assert_eq!(rig.leader.stats().offload_confirmed, 4);

@@ -42,12 +42,27 @@ struct Cache {
 impl Cache {
     /// Allocate like vLLM: strides from the stride order, innermost first, with an optional
     /// padded page (the stride of the innermost of L/B is rounded up to `pad_to`).
-    fn new(order: [usize; 5], layers: usize, blocks: usize, split: usize, heads: usize,
-           tokens: usize, content: usize, elem: usize, pad: usize) -> Self {
+    // The geometry vLLM's allocator takes, one argument per dimension.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        order: [usize; 5],
+        layers: usize,
+        blocks: usize,
+        split: usize,
+        heads: usize,
+        tokens: usize,
+        content: usize,
+        elem: usize,
+        pad: usize,
+    ) -> Self {
         let shape = [layers, blocks * split, heads, tokens, content];
         let mut strides = [0usize; 5];
         let mut cur = 1usize;
-        let page_end = order.iter().position(|&d| d == 0).unwrap().max(order.iter().position(|&d| d == 1).unwrap());
+        let page_end = order
+            .iter()
+            .position(|&d| d == 0)
+            .unwrap()
+            .max(order.iter().position(|&d| d == 1).unwrap());
         for (phys, &dim) in order.iter().enumerate().rev() {
             if phys == page_end && pad > 0 {
                 cur += pad; // a padded page (page_size_padded)
@@ -55,8 +70,20 @@ impl Cache {
             strides[dim] = cur;
             cur = strides[dim] * shape[dim];
         }
-        let mem: Vec<u8> = (0..cur + 64).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
-        Cache { layers, blocks, split, heads, tokens, content, elem, strides, mem }
+        let mem: Vec<u8> = (0..cur + 64)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
+        Cache {
+            layers,
+            blocks,
+            split,
+            heads,
+            tokens,
+            content,
+            elem,
+            strides,
+            mem,
+        }
     }
 
     fn base(&self) -> u64 {
@@ -72,8 +99,18 @@ impl Cache {
             .map(|l| TensorDesc {
                 name: format!("model.layers.{l}.self_attn.attn"),
                 data_ptr: self.base() + (l * self.strides[0]) as u64,
-                shape: vec![self.blocks * self.split, self.heads, self.tokens, self.content / e],
-                strides: vec![self.strides[1] / e, self.strides[2] / e, self.strides[3] / e, 1],
+                shape: vec![
+                    self.blocks * self.split,
+                    self.heads,
+                    self.tokens,
+                    self.content / e,
+                ],
+                strides: vec![
+                    self.strides[1] / e,
+                    self.strides[2] / e,
+                    self.strides[3] / e,
+                    1,
+                ],
                 elem_size: e,
                 device: DeviceKind::Cpu,
             })
@@ -89,7 +126,13 @@ impl Cache {
                 for h in 0..self.heads {
                     for n in 0..self.tokens {
                         for c in 0..self.content {
-                            v.push(l * s[0] + (b * self.split + k) * s[1] + h * s[2] + n * s[3] + c * s[4]);
+                            v.push(
+                                l * s[0]
+                                    + (b * self.split + k) * s[1]
+                                    + h * s[2]
+                                    + n * s[3]
+                                    + c * s[4],
+                            );
                         }
                     }
                 }
@@ -115,7 +158,12 @@ fn dtype(elem: usize) -> DType {
 fn check(mut cache: Cache) -> DeviceLayout {
     let views = cache.views();
     let kind = EngineLayoutKind::detect_vllm(&views[0], Some(cache.blocks)).unwrap();
-    assert_eq!(kind, EngineLayoutKind::VllmPaged { kernel_blocks: cache.split });
+    assert_eq!(
+        kind,
+        EngineLayoutKind::VllmPaged {
+            kernel_blocks: cache.split
+        }
+    );
     let layout = DeviceLayout::new(kind, &views, dtype(cache.elem)).unwrap();
     let bpb = cache.layers * cache.split * cache.heads * cache.tokens * cache.content;
     assert_eq!(layout.bytes_per_block(), bpb);
@@ -126,12 +174,22 @@ fn check(mut cache: Cache) -> DeviceLayout {
     let mut seen = std::collections::HashSet::new();
     for b in 0..cache.blocks {
         let chunks = layout.chunks(DeviceBlockId(b as u32)).unwrap();
-        let mut covered: Vec<usize> = chunks.iter().flat_map(|c| cache.off(c)..cache.off(c) + c.len).collect();
-        assert_eq!(covered.len(), bpb, "block {b}: chunks sum to the block size");
+        let mut covered: Vec<usize> = chunks
+            .iter()
+            .flat_map(|c| cache.off(c)..cache.off(c) + c.len)
+            .collect();
+        assert_eq!(
+            covered.len(),
+            bpb,
+            "block {b}: chunks sum to the block size"
+        );
         covered.sort_unstable();
         let mut want = cache.logical(b);
         want.sort_unstable();
-        assert_eq!(covered, want, "block {b}: chunks are exactly the block's bytes");
+        assert_eq!(
+            covered, want,
+            "block {b}: chunks are exactly the block's bytes"
+        );
         for o in covered {
             assert!(seen.insert(o), "byte {o} belongs to two blocks");
         }
@@ -142,7 +200,11 @@ fn check(mut cache: Cache) -> DeviceLayout {
         let (src, dst) = (cache.blocks - 1, 0);
         let before = {
             let base = cache.base() as usize - cache.mem.as_ptr() as usize;
-            cache.logical(src).iter().map(|o| cache.mem[base + o]).collect::<Vec<u8>>()
+            cache
+                .logical(src)
+                .iter()
+                .map(|o| cache.mem[base + o])
+                .collect::<Vec<u8>>()
         };
         let host: Vec<u8> = layout
             .chunks(DeviceBlockId(src as u32))
@@ -161,8 +223,15 @@ fn check(mut cache: Cache) -> DeviceLayout {
             at += c.len;
         }
         let base = cache.base() as usize - cache.mem.as_ptr() as usize;
-        let after: Vec<u8> = cache.logical(dst).iter().map(|o| cache.mem[base + o]).collect();
-        assert_eq!(after, before, "round trip through the canonical format is byte-exact");
+        let after: Vec<u8> = cache
+            .logical(dst)
+            .iter()
+            .map(|o| cache.mem[base + o])
+            .collect();
+        assert_eq!(
+            after, before,
+            "round trip through the canonical format is byte-exact"
+        );
     }
     layout
 }
@@ -217,12 +286,20 @@ fn physical_order_is_deterministic_and_layer_major_where_possible() {
         let b = Cache::new(order, 3, 4, 1, 2, 4, 32, 2, 0);
         let rel = |c: &Cache| {
             let l = DeviceLayout::vllm_paged(&c.views(), 1, DType::BF16).unwrap();
-            l.chunks(DeviceBlockId(1)).unwrap().iter().map(|x| (c.off(x), x.len)).collect::<Vec<_>>()
+            l.chunks(DeviceBlockId(1))
+                .unwrap()
+                .iter()
+                .map(|x| (c.off(x), x.len))
+                .collect::<Vec<_>>()
         };
         assert_eq!(rel(&a), rel(&b), "{name}");
         let l = DeviceLayout::vllm_paged(&a.views(), 1, DType::BF16).unwrap();
         // BHLNC interleaves layers inside a block: no layer-wise chunks; the others have them.
-        assert_eq!(l.layer_chunks(DeviceBlockId(1), 1).is_ok(), name != "BHLNC", "{name}");
+        assert_eq!(
+            l.layer_chunks(DeviceBlockId(1), 1).is_ok(),
+            name != "BHLNC",
+            "{name}"
+        );
     }
 }
 
@@ -235,20 +312,32 @@ fn refusals_name_the_tensor_and_the_problem() {
     v[1].strides[1] = v[1].strides[2];
     let e = DeviceLayout::vllm_paged(&v, 1, DType::BF16).unwrap_err();
     let msg = e.to_string();
-    assert!(msg.contains("model.layers.0.self_attn.attn") && msg.contains("overlaps"), "{msg}");
+    assert!(
+        msg.contains("model.layers.0.self_attn.attn") && msg.contains("overlaps"),
+        "{msg}"
+    );
     // Layers that disagree.
     let mut v = c.views();
     v[1].strides[0] += 1;
-    let msg = DeviceLayout::vllm_paged(&v, 1, DType::BF16).unwrap_err().to_string();
-    assert!(msg.contains("model.layers.1") && msg.contains("strides"), "{msg}");
+    let msg = DeviceLayout::vllm_paged(&v, 1, DType::BF16)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("model.layers.1") && msg.contains("strides"),
+        "{msg}"
+    );
     // A row count that is not a multiple of the kernel split.
-    let msg = DeviceLayout::vllm_paged(&c.views(), 3, DType::BF16).unwrap_err().to_string();
+    let msg = DeviceLayout::vllm_paged(&c.views(), 3, DType::BF16)
+        .unwrap_err()
+        .to_string();
     assert!(msg.contains("not a multiple"), "{msg}");
     // Wrong element size for the dtype.
     assert!(DeviceLayout::vllm_paged(&c.views(), 1, DType::F32).is_err());
     // A shape of no vLLM release.
     let t = TensorDesc::contiguous("odd", 4096, vec![4, 2], 2, DeviceKind::Cpu);
-    let msg = EngineLayoutKind::detect_vllm(&t, None).unwrap_err().to_string();
+    let msg = EngineLayoutKind::detect_vllm(&t, None)
+        .unwrap_err()
+        .to_string();
     assert!(msg.contains("odd") && msg.contains("4-D view"), "{msg}");
     // Too many pieces per block: 1-byte pieces (content stride 2 with 1-element content).
     let t = TensorDesc {
@@ -259,7 +348,9 @@ fn refusals_name_the_tensor_and_the_problem() {
         elem_size: 1,
         device: DeviceKind::Cpu,
     };
-    let msg = DeviceLayout::vllm_paged(&[t], 1, DType::U8).unwrap_err().to_string();
+    let msg = DeviceLayout::vllm_paged(&[t], 1, DType::U8)
+        .unwrap_err()
+        .to_string();
     assert!(msg.contains("pieces"), "{msg}");
 }
 
@@ -267,14 +358,29 @@ fn refusals_name_the_tensor_and_the_problem() {
 fn detection_by_rank() {
     let c = Cache::new(LAYOUTS[1].1, 2, 8, 1, 2, 4, 32, 2, 0);
     let v = c.views();
-    assert_eq!(EngineLayoutKind::detect_vllm(&v[0], None).unwrap(), EngineLayoutKind::VllmPaged { kernel_blocks: 1 });
-    assert_eq!(EngineLayoutKind::detect_vllm(&v[0], Some(4)).unwrap(), EngineLayoutKind::VllmPaged { kernel_blocks: 2 });
+    assert_eq!(
+        EngineLayoutKind::detect_vllm(&v[0], None).unwrap(),
+        EngineLayoutKind::VllmPaged { kernel_blocks: 1 }
+    );
+    assert_eq!(
+        EngineLayoutKind::detect_vllm(&v[0], Some(4)).unwrap(),
+        EngineLayoutKind::VllmPaged { kernel_blocks: 2 }
+    );
     // A block count that does not divide the rows is no split.
-    assert_eq!(EngineLayoutKind::detect_vllm(&v[0], Some(3)).unwrap(), EngineLayoutKind::VllmPaged { kernel_blocks: 1 });
+    assert_eq!(
+        EngineLayoutKind::detect_vllm(&v[0], Some(3)).unwrap(),
+        EngineLayoutKind::VllmPaged { kernel_blocks: 1 }
+    );
     let old = TensorDesc::contiguous("old", 4096, vec![2, 10, 16, 2, 8], 2, DeviceKind::Cuda(0));
-    assert_eq!(EngineLayoutKind::detect_vllm(&old, None).unwrap(), EngineLayoutKind::VllmCudaKvFirst);
+    assert_eq!(
+        EngineLayoutKind::detect_vllm(&old, None).unwrap(),
+        EngineLayoutKind::VllmCudaKvFirst
+    );
     let mla = TensorDesc::contiguous("mla", 4096, vec![10, 16, 576], 2, DeviceKind::Cuda(0));
-    assert_eq!(EngineLayoutKind::detect_vllm(&mla, None).unwrap(), EngineLayoutKind::VllmMla);
+    assert_eq!(
+        EngineLayoutKind::detect_vllm(&mla, None).unwrap(),
+        EngineLayoutKind::VllmMla
+    );
 }
 
 proptest! {

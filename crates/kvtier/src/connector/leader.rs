@@ -1006,7 +1006,10 @@ impl Leader {
     /// values. Returns the number of blocks forgotten.
     pub fn clear_tiers(&mut self) -> usize {
         let mut n = 0;
-        for pool in [self.host.as_mut(), self.disk.as_mut()].into_iter().flatten() {
+        for pool in [self.host.as_mut(), self.disk.as_mut()]
+            .into_iter()
+            .flatten()
+        {
             let before = pool.num_registered();
             for b in 0..pool.capacity() {
                 // Ids below capacity are always valid.

@@ -78,7 +78,7 @@ pub(super) fn cut(
     }
     let kb = kernel_blocks.max(1);
     let rows = t.shape[0];
-    if rows % kb != 0 {
+    if !rows.is_multiple_of(kb) {
         return Err(t.mismatch(format!(
             "{rows} kernel blocks is not a multiple of {kb} kernel blocks per block"
         )));
