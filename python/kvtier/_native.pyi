@@ -148,6 +148,8 @@ class Leader:
         """True while any store of the request is unconfirmed by some rank: keep its blocks until
         the workers report it saved."""
     def request_preempted(self, request_id: str) -> None: ...
+    def clear_tiers(self) -> int:
+        """Forget every host and disk block (the engine's prefix-cache reset); returns how many."""
     def apply_reports(self, blob: bytes) -> None:
         """Job reports from ``Worker.take_reports()`` (link "engine")."""
     def take_events(self) -> list[dict[str, Any]]:
