@@ -4,7 +4,7 @@
 # readers open). Run after editing any part.
 set -euo pipefail
 cd "$(dirname "$0")/../docs"
-order="core conn io remote engine cli py vllm"
+order="core conn io remote node engine cli py vllm"
 {
   cat architecture.head.md
   for p in $order; do [ -f "arch/$p.md" ] && { echo; sed 's/^# /## /' "arch/$p.md"; }; done

@@ -203,3 +203,25 @@ class Worker:
         """Wait for the submitted jobs of these requests only (their device blocks are about to be reused)."""
     def stats(self) -> dict[str, int]: ...
     def shutdown(self) -> None: ...
+
+class NodeServer:
+    """The node tier (``kvtier node``): one host cache in shared memory for every engine process of this
+    machine, served on a Unix socket (mode 0600, peers checked with SO_PEERCRED). Engines attach with
+    ``remote.url = "node://" + socket``. Runs on its own threads until ``shutdown`` (or garbage collection)."""
+
+    def __init__(
+        self,
+        socket: str,
+        capacity_bytes: int,
+        shm_dir: Optional[str] = None,
+        allowed_uids: Sequence[int] = (),
+    ) -> None:
+        """ConfigError if the socket is served by another node already or the shared memory cannot be
+        reserved."""
+    @property
+    def socket(self) -> str: ...
+    def stats(self) -> dict[str, int]:
+        """clients, blocks, bytes_used, capacity, puts, puts_full, gets, get_misses, evictions,
+        abandoned_puts."""
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop within ``timeout`` seconds; removes the socket and the arena. Idempotent."""

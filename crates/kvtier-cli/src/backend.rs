@@ -217,6 +217,9 @@ pub(crate) mod fake {
         pub eos_after: Option<u32>,
         /// Behave like a prefill-role engine: stop after the first token with `Prefilled`.
         pub prefill_role: bool,
+        /// Never finish: send the first token, then keep the request open (its sender is kept).
+        pub hang: bool,
+        pub held: std::sync::Mutex<Vec<tokio::sync::mpsc::UnboundedSender<GenEvent>>>,
     }
 
     impl FakeBackend {
@@ -226,6 +229,8 @@ pub(crate) mod fake {
                 submitted: AtomicU64::new(0),
                 eos_after: None,
                 prefill_role: false,
+                hang: false,
+                held: Default::default(),
             }
         }
     }
@@ -282,6 +287,10 @@ pub(crate) mod fake {
                 reason = FinishReason::Stop;
             } else if self.prefill_role && req.max_tokens > 1 {
                 reason = FinishReason::Prefilled;
+            }
+            if self.hang {
+                self.held.lock().unwrap_or_else(|p| p.into_inner()).push(tx);
+                return Ok(rx);
             }
             let _ = tx.send(GenEvent::Done {
                 finish_reason: reason,

@@ -151,8 +151,8 @@ impl Backend for EngineBackend {
 }
 
 /// The bench's typed counters from an engine snapshot.
-pub fn counters_of(m: &EngineMetrics, block_size: usize) -> CacheCounters {
-    let bs = block_size.max(1) as u64;
+pub fn counters_of(m: &EngineMetrics, _block_size: usize) -> CacheCounters {
+    let v = |key: &str| kvtier::metrics::value(&m.kvtier, key).unwrap_or(0);
     let hit = TierCounts {
         host: m.kvtier_matched_tokens_host,
         disk: m.kvtier_matched_tokens_disk,
@@ -161,17 +161,16 @@ pub fn counters_of(m: &EngineMetrics, block_size: usize) -> CacheCounters {
     CacheCounters {
         device_hit_tokens: m.g1_prefix_hit_tokens,
         hit_tokens: hit,
-        // Blocks written into each tier: G1 -> host stores, host -> disk spills (or G1 -> disk
-        // stores when there is no host tier), host -> remote puts.
+        // Blocks written into / loaded from each tier, from kvtier's one counter table.
         offload_blocks: TierCounts {
-            host: m.offloaded_host_blocks,
-            disk: m.offloaded_disk_blocks,
-            remote: m.offloaded_remote_blocks,
+            host: v("offloaded_host_blocks"),
+            disk: v("offloaded_disk_blocks"),
+            remote: v("offloaded_remote_blocks"),
         },
         onboard_blocks: TierCounts {
-            host: hit.host / bs,
-            disk: hit.disk / bs,
-            remote: hit.remote / bs,
+            host: v("onboard_host_blocks"),
+            disk: v("onboard_disk_blocks"),
+            remote: v("onboard_remote_blocks"),
         },
     }
 }
@@ -337,25 +336,10 @@ pub fn samples_of(m: &EngineMetrics, block_size: usize, num_device_blocks: usize
         ("tier", "device"),
         m.g1_prefix_hit_tokens as f64 / prompt,
     ));
-    for (tier, hit, onboard, offload) in [
-        (
-            "host",
-            c.hit_tokens.host,
-            c.onboard_blocks.host,
-            c.offload_blocks.host,
-        ),
-        (
-            "disk",
-            c.hit_tokens.disk,
-            c.onboard_blocks.disk,
-            c.offload_blocks.disk,
-        ),
-        (
-            "remote",
-            c.hit_tokens.remote,
-            c.onboard_blocks.remote,
-            c.offload_blocks.remote,
-        ),
+    for (tier, hit) in [
+        ("host", c.hit_tokens.host),
+        ("disk", c.hit_tokens.disk),
+        ("remote", c.hit_tokens.remote),
     ] {
         s.push(labelled(
             "kvtier_hit_tokens_total",
@@ -371,20 +355,20 @@ pub fn samples_of(m: &EngineMetrics, block_size: usize, num_device_blocks: usize
             ("tier", tier),
             hit as f64 / prompt,
         ));
-        s.push(labelled(
-            "kvtier_onboard_blocks_total",
-            "Blocks onboarded into G1 from each tier",
-            SampleKind::Counter,
-            ("tier", tier),
-            onboard as f64,
-        ));
-        s.push(labelled(
-            "kvtier_offload_blocks_total",
-            "Blocks offloaded into each tier",
-            SampleKind::Counter,
-            ("tier", tier),
-            offload as f64,
-        ));
+    }
+    // Every kvtier counter and gauge, from the one table (`kvtier_blocks_total{direction,tier}`,
+    // pools, failures, ...), exactly as vLLM's and TensorRT-LLM's in-process endpoint has them.
+    for (def, value) in kvtier::metrics::values(std::slice::from_ref(&m.kvtier)) {
+        s.push(Sample {
+            name: def.name,
+            labels: def.labels.iter().map(|(k, v)| (*k, (*v).to_string())).collect(),
+            kind: match def.kind {
+                kvtier::metrics::MetricKind::Counter => SampleKind::Counter,
+                _ => SampleKind::Gauge,
+            },
+            value: value as f64,
+            help: def.help,
+        });
     }
     s
 }
@@ -393,10 +377,11 @@ pub fn samples_of(m: &EngineMetrics, block_size: usize, num_device_blocks: usize
 mod tests {
     use super::*;
 
-    fn sample(samples: &[Sample], name: &str, tier: &str) -> f64 {
+    fn sample(samples: &[Sample], name: &str, labels: &[(&'static str, &str)]) -> f64 {
+        let want: Vec<(&str, String)> = labels.iter().map(|(k, v)| (*k, v.to_string())).collect();
         samples
             .iter()
-            .find(|s| s.name == name && s.labels == vec![("tier", tier.to_string())])
+            .find(|s| s.name == name && s.labels == want)
             .map(|s| s.value)
             .unwrap()
     }
@@ -404,13 +389,17 @@ mod tests {
     #[test]
     fn offloads_are_counted_per_tier() {
         let m = EngineMetrics {
-            offloaded_blocks: 40,
-            offloaded_host_blocks: 40,
-            offloaded_disk_blocks: 25,
-            spilled_disk_blocks: 27,
-            remote_put_blocks: 4,
-            offloaded_remote_blocks: 3,
             kvtier_matched_tokens_disk: 64,
+            kvtier: kvtier::connector::LeaderStats {
+                host_capacity: 100,
+                offload_confirmed: 40,
+                spill_disk_confirmed: 25,
+                spill_disk_blocks: 27,
+                remote_put_blocks: 4,
+                remote_put_confirmed: 3,
+                onboard_disk_blocks: 4,
+                ..Default::default()
+            },
             ..Default::default()
         };
         let c = counters_of(&m, 16);
@@ -424,9 +413,12 @@ mod tests {
         );
         assert_eq!(c.onboard_blocks.disk, 4);
         let s = samples_of(&m, 16, 8);
-        assert_eq!(sample(&s, "kvtier_offload_blocks_total", "host"), 40.0);
-        assert_eq!(sample(&s, "kvtier_offload_blocks_total", "disk"), 25.0);
-        assert_eq!(sample(&s, "kvtier_offload_blocks_total", "remote"), 3.0);
-        assert_eq!(sample(&s, "kvtier_onboard_blocks_total", "disk"), 4.0);
+        let b = "kvtier_blocks_total";
+        let off = |t| [("direction", "offload"), ("tier", t)];
+        assert_eq!(sample(&s, b, &off("host")), 40.0);
+        assert_eq!(sample(&s, b, &off("disk")), 25.0);
+        assert_eq!(sample(&s, b, &off("remote")), 3.0);
+        assert_eq!(sample(&s, b, &[("direction", "onboard"), ("tier", "disk")]), 4.0);
+        assert_eq!(sample(&s, "kvtier_hit_tokens_total", &[("tier", "disk")]), 64.0);
     }
 }

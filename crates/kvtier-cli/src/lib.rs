@@ -6,6 +6,7 @@
 //! [`disagg`] adds the decode-mode prefill hop; [`prom`] renders Prometheus text; [`backend`] is the one
 //! seam to the engine. Nothing here panics on what a client sends.
 
+#![forbid(unsafe_code)]
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod api;
@@ -16,6 +17,7 @@ pub mod detok;
 pub mod disagg;
 pub mod engine_backend;
 pub mod http_client;
+pub mod listener;
 pub mod prom;
 pub mod server;
 pub mod settings;

@@ -1,11 +1,13 @@
 //! The `kvtier` binary: `serve`, `bench`, `inspect`. With no command it runs `kvtier bench` on its
 //! embedded defaults (the project's main job).
 
+#![forbid(unsafe_code)]
+
 #[path = "bench/transfer.rs"]
 mod bench_transfer;
 
 use clap::{Parser, Subcommand};
-use kvtier_cli::cmd::{bench::BenchArgs, inspect::InspectArgs, serve::ServeArgs};
+use kvtier_cli::cmd::{bench::BenchArgs, inspect::InspectArgs, node::NodeArgs, serve::ServeArgs};
 
 /// kvtier: a tiered KV-cache block manager for LLM inference, with a reference engine.
 #[derive(Debug, Parser)]
@@ -25,6 +27,9 @@ enum Command {
     Bench(BenchArgs),
     /// Print the resolved configuration, tier sizes and the disk tier's contents.
     Inspect(InspectArgs),
+    /// The node tier: one shared host cache for every engine process on this machine
+    /// (engines attach with `remote.url = "node:///SOCKET"`).
+    Node(NodeArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -50,6 +55,7 @@ fn main() -> anyhow::Result<()> {
         Command::Inspect(a) => kvtier_cli::cmd::inspect::run(a),
         Command::Serve(a) => runtime()?.block_on(kvtier_cli::cmd::serve::run(a)),
         Command::Bench(a) => runtime()?.block_on(kvtier_cli::cmd::bench::run(a)),
+        Command::Node(a) => runtime()?.block_on(kvtier_cli::cmd::node::run(a)),
     }
 }
 

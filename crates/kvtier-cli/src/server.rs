@@ -26,6 +26,7 @@ use crate::api::{self, ApiError, Validated};
 use crate::backend::{Backend, FinishReason, GenEvent, SubmitError};
 use crate::detok::Detokenizer;
 use crate::disagg::PrefillClient;
+use crate::listener::ServeOptions;
 use crate::prom::Exporter;
 
 /// Where first tokens come from.
@@ -44,6 +45,8 @@ pub struct AppState {
     next_id: AtomicU64,
     /// A label for `/health` (`agg`, `prefill`, `decode`).
     pub mode: &'static str,
+    /// Timeouts and body limit of the HTTP server.
+    pub limits: ServeOptions,
 }
 
 impl AppState {
@@ -55,6 +58,24 @@ impl AppState {
             exporter: Exporter::new(),
             next_id: AtomicU64::new(1),
             mode,
+            limits: ServeOptions::default(),
+        })
+    }
+
+    /// As [`AppState::new`], with other server bounds.
+    pub fn with_limits(
+        backend: Arc<dyn Backend>,
+        generator: Generator,
+        mode: &'static str,
+        limits: ServeOptions,
+    ) -> Arc<Self> {
+        Arc::new(AppState {
+            backend,
+            generator,
+            exporter: Exporter::new(),
+            next_id: AtomicU64::new(1),
+            mode,
+            limits,
         })
     }
 
@@ -73,6 +94,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
 
@@ -85,10 +107,60 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     on_bound(listener.local_addr()?);
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await?;
-    Ok(())
+    let limits = state.limits;
+    crate::listener::run(listener, router(state), limits, shutdown).await
+}
+
+/// Counts one request in `kvtier_requests_in_flight` for as long as it lives. It is dropped when
+/// the response is complete or failed, and also when the client goes away mid-request (the
+/// handler future or the SSE stream is dropped), which explicit decrements missed.
+struct InFlight(Arc<AppState>);
+
+impl InFlight {
+    fn new(st: Arc<AppState>) -> Self {
+        st.exporter.in_flight(1.0);
+        InFlight(st)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.exporter.in_flight(-1.0);
+    }
+}
+
+/// Reads a request body within the server's body timeout and size limit (408 / 413 as OpenAI
+/// errors).
+async fn read_body(st: &AppState, body: axum::body::Body) -> Result<Bytes, ApiError> {
+    let limit = st.limits.max_body_bytes;
+    match tokio::time::timeout(st.limits.body_timeout, axum::body::to_bytes(body, limit)).await {
+        Err(_) => Err(ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            message: format!(
+                "request body not received within {:?}",
+                st.limits.body_timeout
+            ),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("timeout"),
+        }),
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(e)) => {
+            let too_large = std::error::Error::source(&e)
+                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+            if too_large {
+                Err(ApiError {
+                    status: StatusCode::PAYLOAD_TOO_LARGE,
+                    message: format!("request body is larger than {limit} bytes"),
+                    kind: "invalid_request_error",
+                    param: None,
+                    code: Some("payload_too_large"),
+                })
+            } else {
+                Err(ApiError::invalid(format!("reading the request body: {e}"), None))
+            }
+        }
+    }
 }
 
 fn now_secs() -> u64 {
@@ -132,6 +204,17 @@ async fn reset_prefix_cache(State(st): State<Arc<AppState>>) -> Response {
     Json(json!({"status": "ok"})).into_response()
 }
 
+async fn method_not_allowed() -> Response {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: "method not allowed for this endpoint (completions take POST; /health, /v1/models and /metrics take GET)".into(),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("method_not_allowed"),
+    }
+    .into_response()
+}
+
 async fn not_found() -> Response {
     ApiError {
         status: StatusCode::NOT_FOUND,
@@ -159,13 +242,19 @@ impl Flavor {
     }
 }
 
-async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    let v = api::parse_completion(st.backend.as_ref(), &body);
+async fn completions(State(st): State<Arc<AppState>>, body: axum::body::Body) -> Response {
+    let v = match read_body(&st, body).await {
+        Ok(b) => api::parse_completion(st.backend.as_ref(), &b),
+        Err(e) => Err(e),
+    };
     respond(st, v, Flavor::Completion).await
 }
 
-async fn chat(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    let v = api::parse_chat(st.backend.as_ref(), &body);
+async fn chat(State(st): State<Arc<AppState>>, body: axum::body::Body) -> Response {
+    let v = match read_body(&st, body).await {
+        Ok(b) => api::parse_chat(st.backend.as_ref(), &b),
+        Err(e) => Err(e),
+    };
     respond(st, v, Flavor::Chat).await
 }
 
@@ -208,7 +297,7 @@ async fn respond(st: Arc<AppState>, v: Result<Validated, ApiError>, flavor: Flav
             return e.into_response();
         }
     };
-    st.exporter.in_flight(1.0);
+    let in_flight = InFlight::new(st.clone());
     let id = st.id(if flavor == Flavor::Chat {
         "chatcmpl"
     } else {
@@ -216,9 +305,9 @@ async fn respond(st: Arc<AppState>, v: Result<Validated, ApiError>, flavor: Flav
     });
     if v.stream {
         st.exporter.http_request(flavor.endpoint(), 200);
-        stream_response(st, v, flavor, rx, id, arrived)
+        stream_response(st, v, flavor, rx, id, arrived, in_flight)
     } else {
-        let resp = full_response(&st, &v, flavor, rx, &id, arrived).await;
+        let resp = full_response(&st, &v, flavor, rx, &id, arrived, in_flight).await;
         st.exporter
             .http_request(flavor.endpoint(), resp.status().as_u16());
         resp
@@ -242,6 +331,7 @@ async fn full_response(
     mut rx: UnboundedReceiver<GenEvent>,
     id: &str,
     arrived: Instant,
+    in_flight: InFlight,
 ) -> Response {
     let mut tokens = Vec::new();
     let mut ttft = None;
@@ -270,7 +360,7 @@ async fn full_response(
             None => break Err(ApiError::internal("generation ended without a result")),
         }
     };
-    st.exporter.in_flight(-1.0);
+    drop(in_flight);
     let (reason, prompt, completion, cached) = match outcome {
         Ok(o) => o,
         Err(e) => return e.into_response(),
@@ -324,6 +414,8 @@ struct StreamState {
     /// Events still to send before reading the engine again (role chunk, final chunks).
     pending: std::collections::VecDeque<String>,
     done: bool,
+    /// Released when the stream ends, or when the client disconnects and the stream is dropped.
+    in_flight: Option<InFlight>,
 }
 
 impl StreamState {
@@ -385,7 +477,7 @@ impl StreamState {
                     cached_tokens,
                 }) => {
                     self.done = true;
-                    self.st.exporter.in_flight(-1.0);
+                    self.in_flight = None;
                     self.st.exporter.finished(
                         self.ttft,
                         self.arrived.elapsed(),
@@ -414,7 +506,7 @@ impl StreamState {
 
     fn fail(&mut self, message: String) {
         self.done = true;
-        self.st.exporter.in_flight(-1.0);
+        self.in_flight = None;
         self.pending
             .push_back(ApiError::internal(message).body().to_string());
         self.pending.push_back("[DONE]".into());
@@ -428,6 +520,7 @@ fn stream_response(
     rx: UnboundedReceiver<GenEvent>,
     id: String,
     arrived: Instant,
+    in_flight: InFlight,
 ) -> Response {
     let codec = st.backend.codec();
     let mut s = StreamState {
@@ -444,6 +537,7 @@ fn stream_response(
         ttft: None,
         pending: Default::default(),
         done: false,
+        in_flight: Some(in_flight),
     };
     if flavor == Flavor::Chat {
         let first = s.envelope(
@@ -458,6 +552,10 @@ fn stream_response(
     });
     Sse::new(stream).into_response()
 }
+
+#[cfg(test)]
+#[path = "server_bounds_tests.rs"]
+mod bounds_tests;
 
 #[cfg(test)]
 mod tests {

@@ -5,7 +5,7 @@
 //! explicit flags. Invariant: every value that reaches the engine went through [`EngineArgs::engine_config`],
 //! which validates it and names the flag in its error.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
@@ -76,7 +76,7 @@ pub struct EngineArgs {
     /// Token budget of one forward pass (chunked prefill).
     #[arg(long, default_value_t = 256)]
     pub max_batch_tokens: usize,
-    /// Most requests queued; beyond it requests get HTTP 503.
+    /// Most requests queued (at least 1); beyond it requests get HTTP 503.
     #[arg(long, default_value_t = 1024)]
     pub max_waiting: usize,
     /// KV connector.
@@ -140,6 +140,30 @@ pub fn defaults_toml() -> String {
     t.to_string()
 }
 
+/// Largest configuration file read (a configuration is a few hundred bytes).
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// Reads a configuration file: a regular file of at most [`MAX_CONFIG_BYTES`], so that
+/// `KVTIER_CONFIG=/dev/zero` (or a FIFO, or a huge file) is an error, not a read until memory
+/// runs out.
+pub fn read_config_file(path: &Path) -> anyhow::Result<String> {
+    use std::io::Read;
+    let f = std::fs::File::open(path)?;
+    let meta = f.metadata()?;
+    if !meta.is_file() {
+        bail!("not a regular file");
+    }
+    if meta.len() > MAX_CONFIG_BYTES {
+        bail!("{} bytes is larger than the {MAX_CONFIG_BYTES}-byte limit", meta.len());
+    }
+    let mut text = String::new();
+    f.take(MAX_CONFIG_BYTES + 1).read_to_string(&mut text)?;
+    if text.len() as u64 > MAX_CONFIG_BYTES {
+        bail!("larger than the {MAX_CONFIG_BYTES}-byte limit");
+    }
+    Ok(text)
+}
+
 impl TierArgs {
     /// The flags that were given, as an engine-settings layer (TOML key names).
     pub fn overrides(&self) -> anyhow::Result<serde_json::Value> {
@@ -151,8 +175,9 @@ impl TierArgs {
             m.insert("host.gb".into(), gb.into());
         }
         if let Some(gb) = self.disk_cache_gb {
-            if !(gb.is_finite() && gb > 0.0) {
-                bail!("--disk-cache-gb must be a positive number of GB, got {gb}");
+            // 0 turns the tier off (the configuration reads a size of 0 as "off").
+            if !(gb.is_finite() && gb >= 0.0) {
+                bail!("--disk-cache-gb must be a number of GB >= 0 (0 disables the disk tier), got {gb}");
             }
             m.insert("disk.gb".into(), gb.into());
         }
@@ -182,7 +207,7 @@ impl TierArgs {
     ) -> anyhow::Result<KvtierConfig> {
         let mut b = KvtierConfig::builder().toml("kvtier embedded defaults", &defaults_toml());
         if let Some(path) = env.get(CONFIG_PATH_ENV).filter(|p| !p.trim().is_empty()) {
-            let text = std::fs::read_to_string(path)
+            let text = read_config_file(Path::new(path))
                 .with_context(|| format!("reading {CONFIG_PATH_ENV}={path}"))?;
             b = b.toml(path, &text);
         }
@@ -225,6 +250,9 @@ impl EngineArgs {
         cfg.num_device_blocks = self.num_device_blocks;
         cfg.max_num_seqs = self.max_num_seqs;
         cfg.max_batch_tokens = self.max_batch_tokens;
+        if self.max_waiting == 0 {
+            bail!("--max-waiting must be at least 1 (it is how many requests may queue; 0 would refuse every request with 503)");
+        }
         cfg.max_waiting = self.max_waiting;
         cfg.role = role;
         cfg.enable_prefix_cache = !self.no_prefix_cache;
@@ -277,7 +305,7 @@ mod tests {
         };
         let c = flags.kvtier_config_with_env(&env).unwrap();
         assert_eq!(c.host.size, Some(TierSize::Gb(0.5)));
-        assert_eq!(c.remote, Some(RemoteTarget::Dir("/tmp/shared".into())));
+        assert_eq!(c.remote, Some(RemoteTarget::dir("/tmp/shared")));
         assert!(c.policy.disk_filter.enabled);
         let c = TierArgs {
             no_disk_filter: true,
@@ -305,5 +333,60 @@ mod tests {
             ..Default::default()
         };
         assert!(bad.kvtier_config_with_env(&none).is_err());
+    }
+
+    /// Regression (#13, unclear errors): `--disk-cache-gb 0` was refused though `--help` says it
+    /// disables the tier.
+    #[test]
+    fn disk_cache_gb_zero_disables_the_disk_tier() {
+        let none = HashMap::new();
+        let c = TierArgs {
+            disk_cache_gb: Some(0.0),
+            ..Default::default()
+        }
+        .kvtier_config_with_env(&none)
+        .unwrap();
+        assert_eq!(c.disk.size, None);
+        assert!(c.host.size.is_some());
+        for bad in [-1.0, f64::NAN] {
+            let e = TierArgs {
+                disk_cache_gb: Some(bad),
+                ..Default::default()
+            }
+            .kvtier_config_with_env(&none)
+            .unwrap_err();
+            assert!(e.to_string().contains("--disk-cache-gb"), "{e}");
+        }
+    }
+
+    /// Regression (#13, unclear errors): `KVTIER_CONFIG=/dev/zero` was read until memory ran out.
+    #[test]
+    fn config_file_must_be_a_small_regular_file() {
+        let mut env = HashMap::new();
+        env.insert(CONFIG_PATH_ENV.to_string(), "/dev/zero".to_string());
+        let e = TierArgs::default().kvtier_config_with_env(&env).unwrap_err();
+        assert!(format!("{e:#}").contains("not a regular file"), "{e:#}");
+        let dir = tempfile::tempdir().unwrap();
+        let big = dir.path().join("big.toml");
+        std::fs::write(&big, vec![b'#'; (MAX_CONFIG_BYTES + 1) as usize]).unwrap();
+        env.insert(CONFIG_PATH_ENV.to_string(), big.display().to_string());
+        let e = TierArgs::default().kvtier_config_with_env(&env).unwrap_err();
+        assert!(format!("{e:#}").contains("limit"), "{e:#}");
+    }
+
+    /// Regression (#13, unclear errors): `--max-waiting 0` made every request 503; it is refused.
+    #[test]
+    fn max_waiting_zero_is_refused_by_name() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            engine: EngineArgs,
+        }
+        let cli = Cli::try_parse_from(["kvtier", "--max-waiting", "0"]).unwrap();
+        let e = cli.engine.engine_config(Role::Aggregated).unwrap_err();
+        assert!(e.to_string().contains("--max-waiting must be at least 1"), "{e}");
+        let cli = Cli::try_parse_from(["kvtier", "--max-waiting", "1", "--connector", "none"]).unwrap();
+        assert_eq!(cli.engine.engine_config(Role::Aggregated).unwrap().max_waiting, 1);
     }
 }

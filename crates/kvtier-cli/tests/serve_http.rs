@@ -313,7 +313,7 @@ async fn kvtier_and_none_give_identical_tokens_and_metrics_move() {
     let (status, after) = get_text(&tiered, "/metrics").await;
     assert_eq!(status, 200);
     for name in [
-        "kvtier_offload_blocks_total{tier=\"host\"}",
+        "kvtier_blocks_total{direction=\"offload\",tier=\"host\"}",
         "kvtier_hit_tokens_total{tier=\"host\"}",
         "kvtier_generated_tokens_total",
     ] {
@@ -366,7 +366,7 @@ async fn disk_offloads_and_disk_hits_show_on_metrics() {
         want.push(toks);
         idle(&s).await;
     }
-    let disk_offload = "kvtier_offload_blocks_total{tier=\"disk\"}";
+    let disk_offload = "kvtier_blocks_total{direction=\"offload\",tier=\"disk\"}";
     let (_, text) = get_text(&s, "/metrics").await;
     let offloaded = metric(&text, disk_offload);
     assert!(offloaded >= 12.0, "disk offloads {offloaded}\n{text}");
@@ -381,7 +381,7 @@ async fn disk_offloads_and_disk_hits_show_on_metrics() {
     let (_, after) = get_text(&s, "/metrics").await;
     for name in [
         "kvtier_hit_tokens_total{tier=\"disk\"}",
-        "kvtier_onboard_blocks_total{tier=\"disk\"}",
+        "kvtier_blocks_total{direction=\"onboard\",tier=\"disk\"}",
     ] {
         assert!(metric(&after, name) > 0.0, "{name}\n{after}");
     }

@@ -192,6 +192,8 @@ pub struct EngineMetrics {
     pub free_device_blocks: u64,
     /// kvtier transfer jobs not yet confirmed.
     pub kvtier_jobs_in_flight: u64,
+    /// The kvtier leader's snapshot (every counter of `kvtier::metrics::METRICS`).
+    pub kvtier: kvtier::connector::LeaderStats,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -26,8 +26,11 @@ pub struct RequestView<'a> {
 }
 
 /// Counters a connector reports (monotonic).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ConnectorStats {
+    /// The leader's whole snapshot, read through `kvtier::metrics::METRICS` by exporters; the
+    /// fields below are views of it the engine's own bookkeeping uses.
+    pub kvtier: kvtier::connector::LeaderStats,
     pub offloaded_blocks: u64,
     pub onboarded_blocks: u64,
     pub matched_tokens_host: u64,

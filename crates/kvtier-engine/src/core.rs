@@ -376,6 +376,12 @@ impl EngineCore {
                     tracing::warn!(request = %r.id, from = back, to = r.num_computed, "kvtier load failed; recomputing");
                     self.metrics.load_failures += failed as u64;
                     self.metrics.recomputed_tokens += (r.num_computed - back) as u64;
+                    // Matched tokens that are recomputed were not served by kvtier: neither the
+                    // request's usage nor the hit counter may claim them (#13).
+                    let lost = (r.num_computed - back).min(r.ext_subtract);
+                    self.metrics.kvtier_matched_tokens =
+                        self.metrics.kvtier_matched_tokens.saturating_sub(lost as u64);
+                    r.cached_tokens = r.cached_tokens.min(back);
                     r.num_computed = back;
                     r.num_registered = r.num_registered.min(bad);
                     r.forget_connector_view();
@@ -484,6 +490,7 @@ impl EngineCore {
             self.metrics.offloaded_host_blocks = s.offloaded_host_blocks;
             self.metrics.offloaded_disk_blocks = s.offloaded_disk_blocks;
             self.metrics.offloaded_remote_blocks = s.offloaded_remote_blocks;
+            self.metrics.kvtier = s.kvtier;
         }
     }
 
@@ -538,6 +545,12 @@ impl EngineCore {
                 tracing::warn!(request = %r.id, "kvtier async load failed; recomputing");
                 self.metrics.load_failures += failed as u64;
                 self.metrics.recomputed_tokens += (r.pending_load - usable) as u64;
+                // As in the synchronous path: recomputed tokens are no hit (#13).
+                self.metrics.kvtier_matched_tokens = self
+                    .metrics
+                    .kvtier_matched_tokens
+                    .saturating_sub((r.pending_load - usable) as u64);
+                r.cached_tokens = r.cached_tokens.min(r.num_computed + usable);
                 // The connector's view (position past the matched blocks) no longer holds:
                 // start it over from what is really computed, with a full report of the blocks.
                 r.forget_connector_view();

@@ -12,22 +12,19 @@
 //!   blocks are in the remote store (or a deadline passed), so a decode engine that starts after
 //!   `Done` finds them.
 use std::collections::HashMap;
-use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier::config::RemoteTarget;
-use kvtier::connector::{
-    Capacity, DiskPolicy, Leader, LeaderConfig, SchedulerStep, Worker, WorkerLink,
-};
+use kvtier::connector::messages::ClusterLayout;
+use kvtier::connector::{Leader, SchedulerStep, Worker, WorkerLink};
 use kvtier::hash::{sequence_hashes, HashSalt};
 use kvtier::layout::{self, DType, DeviceLayout, TensorDesc};
-use kvtier::policy::FilterParams;
-use kvtier::pool::Priority;
 use kvtier::transfer::{BlockTransfer, RemoteStore};
 use kvtier::{DeviceBlockId, RequestId};
-use kvtier_io::{DiskOptions, DiskStorage, HostOptions, HostStorage, PinMode, TransferEngine};
+use kvtier_io::compose::{Composition, EngineIdentity, HostMemory, ServingRole};
+use kvtier_io::metrics_http::{self, StatsPublisher};
+use kvtier_io::PinMode;
 
 use crate::api::{EngineConfig, EngineError, Role};
 use crate::connector::{ConnectorSetup, ConnectorStats, EngineConnector, RequestView};
@@ -36,30 +33,8 @@ use crate::kv_cache::KvCache;
 /// How long a prefill-role request waits for its blocks to reach the remote store.
 const REMOTE_PUBLISH_DEADLINE: Duration = Duration::from_secs(10);
 
-static ENGINE_SEQ: AtomicU64 = AtomicU64::new(0);
-
 fn cerr(what: &str, e: impl std::fmt::Display) -> EngineError {
     EngineError::Connector(format!("{what}: {e}"))
-}
-
-/// Remote namespaces allow `[A-Za-z0-9_.-]`, 1..=64 characters, not starting with '.'.
-fn namespace_for(model: &str) -> String {
-    let mut s: String = model
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .take(64)
-        .collect();
-    if s.is_empty() || s.starts_with('.') {
-        s.insert(0, 'm');
-        s.truncate(64);
-    }
-    s
 }
 
 pub(crate) struct KvtierConnector {
@@ -68,33 +43,27 @@ pub(crate) struct KvtierConnector {
     remote: Option<Arc<dyn RemoteStore>>,
     block_size: usize,
     salt: HashSalt,
-    /// G1 stores go to the host tier (else straight to disk).
-    has_host: bool,
     wait_for_remote: bool,
     /// Prefill role: the prompt hashes of requests whose KV must reach the remote store.
     prompt_hashes: HashMap<RequestId, Vec<u128>>,
     /// Saved on this rank, waiting for the remote store (hashes, deadline).
     publishing: HashMap<RequestId, Instant>,
+    /// Stats snapshots for the process's metrics endpoint (`metrics.enabled`).
+    metrics: Option<StatsPublisher>,
+    /// The disk tier's private directory, removed on drop.
+    disk_dir: Option<PathBuf>,
 }
 
 /// Build the connector for an engine whose G1 is `kv`. `kv`'s memory must outlive the connector.
+/// Everything is wired by [`Composition`], exactly as under vLLM and TensorRT-LLM.
 pub(crate) fn build(
     setup: &ConnectorSetup,
     cfg: &EngineConfig,
     model_name: &str,
     kv: &KvCache,
 ) -> Result<Box<dyn EngineConnector>, EngineError> {
-    let c = &setup.config;
     let bs = cfg.block_size;
-    if let Some(b) = c.connector.block_size.filter(|b| *b != bs) {
-        return Err(EngineError::Config(format!(
-            "kvtier block size {b} differs from the engine's block size {bs}"
-        )));
-    }
     let bytes_per_block = kv.bytes_per_block();
-    let caps = c
-        .resolve_capacity(bytes_per_block)
-        .map_err(|e| cerr("kvtier config", e))?;
     // Register G1 exactly as TensorRT-LLM does: one pool tensor [blocks, layers, 2, bs*kv_dim].
     let ptr = kv.as_slice().as_ptr() as usize as u64;
     let desc = TensorDesc::contiguous(
@@ -112,85 +81,62 @@ pub(crate) fn build(
             bytes_per_block
         )));
     }
-    // Device <-> disk/remote jobs go through the transfer engine's own bounce buffers.
-    let mut tb = TransferEngine::builder().device(Arc::new(dl), layout::DeviceKind::Cpu);
-    let seq = ENGINE_SEQ.fetch_add(1, Ordering::Relaxed);
-    if caps.host_blocks > 0 {
-        let mut o = HostOptions::new(caps.host_blocks as u32, bytes_per_block);
-        o.pin = PinMode::Never;
-        o.touch_threads = 1;
-        tb = tb.host(Arc::new(
-            HostStorage::new(&o).map_err(|e| cerr("host tier", e))?,
-        ));
-    }
-    if caps.disk_blocks > 0 {
-        let mut o = DiskOptions::new(c.disk.dir.clone(), caps.disk_blocks as u32, bytes_per_block);
-        o.name = format!("kvtier-engine-{}-{seq}", std::process::id());
-        if !c.disk.use_o_direct {
-            o.direct = kvtier_io::DirectMode::Off;
-        }
-        o.io = match c.disk.io_backend {
-            kvtier::config::IoBackend::Auto => kvtier_io::DiskIoMode::Auto,
-            kvtier::config::IoBackend::Uring => kvtier_io::DiskIoMode::Uring,
-            kvtier::config::IoBackend::Pread => kvtier_io::DiskIoMode::Sync,
-        };
-        let disk = Arc::new(DiskStorage::create(&o).map_err(|e| cerr("disk tier", e))?);
-        tb = tb.disk(disk);
-    }
-    let model_id = c
-        .hashing
-        .model
-        .clone()
-        .unwrap_or_else(|| model_name.to_owned());
-    let remote = match &c.remote {
-        None => None,
-        Some(t) => {
-            let url = match t {
-                RemoteTarget::Redis(u) => u.clone(),
-                RemoteTarget::Dir(p) => format!("dir://{}", Path::new(p).display()),
-            };
-            let r = kvtier_io::remote::from_url(&url, &namespace_for(&model_id))
-                .map_err(|e| cerr("remote tier", e))?;
-            tb = tb.remote(r.clone());
-            Some(r)
-        }
+    let num_blocks = u32::try_from(kv.shape().first().copied().unwrap_or(0))
+        .map_err(|_| EngineError::Config("too many device blocks".into()))?;
+    let cluster = ClusterLayout {
+        block_size: bs as u32,
+        num_device_blocks: num_blocks,
+        bytes_per_block: vec![bytes_per_block as u64],
     };
-    let engine = tb.build().map_err(|e| cerr("transfer engine", e))?;
-    let mut transfer: Arc<dyn BlockTransfer> = Arc::new(engine);
+    let identity = EngineIdentity {
+        model: model_name.to_owned(),
+        revision: None,
+        dtype: Some("f32".into()),
+        kv_layout: Some(format!("trtllm_pool{:?}", kv.shape().get(1..).unwrap_or(&[]))),
+    };
+    let role = match cfg.role {
+        Role::Aggregated => ServingRole::Aggregated,
+        Role::Prefill => ServingRole::Prefill,
+        Role::Decode => ServingRole::Decode,
+    };
+    let plan = Composition::new(&setup.config, identity, cluster, role).map_err(|e| match e {
+        kvtier_io::compose::ComposeError::Config(c) => EngineError::Config(c.to_string()),
+        other => cerr("kvtier", other),
+    })?;
+    let remote = plan.remote_store().map_err(|e| cerr("kvtier", e))?;
+    let host = HostMemory {
+        pin: PinMode::Never,
+        touch_threads: 1,
+        ..HostMemory::default()
+    };
+    let tiers = plan
+        .transfer(0, Arc::new(dl), layout::DeviceKind::Cpu, host, remote.clone())
+        .map_err(|e| cerr("kvtier", e))?;
+    let mut transfer: Arc<dyn BlockTransfer> = Arc::new(tiers.engine);
     if let Some(w) = &setup.wrap_transfer {
         transfer = w(transfer);
     }
-    let salt = HashSalt::new(&model_id, None, c.hashing.salt.as_deref());
-    let leader = Leader::new(LeaderConfig {
-        block_size: bs,
-        salt,
-        layout: None,
-        host: Capacity::Blocks(caps.host_blocks),
-        disk: Capacity::Blocks(caps.disk_blocks),
-        disk_policy: if caps.disk_blocks == 0 {
-            DiskPolicy::Never
-        } else if c.policy.disk_filter.enabled {
-            DiskPolicy::Filter(FilterParams {
-                window: Duration::from_secs(c.policy.disk_filter.window_secs),
-                max_tracked: c.policy.disk_filter.max_tracked,
-            })
-        } else {
-            DiskPolicy::WriteThrough
-        },
-        remote: remote.clone(),
-        remote_put: remote.is_some() && cfg.role != Role::Decode,
-        async_loads: true,
-        priority: Priority::default(),
-    })
-    .map_err(|e| cerr("leader", e))?;
+    let leader = plan
+        .leader(remote.clone(), true)
+        .map_err(|e| cerr("kvtier", e))?;
+    let metrics = if plan.config().metrics.enabled {
+        let p = StatsPublisher::new();
+        metrics_http::register(plan.config().metrics.port, &p)
+            .map_err(|e| cerr("kvtier metrics", e))?;
+        Some(p)
+    } else {
+        None
+    };
     let worker = Worker::new(
         transfer,
         WorkerLink::in_process(0, 1, leader.report_sender()),
     );
+    let caps = plan.capacities();
     tracing::info!(
         host_blocks = caps.host_blocks,
         disk_blocks = caps.disk_blocks,
         remote = remote.is_some(),
+        namespace = plan.namespace(),
         bytes_per_block,
         "kvtier connector ready"
     );
@@ -200,16 +146,20 @@ pub(crate) fn build(
         wait_for_remote: remote.is_some() && cfg.role == Role::Prefill,
         remote,
         block_size: bs,
-        salt,
-        has_host: caps.host_blocks > 0,
+        salt: plan.salt(),
         prompt_hashes: HashMap::new(),
         publishing: HashMap::new(),
+        metrics,
+        disk_dir: tiers.disk_dir,
     }))
 }
 
 impl KvtierConnector {
     /// Keep background work (spills, remote puts) moving even when no request is scheduled.
     fn tick(&mut self) {
+        if let Some(p) = &self.metrics {
+            p.publish(self.leader.stats());
+        }
         let (meta, errs) = self.leader.build_step_lenient(&SchedulerStep::default());
         for e in errs {
             tracing::warn!(error = %e, "kvtier: empty step");
@@ -388,6 +338,7 @@ impl EngineConnector for KvtierConnector {
 
     fn stats(&self) -> ConnectorStats {
         let s = self.leader.stats();
+        let v = |key: &str| kvtier::metrics::value(&s, key).unwrap_or(0);
         let bs = self.block_size as u64;
         ConnectorStats {
             offloaded_blocks: s.offload_confirmed,
@@ -400,19 +351,10 @@ impl EngineConnector for KvtierConnector {
             jobs_in_flight: s.jobs_in_flight as u64,
             spilled_disk_blocks: s.spill_disk_blocks,
             remote_put_blocks: s.remote_put_blocks,
-            offloaded_remote_blocks: s.remote_put_confirmed,
-            offloaded_host_blocks: if self.has_host {
-                s.offload_confirmed
-            } else {
-                0
-            },
-            // Spills count once written and registered, not while in flight.
-            offloaded_disk_blocks: s.spill_disk_confirmed
-                + if self.has_host {
-                    0
-                } else {
-                    s.offload_confirmed
-                },
+            offloaded_remote_blocks: v("offloaded_remote_blocks"),
+            offloaded_host_blocks: v("offloaded_host_blocks"),
+            offloaded_disk_blocks: v("offloaded_disk_blocks"),
+            kvtier: s,
         }
     }
 }
@@ -421,5 +363,9 @@ impl Drop for KvtierConnector {
     fn drop(&mut self) {
         // Every job touching the engine's memory finishes before that memory can be freed.
         self.worker.wait_idle();
+        if let Some(dir) = self.disk_dir.take() {
+            // The disk files are closed with the worker's transfer engine, dropped after this.
+            let _ = std::fs::remove_dir_all(&dir);
+        }
     }
 }

@@ -18,6 +18,7 @@
 //! assert_eq!(tokens.len(), 4);
 //! engine.shutdown();
 //! ```
+#![forbid(unsafe_code)]
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 mod api;

@@ -21,7 +21,7 @@ const CHILD_ENV: &str = "KVTIER_ENGINE_DECODE_CHILD_DIR";
 fn engine(role: Role, remote: &Path) -> EngineConfig {
     let mut kv = KvtierConfig::default();
     kv.host.size = Some(TierSize::Blocks(128));
-    kv.remote = Some(RemoteTarget::Dir(remote.to_path_buf()));
+    kv.remote = Some(RemoteTarget::dir(remote));
     let mut c = EngineConfig::builtin(SEED);
     c.num_device_blocks = 64;
     c.role = role;

@@ -29,7 +29,7 @@ fn tiers(host: u64, disk: Option<(&Path, u64)>, remote: Option<&Path>) -> Kvtier
         // Spill every block (the frequency filter is tested in the core crate).
         c.policy.disk_filter.enabled = false;
     }
-    c.remote = remote.map(|p| RemoteTarget::Dir(p.to_path_buf()));
+    c.remote = remote.map(RemoteTarget::dir);
     c.validate().unwrap();
     c
 }
@@ -257,7 +257,7 @@ fn collect(
 #[test]
 fn disaggregated_prefill_and_decode_match_aggregated() {
     let remote = tempfile::tempdir().unwrap();
-    disaggregated_round_trip(RemoteTarget::Dir(remote.path().to_path_buf()));
+    disaggregated_round_trip(RemoteTarget::dir(remote.path()));
 }
 
 /// A private Redis server on a free port, stopped on drop.
@@ -319,7 +319,7 @@ fn disaggregated_through_redis_matches_aggregated() {
         return;
     }
     let server = RedisServer::start().expect("redis-server did not start");
-    disaggregated_round_trip(RemoteTarget::Redis(server.url.clone()));
+    disaggregated_round_trip(RemoteTarget::parse(&server.url).unwrap());
 }
 
 fn disaggregated_round_trip(remote: RemoteTarget) {

@@ -12,6 +12,10 @@ use crate::error::{BlockIoError, IoError};
 use crate::sys::cuda::Driver;
 use crate::sys::mem::{self, Mapping};
 
+/// The hint of a host tier that does not fit: names the settings that size it.
+const HOST_SIZE_HINT: &str =
+    "lower host.gb or host.num_blocks (KVTIER_HOST_GB, KVTIER_HOST_NUM_BLOCKS) or free memory";
+
 /// Whether to pin the host tier for CUDA.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum PinMode {
@@ -80,10 +84,24 @@ impl HostStorage {
         let bytes = (opts.num_blocks as usize)
             .checked_mul(opts.block_bytes)
             .ok_or_else(|| IoError::Config("host tier size overflows the address space".into()))?;
+        // The mapping is MAP_NORESERVE, so the kernel accepts sizes far beyond memory and the first
+        // touch below would then be OOM-killed: refuse them here, as a typed error.
+        if let Some(avail) = mem::available_bytes() {
+            if bytes > avail {
+                return Err(IoError::HostAlloc {
+                    bytes,
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::OutOfMemory,
+                        format!("only {avail} bytes of memory available"),
+                    ),
+                    hint: HOST_SIZE_HINT,
+                });
+            }
+        }
         let map = Mapping::new(bytes).map_err(|source| IoError::HostAlloc {
             bytes,
             source,
-            hint: "lower the host tier size (host_bytes) or free memory",
+            hint: HOST_SIZE_HINT,
         })?;
         let threads = if opts.touch_threads == 0 {
             std::thread::available_parallelism()
@@ -105,7 +123,7 @@ impl HostStorage {
                             reason,
                             hint: "raise the locked-memory limit (`ulimit -l unlimited`, \
                                    LimitMEMLOCK=infinity, docker --ulimit memlock=-1) or lower \
-                                   the host tier size",
+                                   host.gb / host.num_blocks",
                         })
                     }
                 },
@@ -113,7 +131,7 @@ impl HostStorage {
                     return Err(IoError::HostPin {
                         bytes,
                         reason: e,
-                        hint: "install the NVIDIA driver or set pin = never",
+                        hint: "install the NVIDIA driver, or ask for PinMode::Never (CPU engines)",
                     })
                 }
                 Err(e) => {
@@ -231,7 +249,33 @@ mod tests {
         o.pin = PinMode::Never;
         let e = HostStorage::new(&o).unwrap_err();
         let msg = e.to_string();
-        assert!(msg.contains("lower the host tier size"), "{msg}");
+        // Regression (#13, unclear errors): the hint named `host_bytes`, which is no setting.
+        assert!(msg.contains("host.gb or host.num_blocks"), "{msg}");
+        assert!(!msg.contains("host_bytes"), "{msg}");
+    }
+
+    /// Regression (#13, aborts): a host tier larger than memory but within the address space
+    /// (`host.num_blocks` 5e8 of 64 KiB) was mapped (MAP_NORESERVE) and then OOM-killed during the
+    /// first touch; it is refused before mapping.
+    #[test]
+    fn host_tier_larger_than_memory_is_refused_before_touching() {
+        let Some(avail) = mem::available_bytes() else {
+            eprintln!("no /proc/meminfo: skipped");
+            return;
+        };
+        let block = 64 << 10;
+        let blocks = u32::try_from((avail / block).saturating_mul(2) + 1).unwrap_or(u32::MAX);
+        let mut o = HostOptions::new(blocks, block);
+        o.pin = PinMode::Never;
+        let t0 = Instant::now();
+        match HostStorage::new(&o) {
+            Err(IoError::HostAlloc { source, .. }) => {
+                assert_eq!(source.kind(), std::io::ErrorKind::OutOfMemory);
+                assert!(source.to_string().contains("available"), "{source}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(t0.elapsed() < Duration::from_secs(1), "touched memory first");
     }
 
     #[test]

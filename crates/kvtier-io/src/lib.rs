@@ -33,7 +33,11 @@
 //! assert!(out.iter().all(|&b| b == 7));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+/// The transfer benchmark behind `kvtier bench transfer` (feature `transfer-bench`; not part of
+/// the storage and transfer API).
+#[cfg(feature = "transfer-bench")]
 pub mod bench;
+pub mod compose;
 pub mod cuda;
 mod device;
 pub mod disk;
@@ -41,6 +45,8 @@ mod engine;
 pub mod error;
 mod host;
 pub mod layout;
+pub mod metrics_http;
+pub mod node;
 pub mod remote;
 mod sys;
 

@@ -40,6 +40,7 @@ fn cluster_round_trip_contains_and_damage() -> Result<()> {
         assert!(
             stored
                 == encode_value(
+                    "cl",
                     k,
                     &block(keys.iter().position(|&x| x == k).unwrap() as u64, LEN)
                 )

@@ -59,7 +59,7 @@ fn round_trip_contains_missing_and_layout() -> Result<()> {
     let file = tmp.path().join("kvtier-v1/rt").join(&hex[..2]).join(&hex);
     assert_eq!(
         std::fs::read(&file)?,
-        encode_value(keys[1], &block(1, MIB2))
+        encode_value("rt", keys[1], &block(1, MIB2))
     );
     assert_eq!(mode(&file), 0o600);
     assert_eq!(mode(file.parent().unwrap()), 0o700);
@@ -99,12 +99,12 @@ fn damaged_and_truncated_files_are_errors() -> Result<()> {
     ));
 
     // One flipped payload bit.
-    let mut v = encode_value(1, &good);
+    let mut v = encode_value("bad", 1, &good);
     v[HEADER_LEN + 4321] ^= 1;
     std::fs::write(&path, &v)?;
     let e = remote_err(store.get(1, &mut out));
     assert!(
-        matches!(&e, RemoteError::Corrupt { reason, .. } if reason.contains("checksum")),
+        matches!(&e, RemoteError::Corrupt { reason, .. } if reason.contains("tag mismatch")),
         "{e:?}"
     );
 
@@ -136,7 +136,7 @@ fn damaged_and_truncated_files_are_errors() -> Result<()> {
     ));
 
     // Trailing bytes after a valid value.
-    let mut long = encode_value(1, &good);
+    let mut long = encode_value("bad", 1, &good);
     long.extend_from_slice(b"junk");
     std::fs::write(&path, &long)?;
     assert!(matches!(
@@ -145,7 +145,7 @@ fn damaged_and_truncated_files_are_errors() -> Result<()> {
     ));
 
     // A valid value of another key copied under this name.
-    std::fs::write(&path, encode_value(2, &good))?;
+    std::fs::write(&path, encode_value("bad", 2, &good))?;
     assert!(matches!(
         remote_err(store.get(1, &mut out)),
         RemoteError::Corrupt { key: 1, .. }

@@ -23,7 +23,7 @@ fn remote_err(r: Result<(), TransferError>) -> RemoteError {
 
 fn fast_url(s: &RedisServer) -> String {
     format!(
-        "{}?connect_timeout_ms=300&io_timeout_ms=500&pool=4&backoff_ms=400",
+        "{}?connect_timeout_ms=300&io_timeout_ms=500&lookup_timeout_ms=300&pool=4&backoff_ms=400&max_backoff_ms=400",
         s.url()
     )
 }
@@ -57,7 +57,7 @@ fn round_trip_is_bit_exact() -> Result<()> {
     let mut raw = srv.raw()?;
     let name = format!("kvtier:v1:rt:{:032x}", keys[0]);
     let stored: Vec<u8> = redis::cmd("GET").arg(&name).query(&mut raw)?;
-    assert_eq!(stored, encode_value(keys[0], &block(99, 4096)));
+    assert_eq!(stored, encode_value("rt", keys[0], &block(99, 4096)));
     assert_eq!(stored.len(), HEADER_LEN + 4096);
     Ok(())
 }
@@ -99,7 +99,7 @@ fn damaged_values_are_errors_never_bytes() -> Result<()> {
     let mut raw = srv.raw()?;
     let name = |k: u128| format!("kvtier:v1:bad:{k:032x}");
     let good = block(7, 1000);
-    let framed = encode_value(10, &good);
+    let framed = encode_value("bad", 10, &good);
     let mut out = vec![0u8; 1000];
 
     // Garbage over a key.
@@ -122,7 +122,7 @@ fn damaged_values_are_errors_never_bytes() -> Result<()> {
         .query(&mut raw)?;
     let e = remote_err(store.get(10, &mut out));
     assert!(
-        matches!(&e, RemoteError::Corrupt { reason, .. } if reason.contains("checksum")),
+        matches!(&e, RemoteError::Corrupt { reason, .. } if reason.contains("tag mismatch")),
         "{e:?}"
     );
 
@@ -349,5 +349,142 @@ fn ttl_and_db_options_apply() -> Result<()> {
     let _: () = redis::cmd("SELECT").arg(0).query(&mut raw)?;
     let exists: bool = redis::cmd("EXISTS").arg(&name).query(&mut raw)?;
     assert!(!exists, "value landed in db 0");
+    Ok(())
+}
+
+/// Regression (#13, forged remote values): a Redis value copied from another block with its
+/// 16-byte key field patched to the victim's key was accepted and served, because the checksum
+/// covered the payload only. Format version 2 binds the key (and the namespace) into the tag; a
+/// version-1 value reads as a clean miss.
+#[test]
+fn forged_value_with_patched_key_is_rejected_and_old_frames_miss() -> Result<()> {
+    let Some(srv) = RedisServer::start() else {
+        return Ok(());
+    };
+    let store = from_url(&srv.url(), "forge")?;
+    let mut raw = srv.raw()?;
+    let name = |k: u128| format!("kvtier:v1:forge:{k:032x}");
+    let (victim, donor) = (0x51u128, 0x52u128);
+    store.put(donor, &block(1, 4096))?;
+    let mut forged: Vec<u8> = redis::cmd("GET").arg(name(donor)).query(&mut raw)?;
+    forged[16..32].copy_from_slice(&victim.to_le_bytes());
+    let _: () = redis::cmd("SET")
+        .arg(name(victim))
+        .arg(&forged)
+        .query(&mut raw)?;
+    let mut out = vec![0u8; 4096];
+    let e = remote_err(store.get(victim, &mut out));
+    assert!(
+        matches!(&e, RemoteError::Corrupt { key, .. } if *key == victim),
+        "forged value accepted or misreported: {e:?}"
+    );
+
+    // The same value copied into another namespace under the same key.
+    let other = from_url(&srv.url(), "forge2")?;
+    let copied: Vec<u8> = redis::cmd("GET").arg(name(donor)).query(&mut raw)?;
+    let _: () = redis::cmd("SET")
+        .arg(format!("kvtier:v1:forge2:{donor:032x}"))
+        .arg(&copied)
+        .query(&mut raw)?;
+    assert!(matches!(
+        remote_err(other.get(donor, &mut out)),
+        RemoteError::Corrupt { .. }
+    ));
+
+    // A value written by format version 1 (payload-only checksum) is a miss, never bytes.
+    let payload = block(2, 4096);
+    let mut v1 = Vec::new();
+    v1.extend_from_slice(b"KVT4");
+    v1.extend_from_slice(&1u16.to_le_bytes());
+    v1.extend_from_slice(&0u16.to_le_bytes());
+    v1.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    v1.extend_from_slice(&victim.to_le_bytes());
+    v1.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&payload).to_le_bytes());
+    v1.extend_from_slice(&payload);
+    let _: () = redis::cmd("SET").arg(name(victim)).arg(&v1).query(&mut raw)?;
+    assert_eq!(
+        remote_err(store.get(victim, &mut out)),
+        RemoteError::Missing { key: victim }
+    );
+    Ok(())
+}
+
+/// Regression (#13, hangs): a Redis that stopped answering stalled every request for ~19.5x
+/// `io_timeout` (each caller and pool connection waited out its own timeouts, again after every
+/// short backoff). Now: each operation ends within its deadline (`io_timeout` for get/put,
+/// `lookup_timeout` for contains, plus the connect bound), the circuit breaker lets one probe
+/// through per window and fails everything else at once, and the counters say so.
+#[test]
+fn stalled_server_costs_one_deadline_per_window_not_per_caller() -> Result<()> {
+    use kvtier_io::remote::{BreakerState, RedisOptions, RedisStore};
+    let Some(srv) = RedisServer::start() else {
+        return Ok(());
+    };
+    let opts = RedisOptions {
+        connect_timeout: Duration::from_millis(200),
+        io_timeout: Duration::from_millis(400),
+        lookup_timeout: Duration::from_millis(100),
+        pool_size: 4,
+        backoff: Duration::from_millis(150),
+        max_backoff: Duration::from_millis(600),
+        ..RedisOptions::default()
+    };
+    let store = Arc::new(RedisStore::open(&srv.url(), "stall", opts)?);
+    store.put(1, &block(1, 4096))?;
+    srv.signal("STOP");
+    let run_for = Duration::from_millis(2500);
+    let t0 = Instant::now();
+    let threads: Vec<_> = (0..8)
+        .map(|i| {
+            let store = Arc::clone(&store);
+            std::thread::spawn(move || {
+                let mut worst = (Duration::ZERO, Duration::ZERO); // (get/put, contains)
+                let mut out = vec![0u8; 4096];
+                let mut n = 0u64;
+                while t0.elapsed() < run_for {
+                    let (r, t) = timed(|| {
+                        if i % 2 == 0 {
+                            store.get(1, &mut out)
+                        } else {
+                            store.put(2, &out)
+                        }
+                    });
+                    assert!(r.is_err(), "a stopped server answered");
+                    worst.0 = worst.0.max(t);
+                    let (r, t) = timed(|| store.contains(&[1, 2]));
+                    assert!(r.is_err());
+                    worst.1 = worst.1.max(t);
+                    n += 2;
+                }
+                (worst, n)
+            })
+        })
+        .collect();
+    let mut ops = 0;
+    for th in threads {
+        let ((io, lookup), n) = th.join().unwrap();
+        ops += n;
+        // Bound: connect (200 ms) + deadline, with slack for a loaded 2-core machine.
+        assert!(io < Duration::from_millis(200 + 2 * 400 + 300), "get/put took {io:?}");
+        assert!(lookup < Duration::from_millis(100 + 2 * 100 + 300), "contains took {lookup:?}");
+    }
+    let s = store.breaker_stats();
+    srv.signal("CONT");
+    // Windows of 150, 300, 600, 600... ms over 2.5 s: about 6 probes. Everything else failed fast.
+    assert!(s.opened >= 1 && s.probes >= 2, "{s:?}");
+    assert!(
+        s.attempted <= 4 + s.probes + 1,
+        "more than one operation per window reached the stalled server: {s:?} of {ops} ops"
+    );
+    assert!(s.short_circuited + s.attempted >= ops, "{s:?} vs {ops}");
+    assert_ne!(s.state, BreakerState::Closed);
+    // Once the server answers again, the next probe closes the breaker.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut out = vec![0u8; 4096];
+    while store.get(1, &mut out).is_err() {
+        assert!(Instant::now() < deadline, "never recovered: {:?}", store.breaker_stats());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(store.breaker_stats().state, BreakerState::Closed);
     Ok(())
 }

@@ -409,7 +409,7 @@ fn failing_tiers_are_left_out_not_fatal() {
     assert!(!e.has_tier(Tier::Host) && !e.has_tier(Tier::Disk) && e.has_tier(Tier::Device));
     assert_eq!(e.setup_errors().len(), 2);
     assert!(
-        e.setup_errors()[0].contains("lower the host tier size"),
+        e.setup_errors()[0].contains("lower host.gb or host.num_blocks"),
         "{:?}",
         e.setup_errors()
     );

@@ -11,9 +11,7 @@ use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use kvtier::connector::leader::{
-    Capacity, DiskPolicy, Leader, LeaderConfig, LeaderStats, RequestKey,
-};
+use kvtier::connector::leader::{Leader, LeaderStats, RequestKey};
 use kvtier::connector::messages::{ClusterLayout, WorkerReport, PROTOCOL_VERSION};
 use kvtier::connector::step::{SchedulerStep, StepRecord};
 use kvtier::connector::zmq::LeaderChannel;
@@ -22,6 +20,8 @@ use kvtier::ids::{DeviceBlockId, RequestId, Tier};
 use kvtier::pool::PoolEvent;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
+
+use kvtier_io::metrics_http::{self, StatsPublisher};
 
 use crate::errors::{BridgeError, BridgeResult, Family};
 use crate::rendezvous::Rendezvous;
@@ -208,6 +208,8 @@ struct Inner {
     leader: Option<Leader>,
     reports: Option<Receiver<WorkerReport>>,
     zmq: Option<Arc<LeaderChannel>>,
+    /// Snapshots for the process's metrics endpoint (`metrics.enabled`).
+    metrics: Option<StatsPublisher>,
     shut_down: bool,
 }
 
@@ -219,35 +221,22 @@ pub struct PyLeader {
     async_loads: bool,
 }
 
-fn capacities(settings: &Settings, total_bytes_per_block: u64) -> BridgeResult<(usize, usize)> {
-    let bytes = usize::try_from(total_bytes_per_block).map_err(|_| {
-        BridgeError::local(Family::Config, "bytes_per_block does not fit this machine")
-    })?;
-    let c = settings.config.resolve_capacity(bytes)?;
-    Ok((c.host_blocks, c.disk_blocks))
-}
-
 impl Inner {
+    /// Everything through the composition root, as in every other engine.
     fn build(&mut self, layout: ClusterLayout) -> BridgeResult<()> {
-        let (host, disk) = capacities(&self.settings, layout.total_bytes_per_block())?;
-        let remote = crate::vllm_support::remote_store(&self.settings)?;
-        let cfg = LeaderConfig {
-            block_size: self.block_size,
-            salt: self.settings.salt()?,
-            layout: Some(layout),
-            host: Capacity::Blocks(host),
-            disk: Capacity::Blocks(disk),
-            disk_policy: if disk > 0 {
-                DiskPolicy::WriteThrough
-            } else {
-                DiskPolicy::Never
-            },
-            remote_put: remote.is_some(),
-            remote,
-            async_loads: self.async_loads,
-            priority: Default::default(),
-        };
-        self.leader = Some(Leader::new(cfg)?);
+        let plan = crate::vllm_support::composition(&self.settings, layout)?;
+        let remote = plan.remote_store().map_err(crate::vllm_support::bridge)?;
+        let leader = plan
+            .leader(remote, self.async_loads)
+            .map_err(crate::vllm_support::bridge)?;
+        if plan.config().metrics.enabled && self.metrics.is_none() {
+            let p = StatsPublisher::new();
+            p.publish(leader.stats());
+            metrics_http::register(plan.config().metrics.port, &p)
+                .map_err(|e| BridgeError::local(Family::Config, e.to_string()))?;
+            self.metrics = Some(p);
+        }
+        self.leader = Some(leader);
         Ok(())
     }
 
@@ -341,44 +330,18 @@ impl Inner {
                 leader.apply_report(r);
             }
         }
+        if let Some(p) = &self.metrics {
+            p.publish(leader.stats());
+        }
         Ok(leader)
     }
 }
 
+/// The stats dict: every series of the one counter table, by its key.
 fn stats_dict(py: Python<'_>, s: &LeaderStats) -> PyResult<Py<PyDict>> {
     let d = PyDict::new(py);
-    let u = |v: usize| v as u64;
-    for (k, v) in [
-        ("steps", s.steps),
-        ("active_requests", u(s.active_requests)),
-        ("jobs_in_flight", u(s.jobs_in_flight)),
-        ("match_queries", s.match_queries),
-        ("matched_tokens", s.matched_tokens),
-        ("offload_blocks", s.offload_blocks),
-        ("offload_confirmed", s.offload_confirmed),
-        ("offload_failed", s.offload_failed),
-        ("offload_deduplicated", s.offload_deduplicated),
-        ("offload_dropped", s.offload_dropped),
-        ("onboard_host_blocks", s.onboard_host_blocks),
-        ("onboard_disk_blocks", s.onboard_disk_blocks),
-        ("onboard_remote_blocks", s.onboard_remote_blocks),
-        ("onboard_failed", s.onboard_failed),
-        ("spill_disk_blocks", s.spill_disk_blocks),
-        ("spill_disk_confirmed", s.spill_disk_confirmed),
-        ("spill_disk_failed", s.spill_disk_failed),
-        ("remote_put_blocks", s.remote_put_blocks),
-        ("remote_put_confirmed", s.remote_put_confirmed),
-        ("remote_put_failed", s.remote_put_failed),
-        ("load_restarts", s.load_restarts),
-        ("uncacheable_requests", s.uncacheable_requests),
-        ("host_capacity", u(s.host_capacity)),
-        ("host_free", u(s.host_free)),
-        ("host_registered", u(s.host_registered)),
-        ("disk_capacity", u(s.disk_capacity)),
-        ("disk_free", u(s.disk_free)),
-        ("disk_registered", u(s.disk_registered)),
-    ] {
-        d.set_item(k, v)?;
+    for m in kvtier::metrics::METRICS {
+        d.set_item(m.key, (m.value)(s))?;
     }
     Ok(d.unbind())
 }
@@ -421,6 +384,7 @@ impl PyLeader {
             leader: None,
             reports: None,
             zmq: None,
+            metrics: None,
             shut_down: false,
         };
         // Every leader owns a rendezvous, so in-process workers of its engine can reach it.

@@ -22,12 +22,14 @@
 //! let layout = desc.trtllm_layout(16).unwrap();
 //! assert_eq!(layout.bytes_per_block(), 64 * 2 * 2 * 2);
 //! ```
+#![forbid(unsafe_code)]
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 use pyo3::prelude::*;
 
 pub mod errors;
 pub mod leader;
+pub mod node;
 pub mod rendezvous;
 pub mod settings;
 pub mod tensor;
@@ -60,6 +62,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<leader::PyStepRecord>()?;
     m.add_class::<leader::PyLeader>()?;
     m.add_class::<worker::PyWorker>()?;
+    m.add_class::<node::PyNodeServer>()?;
 
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     Ok(())

@@ -7,7 +7,6 @@
 use std::collections::HashMap;
 
 use kvtier::config::KvtierConfig;
-use kvtier::hash::HashSalt;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
@@ -135,11 +134,10 @@ impl Settings {
                 .and_then(|v| usize::try_from(v).ok())
                 .map(Some)
                 .ok_or_else(|| bad(key, format!("{n} is not a non-negative integer"))),
-            Some(serde_json::Value::String(s)) => s
-                .trim()
-                .parse::<usize>()
+            Some(serde_json::Value::String(s)) => kvtier::config::parse_u64_text(s)
+                .and_then(|v| usize::try_from(v).ok())
                 .map(Some)
-                .map_err(|_| bad(key, format!("{s:?} is not a non-negative integer"))),
+                .ok_or_else(|| bad(key, format!("{s:?} is not a non-negative integer"))),
             Some(v) => Err(bad(key, format!("{v} is not a non-negative integer"))),
         }
     }
@@ -148,11 +146,9 @@ impl Settings {
         match self.get(key) {
             None => Ok(None),
             Some(serde_json::Value::Bool(b)) => Ok(Some(*b)),
-            Some(serde_json::Value::String(s)) => match s.trim().to_ascii_lowercase().as_str() {
-                "1" | "true" | "yes" | "on" => Ok(Some(true)),
-                "0" | "false" | "no" | "off" => Ok(Some(false)),
-                _ => Err(bad(key, format!("{s:?} is not a boolean"))),
-            },
+            Some(serde_json::Value::String(s)) => kvtier::config::parse_bool_text(s)
+                .map(Some)
+                .ok_or_else(|| bad(key, kvtier::config::bool_reason(s))),
             Some(serde_json::Value::Number(n)) if n.as_u64() == Some(0) => Ok(Some(false)),
             Some(serde_json::Value::Number(n)) if n.as_u64() == Some(1) => Ok(Some(true)),
             Some(v) => Err(bad(key, format!("{v} is not a boolean"))),
@@ -201,20 +197,6 @@ impl Settings {
             .ok()
             .filter(|w| *w > 0)
             .ok_or_else(|| bad("world_size", format!("{w} is not a valid world size")))
-    }
-
-    /// The hash salt: the `salt` setting (or the configured model name) plus the configured
-    /// cache salt. Equal settings give equal salts in every process.
-    pub fn salt(&self) -> BridgeResult<HashSalt> {
-        let model = match self.string("salt")? {
-            Some(s) => s,
-            None => self.config.hashing.model.clone().unwrap_or_default(),
-        };
-        Ok(HashSalt::new(
-            &model,
-            None,
-            self.config.hashing.salt.as_deref(),
-        ))
     }
 
     /// The ZeroMQ endpoint of the leader <-> worker channel: the `zmq_endpoint` setting, else

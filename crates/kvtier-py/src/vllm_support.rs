@@ -1,28 +1,40 @@
-//! The shared remote tier (G4) for the bindings: opening the configured store. Disaggregated
-//! prefill/decode on vLLM hands its KV over through this tier; `Remote -> Device` loads go through
-//! kvtier-io's `TransferEngine` (its own bounce buffer).
+//! The bindings' door to the composition root ([`kvtier_io::compose`]): the Python `Leader` and
+//! `Worker` (under vLLM and TensorRT-LLM alike) get their leader, transfer engine and remote
+//! store only through [`composition`], the same code the reference engine uses.
 //!
-//! Invariant: every process of one model opens the same store under the same namespace, so a
-//! producer's puts are a consumer's hits.
-use std::sync::Arc;
-
-use kvtier::config::RemoteTarget;
-use kvtier::transfer::RemoteStore;
+//! Invariant: every process of one model derives the same composition from the same settings
+//! (identity from the adapter's `salt` setting, or `hashing.model`), so a producer's puts are a
+//! consumer's hits, under a remote namespace no other model shares.
+use kvtier::connector::messages::ClusterLayout;
+use kvtier_io::compose::{ComposeError, Composition, EngineIdentity, ServingRole};
 
 use crate::errors::{BridgeError, BridgeResult, Family};
 use crate::settings::Settings;
 
-/// Key space of kvtier's blocks in a shared store. Sequence hashes already carry the model salt.
-const NAMESPACE: &str = "kvtier-v1";
+/// The engine's identity: the adapter's `salt` setting (vLLM: `vllm|model|cache dtype|dtype|revision`;
+/// TensorRT-LLM: its model identity), replaced by `hashing.model` when that is set.
+pub fn identity(settings: &Settings) -> BridgeResult<EngineIdentity> {
+    Ok(EngineIdentity::new(settings.string("salt")?.unwrap_or_default()))
+}
 
-/// The configured remote store (`remote.url`), or None when there is no remote tier.
-pub fn remote_store(settings: &Settings) -> BridgeResult<Option<Arc<dyn RemoteStore>>> {
-    let url = match &settings.config.remote {
-        None => return Ok(None),
-        Some(RemoteTarget::Dir(path)) => format!("dir://{}", path.display()),
-        Some(RemoteTarget::Redis(url)) => url.clone(),
-    };
-    kvtier_io::remote::from_url(&url, NAMESPACE)
-        .map(Some)
-        .map_err(|e| BridgeError::local(Family::Config, format!("remote.url {url}: {e}")))
+/// The composition for this engine over `cluster`.
+pub fn composition(settings: &Settings, cluster: ClusterLayout) -> BridgeResult<Composition> {
+    Composition::new(
+        &settings.config,
+        identity(settings)?,
+        cluster,
+        ServingRole::Aggregated,
+    )
+    .map_err(bridge)
+}
+
+/// A composition error as the matching Python exception.
+pub fn bridge(e: ComposeError) -> BridgeError {
+    match e {
+        ComposeError::Config(c) => c.into(),
+        ComposeError::Leader(c) => c.into(),
+        ComposeError::Io(io) => BridgeError::local(Family::Transfer, io.to_string()),
+        ComposeError::Remote { .. } => BridgeError::local(Family::Config, e.to_string()),
+        other => BridgeError::local(Family::Connector, other.to_string()),
+    }
 }

@@ -8,17 +8,16 @@
 //! the in-process Leader (`link = "in_process"`) or into a buffer drained by `take_reports`
 //! (`link = "engine"`). Blocking calls release the GIL. One mutex guards the connector worker.
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kvtier::connector::messages::{RankLayout, StepMetadata, WorkerReport};
+use kvtier::connector::messages::{ClusterLayout, RankLayout, StepMetadata, WorkerReport};
 use kvtier::connector::worker::{ReportSink, Worker, WorkerLink};
 use kvtier::connector::zmq::WorkerChannel;
 use kvtier::connector::ConnectorError;
 use kvtier::ids::RequestId;
 use kvtier::layout::{self, DeviceLayout, EngineLayoutKind};
 use kvtier::transfer::BlockTransfer;
-use kvtier_io::{DiskOptions, DiskStorage, HostOptions, HostStorage, TransferEngine};
+use kvtier_io::compose::HostMemory;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
@@ -116,10 +115,6 @@ fn layout_kind(
     })
 }
 
-fn io_err(e: kvtier_io::IoError) -> BridgeError {
-    BridgeError::local(Family::Transfer, e.to_string())
-}
-
 struct Inner {
     worker: Option<Worker>,
     buffer: Option<Arc<BufferSink>>,
@@ -138,8 +133,6 @@ pub struct PyWorker {
     host_blocks: usize,
     disk_blocks: usize,
 }
-
-static DISK_SEQ: AtomicU64 = AtomicU64::new(0);
 
 impl PyWorker {
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -189,7 +182,7 @@ impl PyWorker {
             })?,
         };
         let mut zmq = None;
-        let total = if link_name == "zmq" {
+        let cluster = if link_name == "zmq" {
             let endpoint = settings.zmq_endpoint_or_default()?;
             let timeout = settings.timeout();
             let hello = me.clone();
@@ -197,53 +190,38 @@ impl PyWorker {
             let ch = py
                 .detach(|| WorkerChannel::connect(&endpoint, hello, timeout))
                 .map_err(BridgeError::from)?;
-            let total = ch.layout().total_bytes_per_block() as usize;
+            let layout = ch.layout().clone();
             zmq = Some(ch);
-            total
+            layout
         } else {
-            match settings.usize("bytes_per_block")? {
-                Some(t) if t > 0 => t,
-                _ => bpb * world_size as usize,
+            // Equal shards: the `bytes_per_block` setting is over all ranks, as the leader reads it.
+            let per_rank = match settings.usize("bytes_per_block")? {
+                Some(t) if t > 0 => (t / world_size as usize) as u64,
+                _ => bpb as u64,
+            };
+            ClusterLayout {
+                block_size: block_size as u32,
+                num_device_blocks: me.num_device_blocks,
+                bytes_per_block: vec![per_rank; world_size as usize],
             }
         };
-        let caps = settings.config.resolve_capacity(total)?;
-        let n32 = |n: usize, what: &str| {
-            u32::try_from(n).map_err(|_| {
-                BridgeError::local(Family::Config, format!("{what}: {n} blocks is too many"))
-            })
+        // Host and disk tiers sized like the leader's pools, by the same composition root.
+        let plan = crate::vllm_support::composition(settings, cluster)?;
+        let caps = plan.capacities();
+        let host = HostMemory {
+            cuda_device: match dl.device() {
+                layout::DeviceKind::Cpu => 0,
+                layout::DeviceKind::Cuda(i) => i as i32,
+            },
+            ..HostMemory::default()
         };
-        let cuda_ordinal = match dl.device() {
-            layout::DeviceKind::Cpu => None,
-            layout::DeviceKind::Cuda(i) => Some(i as i32),
-        };
-        // Device <-> disk/remote jobs go through the transfer engine's own bounce buffers.
-        let mut builder = TransferEngine::builder().device_layout(dl);
-        if caps.host_blocks > 0 {
-            let mut opts = HostOptions::new(n32(caps.host_blocks, "host")?, bpb);
-            if let Some(ordinal) = cuda_ordinal {
-                opts.cuda_device = ordinal;
-            }
-            builder = builder.host(Arc::new(HostStorage::new(&opts).map_err(io_err)?));
-        }
-        let mut disk_dir = None;
-        if caps.disk_blocks > 0 {
-            let seq = DISK_SEQ.fetch_add(1, Ordering::Relaxed);
-            let dir = settings
-                .config
-                .disk
-                .dir
-                .join(format!("kvtier-{}-{seq}-rank{rank}", std::process::id()));
-            let mut opts = DiskOptions::new(dir.clone(), n32(caps.disk_blocks, "disk")?, bpb);
-            opts.name = format!("rank{rank}");
-            let disk = Arc::new(DiskStorage::create(&opts).map_err(io_err)?);
-            builder = builder.disk(disk);
-            disk_dir = Some(dir);
-        }
-        // The shared remote tier (G4).
-        if let Some(store) = crate::vllm_support::remote_store(settings)? {
-            builder = builder.remote(store);
-        }
-        let engine: Arc<dyn BlockTransfer> = Arc::new(builder.build().map_err(io_err)?);
+        let kind = dl.device();
+        let remote = plan.remote_store().map_err(crate::vllm_support::bridge)?;
+        let tiers = plan
+            .transfer(rank, Arc::new(dl), kind, host, remote)
+            .map_err(crate::vllm_support::bridge)?;
+        let disk_dir = tiers.disk_dir;
+        let engine: Arc<dyn BlockTransfer> = Arc::new(tiers.engine);
         let (link, buffer) = match link_name.as_str() {
             "engine" => {
                 let buf = Arc::new(BufferSink::default());

@@ -40,6 +40,12 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+mod remote_url;
+mod value;
+
+pub use remote_url::{redact_url, RedisTarget, RemoteBackend, RemoteTarget};
+pub use value::{bool_reason, parse_bool as parse_bool_text, parse_u64 as parse_u64_text};
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
@@ -97,15 +103,6 @@ pub struct DiskConfig {
     pub io_backend: IoBackend,
 }
 
-/// Where the shared remote tier lives.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum RemoteTarget {
-    /// A Redis-protocol server (Redis, Valkey): the URL as given (`redis://`, `rediss://`).
-    Redis(String),
-    /// A shared directory (`dir:///path`).
-    Dir(PathBuf),
-}
-
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DiskFilterConfig {
     pub enabled: bool,
@@ -115,10 +112,8 @@ pub struct DiskFilterConfig {
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PolicyConfig {
-    pub write_through: bool,
+    /// The G2 -> G3 frequency filter (applies wherever there are both a host and a disk tier).
     pub disk_filter: DiskFilterConfig,
-    /// Blocks with a priority below this are not offloaded.
-    pub priority_cutoff: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -181,13 +176,11 @@ impl Default for KvtierConfig {
             },
             remote: None,
             policy: PolicyConfig {
-                write_through: true,
                 disk_filter: DiskFilterConfig {
                     enabled: true,
                     window_secs: 600,
                     max_tracked: 1_000_000,
                 },
-                priority_cutoff: 0,
             },
             connector: ConnectorConfig {
                 block_size: None,
@@ -241,7 +234,6 @@ pub const SETTINGS: &[Setting] = &[
     s("disk.use_o_direct", "KVTIER_DISK_USE_O_DIRECT", &[]),
     s("disk.io_backend", "KVTIER_DISK_IO_BACKEND", &[]),
     s("remote.url", "KVTIER_REMOTE_URL", &[]),
-    s("policy.write_through", "KVTIER_WRITE_THROUGH", &[]),
     Setting {
         key: "policy.disk_filter.enabled",
         env: "KVTIER_DISK_FILTER",
@@ -258,7 +250,6 @@ pub const SETTINGS: &[Setting] = &[
         "KVTIER_DISK_FILTER_MAX_TRACKED",
         &[],
     ),
-    s("policy.priority_cutoff", "KVTIER_PRIORITY_CUTOFF", &[]),
     s("connector.block_size", "KVTIER_BLOCK_SIZE", &[]),
     s(
         "connector.leader_worker_timeout_secs",
@@ -396,7 +387,7 @@ impl ConfigBuilder {
                     layer.insert(
                         s.key,
                         Given {
-                            origin: (*alias).to_owned(),
+                            origin: env_origin(alias),
                             value: Raw::Str(v.clone()),
                         },
                     );
@@ -409,13 +400,13 @@ impl ConfigBuilder {
                             layer.insert(
                                 s.key,
                                 Given {
-                                    origin: (*alias).to_owned(),
+                                    origin: env_origin(alias),
                                     value: Raw::Bool(!b),
                                 },
                             );
                         }
                         Err(reason) => self.errors.push(ConfigError::Invalid {
-                            setting: (*alias).to_owned(),
+                            setting: env_origin(alias),
                             reason,
                         }),
                     }
@@ -425,7 +416,7 @@ impl ConfigBuilder {
                 layer.insert(
                     s.key,
                     Given {
-                        origin: s.env.to_owned(),
+                        origin: env_origin(s.env),
                         value: Raw::Str(v.clone()),
                     },
                 );
@@ -487,14 +478,14 @@ impl ConfigBuilder {
                 },
                 serde_json::Value::Array(_) => {
                     self.errors.push(ConfigError::Invalid {
-                        setting: format!("{key} (engine)"),
+                        setting: format!("{key} (engine settings)"),
                         reason: "expected a string, number or boolean, got a list".into(),
                     });
                     continue;
                 }
             };
-            self.put(out, "engine settings", &key, raw, |k| {
-                format!("{k} (engine)")
+            self.put(out, "engine settings", &key, raw, |_| {
+                format!("{key} (engine settings)")
             });
         }
     }
@@ -561,9 +552,6 @@ impl ConfigBuilder {
         if let Some(g) = merged.get("remote.url") {
             c.remote = parse_remote(g)?;
         }
-        if let Some(g) = merged.get("policy.write_through") {
-            c.policy.write_through = parse_bool(&g.value).map_err(|r| invalid(g, r))?;
-        }
         if let Some(g) = merged.get("policy.disk_filter.enabled") {
             c.policy.disk_filter.enabled = parse_bool(&g.value).map_err(|r| invalid(g, r))?;
         }
@@ -572,11 +560,6 @@ impl ConfigBuilder {
         }
         if let Some(g) = merged.get("policy.disk_filter.max_tracked") {
             c.policy.disk_filter.max_tracked = to_usize(g, positive(g, parse_u64(g)?)?)?;
-        }
-        if let Some(g) = merged.get("policy.priority_cutoff") {
-            let v = parse_u64(g)?;
-            c.policy.priority_cutoff =
-                u32::try_from(v).map_err(|_| invalid(g, format!("{v} does not fit in 32 bits")))?;
         }
         if let Some(g) = merged.get("connector.block_size") {
             c.connector.block_size = Some(to_usize(g, positive(g, parse_u64(g)?)?)?);
@@ -618,6 +601,11 @@ impl ConfigBuilder {
     }
 }
 
+/// How an environment variable is named in errors.
+fn env_origin(name: &str) -> String {
+    format!("{name} (environment variable)")
+}
+
 fn invalid(g: &Given, reason: String) -> ConfigError {
     ConfigError::Invalid {
         setting: g.origin.clone(),
@@ -635,11 +623,8 @@ fn parse_str(g: &Given) -> Result<String, ConfigError> {
 fn parse_u64(g: &Given) -> Result<u64, ConfigError> {
     match &g.value {
         Raw::Int(i) => u64::try_from(*i).map_err(|_| invalid(g, format!("{i} is negative"))),
-        Raw::Str(s) => s
-            .trim()
-            .replace('_', "")
-            .parse::<u64>()
-            .map_err(|_| invalid(g, format!("`{s}` is not a whole number >= 0"))),
+        Raw::Str(s) => value::parse_u64(s)
+            .ok_or_else(|| invalid(g, format!("`{s}` is not a whole number >= 0"))),
         other => Err(invalid(
             g,
             format!("expected a whole number, got {other:?}"),
@@ -664,13 +649,7 @@ fn parse_bool(v: &Raw) -> Result<bool, String> {
         Raw::Bool(b) => Ok(*b),
         Raw::Int(0) => Ok(false),
         Raw::Int(1) => Ok(true),
-        Raw::Str(s) => match s.trim().to_ascii_lowercase().as_str() {
-            "1" | "true" | "yes" | "on" => Ok(true),
-            "0" | "false" | "no" | "off" | "" => Ok(false),
-            _ => Err(format!(
-                "`{s}` is not a boolean (true/false, 1/0, yes/no, on/off)"
-            )),
-        },
+        Raw::Str(s) => value::parse_bool(s).ok_or_else(|| bool_reason(s)),
         other => Err(format!("expected a boolean, got {other:?}")),
     }
 }
@@ -689,23 +668,12 @@ fn to_usize(g: &Given, v: u64) -> Result<usize, ConfigError> {
 
 fn parse_remote(g: &Given) -> Result<Option<RemoteTarget>, ConfigError> {
     let url = parse_str(g)?;
-    let url = url.trim();
-    if url.is_empty() {
+    if url.trim().is_empty() {
         return Ok(None);
     }
-    if let Some(path) = url.strip_prefix("dir://") {
-        if path.is_empty() {
-            return Err(invalid(g, "dir:// needs a path, e.g. dir:///mnt/kv".into()));
-        }
-        return Ok(Some(RemoteTarget::Dir(PathBuf::from(path))));
-    }
-    if url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("valkey://") {
-        return Ok(Some(RemoteTarget::Redis(url.to_owned())));
-    }
-    Err(invalid(
-        g,
-        format!("`{url}` is neither redis://host:port, rediss://, valkey:// nor dir:///path"),
-    ))
+    RemoteTarget::parse(&url)
+        .map(Some)
+        .map_err(|reason| invalid(g, reason))
 }
 
 impl KvtierConfig {

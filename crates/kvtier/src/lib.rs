@@ -17,6 +17,7 @@ pub mod error;
 pub mod hash;
 pub mod ids;
 pub mod layout;
+pub mod metrics;
 pub mod policy;
 pub mod pool;
 pub mod tokens;

@@ -1,16 +1,17 @@
-//! Offload policy: which completed blocks go to which tier.
+//! Offload policy: the G2 -> G3 frequency filter.
 //!
-//! - Device -> host (G1 -> G2): write-through, every full block as it completes, unless
-//!   write-through is off or the block's priority is below the cut-off.
-//! - Host -> disk (G2 -> G3): only blocks that pass the frequency filter: a hash must be seen a
-//!   second time within the decay window (measured from its previous sighting) before it is
-//!   written to disk, sparing the SSD one-off blocks. The filter remembers at most `max_tracked`
-//!   hashes; when full, it forgets the least recently seen. It can be disabled (every block
-//!   passes). The priority cut-off applies too.
-//! - Host -> remote (G2 -> G4): every block at or above the priority cut-off.
+//! Device -> host (G1 -> G2) is write-through: every full block as it completes (the leader's
+//! slots hand them out; there is no switch, since nothing else fills the host tier). Host ->
+//! remote (G2 -> G4) puts every block stored in G2 when a remote tier is configured and the
+//! role writes to it. Host -> disk (G2 -> G3) puts only blocks that pass the frequency filter:
+//! a hash must be seen a second time within the decay window (measured from its previous
+//! sighting) before it is written to disk, sparing the SSD one-off blocks. The filter
+//! remembers at most `max_tracked` hashes; when full, it forgets the least recently seen. The
+//! leader drives it ([`crate::connector::DiskPolicy::Filter`]); the composition root builds that
+//! from [`DiskFilterConfig`] (`policy.disk_filter.*`), identically for every engine.
 //!
 //! Pure: time is passed in as a [`Duration`] since any fixed origin (the caller's monotonic
-//! clock), so the policy never reads a clock and tests are deterministic.
+//! clock), so the filter never reads a clock and tests are deterministic.
 //!
 //! Invariants: the filter holds at most `max_tracked` hashes; a hash is "seen twice within the
 //! window" exactly when its previous sighting is at most `window` before `now` and it was not
@@ -19,60 +20,32 @@
 //! ```
 //! use std::time::Duration;
 //! use kvtier::hash::SequenceHash;
-//! use kvtier::policy::{OffloadPolicy, PolicyParams};
-//! use kvtier::pool::Priority;
+//! use kvtier::policy::{FilterParams, FrequencyFilter};
 //!
-//! let mut p = OffloadPolicy::new(PolicyParams::default()); // filter: 2nd sighting within 600 s
+//! let defaults = kvtier::config::KvtierConfig::default().policy.disk_filter;
+//! let mut f = FrequencyFilter::new(FilterParams::from(&defaults));
 //! let h = SequenceHash(42);
-//! assert!(p.offload_to_host(Priority(0)));
-//! assert!(!p.offload_to_disk(h, Priority(0), Duration::from_secs(10)));
-//! assert!(p.offload_to_disk(h, Priority(0), Duration::from_secs(200)));
+//! assert!(!f.observe(h, Duration::from_secs(10)));
+//! assert!(f.observe(h, Duration::from_secs(200))); // 2nd sighting within 600 s
 //! ```
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
-use crate::config::PolicyConfig;
+use crate::config::DiskFilterConfig;
 use crate::hash::SequenceHash;
-use crate::pool::Priority;
 
-/// Policy parameters (from [`PolicyConfig`] or set directly).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PolicyParams {
-    pub write_through: bool,
-    /// `None`: the disk filter is off and every block goes to disk.
-    pub disk_filter: Option<FilterParams>,
-    /// Blocks with a priority below this are not offloaded anywhere.
-    pub priority_cutoff: Priority,
-}
-
+/// The filter's parameters (from [`DiskFilterConfig`] or set directly).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FilterParams {
     pub window: Duration,
     pub max_tracked: usize,
 }
 
-impl Default for PolicyParams {
-    fn default() -> Self {
-        PolicyParams {
-            write_through: true,
-            disk_filter: Some(FilterParams {
-                window: Duration::from_secs(600),
-                max_tracked: 1_000_000,
-            }),
-            priority_cutoff: Priority(0),
-        }
-    }
-}
-
-impl From<&PolicyConfig> for PolicyParams {
-    fn from(c: &PolicyConfig) -> Self {
-        PolicyParams {
-            write_through: c.write_through,
-            disk_filter: c.disk_filter.enabled.then_some(FilterParams {
-                window: Duration::from_secs(c.disk_filter.window_secs),
-                max_tracked: c.disk_filter.max_tracked,
-            }),
-            priority_cutoff: Priority(c.priority_cutoff),
+impl From<&DiskFilterConfig> for FilterParams {
+    fn from(c: &DiskFilterConfig) -> Self {
+        FilterParams {
+            window: Duration::from_secs(c.window_secs),
+            max_tracked: c.max_tracked,
         }
     }
 }
@@ -179,64 +152,6 @@ impl FrequencyFilter {
     }
 }
 
-/// The offload decisions of one leader.
-#[derive(Debug)]
-pub struct OffloadPolicy {
-    params: PolicyParams,
-    filter: Option<FrequencyFilter>,
-}
-
-impl OffloadPolicy {
-    pub fn new(params: PolicyParams) -> Self {
-        let filter = params.disk_filter.map(FrequencyFilter::new);
-        OffloadPolicy { params, filter }
-    }
-
-    pub fn from_config(c: &PolicyConfig) -> Self {
-        Self::new(PolicyParams::from(c))
-    }
-
-    pub fn params(&self) -> &PolicyParams {
-        &self.params
-    }
-
-    fn above_cutoff(&self, priority: Priority) -> bool {
-        priority >= self.params.priority_cutoff
-    }
-
-    /// G1 -> G2 when a block completes.
-    pub fn offload_to_host(&self, priority: Priority) -> bool {
-        self.params.write_through && self.above_cutoff(priority)
-    }
-
-    /// G2 -> G3 for a block stored (or seen again) in host memory at `now`. Records the
-    /// sighting in the frequency filter; blocks below the cut-off are not recorded.
-    pub fn offload_to_disk(
-        &mut self,
-        hash: SequenceHash,
-        priority: Priority,
-        now: Duration,
-    ) -> bool {
-        if !self.above_cutoff(priority) {
-            return false;
-        }
-        match &mut self.filter {
-            Some(f) => f.observe(hash, now),
-            None => true,
-        }
-    }
-
-    /// G2 -> G4.
-    pub fn offload_to_remote(&self, priority: Priority) -> bool {
-        self.above_cutoff(priority)
-    }
-
-    /// Hashes the disk filter remembers (0 when it is off).
-    pub fn tracked(&self) -> usize {
-        self.filter.as_ref().map_or(0, FrequencyFilter::len)
-    }
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -323,40 +238,14 @@ mod tests {
     }
 
     #[test]
-    fn policy_applies_cutoff_write_through_and_filter() {
-        let mut p = OffloadPolicy::new(PolicyParams {
-            write_through: true,
-            disk_filter: Some(FilterParams {
+    fn params_follow_the_config() {
+        let c = crate::config::KvtierConfig::default().policy.disk_filter;
+        assert_eq!(
+            FilterParams::from(&c),
+            FilterParams {
                 window: secs(600),
-                max_tracked: 10,
-            }),
-            priority_cutoff: Priority(35),
-        });
-        assert!(p.offload_to_host(Priority(35)));
-        assert!(!p.offload_to_host(Priority(34)));
-        assert!(p.offload_to_remote(Priority(100)));
-        assert!(!p.offload_to_remote(Priority(0)));
-        assert!(!p.offload_to_disk(h(1), Priority(50), secs(0)));
-        assert!(p.offload_to_disk(h(1), Priority(50), secs(1)));
-        // Below the cut-off: never, and not even recorded.
-        assert!(!p.offload_to_disk(h(2), Priority(1), secs(0)));
-        assert!(!p.offload_to_disk(h(2), Priority(1), secs(1)));
-        assert_eq!(p.tracked(), 1);
-        let off = OffloadPolicy::new(PolicyParams {
-            write_through: false,
-            ..PolicyParams::default()
-        });
-        assert!(!off.offload_to_host(Priority(100)));
-    }
-
-    #[test]
-    fn disabled_filter_passes_everything() {
-        let mut c = crate::config::KvtierConfig::default().policy;
-        c.disk_filter.enabled = false;
-        let mut p = OffloadPolicy::from_config(&c);
-        assert!(p.offload_to_disk(h(1), Priority(0), secs(0)));
-        assert_eq!(p.tracked(), 0);
-        let d = OffloadPolicy::from_config(&crate::config::KvtierConfig::default().policy);
-        assert_eq!(d.params(), &PolicyParams::default());
+                max_tracked: 1_000_000
+            }
+        );
     }
 }

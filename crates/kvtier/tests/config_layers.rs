@@ -28,7 +28,6 @@ fn defaults_with_only_a_host_tier() {
     assert!(c.disk.use_o_direct);
     assert_eq!(c.disk.io_backend, IoBackend::Auto);
     assert_eq!(c.remote, None);
-    assert!(c.policy.write_through);
     assert_eq!(
         c.policy.disk_filter,
         DiskFilterConfig {
@@ -37,7 +36,6 @@ fn defaults_with_only_a_host_tier() {
             max_tracked: 1_000_000
         }
     );
-    assert_eq!(c.policy.priority_cutoff, 0);
     assert_eq!(c.connector.leader_worker_timeout_secs, 120);
     assert_eq!(
         c.metrics,
@@ -125,10 +123,9 @@ fn layers_override_in_order() {
         gb = 50
         dir = "/from/toml"
         io_backend = "pread"
-        [policy]
-        priority_cutoff = 10
         [policy.disk_filter]
         window_secs = 30
+        max_tracked = 10
         [metrics]
         port = 7000
     "#;
@@ -138,13 +135,13 @@ fn layers_override_in_order() {
         ("DYN_KVBM_METRICS_PORT", "7001"),
         ("KVTIER_METRICS_PORT", "7002"), // canonical name beats the alias
     ]);
-    let engine = serde_json::json!({"disk": {"dir": "/from/engine"}, "policy.priority_cutoff": 20, "hashing": {"model": null}});
+    let engine = serde_json::json!({"disk": {"dir": "/from/engine"}, "policy.disk_filter.max_tracked": 20, "hashing": {"model": null}});
     let c = KvtierConfig::build(Some(toml), &e, Some(&engine)).unwrap();
     assert_eq!(c.host.size, Some(TierSize::Gb(8.0)));
     assert_eq!(c.disk.size, Some(TierSize::Gb(50.0)));
     assert_eq!(c.disk.dir, PathBuf::from("/from/engine"));
     assert_eq!(c.disk.io_backend, IoBackend::Pread);
-    assert_eq!(c.policy.priority_cutoff, 20);
+    assert_eq!(c.policy.disk_filter.max_tracked, 20);
     assert_eq!(c.policy.disk_filter.window_secs, 30);
     assert_eq!(c.metrics.port, 7002);
     assert_eq!(c.hashing.model, None);
@@ -175,7 +172,7 @@ fn engine_string_map() {
         .unwrap();
     assert_eq!(
         c.remote,
-        Some(RemoteTarget::Redis("redis://127.0.0.1:6379".into()))
+        Some(RemoteTarget::parse("redis://127.0.0.1:6379").unwrap())
     );
     assert_eq!(c.connector.block_size, Some(32));
 }
@@ -238,7 +235,11 @@ fn invalid_values_name_the_setting_as_given() {
     for (pairs, setting, why) in cases {
         let e = KvtierConfig::build(None, &env(pairs), None).unwrap_err();
         let msg = e.to_string();
-        assert_eq!(&setting_of(&e), setting, "{msg}");
+        assert_eq!(
+            setting_of(&e),
+            format!("{setting} (environment variable)"),
+            "{msg}"
+        );
         assert!(msg.contains(why), "{msg}");
     }
 }
@@ -283,10 +284,7 @@ fn load_reads_the_file_named_by_kvtier_config() {
     .unwrap();
     let c = KvtierConfig::load(&env(&[("KVTIER_CONFIG", path.to_str().unwrap())]), None).unwrap();
     assert_eq!(c.host.size, Some(TierSize::Gb(3.0)));
-    assert_eq!(
-        c.remote,
-        Some(RemoteTarget::Dir(PathBuf::from("/shared/kv")))
-    );
+    assert_eq!(c.remote, Some(RemoteTarget::dir("/shared/kv")));
     let e = KvtierConfig::load(&env(&[("KVTIER_CONFIG", "/nonexistent/kvtier.toml")]), None)
         .unwrap_err();
     assert!(
@@ -382,5 +380,5 @@ fn async_loads_layers_and_stays_unset_by_default() {
     );
     let e = KvtierConfig::build(None, &env(&[host, ("KVTIER_ASYNC_LOADS", "maybe")]), None)
         .unwrap_err();
-    assert_eq!(setting_of(&e), "KVTIER_ASYNC_LOADS");
+    assert_eq!(setting_of(&e), "KVTIER_ASYNC_LOADS (environment variable)");
 }

@@ -274,6 +274,8 @@ fn handshake_times_out_naming_the_missing_ranks() {
     );
 }
 
+/// A peer speaking another wire version is refused by name; it does not fail (or block) the
+/// leader's handshake, which still names it when it times out.
 #[test]
 fn other_protocol_version_is_refused_by_name() {
     use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
@@ -287,17 +289,120 @@ fn other_protocol_version_is_refused_by_name() {
         rt.block_on(async {
             let mut s = DealerSocket::new();
             s.connect(&ep).await.unwrap();
-            let hello = encode_with_version(99, &Wire::Hello(layout(0, BS))).unwrap();
+            let hello = encode_with_version(99, &Wire::Shutdown).unwrap();
             s.send(ZmqMessage::from(hello)).await.unwrap();
             let answer = s.recv().await.unwrap();
             let bytes = answer.into_vec().pop().unwrap().to_vec();
             kvtier::connector::zmq::decode(&bytes).unwrap()
         })
     });
-    let e = chan.handshake(1, BS, Duration::from_secs(30)).unwrap_err();
-    assert!(e.to_string().contains("version 99"), "{e}");
     match peer.join().unwrap() {
         Wire::Reject(reason) => assert!(reason.contains("version 99"), "{reason}"),
         other => panic!("expected a rejection, got {other:?}"),
+    }
+    let e = chan
+        .handshake(1, BS, Duration::from_millis(500))
+        .unwrap_err();
+    assert!(e.to_string().contains("0 of 1 ranks"), "{e}");
+    assert!(e.to_string().contains("version 99"), "{e}");
+}
+
+/// Regression (#13, security): the channel had no authentication; a local process joined as rank
+/// 0 and locked the real worker out. A peer without the deployment's secret is refused (and told
+/// why), is not counted, and the real rank still joins.
+#[test]
+fn unauthenticated_peer_is_refused_and_the_real_rank_joins() {
+    use kvtier::connector::zmq_auth::ChannelSecret;
+    let secret = ChannelSecret::new(b"deployment secret of this test".to_vec()).unwrap();
+    let chan = LeaderChannel::bind_with("tcp://127.0.0.1:0", Some(secret.clone())).unwrap();
+    let ep = chan.endpoint().to_owned();
+    let single = RankLayout {
+        world_size: 1,
+        ..layout(0, BS)
+    };
+    let wrong = ChannelSecret::new(b"a guess at the secret, wrong".to_vec()).unwrap();
+    let intruder = WorkerChannel::connect_with(&ep, single.clone(), Duration::from_secs(5), Some(wrong))
+        .err()
+        .expect("an intruder with the wrong secret was welcomed");
+    assert!(intruder.to_string().contains("authentication failed"), "{intruder}");
+    let w = {
+        let ep = ep.clone();
+        let single = single.clone();
+        std::thread::spawn(move || {
+            WorkerChannel::connect_with(&ep, single, Duration::from_secs(20), Some(secret))
+                .map(|c| c.layout().clone())
+        })
+    };
+    let agreed = chan.handshake(1, BS, Duration::from_secs(20)).unwrap();
+    assert_eq!(w.join().unwrap().unwrap(), agreed);
+}
+
+/// Without KVTIER_ZMQ_SECRET, the leader's key file (private to this user) carries the secret to
+/// ranks on this host; a rank started before the leader waits for it.
+#[test]
+fn key_file_secret_reaches_a_rank_started_first() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let ep = format!("tcp://127.0.0.1:{port}");
+    let single = RankLayout {
+        world_size: 1,
+        ..layout(0, BS)
+    };
+    let w = {
+        let ep = ep.clone();
+        std::thread::spawn(move || {
+            WorkerChannel::connect(&ep, single, Duration::from_secs(20)).map(|c| c.layout().clone())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let chan = LeaderChannel::bind(&ep).unwrap();
+    let key = kvtier::connector::zmq_auth::key_file(&ep).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&key).unwrap().permissions().mode() & 0o777, 0o600);
+    let agreed = chan.handshake(1, BS, Duration::from_secs(20)).unwrap();
+    assert_eq!(w.join().unwrap().unwrap(), agreed);
+    chan.shutdown();
+    assert!(!key.exists(), "the leader left its key file behind");
+}
+
+/// Regression (#13, panics): an `ipc://` leader endpoint, listed in docs/CONFIG.md, panicked
+/// because the ZeroMQ transport was built TCP-only. It now works, the socket is mode 0600, a
+/// stale socket file of a dead leader is reclaimed, and transports this build lacks are refused
+/// with an error instead of a panic.
+#[test]
+fn ipc_endpoint_works_is_private_and_others_are_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("leader.sock");
+    // A stale socket file nobody listens on, as a killed leader leaves it.
+    drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+    let ep = format!("ipc://{}", path.display());
+    let chan = LeaderChannel::bind(&ep).unwrap();
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "leader socket mode {mode:o}");
+    let single = |rank| RankLayout {
+        world_size: 1,
+        ..layout(rank, BS)
+    };
+    let w = {
+        let ep = ep.clone();
+        std::thread::spawn(move || {
+            WorkerChannel::connect(&ep, single(0), Duration::from_secs(20)).map(|c| c.layout().clone())
+        })
+    };
+    let agreed = chan.handshake(1, BS, Duration::from_secs(20)).unwrap();
+    assert_eq!(w.join().unwrap().unwrap(), agreed);
+    // A second leader on the live socket is an error, not a takeover.
+    assert!(LeaderChannel::bind(&ep).is_err());
+    for bad in ["inproc://kvtier", "ipc://", "udp://127.0.0.1:1"] {
+        let e = LeaderChannel::bind(bad).err().expect("accepted");
+        assert!(matches!(e, ConnectorError::Channel(_)), "{bad}: {e}");
+        let e = WorkerChannel::connect(bad, single(0), Duration::from_secs(1))
+            .err()
+            .expect("accepted");
+        assert!(matches!(e, ConnectorError::Channel(_)), "{bad}: {e}");
     }
 }

@@ -7,6 +7,9 @@ use std::path::Path;
 
 use anyhow::Context;
 use clap::Args;
+use kvtier::config::{KvtierConfig, RemoteBackend};
+#[cfg(test)]
+use kvtier::config::RemoteTarget;
 use kvtier_engine::{EngineHandle, Role};
 
 use crate::settings::{ConnectorKind, EngineArgs};
@@ -64,6 +67,20 @@ pub fn summarize_dir(dir: &Path) -> DirSummary {
     s
 }
 
+/// `cfg` as inspect shows it: a Redis URL's password replaced by `***`.
+pub fn redacted(cfg: &KvtierConfig) -> KvtierConfig {
+    let mut c = cfg.clone();
+    if let Some(t) = &mut c.remote {
+        t.url = kvtier_io::remote::redact_url(&t.url);
+        if let RemoteBackend::Redis(r) = &mut t.backend {
+            for seed in &mut r.cluster_seeds {
+                *seed = kvtier_io::remote::redact_url(seed);
+            }
+        }
+    }
+    c
+}
+
 /// Runs inspect.
 pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     let cfg = args
@@ -71,6 +88,8 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         .tiers
         .kvtier_config()
         .context("resolving the kvtier configuration")?;
+    // Everything inspect prints about the configuration comes from the redacted copy.
+    let cfg = redacted(&cfg);
     // Start the engine without a connector only to learn the model's KV geometry.
     let mut probe = args.engine.clone();
     probe.connector = ConnectorKind::None;
@@ -154,6 +173,22 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression (#13, security): `kvtier inspect` printed the Redis password.
+    #[test]
+    fn inspect_never_shows_a_redis_password() {
+        let mut cfg = KvtierConfig::default();
+        cfg.remote = Some(RemoteTarget::parse("redis://u:hunter2@h:6379").unwrap());
+        let r = redacted(&cfg);
+        let shown = format!(
+            "{:?}{}{}",
+            r.remote,
+            toml::to_string_pretty(&r).unwrap(),
+            serde_json::to_string(&r).unwrap()
+        );
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("redis://u:***@h:6379"), "{shown}");
+    }
 
     #[test]
     fn summarizes_without_touching() {

@@ -2,4 +2,5 @@
 
 pub mod bench;
 pub mod inspect;
+pub mod node;
 pub mod serve;

@@ -1,7 +1,9 @@
 //! `kvtier serve`: start the reference engine and serve the OpenAI API until Ctrl-C / SIGTERM.
 //!
 //! Invariant: the server prints exactly one `listening on http://ADDR` line on stdout once the socket
-//! is bound (tests and scripts wait for it), and the engine is shut down after the server stops.
+//! is bound (tests and scripts wait for it), and the engine is shut down after the server stops. The
+//! server stops within its shutdown grace period (`listener::ServeOptions`, 10 s) of the first signal;
+//! a second signal exits at once.
 
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
@@ -40,7 +42,19 @@ pub struct ServeArgs {
     pub engine: EngineArgs,
 }
 
+/// Resolves on the first Ctrl-C / SIGTERM; from then on a second one exits the process at once
+/// (status 130), whatever the shutdown is waiting for.
 async fn shutdown_signal() {
+    one_signal().await;
+    eprintln!("kvtier serve: shutting down (a second signal exits at once)");
+    tokio::spawn(async {
+        one_signal().await;
+        eprintln!("kvtier serve: second signal, exiting now");
+        std::process::exit(130);
+    });
+}
+
+async fn one_signal() {
     let ctrl_c = async {
         if tokio::signal::ctrl_c().await.is_err() {
             std::future::pending::<()>().await;

@@ -35,6 +35,7 @@ pub struct DirOptions {
 pub struct DirStore {
     root: PathBuf,
     ns: Namespace,
+    seal: frame::FrameSeal,
     opts: DirOptions,
     tmp_seq: AtomicU64,
 }
@@ -82,6 +83,7 @@ impl DirStore {
             .map_err(|e| unavailable("open", &root, &e))?;
         Ok(DirStore {
             root,
+            seal: frame::FrameSeal::for_namespace(ns.as_str()),
             ns,
             opts,
             tmp_seq: AtomicU64::new(0),
@@ -116,7 +118,7 @@ impl DirStore {
                 .create_new(true)
                 .mode(0o600)
                 .open(&tmp)?;
-            f.write_all(&frame::encode_header(key, data))?;
+            f.write_all(&frame::encode_header(&self.seal, key, data))?;
             f.write_all(data)?;
             if self.opts.fsync {
                 f.sync_data()?;
@@ -163,7 +165,7 @@ impl DirStore {
                 reason: "trailing bytes after the payload".into(),
             });
         }
-        frame::verify_payload(key, header, out)
+        frame::verify_payload(&self.seal, key, header, out)
     }
 
     fn contains_inner(&self, keys: &[u128]) -> Result<Vec<bool>, RemoteError> {

@@ -4,43 +4,78 @@
 //! ```text
 //! offset size field
 //!      0    4 magic        b"KVT4"
-//!      4    2 version      1 (little-endian)
+//!      4    2 version      2 (little-endian)
 //!      6    2 flags        0 (reserved; a value with unknown flags is rejected)
 //!      8    8 payload_len  bytes of payload (little-endian)
 //!     16   16 key          the 128-bit sequence hash the value was stored under (little-endian)
-//!     32    8 checksum     xxh3-64 of the payload (little-endian)
+//!     32    8 tag          xxh3-64, seeded by the namespace, of bytes 0..32 || payload
 //!     40    n payload
 //! ```
 //!
-//! Invariant: [`decode_into`] and [`check_header`] + [`verify_payload`] accept a value only if the
-//! magic, version, flags, key, length and checksum all match; otherwise they return the
-//! [`RemoteError`] that says why (missing bytes -> `Short`, other length -> `SizeMismatch`,
-//! anything else -> `Corrupt`). Storing the key in the header catches a value filed under the wrong
-//! name (a bug or a foreign writer), which a payload checksum alone would accept.
+//! Invariants:
+//! - [`decode_into`] and [`check_header`] + [`verify_payload`] accept a value only if the magic,
+//!   version, flags, key, length and tag all match; otherwise they return the [`RemoteError`] that
+//!   says why (missing bytes -> `Short`, other length -> `SizeMismatch`, a value of an older format
+//!   version -> `Missing`, anything else -> `Corrupt`).
+//! - The tag covers the key, the length and the format fields as well as the payload, and is seeded
+//!   by the namespace ([`FrameSeal`]): a value copied from another key, with its key field patched,
+//!   or from another namespace (another model or tenant), fails verification. Format version 1
+//!   checksummed the payload only, which accepted exactly that forgery; version-1 values are
+//!   therefore never trusted and read as a clean miss (they are overwritten by the next store).
+//! - The tag is an integrity check, not a MAC: a writer that can store arbitrary values in the
+//!   remote store can compute it. The store must only be writable by kvtier deployments that share
+//!   the namespace (docs/arch/remote.md, "Trust").
 use kvtier::transfer::RemoteError;
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::Xxh3;
 
 pub(crate) const MAGIC: [u8; 4] = *b"KVT4";
-pub(crate) const FORMAT_VERSION: u16 = 1;
+pub(crate) const FORMAT_VERSION: u16 = 2;
 /// Bytes of the header that precedes every payload.
 pub const HEADER_LEN: usize = 40;
+/// Bytes of the header covered by the tag (everything before it).
+const SEALED_LEN: usize = 32;
+
+/// What a value's tag is bound to besides its key: the namespace it is stored in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameSeal {
+    seed: u64,
+}
+
+impl FrameSeal {
+    /// The seal of values stored in `namespace`.
+    pub fn for_namespace(namespace: &str) -> Self {
+        let mut h = Xxh3::new();
+        h.update(b"kvtier remote frame v2\0");
+        h.update(namespace.as_bytes());
+        FrameSeal { seed: h.digest() }
+    }
+
+    fn tag(&self, sealed: &[u8], payload: &[u8]) -> u64 {
+        let mut h = Xxh3::with_seed(self.seed);
+        h.update(sealed);
+        h.update(payload);
+        h.digest()
+    }
+}
 
 /// The header of one value, as built by [`encode_header`].
-pub(crate) fn encode_header(key: u128, payload: &[u8]) -> [u8; HEADER_LEN] {
+pub(crate) fn encode_header(seal: &FrameSeal, key: u128, payload: &[u8]) -> [u8; HEADER_LEN] {
     let mut h = [0u8; HEADER_LEN];
     h[0..4].copy_from_slice(&MAGIC);
     h[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
     h[6..8].copy_from_slice(&0u16.to_le_bytes());
     h[8..16].copy_from_slice(&(payload.len() as u64).to_le_bytes());
     h[16..32].copy_from_slice(&key.to_le_bytes());
-    h[32..40].copy_from_slice(&xxh3_64(payload).to_le_bytes());
+    let tag = seal.tag(&h[..SEALED_LEN], payload);
+    h[32..40].copy_from_slice(&tag.to_le_bytes());
     h
 }
 
-/// A header that passed [`check_header`]; carries the checksum the payload must match.
+/// A header that passed [`check_header`]; carries what the payload's tag must match.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct CheckedHeader {
-    checksum: u64,
+    sealed: [u8; SEALED_LEN],
+    tag: u64,
 }
 
 fn field<const N: usize>(h: &[u8; HEADER_LEN], at: usize) -> [u8; N] {
@@ -60,6 +95,11 @@ pub(crate) fn check_header(
         return Err(corrupt(format!("bad magic {:02x?}", &h[0..4])));
     }
     let version = u16::from_le_bytes(field(h, 4));
+    if version == 1 {
+        // Written by an older kvtier whose checksum did not bind the key: never trusted.
+        tracing::debug!(key = format_args!("{key:032x}"), "remote value of format version 1 ignored");
+        return Err(RemoteError::Missing { key });
+    }
     if version != FORMAT_VERSION {
         return Err(corrupt(format!("unknown format version {version}")));
     }
@@ -80,23 +120,25 @@ pub(crate) fn check_header(
         });
     }
     Ok(CheckedHeader {
-        checksum: u64::from_le_bytes(field(h, 32)),
+        sealed: field(h, 0),
+        tag: u64::from_le_bytes(field(h, 32)),
     })
 }
 
-/// Checks `payload` against the checksum of an already checked header.
+/// Checks the header's fields and `payload` against the tag of an already checked header.
 pub(crate) fn verify_payload(
+    seal: &FrameSeal,
     key: u128,
     header: CheckedHeader,
     payload: &[u8],
 ) -> Result<(), RemoteError> {
-    let actual = xxh3_64(payload);
-    if actual != header.checksum {
+    let actual = seal.tag(&header.sealed, payload);
+    if actual != header.tag {
         return Err(RemoteError::Corrupt {
             key,
             reason: format!(
-                "checksum mismatch: stored {:016x}, computed {actual:016x}",
-                header.checksum
+                "tag mismatch (payload, key or namespace): stored {:016x}, computed {actual:016x}",
+                header.tag
             ),
         });
     }
@@ -105,7 +147,12 @@ pub(crate) fn verify_payload(
 
 /// Decodes a whole value (`header || payload`) stored under `key` into `out`, which must be exactly
 /// the block size. On error `out` may hold some of the value's bytes; they must not be used.
-pub(crate) fn decode_into(key: u128, value: &[u8], out: &mut [u8]) -> Result<(), RemoteError> {
+pub(crate) fn decode_into(
+    seal: &FrameSeal,
+    key: u128,
+    value: &[u8],
+    out: &mut [u8],
+) -> Result<(), RemoteError> {
     let expected_total = HEADER_LEN + out.len();
     let Some((head, payload)) = value.split_first_chunk::<HEADER_LEN>() else {
         return Err(RemoteError::Short {
@@ -128,15 +175,27 @@ pub(crate) fn decode_into(key: u128, value: &[u8], out: &mut [u8]) -> Result<(),
             reason: format!("{} trailing bytes", payload.len() - out.len()),
         });
     }
-    verify_payload(key, header, payload)?;
+    verify_payload(seal, key, header, payload)?;
     out.copy_from_slice(payload);
     Ok(())
 }
 
-/// Encodes a whole value (`header || payload`) into one buffer, exactly as the backends store it.
-pub fn encode_value(key: u128, payload: &[u8]) -> Vec<u8> {
+/// Decodes `value` as [`decode_into`] does, for a store in `namespace`; for tests and fuzzing.
+pub fn decode_value(
+    namespace: &str,
+    key: u128,
+    value: &[u8],
+    out: &mut [u8],
+) -> Result<(), RemoteError> {
+    decode_into(&FrameSeal::for_namespace(namespace), key, value, out)
+}
+
+/// Encodes a whole value (`header || payload`) into one buffer, exactly as the backends store it
+/// in `namespace`.
+pub fn encode_value(namespace: &str, key: u128, payload: &[u8]) -> Vec<u8> {
+    let seal = FrameSeal::for_namespace(namespace);
     let mut v = Vec::with_capacity(HEADER_LEN + payload.len());
-    v.extend_from_slice(&encode_header(key, payload));
+    v.extend_from_slice(&encode_header(&seal, key, payload));
     v.extend_from_slice(payload);
     v
 }
@@ -147,37 +206,42 @@ mod tests {
     use super::*;
 
     const KEY: u128 = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210;
+    const NS: &str = "test-ns";
 
     fn payload(n: usize) -> Vec<u8> {
         (0..n).map(|i| (i * 31 % 251) as u8).collect()
     }
 
+    fn decode(key: u128, v: &[u8], out: &mut [u8]) -> Result<(), RemoteError> {
+        decode_value(NS, key, v, out)
+    }
+
     #[test]
     fn round_trip_is_bit_exact() {
         let p = payload(4096);
-        let v = encode_value(KEY, &p);
+        let v = encode_value(NS, KEY, &p);
         assert_eq!(v.len(), HEADER_LEN + 4096);
         let mut out = vec![0u8; 4096];
-        decode_into(KEY, &v, &mut out).unwrap();
+        decode(KEY, &v, &mut out).unwrap();
         assert_eq!(out, p);
     }
 
     #[test]
     fn empty_payload_round_trips() {
-        let v = encode_value(KEY, &[]);
-        decode_into(KEY, &v, &mut []).unwrap();
+        let v = encode_value(NS, KEY, &[]);
+        decode(KEY, &v, &mut []).unwrap();
     }
 
     #[test]
     fn every_flipped_bit_is_rejected() {
         let p = payload(64);
-        let v = encode_value(KEY, &p);
+        let v = encode_value(NS, KEY, &p);
         for byte in 0..v.len() {
             for bit in 0..8 {
                 let mut bad = v.clone();
                 bad[byte] ^= 1 << bit;
                 let mut out = vec![0u8; 64];
-                let r = decode_into(KEY, &bad, &mut out);
+                let r = decode(KEY, &bad, &mut out);
                 assert!(r.is_err(), "flip of byte {byte} bit {bit} was accepted");
             }
         }
@@ -186,10 +250,10 @@ mod tests {
     #[test]
     fn truncation_is_short() {
         let p = payload(100);
-        let v = encode_value(KEY, &p);
+        let v = encode_value(NS, KEY, &p);
         let mut out = vec![0u8; 100];
         for cut in [0, 1, HEADER_LEN - 1, HEADER_LEN, HEADER_LEN + 99] {
-            match decode_into(KEY, &v[..cut], &mut out) {
+            match decode(KEY, &v[..cut], &mut out) {
                 Err(RemoteError::Short { key, expected, got }) => {
                     assert_eq!((key, expected, got), (KEY, HEADER_LEN + 100, cut));
                 }
@@ -200,10 +264,10 @@ mod tests {
 
     #[test]
     fn wrong_block_size_and_trailing_bytes() {
-        let v = encode_value(KEY, &payload(100));
+        let v = encode_value(NS, KEY, &payload(100));
         let mut small = vec![0u8; 99];
         assert_eq!(
-            decode_into(KEY, &v, &mut small),
+            decode(KEY, &v, &mut small),
             Err(RemoteError::SizeMismatch {
                 key: KEY,
                 expected: 99,
@@ -214,19 +278,67 @@ mod tests {
         long.push(0);
         let mut out = vec![0u8; 100];
         assert!(matches!(
-            decode_into(KEY, &long, &mut out),
+            decode(KEY, &long, &mut out),
             Err(RemoteError::Corrupt { .. })
         ));
     }
 
     #[test]
     fn value_of_another_key_is_rejected() {
-        let v = encode_value(KEY, &payload(10));
+        let v = encode_value(NS, KEY, &payload(10));
         let mut out = vec![0u8; 10];
-        let r = decode_into(KEY + 1, &v, &mut out);
+        let r = decode(KEY + 1, &v, &mut out);
         assert!(
             matches!(&r, Err(RemoteError::Corrupt { reason, .. }) if reason.contains("belongs to")),
             "{r:?}"
         );
+    }
+
+    /// Regression (#13, forged remote values): a value copied from another block with its 16-byte
+    /// key field patched to the victim key was accepted, because the checksum covered the payload
+    /// only.
+    #[test]
+    fn copied_value_with_patched_key_field_is_rejected() {
+        let other = KEY ^ 0xff;
+        let mut forged = encode_value(NS, other, &payload(256));
+        forged[16..32].copy_from_slice(&KEY.to_le_bytes());
+        let mut out = vec![0u8; 256];
+        let r = decode(KEY, &forged, &mut out);
+        assert!(
+            matches!(&r, Err(RemoteError::Corrupt { reason, .. }) if reason.contains("tag mismatch")),
+            "{r:?}"
+        );
+    }
+
+    /// A value stored by another namespace (model, tenant) under the same sequence hash is not
+    /// accepted in this one.
+    #[test]
+    fn value_of_another_namespace_is_rejected() {
+        let v = encode_value("other-ns", KEY, &payload(32));
+        let mut out = vec![0u8; 32];
+        assert!(matches!(
+            decode(KEY, &v, &mut out),
+            Err(RemoteError::Corrupt { .. })
+        ));
+    }
+
+    /// Format version 1 (payload-only checksum) values are a clean miss, never served.
+    #[test]
+    fn version_1_value_is_a_miss() {
+        let p = payload(48);
+        let mut v = Vec::new();
+        v.extend_from_slice(&MAGIC);
+        v.extend_from_slice(&1u16.to_le_bytes());
+        v.extend_from_slice(&0u16.to_le_bytes());
+        v.extend_from_slice(&(p.len() as u64).to_le_bytes());
+        v.extend_from_slice(&KEY.to_le_bytes());
+        v.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&p).to_le_bytes());
+        v.extend_from_slice(&p);
+        let mut out = vec![0u8; 48];
+        assert_eq!(
+            decode(KEY, &v, &mut out),
+            Err(RemoteError::Missing { key: KEY })
+        );
+        assert_eq!(out, vec![0u8; 48]);
     }
 }

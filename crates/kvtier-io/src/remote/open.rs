@@ -1,30 +1,38 @@
-//! [`from_url`]: picks and configures a remote-store backend from one URL string (the form used in
-//! kvtier's configuration).
+//! [`from_url`] and [`open`]: pick and configure a remote-store backend from one URL (the form used
+//! in kvtier's configuration), parsed by the core's one parser ([`RemoteTarget::parse`]), so the
+//! configuration check and the store accept exactly the same URLs.
 //!
 //! Invariant: a URL either yields a fully configured store or a `RemoteError::Config` naming what
 //! was wrong; unknown kvtier options are rejected rather than ignored (a typo must not silently
 //! disable a timeout).
-use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
+use kvtier::config::{RemoteBackend, RemoteTarget};
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
 
 use super::dir_store::{DirOptions, DirStore};
 use super::redis_store::{RedisOptions, RedisStore};
+use crate::node::{NodeClientOptions, NodeStore};
 
 /// Opens the remote store named by `url`, with its keys in `namespace`.
 ///
 /// Backends:
-/// - `redis://[user:password@]host:port[/db]`, `valkey://…`, `redis+unix:///socket` — a Redis or
+/// - `redis://[user:password@]host:port[/db]`, `valkey://…`, `redis+unix:///socket`,
+///   `valkey+unix:///socket`, `unix:///socket` — a Redis or
 ///   Valkey server. Options (query string): `connect_timeout_ms` (default 1000), `io_timeout_ms`
 ///   (default 5000), `pool` (connections, default 8), `ttl_s` (expiry of values, default none),
-///   `backoff_ms` (how long operations fail fast after a connection failure, default 1000, 0 = off),
+///   `lookup_timeout_ms` (deadline of `contains`, the lookup on the engine's step, default 250),
+///   `backoff_ms` (how long operations fail fast after a connection failure, default 1000, 0 = off;
+///   each failed probe doubles it up to `max_backoff_ms`, default 30000),
 ///   `cluster=1` (Redis/Valkey Cluster: the hosts, comma-separated, are seed nodes:
 ///   `redis://h1:p1,h2:p2?cluster=1`);
-///   the `redis` crate's own options (`protocol`, `db`) pass through.
+///   the `redis` crate's own options (`protocol`; `db`, `user`, `pass` on a Unix socket) pass
+///   through. `rediss://` (TLS) is refused: kvtier is built without the crate's TLS features.
 /// - `dir:///absolute/path` — one file per key under the directory (shared storage). Option
 ///   `fsync=1` syncs each value before publishing it.
+/// - `node:///absolute/socket` — the node tier of this machine (`kvtier node`): one host cache
+///   shared by every engine process here, through shared memory. Options `io_timeout_ms`
+///   (default 2000), `pool` (connections, default 4). Attaches lazily.
 ///
 /// Keys are `kvtier:v<hash scheme>:<namespace>:<32 hex>` (Redis) or
 /// `kvtier-v<hash scheme>/<namespace>/<2 hex>/<32 hex>` (directory). `namespace` must be 1..=64
@@ -47,83 +55,50 @@ pub fn from_url(url: &str, namespace: &str) -> Result<Arc<dyn RemoteStore>, Tran
     Ok(open_url(url, namespace)?)
 }
 
+/// Opens the store a parsed `remote.url` names (see [`from_url`]).
+pub fn open(target: &RemoteTarget, namespace: &str) -> Result<Arc<dyn RemoteStore>, TransferError> {
+    Ok(open_target(target, namespace)?)
+}
+
+pub use kvtier::config::redact_url;
+
 fn open_url(url: &str, namespace: &str) -> Result<Arc<dyn RemoteStore>, RemoteError> {
-    let (scheme, _) = url
-        .split_once("://")
-        .ok_or_else(|| RemoteError::Config(format!("remote url {url:?} has no scheme")))?;
-    let (base, query) = match url.split_once('?') {
-        Some((b, q)) => (b, q),
-        None => (url, ""),
-    };
-    let params = parse_query(query)?;
-    match scheme {
-        "dir" => {
-            let path = &base["dir://".len()..];
-            let mut opts = DirOptions::default();
-            for (k, v) in &params {
-                match *k {
-                    "fsync" => opts.fsync = parse_bool(k, v)?,
-                    _ => return Err(unknown_option(k, url)),
-                }
-            }
-            Ok(Arc::new(DirStore::open(Path::new(path), namespace, opts)?))
+    let target = RemoteTarget::parse(url).map_err(RemoteError::Config)?;
+    open_target(&target, namespace)
+}
+
+fn open_target(target: &RemoteTarget, namespace: &str) -> Result<Arc<dyn RemoteStore>, RemoteError> {
+    match &target.backend {
+        RemoteBackend::Dir { path, fsync } => {
+            let opts = DirOptions { fsync: *fsync };
+            Ok(Arc::new(DirStore::open(path, namespace, opts)?))
         }
-        "redis" | "valkey" | "redis+unix" | "valkey+unix" | "unix" => {
+        RemoteBackend::Redis(r) => {
+            // Field by field: options the URL does not carry keep their defaults.
+            #[allow(clippy::field_reassign_with_default)]
             let mut opts = RedisOptions::default();
-            for (k, v) in &params {
-                match *k {
-                    "connect_timeout_ms" => opts.connect_timeout = parse_ms(k, v)?,
-                    "io_timeout_ms" => opts.io_timeout = parse_ms(k, v)?,
-                    "pool" => opts.pool_size = parse_num(k, v)?,
-                    "ttl_s" => opts.ttl = Some(Duration::from_secs(parse_num(k, v)?)),
-                    "backoff_ms" => opts.backoff = parse_ms(k, v)?,
-                    "cluster" => opts.cluster = parse_bool(k, v)?,
-                    // Understood by the redis crate itself.
-                    "protocol" | "db" => {}
-                    _ => return Err(unknown_option(k, url)),
-                }
-            }
-            Ok(Arc::new(RedisStore::open(url, namespace, opts)?))
+            opts.connect_timeout = r.connect_timeout;
+            opts.io_timeout = r.io_timeout;
+            opts.pool_size = r.pool_size;
+            opts.ttl = r.ttl;
+            opts.backoff = r.backoff;
+            opts.max_backoff = r.max_backoff;
+            opts.lookup_timeout = r.lookup_timeout;
+            opts.cluster = !r.cluster_seeds.is_empty();
+            // The redis crate reads the URL's address and its own options, ignoring kvtier's.
+            Ok(Arc::new(RedisStore::open(&target.url, namespace, opts)?))
         }
-        "rediss" | "valkeys" => Err(RemoteError::Config(
-            "TLS (rediss://) is not built into kvtier; use a TLS tunnel or redis://".into(),
-        )),
-        other => Err(RemoteError::Config(format!(
-            "unknown remote store scheme {other:?} (expected redis://, valkey://, redis+unix:// or dir://)"
-        ))),
-    }
-}
-
-fn parse_query(q: &str) -> Result<Vec<(&str, &str)>, RemoteError> {
-    q.split('&')
-        .filter(|p| !p.is_empty())
-        .map(|p| {
-            p.split_once('=')
-                .ok_or_else(|| RemoteError::Config(format!("option {p:?} has no value")))
-        })
-        .collect()
-}
-
-fn unknown_option(k: &str, url: &str) -> RemoteError {
-    RemoteError::Config(format!("unknown option {k:?} in remote url {url:?}"))
-}
-
-fn parse_num<T: std::str::FromStr>(k: &str, v: &str) -> Result<T, RemoteError> {
-    v.parse()
-        .map_err(|_| RemoteError::Config(format!("option {k}={v:?} is not a valid number")))
-}
-
-fn parse_ms(k: &str, v: &str) -> Result<Duration, RemoteError> {
-    Ok(Duration::from_millis(parse_num(k, v)?))
-}
-
-fn parse_bool(k: &str, v: &str) -> Result<bool, RemoteError> {
-    match v {
-        "1" | "true" => Ok(true),
-        "0" | "false" => Ok(false),
-        _ => Err(RemoteError::Config(format!(
-            "option {k}={v:?} must be 0/1/true/false"
-        ))),
+        RemoteBackend::Node {
+            socket,
+            io_timeout,
+            pool,
+        } => {
+            let opts = NodeClientOptions {
+                io_timeout: *io_timeout,
+                pool: *pool,
+            };
+            Ok(Arc::new(NodeStore::lazy(socket, namespace, opts)))
+        }
     }
 }
 
@@ -147,14 +122,77 @@ mod tests {
         assert!(config_err("rediss://x:1").contains("TLS"));
         assert!(config_err("redis://127.0.0.1:1?io_timeout=5").contains("unknown option"));
         assert!(config_err("redis://127.0.0.1:1?pool=0").contains("pool_size"));
-        assert!(config_err("redis://127.0.0.1:1?pool=x").contains("not a valid number"));
+        assert!(config_err("redis://127.0.0.1:1?pool=x").contains("whole number"));
         assert!(config_err("redis://127.0.0.1:1?io_timeout_ms=0").contains("timeouts"));
         assert!(config_err("dir://relative/path").contains("absolute"));
         assert!(config_err("dir:///tmp/x?fsync=maybe").contains("fsync"));
+        assert!(config_err("node://relative.sock").contains("absolute"));
+        assert!(config_err("node:///x.sock?pool=0").contains("positive"));
+        assert!(config_err("node:///x.sock?color=red").contains("unknown option"));
         assert!(matches!(
             open_url("redis://127.0.0.1:1", "bad/ns"),
             Err(RemoteError::Config(_))
         ));
+    }
+
+    /// The configuration check and the store accept the same URLs (#13: `rediss://` passed the
+    /// check and failed in the store, `redis+unix://` the reverse).
+    #[test]
+    fn config_check_and_store_agree() {
+        let dir = std::env::temp_dir().join(format!("kvtier-agree-{}", std::process::id()));
+        let dir_url = format!("dir://{}", dir.display());
+        for url in [
+            "redis://127.0.0.1:1",
+            "valkey://127.0.0.1:1/2?pool=1&protocol=resp3",
+            "redis+unix:///tmp/kvtier-none.sock?db=1",
+            "valkey+unix:///tmp/kvtier-none.sock",
+            "unix:///tmp/kvtier-none.sock",
+            "redis://127.0.0.1:1,127.0.0.1:2?cluster=1",
+            dir_url.as_str(),
+            "rediss://127.0.0.1:1",
+            "valkeys://127.0.0.1:1",
+            "redis://127.0.0.1:1?bogus=1",
+            "memcached://x",
+        ] {
+            let checked = kvtier::config::KvtierConfig::build(
+                None,
+                &[("KVTIER_HOST_NUM_BLOCKS", "1"), ("KVTIER_REMOTE_URL", url)]
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+                None,
+            );
+            let opened = open_url(url, "t");
+            assert_eq!(checked.is_ok(), opened.is_ok(), "{url}: {checked:?} vs {:?}", opened.err());
+            if let Ok(c) = checked {
+                assert!(open(c.remote.as_ref().unwrap(), "t").is_ok(), "{url}");
+            }
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Regression (#13, security): a Redis password was printed by `kvtier inspect` and in
+    /// errors.
+    #[test]
+    fn passwords_are_redacted_from_urls_and_errors() {
+        assert_eq!(
+            redact_url("redis://user:hunter2@h:1/0?pool=2"),
+            "redis://user:***@h:1/0?pool=2"
+        );
+        assert_eq!(redact_url("redis://:hunter2@h:1"), "redis://:***@h:1");
+        assert_eq!(redact_url("redis://hunter2@h:1"), "redis://***@h:1");
+        assert_eq!(redact_url("redis://h:1"), "redis://h:1");
+        assert_eq!(redact_url("dir:///a@b"), "dir:///a@b");
+        for url in [
+            "redis://u:hunter2@127.0.0.1:1?bogus=1",
+            "redis://u:hunter2@127.0.0.1:1?pool=0",
+            "redis://u:hunter2@h1:1,h2:2/3?cluster=1",
+            "redis://u:hunter2@[::1:1",
+            "rediss://u:hunter2@h:1",
+        ] {
+            let e = config_err(url);
+            assert!(!e.contains("hunter2"), "{url}: {e}");
+        }
     }
 
     #[test]

@@ -3,28 +3,35 @@
 //! each key to the node owning its slot and follows MOVED/ASK).
 //!
 //! Invariants:
-//! - every socket operation is bounded: connecting by `connect_timeout`, each read and write by
-//!   `io_timeout`; an operation makes at most two attempts, so a dead or hung server turns into
-//!   `RemoteError::Unavailable` after at most `2 * (connect_timeout + 2 * io_timeout)`, never a hang;
+//! - every operation has a deadline `t`: `lookup_timeout` for `contains` (it runs on the
+//!   engine's scheduling step) and `io_timeout` for `get`/`put`. Connecting waits at most
+//!   `min(connect_timeout, t)` and each socket read and write at most `t`; the one retry (on a
+//!   pooled connection the server closed) happens only after an immediate error, never after a
+//!   timeout. So a dead or stalled server turns an operation into `RemoteError::Unavailable`
+//!   after at most `min(connect_timeout, t) + 2t` (in practice `t`: a stopped server accepts the
+//!   connection and the request, then never answers), never a hang;
 //! - a connection that saw any error is dropped, never reused (it may hold an unread reply), and
 //!   the next operation on that slot reconnects;
-//! - after a connection-level failure (refused, reset, timeout) the server is marked down for
-//!   `backoff`: operations in that window fail at once with `Unavailable` instead of each waiting
-//!   for its own timeout (a job of many blocks against a hung server fails in one timeout, not in
-//!   one per block); the first operation after the window probes the server again;
-//! - `get` returns bytes only after `frame::decode_into` checked header and checksum.
+//! - a circuit breaker ([`super::breaker`]) opens after a connection-level failure (refused,
+//!   reset, timeout): operations fail at once with `Unavailable` for `backoff`, then one probe is
+//!   let through (the rest keep failing fast); each failed probe doubles the window up to
+//!   `max_backoff`. While a server stays down, the store therefore spends at most one deadline
+//!   per window, whatever the number of callers, blocks or pool connections;
+//! - `get` returns bytes only after `frame::decode_into` checked header and tag (bound to the key
+//!   and the namespace).
 //!
 //! Locking: `slots[i]` guards pooled connection `i` (`None` = not connected). An operation holds one
 //! slot's lock for its whole round trip; `next` only spreads waiting threads over the slots. `down` guards
 //! the outage record and is never held across network I/O.
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
 use redis::cluster::{ClusterClient, ClusterConnection};
 use redis::{Connection, ConnectionLike, RedisResult, RedisWrite, ToRedisArgs};
 
+use super::breaker::{Breaker, BreakerStats, Ticket};
 use super::frame;
 use super::key::Namespace;
 
@@ -39,8 +46,14 @@ pub struct RedisOptions {
     pub pool_size: usize,
     /// Expiry of stored values (`SET ... PX`); `None` = rely on the server's eviction policy.
     pub ttl: Option<Duration>,
-    /// How long operations fail fast after a connection-level failure. Default 1 s; zero disables.
+    /// Deadline of each socket read and write of `contains` (the lookup on the engine's step).
+    /// Default 250 ms; at most `io_timeout` is used.
+    pub lookup_timeout: Duration,
+    /// How long operations fail fast after a connection-level failure (the circuit breaker's
+    /// first window). Default 1 s; zero disables the breaker.
     pub backoff: Duration,
+    /// The longest window the breaker's doubling reaches. Default 30 s.
+    pub max_backoff: Duration,
     /// Treat the URL's hosts as seeds of a Redis/Valkey Cluster. Default off.
     pub cluster: bool,
 }
@@ -52,7 +65,9 @@ impl Default for RedisOptions {
             io_timeout: Duration::from_secs(5),
             pool_size: 8,
             ttl: None,
+            lookup_timeout: Duration::from_millis(250),
             backoff: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(30),
             cluster: false,
         }
     }
@@ -62,10 +77,11 @@ impl Default for RedisOptions {
 pub struct RedisStore {
     client: Client,
     ns: Namespace,
+    seal: frame::FrameSeal,
     opts: RedisOptions,
     slots: Box<[Mutex<Option<Conn>>]>,
     next: AtomicUsize,
-    down: Mutex<Option<Outage>>,
+    breaker: Breaker,
 }
 
 enum Client {
@@ -76,15 +92,40 @@ enum Client {
 /// One pooled connection: to a single server (with a reusable buffer for packed `SET`s), or to
 /// every node of a cluster.
 enum Conn {
-    Single { conn: Connection, buf: Vec<u8> },
-    Cluster(Box<ClusterConnection>),
+    Single {
+        conn: Connection,
+        buf: Vec<u8>,
+        timeout: Duration,
+    },
+    Cluster {
+        conn: Box<ClusterConnection>,
+        timeout: Duration,
+    },
 }
 
 impl Conn {
+    /// Sets the socket read/write timeout to `t` (a no-op when it already is).
+    fn set_deadline(&mut self, t: Duration) -> RedisResult<()> {
+        match self {
+            Conn::Single { conn, timeout, .. } if *timeout != t => {
+                conn.set_read_timeout(Some(t))?;
+                conn.set_write_timeout(Some(t))?;
+                *timeout = t;
+            }
+            Conn::Cluster { conn, timeout } if *timeout != t => {
+                conn.set_read_timeout(Some(t))?;
+                conn.set_write_timeout(Some(t))?;
+                *timeout = t;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
     fn as_dyn(&mut self) -> &mut dyn ConnectionLike {
         match self {
             Conn::Single { conn, .. } => conn,
-            Conn::Cluster(c) => c.as_mut(),
+            Conn::Cluster { conn, .. } => conn.as_mut(),
         }
     }
 }
@@ -120,12 +161,6 @@ fn pack_set(out: &mut Vec<u8>, name: &str, header: &[u8], payload: &[u8], ttl_ms
     }
 }
 
-/// The last connection-level failure, while its backoff window lasts.
-struct Outage {
-    until: Instant,
-    reason: String,
-}
-
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStore")
@@ -140,6 +175,16 @@ impl std::fmt::Debug for RedisStore {
             .field("opts", &self.opts)
             .finish_non_exhaustive()
     }
+}
+
+/// What a failed operation says about the server, for the circuit breaker.
+enum Verdict {
+    /// A connection-level failure (refused, reset, timeout).
+    Down,
+    /// The server answered (an error reply).
+    Answered,
+    /// Not tried: the breaker opened while the operation waited for a connection.
+    Withdrawn,
 }
 
 /// `header || payload` as one Redis argument, written straight into the command buffer.
@@ -178,13 +223,19 @@ impl RedisStore {
         if opts.pool_size == 0 {
             return Err(RemoteError::Config("pool_size must be at least 1".into()));
         }
-        if opts.connect_timeout.is_zero() || opts.io_timeout.is_zero() {
+        if opts.connect_timeout.is_zero() || opts.io_timeout.is_zero() || opts.lookup_timeout.is_zero()
+        {
             return Err(RemoteError::Config("timeouts must be positive".into()));
         }
         if opts.ttl.is_some_and(|t| t.as_millis() == 0) {
             return Err(RemoteError::Config("ttl must be at least 1 ms".into()));
         }
-        let bad_url = |e: redis::RedisError| RemoteError::Config(format!("redis url {url:?}: {e}"));
+        let shown = super::open::redact_url(url);
+        let bad_url = |e: redis::RedisError| {
+            // The crate's message may quote the URL: redact that too.
+            let msg = e.to_string().replace(url, &shown);
+            RemoteError::Config(format!("redis url {shown:?}: {msg}"))
+        };
         let client = if opts.cluster {
             let nodes = cluster_seed_urls(url)?;
             let c = ClusterClient::builder(nodes)
@@ -200,11 +251,12 @@ impl RedisStore {
         let slots = (0..opts.pool_size).map(|_| Mutex::new(None)).collect();
         Ok(RedisStore {
             client,
+            seal: frame::FrameSeal::for_namespace(ns.as_str()),
             ns,
-            opts,
             slots,
             next: AtomicUsize::new(0),
-            down: Mutex::new(None),
+            breaker: Breaker::new(opts.backoff, opts.max_backoff),
+            opts,
         })
     }
 
@@ -212,9 +264,18 @@ impl RedisStore {
         &self.ns
     }
 
+    /// The circuit breaker's state and counters.
+    pub fn breaker_stats(&self) -> BreakerStats {
+        self.breaker.stats()
+    }
+
+    fn lookup_deadline(&self) -> Duration {
+        self.opts.lookup_timeout.min(self.opts.io_timeout)
+    }
+
     /// One round trip to the server (connecting if needed).
     pub fn ping(&self) -> Result<(), RemoteError> {
-        self.with_conn("ping", |c| {
+        self.with_conn("ping", self.lookup_deadline(), |c| {
             redis::cmd("PING").query::<String>(c.as_dyn()).map(drop)
         })
     }
@@ -243,61 +304,58 @@ impl RedisStore {
         })
     }
 
-    fn connect(&self) -> RedisResult<Conn> {
+    fn connect(&self, t: Duration) -> RedisResult<Conn> {
+        let connect_timeout = self.opts.connect_timeout.min(t);
         match &self.client {
             Client::Single(client) => {
-                let c = client.get_connection_with_timeout(self.opts.connect_timeout)?;
-                c.set_read_timeout(Some(self.opts.io_timeout))?;
-                c.set_write_timeout(Some(self.opts.io_timeout))?;
+                let c = client.get_connection_with_timeout(connect_timeout)?;
+                c.set_read_timeout(Some(t))?;
+                c.set_write_timeout(Some(t))?;
                 Ok(Conn::Single {
                     conn: c,
                     buf: Vec::new(),
+                    timeout: t,
                 })
             }
             Client::Cluster(client) => {
                 let c = client.get_connection()?;
-                c.set_read_timeout(Some(self.opts.io_timeout))?;
-                c.set_write_timeout(Some(self.opts.io_timeout))?;
-                Ok(Conn::Cluster(Box::new(c)))
+                c.set_read_timeout(Some(t))?;
+                c.set_write_timeout(Some(t))?;
+                Ok(Conn::Cluster {
+                    conn: Box::new(c),
+                    timeout: t,
+                })
             }
         }
     }
 
-    fn down_record(&self) -> MutexGuard<'_, Option<Outage>> {
-        self.down.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Runs `f` on a pooled connection, failing fast while the server is marked down.
+    /// Runs `f` on a pooled connection with deadline `t`, through the circuit breaker.
     fn with_conn<T>(
         &self,
         op: &'static str,
+        t: Duration,
         f: impl FnMut(&mut Conn) -> RedisResult<T>,
     ) -> Result<T, RemoteError> {
-        if let Some(o) = self.down_record().as_ref() {
-            if Instant::now() < o.until {
-                return Err(RemoteError::Unavailable {
-                    op,
-                    reason: format!("server marked down after: {}", o.reason),
-                });
-            }
-        }
-        match self.attempt(op, f) {
+        let ticket = self
+            .breaker
+            .admit()
+            .map_err(|r| RemoteError::Unavailable { op, reason: r.0 })?;
+        match self.attempt(op, t, &ticket, f) {
             Ok(v) => {
-                let mut down = self.down_record();
-                if down.is_some() {
-                    tracing::info!("remote redis server reachable again");
-                    *down = None;
-                }
+                ticket.success();
                 Ok(v)
             }
-            Err((e, connection_level)) => {
-                if connection_level && !self.opts.backoff.is_zero() {
-                    tracing::warn!(op, error = %e, backoff = ?self.opts.backoff, "remote redis server marked down");
-                    *self.down_record() = Some(Outage {
-                        until: Instant::now() + self.opts.backoff,
-                        reason: e.to_string(),
-                    });
-                }
+            Err((e, Verdict::Down)) => {
+                ticket.failure(e.to_string());
+                Err(e)
+            }
+            Err((e, Verdict::Answered)) => {
+                // The server answered (an error reply): it is up.
+                ticket.success();
+                Err(e)
+            }
+            Err((e, Verdict::Withdrawn)) => {
+                ticket.withdraw();
                 Err(e)
             }
         }
@@ -308,16 +366,30 @@ impl RedisStore {
     fn attempt<T>(
         &self,
         op: &'static str,
+        t: Duration,
+        ticket: &Ticket<'_>,
         mut f: impl FnMut(&mut Conn) -> RedisResult<T>,
-    ) -> Result<T, (RemoteError, bool)> {
+    ) -> Result<T, (RemoteError, Verdict)> {
         let mut slot = self.lock_slot();
+        if !ticket.still_admitted() {
+            return Err((
+                RemoteError::Unavailable {
+                    op,
+                    reason: "server marked down while waiting for a connection".into(),
+                },
+                Verdict::Withdrawn,
+            ));
+        }
         for attempt in 0..2 {
             let reused = slot.is_some();
             let conn = match slot.as_mut() {
                 Some(c) => c,
-                None => slot.insert(self.connect().map_err(|e| (unavailable(op, &e), true))?),
+                None => slot.insert(
+                    self.connect(t)
+                        .map_err(|e| (unavailable(op, &e), Verdict::Down))?,
+                ),
             };
-            match f(conn) {
+            match conn.set_deadline(t).and_then(|()| f(conn)) {
                 Ok(v) => return Ok(v),
                 Err(e) => {
                     *slot = None;
@@ -334,7 +406,12 @@ impl RedisStore {
                             || e.is_timeout()
                             || e.is_connection_dropped()
                             || e.is_connection_refusal();
-                        return Err((unavailable(op, &e), connection_level));
+                        let verdict = if connection_level {
+                            Verdict::Down
+                        } else {
+                            Verdict::Answered
+                        };
+                        return Err((unavailable(op, &e), verdict));
                     }
                     tracing::debug!(op, error = %e, "stale redis connection, reconnecting");
                 }
@@ -345,24 +422,24 @@ impl RedisStore {
                 op,
                 reason: "retry exhausted".into(),
             },
-            true,
+            Verdict::Down,
         ))
     }
 
     fn put_inner(&self, key: u128, data: &[u8]) -> Result<(), RemoteError> {
         let rkey = self.ns.redis_key(key);
-        let header = frame::encode_header(key, data);
+        let header = frame::encode_header(&self.seal, key, data);
         let ttl_ms = self
             .opts
             .ttl
             .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX));
-        self.with_conn("put", |c| match c {
-            Conn::Single { conn, buf } => {
+        self.with_conn("put", self.opts.io_timeout, |c| match c {
+            Conn::Single { conn, buf, .. } => {
                 pack_set(buf, &rkey, &header, data, ttl_ms);
                 let reply = conn.req_packed_command(buf)?;
                 redis::from_redis_value::<()>(reply.extract_error()?).map_err(Into::into)
             }
-            Conn::Cluster(c) => {
+            Conn::Cluster { conn: c, .. } => {
                 // The cluster connection routes by parsing the command: give it a `Cmd`.
                 let value = FramedValue {
                     header,
@@ -381,10 +458,12 @@ impl RedisStore {
     fn get_inner(&self, key: u128, out: &mut [u8]) -> Result<(), RemoteError> {
         let rkey = self.ns.redis_key(key);
         let value: Option<Vec<u8>> =
-            self.with_conn("get", |c| redis::cmd("GET").arg(&rkey).query(c.as_dyn()))?;
+            self.with_conn("get", self.opts.io_timeout, |c| {
+                redis::cmd("GET").arg(&rkey).query(c.as_dyn())
+            })?;
         match value {
             None => Err(RemoteError::Missing { key }),
-            Some(v) => frame::decode_into(key, &v, out),
+            Some(v) => frame::decode_into(&self.seal, key, &v, out),
         }
     }
 
@@ -393,7 +472,7 @@ impl RedisStore {
             return Ok(Vec::new());
         }
         let names: Vec<String> = keys.iter().map(|&k| self.ns.redis_key(k)).collect();
-        let found: Vec<bool> = self.with_conn("contains", |c| match c {
+        let found: Vec<bool> = self.with_conn("contains", self.lookup_deadline(), |c| match c {
             Conn::Single { conn, .. } => {
                 let mut pipe = redis::pipe();
                 for n in &names {
@@ -401,7 +480,7 @@ impl RedisStore {
                 }
                 pipe.query(conn)
             }
-            Conn::Cluster(c) => {
+            Conn::Cluster { conn: c, .. } => {
                 // Keys live on different nodes: the cluster pipeline groups them per node.
                 let mut pipe = redis::cluster::cluster_pipe();
                 for n in &names {
@@ -436,7 +515,12 @@ impl RemoteStore for RedisStore {
 
 /// `redis://[user:pass@]h1:p1,h2:p2[/][?query]` -> one URL per seed node, each with the userinfo.
 fn cluster_seed_urls(url: &str) -> Result<Vec<String>, RemoteError> {
-    let bad = |why: &str| RemoteError::Config(format!("cluster url {url:?}: {why}"));
+    let bad = |why: &str| {
+        RemoteError::Config(format!(
+            "cluster url {:?}: {why}",
+            super::open::redact_url(url)
+        ))
+    };
     let (scheme, rest) = url.split_once("://").ok_or_else(|| bad("no scheme"))?;
     if !matches!(scheme, "redis" | "valkey") {
         return Err(bad("cluster mode needs redis:// or valkey://"));

@@ -10,6 +10,15 @@ use std::ptr::NonNull;
 /// Alignment of direct I/O buffers and of disk slots.
 pub(crate) const IO_ALIGN: usize = 4096;
 
+/// `MemAvailable` of `/proc/meminfo` in bytes (memory the kernel can hand out without swapping),
+/// if readable.
+pub(crate) fn available_bytes() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// An anonymous private memory mapping (the host tier's one large allocation).
 #[derive(Debug)]
 pub(crate) struct Mapping {
@@ -180,7 +189,8 @@ const STREAM_MIN: usize = 16 * 1024;
 /// both).
 static NON_TEMPORAL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
-/// Choose the bulk copy routine (see [`NON_TEMPORAL`]).
+/// Choose the bulk copy routine (see [`NON_TEMPORAL`]); the transfer benchmark compares both.
+#[cfg(any(test, feature = "transfer-bench"))]
 pub(crate) fn set_non_temporal(on: bool) {
     NON_TEMPORAL.store(on, std::sync::atomic::Ordering::Relaxed);
 }

@@ -1,10 +1,14 @@
 //! The only modules of kvtier that contain `unsafe`: raw memory (`mem`), file I/O system calls
-//! (`file`), io_uring submission (`uring`) and CUDA driver calls (`cuda`).
+//! (`file`), io_uring submission (`uring`), CUDA driver calls (`cuda`) and, for the transfer
+//! benchmark only, cuBLAS (`cublas`, feature `transfer-bench`).
 //!
 //! Invariant: every function here either takes plain safe arguments or is an `unsafe fn` whose
 //! `# Safety` section names what the caller must guarantee; every `unsafe` block has a
 //! `// SAFETY:` note. Code outside `sys` never dereferences a raw pointer.
+#[cfg(feature = "transfer-bench")]
+pub(crate) mod cublas;
 pub(crate) mod cuda;
 pub(crate) mod file;
 pub(crate) mod mem;
+pub(crate) mod shm;
 pub(crate) mod uring;

@@ -12,10 +12,13 @@ pub mod messages;
 pub mod slot;
 pub(crate) mod slot_table;
 pub mod step;
+#[cfg(any(test, feature = "test-util"))]
 pub mod testing;
 pub mod worker;
 #[cfg(feature = "zmq")]
 pub mod zmq;
+#[cfg(feature = "zmq")]
+pub mod zmq_auth;
 
 pub use leader::{Capacity, DiskPolicy, KvEvent, Leader, LeaderConfig, LeaderStats, RequestKey};
 pub use messages::{

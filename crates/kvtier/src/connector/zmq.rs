@@ -1,17 +1,28 @@
 //! The leader <-> worker channel across processes, over ZeroMQ (the pure-Rust `zeromq` crate):
 //! the leader binds a ROUTER, each rank connects a DEALER.
 //!
-//! Protocol (every frame is `postcard(version: u32) ++ postcard(Wire)`):
-//! 1. each worker sends `Hello(RankLayout)`;
-//! 2. when all `world_size` ranks said hello, the leader checks versions and layouts
-//!    ([`ClusterLayout::agree`]) and answers every rank `Welcome(layout)`, or `Reject(reason)`
-//!    to every rank and fails its own handshake with the same reason;
+//! Protocol (every frame is `postcard(WIRE_VERSION: u32) ++ postcard(Wire)`):
+//! 1. each worker sends `Hello { layout, nonce, tag }`, authenticated with the deployment's
+//!    secret ([`super::zmq_auth`]); a hello that does not authenticate (or repeats a nonce), or
+//!    an undecodable frame from a peer that is not a rank, is refused: logged with the peer's
+//!    identity, answered `Reject(reason)`, never counted as a rank and never failing the
+//!    handshake of the real ranks;
+//! 2. when all `world_size` ranks said hello, the leader checks layouts
+//!    ([`ClusterLayout::agree`]) and answers every rank `Welcome { layout, tag }` (tagged with
+//!    that rank's nonce), or `Reject(reason)` to every rank and fails its own handshake with the
+//!    same reason;
 //! 3. workers send `Report`s; the leader may broadcast `Step` metadata (for engines that do not
 //!    carry it themselves) and finally `Shutdown`.
 //!
-//! Invariants: a frame of another protocol version is never decoded as ours (it is rejected
-//! with both versions named); the handshake and the wait for metadata are bounded by one
+//! Invariants: a frame of another wire version is never decoded as ours (it is rejected
+//! with both versions named); only authenticated ranks are counted, welcomed or listened to; the handshake and the wait for metadata are bounded by one
 //! configurable timeout; no call here panics on anything a peer sends.
+//!
+//! Endpoints: `tcp://host:port` and `ipc:///path` (a Unix socket, local only: the leader creates
+//! it mode 0600, so only the deployment's user can connect, and reclaims a stale socket file a
+//! dead leader left behind). Anything else (`inproc://`, typos) is refused with
+//! `ConnectorError::Channel` before it reaches the ZeroMQ crate, which panics on transports it
+//! was not built with.
 //!
 //! Threading: each endpoint runs one background thread with a single-threaded tokio runtime
 //! that owns the socket; the public handles talk to it through channels only.
@@ -25,11 +36,13 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc as tk;
 use zeromq::{DealerSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::connector::messages::{
-    ClusterLayout, RankLayout, StepMetadata, WorkerReport, PROTOCOL_VERSION,
-};
+use crate::connector::messages::{ClusterLayout, RankLayout, StepMetadata, WorkerReport};
 use crate::connector::worker::ReportSink;
+use crate::connector::zmq_auth::{self, ChannelSecret, AUTH_FAILED};
 use crate::connector::ConnectorError;
+
+/// Version of the channel's frames (2: authenticated hello and welcome).
+pub const WIRE_VERSION: u32 = 2;
 
 /// How long a closing socket keeps running so that queued frames leave (like `ZMQ_LINGER`).
 const LINGER: Duration = Duration::from_millis(200);
@@ -37,8 +50,15 @@ const LINGER: Duration = Duration::from_millis(200);
 /// Everything that crosses the wire.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Wire {
-    Hello(RankLayout),
-    Welcome(ClusterLayout),
+    Hello {
+        layout: RankLayout,
+        nonce: [u8; 16],
+        tag: [u8; 32],
+    },
+    Welcome {
+        layout: ClusterLayout,
+        tag: [u8; 32],
+    },
     Reject(String),
     Report(WorkerReport),
     Step(StepMetadata),
@@ -47,7 +67,18 @@ pub enum Wire {
 
 /// Encode one frame.
 pub fn encode(msg: &Wire) -> Result<Vec<u8>, ConnectorError> {
-    encode_with_version(PROTOCOL_VERSION, msg)
+    encode_with_version(WIRE_VERSION, msg)
+}
+
+fn layout_bytes<T: Serialize>(l: &T) -> Result<Vec<u8>, ConnectorError> {
+    postcard::to_stdvec(l).map_err(|e| ConnectorError::Codec(e.to_string()))
+}
+
+/// A hello for `layout`, authenticated with `secret` under a fresh nonce.
+pub fn hello(secret: &ChannelSecret, layout: RankLayout) -> Result<Wire, ConnectorError> {
+    let nonce = zmq_auth::random_bytes::<16>()?;
+    let tag = secret.hello_tag(&nonce, &layout_bytes(&layout)?);
+    Ok(Wire::Hello { layout, nonce, tag })
 }
 
 /// Encode with an explicit version (tests of the version check).
@@ -62,12 +93,61 @@ pub fn encode_with_version(version: u32, msg: &Wire) -> Result<Vec<u8>, Connecto
 pub fn decode(bytes: &[u8]) -> Result<Wire, ConnectorError> {
     let (version, rest): (u32, &[u8]) = postcard::take_from_bytes(bytes)
         .map_err(|e| ConnectorError::Codec(format!("frame header: {e}")))?;
-    if version != PROTOCOL_VERSION {
+    if version != WIRE_VERSION {
         return Err(ConnectorError::Handshake(format!(
-            "peer speaks protocol version {version}, this build speaks {PROTOCOL_VERSION}"
+            "peer speaks protocol version {version}, this build speaks {WIRE_VERSION}"
         )));
     }
     postcard::from_bytes(rest).map_err(|e| ConnectorError::Codec(format!("frame body: {e}")))
+}
+
+/// The endpoints this build can bind and connect: `tcp://…` or `ipc://<non-empty path>`.
+pub fn check_endpoint(endpoint: &str) -> Result<(), ConnectorError> {
+    let bad = |why: &str| {
+        ConnectorError::Channel(format!(
+            "ZeroMQ endpoint {endpoint:?} {why} (expected tcp://host:port or ipc:///path)"
+        ))
+    };
+    if let Some(path) = endpoint.strip_prefix("ipc://") {
+        if path.is_empty() {
+            return Err(bad("has no socket path"));
+        }
+    } else if !endpoint.starts_with("tcp://") {
+        return Err(bad("uses an unsupported transport"));
+    }
+    endpoint
+        .parse::<zeromq::Endpoint>()
+        .map_err(|e| bad(&format!("does not parse: {e}")))?;
+    Ok(())
+}
+
+/// Before binding `ipc://path`: removes a socket file nobody listens on (left by a leader that
+/// died); a live one is left alone (the bind then fails with "address in use").
+fn reclaim_stale_ipc(endpoint: &str) {
+    use std::os::unix::fs::FileTypeExt;
+    let Some(path) = endpoint.strip_prefix("ipc://") else {
+        return;
+    };
+    let is_socket = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket());
+    if is_socket {
+        if let Err(e) = std::os::unix::net::UnixStream::connect(path) {
+            if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                tracing::info!(path, "removing a stale leader socket");
+                let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+}
+
+/// After binding `ipc://path`: only this user may connect.
+fn restrict_ipc(endpoint: &str) -> Result<(), ConnectorError> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(path) = endpoint.strip_prefix("ipc://") {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(|e| {
+            ConnectorError::Channel(format!("chmod 0600 of the leader socket {path}: {e}"))
+        })?;
+    }
+    Ok(())
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, ConnectorError> {
@@ -107,8 +187,19 @@ pub struct LeaderChannel {
 
 impl LeaderChannel {
     /// Bind a ROUTER at `endpoint` (e.g. `tcp://127.0.0.1:0`; the resolved one is
-    /// [`LeaderChannel::endpoint`]).
+    /// [`LeaderChannel::endpoint`]), with the secret of [`zmq_auth::leader_secret`]
+    /// (`KVTIER_ZMQ_SECRET`, else a fresh one in the endpoint's private key file).
     pub fn bind(endpoint: &str) -> Result<LeaderChannel, ConnectorError> {
+        Self::bind_with(endpoint, None)
+    }
+
+    /// As [`LeaderChannel::bind`], with an explicit secret (`None`: as `bind`).
+    pub fn bind_with(
+        endpoint: &str,
+        secret: Option<ChannelSecret>,
+    ) -> Result<LeaderChannel, ConnectorError> {
+        check_endpoint(endpoint)?;
+        reclaim_stale_ipc(endpoint);
         let (cmd_tx, cmd_rx) = tk::unbounded_channel();
         let (ready_tx, ready_rx) = std_mpsc::channel();
         let ep = endpoint.to_owned();
@@ -122,7 +213,7 @@ impl LeaderChannel {
                         return;
                     }
                 };
-                rt.block_on(leader_loop(ep, cmd_rx, ready_tx));
+                rt.block_on(leader_loop(ep, secret, cmd_rx, ready_tx));
             })
             .map_err(|e| ConnectorError::Channel(format!("spawn: {e}")))?;
         let endpoint = ready_rx
@@ -204,6 +295,7 @@ struct PendingHandshake {
 
 async fn leader_loop(
     endpoint: String,
+    secret: Option<ChannelSecret>,
     mut cmd_rx: tk::UnboundedReceiver<LeaderCmd>,
     ready: std_mpsc::Sender<Result<String, ConnectorError>>,
 ) {
@@ -217,10 +309,28 @@ async fn leader_loop(
             return;
         }
     };
+    if let Err(e) = restrict_ipc(&bound) {
+        let _ = ready.send(Err(e));
+        return;
+    }
+    let resolved = match secret {
+        Some(s) => Ok((s, None)),
+        None => zmq_auth::leader_secret(&bound).map(|(s, g)| (s, Some(g))),
+    };
+    let (secret, _key_file) = match resolved {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
     let _ = ready.send(Ok(bound));
     let (mut tx, mut rx) = socket.split();
-    // identity -> rank layout (or the reason its hello was unusable)
-    let mut hellos: HashMap<Vec<u8>, Result<RankLayout, String>> = HashMap::new();
+    // identity -> (rank layout, its hello's nonce)
+    let mut hellos: HashMap<Vec<u8>, (RankLayout, [u8; 16])> = HashMap::new();
+    let mut nonces_seen: std::collections::HashSet<[u8; 16]> = Default::default();
+    // Why peers were refused (named in a handshake timeout).
+    let mut refused: Vec<String> = Vec::new();
     let mut peers: Vec<Vec<u8>> = Vec::new();
     let mut pending: Option<PendingHandshake> = None;
     let mut reports: Option<std_mpsc::Sender<WorkerReport>> = None;
@@ -267,49 +377,85 @@ async fn leader_loop(
             msg = rx.recv() => {
                 let Ok(msg) = msg else { continue };
                 let Some((Some(id), payload)) = frame_payload(msg) else { continue };
+                let peer = hex_id(&id);
                 match decode(&payload) {
-                    Ok(Wire::Hello(l)) => {
-                        hellos.insert(id, Ok(l));
+                    Ok(Wire::Hello { layout, nonce, tag }) => {
+                        let authentic = layout_bytes(&layout)
+                            .is_ok_and(|b| secret.hello_ok(&nonce, &b, &tag));
+                        let why = if !authentic {
+                            Some(AUTH_FAILED.to_string())
+                        } else if peers.contains(&id) || !nonces_seen.insert(nonce) {
+                            Some("replayed or repeated hello".to_string())
+                        } else {
+                            None
+                        };
+                        match why {
+                            None => {
+                                hellos.insert(id, (layout, nonce));
+                            }
+                            Some(why) => {
+                                tracing::warn!(%peer, claimed_rank = layout.rank, reason = %why, "refused a peer on the leader channel");
+                                refused.push(format!("peer {peer}: {why}"));
+                                if let Ok(b) = encode(&Wire::Reject(why)) {
+                                    let _ = send_to(&mut tx, &id, &b).await;
+                                }
+                            }
+                        }
                     }
-                    Ok(Wire::Report(r)) => match &reports {
+                    Ok(Wire::Report(r)) if peers.contains(&id) => match &reports {
                         Some(s) => {
                             let _ = s.send(r);
                         }
                         None => backlog.push(r),
                     },
-                    Ok(other) => tracing::warn!(?other, "unexpected message from a worker"),
+                    Ok(Wire::Report(_)) => {
+                        tracing::warn!(%peer, "refused a report from a peer that is not a welcomed rank");
+                    }
+                    Ok(other) => tracing::warn!(%peer, ?other, "unexpected message from a worker"),
                     Err(e) => {
-                        tracing::warn!(error = %e, "undecodable frame from a worker");
+                        tracing::warn!(%peer, error = %e, "undecodable frame on the leader channel");
                         if !peers.contains(&id) {
-                            hellos.insert(id, Err(e.to_string()));
+                            refused.push(format!("peer {peer}: {e}"));
+                            if let Ok(b) = encode(&Wire::Reject(e.to_string())) {
+                                let _ = send_to(&mut tx, &id, &b).await;
+                            }
                         }
                     }
                 }
             },
             _ = tokio::time::sleep_until(deadline), if pending.is_some() => {
                 if let Some(p) = pending.take() {
-                    let msg = format!(
+                    let mut msg = format!(
                         "timed out: {} of {} ranks connected",
                         hellos.len(),
                         p.world_size
                     );
+                    if !refused.is_empty() {
+                        msg.push_str(&format!("; refused {}", refused.join("; ")));
+                    }
                     let _ = p.reply.send(Err(ConnectorError::Handshake(msg)));
                 }
             }
         }
         // Complete the handshake once every rank spoke (or one spoke nonsense).
-        let ready_now = pending.as_ref().is_some_and(|p| {
-            hellos.len() >= p.world_size as usize || hellos.values().any(|h| h.is_err())
-        });
+        let ready_now = pending
+            .as_ref()
+            .is_some_and(|p| hellos.len() >= p.world_size as usize);
         if ready_now {
             if let Some(p) = pending.take() {
                 let result = agree(&hellos, p.block_size, p.world_size);
-                let reply = match &result {
-                    Ok(layout) => Wire::Welcome(layout.clone()),
-                    Err(e) => Wire::Reject(e.to_string()),
-                };
-                if let Ok(bytes) = encode(&reply) {
-                    for id in hellos.keys() {
+                for (id, (_, nonce)) in &hellos {
+                    let reply = match &result {
+                        Ok(layout) => match layout_bytes(layout) {
+                            Ok(b) => Wire::Welcome {
+                                layout: layout.clone(),
+                                tag: secret.welcome_tag(nonce, &b),
+                            },
+                            Err(e) => Wire::Reject(e.to_string()),
+                        },
+                        Err(e) => Wire::Reject(e.to_string()),
+                    };
+                    if let Ok(bytes) = encode(&reply) {
                         let _ = send_to(&mut tx, id, &bytes).await;
                     }
                 }
@@ -322,18 +468,16 @@ async fn leader_loop(
     }
 }
 
+fn hex_id(id: &[u8]) -> String {
+    id.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 fn agree(
-    hellos: &HashMap<Vec<u8>, Result<RankLayout, String>>,
+    hellos: &HashMap<Vec<u8>, (RankLayout, [u8; 16])>,
     block_size: u32,
     world_size: u32,
 ) -> Result<ClusterLayout, ConnectorError> {
-    let mut layouts = Vec::new();
-    for h in hellos.values() {
-        match h {
-            Ok(l) => layouts.push(l.clone()),
-            Err(reason) => return Err(ConnectorError::Handshake(reason.clone())),
-        }
-    }
+    let layouts: Vec<RankLayout> = hellos.values().map(|(l, _)| l.clone()).collect();
     if let Some(l) = layouts.iter().find(|l| l.world_size != world_size) {
         return Err(ConnectorError::Handshake(format!(
             "rank {} says world size {}, the leader expects {world_size}",
@@ -380,18 +524,30 @@ impl ReportSink for ZmqSink {
 }
 
 impl WorkerChannel {
-    /// Connect to the leader, introduce this rank and wait (at most `timeout`) for its verdict.
+    /// Connect to the leader, introduce this rank and wait (at most `timeout`) for its verdict,
+    /// authenticating with [`zmq_auth::worker_secret`] (`KVTIER_ZMQ_SECRET`, else the leader's key
+    /// file for `endpoint`, waited for within `timeout`).
     pub fn connect(
         endpoint: &str,
         me: RankLayout,
         timeout: Duration,
     ) -> Result<WorkerChannel, ConnectorError> {
+        Self::connect_with(endpoint, me, timeout, None)
+    }
+
+    /// As [`WorkerChannel::connect`], with an explicit secret (`None`: as `connect`).
+    pub fn connect_with(
+        endpoint: &str,
+        me: RankLayout,
+        timeout: Duration,
+        secret: Option<ChannelSecret>,
+    ) -> Result<WorkerChannel, ConnectorError> {
+        check_endpoint(endpoint)?;
         let (out_tx, out_rx) = tk::unbounded_channel::<Vec<u8>>();
         let (stop_tx, stop_rx) = tk::unbounded_channel::<()>();
         let (steps_tx, steps_rx) = std_mpsc::channel();
         let (ready_tx, ready_rx) = std_mpsc::channel();
         let ep = endpoint.to_owned();
-        let hello = encode(&Wire::Hello(me))?;
         let thread = std::thread::Builder::new()
             .name("kvtier-zmq-worker".into())
             .spawn(move || {
@@ -403,7 +559,7 @@ impl WorkerChannel {
                     }
                 };
                 rt.block_on(worker_loop(
-                    ep, hello, timeout, out_rx, stop_rx, steps_tx, ready_tx,
+                    ep, me, secret, timeout, out_rx, stop_rx, steps_tx, ready_tx,
                 ));
             })
             .map_err(|e| ConnectorError::Channel(format!("spawn: {e}")))?;
@@ -464,9 +620,28 @@ impl Drop for WorkerChannel {
     }
 }
 
+/// The secret to authenticate with: the given one, else [`zmq_auth::worker_secret`], waiting for
+/// the leader's key file to appear.
+async fn wait_secret(
+    endpoint: &str,
+    given: &Option<ChannelSecret>,
+) -> Result<ChannelSecret, ConnectorError> {
+    if let Some(s) = given {
+        return Ok(s.clone());
+    }
+    loop {
+        if let Some(s) = zmq_auth::worker_secret(endpoint)? {
+            return Ok(s);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn worker_loop(
     endpoint: String,
-    hello: Vec<u8>,
+    me: RankLayout,
+    given: Option<ChannelSecret>,
     timeout: Duration,
     mut out_rx: tk::UnboundedReceiver<Vec<u8>>,
     mut stop_rx: tk::UnboundedReceiver<()>,
@@ -479,26 +654,47 @@ async fn worker_loop(
             .connect(&endpoint)
             .await
             .map_err(|e| ConnectorError::Channel(format!("connect {endpoint}: {e}")))?;
-        socket
-            .send(ZmqMessage::from(hello))
-            .await
-            .map_err(|e| ConnectorError::Channel(e.to_string()))?;
-        loop {
-            let m = socket
-                .recv()
+        'hello: loop {
+            let secret = wait_secret(&endpoint, &given).await?;
+            let nonce = zmq_auth::random_bytes::<16>()?;
+            let msg = Wire::Hello {
+                layout: me.clone(),
+                nonce,
+                tag: secret.hello_tag(&nonce, &layout_bytes(&me)?),
+            };
+            socket
+                .send(ZmqMessage::from(encode(&msg)?))
                 .await
                 .map_err(|e| ConnectorError::Channel(e.to_string()))?;
-            let Some((_, payload)) = frame_payload(m) else {
-                continue;
-            };
-            match decode(&payload)? {
-                Wire::Welcome(l) => return Ok(l),
-                Wire::Reject(reason) => {
-                    return Err(ConnectorError::Handshake(format!(
-                        "leader rejected this rank: {reason}"
-                    )))
+            loop {
+                let m = socket
+                    .recv()
+                    .await
+                    .map_err(|e| ConnectorError::Channel(e.to_string()))?;
+                let Some((_, payload)) = frame_payload(m) else {
+                    continue;
+                };
+                match decode(&payload)? {
+                    Wire::Welcome { layout, tag } => {
+                        if layout_bytes(&layout).is_ok_and(|b| secret.welcome_ok(&nonce, &b, &tag))
+                        {
+                            return Ok(layout);
+                        }
+                        tracing::warn!("ignored a welcome that is not from this deployment's leader");
+                    }
+                    Wire::Reject(reason) if reason == AUTH_FAILED && given.is_none() => {
+                        // A key file of an earlier leader on this endpoint: read it again.
+                        tracing::info!("leader refused this rank's key; rereading the key file");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue 'hello;
+                    }
+                    Wire::Reject(reason) => {
+                        return Err(ConnectorError::Handshake(format!(
+                            "leader rejected this rank: {reason}"
+                        )))
+                    }
+                    other => tracing::warn!(?other, "unexpected message during the handshake"),
                 }
-                other => tracing::warn!(?other, "unexpected message during the handshake"),
             }
         }
     };
@@ -567,5 +763,15 @@ mod tests {
             decode(&encode(&Wire::Shutdown).unwrap()).unwrap(),
             Wire::Shutdown
         );
+    }
+
+    #[test]
+    fn unsupported_endpoints_are_refused_by_name() {
+        for ep in ["inproc://x", "ipc://", "udp://1.2.3.4:5", "127.0.0.1:5", "tcp://"] {
+            let e = check_endpoint(ep).unwrap_err();
+            assert!(e.to_string().contains("expected tcp://"), "{ep}: {e}");
+        }
+        check_endpoint("tcp://127.0.0.1:0").unwrap();
+        check_endpoint("ipc:///tmp/x.sock").unwrap();
     }
 }

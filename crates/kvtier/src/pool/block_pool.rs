@@ -53,21 +53,33 @@ impl BlockPool {
             });
         }
         let n = capacity_blocks;
+        // The books are allocated fallibly and checked against free memory first: a huge
+        // capacity is a typed error, never an abort or an OOM kill while initialising them.
+        let oom = |available: &str| PoolError::OutOfMemory {
+            tier,
+            requested: n,
+            bytes: Self::heap_bytes_for(n),
+            available: available.to_owned(),
+        };
+        super::memory::check(tier, n, Self::heap_bytes_for(n))?;
+        let mut slots: Vec<Slot> = Vec::new();
+        slots
+            .try_reserve_exact(n)
+            .map_err(|_| oom("allocation refused"))?;
+        let registry = Registry::try_new(n).map_err(|_| oom("allocation refused"))?;
         // Free stack 0 -> 1 -> 2 ...: a fresh pool hands out 0, 1, 2, ...
-        let slots: Vec<Slot> = (0..n)
-            .map(|i| {
-                let mut s = Slot::FREE;
-                s.next = if i + 1 < n { i as u32 + 1 } else { NIL };
-                s
-            })
-            .collect();
+        slots.extend((0..n).map(|i| {
+            let mut s = Slot::FREE;
+            s.next = if i + 1 < n { i as u32 + 1 } else { NIL };
+            s
+        }));
         Ok(BlockPool {
             tier,
             slots,
             free_head: if n > 0 { 0 } else { NIL },
             free_len: n,
             lru: PriorityLru::default(),
-            registry: Registry::new(n),
+            registry,
             reserved: 0,
             events: Vec::new(),
             record_events: true,
@@ -76,6 +88,13 @@ impl BlockPool {
 
     pub fn tier(&self) -> Tier {
         self.tier
+    }
+
+    /// Heap bytes the books of a pool of `capacity_blocks` take (block records and registry).
+    pub fn heap_bytes_for(capacity_blocks: usize) -> usize {
+        capacity_blocks
+            .saturating_mul(std::mem::size_of::<Slot>())
+            .saturating_add(Registry::bytes_for(capacity_blocks))
     }
 
     /// Total number of blocks.
@@ -604,6 +623,39 @@ mod tests {
             assert_eq!(p.state(BlockId(b)), Some(BlockState::Writing));
             assert_eq!(p.pin_count(BlockId(b)), Some(1));
         }
+    }
+
+    /// Regression (#13, aborts): a pool of the largest accepted capacity (and
+    /// `Leader({"host.num_blocks": 5e8})` on a small machine) aborted the process on a failed
+    /// allocation of its books; it is a typed error before anything is touched.
+    #[test]
+    fn pool_larger_than_memory_is_a_typed_error_not_an_abort() {
+        let err = BlockPool::new(Tier::Host, MAX_POOL_BLOCKS).unwrap_err();
+        match err {
+            PoolError::OutOfMemory {
+                tier: Tier::Host,
+                requested,
+                bytes,
+                ..
+            } => {
+                assert_eq!(requested, MAX_POOL_BLOCKS);
+                assert!(bytes > 40 * MAX_POOL_BLOCKS, "{bytes}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(err_text(Tier::Host, MAX_POOL_BLOCKS).contains("lower the tier's num_blocks"));
+    }
+
+    fn err_text(tier: Tier, n: usize) -> String {
+        BlockPool::new(tier, n).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn heap_bytes_for_matches_a_real_pool() {
+        let p = BlockPool::new(Tier::Host, 1000).unwrap();
+        let est = BlockPool::heap_bytes_for(1000);
+        let real = p.heap_bytes();
+        assert!(est >= real * 9 / 10 && est <= real * 11 / 10, "{est} vs {real}");
     }
 
     #[test]

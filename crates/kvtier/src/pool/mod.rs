@@ -64,6 +64,7 @@
 //! ```
 mod block_pool;
 mod lru;
+mod memory;
 mod registry;
 mod slot;
 mod types;

@@ -27,10 +27,31 @@ fn h64(hash: SequenceHash) -> u64 {
 }
 
 impl Registry {
+    #[cfg(test)]
     pub(crate) fn new(capacity: usize) -> Self {
         Registry {
             table: HashTable::with_capacity(capacity + capacity / 2),
         }
+    }
+
+    /// As `new`, but a refused allocation is an error instead of an abort.
+    pub(crate) fn try_new(capacity: usize) -> Result<Self, hashbrown::TryReserveError> {
+        let mut table = HashTable::new();
+        table.try_reserve(capacity + capacity / 2, |&b: &u32| u64::from(b))?;
+        Ok(Registry { table })
+    }
+
+    /// Bytes `try_new(capacity)` allocates, approximately (buckets are a power of two, 4-byte
+    /// entries plus one control byte each).
+    pub(crate) fn bytes_for(capacity: usize) -> usize {
+        let want = capacity.saturating_add(capacity / 2);
+        // hashbrown keeps buckets at most 7/8 full.
+        let buckets = want
+            .saturating_mul(8)
+            .div_ceil(7)
+            .checked_next_power_of_two()
+            .unwrap_or(usize::MAX);
+        buckets.saturating_mul(std::mem::size_of::<u32>() + 1)
     }
 
     pub(crate) fn len(&self) -> usize {

@@ -107,4 +107,17 @@ pub enum PoolError {
         requested: usize,
         max: usize,
     },
+    /// The pool's own books (block records and registry) do not fit in memory: more than the
+    /// memory available now, or the allocation was refused.
+    #[error(
+        "{tier:?} pool of {requested} blocks needs {bytes} bytes of bookkeeping memory, {available}; \
+         lower the tier's num_blocks (or gb)"
+    )]
+    OutOfMemory {
+        tier: Tier,
+        requested: usize,
+        bytes: usize,
+        /// What was known about free memory ("only N bytes available" or "allocation refused").
+        available: String,
+    },
 }

@@ -1,0 +1,81 @@
+//! `kvtier node`: the per-node host tier shared by every engine process on this machine.
+//!
+//! Invariant: the command prints exactly one `serving SOCKET` line on stdout once engines can
+//! attach (tests and scripts wait for it); SIGINT/SIGTERM stop it within a bounded time, removing
+//! its socket and its shared-memory arena; a second signal exits at once.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use kvtier_io::node::{NodeOptions, NodeServer};
+
+/// `kvtier node` flags.
+#[derive(Debug, Clone, Args)]
+pub struct NodeArgs {
+    /// The Unix socket engines attach to (`remote.url = "node://SOCKET"`). Created mode 0600.
+    #[arg(long, default_value = "/tmp/kvtier-node/node.sock")]
+    pub socket: PathBuf,
+    /// Shared host memory for blocks, in GB (decimal).
+    #[arg(long, default_value_t = 4.0)]
+    pub capacity_gb: f64,
+    /// Directory (tmpfs) of the shared-memory arena.
+    #[arg(long, default_value = "/dev/shm")]
+    pub shm_dir: PathBuf,
+    /// Other user ids allowed to attach (the node's own user always may).
+    #[arg(long = "allow-uid", value_name = "UID")]
+    pub allow_uids: Vec<u32>,
+    /// Close a connection idle this long (seconds).
+    #[arg(long, default_value_t = 3600)]
+    pub idle_timeout_s: u64,
+}
+
+/// Run the node until a signal.
+pub async fn run(args: NodeArgs) -> anyhow::Result<()> {
+    if !(args.capacity_gb.is_finite() && args.capacity_gb > 0.0) {
+        bail!(
+            "--capacity-gb must be a positive number of GB, got {}",
+            args.capacity_gb
+        );
+    }
+    let capacity = (args.capacity_gb * 1e9) as u64;
+    let mut opts = NodeOptions::new(args.socket.clone(), capacity);
+    opts.shm_dir = args.shm_dir.clone();
+    opts.allowed_uids = args.allow_uids.clone();
+    opts.idle_timeout = Duration::from_secs(args.idle_timeout_s.max(1));
+    let mut node = NodeServer::start(&opts)
+        .with_context(|| format!("starting the kvtier node on {}", args.socket.display()))?;
+    println!("serving {}", args.socket.display());
+    std::io::stdout().flush().ok();
+    let signals = Arc::new(AtomicUsize::new(0));
+    wait_for_signal(&signals).await?;
+    let stats = node.stats();
+    node.shutdown(Duration::from_secs(5));
+    eprintln!("kvtier node: stopped ({stats:?})");
+    Ok(())
+}
+
+/// Waits for SIGINT or SIGTERM; a second one exits the process at once.
+async fn wait_for_signal(count: &Arc<AtomicUsize>) -> anyhow::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    count.fetch_add(1, Ordering::SeqCst);
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        eprintln!("kvtier node: second signal, exiting now");
+        std::process::exit(130);
+    });
+    Ok(())
+}

@@ -1,0 +1,393 @@
+//! The composition root: the one place that turns kvtier's typed configuration into running
+//! parts. Given the [`KvtierConfig`], the engine's identity ([`EngineIdentity`]: model, revision,
+//! dtype, KV layout), the cluster layout (tokens per block, device blocks, bytes per block per
+//! rank) and the serving role, a [`Composition`] builds the leader, each rank's transfer engine
+//! (host and disk tiers) and the remote store. The reference engine (kvtier-engine) and both
+//! Python adapters (through kvtier-py's `Leader` and `Worker`) call it; nothing else wires these
+//! pieces, so a setting means the same under every engine.
+//!
+//! What it decides, once for everyone:
+//! - tier sizes: `KvtierConfig::resolve_capacity` over the bytes per block summed over ranks;
+//! - the hash salt and the remote namespace, both from the engine identity (with `hashing.model`
+//!   replacing the engine's model name when set): two engines of different models sharing one
+//!   `remote.url` use different namespaces *and* different sequence hashes, so neither can ever
+//!   read the other's block;
+//! - the disk policy: the `policy.disk_filter.*` frequency filter whenever there are both a
+//!   host and a disk tier (with no host tier every stored block goes straight to disk);
+//! - remote puts: every role but `Decode` writes to the remote store;
+//! - the disk tier's files: `disk.dir`, `disk.use_o_direct`, `disk.io_backend`, one private
+//!   directory per rank instance (removed by its owner with [`RankTiers::disk_dir`]).
+//!
+//! Invariants: a `Composition` only exists for a valid configuration whose tiers hold at least
+//! one block each; the leader and every rank built from equal inputs get equal capacities,
+//! salts and namespaces (they may live in different processes).
+//!
+//! ```
+//! use kvtier::config::KvtierConfig;
+//! use kvtier::connector::messages::ClusterLayout;
+//! use kvtier_io::compose::{Composition, EngineIdentity, ServingRole};
+//!
+//! let env = [("KVTIER_HOST_NUM_BLOCKS".to_string(), "8".to_string())].into();
+//! let cfg = KvtierConfig::build(None, &env, None).unwrap();
+//! let cluster = ClusterLayout { block_size: 16, num_device_blocks: 64, bytes_per_block: vec![4096] };
+//! let c = Composition::new(&cfg, EngineIdentity::new("llama"), cluster, ServingRole::Aggregated).unwrap();
+//! let leader = c.leader(None, true).unwrap();
+//! assert_eq!(leader.stats().host_capacity, 8);
+//! assert_ne!(c.namespace(), Composition::new(&cfg, EngineIdentity::new("qwen"),
+//!     ClusterLayout { block_size: 16, num_device_blocks: 64, bytes_per_block: vec![4096] },
+//!     ServingRole::Aggregated).unwrap().namespace());
+//! ```
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use kvtier::config::{ConfigError, IoBackend, KvtierConfig, TierCapacities};
+use kvtier::connector::messages::ClusterLayout;
+use kvtier::connector::{Capacity, ConnectorError, DiskPolicy, Leader, LeaderConfig};
+use kvtier::hash::HashSalt;
+use kvtier::policy::FilterParams;
+use kvtier::pool::Priority;
+use kvtier::transfer::{RemoteStore, TransferError};
+
+use crate::{
+    BlockChunks, DeviceKind, DirectMode, DiskIoMode, DiskOptions, DiskStorage, HostOptions,
+    HostStorage, IoError, PinMode, TransferEngine,
+};
+
+/// What the engine is: whatever makes two engines' KV bytes for the same tokens differ.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EngineIdentity {
+    /// Model name or path (vLLM passes its whole identity string here through the `salt`
+    /// setting).
+    pub model: String,
+    pub revision: Option<String>,
+    /// KV cache dtype.
+    pub dtype: Option<String>,
+    /// The KV layout's description (kind and geometry).
+    pub kv_layout: Option<String>,
+}
+
+impl EngineIdentity {
+    pub fn new(model: impl Into<String>) -> Self {
+        EngineIdentity {
+            model: model.into(),
+            ..Default::default()
+        }
+    }
+
+    /// The identity as one string: the model alone when nothing else is known, else
+    /// `model|revision|dtype|layout`.
+    pub fn key(&self) -> String {
+        if self.revision.is_none() && self.dtype.is_none() && self.kv_layout.is_none() {
+            return self.model.clone();
+        }
+        let f = |o: &Option<String>| o.clone().unwrap_or_default();
+        format!(
+            "{}|{}|{}|{}",
+            self.model,
+            f(&self.revision),
+            f(&self.dtype),
+            f(&self.kv_layout)
+        )
+    }
+
+    /// The remote namespace: a readable prefix of the model name plus 64 bits of the identity's
+    /// hash (`[A-Za-z0-9_.-]`, at most 64 characters).
+    pub fn namespace(&self) -> String {
+        let tail = self.model.rsplit('/').next().unwrap_or("");
+        let mut prefix: String = tail
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .take(40)
+            .collect();
+        if prefix.is_empty() || prefix.starts_with('.') {
+            prefix.insert(0, 'm');
+            prefix.truncate(40);
+        }
+        let h = xxhash_rust::xxh3::xxh3_64(self.key().as_bytes());
+        format!("{prefix}-{h:016x}")
+    }
+}
+
+/// What this engine does in disaggregated serving.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ServingRole {
+    /// Prefill and decode in one engine.
+    #[default]
+    Aggregated,
+    /// Computes prompts; its blocks go to the remote store for a decode engine.
+    Prefill,
+    /// Continues from KV another engine computed; reads the remote store, never writes it.
+    Decode,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ComposeError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("{0}")]
+    Io(#[from] IoError),
+    #[error("remote tier ({url}): {source}")]
+    Remote {
+        url: String,
+        #[source]
+        source: TransferError,
+    },
+    #[error("leader: {0}")]
+    Leader(#[from] ConnectorError),
+}
+
+/// How a rank's host tier is allocated (pinning depends on the engine's device).
+#[derive(Clone, Copy, Debug)]
+pub struct HostMemory {
+    pub pin: PinMode,
+    /// CUDA device whose primary context registers the memory.
+    pub cuda_device: i32,
+    /// Threads for the first touch (0 = available parallelism).
+    pub touch_threads: usize,
+}
+
+impl Default for HostMemory {
+    fn default() -> Self {
+        HostMemory {
+            pin: PinMode::Auto,
+            cuda_device: 0,
+            touch_threads: 0,
+        }
+    }
+}
+
+/// One rank's transfer engine and the private directory of its disk tier (if any), which the
+/// owner removes once the engine is dropped.
+pub struct RankTiers {
+    pub engine: TransferEngine,
+    pub disk_dir: Option<PathBuf>,
+}
+
+/// The resolved plan for one engine; see the module docs.
+#[derive(Clone, Debug)]
+pub struct Composition {
+    config: KvtierConfig,
+    identity: EngineIdentity,
+    cluster: ClusterLayout,
+    role: ServingRole,
+    caps: TierCapacities,
+    salt: HashSalt,
+    namespace: String,
+}
+
+static INSTANCE_SEQ: AtomicU64 = AtomicU64::new(0);
+
+impl Composition {
+    pub fn new(
+        config: &KvtierConfig,
+        mut identity: EngineIdentity,
+        cluster: ClusterLayout,
+        role: ServingRole,
+    ) -> Result<Self, ComposeError> {
+        if let Some(b) = config
+            .connector
+            .block_size
+            .filter(|b| *b != cluster.block_size as usize)
+        {
+            return Err(ConfigError::Invalid {
+                setting: "connector.block_size (KVTIER_BLOCK_SIZE)".into(),
+                reason: format!(
+                    "{b} differs from the engine's {} tokens per block",
+                    cluster.block_size
+                ),
+            }
+            .into());
+        }
+        if let Some(m) = &config.hashing.model {
+            identity.model = m.clone();
+        }
+        if identity.model.trim().is_empty() {
+            tracing::warn!(
+                "kvtier: the engine gave no model identity and hashing.model (KVTIER_MODEL) is \
+                 unset: blocks of different models sharing a disk or remote tier are not kept apart"
+            );
+        }
+        let total = usize::try_from(cluster.total_bytes_per_block()).map_err(|_| {
+            ConfigError::Invalid {
+                setting: "bytes per block".into(),
+                reason: "does not fit this machine".into(),
+            }
+        })?;
+        let caps = config.resolve_capacity(total)?;
+        let salt = HashSalt::new(&identity.key(), None, config.hashing.salt.as_deref());
+        let namespace = identity.namespace();
+        Ok(Composition {
+            config: config.clone(),
+            identity,
+            cluster,
+            role,
+            caps,
+            salt,
+            namespace,
+        })
+    }
+
+    pub fn config(&self) -> &KvtierConfig {
+        &self.config
+    }
+
+    pub fn identity(&self) -> &EngineIdentity {
+        &self.identity
+    }
+
+    pub fn cluster(&self) -> &ClusterLayout {
+        &self.cluster
+    }
+
+    pub fn capacities(&self) -> TierCapacities {
+        self.caps
+    }
+
+    /// The salt of every sequence hash this engine computes.
+    pub fn salt(&self) -> HashSalt {
+        self.salt
+    }
+
+    /// The remote store's key space for this engine's model.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// Host -> disk spilling: the frequency filter (`policy.disk_filter.*`) or every block;
+    /// `Never` without both tiers (with no host tier the device's blocks go to disk directly).
+    pub fn disk_policy(&self) -> DiskPolicy {
+        if self.caps.disk_blocks == 0 {
+            DiskPolicy::Never
+        } else if self.config.policy.disk_filter.enabled {
+            DiskPolicy::Filter(FilterParams::from(&self.config.policy.disk_filter))
+        } else {
+            DiskPolicy::WriteThrough
+        }
+    }
+
+    /// Whether the leader writes blocks to the remote store.
+    pub fn remote_put(&self) -> bool {
+        self.caps.remote && self.role != ServingRole::Decode
+    }
+
+    /// Opens the configured remote store under this engine's namespace (None without one).
+    /// Connections are lazy: a server that is down makes operations fail, not this.
+    pub fn remote_store(&self) -> Result<Option<Arc<dyn RemoteStore>>, ComposeError> {
+        let Some(target) = &self.config.remote else {
+            return Ok(None);
+        };
+        crate::remote::open(target, &self.namespace)
+            .map(Some)
+            .map_err(|source| ComposeError::Remote {
+                url: target.url.clone(),
+                source,
+            })
+    }
+
+    /// The scheduler-side leader. `remote` is the store from [`Self::remote_store`] (the same
+    /// one the ranks use when they share this process).
+    pub fn leader(
+        &self,
+        remote: Option<Arc<dyn RemoteStore>>,
+        async_loads: bool,
+    ) -> Result<Leader, ComposeError> {
+        let remote_put = self.remote_put() && remote.is_some();
+        Ok(Leader::new(LeaderConfig {
+            block_size: self.cluster.block_size as usize,
+            salt: self.salt,
+            layout: Some(self.cluster.clone()),
+            host: Capacity::Blocks(self.caps.host_blocks),
+            disk: Capacity::Blocks(self.caps.disk_blocks),
+            disk_policy: self.disk_policy(),
+            remote,
+            remote_put,
+            async_loads,
+            priority: Priority::default(),
+        })?)
+    }
+
+    /// Rank `rank`'s transfer engine over the engine's memory (`device`, of `kind`), with the
+    /// host and disk tiers sized like the leader's pools and `remote` as its remote store.
+    pub fn transfer(
+        &self,
+        rank: u32,
+        device: Arc<dyn BlockChunks>,
+        kind: DeviceKind,
+        host: HostMemory,
+        remote: Option<Arc<dyn RemoteStore>>,
+    ) -> Result<RankTiers, ComposeError> {
+        let bpb = device.bytes_per_block();
+        let n32 = |n: usize, setting: &str| {
+            u32::try_from(n).map_err(|_| ConfigError::Invalid {
+                setting: setting.into(),
+                reason: format!("{n} blocks is too many"),
+            })
+        };
+        // Device <-> disk/remote jobs go through the transfer engine's own bounce buffers.
+        let mut b = TransferEngine::builder().device(device, kind);
+        if self.caps.host_blocks > 0 {
+            let mut o = HostOptions::new(n32(self.caps.host_blocks, "host.gb")?, bpb);
+            o.pin = host.pin;
+            o.cuda_device = host.cuda_device;
+            o.touch_threads = host.touch_threads;
+            b = b.host(Arc::new(HostStorage::new(&o)?));
+        }
+        let mut disk_dir = None;
+        if self.caps.disk_blocks > 0 {
+            let d = &self.config.disk;
+            let seq = INSTANCE_SEQ.fetch_add(1, Ordering::Relaxed);
+            let dir = d
+                .dir
+                .join(format!("kvtier-{}-{seq}-rank{rank}", std::process::id()));
+            let mut o = DiskOptions::new(dir.clone(), n32(self.caps.disk_blocks, "disk.gb")?, bpb);
+            o.name = format!("rank{rank}");
+            if !d.use_o_direct {
+                o.direct = DirectMode::Off;
+            }
+            o.io = match d.io_backend {
+                IoBackend::Auto => DiskIoMode::Auto,
+                IoBackend::Uring => DiskIoMode::Uring,
+                IoBackend::Pread => DiskIoMode::Sync,
+            };
+            b = b.disk(Arc::new(DiskStorage::create(&o)?));
+            disk_dir = Some(dir);
+        }
+        if let Some(r) = remote {
+            b = b.remote(r);
+        }
+        Ok(RankTiers {
+            engine: b.build()?,
+            disk_dir,
+        })
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn namespace_is_valid_and_follows_the_identity() {
+        let a = EngineIdentity::new("meta-llama/Llama-3.1-8B");
+        let ns = a.namespace();
+        assert!(ns.starts_with("Llama-3.1-8B-"), "{ns}");
+        assert!(crate::remote::Namespace::new(&ns).is_ok(), "{ns}");
+        let mut b = a.clone();
+        b.dtype = Some("fp8".into());
+        assert_ne!(a.namespace(), b.namespace());
+        assert_eq!(a.key(), "meta-llama/Llama-3.1-8B");
+        for odd in ["", ".hidden", "x/", &"é".repeat(100)] {
+            let ns = EngineIdentity::new(odd).namespace();
+            assert!(crate::remote::Namespace::new(&ns).is_ok(), "{odd:?} -> {ns}");
+        }
+    }
+}

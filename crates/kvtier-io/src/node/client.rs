@@ -1,0 +1,306 @@
+//! [`NodeStore`]: an engine process's handle on the node tier, a
+//! [`kvtier::transfer::RemoteStore`] whose bytes move through the node's shared arena (no copy
+//! over the socket) and whose books are the node's.
+//!
+//! Invariants:
+//! - `get` fills the caller's buffer and accepts it only when its checksum, bound to the key,
+//!   matches what the writer committed; a mismatch drops the block at the node and is an error
+//!   (the engine recomputes), never wrong bytes;
+//! - a put becomes visible to other engines only after its bytes are in the arena (the commit
+//!   follows the copy on the same connection); a put that fails midway is aborted, and one whose
+//!   process dies is discarded by the node;
+//! - every socket operation is bounded by `io_timeout`; a node that is down or stuck gives
+//!   `RemoteError::Unavailable` (misses and skipped stores), never a hang; a full node gives a
+//!   skipped store.
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
+
+use super::protocol::{
+    block_checksum, read_frame, write_frame, Reply, Request, NODE_PROTOCOL_VERSION,
+};
+use crate::sys::shm::Arena;
+
+/// Settings of a [`NodeStore`].
+#[derive(Clone, Debug)]
+pub struct NodeClientOptions {
+    pub io_timeout: Duration,
+    /// Connections kept open to the node (concurrent operations of this process).
+    pub pool: usize,
+}
+
+impl Default for NodeClientOptions {
+    fn default() -> Self {
+        NodeClientOptions {
+            io_timeout: Duration::from_secs(2),
+            pool: 4,
+        }
+    }
+}
+
+struct Conn {
+    stream: UnixStream,
+}
+
+/// The node tier as this process sees it (see the module docs).
+pub struct NodeStore {
+    socket: PathBuf,
+    namespace: String,
+    opts: NodeClientOptions,
+    /// The node's arena and its path (a restarted node has a new one, mapped on reconnect);
+    /// `None` until the first connection succeeds.
+    arena: RwLock<Option<(String, Arc<Arena>)>>,
+    idle: Mutex<Vec<Conn>>,
+}
+
+impl std::fmt::Debug for NodeStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeStore")
+            .field("socket", &self.socket)
+            .field("namespace", &self.namespace)
+            .finish()
+    }
+}
+
+fn unavailable(op: &'static str, e: impl std::fmt::Display) -> RemoteError {
+    RemoteError::Unavailable {
+        op,
+        reason: e.to_string(),
+    }
+}
+
+fn hello(
+    socket: &Path,
+    namespace: &str,
+    timeout: Duration,
+) -> Result<(Conn, String, u64), RemoteError> {
+    let stream = UnixStream::connect(socket)
+        .map_err(|e| unavailable("connect", format!("{}: {e}", socket.display())))?;
+    stream
+        .set_read_timeout(Some(timeout))
+        .and_then(|()| stream.set_write_timeout(Some(timeout)))
+        .map_err(|e| unavailable("connect", e))?;
+    let mut conn = Conn { stream };
+    let reply = conn.call(&Request::Hello {
+        version: NODE_PROTOCOL_VERSION,
+        namespace: namespace.to_owned(),
+    })?;
+    match reply {
+        Reply::Welcome {
+            arena_path,
+            arena_bytes,
+        } => Ok((conn, arena_path, arena_bytes)),
+        Reply::Refused(why) => Err(RemoteError::Config(format!(
+            "the kvtier node at {} refused this engine: {why}",
+            socket.display()
+        ))),
+        other => Err(unavailable("hello", format!("unexpected reply {other:?}"))),
+    }
+}
+
+fn map_arena(path: &str, bytes: u64) -> Result<Arena, RemoteError> {
+    let len = usize::try_from(bytes)
+        .map_err(|_| RemoteError::Config("the node's arena does not fit this process".into()))?;
+    Arena::open(Path::new(path), len)
+        .map_err(|e| RemoteError::Config(format!("cannot map the node's arena {path}: {e}")))
+}
+
+impl Conn {
+    fn call(&mut self, req: &Request) -> Result<Reply, RemoteError> {
+        write_frame(&mut self.stream, req).map_err(|e| unavailable("send", e))?;
+        match read_frame(&mut self.stream) {
+            Ok(Some(r)) => Ok(r),
+            Ok(None) => Err(unavailable("receive", "the node closed the connection")),
+            Err(e) => Err(unavailable("receive", e)),
+        }
+    }
+}
+
+impl NodeStore {
+    /// Attach to the node at `socket` under `namespace` (the model identity: engines of other
+    /// models never see these blocks). Fails when the node cannot be reached or refuses.
+    pub fn connect(
+        socket: &Path,
+        namespace: &str,
+        opts: NodeClientOptions,
+    ) -> Result<NodeStore, RemoteError> {
+        let store = NodeStore::lazy(socket, namespace, opts);
+        let (c, _) = store.conn()?;
+        store.pool(c);
+        Ok(store)
+    }
+
+    /// A handle that attaches on first use (a node that is down at engine start only makes
+    /// the first operations miss).
+    pub fn lazy(socket: &Path, namespace: &str, opts: NodeClientOptions) -> NodeStore {
+        NodeStore {
+            socket: socket.to_owned(),
+            namespace: namespace.to_owned(),
+            opts,
+            arena: RwLock::new(None),
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn pool(&self, c: Conn) {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.len() < self.opts.pool {
+            idle.push(c);
+        }
+    }
+
+    /// A pooled connection, or a new one; a node that restarted (a new arena) is remapped.
+    fn conn(&self) -> Result<(Conn, Arc<Arena>), RemoteError> {
+        let pooled = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        if let Some(c) = pooled {
+            let arena = self.arena.read().unwrap_or_else(|p| p.into_inner());
+            if let Some((_, a)) = arena.as_ref() {
+                return Ok((c, Arc::clone(a)));
+            }
+        }
+        let (c, path, bytes) = hello(&self.socket, &self.namespace, self.opts.io_timeout)?;
+        let mut arena = self.arena.write().unwrap_or_else(|p| p.into_inner());
+        match arena.as_ref() {
+            Some((p, a)) if *p == path => return Ok((c, Arc::clone(a))),
+            Some(_) => {
+                tracing::info!(arena = %path, "kvtier node restarted; mapping its new arena");
+                // Connections to the old node are dead.
+                self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
+            }
+            None => {}
+        }
+        let a = Arc::new(map_arena(&path, bytes)?);
+        *arena = Some((path, Arc::clone(&a)));
+        Ok((c, a))
+    }
+
+    /// Run `f` on a pooled connection; a connection that failed is dropped, not pooled.
+    fn with_conn<T>(
+        &self,
+        f: impl FnOnce(&mut Conn, &Arena) -> Result<T, RemoteError>,
+    ) -> Result<T, RemoteError> {
+        let (mut c, arena) = self.conn()?;
+        let out = f(&mut c, &arena);
+        if !matches!(out, Err(RemoteError::Unavailable { .. })) {
+            self.pool(c);
+        }
+        out
+    }
+
+    /// The node's counters, as `(name, value)` pairs.
+    pub fn node_stats(&self) -> Result<Vec<(&'static str, u64)>, RemoteError> {
+        match self.with_conn(|c, _| c.call(&Request::Stats))? {
+            Reply::Stats {
+                clients,
+                blocks,
+                bytes_used,
+                capacity,
+                puts,
+                puts_full,
+                gets,
+                get_misses,
+                evictions,
+                abandoned_puts,
+            } => Ok(vec![
+                ("clients", clients),
+                ("blocks", blocks),
+                ("bytes_used", bytes_used),
+                ("capacity", capacity),
+                ("puts", puts),
+                ("puts_full", puts_full),
+                ("gets", gets),
+                ("get_misses", get_misses),
+                ("evictions", evictions),
+                ("abandoned_puts", abandoned_puts),
+            ]),
+            other => Err(unavailable("stats", format!("unexpected reply {other:?}"))),
+        }
+    }
+}
+
+impl RemoteStore for NodeStore {
+    fn put(&self, key: u128, data: &[u8]) -> Result<(), TransferError> {
+        Ok(self.with_conn(|c, arena| {
+            let req = Request::BeginPut {
+                key,
+                bytes: data.len() as u64,
+            };
+            let (id, offset) = match c.call(&req)? {
+                Reply::PutSlot { id, offset } => (id, offset),
+                // Someone stored it already: nothing to do.
+                Reply::AlreadyPresent => return Ok(()),
+                Reply::Full => {
+                    return Err(unavailable("put", "the kvtier node is full; store skipped"))
+                }
+                other => return Err(unavailable("put", format!("unexpected reply {other:?}"))),
+            };
+            if let Err(e) = arena.write(offset, data) {
+                let _ = c.call(&Request::AbortPut(id));
+                return Err(unavailable("put", e));
+            }
+            let checksum = block_checksum(key, data);
+            match c.call(&Request::CommitPut { id, checksum })? {
+                Reply::Done => Ok(()),
+                other => Err(unavailable("put", format!("commit refused: {other:?}"))),
+            }
+        })?)
+    }
+
+    fn get(&self, key: u128, out: &mut [u8]) -> Result<(), TransferError> {
+        Ok(self.with_conn(|c, arena| {
+            let (id, offset, checksum) = match c.call(&Request::BeginGet(key))? {
+                Reply::Lease {
+                    id,
+                    offset,
+                    bytes,
+                    checksum,
+                } => {
+                    if bytes != out.len() as u64 {
+                        c.call(&Request::EndGet(id))?;
+                        return Err(RemoteError::SizeMismatch {
+                            key,
+                            expected: out.len(),
+                            stored: bytes as usize,
+                        });
+                    }
+                    (id, offset, checksum)
+                }
+                Reply::Missing => return Err(RemoteError::Missing { key }),
+                other => return Err(unavailable("get", format!("unexpected reply {other:?}"))),
+            };
+            let copied = arena.read(offset, out);
+            let good = copied.is_ok() && block_checksum(key, out) == checksum;
+            let end = if good {
+                Request::EndGet(id)
+            } else {
+                Request::Damaged(id)
+            };
+            c.call(&end)?;
+            if let Err(e) = copied {
+                return Err(unavailable("get", e));
+            }
+            if !good {
+                return Err(RemoteError::Corrupt {
+                    key,
+                    reason: "the node's copy does not match its checksum".into(),
+                });
+            }
+            Ok(())
+        })?)
+    }
+
+    fn contains(&self, keys: &[u128]) -> Result<Vec<bool>, TransferError> {
+        Ok(
+            self.with_conn(|c, _| match c.call(&Request::Contains(keys.to_vec()))? {
+                Reply::Present(v) if v.len() == keys.len() => Ok(v),
+                other => Err(unavailable(
+                    "contains",
+                    format!("unexpected reply {other:?}"),
+                )),
+            })?,
+        )
+    }
+}

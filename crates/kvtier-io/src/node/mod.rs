@@ -1,0 +1,19 @@
+//! The node tier: one host cache shared by every engine process on a machine. `kvtier node`
+//! runs a [`NodeServer`] that owns a shared-memory arena and its books; engine processes (vLLM,
+//! TensorRT-LLM, the reference engine, any TP rank) attach with `remote.url = "node:///path.sock"`
+//! and read and write blocks through the arena ([`NodeStore`], a `RemoteStore`).
+//!
+//! Invariants (see each module): a block is visible only after its writer committed it; a
+//! crashed engine leaves neither a half-written block nor a lease behind; blocks are keyed by
+//! namespace (model identity) and sequence hash and verified against a checksum bound to the
+//! key before a read counts; only local users allowed by the socket's credentials attach; a full
+//! node degrades to skipped stores and misses.
+mod books;
+mod client;
+mod protocol;
+mod server;
+
+pub use books::{Books, ClientId, NodeStats, PutRefused, SlotGrant};
+pub use client::{NodeClientOptions, NodeStore};
+pub use protocol::{block_checksum, Reply, Request, MAX_FRAME, NODE_PROTOCOL_VERSION};
+pub use server::{NodeOptions, NodeServer};

@@ -1,0 +1,175 @@
+//! The node tier's wire protocol: length-prefixed postcard messages over a Unix stream socket.
+//! Only control travels on the socket; block bytes go through the shared arena.
+//!
+//! Invariants: a frame is a 4-byte little-endian length then that many bytes of postcard; a
+//! frame longer than [`MAX_FRAME`] or one that does not decode is an error (the connection is
+//! closed), never a panic or an unbounded allocation; every request gets exactly one reply, in
+//! order.
+use std::io::{self, Read, Write};
+
+use serde::{Deserialize, Serialize};
+
+/// Version of this protocol; a client of another version is refused at `Hello`.
+pub const NODE_PROTOCOL_VERSION: u32 = 1;
+
+/// Largest frame either side accepts (a `Contains` of 64k keys fits).
+pub const MAX_FRAME: usize = 4 << 20;
+
+/// Client -> node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// The first message: protocol version and the namespace (model identity) this client
+    /// stores and reads.
+    Hello {
+        version: u32,
+        namespace: String,
+    },
+    Contains(Vec<u128>),
+    BeginPut {
+        key: u128,
+        bytes: u64,
+    },
+    CommitPut {
+        id: u64,
+        checksum: u64,
+    },
+    AbortPut(u64),
+    BeginGet(u128),
+    EndGet(u64),
+    /// The bytes of lease `id` failed their checksum: drop the block.
+    Damaged(u64),
+    Stats,
+}
+
+/// Node -> client.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reply {
+    Welcome {
+        /// The shared arena: a file the client maps read-write.
+        arena_path: String,
+        arena_bytes: u64,
+    },
+    Refused(String),
+    Present(Vec<bool>),
+    /// Write the block at `offset`, then `CommitPut { id, .. }`.
+    PutSlot {
+        id: u64,
+        offset: u64,
+    },
+    /// The block is stored already (or being written by someone else).
+    AlreadyPresent,
+    /// The node has no room: the put is skipped.
+    Full,
+    /// Read the `bytes` of the block at `offset`, check `checksum`, then `EndGet(id)`.
+    Lease {
+        id: u64,
+        offset: u64,
+        bytes: u64,
+        checksum: u64,
+    },
+    Missing,
+    Done,
+    Stats {
+        clients: u64,
+        blocks: u64,
+        bytes_used: u64,
+        capacity: u64,
+        puts: u64,
+        puts_full: u64,
+        gets: u64,
+        get_misses: u64,
+        evictions: u64,
+        abandoned_puts: u64,
+    },
+}
+
+/// Write one frame.
+pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> io::Result<()> {
+    let body = postcard::to_stdvec(msg).map_err(|e| io::Error::other(e.to_string()))?;
+    if body.len() > MAX_FRAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("node frame of {} bytes exceeds {MAX_FRAME}", body.len()),
+        ));
+    }
+    let mut buf = Vec::with_capacity(4 + body.len());
+    buf.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    buf.extend_from_slice(&body);
+    w.write_all(&buf)?;
+    w.flush()
+}
+
+/// Read one frame (`Ok(None)` at a clean end of stream before a frame starts).
+pub fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read) -> io::Result<Option<T>> {
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let n = u32::from_le_bytes(len) as usize;
+    if n > MAX_FRAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("node frame of {n} bytes exceeds {MAX_FRAME}"),
+        ));
+    }
+    let mut body = vec![0u8; n];
+    r.read_exact(&mut body)?;
+    postcard::from_bytes(&body)
+        .map(Some)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("node frame: {e}")))
+}
+
+/// The checksum of a block in the arena, bound to its key: a block copied into another key's
+/// slot does not verify.
+pub fn block_checksum(key: u128, bytes: &[u8]) -> u64 {
+    let seed = xxhash_rust::xxh3::xxh3_64(&key.to_le_bytes());
+    xxhash_rust::xxh3::xxh3_64_with_seed(bytes, seed)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_and_bad_frames_are_errors() {
+        let mut buf = Vec::new();
+        write_frame(
+            &mut buf,
+            &Request::BeginPut {
+                key: u128::MAX,
+                bytes: 9,
+            },
+        )
+        .unwrap();
+        let got: Request = read_frame(&mut buf.as_slice()).unwrap().unwrap();
+        assert_eq!(
+            got,
+            Request::BeginPut {
+                key: u128::MAX,
+                bytes: 9
+            }
+        );
+        // Oversized length prefix: refused before allocating.
+        let huge = (u32::MAX).to_le_bytes();
+        assert!(read_frame::<Request>(&mut huge.as_slice()).is_err());
+        // Garbage body.
+        let mut bad = 3u32.to_le_bytes().to_vec();
+        bad.extend_from_slice(&[0xff, 0xff, 0xff]);
+        assert!(read_frame::<Request>(&mut bad.as_slice()).is_err());
+        // Truncated body.
+        let mut short = 10u32.to_le_bytes().to_vec();
+        short.push(1);
+        assert!(read_frame::<Request>(&mut short.as_slice()).is_err());
+        assert!(read_frame::<Request>(&mut [].as_slice()).unwrap().is_none());
+    }
+
+    #[test]
+    fn checksums_are_bound_to_the_key() {
+        let data = vec![7u8; 64];
+        assert_ne!(block_checksum(1, &data), block_checksum(2, &data));
+        assert_ne!(block_checksum(1 << 64, &data), block_checksum(1, &data));
+    }
+}

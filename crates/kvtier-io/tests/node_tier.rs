@@ -1,0 +1,298 @@
+//! The node tier end to end: a real `NodeServer` on a Unix socket with its shared arena, and
+//! `NodeStore` clients standing in for engine processes (each client is what one engine process
+//! holds; the node cannot tell threads of one test from processes, it sees connections).
+#![allow(clippy::unwrap_used)]
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
+use kvtier_io::node::{
+    block_checksum, NodeClientOptions, NodeOptions, NodeServer, NodeStore, Reply, Request,
+    NODE_PROTOCOL_VERSION,
+};
+
+const BLOCK: usize = 4096;
+
+fn node(dir: &Path, blocks: u64) -> NodeServer {
+    let mut o = NodeOptions::new(dir.join("node.sock"), blocks * BLOCK as u64);
+    o.shm_dir = dir.to_path_buf();
+    NodeServer::start(&o).unwrap()
+}
+
+fn engine(n: &NodeServer, ns: &str) -> NodeStore {
+    NodeStore::connect(n.socket(), ns, NodeClientOptions::default()).unwrap()
+}
+
+fn block(key: u128) -> Vec<u8> {
+    (0..BLOCK).map(|i| (key as usize * 31 + i) as u8).collect()
+}
+
+/// Raw protocol access, as a crashing or hostile client would use it.
+fn raw(n: &NodeServer, ns: &str) -> UnixStream {
+    let mut s = UnixStream::connect(n.socket()).unwrap();
+    send(
+        &mut s,
+        &Request::Hello {
+            version: NODE_PROTOCOL_VERSION,
+            namespace: ns.into(),
+        },
+    );
+    s
+}
+
+fn send(s: &mut UnixStream, r: &Request) -> Reply {
+    let body = postcard_like(r);
+    s.write_all(&(body.len() as u32).to_le_bytes()).unwrap();
+    s.write_all(&body).unwrap();
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).unwrap();
+    let mut buf = vec![0u8; u32::from_le_bytes(len) as usize];
+    s.read_exact(&mut buf).unwrap();
+    postcard::from_bytes(&buf).unwrap()
+}
+
+fn postcard_like(r: &Request) -> Vec<u8> {
+    postcard::to_stdvec(r).unwrap()
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    for _ in 0..200 {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+#[test]
+fn blocks_stored_by_one_engine_are_hits_for_another_of_the_same_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), 16);
+    let a = engine(&n, "llama-a1b2");
+    let b = engine(&n, "llama-a1b2");
+    for k in 1..=4u128 {
+        a.put(k, &block(k)).unwrap();
+    }
+    assert_eq!(
+        b.contains(&[1, 2, 3, 4, 5]).unwrap(),
+        vec![true, true, true, true, false]
+    );
+    let mut out = vec![0u8; BLOCK];
+    for k in 1..=4u128 {
+        b.get(k, &mut out).unwrap();
+        assert_eq!(out, block(k), "block {k} byte-exact across engines");
+    }
+    assert!(matches!(
+        b.get(9, &mut out),
+        Err(TransferError::Remote(RemoteError::Missing { key: 9 }))
+    ));
+}
+
+#[test]
+fn another_model_never_sees_the_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), 16);
+    let a = engine(&n, "llama-1111");
+    let q = engine(&n, "qwen-2222");
+    a.put(7, &block(7)).unwrap();
+    assert_eq!(q.contains(&[7]).unwrap(), vec![false]);
+    let mut out = vec![0u8; BLOCK];
+    assert!(q.get(7, &mut out).is_err());
+    // The other model's own block of the same key is its own.
+    q.put(7, &block(8)).unwrap();
+    q.get(7, &mut out).unwrap();
+    assert_eq!(out, block(8));
+    a.get(7, &mut out).unwrap();
+    assert_eq!(out, block(7));
+}
+
+#[test]
+fn an_engine_that_dies_mid_write_leaves_nothing_visible_and_no_lease() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), 2);
+    let survivor = engine(&n, "m");
+    {
+        // The dying engine reserves a slot, writes half a block and vanishes.
+        let mut s = raw(&n, "m");
+        let Reply::PutSlot { .. } = send(
+            &mut s,
+            &Request::BeginPut {
+                key: 5,
+                bytes: BLOCK as u64,
+            },
+        ) else {
+            panic!("no slot")
+        };
+        // And it leased a block it never returns.
+        survivor.put(6, &block(6)).unwrap();
+        let Reply::Lease { .. } = send(&mut s, &Request::BeginGet(6)) else {
+            panic!("no lease")
+        };
+    } // connection closed: the crash
+    wait_until("the node to detach the dead engine", || {
+        n.stats().abandoned_puts == 1
+    });
+    assert_eq!(survivor.contains(&[5]).unwrap(), vec![false]);
+    // Both slots are usable again: the reservation was freed and the lease ended (block 6 can
+    // be evicted for block 8 in a two-slot node).
+    survivor.put(7, &block(7)).unwrap();
+    survivor.put(8, &block(8)).unwrap();
+    // Block 6, least recently used and no longer leased, was the one evicted.
+    assert_eq!(
+        survivor.contains(&[6, 7, 8]).unwrap(),
+        vec![false, true, true]
+    );
+    let mut out = vec![0u8; BLOCK];
+    survivor.get(8, &mut out).unwrap();
+    assert_eq!(out, block(8));
+}
+
+#[test]
+fn a_block_patched_in_the_arena_is_refused_and_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), 4);
+    let a = engine(&n, "m");
+    a.put(1, &block(1)).unwrap();
+    a.put(2, &block(2)).unwrap();
+    // A rogue writer copies block 2's bytes over block 1's slot.
+    let mut s = raw(&n, "m");
+    let Reply::Lease {
+        offset: off1, id, ..
+    } = send(&mut s, &Request::BeginGet(1))
+    else {
+        panic!()
+    };
+    send(&mut s, &Request::EndGet(id));
+    let arena = std::fs::read_dir(dir.path())
+        .unwrap()
+        .flatten()
+        .find(|e| e.file_name().to_string_lossy().ends_with(".arena"))
+        .unwrap()
+        .path();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&arena)
+        .unwrap();
+    use std::os::unix::fs::FileExt;
+    f.write_all_at(&block(2), off1).unwrap();
+    let mut out = vec![0u8; BLOCK];
+    let err = a.get(1, &mut out).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TransferError::Remote(RemoteError::Corrupt { key: 1, .. })
+        ),
+        "{err}"
+    );
+    assert_eq!(
+        a.contains(&[1, 2]).unwrap(),
+        vec![false, true],
+        "the damaged block is gone"
+    );
+    // The checksum binds the key: the same bytes under another key do not verify.
+    assert_ne!(block_checksum(1, &block(2)), block_checksum(2, &block(2)));
+}
+
+#[test]
+fn a_full_node_skips_stores_and_one_engine_cannot_flush_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), 8);
+    let a = engine(&n, "a");
+    let b = engine(&n, "b");
+    for k in 0..3u128 {
+        b.put(1000 + k, &block(k)).unwrap();
+    }
+    for k in 0..40u128 {
+        a.put(k, &block(k)).unwrap();
+    }
+    assert_eq!(b.contains(&[1000, 1001, 1002]).unwrap(), vec![true; 3]);
+    // Every slot leased by readers: a put is skipped with an error, never a hang or a panic.
+    let mut leases = Vec::new();
+    let mut s = raw(&n, "a");
+    for k in 0..40u128 {
+        if let Reply::Lease { id, .. } = send(&mut s, &Request::BeginGet(k)) {
+            leases.push(id);
+        }
+    }
+    let mut s2 = raw(&n, "b");
+    for k in 1000..1003u128 {
+        send(&mut s2, &Request::BeginGet(k));
+    }
+    assert!(a.put(99, &block(99)).is_err());
+    assert!(n.stats().puts_full >= 1);
+}
+
+#[test]
+fn a_second_node_on_a_live_socket_refuses_and_a_stale_one_is_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut n = node(dir.path(), 2);
+    let mut o = NodeOptions::new(dir.path().join("node.sock"), 2 * BLOCK as u64);
+    o.shm_dir = dir.path().to_path_buf();
+    let err = NodeServer::start(&o).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse);
+    n.shutdown(Duration::from_secs(2));
+    assert!(!n.socket().exists(), "the socket is removed at shutdown");
+    let arenas = |d: &Path| {
+        std::fs::read_dir(d)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".arena"))
+            .count()
+    };
+    assert_eq!(arenas(dir.path()), 0, "the arena is removed at shutdown");
+    let n2 = NodeServer::start(&o).unwrap();
+    let a = engine(&n2, "m");
+    a.put(1, &block(1)).unwrap();
+}
+
+#[test]
+fn an_engine_survives_a_node_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut n = node(dir.path(), 4);
+    let a = engine(&n, "m");
+    a.put(1, &block(1)).unwrap();
+    n.shutdown(Duration::from_secs(2));
+    // The node is gone: operations fail fast with errors (misses), never hang.
+    assert!(a.contains(&[1]).is_err());
+    assert!(a.put(2, &block(2)).is_err());
+    let n2 = node(dir.path(), 4);
+    // Reconnects, maps the new arena; the old blocks are gone, new ones work.
+    assert_eq!(a.contains(&[1]).unwrap(), vec![false]);
+    a.put(2, &block(2)).unwrap();
+    let mut out = vec![0u8; BLOCK];
+    a.get(2, &mut out).unwrap();
+    assert_eq!(out, block(2));
+    drop(n2);
+}
+
+#[test]
+fn a_client_that_skips_hello_or_speaks_garbage_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), 2);
+    let mut s = UnixStream::connect(n.socket()).unwrap();
+    assert!(matches!(
+        send(
+            &mut s,
+            &Request::BeginPut {
+                key: 1,
+                bytes: BLOCK as u64
+            }
+        ),
+        Reply::Refused(_)
+    ));
+    let mut g = UnixStream::connect(n.socket()).unwrap();
+    g.write_all(&u32::MAX.to_le_bytes()).unwrap();
+    let mut buf = [0u8; 1];
+    g.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    assert_eq!(
+        g.read(&mut buf).unwrap_or(0),
+        0,
+        "the node closes the connection"
+    );
+    // The node still serves others.
+    let a = engine(&n, "m");
+    a.put(1, &block(1)).unwrap();
+}

@@ -1,0 +1,92 @@
+//! `kvtier._native.NodeServer`: the node tier (`kvtier node`) started from Python, so a vLLM or
+//! TensorRT-LLM installation (the wheel, no CLI binary) can run one shared host cache per machine
+//! (`python -m kvtier.node`). The server runs on its own threads; this object owns it.
+//!
+//! Invariant: the server is shut down (socket and arena removed) by `shutdown` or when the
+//! object is dropped; a start failure is a `ConfigError` naming the socket, never a panic.
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use kvtier_io::node::{NodeOptions, NodeServer};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::{BridgeError, Family};
+
+/// A running node service (see `_native.pyi`).
+#[pyclass(name = "NodeServer", module = "kvtier._native")]
+pub struct PyNodeServer {
+    inner: Mutex<Option<NodeServer>>,
+    socket: PathBuf,
+}
+
+#[pymethods]
+impl PyNodeServer {
+    #[new]
+    #[pyo3(signature = (socket, capacity_bytes, shm_dir = None, allowed_uids = Vec::new()))]
+    fn new(
+        socket: PathBuf,
+        capacity_bytes: u64,
+        shm_dir: Option<PathBuf>,
+        allowed_uids: Vec<u32>,
+    ) -> PyResult<Self> {
+        if capacity_bytes == 0 {
+            return Err(BridgeError::local(Family::Config, "capacity_bytes must be positive").into());
+        }
+        let mut opts = NodeOptions::new(socket.clone(), capacity_bytes);
+        if let Some(d) = shm_dir {
+            opts.shm_dir = d;
+        }
+        opts.allowed_uids = allowed_uids;
+        let server = NodeServer::start(&opts).map_err(|e| {
+            BridgeError::local(
+                Family::Config,
+                format!("starting the kvtier node on {}: {e}", socket.display()),
+            )
+        })?;
+        Ok(PyNodeServer {
+            inner: Mutex::new(Some(server)),
+            socket,
+        })
+    }
+
+    /// The socket engines attach to (`remote.url = "node://" + socket`).
+    #[getter]
+    fn socket(&self) -> String {
+        self.socket.display().to_string()
+    }
+
+    /// The node's counters.
+    fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        let d = PyDict::new(py);
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = g.as_ref().map(|n| n.stats()) {
+            for (k, v) in [
+                ("clients", s.clients),
+                ("blocks", s.blocks),
+                ("bytes_used", s.bytes_used),
+                ("capacity", s.capacity),
+                ("puts", s.puts),
+                ("puts_full", s.puts_full),
+                ("gets", s.gets),
+                ("get_misses", s.get_misses),
+                ("evictions", s.evictions),
+                ("abandoned_puts", s.abandoned_puts),
+            ] {
+                d.set_item(k, v)?;
+            }
+        }
+        Ok(d.unbind())
+    }
+
+    /// Stop serving within `timeout` seconds; removes the socket and the arena. Idempotent.
+    #[pyo3(signature = (timeout = 5.0))]
+    fn shutdown(&self, py: Python<'_>, timeout: f64) {
+        let taken = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(mut n) = taken {
+            let t = Duration::from_secs_f64(timeout.clamp(0.0, 3600.0));
+            py.detach(move || n.shutdown(t));
+        }
+    }
+}

@@ -1,0 +1,279 @@
+//! Authentication of the leader <-> worker channel: a per-deployment secret, and HMAC-SHA256 tags
+//! on the handshake.
+//!
+//! Where the secret comes from, in order:
+//! 1. `KVTIER_ZMQ_SECRET` (at least 16 bytes), the same in the leader's and every rank's
+//!    environment: the way for ranks on other hosts;
+//! 2. otherwise a key file the leader generates at bind (32 random bytes), readable only by its
+//!    user: `$XDG_RUNTIME_DIR/kvtier/` or `<tmp>/kvtier-<uid>/`, named after the endpoint's port
+//!    (`zmq-tcp-<port>.key`) or socket path (`zmq-ipc-<hash>.key`). Ranks on the same host, under
+//!    the same user, read it. The directory must be owned by the user and mode 0700, the file
+//!    0600, or it is refused.
+//!
+//! Protocol: a worker's hello carries a fresh 16-byte nonce and
+//! `HMAC(secret, "kvtier-zmq-hello\0" || nonce || postcard(RankLayout))`; the leader refuses (and
+//! logs, naming the peer) a hello whose tag does not verify or whose nonce it saw before, answers it
+//! with `Reject(AUTH_FAILED)`, and never counts it as a rank. The leader's welcome to each rank
+//! carries `HMAC(secret, "kvtier-zmq-welcome\0" || that rank's nonce || postcard(ClusterLayout))`,
+//! so a rank only accepts the layout from a leader that knows the secret. After the handshake the
+//! leader only takes reports from the ranks it welcomed.
+use std::io::{Read, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+use crate::connector::ConnectorError;
+
+/// The reason a leader gives a peer whose hello did not authenticate.
+pub const AUTH_FAILED: &str = "authentication failed (KVTIER_ZMQ_SECRET or the leader's key file)";
+/// The environment variable that holds a deployment's channel secret.
+pub const SECRET_ENV: &str = "KVTIER_ZMQ_SECRET";
+
+const HELLO_DOMAIN: &[u8] = b"kvtier-zmq-hello\0";
+const WELCOME_DOMAIN: &[u8] = b"kvtier-zmq-welcome\0";
+
+/// A deployment's channel secret. Its `Debug` never shows the bytes.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ChannelSecret(Vec<u8>);
+
+impl std::fmt::Debug for ChannelSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ChannelSecret(<{} bytes>)", self.0.len())
+    }
+}
+
+fn auth_err(m: String) -> ConnectorError {
+    ConnectorError::Handshake(m)
+}
+
+/// `n` bytes from the kernel's random source.
+pub(crate) fn random_bytes<const N: usize>() -> Result<[u8; N], ConnectorError> {
+    let mut b = [0u8; N];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .map_err(|e| auth_err(format!("reading /dev/urandom: {e}")))?;
+    Ok(b)
+}
+
+impl ChannelSecret {
+    /// A secret of at least 16 bytes.
+    pub fn new(bytes: impl Into<Vec<u8>>) -> Result<Self, ConnectorError> {
+        let b = bytes.into();
+        if b.len() < 16 {
+            return Err(auth_err(format!(
+                "the channel secret must be at least 16 bytes, got {}",
+                b.len()
+            )));
+        }
+        Ok(ChannelSecret(b))
+    }
+
+    /// 32 fresh random bytes.
+    pub fn generate() -> Result<Self, ConnectorError> {
+        Ok(ChannelSecret(random_bytes::<32>()?.to_vec()))
+    }
+
+    /// `KVTIER_ZMQ_SECRET`, if set and non-empty.
+    pub fn from_env() -> Option<Result<Self, ConnectorError>> {
+        let v = std::env::var_os(SECRET_ENV)?;
+        if v.is_empty() {
+            return None;
+        }
+        Some(Self::new(v.into_encoded_bytes()).map_err(|e| auth_err(format!("{SECRET_ENV}: {e}"))))
+    }
+
+    fn tag(&self, domain: &[u8], nonce: &[u8; 16], body: &[u8]) -> [u8; 32] {
+        // HMAC takes keys of any length; `new_from_slice` cannot fail for it.
+        let mut m = match Hmac::<Sha256>::new_from_slice(&self.0) {
+            Ok(m) => m,
+            Err(_) => return [0u8; 32],
+        };
+        m.update(domain);
+        m.update(nonce);
+        m.update(body);
+        m.finalize().into_bytes().into()
+    }
+
+    fn verify(&self, domain: &[u8], nonce: &[u8; 16], body: &[u8], tag: &[u8; 32]) -> bool {
+        let Ok(mut m) = Hmac::<Sha256>::new_from_slice(&self.0) else {
+            return false;
+        };
+        m.update(domain);
+        m.update(nonce);
+        m.update(body);
+        m.verify_slice(tag).is_ok()
+    }
+
+    pub(crate) fn hello_tag(&self, nonce: &[u8; 16], layout: &[u8]) -> [u8; 32] {
+        self.tag(HELLO_DOMAIN, nonce, layout)
+    }
+    pub(crate) fn hello_ok(&self, nonce: &[u8; 16], layout: &[u8], tag: &[u8; 32]) -> bool {
+        self.verify(HELLO_DOMAIN, nonce, layout, tag)
+    }
+    pub(crate) fn welcome_tag(&self, nonce: &[u8; 16], layout: &[u8]) -> [u8; 32] {
+        self.tag(WELCOME_DOMAIN, nonce, layout)
+    }
+    pub(crate) fn welcome_ok(&self, nonce: &[u8; 16], layout: &[u8], tag: &[u8; 32]) -> bool {
+        self.verify(WELCOME_DOMAIN, nonce, layout, tag)
+    }
+
+    fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn from_hex(s: &str) -> Option<Self> {
+        let s = s.trim();
+        if s.len() % 2 != 0 {
+            return None;
+        }
+        let bytes: Option<Vec<u8>> = (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+            .collect();
+        Self::new(bytes?).ok()
+    }
+}
+
+/// The private directory of key files (created mode 0700; refused unless ours and private).
+fn key_dir() -> Result<PathBuf, ConnectorError> {
+    let uid = std::fs::metadata("/proc/self")
+        .map(|m| m.uid())
+        .map_err(|e| auth_err(format!("finding this process's uid: {e}")))?;
+    let dir = match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) if !d.is_empty() => PathBuf::from(d).join("kvtier"),
+        _ => std::env::temp_dir().join(format!("kvtier-{uid}")),
+    };
+    let _ = std::fs::DirBuilder::new().mode(0o700).create(&dir);
+    let m = std::fs::symlink_metadata(&dir)
+        .map_err(|e| auth_err(format!("key directory {}: {e}", dir.display())))?;
+    if !m.is_dir() || m.uid() != uid || m.permissions().mode() & 0o077 != 0 {
+        return Err(auth_err(format!(
+            "refusing key directory {}: it must be a directory owned by uid {uid} with mode 0700 \
+             (or set {SECRET_ENV})",
+            dir.display()
+        )));
+    }
+    Ok(dir)
+}
+
+/// The key file of `endpoint` (by TCP port or socket path).
+pub fn key_file(endpoint: &str) -> Result<PathBuf, ConnectorError> {
+    let name = if let Some(path) = endpoint.strip_prefix("ipc://") {
+        format!("zmq-ipc-{:016x}.key", xxhash_rust::xxh3::xxh3_64(path.as_bytes()))
+    } else {
+        let port = endpoint
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse::<u16>().ok())
+            .ok_or_else(|| auth_err(format!("endpoint {endpoint:?} has no port")))?;
+        format!("zmq-tcp-{port}.key")
+    };
+    Ok(key_dir()?.join(name))
+}
+
+fn write_key_file(path: &Path, secret: &ChannelSecret) -> Result<(), ConnectorError> {
+    let nonce: [u8; 8] = random_bytes()?;
+    let tmp = path.with_extension(format!("tmp{}", u64::from_le_bytes(nonce)));
+    let res = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(secret.to_hex().as_bytes())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    res.map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        auth_err(format!("writing key file {}: {e}", path.display()))
+    })
+}
+
+/// Reads a key file; `Ok(None)` if it does not exist (yet).
+fn read_key_file(path: &Path) -> Result<Option<ChannelSecret>, ConnectorError> {
+    let m = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(auth_err(format!("key file {}: {e}", path.display()))),
+    };
+    if !m.is_file() || m.permissions().mode() & 0o077 != 0 {
+        return Err(auth_err(format!(
+            "refusing key file {}: it must be a regular file of mode 0600",
+            path.display()
+        )));
+    }
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| auth_err(format!("key file {}: {e}", path.display())))?;
+    ChannelSecret::from_hex(&text)
+        .map(Some)
+        .ok_or_else(|| auth_err(format!("key file {} is malformed", path.display())))
+}
+
+/// A key file the leader wrote; removed when dropped (the leader's socket closes).
+#[derive(Debug)]
+pub struct KeyFileGuard(Option<PathBuf>);
+
+impl Drop for KeyFileGuard {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// The leader's secret for the endpoint it bound: `KVTIER_ZMQ_SECRET`, else a fresh one written to
+/// the endpoint's key file (removed when the guard drops).
+pub fn leader_secret(bound: &str) -> Result<(ChannelSecret, KeyFileGuard), ConnectorError> {
+    if let Some(s) = ChannelSecret::from_env() {
+        return s.map(|s| (s, KeyFileGuard(None)));
+    }
+    let s = ChannelSecret::generate()?;
+    let path = key_file(bound)?;
+    write_key_file(&path, &s)?;
+    Ok((s, KeyFileGuard(Some(path))))
+}
+
+/// A rank's secret for `endpoint`: `KVTIER_ZMQ_SECRET`, else the endpoint's key file (`None`
+/// while the leader has not written it).
+pub fn worker_secret(endpoint: &str) -> Result<Option<ChannelSecret>, ConnectorError> {
+    if let Some(s) = ChannelSecret::from_env() {
+        return s.map(Some);
+    }
+    read_key_file(&key_file(endpoint)?)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_bind_secret_nonce_and_body() {
+        let s = ChannelSecret::new(vec![7u8; 32]).unwrap();
+        let other = ChannelSecret::new(vec![8u8; 32]).unwrap();
+        let n = [1u8; 16];
+        let t = s.hello_tag(&n, b"layout");
+        assert!(s.hello_ok(&n, b"layout", &t));
+        assert!(!other.hello_ok(&n, b"layout", &t));
+        assert!(!s.hello_ok(&[2u8; 16], b"layout", &t));
+        assert!(!s.hello_ok(&n, b"layoux", &t));
+        assert!(!s.welcome_ok(&n, b"layout", &t), "domains are separate");
+        assert!(ChannelSecret::new(vec![0u8; 15]).is_err());
+        assert_eq!(format!("{s:?}"), "ChannelSecret(<32 bytes>)");
+    }
+
+    #[test]
+    fn key_file_round_trips_and_must_be_private() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("k.key");
+        assert!(read_key_file(&p).unwrap().is_none());
+        let s = ChannelSecret::generate().unwrap();
+        write_key_file(&p, &s).unwrap();
+        assert_eq!(read_key_file(&p).unwrap(), Some(s));
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(read_key_file(&p).is_err());
+    }
+}

@@ -1,0 +1,58 @@
+"""kvtier's node tier: one host cache shared by every engine process on this machine.
+
+Run one per machine (the same service as ``kvtier node``, for installations that have only the wheel)::
+
+    python -m kvtier.node --socket /run/kvtier/node.sock --capacity-gb 64
+
+and point every engine at it through kvtier's configuration: ``"remote.url": "node:///run/kvtier/node.sock"``
+(vLLM ``kv_connector_extra_config``, TensorRT-LLM ``KVTIER_REMOTE_URL``, ``kvtier serve``'s configuration). Blocks
+one engine stores are hits for every other engine with the same model identity; an engine that crashes mid-transfer
+leaves no half-written block and no lease behind; a full node turns stores into skips and lookups into misses.
+Only this user (and ``--allow-uid``) may attach: the socket is mode 0600 and peers are checked with SO_PEERCRED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Optional, Sequence
+
+from ._native import NodeServer
+
+__all__ = ["NodeServer", "main"]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvtier.node", description=__doc__.splitlines()[0])
+    p.add_argument("--socket", default="/tmp/kvtier-node/node.sock", help="Unix socket engines attach to")
+    p.add_argument("--capacity-gb", type=float, default=4.0, help="shared host memory for blocks (decimal GB)")
+    p.add_argument("--shm-dir", default=None, help="tmpfs directory of the shared arena (default /dev/shm)")
+    p.add_argument("--allow-uid", type=int, action="append", default=[], help="another user id allowed to attach")
+    args = p.parse_args(argv)
+    if not args.capacity_gb > 0:
+        p.error("--capacity-gb must be positive")
+    server = NodeServer(args.socket, int(args.capacity_gb * 1e9), args.shm_dir, args.allow_uid)
+    stop = threading.Event()
+    signals = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        signals.append(signum)
+        if len(signals) > 1:  # a second signal: exit at once
+            sys.exit(130)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    print(f"serving {server.socket}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    stats = server.stats()
+    server.shutdown(5.0)
+    print(f"kvtier node: stopped {stats}", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
