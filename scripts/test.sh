@@ -4,6 +4,8 @@
 # real-engine vLLM tests).
 #   KVTIER_SKIP_PYTHON=1   Rust only
 #   KVTIER_FULL=1          also the slow real-engine tests (marker `slow`)
+# CI has no GPU: tests/test_vllm_gpu.py skips here; on a machine with an NVIDIA GPU and vLLM's CUDA build,
+# `bash scripts/gpu-vllm.sh` runs the GPU real-engine tests (and `--bench` the replay benchmark).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD

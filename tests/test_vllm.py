@@ -99,6 +99,35 @@ def test_host_tier_repeats_are_identical(model, reference, tmp_path):
     assert after_reset["onboard_host_blocks"] > repeated["onboard_host_blocks"]
 
 
+def test_cache_salts_share_nothing_and_connector_reset_forgets(model, reference, tmp_path):
+    """Two tenants (cache_salt) with equal prompts never share kvtier's blocks, the same tenant does; and a prefix
+    cache reset that includes the connector (vLLM's ``reset_connector``) leaves kvtier nothing to serve."""
+    with Engine(model, tmp_path / "salts.log", kv_cache_blocks=G1_BLOCKS,
+                kv_transfer_config=connector_config(settings={"host.num_blocks": 512})) as e:
+        a, b = ["tenant-a"] * len(PHASE), ["tenant-b"] * len(PHASE)
+        assert e.generate(PHASE, MAX_TOKENS, cache_salts=a) == reference["phase"]
+        assert e.generate(OTHER, MAX_TOKENS) == reference["other"]
+        filled = _clean(e)
+        assert e.generate(PHASE, MAX_TOKENS, cache_salts=b) == reference["phase"]
+        other_tenant = _clean(e)
+        # Tenant b's pass loads exactly what tenant a's first pass loaded: its own shared prefix, which its first
+        # prompt stored and vLLM evicted from G1 before its later prompts; nothing of tenant a's.
+        b_loads = other_tenant["onboard_host_blocks"] - filled["onboard_host_blocks"]
+        assert b_loads == filled["onboard_host_blocks"], f"tenant b got tenant a's KV ({b_loads} blocks loaded)"
+        assert e.generate(OTHER, MAX_TOKENS) == reference["other"]
+        assert e.generate(PHASE, MAX_TOKENS, cache_salts=a) == reference["phase"]
+        same_tenant = _clean(e)
+        a_loads = same_tenant["onboard_host_blocks"] - other_tenant["onboard_host_blocks"]
+        assert a_loads >= UNIQUE_BLOCKS - 8, f"tenant a lost its KV ({a_loads} blocks loaded)"
+        # Reset vLLM's prefix cache and the connector's: nothing from before is served.
+        assert e.reset_prefix_cache(connector=True)
+        assert e.generate(PHASE, MAX_TOKENS, cache_salts=a) == reference["phase"]
+        after = _clean(e)
+        # Like a fresh start: only the pass's own shared prefix comes back from kvtier.
+        reloaded = after["onboard_host_blocks"] - same_tenant["onboard_host_blocks"]
+        assert reloaded == filled["onboard_host_blocks"], f"kvtier served KV stored before the reset ({reloaded})"
+
+
 # Asynchronous loads are the default; the synchronous mode ("async_loads": false) keeps a test of its own.
 @pytest.mark.parametrize("async_loads", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sync", "async"])
 def test_disk_tier_repeats_are_identical(model, reference, tmp_path, async_loads):

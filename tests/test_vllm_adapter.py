@@ -138,3 +138,68 @@ def test_a_restart_is_the_leaders_to_recognise(monkeypatch):
     assert stats["load_restarts"] == 1 and stats["adapter_errors"] == 0
     side.request_finished(req, [])
     assert side._leader.calls[-1] == ("finished", "r")
+
+
+# ---------------------------------------------------------------- identity (vLLM's extra hash keys)
+
+def _req(rid="r", lora=None, salt=None, mm=(), embeds=None):
+    feats = [SimpleNamespace(identifier=i, mm_position=SimpleNamespace(offset=o, length=n)) for i, o, n in mm]
+    return SimpleNamespace(request_id=rid, lora_request=lora, cache_salt=salt, mm_features=feats,
+                           prompt_embeds=embeds)
+
+
+def test_identity_separates_what_vllms_block_hash_separates():
+    ident = lambda r: kv._identity(r, kv._embeds_digest)  # noqa: E731
+    plain = ident(_req())
+    assert plain == (None, True, "")
+    lora_a = SimpleNamespace(lora_name="a", lora_path="/adapters/a")
+    lora_a2 = SimpleNamespace(lora_name="a", lora_path="/adapters/a-v2")  # name re-pointed: vLLM keys the path too
+    keys = [
+        ident(_req(lora=lora_a))[0],
+        ident(_req(lora=lora_a2))[0],
+        ident(_req(salt="tenant-1"))[0],
+        ident(_req(salt="tenant-2"))[0],
+        ident(_req(mm=[("img0", 4, 16)]))[0],
+        ident(_req(mm=[("img0", 36, 16)]))[0],  # same image elsewhere in the prompt
+        ident(_req(mm=[("img1", 4, 16)]))[0],
+        ident(_req(lora=lora_a, salt="tenant-1"))[0],
+    ]
+    assert None not in keys and len(set(keys)) == len(keys), keys
+    # Equal inputs give equal identities (they must share), and a value cannot forge another's separator.
+    assert ident(_req(rid="x", salt="tenant-1"))[0] == ident(_req(rid="y", salt="tenant-1"))[0]
+    assert ident(_req(salt='a"],["lora","b'))[0] != ident(_req(salt="a", lora=SimpleNamespace(lora_name="b",
+                                                                                            lora_path="")))[0]
+    # A multimodal input kvtier cannot identify is refused, not keyed by its tokens alone.
+    ident_none, cacheable, reason = ident(_req(mm=[(None, 0, 4)]))
+    assert ident_none is None and cacheable is False and "multimodal" in reason
+
+
+def test_identity_digests_prompt_embeddings():
+    import torch
+
+    ident = lambda r: kv._identity(r, kv._embeds_digest)  # noqa: E731
+    e1 = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    e2 = e1.clone()
+    e2[2, 3] += 1
+    a, b, c = ident(_req(embeds=e1)), ident(_req(embeds=e1.clone())), ident(_req(embeds=e2))
+    assert a[1] and a[0] == b[0] and a[0] != c[0]
+    # An embedding that cannot be read is refused.
+    assert ident(_req(embeds=object()))[1] is False
+
+
+def test_layout_request_and_salt():
+    # vLLM's choice by default (measured: no faster replays with BLNHC), a named layout on request.
+    assert kv._required_layout({}, on_cuda=True) is None
+    assert kv._required_layout({"kv_cache_layout": "BLNHC"}, on_cuda=True) == "BLNHC"
+    assert kv._required_layout({"kv_cache_layout": "none"}, on_cuda=True) is None
+    assert kv._required_layout({"kv_cache_layout": "lbhnc"}, on_cuda=True) == "LBHNC"
+    with pytest.raises(ValueError, match="kv_cache_layout"):
+        kv._required_layout({"kv_cache_layout": "XYZ"}, on_cuda=True)
+    # Engines whose KV is laid out differently never share blocks: the resolved layout is in the salt.
+    a = _kv_cache_config()
+    a.kv_cache_layout = "LBNHC"
+    b = _kv_cache_config()
+    b.kv_cache_layout = "BLNHC"
+    sa, sb = kv._settings(_config(), a), kv._settings(_config(), b)
+    assert sa["salt"] != sb["salt"] and sa["salt"].endswith("|LBNHC")
+    assert sa["layout"] == "vllm"

@@ -156,6 +156,8 @@ class Leader:
         """True while any store of the request is unconfirmed by some rank: keep its blocks until
         the workers report it saved."""
     def request_preempted(self, request_id: str) -> None: ...
+    def clear_tiers(self) -> int:
+        """Forget every host and disk block (the engine's prefix-cache reset); returns how many."""
     def apply_reports(self, blob: bytes) -> None:
         """Job reports from ``Worker.take_reports()`` (link "engine")."""
     def take_events(self) -> list[dict[str, Any]]:
@@ -205,6 +207,8 @@ class Worker:
         """Job reports for ``Leader.apply_reports`` (link "engine"); empty when there are none."""
     def wait_idle(self) -> None:
         """Block until every job handed out has finished."""
+    def wait_for_requests(self, request_ids: list[str]) -> None:
+        """Wait for the submitted jobs of these requests only (their device blocks are about to be reused)."""
     def stats(self) -> dict[str, int]: ...
     def shutdown(self) -> None: ...
 

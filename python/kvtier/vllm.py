@@ -68,6 +68,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+from ._vllm_util import (_COUNTERS, _embeds_digest, _first_group, _identity, _record, _required_layout,
+                         _resolved_layout, _trace, _trace_dump, _vllm_events)
+
 logger = logging.getLogger("kvtier.vllm")
 
 _ROLES = {"kv_both": "both", "kv_producer": "producer", "kv_consumer": "consumer"}
@@ -157,7 +160,17 @@ def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None"
     extra["async_loads_default"] = True
     # The salt separates caches of different models and KV dtypes sharing a tier (disk, remote): every process
     # of one model (producer and consumer alike) must compute the same hashes.
-    extra.setdefault("salt", f"vllm|{model.model}|{cache.cache_dtype}|{model.dtype}|{model.revision or ''}")
+    # Every vLLM release's tensors, detected by kvtier (4-D views in any KVCacheLayout, 5-D, MLA); never the
+    # TensorRT-LLM pool, even for a one-layer model.
+    extra.setdefault("layout", "vllm")
+    # The layout kvtier asks vLLM for is the adapter's (get_required_kvcache_layout), not a kvtier setting.
+    extra.pop("kv_cache_layout", None)
+    # The resolved KVCacheLayout (vllm/v1/attention/backends/utils.py resolve_kv_cache_layout, recorded before the
+    # scheduler is built) fixes the order of a block's bytes in kvtier's tiers: engines of different layouts
+    # must never share blocks, so it is part of the salt.
+    layout = _resolved_layout(vllm_config, kv_cache_config)
+    extra.setdefault("salt", f"vllm|{model.model}|{cache.cache_dtype}|{model.dtype}|{model.revision or ''}"
+                             + (f"|{layout}" if layout else ""))
     par = vllm_config.parallel_config
     extra.setdefault("world_size", int(par.tensor_parallel_size) * int(par.pipeline_parallel_size))
     if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
@@ -186,7 +199,12 @@ class KvtierConnector(KVConnectorBase_V1):
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise ValueError("kvtier: models with more than one KV cache group (hybrid attention) are not supported")
+            raise ValueError("kvtier: models with more than one KV cache group (hybrid attention, e.g. sliding window "
+                             "plus full attention, or SSM layers) are not supported: kvtier implements no SupportsHMA")
+        if getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False):
+            # vLLM 0.33 asks supports_sleep_mode first; 0.32 has no such check, so refuse here too.
+            raise ValueError("kvtier: sleep mode is not supported (a weight update while asleep would leave kvtier's "
+                             "tiers holding KV of the old weights); start vLLM without enable_sleep_mode")
         _init_logging()
         self._settings = _settings(vllm_config, kv_cache_config)
         self._block_size = int(vllm_config.cache_config.block_size)
@@ -219,7 +237,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert self._worker is not None
         if isinstance(kv_connector_metadata, KvtierConnectorMetadata) and kv_connector_metadata.preempted:
-            self._worker.drain()
+            self._worker.drain(kv_connector_metadata.preempted)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self._worker is not None
@@ -270,6 +288,7 @@ class KvtierConnector(KVConnectorBase_V1):
         for side in (self._worker, self._sched):
             if side is not None:
                 side.shutdown()
+        _trace_dump()
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -297,6 +316,37 @@ class KvtierConnector(KVConnectorBase_V1):
     def take_events(self) -> Iterable["KVCacheEvent"]:
         assert self._sched is not None
         return self._sched.take_events()
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+        """The tiers that supply this request's external tokens (vLLM's per-source hit metrics): host memory
+        is HOST, the disk tier DISK, the shared remote tier EXTERNAL_UNSPECIFIED (vLLM has no member for it)."""
+        assert self._sched is not None
+        return self._sched.hit_sources(request.request_id, int(num_external_tokens))
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's prefix-cache reset (``LLM.reset_prefix_cache``): kvtier forgets its host and disk blocks too,
+        so nothing computed before the reset is served after it (the shared remote tier is other engines' too
+        and is left alone)."""
+        if self._sched is None:
+            return None
+        return self._sched.reset()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        ktc = getattr(vllm_config, "kv_transfer_config", None)
+        extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+        try:
+            from vllm.platforms import current_platform
+
+            on_cuda = bool(current_platform.is_cuda())
+        except Exception:
+            on_cuda = False
+        return _required_layout(extra, on_cuda)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # See __init__: kvtier's tiers would outlive a weight update made while asleep.
+        return False
 
     def has_pending_push_work(self) -> bool:
         # Keeps vLLM stepping while kvtier has jobs in flight, e.g. a producer's copies to the shared tier that
@@ -345,15 +395,6 @@ def _recompute_failed_loads(vllm_config: "VllmConfig") -> None:
         logger.warning("kvtier: could not set kv_load_failure_policy='recompute'; failed loads will fail requests")
 
 
-def _first_group(block_ids: Any) -> list[int]:
-    """vLLM passes one block-id list per KV cache group; kvtier supports exactly one group."""
-    if block_ids is None:
-        return []
-    if isinstance(block_ids, tuple):
-        return [int(b) for b in block_ids[0]] if block_ids else []
-    return [int(b) for b in block_ids]
-
-
 class _SchedulerSide:
     """Translation of the scheduler's calls into kvtier's leader. Keeps only what vLLM does not hand back later:
     the live Request objects (their token lists grow in place), how many of each request's tokens kvtier has
@@ -377,10 +418,51 @@ class _SchedulerSide:
         self._last_stats: dict[str, float] = {}
         self._preempted = 0
         self._errors = 0
+        # Per request: its identity (built once: vLLM matches a request repeatedly) and its planned load sources.
+        self._identities: dict[str, tuple[str | None, bool]] = {}
+        self._sources: dict[str, dict[str, int]] = {}
+        self._uncacheable_logged: set[str] = set()
 
     def _error(self, what: str, e: BaseException) -> None:
         self._errors += 1
         logger.error("kvtier: %s failed: %s", what, e, exc_info=True)
+
+    def _key(self, request: "Request") -> tuple[str | None, bool]:
+        rid = request.request_id
+        key = self._identities.get(rid)
+        if key is None:
+            identity, cacheable, reason = _identity(request, _embeds_digest)
+            if not cacheable and reason not in self._uncacheable_logged:
+                self._uncacheable_logged.add(reason)
+                logger.warning("kvtier: requests with %s are not cached by kvtier (neither matched nor stored)", reason)
+            key = (identity, cacheable)
+            self._identities[rid] = key
+        return key
+
+    def hit_sources(self, rid: str, num_external_tokens: int) -> dict:
+        planned = self._sources.pop(rid, None)
+        if not planned or num_external_tokens <= 0:
+            return {}
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        out: dict = {}
+        left = num_external_tokens
+        for name, member in (("host", CacheHitSource.HOST), ("disk", CacheHitSource.DISK),
+                             ("remote", CacheHitSource.EXTERNAL_UNSPECIFIED)):
+            n = min(planned.get(name, 0) * self._block_size, left)
+            if n > 0:
+                out[member] = out.get(member, 0) + n
+                left -= n
+        return out
+
+    def reset(self) -> bool:
+        try:
+            n = int(self._leader.clear_tiers())
+        except Exception as e:
+            self._error("clear_tiers", e)
+            return False
+        logger.info("kvtier: prefix cache reset: %d blocks forgotten in kvtier's tiers", n)
+        return True
 
     def lookup(self, request: "Request", num_computed_tokens: int) -> int:
         rid = request.request_id
@@ -391,13 +473,20 @@ class _SchedulerSide:
                 self._scheduled.discard(rid)
                 self._preempted += 1
                 self._leader.request_preempted(rid)
-            n = int(self._leader.get_num_new_matched_tokens(rid, list(request.all_token_ids),
-                                                            int(num_computed_tokens)))
+            identity, cacheable = self._key(request)
+            if identity is None and cacheable:
+                n = int(self._leader.get_num_new_matched_tokens(rid, list(request.all_token_ids),
+                                                                int(num_computed_tokens)))
+            else:
+                n = int(self._leader.get_num_new_matched_tokens(rid, list(request.all_token_ids),
+                                                                int(num_computed_tokens), identity=identity,
+                                                                cacheable=cacheable))
         except Exception as e:
             self._error("get_num_new_matched_tokens", e)
             return 0
         # Never offer a partial block or tokens beyond the request: vLLM would wait for them.
         n = max(0, n - n % self._block_size)
+        _trace("match", rid, n)
         return min(n, max(0, request.num_tokens - int(num_computed_tokens)))
 
     def on_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -410,12 +499,25 @@ class _SchedulerSide:
             return
         if not self.async_loads:
             self._sync_loads_pending = True
-        if not self._call_alloc(rid, block_ids, int(num_external_tokens)):
+        _trace("alloc", rid, int(num_external_tokens))
+        before = self._onboard_counts()
+        ok = self._call_alloc(rid, block_ids, int(num_external_tokens))
+        after = self._onboard_counts()
+        self._sources[rid] = {k: after[k] - before.get(k, 0) for k in after}
+        if not ok:
             # vLLM now waits for these tokens: fail the load so that it recomputes them (the leader offers this
             # request no external tokens again: a refusal would repeat).
             first = self._local_computed.get(rid, 0) // self._block_size
             count = num_external_tokens // self._block_size
             self._failed_loads[rid] = block_ids[first:first + count]
+
+    def _onboard_counts(self) -> dict[str, int]:
+        """The leader's planned-load counters per tier (it counts a load when it plans it, in on_alloc)."""
+        try:
+            st = self._leader.stats()
+        except Exception:
+            return {}
+        return {t: int(st.get(f"onboard_{t}_blocks", 0)) for t in ("host", "disk", "remote")}
 
     def _call_alloc(self, rid: str, block_ids: list[int], num_external_tokens: int) -> bool:
         try:
@@ -472,6 +574,7 @@ class _SchedulerSide:
         failed, self._failed_loads = self._failed_loads, {}
         sync, self._sync_loads_pending = self._sync_loads_pending, False
         delayed, self._delayed_frees = self._delayed_frees, []
+        _trace("meta", "", [len(records), len(plan)])
         return KvtierConnectorMetadata(plan=plan, sync_loads=sync, preempted=preempted, delayed_frees=delayed,
                                        failed_loads=failed, failed_loads_async=self.async_loads)
 
@@ -486,10 +589,13 @@ class _SchedulerSide:
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        _trace("finished", rid)
         known = rid in self._requests or rid in self._local_computed or rid in self._scheduled
         self._requests.pop(rid, None)
         self._local_computed.pop(rid, None)
         self._scheduled.discard(rid)
+        self._identities.pop(rid, None)
+        self._sources.pop(rid, None)
         if not known:  # aborted before kvtier ever saw it: nothing of it is stored
             return False, None
         try:
@@ -541,64 +647,6 @@ class _SchedulerSide:
             self._error("shutdown", e)
 
 
-def _record(rid: str, new_tokens: list[int], new_block_ids: list[int], num_computed: int, num_scheduled: int,
-            num_draft: int, is_new: bool, resumed: bool) -> dict[str, Any]:
-    """One entry of kvtier's step contract (``StepRecord``)."""
-    return {
-        "request_id": rid,
-        "new_tokens": [int(t) for t in new_tokens],
-        "new_block_ids": new_block_ids,
-        "num_computed_tokens": int(num_computed),
-        "num_scheduled_tokens": int(num_scheduled),
-        "num_draft_tokens": int(num_draft),
-        "is_new": is_new,
-        "resumed_from_preemption": resumed,
-    }
-
-
-_MEDIA = {"host": "CPU", "disk": "STORAGE", "remote": "STORAGE"}
-
-# The leader's counters (monotonic); its other numbers are gauges and are not summed across intervals.
-_COUNTERS = frozenset((
-    "steps", "match_queries", "matched_tokens", "offload_blocks", "offload_confirmed", "offload_failed",
-    "offload_deduplicated", "offload_dropped", "onboard_host_blocks", "onboard_disk_blocks", "onboard_remote_blocks",
-    "onboard_failed", "spill_disk_blocks", "spill_disk_confirmed", "spill_disk_failed", "remote_put_blocks", "remote_put_confirmed", "remote_put_failed",
-    "adapter_errors", "preempted_requests", "load_restarts",
-))
-try:  # every counter of kvtier's one table (kvtier::metrics::METRICS), e.g. offloaded_host_blocks
-    from kvtier import _native as _table_source
-
-    _COUNTERS |= frozenset(m["key"] for m in _table_source.metrics_table() if m["kind"] == "counter")
-except (ImportError, AttributeError):  # a development backend without the native module
-    pass
-
-
-def _key(h: Any) -> bytes:
-    """A kvtier sequence hash (128-bit) as vLLM's ExternalBlockHash (bytes: msgpack ints stop at 64 bits)."""
-    return int(h).to_bytes(16, "big")
-
-
-def _vllm_events(raw: Iterable[Any], block_size: int) -> list:
-    """kvtier's tier events as vLLM KV events (medium CPU for host memory, STORAGE for disk and remote)."""
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored
-
-    out = []
-    for ev in raw:
-        kind = ev.get("kind")
-        medium = _MEDIA.get(str(ev.get("tier", "")).lower(), "STORAGE")
-        keys = [_key(h) for h in ev.get("hashes", ())]
-        if not keys:
-            continue
-        if kind == "stored":
-            parent = ev.get("parent")
-            out.append(BlockStored(block_hashes=keys, parent_block_hash=_key(parent) if parent is not None else None,
-                                   token_ids=[int(t) for t in ev.get("token_ids", ())], block_size=block_size,
-                                   lora_id=None, medium=medium, lora_name=None))
-        elif kind == "removed":
-            out.append(BlockRemoved(block_hashes=keys, medium=medium))
-    return out
-
-
 class _WorkerSide:
     """Translation of the worker's calls: hands vLLM's per-layer tensors to kvtier's worker, relays its
     completions, and carries its job reports back to the scheduler side in the worker metadata. Requests whose
@@ -636,6 +684,7 @@ class _WorkerSide:
             self._failed_blocks.update(blocks)
         if self._worker is None or not meta.plan:
             return
+        _trace("start_load")
         try:
             self._worker.bind(meta.plan)
             self._worker.start_load(_stream())
@@ -662,14 +711,19 @@ class _WorkerSide:
         except Exception as e:
             self._error("forward_done", e)
 
-    def drain(self) -> None:
-        """Wait for every job in flight: a preempted request's device blocks are reused by this step."""
+    def drain(self, request_ids: list[str]) -> None:
+        """Wait for the jobs of the preempted requests only: their device blocks are reused by this step; other
+        requests' copies keep running."""
         if self._worker is None:
             return
         try:
-            self._worker.wait_idle()
+            wait = getattr(self._worker, "wait_for_requests", None)
+            if wait is not None:
+                wait(list(request_ids))
+            else:  # a backend without per-request waits
+                self._worker.wait_idle()
         except Exception as e:
-            self._error("wait_idle", e)
+            self._error("wait_for_requests", e)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending: set[str] = set()
@@ -685,6 +739,8 @@ class _WorkerSide:
                 # A failed load is reported finished too; its blocks are in get_block_ids_with_load_errors.
                 recving.update(loaded)
                 recving.update(load_failed)
+                for r in loaded:
+                    _trace("loaded", r)
             except Exception as e:
                 self._error("get_finished", e)
         if self._failed_recv:

@@ -84,7 +84,8 @@ class Engine:
         self._proc = subprocess.Popen([sys.executable, "-m", "vllm_support.engine_proc", json.dumps(full)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                       env=child_env, cwd=str(TESTS))
-        self.start_seconds = self._read(start_timeout)["start_seconds"]
+        self.ready = self._read(start_timeout)
+        self.start_seconds = self.ready["start_seconds"]
 
     def _read(self, timeout: float) -> dict:
         assert self._proc.stdout is not None
@@ -113,19 +114,21 @@ class Engine:
         self._proc.stdin.flush()
         return self._read(timeout)
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, timeout: float = 600.0) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_tokens: int, timeout: float = 600.0,
+                 cache_salts: list[str | None] | None = None) -> list[list[int]]:
         """Greedy outputs; an engine that does not answer within ``timeout`` seconds (e.g. a stalled scheduler)
         raises :class:`EngineError` with the tail of its log."""
-        return self.call("generate", timeout=timeout, prompts=prompts, max_tokens=max_tokens)["outputs"]
+        return self.call("generate", timeout=timeout, prompts=prompts, max_tokens=max_tokens,
+                         cache_salts=cache_salts)["outputs"]
 
-    def ttft(self, prompts: list[list[int]]) -> list[float]:
-        return self.call("ttft", prompts=prompts)["seconds"]
+    def ttft(self, prompts: list[list[int]], cache_salts: list[str | None] | None = None) -> list[float]:
+        return self.call("ttft", prompts=prompts, cache_salts=cache_salts)["seconds"]
 
     def drain(self, timeout: float = 60.0) -> bool:
         return self.call("drain", timeout=timeout + 60, seconds=timeout)["idle"]
 
-    def reset_prefix_cache(self) -> bool:
-        return self.call("reset_prefix_cache")["ok"]
+    def reset_prefix_cache(self, connector: bool = False) -> bool:
+        return self.call("reset_prefix_cache", connector=connector)["ok"]
 
     def stats(self) -> dict:
         return self.call("stats")

@@ -7,7 +7,9 @@ per line on stdin, each answered with one JSON line on stdout (vLLM's own output
 - ``{"op": "generate", "prompts": [[ids]], "max_tokens": n}`` -> ``{"outputs": [[ids]], "seconds": s}``
 - ``{"op": "ttft", "prompts": [[ids]]}`` -> per prompt the wall time of a 1-token generation, run one at a time
 - ``{"op": "drain"}`` -> steps the engine until its scheduler has nothing left (connector jobs included)
-- ``{"op": "reset_prefix_cache"}`` -> ``{"ok": bool}`` (vLLM's device prefix cache only, never kvtier's tiers)
+- ``{"op": "reset_prefix_cache", "connector": false}`` -> ``{"ok": bool}`` (vLLM's device prefix cache; with
+  ``"connector": true`` also the connector's cache, vLLM's ``reset_connector``)
+- ``generate`` and ``ttft`` take an optional ``"cache_salts"`` list (one per prompt, or null entries)
 - ``{"op": "stats"}`` -> kvtier's counters (summed over this process's connector instances) and the number of
   ERROR records and exceptions kvtier produced so far
 - ``{"op": "exit"}``
@@ -44,6 +46,17 @@ def _reply(obj: dict) -> None:
     sys.__stdout__.flush()
 
 
+def _prompts(cmd: dict) -> list[dict]:
+    salts = cmd.get("cache_salts") or [None] * len(cmd["prompts"])
+    out = []
+    for p, salt in zip(cmd["prompts"], salts):
+        d = {"prompt_token_ids": p}
+        if salt:
+            d["cache_salt"] = salt
+        out.append(d)
+    return out
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     # vLLM prints progress bars and logs to stdout in places: keep stdout for the protocol only.
@@ -58,7 +71,7 @@ def main() -> None:
     kwargs = dict(
         model=spec["model"],
         skip_tokenizer_init=True,
-        enforce_eager=True,
+        enforce_eager=bool(spec.get("enforce_eager", True)),
         max_model_len=int(spec.get("max_model_len", 512)),
         distributed_executor_backend="uni",
         block_size=block_size,
@@ -68,6 +81,11 @@ def main() -> None:
     )
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
+    # GPU runs (tests/test_vllm_gpu.py) pass a few engine arguments as they are.
+    for k in ("gpu_memory_utilization", "async_scheduling", "enable_chunked_prefill", "dtype", "load_format",
+              "kv_offloading_size", "kv_offloading_backend"):
+        if spec.get(k) is not None:
+            kwargs[k] = spec[k]
     if spec.get("kv_cache_memory_bytes"):
         kwargs["kv_cache_memory_bytes"] = int(spec["kv_cache_memory_bytes"])
     ktc = spec.get("kv_transfer_config")
@@ -75,7 +93,10 @@ def main() -> None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**ktc)
     t0 = time.time()
     llm = LLM(**kwargs)
-    _reply({"ready": True, "start_seconds": time.time() - t0})
+    sched = getattr(getattr(llm.llm_engine, "vllm_config", None), "scheduler_config", None)
+    _reply({"ready": True, "start_seconds": time.time() - t0,
+            "async_scheduling": bool(getattr(sched, "async_scheduling", False)),
+            "kv_cache_layout": str(getattr(llm.llm_engine.vllm_config.cache_config, "kv_cache_layout", None))})
 
     for line in sys.stdin:
         if not line.strip():
@@ -87,15 +108,15 @@ def main() -> None:
                 sp = SamplingParams(temperature=0.0, max_tokens=int(cmd["max_tokens"]), detokenize=False,
                                     ignore_eos=True)
                 t = time.time()
-                outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False)
+                outs = llm.generate(_prompts(cmd), sp, use_tqdm=False)
                 _reply({"outputs": [list(o.outputs[0].token_ids) for o in outs], "seconds": time.time() - t})
             elif op == "ttft":
                 sp = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
                 times = []
                 firsts = []
-                for p in cmd["prompts"]:
+                for p in _prompts(cmd):
                     t = time.perf_counter()
-                    o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
+                    o = llm.generate([p], sp, use_tqdm=False)
                     times.append(time.perf_counter() - t)
                     firsts.append(o[0].outputs[0].token_ids[0])
                 _reply({"seconds": times, "first_tokens": firsts})
@@ -105,18 +126,21 @@ def main() -> None:
                 core = llm.llm_engine.engine_core.engine_core
                 deadline = time.time() + float(cmd.get("seconds", 60))
                 steps = 0
+                # With async scheduling (vLLM's GPU default) the core steps through its batch queue (step_fn).
+                step = getattr(core, "step_fn", None) or core.step
                 while core.scheduler.has_requests() and time.time() < deadline:
-                    core.step()
+                    step()
                     steps += 1
                 _reply({"steps": steps, "idle": not core.scheduler.has_requests()})
             elif op == "reset_prefix_cache":
-                _reply({"ok": bool(llm.reset_prefix_cache())})
+                _reply({"ok": bool(llm.reset_prefix_cache(reset_connector=bool(cmd.get("connector", False))))})
             elif op == "stats":
                 stats: dict = {}
                 try:
                     import kvtier.vllm as kv
 
                     stats = kv.process_stats()
+                    getattr(kv, "_trace_dump", lambda: None)()  # KVTIER_VLLM_TRACE: write what was recorded
                 except ImportError:
                     pass
                 _reply({"stats": stats, "kvtier_errors": counter.records})

@@ -663,7 +663,18 @@ impl BlockTransfer for TransferEngine {
     }
 
     fn execute(&self, job: &TransferJob, fence: &Fence) -> TransferOutcome {
+        let started = std::time::Instant::now();
         let outcome = self.run(job, fence);
+        // Profiling aid (KVTIER_LOG=kvtier_io=debug): where a load's or a store's time goes.
+        tracing::debug!(
+            job = job.id.0,
+            src = job.src.label(),
+            dst = job.dst.label(),
+            blocks = job.pairs.len(),
+            bytes = job.pairs.len() * self.bytes_per_block,
+            us = started.elapsed().as_micros() as u64,
+            "transfer job done"
+        );
         if let TransferOutcome::Failed(f) = &outcome {
             tracing::warn!(
                 job = job.id.0,

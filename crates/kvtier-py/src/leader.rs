@@ -582,6 +582,12 @@ impl PyLeader {
             .map_err(BridgeError::from)?)
     }
 
+    /// Forget every host and disk block (vLLM's reset_cache); returns how many.
+    fn clear_tiers(&self, py: Python<'_>) -> PyResult<usize> {
+        let mut g = self.lock();
+        Ok(g.ready(py)?.clear_tiers())
+    }
+
     fn request_preempted(&self, py: Python<'_>, request_id: String) -> PyResult<()> {
         let mut g = self.lock();
         g.ready(py)?

@@ -84,14 +84,20 @@ fn layout_kind(
         {
             "trtllm_pool".into()
         }
-        None if first.device == layout::DeviceKind::Cpu => "vllm_cpu".into(),
-        None => "vllm_cuda".into(),
+        None => "vllm".into(),
     };
+    // vLLM's logical block count tells kernel-block splitting apart (its views then have more rows).
+    let vllm_blocks = settings.usize("num_device_blocks")?;
     Ok(match name.as_str() {
         "trtllm_pool" => EngineLayoutKind::TrtllmPool {
             tokens_per_block: block_size,
         },
-        "vllm_cuda" => EngineLayoutKind::detect_vllm_cuda(first)?,
+        // Any vLLM release: 4-D views (>= 0.32, every KVCacheLayout), 5-D K/V tensors, MLA.
+        "vllm" | "vllm_cuda" | "auto" => EngineLayoutKind::detect_vllm(first, vllm_blocks)?,
+        "vllm_paged" => match EngineLayoutKind::detect_vllm(first, vllm_blocks)? {
+            k @ EngineLayoutKind::VllmPaged { .. } => k,
+            _ => EngineLayoutKind::VllmPaged { kernel_blocks: 1 },
+        },
         "vllm_cuda_kv_first" => EngineLayoutKind::VllmCudaKvFirst,
         "vllm_cuda_block_first" => EngineLayoutKind::VllmCudaBlockFirst,
         "vllm_mla" => EngineLayoutKind::VllmMla,
@@ -100,8 +106,8 @@ fn layout_kind(
             return Err(BridgeError::local(
                 Family::Config,
                 format!(
-                    "layout: {other:?} is not one of trtllm_pool, vllm_cuda, vllm_cuda_kv_first, \
-                     vllm_cuda_block_first, vllm_mla, vllm_cpu"
+                    "layout: {other:?} is not one of vllm (detected from the tensors), vllm_paged, \
+                     trtllm_pool, vllm_cuda_kv_first, vllm_cuda_block_first, vllm_mla, vllm_cpu"
                 ),
             ))
         }
@@ -470,6 +476,17 @@ impl PyWorker {
         py.detach(|| {
             let mut g = self.lock();
             g.worker.as_mut().ok_or_else(gone)?.wait_idle();
+            Ok(())
+        })
+    }
+
+    /// Wait for the jobs of these requests only (vLLM's handle_preemptions: their device blocks
+    /// are about to be reused); other requests' copies keep running.
+    fn wait_for_requests(&self, py: Python<'_>, request_ids: Vec<String>) -> PyResult<()> {
+        let reqs: Vec<RequestId> = request_ids.into_iter().map(RequestId::from).collect();
+        py.detach(|| {
+            let mut g = self.lock();
+            g.worker.as_mut().ok_or_else(gone)?.wait_for_requests(&reqs);
             Ok(())
         })
     }

@@ -15,7 +15,11 @@
 //! - `VllmCudaBlockFirst`: one tensor per layer `[num_blocks, 2, block_size, heads, head_dim]`;
 //! - `VllmMla`: one tensor per layer `[num_blocks, block_size, head_size]` (one plane);
 //! - `VllmCpu`: one tensor per layer `[num_blocks, kv_heads, block_size, 2 * head_size]`, where
-//!   each (layer, block) is one opaque chunk holding both planes in the engine's own order.
+//!   each (layer, block) is one opaque chunk holding both planes in the engine's own order;
+//! - `VllmPaged`: vLLM >= 0.32's per-layer 4-D views `[num_blocks, num_kv_heads, block_size,
+//!   content]` of one backing buffer in any `KVCacheLayout` (LBHNC, LBNHC, LHBNC, BLHNC, BLNHC,
+//!   BHLNC), MLA and FP8 included: every (layer, block) region is placed from the strides, as
+//!   one or several strided pieces (module [`paged`]).
 //!
 //! The dimensions inside a chunk may have any stride order (vLLM can permute them, e.g. HND) as
 //! long as they cover a dense range: a chunk is always one contiguous range of bytes.
@@ -43,6 +47,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::ids::DeviceBlockId;
+
+mod paged;
+pub use paged::MAX_PIECES;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -187,14 +194,50 @@ impl KvGeometry {
 /// Which engine tensor convention the tensors follow (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum EngineLayoutKind {
-    TrtllmPool { tokens_per_block: usize },
+    TrtllmPool {
+        tokens_per_block: usize,
+    },
     VllmCudaKvFirst,
     VllmCudaBlockFirst,
     VllmMla,
     VllmCpu,
+    /// vLLM >= 0.32's 4-D views in any `KVCacheLayout`; `kernel_blocks` kernel blocks (rows
+    /// of the view) per logical block (1 unless vLLM splits blocks for its kernels).
+    VllmPaged {
+        kernel_blocks: usize,
+    },
 }
 
 impl EngineLayoutKind {
+    /// Pick the vLLM convention from a per-layer tensor's rank: 4-D views are
+    /// [`EngineLayoutKind::VllmPaged`] (vLLM >= 0.32, any `KVCacheLayout`), 5-D shapes the
+    /// K/V-first or block-first tensors of earlier releases, 3-D MLA tensors `[n, tokens, dim]`.
+    /// `num_blocks` (vLLM's logical block count, if known) detects kernel-block splitting.
+    pub fn detect_vllm(
+        tensor: &TensorDesc,
+        num_blocks: Option<usize>,
+    ) -> Result<Self, LayoutError> {
+        match tensor.shape.len() {
+            4 => {
+                let rows = tensor.shape[0];
+                let kernel_blocks = match num_blocks {
+                    Some(n) if n > 0 && rows > n && rows.is_multiple_of(n) => rows / n,
+                    _ => 1,
+                };
+                Ok(EngineLayoutKind::VllmPaged { kernel_blocks })
+            }
+            5 => Self::detect_vllm_cuda(tensor),
+            3 => Ok(EngineLayoutKind::VllmMla),
+            _ => Err(tensor.mismatch(format!(
+                "shape {:?} is none of vLLM's KV cache tensors: a 4-D view [num_blocks, \
+                 num_kv_heads, block_size, content] (vLLM >= 0.32), [2, num_blocks, block_size, \
+                 heads, head_dim] or [num_blocks, 2, ...] (earlier releases), or MLA's \
+                 [num_blocks, block_size, head_size]",
+                tensor.shape
+            ))),
+        }
+    }
+
     /// Pick the vLLM CUDA convention from a per-layer shape: `[2, n, ...]` is KV-first,
     /// `[n, 2, ...]` block-first. With exactly 2 blocks the shape is ambiguous: an error.
     pub fn detect_vllm_cuda(tensor: &TensorDesc) -> Result<Self, LayoutError> {
@@ -239,8 +282,16 @@ pub struct DeviceLayout {
     device: DeviceKind,
     /// Canonical order: layer-major, then plane (one region per layer for `VllmCpu`).
     regions: Vec<DeviceRegion>,
-    /// Regions per layer (planes, or 1 when a chunk holds both planes).
+    /// Regions per layer (planes, or 1 when a chunk holds both planes; pieces for `VllmPaged`).
     regions_per_layer: usize,
+    /// `regions` are layer-major (layer `l`'s at `l * regions_per_layer`); false only for paged
+    /// layouts whose physical order interleaves the layers inside a block (BHLNC).
+    #[serde(default = "layer_major_default")]
+    layer_major: bool,
+}
+
+fn layer_major_default() -> bool {
+    true
 }
 
 /// The roles of a tensor's dimensions for one layout kind.
@@ -266,6 +317,9 @@ impl DeviceLayout {
                 "{kind:?}: no KV cache tensors were given"
             )));
         };
+        if let EngineLayoutKind::VllmPaged { kernel_blocks } = kind {
+            return paged::build(tensors, kernel_blocks, dtype);
+        }
         let dims = match kind {
             EngineLayoutKind::TrtllmPool { .. } => {
                 if tensors.len() != 1 {
@@ -310,6 +364,7 @@ impl DeviceLayout {
                 inner: 1..4,
                 rank: 4,
             },
+            EngineLayoutKind::VllmPaged { .. } => unreachable_paged()?,
         };
         for t in tensors {
             check_tensor(t, &dims, dtype)?;
@@ -364,7 +419,7 @@ impl DeviceLayout {
             EngineLayoutKind::TrtllmPool { tokens_per_block } => tokens_per_block,
             EngineLayoutKind::VllmCudaKvFirst | EngineLayoutKind::VllmCudaBlockFirst => shape[2],
             EngineLayoutKind::VllmMla => shape[1],
-            EngineLayoutKind::VllmCpu => shape[2],
+            EngineLayoutKind::VllmCpu | EngineLayoutKind::VllmPaged { .. } => shape[2],
         };
         if num_blocks == 0 {
             return Err(first.mismatch(format!("shape {shape:?} has no blocks")));
@@ -464,6 +519,7 @@ impl DeviceLayout {
             device: first.device,
             regions,
             regions_per_layer,
+            layer_major: true,
         })
     }
 
@@ -488,6 +544,23 @@ impl DeviceLayout {
             ));
         };
         Self::new(EngineLayoutKind::detect_vllm_cuda(first)?, layers, dtype)
+    }
+
+    /// vLLM >= 0.32's per-layer 4-D views in any `KVCacheLayout` (see [`paged`]).
+    pub fn vllm_paged(
+        layers: &[TensorDesc],
+        kernel_blocks: usize,
+        dtype: DType,
+    ) -> Result<Self, LayoutError> {
+        paged::build(layers, kernel_blocks, dtype)
+    }
+
+    /// Whether a block's chunks are one contiguous range (the fastest copy: one range per block).
+    pub fn block_is_contiguous(&self) -> bool {
+        let mut v = Vec::new();
+        self.push_chunks(DeviceBlockId(0), &self.regions, &mut v)
+            .is_ok()
+            && v.len() == 1
     }
 
     /// vLLM's per-layer CPU tensors `[num_blocks, kv_heads, block_size, 2 * head_size]`.
@@ -552,6 +625,12 @@ impl DeviceLayout {
                 num_layers: self.geometry.num_layers,
             });
         }
+        if !self.layer_major {
+            return Err(LayoutError::Tensors(format!(
+                "{:?}: a block is stored in physical order across layers; layer-wise chunks are not available",
+                self.kind
+            )));
+        }
         let start = layer * self.regions_per_layer;
         let mut out = Vec::new();
         self.push_chunks(
@@ -594,6 +673,12 @@ impl DeviceLayout {
         }
         Ok(())
     }
+}
+
+fn unreachable_paged() -> Result<Dims, LayoutError> {
+    Err(LayoutError::Tensors(
+        "internal: VllmPaged is built by layout::paged".into(),
+    ))
 }
 
 /// Shape, stride and type checks of one tensor against the dimension roles of its layout kind.

@@ -853,3 +853,55 @@ fn a_request_identity_cannot_change() {
         .get_num_new_matched_tokens_for(&r, &prompt, 0, &key(Some("salt=1"), true))
         .is_ok());
 }
+
+#[test]
+fn waiting_for_preempted_requests_waits_for_their_jobs_only() {
+    let mut rig = Rig::new(LeaderConfig::new(BS, SALT, 32), &[BPB], None);
+    rig.ranks[0].faulty.hold();
+    let pa: Vec<u32> = (0..40).collect();
+    let pb: Vec<u32> = (100..140).collect();
+    let (a, b): (RequestId, RequestId) = ("a".into(), "b".into());
+    rig.leader
+        .update_state_after_alloc(&a, &ids(0..3), Some(0))
+        .unwrap();
+    rig.leader
+        .update_state_after_alloc(&b, &ids(3..6), Some(0))
+        .unwrap();
+    rig.run(
+        &step(vec![
+            new_rec("a", &pa, ids(0..3), 0, 40),
+            new_rec("b", &pb, ids(3..6), 0, 40),
+        ]),
+        &[
+            (pa.clone(), vec![(0, 0), (1, 1)]),
+            (pb.clone(), vec![(0, 3), (1, 4)]),
+        ],
+    );
+    let in_flight = rig.ranks[0].worker.jobs_in_flight();
+    assert!(
+        in_flight >= 2,
+        "both requests' stores are held ({in_flight})"
+    );
+    // A request with no jobs: returns at once although other stores are stuck (wait_idle would block).
+    let t = std::time::Instant::now();
+    rig.ranks[0].worker.wait_for_requests(&["c".into()]);
+    assert!(t.elapsed() < std::time::Duration::from_secs(5));
+    assert_eq!(rig.ranks[0].worker.jobs_in_flight(), in_flight);
+    // a's stores: returns only once they ran.
+    let faulty = rig.ranks[0].faulty.clone();
+    let releaser = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        faulty.release();
+    });
+    let t = std::time::Instant::now();
+    rig.ranks[0]
+        .worker
+        .wait_for_requests(std::slice::from_ref(&a));
+    assert!(
+        t.elapsed() >= std::time::Duration::from_millis(150),
+        "returned before a's stores ran"
+    );
+    releaser.join().unwrap();
+    rig.settle();
+    assert_eq!(rig.leader.stats().offload_confirmed, 4);
+}

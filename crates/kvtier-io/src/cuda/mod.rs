@@ -270,7 +270,12 @@ impl CudaMover {
             dir.copy.wait(&f.0)?;
             dir.kernel.wait(&f.0)?;
         }
-        match self.pick(items) {
+        let method = self.pick(items);
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let chunks: usize = items.iter().map(|(_, c, _)| c.len()).sum();
+            tracing::debug!(?method, blocks = items.len(), chunks, to_host, "CUDA copy");
+        }
+        match method {
             CudaCopyMethod::Kernel => self.run_kernel(&dir, items, to_host),
             m => {
                 let copies = coalesce(flatten(items, to_host));

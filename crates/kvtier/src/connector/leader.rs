@@ -1065,6 +1065,29 @@ impl Leader {
     }
 
     /// The engine preempted the request and freed its device blocks; it may be matched again.
+    /// Forget every block of the host and disk tiers (the engine's prefix-cache reset, e.g.
+    /// vLLM's `reset_cache`): registered blocks leave matching at once (pinned ones are freed
+    /// when their loads release them). Stores still in flight register when they complete, so
+    /// an engine clears everything by calling this with no request running (vLLM resets its
+    /// prefix cache only then). The shared remote tier is left alone: other engines own its
+    /// values. Returns the number of blocks forgotten.
+    pub fn clear_tiers(&mut self) -> usize {
+        let mut n = 0;
+        for pool in [self.host.as_mut(), self.disk.as_mut()]
+            .into_iter()
+            .flatten()
+        {
+            let before = pool.num_registered();
+            for b in 0..pool.capacity() {
+                // Ids below capacity are always valid.
+                let _ = pool.invalidate(crate::ids::BlockId(b as u32));
+            }
+            n += before - pool.num_registered();
+        }
+        tracing::info!(blocks = n, "kvtier tiers cleared (prefix cache reset)");
+        n
+    }
+
     pub fn request_preempted(&mut self, req: &RequestId) -> Result<(), ConnectorError> {
         match self.slots.get_mut(req) {
             Some(e) => e.slot.preempt(),

@@ -448,6 +448,44 @@ impl Worker {
         }
     }
 
+    /// Wait until the submitted jobs of `requests` (their loads into and stores from device
+    /// blocks) have finished: the engine is about to reuse those requests' device blocks (vLLM's
+    /// `handle_preemptions`). Other requests' jobs keep running.
+    pub fn wait_for_requests(&mut self, requests: &[RequestId]) {
+        if requests.is_empty() {
+            return;
+        }
+        let wanted: HashSet<&RequestId> = requests.iter().collect();
+        let unsubmitted: HashSet<JobId> = self
+            .bound_loads
+            .iter()
+            .flat_map(|l| l.jobs.iter().map(|j| j.id))
+            .chain(self.bound_stores.iter().map(|(_, j)| j.id))
+            .collect();
+        loop {
+            self.drain();
+            let busy = self.jobs.iter().any(|(id, info)| {
+                !unsubmitted.contains(id)
+                    && match info {
+                        JobInfo::Store { request } | JobInfo::Load { request, .. } => {
+                            wanted.contains(request)
+                        }
+                        JobInfo::Background => false,
+                    }
+            });
+            if !busy {
+                break;
+            }
+            match self
+                .done_rx
+                .recv_timeout(std::time::Duration::from_secs(60))
+            {
+                Ok(d) => self.on_done(d),
+                Err(_) => break,
+            }
+        }
+    }
+
     fn drain(&mut self) {
         while let Ok(d) = self.done_rx.try_recv() {
             self.on_done(d);

@@ -1,0 +1,191 @@
+"""Helpers of :mod:`kvtier.vllm` (no vLLM import at module level, so they are testable without an engine): what
+keys a request's KV, how a block is laid out, and the translation of step records and tier events.
+
+- :func:`_identity`: a request's identity string for kvtier's leader (LoRA, multimodal inputs, cache salt, prompt
+  embeddings), as vLLM's own block hash separates requests (vllm/v1/core/kv_cache_utils.py);
+- :func:`_resolved_layout` / :func:`_required_layout`: the KVCacheLayout vLLM resolved, and the one kvtier asks for
+  (vllm/v1/attention/backends/utils.py resolve_kv_cache_layout; vllm/v1/kv_cache_layout.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvtier.vllm")
+
+
+def _resolved_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> str | None:
+    """The KVCacheLayout name vLLM resolved (0.32+), or None (earlier releases, or not resolved yet)."""
+    for obj in (kv_cache_config, getattr(vllm_config, "cache_config", None)):
+        name = getattr(obj, "kv_cache_layout", None) if obj is not None else None
+        if name:
+            return str(getattr(name, "name", name))
+    return None
+
+
+# The layout kvtier asks vLLM for (get_required_kvcache_layout). Measured on the H200 (docs/bench/vllm.md,
+# 2026-12-01): kvtier's loads run at the link rate (50-55 GB/s) in vLLM's default LBNHC (64 KiB pieces through the
+# gather/scatter kernel) as in the block-outermost BLNHC (one range per block), and replays were not faster with
+# BLNHC (32K tokens: 139 ms against 119 ms), so by default kvtier keeps vLLM's choice; ``kv_cache_layout`` asks for
+# another. vLLM uses it only if every attention backend supports it (else it warns and keeps its own).
+_LAYOUT_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "NHD", "HND")
+
+
+def _required_layout(extra: dict[str, Any], on_cuda: bool) -> str | None:
+    """``kv_cache_layout`` in the extra config: ``"auto"`` or ``"none"`` (default: vLLM's choice), or a
+    KVCacheLayout name to ask vLLM for (e.g. ``"BLNHC"``: a block's KV over all layers in one range)."""
+    want = str(extra.get("kv_cache_layout", "auto") or "none")
+    if want.lower() in ("auto", "none"):
+        return None
+    if want.upper() not in _LAYOUT_NAMES:
+        raise ValueError(f"kvtier: kv_cache_layout must be auto, none or one of {_LAYOUT_NAMES}, got {want!r}")
+    return want.upper()
+
+
+def _identity(request: "Request", embeds_digest: Any) -> tuple[str | None, bool, str]:
+    """What besides its token ids keys a request's KV, as vLLM's own block hash separates it
+    (vllm/v1/core/kv_cache_utils.py generate_block_hash_extra_keys): the LoRA adapter (name and path), the
+    multimodal inputs (identifier at their offset, with their length), the tenant ``cache_salt``, and a digest of
+    the prompt embeddings. Returns ``(identity, cacheable, reason)``: one canonical string (JSON, so no value can
+    forge another's separator) or None for a plain request; ``cacheable=False`` with the reason when kvtier cannot
+    key the request (it is then neither matched nor stored). Keying by the whole request is stricter than vLLM's
+    per-block keys (a later image also separates earlier blocks): it may share less, never more."""
+    import json
+
+    parts: list[list[Any]] = []
+    lora = getattr(request, "lora_request", None)
+    if lora:
+        parts.append(["lora", str(getattr(lora, "lora_name", "")), str(getattr(lora, "lora_path", "") or "")])
+    for f in getattr(request, "mm_features", None) or ():
+        ident = getattr(f, "identifier", None)
+        pos = getattr(f, "mm_position", None)
+        if ident is None or pos is None:
+            return None, False, "a multimodal input without an identifier or position"
+        parts.append(["mm", str(ident), int(pos.offset), int(pos.length)])
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(["salt", str(salt)])
+    if getattr(request, "prompt_embeds", None) is not None:
+        digest = embeds_digest(request)
+        if digest is None:
+            return None, False, "prompt embeddings that could not be digested"
+        parts.append(["embeds", digest])
+    if not parts:
+        return None, True, ""
+    return json.dumps(parts, separators=(",", ":"), ensure_ascii=True), True, ""
+
+
+def _embeds_digest(request: "Request") -> str | None:
+    """SHA-256 of the request's prompt embeddings (dtype, shape and bytes), like vLLM's per-block digests."""
+    import hashlib
+
+    try:
+        t = request.prompt_embeds.detach().contiguous().cpu()
+        h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+        import torch
+
+        h.update(t.view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+    except Exception:
+        logger.warning("kvtier: could not digest a request's prompt embeddings", exc_info=True)
+        return None
+
+
+def _first_group(block_ids: Any) -> list[int]:
+    """vLLM passes one block-id list per KV cache group; kvtier supports exactly one group."""
+    if block_ids is None:
+        return []
+    if isinstance(block_ids, tuple):
+        return [int(b) for b in block_ids[0]] if block_ids else []
+    return [int(b) for b in block_ids]
+
+
+def _record(rid: str, new_tokens: list[int], new_block_ids: list[int], num_computed: int, num_scheduled: int,
+            num_draft: int, is_new: bool, resumed: bool) -> dict[str, Any]:
+    """One entry of kvtier's step contract (``StepRecord``)."""
+    return {
+        "request_id": rid,
+        "new_tokens": [int(t) for t in new_tokens],
+        "new_block_ids": new_block_ids,
+        "num_computed_tokens": int(num_computed),
+        "num_scheduled_tokens": int(num_scheduled),
+        "num_draft_tokens": int(num_draft),
+        "is_new": is_new,
+        "resumed_from_preemption": resumed,
+    }
+
+
+_MEDIA = {"host": "CPU", "disk": "STORAGE", "remote": "STORAGE"}
+
+# Counters (monotonic) are summed across vLLM's stats intervals; gauges are not. The leader's come from kvtier's one
+# counter table (kvtier::metrics::METRICS); the adapter adds its own two.
+_ADAPTER_COUNTERS = frozenset(("adapter_errors", "preempted_requests"))
+
+
+def _table_counters() -> frozenset:
+    try:
+        from kvtier import _native
+
+        return frozenset(m["key"] for m in _native.metrics_table() if m["kind"] == "counter")
+    except (ImportError, AttributeError):  # a development backend without the native module
+        return frozenset()
+
+
+_COUNTERS = _ADAPTER_COUNTERS | _table_counters()
+
+
+def _key(h: Any) -> bytes:
+    """A kvtier sequence hash (128-bit) as vLLM's ExternalBlockHash (bytes: msgpack ints stop at 64 bits)."""
+    return int(h).to_bytes(16, "big")
+
+
+def _vllm_events(raw: Iterable[Any], block_size: int) -> list:
+    """kvtier's tier events as vLLM KV events (medium CPU for host memory, STORAGE for disk and remote)."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    out = []
+    for ev in raw:
+        kind = ev.get("kind")
+        medium = _MEDIA.get(str(ev.get("tier", "")).lower(), "STORAGE")
+        keys = [_key(h) for h in ev.get("hashes", ())]
+        if not keys:
+            continue
+        if kind == "stored":
+            parent = ev.get("parent")
+            out.append(BlockStored(block_hashes=keys, parent_block_hash=_key(parent) if parent is not None else None,
+                                   token_ids=[int(t) for t in ev.get("token_ids", ())], block_size=block_size,
+                                   lora_id=None, medium=medium, lora_name=None))
+        elif kind == "removed":
+            out.append(BlockRemoved(block_hashes=keys, medium=medium))
+    return out
+
+
+# Profiling aid: with KVTIER_VLLM_TRACE=PATH every connector call of interest appends (perf_counter, event, request,
+# detail) here, written to PATH at shutdown (one engine process: scheduler and worker share the clock).
+_TRACE_PATH = os.environ.get("KVTIER_VLLM_TRACE")
+_TRACE: list[tuple[float, str, str, Any]] = []
+
+
+def _trace(event: str, rid: str = "", detail: Any = None) -> None:
+    if _TRACE_PATH:
+        _TRACE.append((time.perf_counter(), event, rid, detail))
+
+
+def _trace_dump() -> None:
+    if not _TRACE_PATH or not _TRACE:
+        return
+    import json
+
+    with open(_TRACE_PATH, "a") as f:
+        for t, ev, rid, detail in _TRACE:
+            f.write(json.dumps({"t": t, "ev": ev, "rid": rid, "d": detail}) + "\n")
+    _TRACE.clear()

