@@ -681,14 +681,9 @@ fn unreachable_paged() -> Result<Dims, LayoutError> {
     ))
 }
 
-/// Shape, stride and type checks of one tensor against the dimension roles of its layout kind.
-fn check_tensor(t: &TensorDesc, dims: &Dims, dtype: DType) -> Result<(), LayoutError> {
-    if t.shape.len() != dims.rank {
-        return Err(t.mismatch(format!(
-            "expected {} dimensions, got shape {:?}",
-            dims.rank, t.shape
-        )));
-    }
+/// The checks every layout kind makes of a tensor whose rank is right: strides match the shape,
+/// the element size matches `dtype`, a non-null pointer, no empty dimension.
+pub(crate) fn check_basics(t: &TensorDesc, dtype: DType) -> Result<(), LayoutError> {
     if t.strides.len() != t.shape.len() {
         return Err(t.mismatch(format!(
             "strides {:?} do not match shape {:?}",
@@ -708,6 +703,18 @@ fn check_tensor(t: &TensorDesc, dims: &Dims, dtype: DType) -> Result<(), LayoutE
     if t.shape.contains(&0) {
         return Err(t.mismatch(format!("shape {:?} has an empty dimension", t.shape)));
     }
+    Ok(())
+}
+
+/// Shape, stride and type checks of one tensor against the dimension roles of its layout kind.
+fn check_tensor(t: &TensorDesc, dims: &Dims, dtype: DType) -> Result<(), LayoutError> {
+    if t.shape.len() != dims.rank {
+        return Err(t.mismatch(format!(
+            "expected {} dimensions, got shape {:?}",
+            dims.rank, t.shape
+        )));
+    }
+    check_basics(t, dtype)?;
     // The inner dimensions must cover a dense range in some order.
     let mut inner: Vec<(usize, usize)> = dims
         .inner

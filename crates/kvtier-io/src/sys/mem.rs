@@ -32,6 +32,33 @@ unsafe impl Send for Mapping {}
 // SAFETY: as above; `&Mapping` hands out only addresses, never references to the bytes.
 unsafe impl Sync for Mapping {}
 
+/// `mmap` `len` read-write bytes with `flags` over `fd` (-1 for anonymous memory) at no address
+/// hint, asking for transparent huge pages (fewer page faults on first touch and fewer pages to
+/// pin). The caller owns the mapping and unmaps it.
+pub(crate) fn map_huge(len: usize, flags: libc::c_int, fd: libc::c_int) -> io::Result<NonNull<u8>> {
+    // SAFETY: a mapping with no address hint has no preconditions (an invalid `fd` is an error
+    // return); the result is checked against MAP_FAILED before use.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            flags,
+            fd,
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `ptr..ptr+len` is the mapping just created; madvise is only a hint and its failure
+    // (e.g. THP or shmem huge pages disabled) is harmless, so its result is ignored.
+    unsafe {
+        libc::madvise(ptr, len, libc::MADV_HUGEPAGE);
+    }
+    NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))
+}
+
 impl Mapping {
     /// Map `len` bytes of zeroed anonymous memory, asking for transparent huge pages (fewer page
     /// faults on first touch and fewer pages to pin).
@@ -42,28 +69,11 @@ impl Mapping {
                 "zero-length mapping",
             ));
         }
-        // SAFETY: an anonymous private mapping with no address hint has no preconditions; the
-        // result is checked against MAP_FAILED before use.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `ptr..ptr+len` is the mapping just created; madvise is only a hint and its
-        // failure (e.g. THP disabled) is harmless, so its result is ignored.
-        unsafe {
-            libc::madvise(ptr, len, libc::MADV_HUGEPAGE);
-        }
-        let ptr =
-            NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
+        let ptr = map_huge(
+            len,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+        )?;
         Ok(Mapping { ptr, len })
     }
 

@@ -76,28 +76,7 @@ impl Arena {
     }
 
     fn map(file: File, len: usize) -> io::Result<Self> {
-        // SAFETY: a shared mapping of an open file with no address hint; the result is checked
-        // against MAP_FAILED before use.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: the range is the mapping just made; madvise is a hint (shmem huge pages
-        // apply when /sys/kernel/mm/transparent_hugepage/shmem_enabled allows them).
-        unsafe {
-            libc::madvise(ptr, len, libc::MADV_HUGEPAGE);
-        }
-        let ptr =
-            NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
+        let ptr = super::mem::map_huge(len, libc::MAP_SHARED, file.as_raw_fd())?;
         Ok(Arena {
             ptr,
             len,

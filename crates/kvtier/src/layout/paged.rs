@@ -57,25 +57,7 @@ pub(super) fn cut(
             t.shape
         )));
     }
-    if t.strides.len() != 4 {
-        return Err(t.mismatch(format!(
-            "strides {:?} do not match shape {:?}",
-            t.strides, t.shape
-        )));
-    }
-    if t.elem_size != dtype.size() {
-        return Err(t.mismatch(format!(
-            "element size {} does not match dtype {dtype:?} ({} bytes)",
-            t.elem_size,
-            dtype.size()
-        )));
-    }
-    if t.data_ptr == 0 {
-        return Err(t.mismatch("null data pointer"));
-    }
-    if t.shape.contains(&0) {
-        return Err(t.mismatch(format!("shape {:?} has an empty dimension", t.shape)));
-    }
+    super::check_basics(t, dtype)?;
     let kb = kernel_blocks.max(1);
     let rows = t.shape[0];
     if !rows.is_multiple_of(kb) {
