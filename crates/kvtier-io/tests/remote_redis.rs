@@ -467,13 +467,14 @@ fn stalled_server_costs_one_deadline_per_window_not_per_caller() -> Result<()> {
     for th in threads {
         let ((io, lookup), n) = th.join().unwrap();
         ops += n;
-        // Bound: connect (200 ms) + deadline, with slack for a loaded 2-core machine.
+        // Bound: connect (200 ms) + deadline, with slack for a loaded 2-core CI machine running
+        // other test binaries at once (the defect was ~19.5x io_timeout: 7.8 s here).
         assert!(
-            io < Duration::from_millis(200 + 2 * 400 + 300),
+            io < Duration::from_millis(200 + 2 * 400 + 1500),
             "get/put took {io:?}"
         );
         assert!(
-            lookup < Duration::from_millis(100 + 2 * 100 + 300),
+            lookup < Duration::from_millis(100 + 2 * 100 + 1500),
             "contains took {lookup:?}"
         );
     }
