@@ -482,8 +482,10 @@ fn stalled_server_costs_one_deadline_per_window_not_per_caller() -> Result<()> {
     srv.signal("CONT");
     // Windows of 150, 300, 600, 600... ms over 2.5 s: about 6 probes. Everything else failed fast.
     assert!(s.opened >= 1 && s.probes >= 2, "{s:?}");
+    // At the first failure every caller already admitted (8 threads; 4 of them hold the pool's
+    // connections) may still reach the server once; after that, one probe per window.
     assert!(
-        s.attempted <= 4 + s.probes + 1,
+        s.attempted <= 8 + s.probes + 1,
         "more than one operation per window reached the stalled server: {s:?} of {ops} ops"
     );
     assert!(s.short_circuited + s.attempted >= ops, "{s:?} vs {ops}");
