@@ -379,11 +379,22 @@ impl Books {
             let b = self.blocks.get(id)?;
             (b.bytes == bytes && b.leases == 0).then_some((b.ns, *id))
         });
-        // First candidate per namespace is that namespace's LRU block.
+        // First candidate per namespace is that namespace's LRU block. The walk stops once every
+        // namespace holding blocks has its first (eviction runs under the books' lock on every full
+        // put); with a namespace holding none of this size it reads the whole LRU, as before.
+        let holders: Vec<u32> = self
+            .ns_bytes
+            .iter()
+            .filter(|(_, b)| **b > 0)
+            .map(|(n, _)| *n)
+            .collect();
         let mut firsts: Vec<(u32, u64)> = Vec::new();
         for (ns, id) in candidates {
             if !firsts.iter().any(|(n, _)| *n == ns) {
                 firsts.push((ns, id));
+                if holders.iter().all(|h| firsts.iter().any(|(n, _)| n == h)) {
+                    break;
+                }
             }
         }
         let (ns, id) = firsts.iter().copied().max_by_key(|(ns, _)| over(*ns))?;
