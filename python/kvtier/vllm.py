@@ -245,6 +245,12 @@ class KvtierConnector(KVConnectorBase_V1):
         if isinstance(meta, KvtierConnectorMetadata):
             self._worker.start_step(meta)
 
+    def has_connector_metadata(self) -> bool:
+        # vLLM asks this only to guard its per-layer hooks (`maybe_transfer_kv_layer` around every attention layer,
+        # vllm/model_executor/layers/attention/kv_transfer_utils.py). kvtier needs none of them (below): saying
+        # "nothing bound" skips two calls per layer per step. kvtier's own hooks read the bound metadata directly.
+        return False
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Sync loads are complete when start_load_kv returns; async ones are never read before get_finished.
         return
@@ -661,10 +667,16 @@ class _WorkerSide:
         self._failed_blocks: set[int] = set()
         self._awaiting_save: set[str] = set()
         self._last_stats: dict[str, float] = {}
+        self._cuda = False
 
     def _error(self, what: str, e: BaseException) -> None:
         self._errors += 1
         logger.error("kvtier: %s failed: %s", what, e, exc_info=True)
+
+    def _stream(self) -> int | None:
+        """The engine's current CUDA stream handle when its KV cache is on a GPU, else None (the CPU forward pass
+        is synchronous)."""
+        return int(torch.cuda.current_stream().cuda_stream) if self._cuda else None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # Layer order is the model's (vLLM's dict preserves it); a (layer, block)'s bytes are opaque to kvtier.
@@ -674,6 +686,8 @@ class _WorkerSide:
             from kvtier import describe
         tensors = [(name, describe(t)) for name, t in kv_caches.items()]
         self._worker = core.Worker(self._settings, tensors)
+        # Decided once: asking torch whether CUDA is there costs more than the rest of a decode step's hooks.
+        self._cuda = any(getattr(t, "is_cuda", False) for t in kv_caches.values())
 
     def start_step(self, meta: KvtierConnectorMetadata) -> None:
         self._awaiting_save.update(meta.delayed_frees)
@@ -687,7 +701,7 @@ class _WorkerSide:
         _trace("start_load")
         try:
             self._worker.bind(meta.plan)
-            self._worker.start_load(_stream())
+            self._worker.start_load(self._stream())
         except Exception as e:
             self._error("start_load", e)
             return
@@ -696,7 +710,7 @@ class _WorkerSide:
             # here, every layer at once. A failed load raises TransferError; its blocks are then reported by
             # get_block_ids_with_load_errors and vLLM recomputes them, so it is not an adapter error.
             try:
-                self._worker.wait_for_layer_load(0, _stream())
+                self._worker.wait_for_layer_load(0, self._stream())
             except Exception as e:
                 if type(e).__name__ == "TransferError":
                     logger.warning("kvtier: a load failed; vLLM recomputes its blocks: %s", e)
@@ -707,7 +721,7 @@ class _WorkerSide:
         if self._worker is None:
             return
         try:
-            self._worker.forward_done(_stream())
+            self._worker.forward_done(self._stream())
         except Exception as e:
             self._error("forward_done", e)
 
@@ -790,10 +804,3 @@ class _WorkerSide:
                 self._worker.shutdown()
             except Exception as e:
                 self._error("shutdown", e)
-
-
-def _stream() -> int | None:
-    """The engine's current CUDA stream handle, or None on CPU (the forward pass is then synchronous)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.current_stream().cuda_stream)
-    return None

@@ -6,6 +6,7 @@ per line on stdin, each answered with one JSON line on stdout (vLLM's own output
 
 - ``{"op": "generate", "prompts": [[ids]], "max_tokens": n}`` -> ``{"outputs": [[ids]], "seconds": s}``
 - ``{"op": "ttft", "prompts": [[ids]]}`` -> per prompt the wall time of a 1-token generation, run one at a time
+  (``"profile": path`` records the last prompt's CPU and CUDA activity there, a Chrome trace)
 - ``{"op": "drain"}`` -> steps the engine until its scheduler has nothing left (connector jobs included)
 - ``{"op": "reset_prefix_cache", "connector": false}`` -> ``{"ok": bool}`` (vLLM's device prefix cache; with
   ``"connector": true`` also the connector's cache, vLLM's ``reset_connector``)
@@ -57,6 +58,12 @@ def _prompts(cmd: dict) -> list[dict]:
     return out
 
 
+def torch_cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     # vLLM prints progress bars and logs to stdout in places: keep stdout for the protocol only.
@@ -93,6 +100,11 @@ def main() -> None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**ktc)
     t0 = time.time()
     llm = LLM(**kwargs)
+    step_trace = os.environ.get("KVTIER_STEP_TRACE")
+    if step_trace:  # profiling: the per-step timeline of the scheduler and the connector (step_trace.py)
+        from vllm_support import step_trace as st
+
+        st.install(llm)
     sched = getattr(getattr(llm.llm_engine, "vllm_config", None), "scheduler_config", None)
     _reply({"ready": True, "start_seconds": time.time() - t0,
             "async_scheduling": bool(getattr(sched, "async_scheduling", False)),
@@ -114,11 +126,26 @@ def main() -> None:
                 sp = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
                 times = []
                 firsts = []
-                for p in _prompts(cmd):
+                todo = _prompts(cmd)
+                for i, p in enumerate(todo):
+                    prof = None
+                    if cmd.get("profile") and i == len(todo) - 1:
+                        # Profiling (bench_vllm_gpu.py --profile): CPU and CUDA activity of the last prompt,
+                        # every stream and thread of the process (kvtier's copies included), as a Chrome trace.
+                        import torch.profiler as tp
+
+                        acts = [tp.ProfilerActivity.CPU]
+                        if torch_cuda_available():
+                            acts.append(tp.ProfilerActivity.CUDA)
+                        prof = tp.profile(activities=acts)
+                        prof.__enter__()
                     t = time.perf_counter()
                     o = llm.generate([p], sp, use_tqdm=False)
                     times.append(time.perf_counter() - t)
                     firsts.append(o[0].outputs[0].token_ids[0])
+                    if prof is not None:
+                        prof.__exit__(None, None, None)
+                        prof.export_chrome_trace(cmd["profile"])
                 _reply({"seconds": times, "first_tokens": firsts})
             elif op == "drain":
                 # Step the engine while the scheduler still has work (e.g. a connector's pending copies):
@@ -143,6 +170,8 @@ def main() -> None:
                     getattr(kv, "_trace_dump", lambda: None)()  # KVTIER_VLLM_TRACE: write what was recorded
                 except ImportError:
                     pass
+                if step_trace:
+                    st.dump(step_trace)
                 _reply({"stats": stats, "kvtier_errors": counter.records})
             elif op == "exit":
                 _reply({"bye": True})

@@ -73,6 +73,7 @@ impl DeviceSide {
         to_host: bool,
         fence: &Fence,
     ) -> Vec<(usize, String)> {
+        let prep = std::time::Instant::now();
         let mut failed = Vec::new();
         let mut resolved: Vec<(usize, Vec<Chunk>, usize)> = Vec::with_capacity(items.len());
         for &(i, block, host) in items {
@@ -82,6 +83,14 @@ impl DeviceSide {
                 Err(e) => failed.push((i, e)),
             }
         }
+        // Profiling aid (`KVTIER_LOG=kvtier_timing=debug`): the CPU work before the first copy.
+        tracing::debug!(
+            target: "kvtier_timing",
+            blocks = items.len(),
+            to_host,
+            resolve_us = prep.elapsed().as_micros() as u64,
+            "device copy resolved"
+        );
         match &self.mover {
             Mover::Cpu => {
                 for (_, chunks, host) in &resolved {

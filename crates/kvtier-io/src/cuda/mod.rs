@@ -261,6 +261,7 @@ impl CudaMover {
         to_host: bool,
         fence: &Fence,
     ) -> CuResult<()> {
+        let entered = std::time::Instant::now();
         self.driver.make_current()?;
         let dir_lock = if to_host { &self.d2h } else { &self.h2d };
         let dir = dir_lock
@@ -271,6 +272,14 @@ impl CudaMover {
             dir.kernel.wait(&f.0)?;
         }
         let method = self.pick(items);
+        tracing::debug!(
+            target: "kvtier_timing",
+            blocks = items.len(),
+            to_host,
+            ?method,
+            before_first_copy_us = entered.elapsed().as_micros() as u64,
+            "cuda copy starts"
+        );
         if tracing::enabled!(tracing::Level::DEBUG) {
             let chunks: usize = items.iter().map(|(_, c, _)| c.len()).sum();
             tracing::debug!(?method, blocks = items.len(), chunks, to_host, "CUDA copy");

@@ -97,6 +97,8 @@ struct LoadState {
 struct Task {
     jobs: Vec<TransferJob>,
     fence: Fence,
+    /// When the task was handed to the executor (profiling: `KVTIER_LOG=kvtier_timing=debug`).
+    queued: std::time::Instant,
 }
 
 struct Done {
@@ -207,7 +209,11 @@ impl Worker {
         if jobs.is_empty() {
             return;
         }
-        let task = Task { jobs, fence };
+        let task = Task {
+            jobs,
+            fence,
+            queued: std::time::Instant::now(),
+        };
         let rejected = match &self.task_tx {
             Some(tx) if !self.threads.is_empty() => tx.send(task).err().map(|e| e.0),
             _ => Some(task),
@@ -581,7 +587,9 @@ fn executor(
                 Err(_) => return,
             }
         };
+        let waited = task.queued.elapsed();
         for job in task.jobs {
+            let started = std::time::Instant::now();
             let mut run = job.clone();
             // Remote keys are per rank; disk keys stay sequence hashes (each rank has its own
             // disk files, and the leader re-registers recovered disk blocks by hash).
@@ -593,6 +601,17 @@ fn executor(
             let outcome =
                 std::panic::catch_unwind(AssertUnwindSafe(|| transfer.execute(&run, &task.fence)))
                     .unwrap_or_else(|_| fail_all(&job, "transfer panicked"));
+            // Profiling aid: where a job's time goes from the step that submitted it.
+            tracing::debug!(
+                target: "kvtier_timing",
+                job = job.id.0,
+                blocks = job.pairs.len(),
+                src = job.src.label(),
+                dst = job.dst.label(),
+                task_waited_us = waited.as_micros() as u64,
+                run_us = started.elapsed().as_micros() as u64,
+                "executor ran a job"
+            );
             if let Err(e) = link.sink.send(WorkerReport {
                 rank: link.rank,
                 job: job.id,
