@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use kvtier_io::node::{NodeOptions, NodeServer};
+use kvtier_io::node::{NodeOptions, NodeServer, SharePolicy};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -24,12 +24,13 @@ pub struct PyNodeServer {
 #[pymethods]
 impl PyNodeServer {
     #[new]
-    #[pyo3(signature = (socket, capacity_bytes, shm_dir = None, allowed_uids = Vec::new()))]
+    #[pyo3(signature = (socket, capacity_bytes, shm_dir = None, allowed_uids = Vec::new(), share = "equal".to_string()))]
     fn new(
         socket: PathBuf,
         capacity_bytes: u64,
         shm_dir: Option<PathBuf>,
         allowed_uids: Vec<u32>,
+        share: String,
     ) -> PyResult<Self> {
         if capacity_bytes == 0 {
             return Err(
@@ -41,6 +42,8 @@ impl PyNodeServer {
             opts.shm_dir = d;
         }
         opts.allowed_uids = allowed_uids;
+        opts.share = SharePolicy::parse(&share)
+            .map_err(|e| BridgeError::local(Family::Config, format!("share: {e}")))?;
         let server = NodeServer::start(&opts).map_err(|e| {
             BridgeError::local(
                 Family::Config,

@@ -21,6 +21,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::books::{Books, ClientId, PutRefused};
+use super::share::SharePolicy;
 use super::protocol::{read_frame, write_frame, Reply, Request, NODE_PROTOCOL_VERSION};
 use crate::sys::shm::{self, Arena};
 
@@ -37,6 +38,8 @@ pub struct NodeOptions {
     pub allowed_uids: Vec<u32>,
     /// A connection idle this long is closed (its client detached).
     pub idle_timeout: Duration,
+    /// How the arena is shared among namespaces (default: equal shares).
+    pub share: SharePolicy,
 }
 
 impl NodeOptions {
@@ -47,6 +50,7 @@ impl NodeOptions {
             shm_dir: PathBuf::from("/dev/shm"),
             allowed_uids: Vec::new(),
             idle_timeout: Duration::from_secs(3600),
+            share: SharePolicy::Equal,
         }
     }
 }
@@ -144,7 +148,7 @@ impl NodeServer {
         std::fs::set_permissions(&opts.socket, std::fs::Permissions::from_mode(0o600))?;
         listener.set_nonblocking(true)?;
         let shared = Arc::new(Shared {
-            books: Mutex::new(Books::new(opts.capacity)),
+            books: Mutex::new(Books::with_policy(opts.capacity, opts.share.clone())),
             arena_path: arena_path.clone(),
             arena_bytes: opts.capacity,
             stop: AtomicBool::new(false),
