@@ -75,6 +75,16 @@ struct Client {
     reservations: Vec<u64>,
 }
 
+/// A committed block as the node's disk tier needs it (evicted, or left at shutdown).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockCopy {
+    pub namespace: String,
+    pub key: u128,
+    pub offset: u64,
+    pub bytes: u64,
+    pub checksum: u64,
+}
+
 /// Counters of the node (reported by `kvtier node` and its stats request).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NodeStats {
@@ -88,6 +98,10 @@ pub struct NodeStats {
     pub get_misses: u64,
     pub evictions: u64,
     pub abandoned_puts: u64,
+    /// The node's disk tier: blocks held, blocks spilled to it, reads it served.
+    pub disk_blocks: u64,
+    pub disk_spills: u64,
+    pub disk_hits: u64,
 }
 
 /// The books of one node tier (see the module docs).
@@ -114,6 +128,10 @@ pub struct Books {
     next_id: u64,
     tick: u64,
     stats: NodeStats,
+    /// With a disk tier behind the arena: blocks evicted since the last `take_evicted` (their
+    /// slots are not handed to a writer before the server copied them out, under the lock).
+    keep_evicted: bool,
+    evicted: Vec<BlockCopy>,
 }
 
 impl Books {
@@ -144,6 +162,44 @@ impl Books {
                 capacity,
                 ..NodeStats::default()
             },
+            keep_evicted: false,
+            evicted: Vec::new(),
+        }
+    }
+
+    /// Keep each evicted block's place for [`Books::take_evicted`] (a disk tier spills them).
+    pub fn set_keep_evicted(&mut self, on: bool) {
+        self.keep_evicted = on;
+    }
+
+    /// Blocks evicted since the last call. Their slots may already be reserved by the put that
+    /// evicted them: copy their bytes out before that put's writer is told its slot.
+    pub fn take_evicted(&mut self) -> Vec<BlockCopy> {
+        std::mem::take(&mut self.evicted)
+    }
+
+    /// Every committed block (the disk tier keeps them at shutdown).
+    pub fn committed(&self) -> Vec<BlockCopy> {
+        self.blocks.values().map(|b| self.copy_of(b)).collect()
+    }
+
+    /// The namespace `client` attached with.
+    pub fn namespace_of(&self, client: ClientId) -> Option<&str> {
+        let ns = self.clients.get(&client)?.ns;
+        self.namespaces.get(ns as usize).map(String::as_str)
+    }
+
+    fn copy_of(&self, b: &Block) -> BlockCopy {
+        BlockCopy {
+            namespace: self
+                .namespaces
+                .get(b.ns as usize)
+                .cloned()
+                .unwrap_or_default(),
+            key: b.key,
+            offset: b.offset,
+            bytes: b.bytes,
+            checksum: b.checksum,
         }
     }
 
@@ -365,7 +421,12 @@ impl Books {
             return Some(off);
         }
         let victim = self.victim(ns, bytes)?;
-        let off = self.blocks.get(&victim)?.offset;
+        let b = self.blocks.get(&victim)?;
+        let off = b.offset;
+        if self.keep_evicted {
+            let c = self.copy_of(b);
+            self.evicted.push(c);
+        }
         self.remove_block(victim);
         self.stats.evictions += 1;
         // The victim's slot went to the free list; take it back for this put.

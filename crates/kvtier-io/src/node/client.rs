@@ -246,6 +246,9 @@ impl NodeStore {
                 get_misses,
                 evictions,
                 abandoned_puts,
+                disk_blocks,
+                disk_spills,
+                disk_hits,
             } => Ok(vec![
                 ("clients", clients),
                 ("blocks", blocks),
@@ -257,6 +260,9 @@ impl NodeStore {
                 ("get_misses", get_misses),
                 ("evictions", evictions),
                 ("abandoned_puts", abandoned_puts),
+                ("disk_blocks", disk_blocks),
+                ("disk_spills", disk_spills),
+                ("disk_hits", disk_hits),
             ]),
             other => Err(unavailable("stats", format!("unexpected reply {other:?}"))),
         }

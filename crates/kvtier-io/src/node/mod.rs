@@ -10,12 +10,15 @@
 //! node degrades to skipped stores and misses.
 mod books;
 mod client;
+mod disk;
+#[cfg(test)]
+mod gpu_tests;
 pub(crate) mod direct;
 mod protocol;
 mod server;
 mod share;
 
-pub use books::{Books, ClientId, NodeStats, PutRefused, SlotGrant};
+pub use books::{BlockCopy, Books, ClientId, NodeStats, PutRefused, SlotGrant};
 pub use client::{NodeClientOptions, NodeStore};
 pub use protocol::{block_checksum, Reply, Request, MAX_FRAME, NODE_PROTOCOL_VERSION};
 pub use server::{NodeOptions, NodeServer};

@@ -8,8 +8,8 @@
 //! - `equal` (the default): every namespace weighs 1;
 //! - `weighted:NAME=W,NAME=W,...`: the namespaces matching NAME weigh W (an integer, 1..=1000000),
 //!   every other namespace 1. A namespace is `<model name>-<16 hex digits of the identity>`
-//!   (`EngineIdentity::namespace`); NAME matches it whole, or its model part (everything before
-//!   the last `-`), so `weighted:Llama-3.1-8B=3,Qwen3-0.6B=1` needs no hashes.
+//!   (`EngineIdentity::namespace`); NAME matches it whole, or its model part (without the
+//!   `-<16 hex>` suffix), so `weighted:Llama-3.1-8B=3,Qwen3-0.6B=1` needs no hashes.
 //!
 //! Invariant: parsing either yields a policy or an error naming the bad part; weights are >= 1,
 //! so every attached namespace has a positive share.
@@ -65,7 +65,11 @@ impl SharePolicy {
         let SharePolicy::Weighted(list) = self else {
             return 1;
         };
-        let model = namespace.rsplit_once('-').map_or(namespace, |(m, _)| m);
+        // The model part: the namespace without its `-<16 hex>` identity suffix.
+        let model = match namespace.rsplit_once('-') {
+            Some((m, h)) if h.len() == 16 && h.chars().all(|c| c.is_ascii_hexdigit()) => m,
+            _ => namespace,
+        };
         list.iter()
             .find(|(n, _)| n == namespace || n == model)
             .map_or(1, |(_, w)| *w)
@@ -83,7 +87,8 @@ mod tests {
         let p = SharePolicy::parse("weighted: Llama-3.1-8B=3, q-00ff00ff00ff00ff=2").unwrap();
         assert_eq!(p.weight("Llama-3.1-8B-0123456789abcdef"), 3);
         assert_eq!(p.weight("q-00ff00ff00ff00ff"), 2);
-        assert_eq!(p.weight("Llama-3.1-8B"), 1, "the model part is before the last -");
+        assert_eq!(p.weight("Llama-3.1-8B"), 3, "a whole name");
+        assert_eq!(p.weight("Llama-3.1-8B-x"), 1, "`x` is no identity suffix");
         assert_eq!(p.weight("other-0123456789abcdef"), 1);
         assert_eq!(SharePolicy::Equal.weight("x"), 1);
         for bad in [
