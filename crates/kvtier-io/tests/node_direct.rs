@@ -89,9 +89,15 @@ fn job(src: Tier, dst: Tier, devs: &[u32], keys: &[u128]) -> TransferJob {
         .enumerate()
         .map(|(k, &d)| {
             if src == Tier::Device {
-                BlockPair { src: d, dst: k as u32 }
+                BlockPair {
+                    src: d,
+                    dst: k as u32,
+                }
             } else {
-                BlockPair { src: k as u32, dst: d }
+                BlockPair {
+                    src: k as u32,
+                    dst: d,
+                }
             }
         })
         .collect();
@@ -198,12 +204,13 @@ fn failed_pairs_fail_alone_and_never_touch_their_device_block() {
             .unwrap()
             .path();
         let all = std::fs::read(&arena).unwrap();
-        let at = all
-            .windows(BPB)
-            .position(|w| w == buf.as_slice())
+        let at = all.windows(BPB).position(|w| w == buf.as_slice()).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&arena)
             .unwrap();
-        let f = std::fs::OpenOptions::new().write(true).open(&arena).unwrap();
-        f.write_all_at(&[buf[100] ^ 0xFF], (at + 100) as u64).unwrap();
+        f.write_all_at(&[buf[100] ^ 0xFF], (at + 100) as u64)
+            .unwrap();
     }
     for b in 0..BLOCKS {
         cache.write(b, &[0xC3; BPB]);
@@ -267,7 +274,6 @@ fn a_full_node_fails_the_stores_it_cannot_take_and_the_rest_succeed() {
     assert_eq!(out.failed_pairs(), vec![0, 1, 2], "{out:?}");
     assert!(n.stats().puts_full >= 3);
     // The reader goes away (its leases end with its connection): the stores succeed now.
-    drop(call);
     drop(raw);
     let mut ok = false;
     for _ in 0..200 {

@@ -99,5 +99,42 @@ fn a_damaged_disk_block_is_a_miss_never_bytes() {
         }
     }
     assert_eq!(misses, 4, "the 4 damaged disk blocks are misses");
-    assert_eq!(a.contains(&[1, 2, 3, 4]).unwrap(), vec![false; 4], "dropped");
+    assert_eq!(
+        a.contains(&[1, 2, 3, 4]).unwrap(),
+        vec![false; 4],
+        "dropped"
+    );
+}
+
+#[test]
+fn a_block_damaged_in_the_arena_is_not_spilled() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), 2, 16);
+    let a = client(&n, "m");
+    a.put(1, &block(1)).unwrap();
+    a.put(2, &block(2)).unwrap();
+    // A rogue writer flips a byte of block 1 in the arena.
+    let arena = std::fs::read_dir(dir.path())
+        .unwrap()
+        .flatten()
+        .find(|e| e.file_name().to_string_lossy().ends_with(".arena"))
+        .unwrap()
+        .path();
+    let all = std::fs::read(&arena).unwrap();
+    let at = all
+        .windows(BLOCK)
+        .position(|w| w == block(1).as_slice())
+        .unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&arena)
+        .unwrap();
+    f.write_all_at(&[all[at + 5] ^ 1], (at + 5) as u64).unwrap();
+    // Block 3 evicts block 1 (least recently used): its damaged bytes must not reach the disk.
+    a.put(3, &block(3)).unwrap();
+    assert_eq!(n.stats().disk_spills, 0, "{:?}", n.stats());
+    assert_eq!(a.contains(&[1, 2, 3]).unwrap(), vec![false, true, true]);
+    let mut out = vec![0u8; BLOCK];
+    assert!(a.get(1, &mut out).is_err(), "damaged bytes were served");
 }

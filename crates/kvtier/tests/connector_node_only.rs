@@ -48,14 +48,20 @@ fn node_only_stores_go_device_to_remote_and_are_waited_for() {
     let job = &m.stores[0].job;
     assert_eq!((job.src, job.dst), (Tier::Device, Tier::Remote));
     let hashes = sequence_hashes(HashSalt(9), &prompt, BS);
-    assert_eq!(job.remote_keys, hashes.iter().map(|h| h.0).collect::<Vec<_>>());
+    assert_eq!(
+        job.remote_keys,
+        hashes.iter().map(|h| h.0).collect::<Vec<_>>()
+    );
     assert_eq!(
         job.pairs.iter().map(|p| (p.src, p.dst)).collect::<Vec<_>>(),
         vec![(0, 0), (1, 1), (2, 2)]
     );
     // The engine must keep the device blocks while the store is in flight.
     let a: RequestId = "a".into();
-    assert!(l.request_finished(&a).unwrap(), "finished while its store reads G1");
+    assert!(
+        l.request_finished(&a).unwrap(),
+        "finished while its store reads G1"
+    );
     // The worker wrote blocks 0 and 2; block 1 failed (e.g. a full node).
     for (k, h) in hashes.iter().enumerate() {
         if k != 1 {
@@ -72,7 +78,11 @@ fn node_only_stores_go_device_to_remote_and_are_waited_for() {
     });
     let s = l.stats();
     assert_eq!(
-        (s.remote_put_blocks, s.remote_put_confirmed, s.remote_put_failed),
+        (
+            s.remote_put_blocks,
+            s.remote_put_confirmed,
+            s.remote_put_failed
+        ),
         (3, 2, 1)
     );
     assert!(!l.has_pending_saves(&a), "the store was reported");
@@ -82,5 +92,8 @@ fn node_only_stores_go_device_to_remote_and_are_waited_for() {
     let q: RequestId = "q".into();
     let mut longer = prompt.clone();
     longer.extend(100..104);
-    assert_eq!(other.get_num_new_matched_tokens(&q, &longer, 0).unwrap(), BS);
+    assert_eq!(
+        other.get_num_new_matched_tokens(&q, &longer, 0).unwrap(),
+        BS
+    );
 }

@@ -593,7 +593,11 @@ mod tests {
         }
         // b's flood never takes a's 7 slots (below its share), only its own.
         assert_eq!(b.contains(a, &[0, 1, 2, 3, 4, 5, 6]), vec![true; 7]);
-        assert_eq!(b.stats().puts_full, 0, "a full node evicts, it does not refuse");
+        assert_eq!(
+            b.stats().puts_full,
+            0,
+            "a full node evicts, it does not refuse"
+        );
         // With equal weights a's 7 slots are above its share of 5: b's flood takes 2 of them.
         let mut e = Books::new(10 * 10);
         let a = e.attach("a-0000000000000000");

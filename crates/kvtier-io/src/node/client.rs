@@ -435,7 +435,10 @@ impl NodeStore {
                     .to_string(),
                 ))
             } else {
-                match (arena.addr(offset, bytes), arena.checksum(key, offset, bytes)) {
+                match (
+                    arena.addr(offset, bytes),
+                    arena.checksum(key, offset, bytes),
+                ) {
                     (Ok(a), Ok(sum)) if sum == checksum => Ok(a),
                     (Ok(_), Ok(_)) => Err((
                         Request::Damaged(id),

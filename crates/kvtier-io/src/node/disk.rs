@@ -54,7 +54,10 @@ fn existing_sets(dir: &Path) -> Vec<usize> {
         .flatten()
         .filter_map(|e| {
             let n = e.file_name().to_string_lossy().into_owned();
-            n.strip_prefix("node-")?.strip_suffix(".index")?.parse().ok()
+            n.strip_prefix("node-")?
+                .strip_suffix(".index")?
+                .parse()
+                .ok()
         })
         .collect();
     v.sort_unstable();

@@ -69,8 +69,14 @@ fn jobs(pairs: &[(u32, u32)], src: Tier, dst: Tier, keys: &[u128]) -> Vec<Transf
                 .iter()
                 .enumerate()
                 .map(|(k, &(s, d))| match (src, dst) {
-                    (Tier::Device, Tier::Remote) => BlockPair { src: s, dst: k as u32 },
-                    (Tier::Remote, Tier::Device) => BlockPair { src: k as u32, dst: d },
+                    (Tier::Device, Tier::Remote) => BlockPair {
+                        src: s,
+                        dst: k as u32,
+                    },
+                    (Tier::Remote, Tier::Device) => BlockPair {
+                        src: k as u32,
+                        dst: d,
+                    },
                     _ => BlockPair { src: s, dst: d },
                 })
                 .collect(),
@@ -133,7 +139,9 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
         .remote(store.clone())
         .build()
         .unwrap();
-    let keys: Vec<u128> = (0..total).map(|b| (0x6e6f6465u128 << 64) | b as u128).collect();
+    let keys: Vec<u128> = (0..total)
+        .map(|b| (0x6e6f6465u128 << 64) | b as u128)
+        .collect();
     let bytes = n as usize * BPB;
 
     // Store: device blocks 0..n -> the node.
@@ -177,10 +185,7 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
     let hl: Vec<(u32, u32)> = (0..n).map(|i| (n - 1 - i, n + i)).collect();
     let t_hload = timed(&h, &jobs(&hl, Tier::Host, Tier::Device, &keys));
     for i in (0..n).step_by((n as usize / 32).max(1)) {
-        assert_eq!(
-            block(&mem, &layout, n + i),
-            block(&mem, &layout, n - 1 - i)
-        );
+        assert_eq!(block(&mem, &layout, n + i), block(&mem, &layout, n - 1 - i));
     }
     let (ns, nl, hsb, hlb) = (
         gbps(bytes, t_store),

@@ -10,10 +10,10 @@
 //! node degrades to skipped stores and misses.
 mod books;
 mod client;
+pub(crate) mod direct;
 mod disk;
 #[cfg(test)]
 mod gpu_tests;
-pub(crate) mod direct;
 mod protocol;
 mod server;
 mod share;

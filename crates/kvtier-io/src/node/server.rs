@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use super::books::{BlockCopy, Books, ClientId, NodeStats, PutRefused, SlotGrant};
 use super::disk::{disk_key, NodeDisk};
 use super::protocol::block_checksum;
-use super::share::SharePolicy;
 use super::protocol::{read_frame, write_frame, Reply, Request, NODE_PROTOCOL_VERSION};
+use super::share::SharePolicy;
 use crate::sys::shm::{self, Arena};
 
 /// Settings of a node service.
@@ -155,11 +155,11 @@ impl NodeServer {
             )
         })?;
         let disk = match &opts.disk_dir {
-            Some(d) if opts.disk_bytes > 0 => Some(Mutex::new(
-                NodeDisk::open(d, opts.disk_bytes).map_err(|e| {
-                    io::Error::other(format!("the node's disk tier at {}: {e}", d.display()))
-                })?,
-            )),
+            Some(d) if opts.disk_bytes > 0 => {
+                Some(Mutex::new(NodeDisk::open(d, opts.disk_bytes).map_err(
+                    |e| io::Error::other(format!("the node's disk tier at {}: {e}", d.display())),
+                )?))
+            }
             _ => None,
         };
         let mut books = Books::with_policy(opts.capacity, opts.share.clone());

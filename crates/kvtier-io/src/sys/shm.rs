@@ -128,11 +128,7 @@ impl Arena {
             // SAFETY: `o + done .. o + done + k` lies inside the mapping (checked above) and
             // `buf` is a private allocation of at least `k` bytes.
             unsafe {
-                std::ptr::copy_nonoverlapping(
-                    self.ptr.as_ptr().add(o + done),
-                    buf.as_mut_ptr(),
-                    k,
-                );
+                std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(o + done), buf.as_mut_ptr(), k);
             }
             h.update(&buf[..k]);
             done += k;
