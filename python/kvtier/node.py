@@ -30,10 +30,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--capacity-gb", type=float, default=4.0, help="shared host memory for blocks (decimal GB)")
     p.add_argument("--shm-dir", default=None, help="tmpfs directory of the shared arena (default /dev/shm)")
     p.add_argument("--allow-uid", type=int, action="append", default=[], help="another user id allowed to attach")
+    p.add_argument(
+        "--share",
+        default="equal",
+        help="how the arena is shared among models: equal, or weighted:NAME=W,... (unlisted models weigh 1)",
+    )
+    p.add_argument("--disk-dir", default=None, help="the node's own disk tier behind the arena (kept across restarts)")
+    p.add_argument("--disk-gb", type=float, default=0.0, help="size of the node's disk tier (decimal GB)")
     args = p.parse_args(argv)
+    if args.disk_dir is not None and not args.disk_gb > 0:
+        p.error("--disk-dir needs --disk-gb > 0")
     if not args.capacity_gb > 0:
         p.error("--capacity-gb must be positive")
-    server = NodeServer(args.socket, int(args.capacity_gb * 1e9), args.shm_dir, args.allow_uid)
+    server = NodeServer(
+        args.socket, int(args.capacity_gb * 1e9), args.shm_dir, args.allow_uid, args.share, args.disk_dir, int(args.disk_gb * 1e9)
+    )
     stop = threading.Event()
     signals = []
 

@@ -22,10 +22,15 @@ fn node(dir: &Path) -> NodeServer {
     NodeServer::start(&o).unwrap()
 }
 
-/// An engine whose own host tier is a small staging area; the node is the shared host cache.
+/// A node-only engine: no host tier of its own, the node's arena is its G2 (device <-> arena).
 fn engine_cfg(seed: u64, socket: &Path) -> EngineConfig {
+    engine_cfg_with(seed, socket, None)
+}
+
+/// An engine whose own host tier (`host` blocks) stages puts in front of the node.
+fn engine_cfg_with(seed: u64, socket: &Path, host: Option<u64>) -> EngineConfig {
     let mut kv = KvtierConfig::default();
-    kv.host.size = Some(TierSize::Blocks(16));
+    kv.host.size = host.map(TierSize::Blocks);
     kv.remote = Some(RemoteTarget::parse(&format!("node://{}", socket.display())).unwrap());
     kv.validate().unwrap();
     let mut c = EngineConfig::builtin(seed);
@@ -37,12 +42,21 @@ fn engine_cfg(seed: u64, socket: &Path) -> EngineConfig {
 
 #[test]
 fn a_second_engine_is_served_from_blocks_the_first_stored() {
+    second_engine_served(None);
+}
+
+#[test]
+fn a_second_engine_is_served_through_host_staging_tiers() {
+    second_engine_served(Some(16));
+}
+
+fn second_engine_served(host: Option<u64>) {
     let dir = tempfile::tempdir().unwrap();
     let n = node(dir.path());
     let ps = prompts(8, 64);
-    let want = reference(engine_cfg(31, n.socket()), &ps, 8);
+    let want = reference(engine_cfg_with(31, n.socket(), host), &ps, 8);
 
-    let a = EngineHandle::start(engine_cfg(31, n.socket())).unwrap();
+    let a = EngineHandle::start(engine_cfg_with(31, n.socket(), host)).unwrap();
     let got_a = run_all(&a, ps.iter().map(|p| request(p, 8)).collect());
     assert!(a.wait_idle(IDLE));
     assert!(
@@ -55,7 +69,7 @@ fn a_second_engine_is_served_from_blocks_the_first_stored() {
         n.stats()
     );
 
-    let b = EngineHandle::start(engine_cfg(31, n.socket())).unwrap();
+    let b = EngineHandle::start(engine_cfg_with(31, n.socket(), host)).unwrap();
     let got_b = run_all(&b, ps.iter().map(|p| request(p, 8)).collect());
     assert!(
         got_b.iter().map(|g| &g.0).eq(want.iter()),

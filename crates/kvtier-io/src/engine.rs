@@ -7,7 +7,10 @@
 //! CUDA. A job runs in slices of half the buffer: loads read a slice from disk/remote into one
 //! half, then copy the blocks that arrived intact to the device; stores copy device blocks into
 //! one half, then write the ones that copied to disk/remote. The disk/remote leg of one slice
-//! overlaps the device leg of the neighbouring slice, which uses the other half.
+//! overlaps the device leg of the neighbouring slice, which uses the other half. The node tier
+//! is the exception: its device <-> remote jobs copy between device blocks and slots of the
+//! node's shared arena directly (`node::direct`), staged only on a CUDA device whose arena
+//! mapping could not be registered for DMA.
 //!
 //! Invariants: every pair of a job is either copied completely or listed in `Failed` with its
 //! reason (a bad block id, a checksum mismatch, a missing remote key, a CUDA or I/O error); pairs
@@ -28,6 +31,7 @@ use crate::disk::{DiskOptions, DiskStorage};
 use crate::error::IoError;
 use crate::host::{HostOptions, HostStorage, PinMode};
 use crate::layout::{BlockChunks, DeviceLayout};
+use crate::node::NodeStore;
 use crate::sys::mem;
 
 /// Builds a [`TransferEngine`] from the tiers a worker has.
@@ -158,6 +162,21 @@ impl TransferEngineBuilder {
             )?),
             None => None,
         };
+        if let (Some(dev), Some(node)) = (
+            &device,
+            self.remote
+                .as_ref()
+                .and_then(|r| r.as_any())
+                .and_then(|a| a.downcast_ref::<NodeStore>()),
+        ) {
+            if let DeviceKind::Cuda(ordinal) = dev.kind() {
+                // Device <-> arena copies are DMA once the mapping is page-locked for this
+                // device (done when the arena is mapped; without it jobs are staged).
+                if let Ok(o) = i32::try_from(ordinal) {
+                    node.use_cuda(o);
+                }
+            }
+        }
         let bounce = match &device {
             Some(dev) if self.disk.is_some() || self.remote.is_some() => {
                 let blocks = self
@@ -178,6 +197,7 @@ impl TransferEngineBuilder {
             remote: self.remote,
             bounce,
             setup_errors: self.setup_errors,
+            node_direct_jobs: Default::default(),
         })
     }
 }
@@ -193,6 +213,8 @@ pub struct TransferEngine {
     /// Present when there is a device and a disk or remote tier.
     bounce: Option<Bounces>,
     setup_errors: Vec<String>,
+    /// Jobs the node tier's direct path served (device <-> arena, no staging copy).
+    node_direct_jobs: std::sync::atomic::AtomicU64,
 }
 
 /// A bounce buffer: a few host blocks, used by one slice of one job at a time.
@@ -294,6 +316,16 @@ impl TransferEngine {
     pub fn device_kind(&self) -> Option<DeviceKind> {
         self.device.as_ref().map(|d| d.kind())
     }
+    /// Device <-> node jobs that copied between device blocks and arena slots directly.
+    pub fn node_direct_jobs(&self) -> u64 {
+        self.node_direct_jobs
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+    /// Whether the node tier's arena is registered with CUDA for DMA (false without a node
+    /// tier, before the first attach, or on a CPU device).
+    pub fn node_arena_registered(&self) -> bool {
+        self.node_store().is_some_and(|n| n.arena_registered())
+    }
     /// Blocks in each bounce buffer (None when no device <-> disk/remote path exists).
     pub fn bounce_blocks(&self) -> Option<usize> {
         self.bounce.as_ref().map(|b| b.load.blocks)
@@ -357,6 +389,8 @@ impl TransferEngine {
             (Tier::Host, Tier::Remote) | (Tier::Remote, Tier::Host) => {
                 self.host_far(job, Tier::Remote, &mut res)
             }
+            (Tier::Remote, Tier::Device) | (Tier::Device, Tier::Remote)
+                if self.node_direct(job, fence, &mut res) => {}
             (Tier::Disk | Tier::Remote, Tier::Device) => self.staged(job, fence, false, &mut res),
             (Tier::Device, Tier::Disk | Tier::Remote) => self.staged(job, fence, true, &mut res),
             (src, dst) => {
@@ -366,6 +400,34 @@ impl TransferEngine {
             }
         }
         res.outcome()
+    }
+
+    /// The node tier's device <-> arena path (`node::direct`); false when the job must be
+    /// staged instead (no node store, or a CUDA device and an arena not registered for DMA).
+    fn node_direct(&self, job: &TransferJob, fence: &Fence, res: &mut Results) -> bool {
+        let (Some(dev), Some(node)) = (&self.device, self.node_store()) else {
+            return false;
+        };
+        let store = job.dst == Tier::Remote;
+        match crate::node::direct::run(dev, node, job, fence, self.bytes_per_block, store) {
+            Some(failed) => {
+                self.node_direct_jobs
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                for (i, why) in failed {
+                    res.fail(i, why);
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The remote store when it is the node tier.
+    fn node_store(&self) -> Option<&NodeStore> {
+        self.remote
+            .as_ref()
+            .and_then(|r| r.as_any())
+            .and_then(|a| a.downcast_ref::<NodeStore>())
     }
 
     fn host_to_host(&self, job: &TransferJob, res: &mut Results) {

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use kvtier_io::node::{NodeOptions, NodeServer};
+use kvtier_io::node::{NodeOptions, NodeServer, SharePolicy};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -24,12 +24,15 @@ pub struct PyNodeServer {
 #[pymethods]
 impl PyNodeServer {
     #[new]
-    #[pyo3(signature = (socket, capacity_bytes, shm_dir = None, allowed_uids = Vec::new()))]
+    #[pyo3(signature = (socket, capacity_bytes, shm_dir = None, allowed_uids = Vec::new(), share = "equal".to_string(), disk_dir = None, disk_bytes = 0))]
     fn new(
         socket: PathBuf,
         capacity_bytes: u64,
         shm_dir: Option<PathBuf>,
         allowed_uids: Vec<u32>,
+        share: String,
+        disk_dir: Option<PathBuf>,
+        disk_bytes: u64,
     ) -> PyResult<Self> {
         if capacity_bytes == 0 {
             return Err(
@@ -41,6 +44,13 @@ impl PyNodeServer {
             opts.shm_dir = d;
         }
         opts.allowed_uids = allowed_uids;
+        opts.share = SharePolicy::parse(&share)
+            .map_err(|e| BridgeError::local(Family::Config, format!("share: {e}")))?;
+        if disk_dir.is_some() && disk_bytes == 0 {
+            return Err(BridgeError::local(Family::Config, "disk_dir needs disk_bytes > 0").into());
+        }
+        opts.disk_dir = disk_dir;
+        opts.disk_bytes = disk_bytes;
         let server = NodeServer::start(&opts).map_err(|e| {
             BridgeError::local(
                 Family::Config,
@@ -75,6 +85,9 @@ impl PyNodeServer {
                 ("get_misses", s.get_misses),
                 ("evictions", s.evictions),
                 ("abandoned_puts", s.abandoned_puts),
+                ("disk_blocks", s.disk_blocks),
+                ("disk_spills", s.disk_spills),
+                ("disk_hits", s.disk_hits),
             ] {
                 d.set_item(k, v)?;
             }

@@ -18,8 +18,10 @@
 //!   (the `*_OVERRIDE_NUM_BLOCKS` semantics);
 //! - a built config has at least one offload tier; a disk tier may stand alone (disk-only: the
 //!   device's blocks go to disk and come back from it directly, written through as they
-//!   complete, since the G2->G3 frequency filter needs G2 sightings); a remote tier needs a host
-//!   tier (puts to the remote store are made from host memory).
+//!   complete, since the G2->G3 frequency filter needs G2 sightings); a Redis or directory
+//!   remote tier needs a host tier (puts to it are made from host memory), while the node tier
+//!   (`remote.url = node://...`) may stand alone: node-only, its shared arena is the engine's
+//!   G2 (stores go device -> arena slot, loads arena -> device).
 //!
 //! ```
 //! use std::collections::HashMap;
@@ -730,11 +732,16 @@ impl KvtierConfig {
         if !has_host && self.disk.size.is_none() && self.remote.is_none() {
             return Err(ConfigError::NoOffloadTier);
         }
-        if !has_host && self.remote.is_some() {
+        let node = self
+            .remote
+            .as_ref()
+            .is_some_and(|r| matches!(r.backend, RemoteBackend::Node { .. }));
+        if !has_host && self.remote.is_some() && !node {
             return Err(ConfigError::Invalid {
                 setting: "remote.url (KVTIER_REMOTE_URL)".into(),
-                reason: "a remote tier needs a host tier (blocks are put to the remote store \
-                         from host memory): set host.gb or host.num_blocks"
+                reason: "a Redis or directory remote tier needs a host tier (blocks are put to \
+                         the remote store from host memory): set host.gb or host.num_blocks \
+                         (only the node tier, node://, may stand alone)"
                     .into(),
             });
         }

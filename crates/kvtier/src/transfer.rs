@@ -143,4 +143,9 @@ pub trait RemoteStore: Send + Sync {
     fn get(&self, key: u128, out: &mut [u8]) -> Result<(), TransferError>;
     /// Which of `keys` are present (one round trip).
     fn contains(&self, keys: &[u128]) -> Result<Vec<bool>, TransferError>;
+    /// The concrete store, for transfer engines that move some stores' bytes without a staging
+    /// copy (kvtier-io's node tier: device <-> shared arena). `None` by default.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }

@@ -71,6 +71,18 @@ fn no_tier_is_an_error() {
     .unwrap_err();
     assert!(setting_of(&e).contains("remote.url"), "{e}");
     assert!(e.to_string().contains("needs a host tier"), "{e}");
+    // The node tier may stand alone: its shared arena is the engine's G2 (node-only).
+    let c = KvtierConfig::build(
+        None,
+        &env(&[
+            ("KVTIER_REMOTE_URL", "node:///run/kvtier/node.sock"),
+            ("KVTIER_HOST_NUM_BLOCKS", "0"),
+        ]),
+        None,
+    )
+    .unwrap();
+    assert_eq!(c.host.size, None);
+    assert!(c.remote.is_some());
 }
 
 #[test]

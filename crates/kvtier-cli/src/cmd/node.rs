@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use kvtier_io::node::{NodeOptions, NodeServer};
+use kvtier_io::node::{NodeOptions, NodeServer, SharePolicy};
 
 /// `kvtier node` flags.
 #[derive(Debug, Clone, Args)]
@@ -32,6 +32,17 @@ pub struct NodeArgs {
     /// Close a connection idle this long (seconds).
     #[arg(long, default_value_t = 3600)]
     pub idle_timeout_s: u64,
+    /// How the arena is shared among models: `equal`, or `weighted:NAME=W,...` (NAME is a
+    /// namespace or its model part; unlisted models weigh 1). See docs/arch/node.md.
+    #[arg(long, default_value = "equal")]
+    pub share: String,
+    /// The node's own disk tier behind the arena: blocks evicted from the arena are kept here
+    /// and served from it; kept across node restarts (warm restart). Off without it.
+    #[arg(long)]
+    pub disk_dir: Option<PathBuf>,
+    /// Size of the node's disk tier, in GB (decimal).
+    #[arg(long, default_value_t = 0.0)]
+    pub disk_gb: f64,
 }
 
 /// Run the node until a signal.
@@ -47,6 +58,12 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<()> {
     opts.shm_dir = args.shm_dir.clone();
     opts.allowed_uids = args.allow_uids.clone();
     opts.idle_timeout = Duration::from_secs(args.idle_timeout_s.max(1));
+    if args.disk_dir.is_some() && !(args.disk_gb.is_finite() && args.disk_gb > 0.0) {
+        bail!("--disk-dir needs --disk-gb > 0, got {}", args.disk_gb);
+    }
+    opts.disk_dir = args.disk_dir.clone();
+    opts.disk_bytes = (args.disk_gb * 1e9) as u64;
+    opts.share = SharePolicy::parse(&args.share).map_err(|e| anyhow::anyhow!("--share {e}"))?;
     let mut node = NodeServer::start(&opts)
         .with_context(|| format!("starting the kvtier node on {}", args.socket.display()))?;
     println!("serving {}", args.socket.display());

@@ -17,10 +17,13 @@
 //!   reservations end when it detaches (a crashed engine leaks nothing);
 //! - keys live in their namespace: a lookup in one namespace never sees another's blocks;
 //! - eviction takes the least recently used unpinned block of the needed class, preferring the
-//!   namespace that holds the most bytes above its fair share (capacity / namespaces attached),
-//!   so one engine filling the node cannot push out another's blocks below its share;
+//!   namespace that holds the most bytes above its fair share (capacity * its weight / the
+//!   weights of the namespaces attached; [`SharePolicy`], equal weights by default), so one
+//!   engine filling the node cannot push out another's blocks below its share;
 //! - slots never overlap and never exceed the arena (`offset + class bytes <= capacity`).
 use std::collections::{BTreeMap, HashMap};
+
+use super::share::SharePolicy;
 
 /// One attached client (connection).
 pub type ClientId = u64;
@@ -72,6 +75,16 @@ struct Client {
     reservations: Vec<u64>,
 }
 
+/// A committed block as the node's disk tier needs it (evicted, or left at shutdown).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockCopy {
+    pub namespace: String,
+    pub key: u128,
+    pub offset: u64,
+    pub bytes: u64,
+    pub checksum: u64,
+}
+
 /// Counters of the node (reported by `kvtier node` and its stats request).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NodeStats {
@@ -85,6 +98,10 @@ pub struct NodeStats {
     pub get_misses: u64,
     pub evictions: u64,
     pub abandoned_puts: u64,
+    /// The node's disk tier: blocks held, blocks spilled to it, reads it served.
+    pub disk_blocks: u64,
+    pub disk_spills: u64,
+    pub disk_hits: u64,
 }
 
 /// The books of one node tier (see the module docs).
@@ -94,6 +111,9 @@ pub struct Books {
     bump: u64,
     free: HashMap<u64, Vec<u64>>,
     namespaces: Vec<String>,
+    /// Weight of each namespace (by index), from `policy`.
+    weights: Vec<u32>,
+    policy: SharePolicy,
     /// (namespace, key) -> block id (committed blocks only).
     index: HashMap<(u32, u128), u64>,
     blocks: HashMap<u64, Block>,
@@ -108,16 +128,27 @@ pub struct Books {
     next_id: u64,
     tick: u64,
     stats: NodeStats,
+    /// With a disk tier behind the arena: blocks evicted since the last `take_evicted` (their
+    /// slots are not handed to a writer before the server copied them out, under the lock).
+    keep_evicted: bool,
+    evicted: Vec<BlockCopy>,
 }
 
 impl Books {
     /// Books over an arena of `capacity` bytes.
     pub fn new(capacity: u64) -> Self {
+        Self::with_policy(capacity, SharePolicy::Equal)
+    }
+
+    /// Books whose fair shares follow `policy`.
+    pub fn with_policy(capacity: u64, policy: SharePolicy) -> Self {
         Books {
             capacity,
             bump: 0,
             free: HashMap::new(),
             namespaces: Vec::new(),
+            weights: Vec::new(),
+            policy,
             index: HashMap::new(),
             blocks: HashMap::new(),
             lru: BTreeMap::new(),
@@ -131,6 +162,44 @@ impl Books {
                 capacity,
                 ..NodeStats::default()
             },
+            keep_evicted: false,
+            evicted: Vec::new(),
+        }
+    }
+
+    /// Keep each evicted block's place for [`Books::take_evicted`] (a disk tier spills them).
+    pub fn set_keep_evicted(&mut self, on: bool) {
+        self.keep_evicted = on;
+    }
+
+    /// Blocks evicted since the last call. Their slots may already be reserved by the put that
+    /// evicted them: copy their bytes out before that put's writer is told its slot.
+    pub fn take_evicted(&mut self) -> Vec<BlockCopy> {
+        std::mem::take(&mut self.evicted)
+    }
+
+    /// Every committed block (the disk tier keeps them at shutdown).
+    pub fn committed(&self) -> Vec<BlockCopy> {
+        self.blocks.values().map(|b| self.copy_of(b)).collect()
+    }
+
+    /// The namespace `client` attached with.
+    pub fn namespace_of(&self, client: ClientId) -> Option<&str> {
+        let ns = self.clients.get(&client)?.ns;
+        self.namespaces.get(ns as usize).map(String::as_str)
+    }
+
+    fn copy_of(&self, b: &Block) -> BlockCopy {
+        BlockCopy {
+            namespace: self
+                .namespaces
+                .get(b.ns as usize)
+                .cloned()
+                .unwrap_or_default(),
+            key: b.key,
+            offset: b.offset,
+            bytes: b.bytes,
+            checksum: b.checksum,
         }
     }
 
@@ -145,6 +214,7 @@ impl Books {
             Some(i) => i as u32,
             None => {
                 self.namespaces.push(namespace.to_owned());
+                self.weights.push(self.policy.weight(namespace));
                 (self.namespaces.len() - 1) as u32
             }
         };
@@ -351,7 +421,12 @@ impl Books {
             return Some(off);
         }
         let victim = self.victim(ns, bytes)?;
-        let off = self.blocks.get(&victim)?.offset;
+        let b = self.blocks.get(&victim)?;
+        let off = b.offset;
+        if self.keep_evicted {
+            let c = self.copy_of(b);
+            self.evicted.push(c);
+        }
         self.remove_block(victim);
         self.stats.evictions += 1;
         // The victim's slot went to the free list; take it back for this put.
@@ -370,10 +445,12 @@ impl Books {
         active.push(requester);
         active.sort_unstable();
         active.dedup();
-        let share = self.capacity / active.len().max(1) as u64;
+        let weight = |ns: u32| self.weights.get(ns as usize).copied().unwrap_or(1) as u128;
+        let total: u128 = active.iter().map(|&n| weight(n)).sum::<u128>().max(1);
         let over = |ns: u32| -> i128 {
+            let share = (self.capacity as u128 * weight(ns) / total) as i128;
             let used = self.ns_bytes.get(&ns).copied().unwrap_or(0) as i128;
-            used - share as i128
+            used - share
         };
         let candidates = self.lru.keys().filter_map(|(_, id)| {
             let b = self.blocks.get(id)?;
@@ -499,6 +576,44 @@ mod tests {
         // b holds 30 of its 50-byte share: all of its blocks survive a's flood.
         assert_eq!(b.contains(q, &[1000, 1001, 1002]), vec![true; 3]);
         assert!(b.stats().evictions > 0);
+    }
+
+    #[test]
+    fn weighted_shares_protect_the_heavier_namespace() {
+        // 10 slots; a weighs 3, b 1: a's share is 7.5 slots, b's 2.5.
+        let p = SharePolicy::parse("weighted:a=3").unwrap();
+        let mut b = Books::with_policy(10 * 10, p);
+        let a = b.attach("a-0000000000000000");
+        let q = b.attach("b-0000000000000000");
+        for k in 0..7 {
+            put(&mut b, a, k, 10).unwrap();
+        }
+        for k in 0..50 {
+            put(&mut b, q, 1000 + k, 10).unwrap();
+        }
+        // b's flood never takes a's 7 slots (below its share), only its own.
+        assert_eq!(b.contains(a, &[0, 1, 2, 3, 4, 5, 6]), vec![true; 7]);
+        assert_eq!(
+            b.stats().puts_full,
+            0,
+            "a full node evicts, it does not refuse"
+        );
+        // With equal weights a's 7 slots are above its share of 5: b's flood takes 2 of them.
+        let mut e = Books::new(10 * 10);
+        let a = e.attach("a-0000000000000000");
+        let q = e.attach("b-0000000000000000");
+        for k in 0..7 {
+            put(&mut e, a, k, 10).unwrap();
+        }
+        for k in 0..50 {
+            put(&mut e, q, 1000 + k, 10).unwrap();
+        }
+        let kept = e
+            .contains(a, &[0, 1, 2, 3, 4, 5, 6])
+            .iter()
+            .filter(|x| **x)
+            .count();
+        assert_eq!(kept, 5, "equal shares: a keeps exactly its share");
     }
 
     #[derive(Clone, Debug)]

@@ -11,7 +11,13 @@
 //!   process dies is discarded by the node;
 //! - every socket operation is bounded by `io_timeout`; a node that is down or stuck gives
 //!   `RemoteError::Unavailable` (misses and skipped stores), never a hang; a full node gives a
-//!   skipped store.
+//!   skipped store;
+//! - the direct paths ([`NodeStore::store_direct`], [`NodeStore::load_direct`], used by the
+//!   transfer engine to copy device <-> arena slot with no staging copy) keep every reservation
+//!   and lease of a job on one connection, verify a leased slot's checksum before its bytes are
+//!   copied out, and count a pair done only when the node acknowledged its `CommitPut` or
+//!   `EndGet`: a connection that dies midway (the node then detached this client, so the slot
+//!   may be reused) fails the pairs still open, never reports them done.
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
@@ -54,6 +60,8 @@ pub struct NodeStore {
     /// `None` until the first connection succeeds.
     arena: RwLock<Option<(String, Arc<Arena>)>>,
     idle: Mutex<Vec<Conn>>,
+    /// CUDA device whose context registers each arena mapping (set by a CUDA transfer engine).
+    cuda: Mutex<Option<i32>>,
 }
 
 impl std::fmt::Debug for NodeStore {
@@ -142,7 +150,30 @@ impl NodeStore {
             opts,
             arena: RwLock::new(None),
             idle: Mutex::new(Vec::new()),
+            cuda: Mutex::new(None),
         }
+    }
+
+    /// Register every arena this process maps (the current one, and a restarted node's) with
+    /// CUDA device `ordinal` for direct DMA. Registration failures are logged; the transfer
+    /// engine then stages GPU copies through its bounce buffer instead.
+    pub fn use_cuda(&self, ordinal: i32) {
+        *self.cuda.lock().unwrap_or_else(|p| p.into_inner()) = Some(ordinal);
+        // The arena mapped so far (if any) is replaced by a registered mapping on next attach.
+        let mut arena = self.arena.write().unwrap_or_else(|p| p.into_inner());
+        if arena.as_ref().is_some_and(|(_, a)| !a.cuda_registered()) {
+            *arena = None;
+            self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        }
+    }
+
+    /// Whether the arena mapped now is registered with CUDA (false before the first attach).
+    pub fn arena_registered(&self) -> bool {
+        self.arena
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .is_some_and(|(_, a)| a.cuda_registered())
     }
 
     fn pool(&self, c: Conn) {
@@ -172,7 +203,18 @@ impl NodeStore {
             }
             None => {}
         }
-        let a = Arc::new(map_arena(&path, bytes)?);
+        let mut mapped = map_arena(&path, bytes)?;
+        let cuda = *self.cuda.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(ordinal) = cuda {
+            match mapped.register_cuda(ordinal) {
+                Ok(()) => tracing::info!(arena = %path, ordinal, "node arena registered with CUDA"),
+                Err(e) => tracing::warn!(
+                    arena = %path,
+                    "node arena not registered with CUDA ({e}); GPU copies are staged"
+                ),
+            }
+        }
+        let a = Arc::new(mapped);
         *arena = Some((path, Arc::clone(&a)));
         Ok((c, a))
     }
@@ -204,6 +246,9 @@ impl NodeStore {
                 get_misses,
                 evictions,
                 abandoned_puts,
+                disk_blocks,
+                disk_spills,
+                disk_hits,
             } => Ok(vec![
                 ("clients", clients),
                 ("blocks", blocks),
@@ -215,13 +260,249 @@ impl NodeStore {
                 ("get_misses", get_misses),
                 ("evictions", evictions),
                 ("abandoned_puts", abandoned_puts),
+                ("disk_blocks", disk_blocks),
+                ("disk_spills", disk_spills),
+                ("disk_hits", disk_hits),
             ]),
             other => Err(unavailable("stats", format!("unexpected reply {other:?}"))),
         }
     }
 }
 
+/// One pair of a direct job: done, or why not.
+pub(crate) type PairResult = Result<(), String>;
+
+/// Items a direct job's device leg copies: `(index into the job's keys, arena address)`;
+/// the leg returns the indices it failed, with reasons.
+pub(crate) type DeviceLeg<'a> = dyn FnOnce(&[(usize, usize)]) -> Vec<(usize, String)> + 'a;
+
+impl NodeStore {
+    /// Device -> arena for `keys` (blocks of `bytes`): reserve a slot per key, let `copy` fill
+    /// the slots, then commit each slot copied with the checksum of its arena bytes (or abort
+    /// it). `None` when the direct path cannot serve this job (`need_cuda` and the arena is not
+    /// registered with CUDA): the caller stages it instead. A key the node already holds is done
+    /// without a copy; a full node fails the pair (the store is skipped).
+    pub(crate) fn store_direct(
+        &self,
+        keys: &[u128],
+        bytes: usize,
+        need_cuda: bool,
+        copy: Box<DeviceLeg<'_>>,
+    ) -> Option<Vec<PairResult>> {
+        let (mut c, arena) = match self.conn() {
+            Ok(x) => x,
+            Err(e) => return Some(vec![Err(format!("node: {e}")); keys.len()]),
+        };
+        if need_cuda && !arena.cuda_registered() {
+            self.pool(c);
+            return None;
+        }
+        let mut out: Vec<PairResult> = vec![Ok(()); keys.len()];
+        let mut broken: Option<String> = None;
+        let mut grants: Vec<(usize, u64, u64)> = Vec::new();
+        let mut items: Vec<(usize, usize)> = Vec::new();
+        for (k, &key) in keys.iter().enumerate() {
+            if let Some(b) = &broken {
+                out[k] = Err(b.clone());
+                continue;
+            }
+            let req = Request::BeginPut {
+                key,
+                bytes: bytes as u64,
+            };
+            match c.call(&req) {
+                Ok(Reply::PutSlot { id, offset }) => match arena.addr(offset, bytes) {
+                    Ok(a) => {
+                        grants.push((k, id, offset));
+                        items.push((k, a));
+                    }
+                    Err(e) => {
+                        out[k] = Err(format!("node slot: {e}"));
+                        if let Err(e) = c.call(&Request::AbortPut(id)) {
+                            broken = Some(format!("node: {e}"));
+                        }
+                    }
+                },
+                Ok(Reply::AlreadyPresent) => {}
+                Ok(Reply::Full) => out[k] = Err("the kvtier node is full; store skipped".into()),
+                Ok(other) => out[k] = Err(format!("node put: unexpected reply {other:?}")),
+                Err(e) => {
+                    broken = Some(format!("node: {e}"));
+                    out[k] = Err(format!("node: {e}"));
+                }
+            }
+        }
+        let failed = if items.is_empty() {
+            Vec::new()
+        } else {
+            copy(&items)
+        };
+        for (k, why) in failed {
+            if let Some(o) = out.get_mut(k) {
+                *o = Err(why);
+            }
+        }
+        for (k, id, offset) in grants {
+            if let Some(b) = &broken {
+                // The node detached this connection: the reservation vanished there.
+                out[k] = Err(b.clone());
+                continue;
+            }
+            let req = if out[k].is_err() {
+                Request::AbortPut(id)
+            } else {
+                match arena.checksum(keys[k], offset, bytes) {
+                    Ok(checksum) => Request::CommitPut { id, checksum },
+                    Err(e) => {
+                        out[k] = Err(format!("node slot: {e}"));
+                        Request::AbortPut(id)
+                    }
+                }
+            };
+            match c.call(&req) {
+                Ok(Reply::Done) => {}
+                Ok(other) => out[k] = Err(format!("node commit refused: {other:?}")),
+                Err(e) => {
+                    broken = Some(format!("node: {e}"));
+                    out[k] = Err(format!("node: {e}"));
+                }
+            }
+        }
+        if broken.is_none() {
+            self.pool(c);
+        }
+        Some(out)
+    }
+
+    /// Arena -> device for `keys`: lease each block, verify its arena bytes against the
+    /// checksum its writer committed (a mismatch drops it at the node), let `copy` move the
+    /// verified slots to the device, then end the leases. A pair counts only when its lease was
+    /// still held when its copy finished (the node acknowledged `EndGet`). `None` as in
+    /// [`Self::store_direct`].
+    pub(crate) fn load_direct(
+        &self,
+        keys: &[u128],
+        bytes: usize,
+        need_cuda: bool,
+        copy: Box<DeviceLeg<'_>>,
+    ) -> Option<Vec<PairResult>> {
+        let (mut c, arena) = match self.conn() {
+            Ok(x) => x,
+            Err(e) => return Some(vec![Err(format!("node: {e}")); keys.len()]),
+        };
+        if need_cuda && !arena.cuda_registered() {
+            self.pool(c);
+            return None;
+        }
+        let mut out: Vec<PairResult> = vec![Ok(()); keys.len()];
+        let mut broken: Option<String> = None;
+        let mut leases: Vec<(usize, u64)> = Vec::new();
+        let mut items: Vec<(usize, usize)> = Vec::new();
+        for (k, &key) in keys.iter().enumerate() {
+            if let Some(b) = &broken {
+                out[k] = Err(b.clone());
+                continue;
+            }
+            let (id, offset, stored, checksum) = match c.call(&Request::BeginGet(key)) {
+                Ok(Reply::Lease {
+                    id,
+                    offset,
+                    bytes,
+                    checksum,
+                }) => (id, offset, bytes, checksum),
+                Ok(Reply::Missing) => {
+                    out[k] = Err(RemoteError::Missing { key }.to_string());
+                    continue;
+                }
+                Ok(other) => {
+                    out[k] = Err(format!("node get: unexpected reply {other:?}"));
+                    continue;
+                }
+                Err(e) => {
+                    broken = Some(format!("node: {e}"));
+                    out[k] = Err(format!("node: {e}"));
+                    continue;
+                }
+            };
+            let verdict = if stored != bytes as u64 {
+                Err((
+                    Request::EndGet(id),
+                    RemoteError::SizeMismatch {
+                        key,
+                        expected: bytes,
+                        stored: stored as usize,
+                    }
+                    .to_string(),
+                ))
+            } else {
+                match (
+                    arena.addr(offset, bytes),
+                    arena.checksum(key, offset, bytes),
+                ) {
+                    (Ok(a), Ok(sum)) if sum == checksum => Ok(a),
+                    (Ok(_), Ok(_)) => Err((
+                        Request::Damaged(id),
+                        RemoteError::Corrupt {
+                            key,
+                            reason: "the node's copy does not match its checksum".into(),
+                        }
+                        .to_string(),
+                    )),
+                    (Err(e), _) | (_, Err(e)) => {
+                        Err((Request::EndGet(id), format!("node slot: {e}")))
+                    }
+                }
+            };
+            match verdict {
+                Ok(a) => {
+                    leases.push((k, id));
+                    items.push((k, a));
+                }
+                Err((end, why)) => {
+                    out[k] = Err(why);
+                    if let Err(e) = c.call(&end) {
+                        broken = Some(format!("node: {e}"));
+                    }
+                }
+            }
+        }
+        let failed = if items.is_empty() {
+            Vec::new()
+        } else {
+            copy(&items)
+        };
+        for (k, why) in failed {
+            if let Some(o) = out.get_mut(k) {
+                *o = Err(why);
+            }
+        }
+        for (k, id) in leases {
+            if let Some(b) = &broken {
+                // The lease may have ended while the copy ran: the bytes are not trusted.
+                out[k] = Err(b.clone());
+                continue;
+            }
+            match c.call(&Request::EndGet(id)) {
+                Ok(Reply::Done) => {}
+                Ok(other) => out[k] = Err(format!("node end of lease: {other:?}")),
+                Err(e) => {
+                    broken = Some(format!("node: {e}"));
+                    out[k] = Err(format!("node: {e}"));
+                }
+            }
+        }
+        if broken.is_none() {
+            self.pool(c);
+        }
+        Some(out)
+    }
+}
+
 impl RemoteStore for NodeStore {
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+
     fn put(&self, key: u128, data: &[u8]) -> Result<(), TransferError> {
         Ok(self.with_conn(|c, arena| {
             let req = Request::BeginPut {

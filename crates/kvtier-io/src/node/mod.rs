@@ -10,10 +10,16 @@
 //! node degrades to skipped stores and misses.
 mod books;
 mod client;
+pub(crate) mod direct;
+mod disk;
+#[cfg(test)]
+mod gpu_tests;
 mod protocol;
 mod server;
+mod share;
 
-pub use books::{Books, ClientId, NodeStats, PutRefused, SlotGrant};
+pub use books::{BlockCopy, Books, ClientId, NodeStats, PutRefused, SlotGrant};
 pub use client::{NodeClientOptions, NodeStore};
 pub use protocol::{block_checksum, Reply, Request, MAX_FRAME, NODE_PROTOCOL_VERSION};
 pub use server::{NodeOptions, NodeServer};
+pub use share::SharePolicy;

@@ -10,7 +10,7 @@ use std::io::{self, Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// Version of this protocol; a client of another version is refused at `Hello`.
-pub const NODE_PROTOCOL_VERSION: u32 = 1;
+pub const NODE_PROTOCOL_VERSION: u32 = 2;
 
 /// Largest frame either side accepts (a `Contains` of 64k keys fits).
 pub const MAX_FRAME: usize = 4 << 20;
@@ -80,6 +80,9 @@ pub enum Reply {
         get_misses: u64,
         evictions: u64,
         abandoned_puts: u64,
+        disk_blocks: u64,
+        disk_spills: u64,
+        disk_hits: u64,
     },
 }
 

@@ -20,8 +20,11 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::books::{Books, ClientId, PutRefused};
+use super::books::{BlockCopy, Books, ClientId, NodeStats, PutRefused, SlotGrant};
+use super::disk::{disk_key, NodeDisk};
+use super::protocol::block_checksum;
 use super::protocol::{read_frame, write_frame, Reply, Request, NODE_PROTOCOL_VERSION};
+use super::share::SharePolicy;
 use crate::sys::shm::{self, Arena};
 
 /// Settings of a node service.
@@ -37,6 +40,11 @@ pub struct NodeOptions {
     pub allowed_uids: Vec<u32>,
     /// A connection idle this long is closed (its client detached).
     pub idle_timeout: Duration,
+    /// How the arena is shared among namespaces (default: equal shares).
+    pub share: SharePolicy,
+    /// The node's disk tier behind the arena (`--disk-dir`; none by default) and its size.
+    pub disk_dir: Option<PathBuf>,
+    pub disk_bytes: u64,
 }
 
 impl NodeOptions {
@@ -47,12 +55,19 @@ impl NodeOptions {
             shm_dir: PathBuf::from("/dev/shm"),
             allowed_uids: Vec::new(),
             idle_timeout: Duration::from_secs(3600),
+            share: SharePolicy::Equal,
+            disk_dir: None,
+            disk_bytes: 0,
         }
     }
 }
 
 struct Shared {
     books: Mutex<Books>,
+    /// The disk tier behind the arena; locked only while `books` is held (lock order: books,
+    /// then disk), so an evicted block is copied out before its slot's new writer hears of it.
+    disk: Option<Mutex<NodeDisk>>,
+    arena: Arena,
     arena_path: PathBuf,
     arena_bytes: u64,
     stop: AtomicBool,
@@ -67,7 +82,6 @@ pub struct NodeServer {
     shared: Arc<Shared>,
     socket: PathBuf,
     accept: Option<JoinHandle<()>>,
-    _arena: Arena,
 }
 
 impl std::fmt::Debug for NodeServer {
@@ -140,11 +154,23 @@ impl NodeServer {
                 ),
             )
         })?;
+        let disk = match &opts.disk_dir {
+            Some(d) if opts.disk_bytes > 0 => {
+                Some(Mutex::new(NodeDisk::open(d, opts.disk_bytes).map_err(
+                    |e| io::Error::other(format!("the node's disk tier at {}: {e}", d.display())),
+                )?))
+            }
+            _ => None,
+        };
+        let mut books = Books::with_policy(opts.capacity, opts.share.clone());
+        books.set_keep_evicted(disk.is_some());
         let listener = UnixListener::bind(&opts.socket)?;
         std::fs::set_permissions(&opts.socket, std::fs::Permissions::from_mode(0o600))?;
         listener.set_nonblocking(true)?;
         let shared = Arc::new(Shared {
-            books: Mutex::new(Books::new(opts.capacity)),
+            books: Mutex::new(books),
+            disk,
+            arena,
             arena_path: arena_path.clone(),
             arena_bytes: opts.capacity,
             stop: AtomicBool::new(false),
@@ -161,7 +187,6 @@ impl NodeServer {
             shared,
             socket: opts.socket.clone(),
             accept: Some(accept),
-            _arena: arena,
         })
     }
 
@@ -171,7 +196,7 @@ impl NodeServer {
 
     /// The node's counters.
     pub fn stats(&self) -> super::books::NodeStats {
-        lock(&self.shared.books).stats()
+        stats(&self.shared, &lock(&self.shared.books))
     }
 
     /// Stop accepting, close every connection and remove the socket and the arena file;
@@ -188,6 +213,15 @@ impl NodeServer {
         }
         for (h, _) in conns {
             join_by(h, deadline);
+        }
+        if let Some(d) = &self.shared.disk {
+            // The arena dies with the node: its blocks go to disk (verified), for the next one.
+            let books = lock(&self.shared.books);
+            let mut disk = lock(d);
+            for b in books.committed() {
+                spill_one(&self.shared.arena, &mut disk, &b);
+            }
+            disk.sync();
         }
         let _ = std::fs::remove_file(&self.socket);
         let _ = std::fs::remove_file(&self.shared.arena_path);
@@ -313,21 +347,34 @@ fn handle(shared: &Shared, client: &mut Option<ClientId>, req: Request) -> Reply
     };
     match req {
         Request::Hello { .. } => Reply::Refused("already attached".into()),
-        Request::Contains(keys) => Reply::Present(books.contains(id, &keys)),
+        Request::Contains(keys) => {
+            let mut present = books.contains(id, &keys);
+            if let (Some(d), Some(ns)) = (&shared.disk, books.namespace_of(id)) {
+                let disk = lock(d);
+                for (p, k) in present.iter_mut().zip(&keys) {
+                    *p = *p || disk.contains(disk_key(ns, *k), None);
+                }
+            }
+            Reply::Present(present)
+        }
         Request::BeginPut { bytes, .. } if bytes == 0 || bytes > shared.arena_bytes => {
             Reply::Refused(format!(
                 "a block of {bytes} bytes does not fit this node's {} bytes",
                 shared.arena_bytes
             ))
         }
-        Request::BeginPut { key, bytes } => match books.begin_put(id, key, bytes) {
-            Ok(g) => Reply::PutSlot {
-                id: g.id,
-                offset: g.offset,
-            },
-            Err(PutRefused::Present) => Reply::AlreadyPresent,
-            Err(PutRefused::Full) => Reply::Full,
-        },
+        Request::BeginPut { key, bytes } => {
+            let r = books.begin_put(id, key, bytes);
+            spill_evicted(shared, &mut books);
+            match r {
+                Ok(g) => Reply::PutSlot {
+                    id: g.id,
+                    offset: g.offset,
+                },
+                Err(PutRefused::Present) => Reply::AlreadyPresent,
+                Err(PutRefused::Full) => Reply::Full,
+            }
+        }
         Request::CommitPut { id: put, checksum } => {
             if books.commit_put(id, put, checksum) {
                 Reply::Done
@@ -339,7 +386,10 @@ fn handle(shared: &Shared, client: &mut Option<ClientId>, req: Request) -> Reply
             books.abort_put(id, put);
             Reply::Done
         }
-        Request::BeginGet(key) => match books.begin_get(id, key) {
+        Request::BeginGet(key) => match books
+            .begin_get(id, key)
+            .or_else(|| promote(shared, &mut books, id, key))
+        {
             Some(g) => Reply::Lease {
                 id: g.id,
                 offset: g.offset,
@@ -361,7 +411,7 @@ fn handle(shared: &Shared, client: &mut Option<ClientId>, req: Request) -> Reply
             Reply::Done
         }
         Request::Stats => {
-            let s = books.stats();
+            let s = stats(shared, &books);
             Reply::Stats {
                 clients: s.clients,
                 blocks: s.blocks,
@@ -373,7 +423,68 @@ fn handle(shared: &Shared, client: &mut Option<ClientId>, req: Request) -> Reply
                 get_misses: s.get_misses,
                 evictions: s.evictions,
                 abandoned_puts: s.abandoned_puts,
+                disk_blocks: s.disk_blocks,
+                disk_spills: s.disk_spills,
+                disk_hits: s.disk_hits,
             }
         }
     }
+}
+
+/// The books' counters plus the disk tier's.
+fn stats(shared: &Shared, books: &Books) -> NodeStats {
+    let mut s = books.stats();
+    if let Some(d) = &shared.disk {
+        let d = lock(d);
+        s.disk_blocks = d.len() as u64;
+        s.disk_spills = d.spilled;
+        s.disk_hits = d.hits;
+    }
+    s
+}
+
+/// Copy the blocks just evicted from the arena to the disk tier (under the books' lock: their
+/// slots' new writers have not been told yet).
+fn spill_evicted(shared: &Shared, books: &mut Books) {
+    let Some(d) = &shared.disk else { return };
+    let evicted = books.take_evicted();
+    if evicted.is_empty() {
+        return;
+    }
+    let mut disk = lock(d);
+    for b in &evicted {
+        spill_one(&shared.arena, &mut disk, b);
+    }
+}
+
+/// Write one arena block to disk if its bytes still match the checksum its writer committed.
+fn spill_one(arena: &Arena, disk: &mut NodeDisk, b: &BlockCopy) {
+    let Ok(n) = usize::try_from(b.bytes) else {
+        return;
+    };
+    let mut buf = vec![0u8; n];
+    if arena.read(b.offset, &mut buf).is_err() || block_checksum(b.key, &buf) != b.checksum {
+        tracing::warn!("kvtier node: a damaged arena block was not spilled");
+        return;
+    }
+    disk.spill(disk_key(&b.namespace, b.key), &buf);
+}
+
+/// An arena miss served from the disk tier: the block is read (verified by the disk tier) into
+/// a slot reserved for `client`, committed, then leased to it like any arena block.
+fn promote(shared: &Shared, books: &mut Books, client: ClientId, key: u128) -> Option<SlotGrant> {
+    let d = shared.disk.as_ref()?;
+    let dkey = disk_key(books.namespace_of(client)?, key);
+    let bytes = lock(d).block_bytes_of(dkey)?;
+    let g = books.begin_put(client, key, bytes as u64);
+    spill_evicted(shared, books);
+    let g = g.ok()?;
+    let mut buf = vec![0u8; bytes];
+    let read = lock(d).read(dkey, &mut buf) && shared.arena.write(g.offset, &buf).is_ok();
+    if !read {
+        books.abort_put(client, g.id);
+        return None;
+    }
+    books.commit_put(client, g.id, block_checksum(key, &buf));
+    books.begin_get(client, key)
 }

@@ -10,7 +10,10 @@
 //!   because other processes write them. Which process writes which range when is the node's
 //!   books' business (one writer per reserved slot; leased slots are never rewritten);
 //! - the node holds an exclusive `flock` on its arena file for its lifetime, so a file whose lock
-//!   is free belongs to a node that died and may be removed.
+//!   is free belongs to a node that died and may be removed;
+//! - an engine process on a CUDA machine may register its mapping with the driver
+//!   ([`Arena::register_cuda`], `cuMemHostRegister`) so the device copies arena slots by DMA; the
+//!   registration is undone before the mapping is unmapped.
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
@@ -24,6 +27,8 @@ pub(crate) struct Arena {
     ptr: NonNull<u8>,
     len: usize,
     _file: File,
+    /// The CUDA context the mapping is registered with (unregistered on drop).
+    cuda: Option<std::sync::Arc<super::cuda::Driver>>,
 }
 
 // SAFETY: the mapping is plain shared memory owned by this value; concurrent access to its bytes
@@ -81,7 +86,54 @@ impl Arena {
             ptr,
             len,
             _file: file,
+            cuda: None,
         })
+    }
+
+    /// Page-lock the whole mapping for CUDA device `ordinal` (its primary context), so device
+    /// copies to and from arena slots are direct DMA. Fails cleanly without a driver.
+    pub(crate) fn register_cuda(&mut self, ordinal: i32) -> Result<(), String> {
+        if self.cuda.is_some() {
+            return Ok(());
+        }
+        let d = super::cuda::Driver::open(ordinal)?;
+        d.host_register(self.ptr.as_ptr() as usize, self.len)?;
+        self.cuda = Some(d);
+        Ok(())
+    }
+
+    /// Whether the mapping is registered with CUDA.
+    pub(crate) fn cuda_registered(&self) -> bool {
+        self.cuda.is_some()
+    }
+
+    /// The address of `offset..offset + n` in this process (bounds checked): for device copies
+    /// of a slot this process holds (a reservation it writes or a lease it reads).
+    pub(crate) fn addr(&self, offset: u64, n: usize) -> io::Result<usize> {
+        let o = self.check(offset, n)?;
+        Ok(self.ptr.as_ptr() as usize + o)
+    }
+
+    /// The node checksum (`protocol::block_checksum`) of `n` bytes at `offset`, read through a
+    /// private buffer in pieces: no Rust reference to shared bytes is made.
+    pub(crate) fn checksum(&self, key: u128, offset: u64, n: usize) -> io::Result<u64> {
+        const PIECE: usize = 64 << 10;
+        let o = self.check(offset, n)?;
+        let seed = xxhash_rust::xxh3::xxh3_64(&key.to_le_bytes());
+        let mut h = xxhash_rust::xxh3::Xxh3::with_seed(seed);
+        let mut buf = vec![0u8; PIECE.min(n)];
+        let mut done = 0;
+        while done < n {
+            let k = PIECE.min(n - done);
+            // SAFETY: `o + done .. o + done + k` lies inside the mapping (checked above) and
+            // `buf` is a private allocation of at least `k` bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(o + done), buf.as_mut_ptr(), k);
+            }
+            h.update(&buf[..k]);
+            done += k;
+        }
+        Ok(h.digest())
     }
 
     fn check(&self, offset: u64, n: usize) -> io::Result<usize> {
@@ -119,6 +171,11 @@ impl Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
+        if let Some(d) = self.cuda.take() {
+            if let Err(e) = d.host_unregister(self.ptr.as_ptr() as usize) {
+                tracing::warn!("unregistering the node arena from CUDA: {e}");
+            }
+        }
         // SAFETY: unmapping the mapping made in `map`, exactly once.
         unsafe {
             libc::munmap(self.ptr.as_ptr().cast(), self.len);
@@ -195,5 +252,19 @@ mod tests {
         assert!(flock(&f, libc::LOCK_EX | libc::LOCK_NB).is_err());
         drop(a);
         assert!(flock(&f, libc::LOCK_EX | libc::LOCK_NB).is_ok());
+    }
+
+    #[test]
+    fn checksum_in_pieces_equals_the_protocol_checksum() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = Arena::create(&dir.path().join("arena"), 300_000, false).unwrap();
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        a.write(1000, &data).unwrap();
+        let want = crate::node::block_checksum(9 << 70, &data);
+        assert_eq!(a.checksum(9 << 70, 1000, data.len()).unwrap(), want);
+        assert_ne!(a.checksum(9 << 70, 1001, data.len()).unwrap(), want);
+        assert!(a.checksum(1, 200_000, 200_000).is_err());
+        assert_eq!(a.addr(1000, 10).unwrap(), a.addr(0, 1).unwrap() + 1000);
+        assert!(a.addr(299_999, 2).is_err());
     }
 }

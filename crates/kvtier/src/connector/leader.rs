@@ -251,6 +251,9 @@ enum JobBooks {
     },
     /// Host -> remote: host blocks read.
     PutRemote { host_blocks: Vec<BlockId> },
+    /// Device -> remote (no host tier: the node tier is the engine's G2): `blocks` pairs, no
+    /// pool block behind them; the engine's device blocks stay held until every rank reported.
+    StoreRemote { request: RequestId, blocks: usize },
 }
 
 /// The ranks that reported a job: one bit per rank, inline for the first 64 (no allocation in
@@ -917,6 +920,9 @@ impl Leader {
     /// Reserve the target tier's blocks for `offloads` (one batched pool call: one registry probe
     /// per block both deduplicates and reserves) and queue one store job for those it got.
     fn dispatch_stores(&mut self, req: &RequestId, offloads: &[OffloadBlock]) {
+        if self.host.is_none() && self.remote_put && self.remote.is_some() {
+            self.dispatch_remote_store(req, offloads);
+        }
         let (tier, pool) = match (self.host.as_mut(), self.disk.as_mut()) {
             (Some(p), _) => (Tier::Host, p),
             (None, Some(p)) => (Tier::Disk, p),
@@ -997,6 +1003,51 @@ impl Leader {
             self.spill_seen_again(&seen);
             self.scratch.seen_again = seen;
         }
+    }
+
+    /// With no host tier (node-only: the node's arena is this engine's G2): one device ->
+    /// remote store job for `offloads`, straight from the engine's blocks. The remote store
+    /// deduplicates (a block already there is not written again) and makes a block visible only
+    /// once written; the request keeps its device blocks until every rank reported the job.
+    fn dispatch_remote_store(&mut self, req: &RequestId, offloads: &[OffloadBlock]) {
+        if offloads.is_empty() {
+            return;
+        }
+        let mut pairs = Vec::with_capacity(offloads.len());
+        let mut keys = Vec::with_capacity(offloads.len());
+        for (k, ob) in offloads.iter().enumerate() {
+            // A fresh value replaces whatever failed to load under this hash.
+            self.remote_failed.remove(&ob.hash);
+            pairs.push(BlockPair {
+                src: ob.device.0,
+                dst: k as u32,
+            });
+            keys.push(ob.hash.0);
+        }
+        let n = pairs.len();
+        self.stats.offload_blocks += n as u64;
+        self.stats.remote_put_blocks += n as u64;
+        let id = self.new_job_id();
+        self.track(
+            id,
+            JobBooks::StoreRemote {
+                request: req.clone(),
+                blocks: n,
+            },
+        );
+        if let Some(e) = self.slots.get_mut(req) {
+            e.stores_in_flight += 1;
+        }
+        self.outbox.stores.push(RequestStore {
+            request: req.clone(),
+            job: TransferJob {
+                id,
+                src: Tier::Device,
+                dst: Tier::Remote,
+                pairs,
+                remote_keys: keys,
+            },
+        });
     }
 
     /// Blocks found again in G2 count as sightings for the disk filter.
@@ -1309,6 +1360,14 @@ impl Leader {
                         }
                     }
                 }
+            }
+            JobBooks::StoreRemote { request, blocks } => {
+                let bad = failed.iter().filter(|&&i| i < blocks).count();
+                self.stats.remote_put_failed += bad as u64;
+                self.stats.remote_put_confirmed += (blocks - bad) as u64;
+                self.stats.offload_failed += bad as u64;
+                self.stats.offload_confirmed += (blocks - bad) as u64;
+                self.job_done(&request, true);
             }
             JobBooks::PutRemote { host_blocks } => {
                 let bad = failed.iter().filter(|&&i| i < host_blocks.len()).count();

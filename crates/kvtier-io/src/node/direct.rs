@@ -1,0 +1,76 @@
+//! The transfer engine's node path: with the node tier as the remote store, device <-> remote
+//! jobs copy between the engine's blocks and arena slots directly (stores: reserve, copy,
+//! commit; loads: lease, verify, copy, end), with no staging buffer in between. On a CUDA
+//! engine the arena mapping is registered with the driver (`NodeStore::use_cuda`), so those
+//! copies are DMA; when it is not registered the job returns `None` and the engine stages it
+//! through its bounce buffer as for any remote store.
+//!
+//! Invariant: every pair of the job is either done or listed failed with its reason (a bad key
+//! index, a full node, a missing or damaged block, a device copy error, a connection lost
+//! before the node acknowledged the pair).
+use kvtier::transfer::{Fence, TransferJob};
+
+use super::client::NodeStore;
+use crate::device::{DeviceKind, DeviceSide};
+
+/// Run `job` (device -> remote when `store`, else remote -> device) on the node's arena.
+/// Returns the failed pairs, or `None` when the job must be staged instead.
+pub(crate) fn run(
+    dev: &DeviceSide,
+    node: &NodeStore,
+    job: &TransferJob,
+    fence: &Fence,
+    bytes: usize,
+    store: bool,
+) -> Option<Vec<(usize, String)>> {
+    let mut failed = Vec::new();
+    // keys[k] belongs to pair pairs_of[k].
+    let mut keys = Vec::with_capacity(job.pairs.len());
+    let mut pairs_of = Vec::with_capacity(job.pairs.len());
+    for (i, p) in job.pairs.iter().enumerate() {
+        let idx = if store { p.dst } else { p.src } as usize;
+        match job.remote_keys.get(idx) {
+            Some(&k) => {
+                keys.push(k);
+                pairs_of.push(i);
+            }
+            None => failed.push((
+                i,
+                format!(
+                    "remote key index {idx} out of range ({} keys)",
+                    job.remote_keys.len()
+                ),
+            )),
+        }
+    }
+    if keys.is_empty() {
+        return Some(failed);
+    }
+    let need_cuda = matches!(dev.kind(), DeviceKind::Cuda(_));
+    let device_leg = |items: &[(usize, usize)]| -> Vec<(usize, String)> {
+        let dev_items: Vec<(usize, u32, usize)> = items
+            .iter()
+            .map(|&(k, addr)| {
+                let p = &job.pairs[pairs_of[k]];
+                (k, if store { p.src } else { p.dst }, addr)
+            })
+            .collect();
+        let dir = if store { "device read" } else { "device write" };
+        dev.copy(&dev_items, store, fence)
+            .into_iter()
+            .map(|(k, why)| (k, format!("{dir}: {why}")))
+            .collect()
+    };
+    let out = if store {
+        node.store_direct(&keys, bytes, need_cuda, Box::new(device_leg))?
+    } else {
+        node.load_direct(&keys, bytes, need_cuda, Box::new(device_leg))?
+    };
+    let op = if store { "node put" } else { "node get" };
+    for (k, r) in out.into_iter().enumerate() {
+        if let Err(why) = r {
+            failed.push((pairs_of[k], format!("{op}: {why}")));
+        }
+    }
+    Some(failed)
+}

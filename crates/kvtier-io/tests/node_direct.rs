@@ -1,0 +1,287 @@
+//! The node tier as an engine's only host tier (node-only): device <-> arena jobs of the
+//! `TransferEngine` on CPU device memory (the same code path a CUDA engine takes once its arena
+//! mapping is registered): bit-exact round trips between two engines, per-pair failures (a
+//! missing key, a slot patched in the arena, a bad device block, a full node) that leave every
+//! other pair intact, never touch a failed pair's device block and never leave a half-written
+//! block visible or a lease behind.
+#![allow(clippy::unwrap_used)]
+mod common;
+
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use common::pattern;
+use kvtier::transfer::{BlockPair, BlockTransfer, RemoteStore, TransferJob, TransferOutcome};
+use kvtier::{JobId, Tier};
+use kvtier_io::node::{NodeClientOptions, NodeOptions, NodeServer, NodeStore};
+use kvtier_io::*;
+
+const LAYERS: usize = 2;
+const CHUNK: usize = 1024;
+const BPB: usize = LAYERS * 2 * CHUNK;
+const BLOCKS: u32 = 10;
+
+/// A CPU engine cache, per layer `[2, blocks, chunk]`.
+struct Cache {
+    layers: Vec<Vec<u8>>,
+}
+
+impl Cache {
+    fn new() -> Self {
+        Cache {
+            layers: (0..LAYERS)
+                .map(|_| vec![0u8; 2 * BLOCKS as usize * CHUNK])
+                .collect(),
+        }
+    }
+    fn layout(&self) -> StridedLayout {
+        let bases: Vec<u64> = self.layers.iter().map(|l| l.as_ptr() as u64).collect();
+        StridedLayout::kv_per_layer(&bases, BLOCKS, CHUNK).unwrap()
+    }
+    fn offset(b: u32, plane: usize) -> usize {
+        (plane * BLOCKS as usize + b as usize) * CHUNK
+    }
+    fn read(&self, b: u32) -> Vec<u8> {
+        let mut out = Vec::new();
+        for l in &self.layers {
+            for plane in 0..2 {
+                let o = Self::offset(b, plane);
+                out.extend_from_slice(&l[o..o + CHUNK]);
+            }
+        }
+        out
+    }
+    fn write(&mut self, b: u32, data: &[u8]) {
+        let mut it = data.chunks(CHUNK);
+        for l in &mut self.layers {
+            for plane in 0..2 {
+                let o = Self::offset(b, plane);
+                l[o..o + CHUNK].copy_from_slice(it.next().unwrap());
+            }
+        }
+    }
+}
+
+fn node(dir: &Path, blocks: u64) -> NodeServer {
+    let mut o = NodeOptions::new(dir.join("node.sock"), blocks * BPB as u64);
+    o.shm_dir = dir.to_path_buf();
+    NodeServer::start(&o).unwrap()
+}
+
+fn store(n: &NodeServer) -> Arc<NodeStore> {
+    Arc::new(NodeStore::connect(n.socket(), "m", NodeClientOptions::default()).unwrap())
+}
+
+fn engine(cache: &Cache, node: Arc<NodeStore>) -> TransferEngine {
+    TransferEngine::builder()
+        .device(Arc::new(cache.layout()), DeviceKind::Cpu)
+        .remote(node)
+        .bounce_blocks(2)
+        .build()
+        .unwrap()
+}
+
+/// Device blocks `devs[k]` <-> keys `keys[k]`.
+fn job(src: Tier, dst: Tier, devs: &[u32], keys: &[u128]) -> TransferJob {
+    let pairs = devs
+        .iter()
+        .enumerate()
+        .map(|(k, &d)| {
+            if src == Tier::Device {
+                BlockPair {
+                    src: d,
+                    dst: k as u32,
+                }
+            } else {
+                BlockPair {
+                    src: k as u32,
+                    dst: d,
+                }
+            }
+        })
+        .collect();
+    TransferJob {
+        id: JobId(1),
+        src,
+        dst,
+        pairs,
+        remote_keys: keys.to_vec(),
+    }
+}
+
+fn run(e: &TransferEngine, j: &TransferJob) -> TransferOutcome {
+    let f = e.fence(None).unwrap();
+    e.execute(j, &f)
+}
+
+fn key(b: u32) -> u128 {
+    (0xABCD_u128 << 64) | b as u128
+}
+
+#[test]
+fn blocks_go_device_to_arena_and_back_to_another_engine_bit_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), 32);
+    let mut a_cache = Cache::new();
+    for b in 0..BLOCKS {
+        a_cache.write(b, &pattern(b, BPB));
+    }
+    let a = engine(&a_cache, store(&n));
+    let devs: Vec<u32> = (0..BLOCKS).collect();
+    let keys: Vec<u128> = devs.iter().map(|&b| key(b)).collect();
+    assert_eq!(
+        run(&a, &job(Tier::Device, Tier::Remote, &devs, &keys)),
+        TransferOutcome::Ok
+    );
+    assert_eq!(a.node_direct_jobs(), 1, "not the direct path");
+    assert_eq!(n.stats().puts, BLOCKS as u64);
+    // The arena holds the exact bytes (read by a plain client, verified against its checksum).
+    let probe = store(&n);
+    let mut buf = vec![0u8; BPB];
+    for b in 0..BLOCKS {
+        probe.get(key(b), &mut buf).unwrap();
+        assert_eq!(buf, pattern(b, BPB), "arena block {b}");
+    }
+    // Storing again is deduplicated by the node (no second write).
+    assert!(run(&a, &job(Tier::Device, Tier::Remote, &devs, &keys)).is_ok());
+    assert_eq!(n.stats().puts, BLOCKS as u64);
+    // Another engine loads them reversed into its own blocks.
+    let mut b_cache = Cache::new();
+    for b in 0..BLOCKS {
+        b_cache.write(b, &[0x5A; BPB]);
+    }
+    let e2 = engine(&b_cache, store(&n));
+    let rev: Vec<u32> = (0..BLOCKS).rev().collect();
+    assert_eq!(
+        run(&e2, &job(Tier::Remote, Tier::Device, &rev, &keys)),
+        TransferOutcome::Ok
+    );
+    for (k, &d) in rev.iter().enumerate() {
+        assert_eq!(b_cache.read(d), pattern(k as u32, BPB), "device block {d}");
+    }
+    assert_eq!(e2.node_direct_jobs(), 1);
+    // Every lease ended: the whole arena can be evicted for another namespace's puts.
+    let other = NodeStore::connect(n.socket(), "other", NodeClientOptions::default()).unwrap();
+    for k in 0..32u128 {
+        other.put(1000 + k, &pattern(k as u32, BPB)).unwrap();
+    }
+    assert_eq!(n.stats().puts_full, 0, "a lease leaked: {:?}", n.stats());
+}
+
+#[test]
+fn failed_pairs_fail_alone_and_never_touch_their_device_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), 16);
+    let mut cache = Cache::new();
+    for b in 0..BLOCKS {
+        cache.write(b, &pattern(b + 7, BPB));
+    }
+    let e = engine(&cache, store(&n));
+    // Store 0..6; device block 99 does not exist: that pair fails and nothing becomes visible.
+    let devs = [0, 1, 2, 3, 4, 99];
+    let keys: Vec<u128> = (0..6).map(key).collect();
+    let out = run(&e, &job(Tier::Device, Tier::Remote, &devs, &keys));
+    assert_eq!(out.failed_pairs(), vec![5], "{out:?}");
+    let probe = store(&n);
+    assert_eq!(
+        probe.contains(&keys).unwrap(),
+        vec![true, true, true, true, true, false],
+        "a failed store's block is visible"
+    );
+    assert_eq!(n.stats().blocks, 5, "the aborted slot is not a block");
+    // Patch block 2's slot in the arena (a rogue writer): its load fails the checksum before any
+    // byte reaches the device and the node drops it.
+    {
+        let lease = NodeStore::connect(n.socket(), "m", NodeClientOptions::default()).unwrap();
+        let mut buf = vec![0u8; BPB];
+        lease.get(key(2), &mut buf).unwrap();
+        // The slot of block 2 is where its bytes are in the arena file.
+        let arena = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .find(|e| e.file_name().to_string_lossy().ends_with(".arena"))
+            .unwrap()
+            .path();
+        let all = std::fs::read(&arena).unwrap();
+        let at = all.windows(BPB).position(|w| w == buf.as_slice()).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&arena)
+            .unwrap();
+        f.write_all_at(&[buf[100] ^ 0xFF], (at + 100) as u64)
+            .unwrap();
+    }
+    for b in 0..BLOCKS {
+        cache.write(b, &[0xC3; BPB]);
+    }
+    // Load keys 0..5 (key 5 was never stored) into device blocks 0..5.
+    let devs = [0, 1, 2, 3, 4, 5];
+    let out = run(&e, &job(Tier::Remote, Tier::Device, &devs, &keys));
+    assert_eq!(out.failed_pairs(), vec![2, 5], "{out:?}");
+    let TransferOutcome::Failed(f) = &out else {
+        unreachable!()
+    };
+    assert!(f[0].reason.contains("corrupt"), "{out:?}");
+    assert!(f[1].reason.contains("not present"), "{out:?}");
+    for b in [0u32, 1, 3, 4] {
+        assert_eq!(cache.read(b), pattern(b + 7, BPB), "device block {b}");
+    }
+    for b in [2u32, 5] {
+        assert_eq!(cache.read(b), vec![0xC3; BPB], "failed pair touched device");
+    }
+    assert_eq!(
+        probe.contains(&[key(2)]).unwrap(),
+        vec![false],
+        "the damaged block is dropped"
+    );
+}
+
+#[test]
+fn a_full_node_fails_the_stores_it_cannot_take_and_the_rest_succeed() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), 3);
+    let mut cache = Cache::new();
+    for b in 0..BLOCKS {
+        cache.write(b, &pattern(b + 3, BPB));
+    }
+    let e = engine(&cache, store(&n));
+    // A reader holds leases on all 3 slots' blocks: nothing can be evicted.
+    let first: Vec<u128> = (0..3).map(key).collect();
+    assert!(run(&e, &job(Tier::Device, Tier::Remote, &[0, 1, 2], &first)).is_ok());
+    let mut raw = std::os::unix::net::UnixStream::connect(n.socket()).unwrap();
+    use kvtier_io::node::{Reply, Request, NODE_PROTOCOL_VERSION};
+    let mut call = |r: &Request| -> Reply {
+        use std::io::{Read, Write};
+        let body = postcard::to_stdvec(r).unwrap();
+        raw.write_all(&(body.len() as u32).to_le_bytes()).unwrap();
+        raw.write_all(&body).unwrap();
+        let mut len = [0u8; 4];
+        raw.read_exact(&mut len).unwrap();
+        let mut buf = vec![0u8; u32::from_le_bytes(len) as usize];
+        raw.read_exact(&mut buf).unwrap();
+        postcard::from_bytes(&buf).unwrap()
+    };
+    call(&Request::Hello {
+        version: NODE_PROTOCOL_VERSION,
+        namespace: "m".into(),
+    });
+    for k in &first {
+        assert!(matches!(call(&Request::BeginGet(*k)), Reply::Lease { .. }));
+    }
+    let more: Vec<u128> = (3..6).map(key).collect();
+    let out = run(&e, &job(Tier::Device, Tier::Remote, &[3, 4, 5], &more));
+    assert_eq!(out.failed_pairs(), vec![0, 1, 2], "{out:?}");
+    assert!(n.stats().puts_full >= 3);
+    // The reader goes away (its leases end with its connection): the stores succeed now.
+    drop(raw);
+    let mut ok = false;
+    for _ in 0..200 {
+        if run(&e, &job(Tier::Device, Tier::Remote, &[3, 4, 5], &more)).is_ok() {
+            ok = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(ok, "leases of a closed connection were not released");
+}

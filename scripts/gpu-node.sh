@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The node tier on a CUDA machine, in one command (no Rust toolchain needed there):
+#   bash scripts/gpu-node.sh [TEST_BINARY]
+# TEST_BINARY is kvtier-io's lib test binary, built here with
+#   cargo test --release -p kvtier-io --lib --no-run     # prints target/release/deps/kvtier_io-<hash>
+# (default: $KVTIER_IO_TESTS, else the newest target/release/deps/kvtier_io-*). It runs
+# node::gpu_tests: a GPU KV cache (vLLM per-layer layout, 2 MiB blocks) stored through a node tier (device ->
+# arena slot by DMA, the arena registered with cuMemHostRegister) and loaded back into other blocks, compared
+# bit-exact, with GB/s against a pinned host tier moving the same blocks in the same run. Without a CUDA driver
+# the test prints that it skipped. Environment: KVTIER_NODE_GPU_BLOCKS (default 256), OUT (default ./gpu-node-out:
+# the report as markdown and the log).
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+bin=${1:-${KVTIER_IO_TESTS:-}}
+if [ -z "$bin" ]; then
+  bin=$(ls -t "$here"/target/release/deps/kvtier_io-* 2>/dev/null | grep -v '\.d$' | head -1 || true)
+fi
+[ -x "$bin" ] || { echo "no kvtier-io test binary (pass its path; see the header)" >&2; exit 2; }
+out=${OUT:-$PWD/gpu-node-out}
+mkdir -p "$out"
+export KVTIER_NODE_GPU_REPORT="$out/node-gpu.md"
+"$bin" --exact node::gpu_tests::node_gpu_store_and_load_are_bit_exact_and_direct --nocapture --test-threads 1 \
+  2>&1 | tee "$out/node-gpu.log"
+if [ -f "$KVTIER_NODE_GPU_REPORT" ]; then cat "$KVTIER_NODE_GPU_REPORT"; else echo "no report (skipped?)"; fi
