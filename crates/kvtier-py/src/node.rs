@@ -12,7 +12,7 @@ use kvtier_io::node::{NodeOptions, NodeServer};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::{BridgeError, Family};
+use crate::errors::{extract_arg, BridgeError, Family};
 
 /// A running node service (see `_native.pyi`).
 #[pyclass(name = "NodeServer", module = "kvtier._native")]
@@ -24,13 +24,18 @@ pub struct PyNodeServer {
 #[pymethods]
 impl PyNodeServer {
     #[new]
-    #[pyo3(signature = (socket, capacity_bytes, shm_dir = None, allowed_uids = Vec::new()))]
+    #[pyo3(signature = (socket, capacity_bytes, shm_dir = None, allowed_uids = None))]
     fn new(
         socket: PathBuf,
-        capacity_bytes: u64,
+        capacity_bytes: &Bound<'_, PyAny>,
         shm_dir: Option<PathBuf>,
-        allowed_uids: Vec<u32>,
+        allowed_uids: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let capacity_bytes: u64 = extract_arg(Family::Config, "capacity_bytes", capacity_bytes)?;
+        let allowed_uids: Vec<u32> = match allowed_uids {
+            Some(u) => extract_arg(Family::Config, "allowed_uids", u)?,
+            None => Vec::new(),
+        };
         if capacity_bytes == 0 {
             return Err(
                 BridgeError::local(Family::Config, "capacity_bytes must be positive").into(),
