@@ -227,7 +227,10 @@ where
             ))
         }
         // A wrong type: a TypeError naming the argument (as PyO3's own extraction does).
-        Err(e) if e.get_type(obj.py()).is(obj.py().get_type::<pyo3::exceptions::PyTypeError>()) => {
+        Err(e)
+            if e.get_type(obj.py())
+                .is(obj.py().get_type::<pyo3::exceptions::PyTypeError>()) =>
+        {
             Err(pyo3::exceptions::PyTypeError::new_err(format!(
                 "argument '{name}': {}",
                 e.value(obj.py())

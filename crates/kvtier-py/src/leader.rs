@@ -507,7 +507,8 @@ impl PyLeader {
         // Integers extracted here so that a negative one is a ConnectorError naming it (#13).
         let c = Family::Connector;
         let tokens: Vec<u32> = extract_arg(c, "tokens", tokens)?;
-        let num_computed_tokens: usize = extract_arg(c, "num_computed_tokens", num_computed_tokens)?;
+        let num_computed_tokens: usize =
+            extract_arg(c, "num_computed_tokens", num_computed_tokens)?;
         let key = RequestKey {
             identity,
             cacheable,

@@ -203,7 +203,8 @@ mod loom_tests {
             let t = loom::thread::spawn(move || w.register(layout(0)));
             let got = r.wait_for(0, Duration::from_secs(3600));
             assert_eq!(got.map(|v| v.len()), Some(1));
-            t.join().unwrap_or_else(|_| panic!("worker thread panicked"));
+            t.join()
+                .unwrap_or_else(|_| panic!("worker thread panicked"));
         });
     }
 
@@ -228,12 +229,18 @@ mod loom_tests {
             assert!(got.is_some());
             let ws: Vec<_> = workers
                 .into_iter()
-                .map(|t| t.join().unwrap_or_else(|_| panic!("worker thread panicked")))
+                .map(|t| {
+                    t.join()
+                        .unwrap_or_else(|_| panic!("worker thread panicked"))
+                })
                 .collect();
             for w in &ws {
                 assert!(Arc::ptr_eq(w, &l), "a worker and its leader did not pair");
             }
-            assert_eq!(l.wait_for(1, Duration::from_secs(3600)).map(|v| v.len()), Some(2));
+            assert_eq!(
+                l.wait_for(1, Duration::from_secs(3600)).map(|v| v.len()),
+                Some(2)
+            );
         });
     }
 }

@@ -62,7 +62,11 @@ fn transfer_killed_mid_store_registers_nothing_and_recovers() {
     arm(&h, &[(Tier::Device, Tier::Host)]);
     let m1 = phase(&e, &ps, &want, "stores dying");
     let m2 = phase(&e, &ps, &want, "repeat after dead stores");
-    assert!(m2.kvtier.offload_failed > 0, "no store died: {:?}", m2.kvtier);
+    assert!(
+        m2.kvtier.offload_failed > 0,
+        "no store died: {:?}",
+        m2.kvtier
+    );
     assert_eq!(m2.kvtier.offload_confirmed, 0, "{:?}", m2.kvtier);
     assert_eq!(
         m2.kvtier_matched_tokens, 0,
@@ -71,7 +75,10 @@ fn transfer_killed_mid_store_registers_nothing_and_recovers() {
     arm(&h, &[]);
     phase(&e, &ps, &want, "disarmed");
     let m4 = phase(&e, &ps, &want, "disarmed repeat");
-    assert!(m4.kvtier_matched_tokens > 0, "the worker did not recover: {m4:?}");
+    assert!(
+        m4.kvtier_matched_tokens > 0,
+        "the worker did not recover: {m4:?}"
+    );
     e.shutdown();
     sb.assert_untouched();
 }
@@ -86,7 +93,10 @@ fn transfer_killed_mid_load_is_recomputed_and_recovers() {
     let want = reference(cfg.clone(), &ps, 8);
     let e = EngineHandle::start(cfg).unwrap();
     let m1 = phase(&e, &ps, &want, "fill");
-    arm(&h, &[(Tier::Host, Tier::Device), (Tier::Disk, Tier::Device)]);
+    arm(
+        &h,
+        &[(Tier::Host, Tier::Device), (Tier::Disk, Tier::Device)],
+    );
     let m2 = phase(&e, &ps, &want, "loads dying");
     assert!(m2.load_failures > m1.load_failures, "no load died: {m2:?}");
     assert_eq!(
@@ -135,8 +145,7 @@ fn host_allocation_refused_is_a_clear_error_and_no_file_is_left() {
         .map(|d| d.flatten().map(|e| e.file_name()).collect())
         .unwrap_or_default();
     assert!(
-        left.iter()
-            .all(|n| n.to_string_lossy().ends_with(".lock")),
+        left.iter().all(|n| n.to_string_lossy().ends_with(".lock")),
         "a failed start left cache files: {left:?}"
     );
     sb.assert_untouched();

@@ -254,4 +254,3 @@ fn truncated_disk_files_are_recomputed_identically() {
     assert!(m2.load_failures > m1.load_failures, "{m2:?}");
     sb.assert_untouched();
 }
-

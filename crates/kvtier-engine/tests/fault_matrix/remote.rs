@@ -180,7 +180,11 @@ fn remote_healthy_serves_the_decode_engine() {
     let (m, _) = disagg_with_fault(&r.url(), || {});
     assert!(m.kvtier_matched_tokens_remote > 0, "{m:?}");
     assert_eq!(m.load_failures, 0, "{m:?}");
-    assert_eq!(m.kvtier.remote, Default::default(), "a healthy store tripped");
+    assert_eq!(
+        m.kvtier.remote,
+        Default::default(),
+        "a healthy store tripped"
+    );
 }
 
 /// Redis down (killed before the decode engine starts): misses, recomputed, bounded time.
@@ -216,7 +220,10 @@ fn remote_stalled_is_recomputed_identically_within_the_bound() {
         ("kvtier_remote_short_circuited_total", h.short_circuited),
         ("kvtier_remote_breaker_probes_total", h.breaker_probes),
     ] {
-        assert!(text.contains(&format!("\n{name} {v}\n")), "{name} {v}: {text}");
+        assert!(
+            text.contains(&format!("\n{name} {v}\n")),
+            "{name} {v}: {text}"
+        );
     }
     assert!(
         took < Duration::from_secs(20),
@@ -310,8 +317,10 @@ fn remote_flapping_is_recomputed_identically_and_recovers() {
     );
     let text = render_prometheus(&[back.kvtier.clone()]);
     assert!(
-        text.contains(&format!("\nkvtier_remote_breaker_probes_total {}\n", h.breaker_probes))
-            && text.contains("\nkvtier_remote_breaker_open 0\n"),
+        text.contains(&format!(
+            "\nkvtier_remote_breaker_probes_total {}\n",
+            h.breaker_probes
+        )) && text.contains("\nkvtier_remote_breaker_open 0\n"),
         "{text}"
     );
     prefill.shutdown();

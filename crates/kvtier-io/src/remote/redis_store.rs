@@ -389,14 +389,12 @@ impl RedisStore {
             let reused = slot.is_some();
             let conn = match slot.as_mut() {
                 Some(c) => c,
-                None => slot.insert(
-                    self.connect(t).map_err(|e| {
-                        if e.is_timeout() {
-                            self.deadline_expired.fetch_add(1, Ordering::Relaxed);
-                        }
-                        (unavailable(op, &e), Verdict::Down)
-                    })?,
-                ),
+                None => slot.insert(self.connect(t).map_err(|e| {
+                    if e.is_timeout() {
+                        self.deadline_expired.fetch_add(1, Ordering::Relaxed);
+                    }
+                    (unavailable(op, &e), Verdict::Down)
+                })?),
             };
             match conn.set_deadline(t).and_then(|()| f(conn)) {
                 Ok(v) => return Ok(v),

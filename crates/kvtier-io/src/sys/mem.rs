@@ -36,6 +36,10 @@ unsafe impl Sync for Mapping {}
 /// hint, asking for transparent huge pages (fewer page faults on first touch and fewer pages to
 /// pin). The caller owns the mapping and unmaps it.
 pub(crate) fn map_huge(len: usize, flags: libc::c_int, fd: libc::c_int) -> io::Result<NonNull<u8>> {
+    // Miri emulates plain MAP_PRIVATE|MAP_ANONYMOUS mappings only (no reservation hint, no
+    // madvise): the memory it hands out behaves the same for every access kvtier makes.
+    #[cfg(miri)]
+    let flags = flags & !libc::MAP_NORESERVE;
     // SAFETY: a mapping with no address hint has no preconditions (an invalid `fd` is an error
     // return); the result is checked against MAP_FAILED before use.
     let ptr = unsafe {
@@ -53,6 +57,7 @@ pub(crate) fn map_huge(len: usize, flags: libc::c_int, fd: libc::c_int) -> io::R
     }
     // SAFETY: `ptr..ptr+len` is the mapping just created; madvise is only a hint and its failure
     // (e.g. THP or shmem huge pages disabled) is harmless, so its result is ignored.
+    #[cfg(not(miri))]
     unsafe {
         libc::madvise(ptr, len, libc::MADV_HUGEPAGE);
     }
