@@ -213,7 +213,7 @@ fn remote_stalled_is_recomputed_identically_within_the_bound() {
     assert!(h.deadline_expired >= 1, "{h:?}");
     assert!(h.breaker_opened >= 1, "{h:?}");
     assert!(h.short_circuited >= 1, "{h:?}");
-    let text = render_prometheus(&[m.kvtier.clone()]);
+    let text = render_prometheus(std::slice::from_ref(&m.kvtier));
     for (name, v) in [
         ("kvtier_remote_deadline_expired_total", h.deadline_expired),
         ("kvtier_remote_breaker_opened_total", h.breaker_opened),
@@ -315,7 +315,7 @@ fn remote_flapping_is_recomputed_identically_and_recovers() {
         back.offloaded_remote_blocks > down.offloaded_remote_blocks,
         "nothing published after the restart: {back:?}"
     );
-    let text = render_prometheus(&[back.kvtier.clone()]);
+    let text = render_prometheus(std::slice::from_ref(&back.kvtier));
     assert!(
         text.contains(&format!(
             "\nkvtier_remote_breaker_probes_total {}\n",
