@@ -98,7 +98,10 @@ KVTIER_* / DYN_KVBM_* environment. Adapter keys:
   same ``channel`` key; "zmq" connects to the Leader over ZeroMQ (every rank says hello, the Leader
   agrees on the ranks' layout; Worker construction waits for that handshake).
 - ``zmq_endpoint`` (str): the Leader binds / Workers connect here; default
-  ``connector.zmq_endpoint`` (``KVTIER_ZMQ_ENDPOINT``), else ``tcp://127.0.0.1:56119``.
+  ``connector.zmq_endpoint`` (``KVTIER_ZMQ_ENDPOINT``), else the Unix socket
+  ``ipc://<private dir>/zmq-<channel>.sock`` in the user's 0700 kvtier directory
+  (``$XDG_RUNTIME_DIR/kvtier/`` or ``<tmp>/kvtier-<uid>/``): no fixed TCP port; ranks on other
+  hosts need a configured ``tcp://`` endpoint.
 - ``channel`` (str, default "default"): pairs an in-process Leader with its Workers.
 - ``layout`` (Worker): "trtllm_pool" | "vllm_cuda" (auto K/V-first or block-first) |
   "vllm_cuda_kv_first" | "vllm_cuda_block_first" | "vllm_mla" | "vllm_cpu"; default: "trtllm_pool"

@@ -226,7 +226,32 @@ where
                 format!("{name}: {shown} is out of range (a non-negative integer is expected)"),
             ))
         }
+        // A wrong type: a TypeError naming the argument (as PyO3's own extraction does).
+        Err(e)
+            if e.get_type(obj.py())
+                .is(obj.py().get_type::<pyo3::exceptions::PyTypeError>()) =>
+        {
+            Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "argument '{name}': {}",
+                e.value(obj.py())
+            )))
+        }
         Err(e) => Err(e),
+    }
+}
+
+/// [`extract_arg`] for an optional argument (`None` or absent: `None`).
+pub fn extract_opt_arg<'py, T>(
+    family: Family,
+    name: &str,
+    obj: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Option<T>>
+where
+    T: pyo3::conversion::FromPyObjectOwned<'py>,
+{
+    match obj {
+        Some(o) if !o.is_none() => extract_arg(family, name, o).map(Some),
+        _ => Ok(None),
     }
 }
 

@@ -23,7 +23,7 @@ use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use kvtier_io::metrics_http::StatsPublisher;
 
-use crate::errors::{extract_arg, BridgeError, BridgeResult, Family};
+use crate::errors::{extract_arg, extract_opt_arg, BridgeError, BridgeResult, Family};
 use crate::rendezvous::Rendezvous;
 use crate::settings::Settings;
 
@@ -499,11 +499,16 @@ impl PyLeader {
         &self,
         py: Python<'_>,
         request_id: String,
-        tokens: Vec<u32>,
-        num_computed_tokens: usize,
+        tokens: &Bound<'_, PyAny>,
+        num_computed_tokens: &Bound<'_, PyAny>,
         identity: Option<String>,
         cacheable: bool,
     ) -> PyResult<usize> {
+        // Integers extracted here so that a negative one is a ConnectorError naming it (#13).
+        let c = Family::Connector;
+        let tokens: Vec<u32> = extract_arg(c, "tokens", tokens)?;
+        let num_computed_tokens: usize =
+            extract_arg(c, "num_computed_tokens", num_computed_tokens)?;
         let key = RequestKey {
             identity,
             cacheable,
@@ -525,9 +530,13 @@ impl PyLeader {
         &self,
         py: Python<'_>,
         request_id: String,
-        block_ids: Vec<u32>,
-        num_external_tokens: Option<usize>,
+        block_ids: &Bound<'_, PyAny>,
+        num_external_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let c = Family::Connector;
+        let block_ids: Vec<u32> = extract_arg(c, "block_ids", block_ids)?;
+        let num_external_tokens: Option<usize> =
+            extract_opt_arg(c, "num_external_tokens", num_external_tokens)?;
         let ids: Vec<DeviceBlockId> = block_ids.into_iter().map(DeviceBlockId).collect();
         let mut g = self.lock();
         g.ready(py)?

@@ -12,7 +12,7 @@ use kvtier_io::node::{NodeOptions, NodeServer, SharePolicy};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::{BridgeError, Family};
+use crate::errors::{extract_arg, BridgeError, Family};
 
 /// A running node service (see `_native.pyi`).
 #[pyclass(name = "NodeServer", module = "kvtier._native")]
@@ -24,16 +24,25 @@ pub struct PyNodeServer {
 #[pymethods]
 impl PyNodeServer {
     #[new]
-    #[pyo3(signature = (socket, capacity_bytes, shm_dir = None, allowed_uids = Vec::new(), share = "equal".to_string(), disk_dir = None, disk_bytes = 0))]
+    #[pyo3(signature = (socket, capacity_bytes, shm_dir = None, allowed_uids = None, share = "equal".to_string(), disk_dir = None, disk_bytes = None))]
     fn new(
         socket: PathBuf,
-        capacity_bytes: u64,
+        capacity_bytes: &Bound<'_, PyAny>,
         shm_dir: Option<PathBuf>,
-        allowed_uids: Vec<u32>,
+        allowed_uids: Option<&Bound<'_, PyAny>>,
         share: String,
         disk_dir: Option<PathBuf>,
-        disk_bytes: u64,
+        disk_bytes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let disk_bytes: u64 = match disk_bytes {
+            Some(b) => extract_arg(Family::Config, "disk_bytes", b)?,
+            None => 0,
+        };
+        let capacity_bytes: u64 = extract_arg(Family::Config, "capacity_bytes", capacity_bytes)?;
+        let allowed_uids: Vec<u32> = match allowed_uids {
+            Some(u) => extract_arg(Family::Config, "allowed_uids", u)?,
+            None => Vec::new(),
+        };
         if capacity_bytes == 0 {
             return Err(
                 BridgeError::local(Family::Config, "capacity_bytes must be positive").into(),

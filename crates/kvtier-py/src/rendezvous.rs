@@ -8,10 +8,18 @@
 //! and the vLLM order (worker, then scheduler) both pair up, and engines built one after another
 //! in one process never share a rendezvous. The registry lock guards only the map; each
 //! rendezvous's state has its own lock and condition variable.
+//!
+//! Checked exhaustively with loom (`--features loom`, `loom_tests` below, scripts/
+//! check-concurrency.sh): the feature swaps the locks and the condition variable for loom's.
 use std::collections::{BTreeMap, HashMap};
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+#[cfg(feature = "loom")]
+use loom::sync::{Condvar, Mutex, MutexGuard};
+#[cfg(not(feature = "loom"))]
+use std::sync::{Condvar, Mutex, MutexGuard};
 
 use kvtier::connector::messages::{RankLayout, WorkerReport};
 
@@ -29,9 +37,21 @@ pub struct Rendezvous {
     reports_rx: Mutex<Option<Receiver<WorkerReport>>>,
 }
 
-fn registry() -> &'static Mutex<HashMap<String, Vec<Arc<Rendezvous>>>> {
-    static R: OnceLock<Mutex<HashMap<String, Vec<Arc<Rendezvous>>>>> = OnceLock::new();
+type Registry = Mutex<HashMap<String, Vec<Arc<Rendezvous>>>>;
+
+#[cfg(not(feature = "loom"))]
+fn registry() -> &'static Registry {
+    static R: std::sync::OnceLock<Registry> = std::sync::OnceLock::new();
     R.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Under loom: one registry per explored execution.
+#[cfg(feature = "loom")]
+fn registry() -> &'static Registry {
+    loom::lazy_static! {
+        static ref R: Registry = Mutex::new(HashMap::new());
+    }
+    &R
 }
 
 impl Rendezvous {
@@ -45,7 +65,7 @@ impl Rendezvous {
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -119,7 +139,7 @@ impl Rendezvous {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(feature = "loom")))]
 mod tests {
     use super::*;
 
@@ -155,5 +175,72 @@ mod tests {
             Some(2)
         );
         assert!(l.wait_for(1, Duration::from_millis(1)).is_none());
+    }
+}
+
+/// Every interleaving (loom) of one engine's Leader and Workers starting on their threads.
+#[cfg(all(test, feature = "loom"))]
+mod loom_tests {
+    use super::*;
+
+    fn layout(rank: u32) -> RankLayout {
+        RankLayout {
+            rank,
+            world_size: 2,
+            block_size: 16,
+            bytes_per_block: 4096,
+            num_device_blocks: 8,
+        }
+    }
+
+    /// A Leader waiting for rank 0's layout is woken by the Worker's registration, whichever
+    /// runs first (a lost wakeup is a deadlock loom reports).
+    #[test]
+    fn register_wakes_the_waiting_leader() {
+        loom::model(|| {
+            let r = Rendezvous::new();
+            let w = Arc::clone(&r);
+            let t = loom::thread::spawn(move || w.register(layout(0)));
+            let got = r.wait_for(0, Duration::from_secs(3600));
+            assert_eq!(got.map(|v| v.len()), Some(1));
+            t.join()
+                .unwrap_or_else(|_| panic!("worker thread panicked"));
+        });
+    }
+
+    /// A Leader and two Workers of one engine, started concurrently on their own threads (the
+    /// TensorRT-LLM and vLLM orders and every interleaving between), meet in one rendezvous and
+    /// the Leader sees both layouts.
+    #[test]
+    fn leader_and_workers_started_concurrently_pair_up() {
+        loom::model(|| {
+            let key = "loom-pairing";
+            let workers: Vec<_> = (0..2u32)
+                .map(|rank| {
+                    loom::thread::spawn(move || {
+                        let r = Rendezvous::for_worker(key, rank);
+                        r.register(layout(rank));
+                        r
+                    })
+                })
+                .collect();
+            let l = Rendezvous::for_leader(key);
+            let got = l.wait_for(0, Duration::from_secs(3600));
+            assert!(got.is_some());
+            let ws: Vec<_> = workers
+                .into_iter()
+                .map(|t| {
+                    t.join()
+                        .unwrap_or_else(|_| panic!("worker thread panicked"))
+                })
+                .collect();
+            for w in &ws {
+                assert!(Arc::ptr_eq(w, &l), "a worker and its leader did not pair");
+            }
+            assert_eq!(
+                l.wait_for(1, Duration::from_secs(3600)).map(|v| v.len()),
+                Some(2)
+            );
+        });
     }
 }

@@ -12,9 +12,29 @@ use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 use crate::errors::{BridgeError, BridgeResult, Family};
 
-/// Where the leader listens when a `zmq` link is asked for and no endpoint is configured (one
-/// engine per node; set `KVTIER_ZMQ_ENDPOINT` to run several).
-pub const DEFAULT_ZMQ_ENDPOINT: &str = "tcp://127.0.0.1:56119";
+/// Where the leader listens when a `zmq` link is asked for and no endpoint is configured: a Unix
+/// socket in the user's private directory ([`kvtier::connector::zmq_auth::private_dir`], 0700),
+/// named after the `channel` setting. No fixed TCP port (#13: any local user could take a
+/// well-known one first); another user cannot reach the socket; a second live leader on the same
+/// channel fails to bind ("address in use") instead of taking the first one's ranks.
+pub fn default_zmq_endpoint(channel: &str) -> BridgeResult<String> {
+    let dir = kvtier::connector::zmq_auth::private_dir().map_err(BridgeError::from)?;
+    let plain = !channel.is_empty()
+        && channel.len() <= 40
+        && channel
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    let name = if plain {
+        channel.to_owned()
+    } else {
+        // Deterministic for one build (leader and ranks run the same one).
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        channel.hash(&mut h);
+        format!("{:016x}", h.finish())
+    };
+    Ok(format!("ipc://{}/zmq-{name}.sock", dir.display()))
+}
 
 /// Keys the adapters pass that are not kvtier configuration keys.
 const ADAPTER_KEYS: &[&str] = &[
@@ -209,11 +229,12 @@ impl Settings {
             .filter(|e| !e.trim().is_empty()))
     }
 
-    /// [`Settings::zmq_endpoint`], else [`DEFAULT_ZMQ_ENDPOINT`].
+    /// [`Settings::zmq_endpoint`], else [`default_zmq_endpoint`] of the channel.
     pub fn zmq_endpoint_or_default(&self) -> BridgeResult<String> {
-        Ok(self
-            .zmq_endpoint()?
-            .unwrap_or_else(|| DEFAULT_ZMQ_ENDPOINT.to_string()))
+        match self.zmq_endpoint()? {
+            Some(e) => Ok(e),
+            None => default_zmq_endpoint(&self.channel()?),
+        }
     }
 
     pub fn timeout(&self) -> std::time::Duration {

@@ -20,7 +20,7 @@ use kvtier_io::compose::HostMemory;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
-use crate::errors::{BridgeError, BridgeResult, Family};
+use crate::errors::{extract_arg, extract_opt_arg, BridgeError, BridgeResult, Family};
 use crate::leader::encode_reports;
 use crate::rendezvous::Rendezvous;
 use crate::settings::Settings;
@@ -398,7 +398,8 @@ impl PyWorker {
     }
 
     #[pyo3(signature = (stream = None))]
-    fn start_load(&self, stream: Option<u64>) -> PyResult<()> {
+    fn start_load(&self, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let stream: Option<u64> = extract_opt_arg(Family::Connector, "stream", stream)?;
         let mut g = self.lock();
         g.worker.as_mut().ok_or_else(gone)?.start_load(stream);
         Ok(())
@@ -408,10 +409,11 @@ impl PyWorker {
     fn wait_for_layer_load(
         &self,
         py: Python<'_>,
-        layer: usize,
-        stream: Option<u64>,
+        layer: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let _ = stream;
+        let layer: usize = extract_arg(Family::Connector, "layer", layer)?;
+        let _: Option<u64> = extract_opt_arg(Family::Connector, "stream", stream)?;
         py.detach(|| {
             let mut g = self.lock();
             g.worker
@@ -423,7 +425,8 @@ impl PyWorker {
     }
 
     #[pyo3(signature = (stream = None))]
-    fn forward_done(&self, stream: Option<u64>) -> PyResult<()> {
+    fn forward_done(&self, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let stream: Option<u64> = extract_opt_arg(Family::Connector, "stream", stream)?;
         let mut g = self.lock();
         g.worker.as_mut().ok_or_else(gone)?.forward_done(stream);
         Ok(())

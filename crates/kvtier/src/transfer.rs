@@ -148,4 +148,24 @@ pub trait RemoteStore: Send + Sync {
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         None
     }
+    /// The store's circuit breaker and deadline counters (zero for a store without them).
+    fn health(&self) -> RemoteHealth {
+        RemoteHealth::default()
+    }
+}
+
+/// What a remote store's circuit breaker and deadlines did, since the store was opened
+/// (exported as `kvtier_remote_*` by [`crate::metrics::METRICS`]). Counters only grow.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RemoteHealth {
+    /// The breaker is not closed now (open, or one probe in flight).
+    pub breaker_open: bool,
+    /// Times the breaker went from closed to open.
+    pub breaker_opened: u64,
+    /// Probes sent after a breaker window ended.
+    pub breaker_probes: u64,
+    /// Operations refused at once because the breaker was open or probing.
+    pub short_circuited: u64,
+    /// Operations that ran past their deadline (connect, read or write timeout).
+    pub deadline_expired: u64,
 }

@@ -208,6 +208,9 @@ impl Journal {
     }
 }
 
+/// How long dropping a [`DiskStorage`] waits for its journal flusher to stop.
+const FLUSHER_JOIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The disk tier.
 pub struct DiskStorage {
     pub(super) dir: PathBuf,
@@ -683,6 +686,21 @@ impl Drop for DiskStorage {
             j.wake.notify_all();
         }
         if let Some(h) = self.flusher.take() {
+            // Bounded (#13, shutdown(timeout) everywhere): a flusher stuck in a hung disk's
+            // fsync is left behind (it owns its journal through an Arc) rather than hanging the
+            // engine's shutdown; the journal then keeps its last completed flush, and every block
+            // a later store loads is verified anyway.
+            let t0 = std::time::Instant::now();
+            while !h.is_finished() && t0.elapsed() < FLUSHER_JOIN_TIMEOUT {
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            if !h.is_finished() {
+                tracing::warn!(
+                    timeout = ?FLUSHER_JOIN_TIMEOUT,
+                    "disk tier: journal flusher still busy (a hung disk?); not waiting for it"
+                );
+                return;
+            }
             let _ = h.join();
         }
         if self.journal.is_some() {

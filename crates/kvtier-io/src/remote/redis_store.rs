@@ -23,15 +23,15 @@
 //! Locking: `slots[i]` guards pooled connection `i` (`None` = not connected). An operation holds one
 //! slot's lock for its whole round trip; `next` only spreads waiting threads over the slots. `down` guards
 //! the outage record and is never held across network I/O.
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
+use kvtier::transfer::{RemoteError, RemoteHealth, RemoteStore, TransferError};
 use redis::cluster::{ClusterClient, ClusterConnection};
 use redis::{Connection, ConnectionLike, RedisResult, RedisWrite, ToRedisArgs};
 
-use super::breaker::{Breaker, BreakerStats, Ticket};
+use super::breaker::{Breaker, BreakerState, BreakerStats, Ticket};
 use super::frame;
 use super::key::Namespace;
 
@@ -82,6 +82,8 @@ pub struct RedisStore {
     slots: Box<[Mutex<Option<Conn>>]>,
     next: AtomicUsize,
     breaker: Breaker,
+    /// Operations that failed on a timeout (connect, read or write past its deadline).
+    deadline_expired: AtomicU64,
 }
 
 enum Client {
@@ -258,6 +260,7 @@ impl RedisStore {
             slots,
             next: AtomicUsize::new(0),
             breaker: Breaker::new(opts.backoff, opts.max_backoff),
+            deadline_expired: AtomicU64::new(0),
             opts,
         })
     }
@@ -386,10 +389,12 @@ impl RedisStore {
             let reused = slot.is_some();
             let conn = match slot.as_mut() {
                 Some(c) => c,
-                None => slot.insert(
-                    self.connect(t)
-                        .map_err(|e| (unavailable(op, &e), Verdict::Down))?,
-                ),
+                None => slot.insert(self.connect(t).map_err(|e| {
+                    if e.is_timeout() {
+                        self.deadline_expired.fetch_add(1, Ordering::Relaxed);
+                    }
+                    (unavailable(op, &e), Verdict::Down)
+                })?),
             };
             match conn.set_deadline(t).and_then(|()| f(conn)) {
                 Ok(v) => return Ok(v),
@@ -404,6 +409,9 @@ impl RedisStore {
                         && (e.is_io_error() || e.is_connection_dropped());
                     if !stale {
                         tracing::debug!(op, error = %e, "remote redis operation failed");
+                        if e.is_timeout() {
+                            self.deadline_expired.fetch_add(1, Ordering::Relaxed);
+                        }
                         let connection_level = e.is_io_error()
                             || e.is_timeout()
                             || e.is_connection_dropped()
@@ -511,6 +519,17 @@ impl RemoteStore for RedisStore {
 
     fn contains(&self, keys: &[u128]) -> Result<Vec<bool>, TransferError> {
         Ok(self.contains_inner(keys)?)
+    }
+
+    fn health(&self) -> RemoteHealth {
+        let b = self.breaker.stats();
+        RemoteHealth {
+            breaker_open: b.state != BreakerState::Closed,
+            breaker_opened: b.opened,
+            breaker_probes: b.probes,
+            short_circuited: b.short_circuited,
+            deadline_expired: self.deadline_expired.load(Ordering::Relaxed),
+        }
     }
 }
 

@@ -199,6 +199,9 @@ pub struct LeaderStats {
     pub disk_capacity: usize,
     pub disk_free: usize,
     pub disk_registered: usize,
+    /// The remote store's breaker and deadline counters (the leader's store: its lookups, and
+    /// the ranks' loads and stores where they share it in one process).
+    pub remote: crate::transfer::RemoteHealth,
 }
 
 /// What, besides its token ids, decides which blocks a request may share (see
@@ -1484,6 +1487,9 @@ impl Leader {
             s.disk_capacity = d.capacity();
             s.disk_free = d.num_free();
             s.disk_registered = d.num_registered();
+        }
+        if let Some(r) = &self.remote {
+            s.remote = r.health();
         }
         s
     }

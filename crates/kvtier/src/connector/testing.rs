@@ -224,6 +224,9 @@ pub struct FaultRules {
     pub fail_fence: bool,
     /// Sleep before each job.
     pub delay: Option<Duration>,
+    /// Jobs in this direction copy the first half of their pairs (rounded up) and then panic:
+    /// the transfer thread dies mid-job, leaving the destination half-written.
+    pub panic_direction: HashSet<(Tier, Tier)>,
 }
 
 /// Wraps a transfer and fails the pairs its rules name; can also hold every job until released.
@@ -291,6 +294,21 @@ impl BlockTransfer for FaultyTransfer {
         let rules = self.rules.lock().map(|r| r.clone()).unwrap_or_default();
         if let Some(d) = rules.delay {
             std::thread::sleep(d);
+        }
+        if rules.panic_direction.contains(&(job.src, job.dst)) {
+            let half = job.pairs.len().div_ceil(2);
+            let sub = TransferJob {
+                pairs: job.pairs.get(..half).unwrap_or_default().to_vec(),
+                ..job.clone()
+            };
+            let _ = self.inner.execute(&sub, fence);
+            // The injected fault itself (tests only): what a dying transfer thread looks like.
+            std::panic::panic_any(format!(
+                "injected: transfer died mid-job ({:?} -> {:?}, {half} of {} pairs written)",
+                job.src,
+                job.dst,
+                job.pairs.len()
+            ));
         }
         let mut failures = Vec::new();
         let mut pass_idx = Vec::new();

@@ -158,6 +158,13 @@ fn key_dir() -> Result<PathBuf, ConnectorError> {
     Ok(dir)
 }
 
+/// The user's private kvtier directory (`$XDG_RUNTIME_DIR/kvtier/` or `<tmp>/kvtier-<uid>/`,
+/// created 0700; refused unless owned by this user and private): key files, and the Python
+/// bindings' default leader socket.
+pub fn private_dir() -> Result<PathBuf, ConnectorError> {
+    key_dir()
+}
+
 /// The key file of `endpoint` (by TCP port or socket path).
 pub fn key_file(endpoint: &str) -> Result<PathBuf, ConnectorError> {
     let name = if let Some(path) = endpoint.strip_prefix("ipc://") {

@@ -1,0 +1,125 @@
+"""Python API misuse (#13, unclear errors): misspelled keywords, negative integers, the default
+ZeroMQ endpoint. Every failure is a kvtier error or a TypeError naming what was wrong; nothing
+raises a bare OverflowError."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier import _native, describe
+
+BS = 16
+
+
+def leader(**extra):
+    s = {"block_size": BS, "bytes_per_block": 4096, "num_device_blocks": 64, "host.num_blocks": 8}
+    s.update(extra)
+    return _native.Leader(s)
+
+
+def worker(**extra):
+    pool = np.zeros((8, 2, 2, BS * 2 * 8), np.float16)
+    s = {"block_size": BS, "host.num_blocks": 4, "link": "engine"}
+    s.update(extra)
+    return pool, _native.Worker(s, describe(pool))
+
+
+@pytest.mark.parametrize(
+    "call, bad",
+    [
+        (lambda: _native.StepRecord("r", [1], [0], 0, 1, num_draft_token=1), "num_draft_token"),
+        (lambda: leader().get_num_new_matched_tokens("r", [1, 2], num_computed_token=0), "num_computed_token"),
+        (lambda: leader().update_state_after_alloc("r", block_id=[0]), "block_id"),
+        (lambda: leader().build_step([], finishd=["r"]), "finishd"),
+        (lambda: _native.Leader(setting={}), "setting"),
+    ],
+)
+def test_misspelled_keywords_are_type_errors_naming_the_keyword(kvtier_env, call, bad):
+    with pytest.raises(TypeError, match=rf"unexpected keyword argument '{bad}'"):
+        call()
+
+
+def test_misspelled_worker_keywords(kvtier_env):
+    _, w = worker()
+    for call, bad in [
+        (lambda: w.wait_for_layer_load(0, strem=None), "strem"),
+        (lambda: w.get_finished([], started=None), "started"),
+        (lambda: w.forward_done(steam=0), "steam"),
+    ]:
+        with pytest.raises(TypeError, match=rf"unexpected keyword argument '{bad}'"):
+            call()
+    w.shutdown()
+
+
+def test_misspelled_setting_keys_are_config_errors(kvtier_env):
+    with pytest.raises(kvtier.ConfigError, match="host.num_blokcs"):
+        leader(**{"host.num_blokcs": 4})
+
+
+def test_negative_ints_are_kvtier_errors_naming_the_argument(kvtier_env):
+    ld = leader()
+    cases = [
+        (lambda: ld.get_num_new_matched_tokens("r", [1, -2], 0), "tokens"),
+        (lambda: ld.get_num_new_matched_tokens("r", [1, 2], -1), "num_computed_tokens"),
+        (lambda: ld.update_state_after_alloc("r", [-1]), "block_ids"),
+        (lambda: ld.update_state_after_alloc("r", [0], -3), "num_external_tokens"),
+        (lambda: ld.get_num_new_matched_tokens("r", [1], 2**70), "num_computed_tokens"),
+        (lambda: _native.StepRecord("r", [1], [0], 0, -1), "num_scheduled_tokens"),
+    ]
+    for call, name in cases:
+        with pytest.raises(kvtier.ConnectorError, match=rf"{name}: .* is out of range") as e:
+            call()
+        assert not isinstance(e.value, OverflowError)
+    # A wrong type stays a TypeError naming the argument.
+    with pytest.raises(TypeError, match="num_computed_tokens"):
+        ld.get_num_new_matched_tokens("r", [1], "zero")
+    # Valid calls still work after the errors.
+    assert ld.get_num_new_matched_tokens("r", [1] * BS, 0) == 0
+
+
+def test_negative_ints_to_the_worker_are_kvtier_errors(kvtier_env):
+    _, w = worker()
+    for call, name in [
+        (lambda: w.wait_for_layer_load(-1), "layer"),
+        (lambda: w.start_load(-1), "stream"),
+        (lambda: w.forward_done(-5), "stream"),
+    ]:
+        with pytest.raises(kvtier.ConnectorError, match=rf"{name}: -\d+ is out of range"):
+            call()
+    w.forward_done(None)
+    w.shutdown()
+
+
+def test_node_server_negative_capacity_is_a_config_error(tmp_path):
+    with pytest.raises(kvtier.ConfigError, match="capacity_bytes: -1 is out of range"):
+        _native.NodeServer(str(tmp_path / "s"), -1)
+    with pytest.raises(kvtier.ConfigError, match="allowed_uids"):
+        _native.NodeServer(str(tmp_path / "s"), 1 << 20, allowed_uids=[-1])
+
+
+def test_default_zmq_endpoint_is_a_private_unix_socket_not_a_fixed_port(kvtier_env, tmp_path):
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    kvtier_env.setenv("XDG_RUNTIME_DIR", str(runtime))
+    ld = leader(link="zmq", channel="api-misuse")
+    try:
+        sock = runtime / "kvtier" / "zmq-api-misuse.sock"
+        assert stat.S_ISSOCK(os.stat(sock).st_mode), "the leader does not listen on the default socket"
+        assert stat.S_IMODE(os.stat(runtime / "kvtier").st_mode) == 0o700
+        # A second live leader on the same channel is refused, not handed the first one's ranks.
+        with pytest.raises(kvtier.KvtierError):
+            leader(link="zmq", channel="api-misuse")
+        # Another channel gets its own socket.
+        other = leader(link="zmq", channel="other/chan nel")
+        try:
+            socks = sorted(p.name for p in (runtime / "kvtier").glob("zmq-*.sock"))
+            assert len(socks) == 2 and "zmq-api-misuse.sock" in socks, socks
+        finally:
+            other.shutdown()
+    finally:
+        ld.shutdown()
