@@ -58,6 +58,7 @@ use books::PendingJob;
 pub use config::{Capacity, DiskPolicy, LeaderConfig, RequestKey};
 pub use loads::MAX_REMOTE_FAILED;
 pub use observe::{KvEvent, LeaderStats, MAX_EVENTS};
+pub use stores::BlockReuse;
 use tiers::Tiers;
 
 /// Reused buffers of the per-record store path.

@@ -19,6 +19,24 @@ use crate::ids::{BlockId, DeviceBlockId, RequestId, Tier};
 use crate::pool::{Priority, Reservation};
 use crate::transfer::{BlockPair, TransferJob};
 
+/// When the engine may reuse a finished request's device blocks (`Leader::request_finished`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use = "reusing device blocks a copy still reads or writes corrupts KV"]
+pub enum BlockReuse {
+    /// No copy reads or writes them any more: the engine may reuse them now.
+    Now,
+    /// A store or load of the request is in flight on some rank: keep them until a worker
+    /// reports the request saved (`FinishedReport::saved`).
+    AfterSaved,
+}
+
+impl BlockReuse {
+    /// Whether the engine must wait for the request to be reported saved (the engines' boolean).
+    pub fn must_wait(self) -> bool {
+        self == BlockReuse::AfterSaved
+    }
+}
+
 /// What a completed store does to the books: device -> `tier`.
 #[derive(Debug)]
 pub(super) struct StoreBooks {
@@ -200,10 +218,10 @@ impl Leader {
         }
     }
 
-    /// The engine finished (or aborted) the request. Returns true while any of its stores is
-    /// not yet confirmed by every rank: the engine must keep its device blocks until the
-    /// workers report the request as saved.
-    pub fn request_finished(&mut self, req: &RequestId) -> Result<bool, ConnectorError> {
+    /// The engine finished (or aborted) the request. While any of its stores or loads is not
+    /// yet confirmed by every rank the answer is [`BlockReuse::AfterSaved`]: the engine must keep
+    /// its device blocks until the workers report the request as saved.
+    pub fn request_finished(&mut self, req: &RequestId) -> Result<BlockReuse, ConnectorError> {
         self.poll_reports();
         let Some(e) = self.slots.get_mut(req) else {
             return Err(ConnectorError::invalid(
@@ -225,7 +243,11 @@ impl Leader {
             self.outbox.saving.push(req.clone());
         }
         self.maybe_drop_slot(req);
-        Ok(in_flight)
+        Ok(if in_flight {
+            BlockReuse::AfterSaved
+        } else {
+            BlockReuse::Now
+        })
     }
 
     /// The engine preempted the request and freed its device blocks; it may be matched again.
