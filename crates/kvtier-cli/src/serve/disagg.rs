@@ -16,8 +16,8 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::serve::api::{submit_error, ApiError};
 use crate::backend::{Backend, FinishReason, GenEvent, GenRequest};
+use crate::serve::api::{submit_error, ApiError};
 use crate::serve::http_client::{self, HttpUrl};
 
 /// How a decode server reaches its prefill server.

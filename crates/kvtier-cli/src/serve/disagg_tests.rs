@@ -5,10 +5,10 @@ use std::time::Duration;
 
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::backend::{Backend, FinishReason, GenEvent, GenRequest};
-use crate::serve::http_client::HttpUrl;
-use crate::serve::disagg::*;
 use crate::backend::fake::FakeBackend;
+use crate::backend::{Backend, FinishReason, GenEvent, GenRequest};
+use crate::serve::disagg::*;
+use crate::serve::http_client::HttpUrl;
 use crate::serve::server::{serve, AppState, Generator};
 
 async fn collect(mut rx: UnboundedReceiver<GenEvent>) -> (Vec<u32>, FinishReason, u32) {

@@ -22,8 +22,8 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::serve::api::{self, submit_error, ApiError, Validated};
 use crate::backend::{Backend, FinishReason, GenEvent};
+use crate::serve::api::{self, submit_error, ApiError, Validated};
 use crate::serve::detok::Detokenizer;
 use crate::serve::disagg::PrefillClient;
 use crate::serve::listener::ServeOptions;

@@ -320,9 +320,11 @@ mod tests {
     fn mapping_is_zeroed_and_writable() {
         let m = Mapping::new(8 << 20).unwrap();
         m.touch_parallel(3);
+        // SAFETY: the mapping is live for the whole test and nothing else touches it.
         let s = unsafe { slice_mut(m.addr(), m.len()) };
         assert!(s.iter().all(|&b| b == 0));
         s[12345] = 7;
+        // SAFETY: as above; the mutable view is not used again.
         assert_eq!(unsafe { slice(m.addr(), m.len()) }[12345], 7);
     }
 
@@ -337,6 +339,7 @@ mod tests {
             (0, 9, 100),
         ] {
             let mut dst = vec![0u8; 100_050];
+            // SAFETY: both ranges lie inside their vectors (offset + len < length) and differ.
             unsafe {
                 copy_stream(
                     src.as_ptr() as usize + so,
