@@ -25,7 +25,7 @@ enum Command {
     /// Workload benchmarks: no cache vs the engine's prefix cache vs kvtier tiers (table, JSON, PNG
     /// in ./bench-out/);
     /// `kvtier bench transfer --help` for tier transfer throughput.
-    Bench(BenchCli),
+    Bench(Box<BenchCli>),
     /// Print the resolved configuration, tier sizes and the disk tier's contents.
     Inspect(InspectArgs),
     /// The node tier: one shared host cache for every engine process on this machine
@@ -62,22 +62,22 @@ fn main() -> anyhow::Result<()> {
         Some(c) => c,
         None => {
             eprintln!("kvtier: no command given; running `kvtier bench` on its embedded defaults (`kvtier --help` lists commands)");
-            Command::Bench(BenchCli {
+            Command::Bench(Box::new(BenchCli {
                 command: None,
                 args: BenchArgs::parse_defaults(),
-            })
+            }))
         }
     };
     match command {
         Command::Inspect(a) => kvtier_cli::inspect::run(a),
         Command::Serve(a) => runtime()?.block_on(kvtier_cli::serve::command::run(a)),
-        Command::Bench(BenchCli {
-            command: Some(BenchCommand::Transfer(a)),
-            ..
-        }) => kvtier_cli::bench::transfer::run(a),
-        Command::Bench(BenchCli { args, .. }) => {
-            runtime()?.block_on(kvtier_cli::bench::command::run(args))
-        }
+        Command::Bench(b) => match *b {
+            BenchCli {
+                command: Some(BenchCommand::Transfer(a)),
+                ..
+            } => kvtier_cli::bench::transfer::run(a),
+            BenchCli { args, .. } => runtime()?.block_on(kvtier_cli::bench::command::run(args)),
+        },
         Command::Node(a) => runtime()?.block_on(kvtier_cli::node::run(a)),
     }
 }
@@ -101,18 +101,15 @@ mod tests {
         Cli::command().debug_assert();
         let cli = Cli::try_parse_from(["kvtier", "bench", "transfer", "--blocks", "8"]);
         match cli.map(|c| c.command) {
-            Ok(Some(Command::Bench(BenchCli {
-                command: Some(BenchCommand::Transfer(t)),
-                ..
-            }))) => assert_eq!(t.blocks, 8),
-            other => panic!("not a transfer command: {other:?}"),
+            Ok(Some(Command::Bench(b))) => match b.command {
+                Some(BenchCommand::Transfer(t)) => assert_eq!(t.blocks, 8),
+                other => panic!("not a transfer command: {other:?}"),
+            },
+            other => panic!("not a bench command: {other:?}"),
         }
         assert!(Cli::try_parse_from(["kvtier", "bench", "transfer", "--blocks", "x"]).is_err());
         assert!(Cli::try_parse_from(["kvtier", "bench", "--large", "transfer"]).is_err());
         let plain = Cli::try_parse_from(["kvtier", "bench", "--large"]).map(|c| c.command);
-        assert!(matches!(
-            plain,
-            Ok(Some(Command::Bench(BenchCli { command: None, .. })))
-        ));
+        assert!(matches!(plain, Ok(Some(Command::Bench(b))) if b.command.is_none()));
     }
 }

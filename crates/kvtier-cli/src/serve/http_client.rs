@@ -182,7 +182,10 @@ mod tests {
         assert_eq!(u.path("/v1/models"), "/api/v1/models");
         assert!(HttpUrl::parse("https://x").is_err());
         assert!(HttpUrl::parse("http://").is_err());
-        assert_eq!(HttpUrl::parse("http://[::1]:9000/x").unwrap().authority, "[::1]:9000");
+        assert_eq!(
+            HttpUrl::parse("http://[::1]:9000/x").unwrap().authority,
+            "[::1]:9000"
+        );
     }
 
     #[test]
