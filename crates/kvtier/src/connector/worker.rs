@@ -291,16 +291,7 @@ impl Worker {
             .into_iter()
             .flat_map(|l| l.jobs)
             .collect();
-        match self.transfer.fence(engine_stream) {
-            Ok(f) => self.submit(jobs, f),
-            Err(e) => {
-                tracing::error!(error = %e, "fence for loads failed; loads fail");
-                for j in jobs {
-                    let o = fail_all(&j, &format!("fence failed: {e}"));
-                    self.finish_here(j, o);
-                }
-            }
-        }
+        self.submit_after_fence(jobs, engine_stream, "loads");
     }
 
     /// Block until the step's sync loads are done (all layers at once: correct first).
@@ -350,16 +341,7 @@ impl Worker {
         if stores.is_empty() {
             return;
         }
-        match self.transfer.fence(engine_stream) {
-            Ok(f) => self.submit(stores, f),
-            Err(e) => {
-                tracing::error!(error = %e, "fence for stores failed; stores fail");
-                for j in stores {
-                    let o = fail_all(&j, &format!("fence failed: {e}"));
-                    self.finish_here(j, o);
-                }
-            }
-        }
+        self.submit_after_fence(stores, engine_stream, "stores");
     }
 
     /// Requests whose saves / async loads finished on this rank. `finished`: requests the engine
@@ -490,6 +472,26 @@ impl Worker {
                         "kvtier worker: no job of the waited-for requests finished within {WAIT_TIMEOUT:?}; stopped waiting"
                     );
                     break;
+                }
+            }
+        }
+    }
+
+    /// Hand `jobs` to the executor behind a fence on `engine_stream`; if the fence cannot be
+    /// taken, every pair of every job fails here (nothing may touch engine memory unfenced).
+    fn submit_after_fence(
+        &mut self,
+        jobs: Vec<TransferJob>,
+        engine_stream: Option<u64>,
+        what: &str,
+    ) {
+        match self.transfer.fence(engine_stream) {
+            Ok(f) => self.submit(jobs, f),
+            Err(e) => {
+                tracing::error!(error = %e, "fence for {what} failed; {what} fail");
+                for j in jobs {
+                    let o = fail_all(&j, &format!("fence failed: {e}"));
+                    self.finish_here(j, o);
                 }
             }
         }
