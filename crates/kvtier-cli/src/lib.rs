@@ -1,23 +1,17 @@
 //! kvtier-cli: the `kvtier` binary's library — an OpenAI-compatible server over the reference engine
-//! (`serve`), workload benchmarks comparing no cache / G1 prefix cache / kvtier tiers (`bench`), and
-//! `inspect`.
+//! ([`serve`]), workload and transfer benchmarks ([`bench`]), [`inspect`] and the [`node`] tier.
 //!
-//! Layering: [`api`] validates OpenAI bodies into engine requests; [`server`] routes and streams;
-//! [`disagg`] adds the decode-mode prefill hop; [`prom`] renders Prometheus text; [`backend`] is the one
-//! seam to the engine. Nothing here panics on what a client sends.
+//! Layering: [`settings`] and [`backend`] (the one seam to the engine, implemented by
+//! [`engine_backend`]) are used by [`serve`] and [`bench`]; neither of those uses the other, and
+//! no module imports one that imports it back.
 
 #![forbid(unsafe_code)]
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
-pub mod api;
 pub mod backend;
 pub mod bench;
-pub mod cmd;
-pub mod detok;
-pub mod disagg;
 pub mod engine_backend;
-pub mod http_client;
-pub mod listener;
-pub mod prom;
-pub mod server;
+pub mod inspect;
+pub mod node;
+pub mod serve;
 pub mod settings;

@@ -3,7 +3,7 @@
 //! report carries kvtier's ratios against both engine-only baselines.
 #![allow(clippy::unwrap_used)]
 
-use kvtier_cli::cmd::bench::{run, BenchArgs};
+use kvtier_cli::bench::command::{run, BenchArgs};
 use serde_json::Value;
 
 fn row<'a>(v: &'a Value, workload: &str, config: &str) -> &'a Value {

@@ -7,7 +7,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use kvtier_cli::http_client::{self, HttpUrl};
+use kvtier_cli::serve::http_client::{self, HttpUrl};
 use serde_json::{json, Value};
 
 const T: Duration = Duration::from_secs(120);

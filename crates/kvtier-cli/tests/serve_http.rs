@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvtier_cli::engine_backend::EngineBackend;
-use kvtier_cli::http_client::{self, HttpUrl};
-use kvtier_cli::server::{serve, AppState, Generator};
+use kvtier_cli::serve::http_client::{self, HttpUrl};
+use kvtier_cli::serve::server::{serve, AppState, Generator};
 use kvtier_cli::settings::{ConnectorKind, EngineArgs, TierArgs};
 use kvtier_engine::Role;
 use serde_json::{json, Value};

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier::connector::messages::ClusterLayout;
-use kvtier::connector::{Leader, SchedulerStep, Worker, WorkerLink};
+use kvtier::connector::{BlockReuse, Leader, SchedulerStep, Worker, WorkerLink};
 use kvtier::hash::{sequence_hashes, HashSalt};
 use kvtier::layout::{self, DType, DeviceLayout, TensorDesc};
 use kvtier::transfer::{BlockTransfer, RemoteStore};
@@ -240,7 +240,7 @@ impl EngineConnector for KvtierConnector {
     }
 
     fn request_finished(&mut self, id: &RequestId, _block_ids: &[DeviceBlockId]) -> bool {
-        match self.leader.request_finished(id) {
+        match self.leader.request_finished(id).map(BlockReuse::must_wait) {
             Ok(in_flight) => {
                 if self.wait_for_remote && !in_flight {
                     // Nothing to wait for on this rank, but the remote puts may still be queued.

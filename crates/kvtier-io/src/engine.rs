@@ -71,7 +71,11 @@ impl TransferEngineBuilder {
         self
     }
     /// The engine's KV memory: where each device block's chunks are, and whether that memory
-    /// is CUDA or CPU memory. The engine keeps that memory alive while the TransferEngine lives.
+    /// is CUDA or CPU memory.
+    ///
+    /// Precondition (not checkable, see docs/arch/io.md "The `unsafe` boundary"): every chunk of
+    /// every block is memory of `kind` that stays allocated at the same address while the
+    /// TransferEngine lives, and the engine writes a block only while no job of kvtier's holds it.
     pub fn device(mut self, layout: Arc<dyn BlockChunks>, kind: DeviceKind) -> Self {
         self.device = Some((layout, kind));
         self

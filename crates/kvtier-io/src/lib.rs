@@ -36,6 +36,7 @@
 /// The transfer benchmark behind `kvtier bench transfer` (feature `transfer-bench`; not part of
 /// the storage and transfer API).
 #[cfg(feature = "transfer-bench")]
+#[doc(hidden)]
 pub mod bench;
 pub mod compose;
 pub mod cuda;

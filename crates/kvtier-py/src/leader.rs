@@ -588,6 +588,7 @@ impl PyLeader {
         let mut g = self.lock();
         Ok(g.ready(py)?
             .request_finished(&RequestId::from(request_id))
+            .map(kvtier::connector::BlockReuse::must_wait)
             .map_err(BridgeError::from)?)
     }
 

@@ -403,7 +403,7 @@ fn bench_match(c: &mut Criterion) {
         l.get_num_new_matched_tokens(&probe, &prompt, 0).unwrap(),
         32_768 - BS
     );
-    l.request_finished(&probe).unwrap();
+    let _ = l.request_finished(&probe).unwrap();
 
     for cpu_clock in [false, true] {
         let sfx = if cpu_clock { "_oncpu" } else { "" };
@@ -414,7 +414,7 @@ fn bench_match(c: &mut Criterion) {
                     let n = l
                         .get_num_new_matched_tokens(&probe, black_box(&prompt), 0)
                         .unwrap();
-                    l.request_finished(&probe).unwrap();
+                    let _ = l.request_finished(&probe).unwrap();
                     black_box(n);
                 }
                 if cpu_clock {

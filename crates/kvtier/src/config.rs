@@ -45,7 +45,7 @@ use serde::{Deserialize, Serialize};
 mod remote_url;
 mod value;
 
-pub use remote_url::{redact_url, RedisTarget, RemoteBackend, RemoteTarget};
+pub use remote_url::{parse_http_endpoint, redact_url, RedisTarget, RemoteBackend, RemoteTarget};
 pub use value::{bool_reason, parse_bool as parse_bool_text, parse_u64 as parse_u64_text};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

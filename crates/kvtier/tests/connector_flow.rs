@@ -197,7 +197,11 @@ fn offload_then_onboard_from_host_is_bit_exact() {
     rig.settle();
     let s = rig.leader.stats();
     assert_eq!(s.offload_confirmed, 6, "{s:?}");
-    assert!(!rig.leader.request_finished(&"a".into()).unwrap());
+    assert!(!rig
+        .leader
+        .request_finished(&"a".into())
+        .unwrap()
+        .must_wait());
 
     // Same prompt, the engine's own cache was reset: 6 full blocks come from the host.
     let b: RequestId = "b".into();
@@ -272,7 +276,7 @@ fn saves_in_flight_keep_a_finished_request_unsaved() {
         &[(prompt.clone(), vec![(0, 0), (1, 1)])],
     );
     assert!(
-        rig.leader.request_finished(&a).unwrap(),
+        rig.leader.request_finished(&a).unwrap().must_wait(),
         "stores are in flight"
     );
     let f = rig.ranks[0]
@@ -499,7 +503,7 @@ fn tp2_store_is_confirmed_only_when_both_ranks_report() {
         0,
         "not visible before confirmation"
     );
-    assert!(rig.leader.request_finished(&a).unwrap());
+    assert!(rig.leader.request_finished(&a).unwrap().must_wait());
     rig.ranks[1].faulty.release();
     rig.settle();
     assert_eq!(rig.leader.stats().offload_confirmed, 2);
@@ -587,7 +591,11 @@ fn invalid_engine_input_names_request_and_field_and_spares_others() {
     assert_eq!(meta.stores[0].job.pairs.len(), 1);
     assert_eq!(meta.stores[0].job.pairs[0].src, 1);
     rig.settle();
-    assert!(!rig.leader.request_finished(&"a".into()).unwrap());
+    assert!(!rig
+        .leader
+        .request_finished(&"a".into())
+        .unwrap()
+        .must_wait());
     let e = rig
         .leader
         .build_step(&step(vec![cont("a", &[40], vec![], 32, 8)]))
@@ -746,7 +754,7 @@ fn request_without_saves_in_flight_is_never_reported_saved() {
         &[(prompt.clone(), vec![(0, 0), (1, 1)])],
     );
     rig.settle();
-    assert!(!rig.leader.request_finished(&a).unwrap());
+    assert!(!rig.leader.request_finished(&a).unwrap().must_wait());
     for _ in 0..4 {
         rig.run(&step(vec![]), &[]);
         let f = rig.ranks[0]

@@ -57,7 +57,7 @@ fn loads_never_sent_are_withdrawn_at_finish() {
     let devs: Vec<DeviceBlockId> = (20..23).map(DeviceBlockId).collect();
     l.update_state_after_alloc(&r, &devs, Some(8)).unwrap();
     // Cancelled before any metadata carried its loads: nothing can land, the blocks may go.
-    assert!(!l.request_finished(&r).unwrap());
+    assert!(!l.request_finished(&r).unwrap().must_wait());
     let m = empty_step(&mut l);
     assert!(
         m.loads.is_empty(),
@@ -80,7 +80,7 @@ fn loads_in_flight_keep_the_blocks_until_reported() {
     let sent = empty_step(&mut l);
     assert_eq!(sent.loads.len(), 1);
     // Cancelled with its copies on their way: the engine must keep the blocks.
-    assert!(l.request_finished(&r).unwrap());
+    assert!(l.request_finished(&r).unwrap().must_wait());
     let m = empty_step(&mut l);
     assert!(m.saving.contains(&r), "workers are not told to hold {r}");
     confirm(&mut l, &sent);

@@ -59,7 +59,7 @@ fn node_only_stores_go_device_to_remote_and_are_waited_for() {
     // The engine must keep the device blocks while the store is in flight.
     let a: RequestId = "a".into();
     assert!(
-        l.request_finished(&a).unwrap(),
+        l.request_finished(&a).unwrap().must_wait(),
         "finished while its store reads G1"
     );
     // The worker wrote blocks 0 and 2; block 1 failed (e.g. a full node).

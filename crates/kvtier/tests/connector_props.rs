@@ -345,7 +345,7 @@ impl Sim {
                 if q.gen_left == 0 {
                     q.st = St::Done;
                     let id = q.id.clone();
-                    let in_flight = self.leader.request_finished(&id).unwrap();
+                    let in_flight = self.leader.request_finished(&id).unwrap().must_wait();
                     let ran = self.ran.lock().unwrap().clone();
                     let all_ran = self
                         .store_jobs

@@ -195,7 +195,9 @@ fn leader_and_two_worker_processes_tp2() {
         finished: vec![],
     };
     chan.broadcast(&leader.build_step(&s2).unwrap()).unwrap();
-    assert!(leader.request_finished(&a).unwrap() || leader.stats().offload_confirmed == 6);
+    assert!(
+        leader.request_finished(&a).unwrap().must_wait() || leader.stats().offload_confirmed == 6
+    );
     wait_for(&mut leader, "6 confirmed stores", |l| {
         l.stats().offload_confirmed == 6
     });

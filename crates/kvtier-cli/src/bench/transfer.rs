@@ -1,13 +1,12 @@
-//! `kvtier bench transfer`: CLI glue over `kvtier_io::bench` (the measuring logic lives there).
-//! `main` hands over before its own parsing when the arguments start with `bench transfer`.
+//! `kvtier bench transfer`: CLI glue over `kvtier_io::bench` (the measuring logic lives there,
+//! beside the CUDA primitives it drives).
 use std::path::PathBuf;
 
-use clap::Parser;
+use clap::Args;
 use kvtier_io::bench::{self, BenchOptions};
 
 /// Offload/onboard throughput per tier and layout, against baselines measured in the same run.
-#[derive(Parser, Debug)]
-#[command(name = "kvtier bench transfer")]
+#[derive(Args, Debug, Clone)]
 pub struct TransferArgs {
     /// Directory for the disk tier and fio's files.
     #[arg(long, default_value = "kvtier-bench")]
@@ -24,10 +23,13 @@ pub struct TransferArgs {
     /// Seconds per GEMM measurement.
     #[arg(long, default_value_t = 3.0)]
     pub gemm_secs: f64,
+    /// Skip the CPU (host memory) measurements.
     #[arg(long)]
     pub no_cpu: bool,
+    /// Skip the GPU measurements.
     #[arg(long)]
     pub no_gpu: bool,
+    /// Skip the disk measurements.
     #[arg(long)]
     pub no_disk: bool,
     /// CUDA device ordinal.
@@ -41,18 +43,7 @@ pub struct TransferArgs {
     pub markdown: Option<PathBuf>,
 }
 
-/// Run `kvtier bench transfer ...` if that is the command line; `None` otherwise.
-pub fn try_run() -> Option<anyhow::Result<()>> {
-    let args: Vec<String> = std::env::args().collect();
-    if args.get(1).map(String::as_str) != Some("bench")
-        || args.get(2).map(String::as_str) != Some("transfer")
-    {
-        return None;
-    }
-    let rest = std::iter::once("kvtier bench transfer".to_string()).chain(args.into_iter().skip(3));
-    Some(run(TransferArgs::parse_from(rest)))
-}
-
+/// Run the transfer benchmark and write its figures where `a` says.
 pub fn run(a: TransferArgs) -> anyhow::Result<()> {
     let opts = BenchOptions {
         dir: a.dir,

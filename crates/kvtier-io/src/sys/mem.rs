@@ -331,9 +331,11 @@ mod tests {
         // Miri interprets every byte check: a smaller mapping there, same code path.
         let m = Mapping::new(if cfg!(miri) { 256 << 10 } else { 8 << 20 }).unwrap();
         m.touch_parallel(3);
+        // SAFETY: the mapping is live for the whole test and nothing else touches it.
         let s = unsafe { slice_mut(m.addr(), m.len()) };
         assert!(s.iter().all(|&b| b == 0));
         s[12345] = 7;
+        // SAFETY: as above; the mutable view is not used again.
         assert_eq!(unsafe { slice(m.addr(), m.len()) }[12345], 7);
     }
 
@@ -348,6 +350,7 @@ mod tests {
             (0, 9, 100),
         ] {
             let mut dst = vec![0u8; 100_050];
+            // SAFETY: both ranges lie inside their vectors (offset + len < length) and differ.
             unsafe {
                 copy_stream(
                     src.as_ptr() as usize + so,

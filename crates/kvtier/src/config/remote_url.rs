@@ -138,6 +138,27 @@ impl RemoteTarget {
     }
 }
 
+/// An `http://host[:port][/base]` endpoint (the CLI's prefill server): `(authority, base
+/// path)`, the authority always `host:port` (port 80 by default), the base path without a
+/// trailing `/`. Parsed with the same `url` crate as the remote URL; anything but plain `http://`
+/// with a host is refused.
+pub fn parse_http_endpoint(url: &str) -> Result<(String, String), String> {
+    let u = url::Url::parse(url).map_err(|e| format!("`{url}`: {e}"))?;
+    if u.scheme() != "http" {
+        return Err(format!("`{url}`: only http:// is supported"));
+    }
+    let host = match u.host() {
+        Some(url::Host::Ipv6(a)) => format!("[{a}]"),
+        Some(h) => h.to_string(),
+        None => return Err(format!("`{url}`: no host")),
+    };
+    let port = u.port_or_known_default().unwrap_or(80);
+    Ok((
+        format!("{host}:{port}"),
+        u.path().trim_end_matches('/').to_string(),
+    ))
+}
+
 /// `url` with the password of its userinfo replaced by `***` (`redis://user:***@host`,
 /// `redis://:***@host`, and `redis://***@host` where a lone userinfo is the password), for logs,
 /// errors and `kvtier inspect`. Everything else is unchanged.

@@ -20,14 +20,16 @@ pub mod zmq;
 #[cfg(feature = "zmq")]
 pub mod zmq_auth;
 
-pub use leader::{Capacity, DiskPolicy, KvEvent, Leader, LeaderConfig, LeaderStats, RequestKey};
+pub use leader::{
+    BlockReuse, Capacity, DiskPolicy, KvEvent, Leader, LeaderConfig, LeaderStats, RequestKey,
+};
 pub use messages::{
     ClusterLayout, RankLayout, RequestLoad, RequestStore, StepMetadata, WorkerReport,
     PROTOCOL_VERSION,
 };
 pub use slot::{MatchRecord, OffloadBlock, OnboardBlock, Slot, SlotState};
 pub use step::{SchedulerStep, StepRecord};
-pub use worker::{FinishedReport, ReportSink, Worker, WorkerLink};
+pub use worker::{FinishedReport, ReportSink, ShutdownError, Worker, WorkerLink};
 
 /// Errors of the connector (leader, workers, their channel).
 #[derive(Debug, thiserror::Error)]

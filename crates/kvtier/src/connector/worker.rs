@@ -24,6 +24,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use crate::connector::messages::{remote_key_for_rank, RequestLoad, StepMetadata, WorkerReport};
 use crate::connector::ConnectorError;
@@ -296,16 +297,7 @@ impl Worker {
             .into_iter()
             .flat_map(|l| l.jobs)
             .collect();
-        match self.transfer.fence(engine_stream) {
-            Ok(f) => self.submit(jobs, f),
-            Err(e) => {
-                tracing::error!(error = %e, "fence for loads failed; loads fail");
-                for j in jobs {
-                    let o = fail_all(&j, &format!("fence failed: {e}"));
-                    self.finish_here(j, o);
-                }
-            }
-        }
+        self.submit_after_fence(jobs, engine_stream, "loads");
     }
 
     /// Block until the step's sync loads are done (all layers at once: correct first).
@@ -355,16 +347,7 @@ impl Worker {
         if stores.is_empty() {
             return;
         }
-        match self.transfer.fence(engine_stream) {
-            Ok(f) => self.submit(stores, f),
-            Err(e) => {
-                tracing::error!(error = %e, "fence for stores failed; stores fail");
-                for j in stores {
-                    let o = fail_all(&j, &format!("fence failed: {e}"));
-                    self.finish_here(j, o);
-                }
-            }
-        }
+        self.submit_after_fence(stores, engine_stream, "stores");
     }
 
     /// Requests whose saves / async loads finished on this rank. `finished`: requests the engine
@@ -436,7 +419,8 @@ impl Worker {
         self.jobs.len()
     }
 
-    /// Wait until every job handed to the executor has finished (tests, shutdown).
+    /// Wait until every job handed to the executor has finished (tests, shutdown); gives up,
+    /// with an error in the log, when no job finishes for `WAIT_TIMEOUT`.
     pub fn wait_idle(&mut self) {
         loop {
             let unsubmitted: usize = self.bound_loads.iter().map(|l| l.jobs.len()).sum::<usize>()
@@ -444,12 +428,16 @@ impl Worker {
             if self.jobs.len() <= unsubmitted {
                 break;
             }
-            match self
-                .done_rx
-                .recv_timeout(std::time::Duration::from_secs(60))
-            {
+            match self.done_rx.recv_timeout(WAIT_TIMEOUT) {
                 Ok(d) => self.on_done(d),
-                Err(_) => break,
+                Err(_) => {
+                    tracing::error!(
+                        rank = self.rank,
+                        jobs = self.jobs.len(),
+                        "kvtier worker: no job finished within {WAIT_TIMEOUT:?}; stopped waiting"
+                    );
+                    break;
+                }
             }
         }
     }
@@ -482,12 +470,35 @@ impl Worker {
             if !busy {
                 break;
             }
-            match self
-                .done_rx
-                .recv_timeout(std::time::Duration::from_secs(60))
-            {
+            match self.done_rx.recv_timeout(WAIT_TIMEOUT) {
                 Ok(d) => self.on_done(d),
-                Err(_) => break,
+                Err(_) => {
+                    tracing::error!(
+                        rank = self.rank,
+                        "kvtier worker: no job of the waited-for requests finished within {WAIT_TIMEOUT:?}; stopped waiting"
+                    );
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Hand `jobs` to the executor behind a fence on `engine_stream`; if the fence cannot be
+    /// taken, every pair of every job fails here (nothing may touch engine memory unfenced).
+    fn submit_after_fence(
+        &mut self,
+        jobs: Vec<TransferJob>,
+        engine_stream: Option<u64>,
+        what: &str,
+    ) {
+        match self.transfer.fence(engine_stream) {
+            Ok(f) => self.submit(jobs, f),
+            Err(e) => {
+                tracing::error!(error = %e, "fence for {what} failed; {what} fail");
+                for j in jobs {
+                    let o = fail_all(&j, &format!("fence failed: {e}"));
+                    self.finish_here(j, o);
+                }
             }
         }
     }
@@ -550,11 +561,67 @@ impl Worker {
     }
 }
 
+/// How long `wait_idle` and `wait_for_requests` wait for the next job to finish before they
+/// give up (and say so in the log).
+pub const WAIT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long dropping a [`Worker`] waits for its executor threads (see [`Worker::shutdown`]).
+pub const DROP_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Executor threads that had not stopped when [`Worker::shutdown`]'s time ran out (each still
+/// runs a transfer; it stops on its own when that returns, and nothing waits for it).
+#[derive(Debug, thiserror::Error)]
+#[error("kvtier worker rank {rank}: executor threads {threads:?} did not stop within {timeout:?}")]
+pub struct ShutdownError {
+    /// The worker's rank.
+    pub rank: u32,
+    /// The names of the threads still running.
+    pub threads: Vec<String>,
+    /// The time they were given.
+    pub timeout: Duration,
+}
+
+impl Worker {
+    /// Stop the executor threads: no new job is taken, the queued ones run to their end, and
+    /// each thread is joined. Waits at most `timeout` in all; threads still running then are
+    /// named in the error and left to finish on their own (they hold only their own clones of
+    /// the transfer and the link).
+    pub fn shutdown(mut self, timeout: Duration) -> Result<(), ShutdownError> {
+        self.stop_threads(timeout)
+    }
+
+    fn stop_threads(&mut self, timeout: Duration) -> Result<(), ShutdownError> {
+        self.task_tx = None;
+        let deadline = Instant::now() + timeout;
+        let mut pause = Duration::from_micros(100);
+        while self.threads.iter().any(|h| !h.is_finished()) && Instant::now() < deadline {
+            std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
+            pause = (pause * 2).min(Duration::from_millis(20));
+        }
+        let mut stuck = Vec::new();
+        for h in self.threads.drain(..) {
+            if h.is_finished() {
+                let _ = h.join();
+            } else {
+                stuck.push(h.thread().name().unwrap_or("kvtier executor").to_string());
+            }
+        }
+        if stuck.is_empty() {
+            Ok(())
+        } else {
+            Err(ShutdownError {
+                rank: self.rank,
+                threads: stuck,
+                timeout,
+            })
+        }
+    }
+}
+
 impl Drop for Worker {
     fn drop(&mut self) {
-        self.task_tx = None;
-        for h in self.threads.drain(..) {
-            let _ = h.join();
+        if let Err(e) = self.stop_threads(DROP_SHUTDOWN_TIMEOUT) {
+            tracing::error!(error = %e, "kvtier worker dropped while transfers still ran");
         }
     }
 }

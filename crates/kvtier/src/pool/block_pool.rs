@@ -222,6 +222,7 @@ impl BlockPool {
 
     /// Pin the blocks of the longest registered prefix of `hashes` and return them in order.
     /// The caller owns one pin on each and must `release` it.
+    #[must_use = "each returned block carries a pin the caller must release"]
     pub fn match_prefix(&mut self, hashes: &[SequenceHash]) -> Vec<BlockId> {
         let mut out = Vec::new();
         self.for_each_prefix_block(hashes, |b| out.push(BlockId(b)));

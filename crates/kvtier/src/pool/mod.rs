@@ -1,5 +1,6 @@
 //! Pools, one per tier: block ids, a content-addressed registry, reference-counted pins,
-//! priority-aware LRU eviction, capacity accounting. Pure data structures: no I/O, no clock.
+//! priority-aware LRU eviction, capacity accounting. Data structures with no clock and no I/O
+//! beyond one read of `/proc/meminfo` in `BlockPool::new` (a pool larger than memory is refused).
 //!
 //! API (the connector codes against it):
 //! - `BlockPool::new(tier, capacity_blocks) -> Result<BlockPool, PoolError>`

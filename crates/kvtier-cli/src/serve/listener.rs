@@ -5,7 +5,7 @@
 //!   this also bounds idle keep-alive connections (hyper starts the timer whenever it waits for the
 //!   next request), so half-open and idle sockets cannot pile up and starve `/health`;
 //! - request bodies are read by the handlers under `body_timeout` and `max_body_bytes`
-//!   (`crate::server::read_body`);
+//!   (`crate::serve::server::read_body`);
 //! - once `shutdown` resolves, no connection is accepted, open ones are asked to finish, and after
 //!   `shutdown_grace` the rest are dropped: `serve` always returns within `shutdown_grace` of the
 //!   signal, also while a client holds a half-sent request.

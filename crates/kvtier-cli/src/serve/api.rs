@@ -10,7 +10,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::backend::{Backend, GenRequest};
+use crate::backend::{Backend, GenRequest, SubmitError};
 
 /// An OpenAI-style error: `{"error":{"message","type","param","code"}}` with an HTTP status.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,6 +70,17 @@ impl ApiError {
     /// The JSON body.
     pub fn body(&self) -> Value {
         json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+/// Maps a backend refusal to its HTTP error.
+pub fn submit_error(e: SubmitError) -> ApiError {
+    match e {
+        SubmitError::Overloaded(m) => {
+            ApiError::unavailable(format!("engine overloaded, retry later: {m}"))
+        }
+        SubmitError::Unavailable(m) => ApiError::unavailable(format!("engine unavailable: {m}")),
+        SubmitError::Invalid(m) => ApiError::invalid(m, None),
     }
 }
 

@@ -1,10 +1,10 @@
 //! The OpenAI-compatible HTTP server: routes, request handling, SSE streaming.
 //!
-//! Invariants: every request body is validated by [`crate::api`] before it reaches the engine; every
+//! Invariants: every request body is validated by [`crate::serve::api`] before it reaches the engine; every
 //! error leaves as OpenAI-style JSON (4xx for the client's mistakes, 503 when the engine is overloaded or
 //! the prefill server unreachable, 500 for an engine failure); a stream always ends with `data: [DONE]`.
 //! Generation itself goes through [`Generator`], which hides whether the first token comes from this
-//! engine (aggregated, prefill) or from a remote prefill server (decode mode, see [`crate::disagg`]).
+//! engine (aggregated, prefill) or from a remote prefill server (decode mode, see [`crate::serve::disagg`]).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -22,12 +22,12 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::api::{self, ApiError, Validated};
-use crate::backend::{Backend, FinishReason, GenEvent, SubmitError};
-use crate::detok::Detokenizer;
-use crate::disagg::PrefillClient;
-use crate::listener::ServeOptions;
-use crate::prom::Exporter;
+use crate::backend::{Backend, FinishReason, GenEvent};
+use crate::serve::api::{self, submit_error, ApiError, Validated};
+use crate::serve::detok::Detokenizer;
+use crate::serve::disagg::PrefillClient;
+use crate::serve::listener::ServeOptions;
+use crate::serve::prom::Exporter;
 
 /// Where first tokens come from.
 pub enum Generator {
@@ -108,7 +108,7 @@ pub async fn serve(
     let listener = tokio::net::TcpListener::bind(addr).await?;
     on_bound(listener.local_addr()?);
     let limits = state.limits;
-    crate::listener::run(listener, router(state), limits, shutdown).await
+    crate::serve::listener::run(listener, router(state), limits, shutdown).await
 }
 
 /// Counts one request in `kvtier_requests_in_flight` for as long as it lives. It is dropped when
@@ -266,19 +266,8 @@ pub async fn start(st: &AppState, v: &Validated) -> Result<UnboundedReceiver<Gen
     match &st.generator {
         Generator::Local => st.backend.submit(v.gen.clone()).map_err(submit_error),
         Generator::Decode(client) => {
-            crate::disagg::start(client, st.backend.as_ref(), &v.gen).await
+            crate::serve::disagg::start(client, st.backend.as_ref(), &v.gen).await
         }
-    }
-}
-
-/// Maps a backend refusal to its HTTP error.
-pub fn submit_error(e: SubmitError) -> ApiError {
-    match e {
-        SubmitError::Overloaded(m) => {
-            ApiError::unavailable(format!("engine overloaded, retry later: {m}"))
-        }
-        SubmitError::Unavailable(m) => ApiError::unavailable(format!("engine unavailable: {m}")),
-        SubmitError::Invalid(m) => ApiError::invalid(m, None),
     }
 }
 
@@ -561,10 +550,14 @@ fn stream_response(
 mod bounds_tests;
 
 #[cfg(test)]
+#[path = "disagg_tests.rs"]
+mod disagg_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::backend::fake::FakeBackend;
-    use crate::http_client::{self, HttpUrl};
+    use crate::serve::http_client::{self, HttpUrl};
 
     async fn start_fake(backend: Arc<FakeBackend>) -> (HttpUrl, tokio::sync::oneshot::Sender<()>) {
         let state = AppState::new(backend, Generator::Local, "agg");

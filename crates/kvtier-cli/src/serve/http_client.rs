@@ -41,24 +41,11 @@ pub struct HttpUrl {
 impl HttpUrl {
     /// Parses `http://host[:port][/path]`.
     pub fn parse(url: &str) -> Result<Self, ClientError> {
-        let rest = url
-            .strip_prefix("http://")
-            .ok_or_else(|| ClientError::BadUrl(url.to_string()))?;
-        let (auth, path) = match rest.find('/') {
-            Some(i) => (&rest[..i], &rest[i..]),
-            None => (rest, ""),
-        };
-        if auth.is_empty() {
-            return Err(ClientError::BadUrl(url.to_string()));
-        }
-        let authority = if auth.contains(':') {
-            auth.to_string()
-        } else {
-            format!("{auth}:80")
-        };
+        let (authority, base_path) = kvtier::config::parse_http_endpoint(url)
+            .map_err(|_| ClientError::BadUrl(url.to_string()))?;
         Ok(HttpUrl {
             authority,
-            base_path: path.trim_end_matches('/').to_string(),
+            base_path,
         })
     }
 
@@ -195,6 +182,10 @@ mod tests {
         assert_eq!(u.path("/v1/models"), "/api/v1/models");
         assert!(HttpUrl::parse("https://x").is_err());
         assert!(HttpUrl::parse("http://").is_err());
+        assert_eq!(
+            HttpUrl::parse("http://[::1]:9000/x").unwrap().authority,
+            "[::1]:9000"
+        );
     }
 
     #[test]

@@ -14,10 +14,10 @@ use anyhow::{bail, Context};
 use clap::Args;
 
 use crate::backend::Backend;
-use crate::disagg::PrefillClient;
 use crate::engine_backend::EngineBackend;
-use crate::http_client::HttpUrl;
-use crate::server::{serve, AppState, Generator};
+use crate::serve::disagg::PrefillClient;
+use crate::serve::http_client::HttpUrl;
+use crate::serve::server::{serve, AppState, Generator};
 use crate::settings::{DisaggMode, EngineArgs};
 
 /// `kvtier serve` flags.

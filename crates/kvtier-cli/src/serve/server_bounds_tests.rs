@@ -10,8 +10,8 @@ use tokio::net::TcpStream;
 
 use super::*;
 use crate::backend::fake::FakeBackend;
-use crate::http_client::{self, HttpUrl};
-use crate::listener::ServeOptions;
+use crate::serve::http_client::{self, HttpUrl};
+use crate::serve::listener::ServeOptions;
 
 const T: Duration = Duration::from_secs(10);
 

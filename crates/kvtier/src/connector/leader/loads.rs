@@ -1,0 +1,256 @@
+//! Loads: allocation (`update_state_after_alloc`) pins the matched sources and plans one load
+//! job per source tier; a completed load releases them, and a failed one is never offered again.
+//!
+//! Invariants: a pool block a load reads is pinned from planning until every rank reported the
+//! load (or the load is withdrawn unsent); a host or disk block whose load failed is
+//! invalidated, a remote hash whose load failed is skipped by matching (at most
+//! `MAX_REMOTE_FAILED` remembered); a block whose source vanished since matching is reported to
+//! the engine as a failed load (`failed_devices`), never as loaded.
+use crate::connector::leader::books::{JobBooks, RequestJob};
+use crate::connector::leader::{Leader, SlotEntry};
+use crate::connector::messages::RequestLoad;
+use crate::connector::slot::{OnboardBlock, Slot};
+use crate::connector::ConnectorError;
+use crate::hash::SequenceHash;
+use crate::ids::{BlockId, DeviceBlockId, RequestId, Tier};
+use crate::transfer::{BlockPair, TransferJob};
+use std::collections::BTreeSet;
+
+/// Remote hashes whose load failed that matching skips; beyond this many the memory starts over.
+pub const MAX_REMOTE_FAILED: usize = 1 << 16;
+
+/// What a completed load does to the books: `src` -> device.
+#[derive(Debug)]
+pub(super) struct LoadBooks {
+    request: RequestId,
+    src: Tier,
+    /// Pool blocks pinned for the read (empty for remote).
+    pinned: Vec<BlockId>,
+    /// Destination device block per pair.
+    devices: Vec<DeviceBlockId>,
+    /// Remote loads: the hash each pair reads (empty for host and disk).
+    remote_hashes: Vec<u128>,
+}
+
+/// One load job being planned for a source tier.
+struct TierLoad {
+    tier: Tier,
+    pairs: Vec<BlockPair>,
+    /// Pool blocks pinned for it (host and disk).
+    pinned: Vec<BlockId>,
+    /// The hash per pair (disk and remote; the key the source checks or reads).
+    keys: Vec<u128>,
+}
+
+impl Leader {
+    /// The engine allocated `block_ids` (the request's whole table; ids already known are
+    /// recognised) and accepted `num_external_tokens` (`None` = what the last match found).
+    /// Pins the sources and plans the loads for the next metadata. A block whose source has
+    /// vanished since matching is reported as a load error by every worker.
+    pub fn update_state_after_alloc(
+        &mut self,
+        req: &RequestId,
+        block_ids: &[DeviceBlockId],
+        num_external_tokens: Option<usize>,
+    ) -> Result<(), ConnectorError> {
+        // No report is applied here: between matching and allocation the pools must not change,
+        // so the promised blocks are still there.
+        self.check_device_ids(req, "block_ids", block_ids)?;
+        let external = num_external_tokens.unwrap_or(0);
+        let never_matched = !self.slots.contains_key(req);
+        if never_matched {
+            let slot = Slot::new(req.clone(), self.block_size, self.salt);
+            self.slots.insert(req.clone(), SlotEntry::new(slot), None);
+        }
+        let Some(e) = self.slots.get_mut(req) else {
+            return Err(ConnectorError::invalid(req, "request_id", "slot missing"));
+        };
+        let allocated = if never_matched && external > 0 {
+            Err(ConnectorError::invalid(
+                req,
+                "request_id",
+                "external tokens for a request that was never matched",
+            ))
+        } else {
+            e.slot.allocate(block_ids, num_external_tokens)
+        };
+        let onboard = match allocated {
+            Ok(onboard) => onboard,
+            Err(err) => {
+                // The engine now waits for tokens kvtier will not load: it must recompute them,
+                // and must not be offered them again.
+                if external > 0 {
+                    e.slot.refuse_external();
+                }
+                return Err(err);
+            }
+        };
+        if onboard.is_empty() {
+            return Ok(());
+        }
+        self.plan_loads(req, &onboard);
+        Ok(())
+    }
+
+    /// Pin the sources of `onboard` and queue their load jobs (one per source tier) in the outbox.
+    fn plan_loads(&mut self, req: &RequestId, onboard: &[OnboardBlock]) {
+        let hashes: Vec<SequenceHash> = onboard.iter().map(|b| b.hash).collect();
+        let sources = self.find_sources(&hashes);
+        let mut per_tier: Vec<TierLoad> = Vec::new();
+        for (ob, &(tier, block)) in onboard.iter().zip(&sources) {
+            let k = match per_tier.iter().position(|t| t.tier == tier) {
+                Some(k) => k,
+                None => {
+                    per_tier.push(TierLoad {
+                        tier,
+                        pairs: Vec::new(),
+                        pinned: Vec::new(),
+                        keys: Vec::new(),
+                    });
+                    per_tier.len() - 1
+                }
+            };
+            let entry = &mut per_tier[k];
+            match tier {
+                Tier::Remote => {
+                    entry.pairs.push(BlockPair {
+                        src: entry.keys.len() as u32,
+                        dst: ob.device.0,
+                    });
+                    entry.keys.push(ob.hash.0);
+                }
+                _ => {
+                    if let Some(p) = self.tiers.get_mut(tier) {
+                        if let Err(e) = p.pin(block) {
+                            tracing::error!(error = %e, "pinning a just-found block failed");
+                        }
+                    }
+                    entry.pairs.push(BlockPair {
+                        src: block.0,
+                        dst: ob.device.0,
+                    });
+                    entry.pinned.push(block);
+                    if tier == Tier::Disk {
+                        // The disk tier checks the slot holds this hash's block.
+                        entry.keys.push(ob.hash.0);
+                    }
+                }
+            }
+        }
+        let failed_devices: Vec<DeviceBlockId> =
+            onboard[sources.len()..].iter().map(|b| b.device).collect();
+        self.stats.onboard_failed += failed_devices.len() as u64;
+        if let (Some(first), Some(e)) = (onboard.get(sources.len()), self.slots.get_mut(req)) {
+            e.slot.load_failed(first.index);
+        }
+        if !failed_devices.is_empty() {
+            tracing::warn!(request = %req, blocks = failed_devices.len(), "matched blocks vanished before allocation; reporting load errors");
+        }
+        let mut jobs = Vec::new();
+        for TierLoad {
+            tier,
+            pairs,
+            pinned,
+            keys,
+        } in per_tier
+        {
+            match tier {
+                Tier::Host => self.stats.onboard_host_blocks += pairs.len() as u64,
+                Tier::Disk => self.stats.onboard_disk_blocks += pairs.len() as u64,
+                _ => self.stats.onboard_remote_blocks += pairs.len() as u64,
+            }
+            let devices = pairs.iter().map(|p| DeviceBlockId(p.dst)).collect();
+            let remote_hashes = if tier == Tier::Remote {
+                keys.clone()
+            } else {
+                Vec::new()
+            };
+            let id = self.track(JobBooks::Load(LoadBooks {
+                request: req.clone(),
+                src: tier,
+                pinned,
+                devices,
+                remote_hashes,
+            }));
+            jobs.push(TransferJob {
+                id,
+                src: tier,
+                dst: Tier::Device,
+                pairs,
+                remote_keys: keys,
+            });
+        }
+        if let Some(e) = self.slots.get_mut(req) {
+            e.loads_in_flight += jobs.len();
+        }
+        self.outbox.loads.push(RequestLoad {
+            request: req.clone(),
+            sync: !self.async_loads,
+            jobs,
+            failed_devices,
+        });
+    }
+
+    /// Every rank reported the load `b`: mark the request's first failed block, invalidate the
+    /// sources that could not be read, release the pins.
+    pub(super) fn complete_load(&mut self, b: LoadBooks, failed: &BTreeSet<usize>) {
+        let LoadBooks {
+            request,
+            src,
+            pinned,
+            devices,
+            remote_hashes,
+        } = b;
+        if let Some(e) = self.slots.get_mut(&request) {
+            let first_failed = failed
+                .iter()
+                .filter_map(|&k| devices.get(k))
+                .filter_map(|d| e.slot.index_of(*d))
+                .min();
+            if let Some(i) = first_failed {
+                e.slot.load_failed(i);
+            }
+        }
+        for (i, blk) in pinned.into_iter().enumerate() {
+            if failed.contains(&i) {
+                // Its bytes could not be read: never offer it again.
+                if let Some(p) = self.tiers.get_mut(src) {
+                    let _ = p.invalidate(blk);
+                }
+            }
+            self.tiers.release(src, blk);
+        }
+        for &i in failed {
+            if let Some(&h) = remote_hashes.get(i) {
+                if self.remote_failed.len() >= MAX_REMOTE_FAILED {
+                    self.remote_failed.clear();
+                }
+                self.remote_failed.insert(SequenceHash(h));
+            }
+        }
+        self.stats.onboard_failed += failed.len() as u64;
+        self.job_done(&request, RequestJob::Load);
+    }
+
+    /// Drops `req`'s loads still waiting in the outbox and releases their sources as if they had
+    /// succeeded (no block is invalidated: nothing was read).
+    pub(super) fn withdraw_unsent_loads(&mut self, req: &RequestId) {
+        if !self.outbox.loads.iter().any(|l| &l.request == req) {
+            return;
+        }
+        let mut kept = Vec::with_capacity(self.outbox.loads.len());
+        for l in std::mem::take(&mut self.outbox.loads) {
+            if &l.request != req {
+                kept.push(l);
+                continue;
+            }
+            for j in l.jobs {
+                if let Some(mut pending) = self.jobs.remove(j.id) {
+                    pending.failed.clear();
+                    self.complete(pending);
+                }
+            }
+        }
+        self.outbox.loads = kept;
+    }
+}

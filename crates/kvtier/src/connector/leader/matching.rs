@@ -1,0 +1,185 @@
+//! Matching: how many of a request's next tokens the tiers can supply.
+//!
+//! Invariants: matching is side-effect free on the pools (it looks up, never pins); a source is
+//! a consecutive run of blocks from the first block the engine does not hold, host before disk
+//! before remote, stopping at the first block no tier holds; a remote hash whose load failed
+//! is not offered; the whole prompt is never offered (the engine computes at least one token).
+use crate::connector::leader::{Leader, RequestKey, SlotEntry};
+use crate::connector::messages::remote_key_for_rank;
+use crate::connector::slot::{MatchRecord, Slot, SlotState};
+use crate::connector::ConnectorError;
+use crate::hash::SequenceHash;
+use crate::ids::{BlockId, RequestId, Tier};
+
+impl Leader {
+    /// Which blocks of `hashes` the remote store holds for every rank (one round trip).
+    fn remote_contains(&self, hashes: &[SequenceHash]) -> Vec<bool> {
+        let Some(remote) = &self.remote else {
+            return vec![false; hashes.len()];
+        };
+        if hashes.is_empty() {
+            return Vec::new();
+        }
+        let w = self.world;
+        let keys: Vec<u128> = hashes
+            .iter()
+            .flat_map(|h| (0..w).map(move |r| remote_key_for_rank(h.0, r, w)))
+            .collect();
+        match remote.contains(&keys) {
+            Ok(found) if found.len() == keys.len() => found
+                .chunks(w as usize)
+                .map(|c| c.iter().all(|&b| b))
+                .collect(),
+            Ok(found) => {
+                tracing::warn!(
+                    asked = keys.len(),
+                    answered = found.len(),
+                    "remote contains answered the wrong count"
+                );
+                vec![false; hashes.len()]
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "remote contains failed; treating as a miss");
+                vec![false; hashes.len()]
+            }
+        }
+    }
+
+    /// Sources for consecutive blocks starting at `hashes[0]`, stopping at the first block no tier holds.
+    pub(super) fn find_sources(&self, hashes: &[SequenceHash]) -> Vec<(Tier, BlockId)> {
+        let mut out = Vec::new();
+        for &h in hashes {
+            if let Some(b) = self.tiers.host.as_ref().and_then(|p| p.lookup(h)) {
+                out.push((Tier::Host, b));
+            } else if let Some(b) = self.tiers.disk.as_ref().and_then(|p| p.lookup(h)) {
+                out.push((Tier::Disk, b));
+            } else {
+                break;
+            }
+        }
+        if out.len() < hashes.len() && self.remote.is_some() {
+            let rest = &hashes[out.len()..];
+            let known_bad = rest.iter().position(|h| self.remote_failed.contains(h));
+            let rest = &rest[..known_bad.unwrap_or(rest.len())];
+            for (i, found) in self.remote_contains(rest).into_iter().enumerate() {
+                if !found {
+                    break;
+                }
+                out.push((Tier::Remote, BlockId(i as u32)));
+            }
+        }
+        out
+    }
+
+    /// Tokens kvtier can supply beyond the engine's `num_computed_tokens` (block aligned; 0 if
+    /// none). Side-effect free on the pools: engines may call it repeatedly. If the tiers would
+    /// cover the whole prompt the last block is left out, so the engine computes at least one
+    /// token. Matching a running request is an error.
+    pub fn get_num_new_matched_tokens(
+        &mut self,
+        req: &RequestId,
+        all_tokens: &[u32],
+        num_computed_tokens: usize,
+    ) -> Result<usize, ConnectorError> {
+        self.get_num_new_matched_tokens_for(
+            req,
+            all_tokens,
+            num_computed_tokens,
+            &RequestKey::default(),
+        )
+    }
+
+    /// [`Leader::get_num_new_matched_tokens`] for a request with its own identity (`key`): its
+    /// blocks are hashed with the engine salt combined with `key.identity`, and a request that
+    /// is not `key.cacheable` is never matched nor stored. A request's key is fixed by its
+    /// first match: a different key later is an error.
+    pub fn get_num_new_matched_tokens_for(
+        &mut self,
+        req: &RequestId,
+        all_tokens: &[u32],
+        num_computed_tokens: usize,
+        key: &RequestKey,
+    ) -> Result<usize, ConnectorError> {
+        self.poll_reports();
+        let bs = self.block_size;
+        let salt = match &key.identity {
+            Some(identity) => self.salt.for_request(identity),
+            None => self.salt,
+        };
+        match self.slots.get(req) {
+            None => {
+                let slot = if key.cacheable {
+                    Slot::new(req.clone(), self.block_size, salt)
+                } else {
+                    self.stats.uncacheable_requests += 1;
+                    Slot::private(req.clone(), self.block_size, salt)
+                };
+                self.slots.insert(req.clone(), SlotEntry::new(slot), None);
+            }
+            Some(e) if e.slot.salt() != salt || e.slot.is_private() == key.cacheable => {
+                return Err(ConnectorError::invalid(
+                    req,
+                    "identity",
+                    "a request's identity (and whether it is cacheable) is fixed by its first match",
+                ));
+            }
+            Some(_) => {}
+        }
+        let Some(entry) = self.slots.get_mut(req) else {
+            return Err(ConnectorError::invalid(req, "request_id", "slot missing"));
+        };
+        if !entry.slot.can_match() {
+            return Err(ConnectorError::invalid(
+                req,
+                "request_id",
+                format!("matching a request in state {:?}", entry.slot.state()),
+            ));
+        }
+        if entry.slot.state() == SlotState::Allocated {
+            // Matched again after an allocation but before any record: the engine freed the
+            // request's blocks to start it over (vLLM, after an asynchronous load failed at the
+            // request's first block). Its device table is gone; it is recomputed from now on.
+            entry.slot.preempt()?;
+            entry.slot.refuse_external();
+            self.stats.load_restarts += 1;
+            tracing::debug!(request = %req, "restarted before running; recomputed from now on");
+        }
+        let refused = entry.slot.external_refused();
+        if num_computed_tokens > all_tokens.len() {
+            return Err(ConnectorError::invalid(
+                req,
+                "num_computed_tokens",
+                format!(
+                    "{num_computed_tokens} computed tokens but only {} tokens",
+                    all_tokens.len()
+                ),
+            ));
+        }
+        entry.slot.set_all_tokens(all_tokens);
+        self.stats.match_queries += 1;
+        let device_blocks = num_computed_tokens / bs;
+        let mut external = 0;
+        if num_computed_tokens.is_multiple_of(bs) && !refused {
+            let hashes = match self.slots.get(req) {
+                Some(e) => e.slot.hashes(),
+                None => &[],
+            };
+            let first = device_blocks.min(hashes.len());
+            let found = self.find_sources(&hashes[first..]).len();
+            let mut end = first + found;
+            if end > first && end * bs >= all_tokens.len() {
+                end -= 1;
+            }
+            external = (end - first) * bs;
+        }
+        if let Some(e) = self.slots.get_mut(req) {
+            e.slot.record_match(MatchRecord {
+                device_tokens: device_blocks * bs,
+                external_tokens: external,
+            });
+        }
+        self.stats.matched_tokens += external as u64;
+        tracing::debug!(request = %req, num_computed_tokens, external, "matched");
+        Ok(external)
+    }
+}

@@ -1,0 +1,265 @@
+//! The leader (scheduler side, one per engine): owns the slots, the G2 (host) and G3 (disk)
+//! pools, the optional G4 remote store, and the books of every job in flight. It turns the
+//! engine's calls into per-step metadata for the workers and the workers' reports into pool
+//! changes. It performs no I/O except `RemoteStore::contains` during matching.
+//!
+//! One concept per file: [`config`] (how it is set up), `matching` (what the tiers can supply),
+//! `loads` (allocation, onboarding and load completion), `stores` (steps, offloads, finishing),
+//! `spills` (background host -> disk / remote copies), `books` (jobs in flight and worker
+//! reports), `tiers` (the host-or-disk choice), [`observe`] (stats and events).
+//!
+//! Invariants:
+//! - matching (`get_num_new_matched_tokens`) is side-effect free on the pools; pins are taken
+//!   only in `update_state_after_alloc` (loads), `build_step` (stores) and when a confirmed
+//!   store plans its spills;
+//! - a block being written is allocated (pinned, invisible to matching) at dispatch and
+//!   registered only after every rank confirmed its store; a failed store frees it;
+//! - a block that a load reads stays pinned until every rank reported the load;
+//! - a block whose load failed is never matched again: a host or disk block is invalidated, a
+//!   remote hash is remembered (at most `MAX_REMOTE_FAILED`) and skipped by matching until the
+//!   leader puts it again;
+//! - a hash is never stored twice at once (a store reserves its hash in the target pool at
+//!   dispatch, `BlockPool::reserve`, so a second store of it finds the reservation), and a hash
+//!   already registered in the target tier is not stored again;
+//! - `request_finished` returns true exactly while a store or a load of that request is not
+//!   confirmed by every rank; the slot lives until its stores and loads are all confirmed;
+//! - invalid engine input returns [`ConnectorError::InvalidInput`] and changes nothing for any
+//!   other request; work planned before the error stays queued for the next metadata.
+//!
+//! Not thread-safe by itself: the engine's scheduler thread owns it (`&mut self`).
+use std::collections::HashMap;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+
+use crate::connector::fasthash::FastSet;
+use crate::connector::jobs::JobTable;
+use crate::connector::messages::{StepMetadata, WorkerReport, PROTOCOL_VERSION};
+use crate::connector::slot::{OffloadBlock, Slot};
+use crate::connector::slot_table::SlotTable;
+use crate::connector::ConnectorError;
+use crate::hash::{HashSalt, SequenceHash};
+use crate::ids::{BlockId, DeviceBlockId, RequestId};
+use crate::policy::FrequencyFilter;
+use crate::pool::{BlockPool, Priority, Reservation};
+use crate::transfer::RemoteStore;
+
+mod books;
+pub mod config;
+mod loads;
+mod matching;
+pub mod observe;
+mod spills;
+mod stores;
+#[cfg(test)]
+mod tests;
+mod tiers;
+
+use books::PendingJob;
+pub use config::{Capacity, DiskPolicy, LeaderConfig, RequestKey};
+pub use loads::MAX_REMOTE_FAILED;
+pub use observe::{KvEvent, LeaderStats, MAX_EVENTS};
+pub use stores::BlockReuse;
+use tiers::Tiers;
+
+/// Reused buffers of the per-record store path.
+#[derive(Debug, Default)]
+struct Scratch {
+    offloads: Vec<OffloadBlock>,
+    hashes: Vec<SequenceHash>,
+    reservations: Vec<Reservation>,
+    seen_again: Vec<(BlockId, SequenceHash)>,
+}
+
+/// A request's slot and the count of its jobs in flight (the slot lives until both are 0 after
+/// it finished).
+#[derive(Debug)]
+struct SlotEntry {
+    slot: Slot,
+    stores_in_flight: usize,
+    loads_in_flight: usize,
+}
+
+impl SlotEntry {
+    fn new(slot: Slot) -> Self {
+        SlotEntry {
+            slot,
+            stores_in_flight: 0,
+            loads_in_flight: 0,
+        }
+    }
+}
+
+/// The scheduler-side connector. See the module documentation.
+pub struct Leader {
+    block_size: usize,
+    salt: HashSalt,
+    world: u32,
+    num_device_blocks: Option<u32>,
+    /// The G2 (host) and G3 (disk) pools.
+    tiers: Tiers,
+    disk_policy: DiskPolicy,
+    disk_filter: Option<FrequencyFilter>,
+    /// Origin of the filter's clock.
+    started: std::time::Instant,
+    remote: Option<Arc<dyn RemoteStore>>,
+    remote_put: bool,
+    async_loads: bool,
+    priority: Priority,
+    /// Engine-supplied retention priority of device blocks (TensorRT-LLM `RequestData.priorities`),
+    /// set when a block is reported and used when it is stored; absent = `priority`.
+    block_priorities: HashMap<DeviceBlockId, Priority>,
+    slots: SlotTable<SlotEntry>,
+    jobs: JobTable<PendingJob>,
+    step: u64,
+    /// Hashes with a disk spill in flight.
+    spilling: FastSet<SequenceHash>,
+    /// Remote hashes whose load failed (corrupt, short or missing value): never matched again.
+    remote_failed: FastSet<SequenceHash>,
+    outbox: StepMetadata,
+    /// Per-step scratch buffers, kept to avoid allocating on every record.
+    scratch: Scratch,
+    reports_rx: Receiver<WorkerReport>,
+    reports_tx: Sender<WorkerReport>,
+    stats: LeaderStats,
+    /// Pool events not yet taken, oldest first, at most `MAX_EVENTS` (older ones are dropped).
+    events: std::collections::VecDeque<KvEvent>,
+}
+
+impl Leader {
+    /// A leader with empty pools sized by `cfg`; refuses a configuration without any tier.
+    pub fn new(cfg: LeaderConfig) -> Result<Leader, ConnectorError> {
+        if cfg.block_size == 0 {
+            return Err(ConnectorError::Config("block_size must be > 0".into()));
+        }
+        if let Some(l) = &cfg.layout {
+            if l.block_size as usize != cfg.block_size {
+                return Err(ConnectorError::Config(format!(
+                    "block_size {} differs from the ranks' {}",
+                    cfg.block_size, l.block_size
+                )));
+            }
+            if l.world_size() == 0 {
+                return Err(ConnectorError::Config("layout has no ranks".into()));
+            }
+        }
+        let host_blocks = cfg.host.blocks(cfg.layout.as_ref(), "host")?;
+        let disk_blocks = cfg.disk.blocks(cfg.layout.as_ref(), "disk")?;
+        if host_blocks == 0 && disk_blocks == 0 && cfg.remote.is_none() {
+            return Err(ConnectorError::Config(
+                "at least one offload tier (host, disk or remote) must be configured".into(),
+            ));
+        }
+        let tiers = Tiers::new(host_blocks, disk_blocks)?;
+        let (reports_tx, reports_rx) = channel();
+        let world = cfg.layout.as_ref().map_or(1, |l| l.world_size() as u32);
+        tracing::info!(
+            block_size = cfg.block_size,
+            world,
+            host_blocks,
+            disk_blocks,
+            remote = cfg.remote.is_some(),
+            "kvtier leader ready"
+        );
+        Ok(Leader {
+            block_size: cfg.block_size,
+            salt: cfg.salt,
+            world,
+            num_device_blocks: cfg.layout.as_ref().map(|l| l.num_device_blocks),
+            tiers,
+            disk_policy: cfg.disk_policy,
+            disk_filter: match cfg.disk_policy {
+                DiskPolicy::Filter(p) => Some(FrequencyFilter::new(p)),
+                _ => None,
+            },
+            started: std::time::Instant::now(),
+            remote: cfg.remote,
+            remote_put: cfg.remote_put,
+            async_loads: cfg.async_loads,
+            priority: cfg.priority,
+            block_priorities: HashMap::new(),
+            slots: SlotTable::default(),
+            jobs: JobTable::default(),
+            step: 0,
+            spilling: FastSet::default(),
+            remote_failed: FastSet::default(),
+            outbox: StepMetadata {
+                version: PROTOCOL_VERSION,
+                ..Default::default()
+            },
+            scratch: Scratch::default(),
+            reports_rx,
+            reports_tx,
+            stats: LeaderStats::default(),
+            events: std::collections::VecDeque::new(),
+        })
+    }
+
+    /// Where workers (in-process, or the channel's receiving thread) send their reports.
+    pub fn report_sender(&self) -> Sender<WorkerReport> {
+        self.reports_tx.clone()
+    }
+
+    /// Whether loads are asynchronous (TensorRT-LLM / vLLM: the second value of the match answer).
+    pub fn loads_are_async(&self) -> bool {
+        self.async_loads
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The salt of every sequence hash this leader computes.
+    pub fn salt(&self) -> HashSalt {
+        self.salt
+    }
+
+    /// When blocks confirmed in G2 are also written to G3.
+    pub fn disk_policy(&self) -> DiskPolicy {
+        self.disk_policy
+    }
+
+    /// Whether blocks are put to the remote store (false for a decode-only engine).
+    pub fn remote_put(&self) -> bool {
+        self.remote_put && self.remote.is_some()
+    }
+
+    /// Ranks that must report every job before it completes.
+    pub fn world_size(&self) -> u32 {
+        self.world
+    }
+
+    /// The request's slot, if the leader knows the request (read-only; for adapters and tests).
+    pub fn slot(&self, req: &RequestId) -> Option<&Slot> {
+        self.slots.get(req).map(|e| &e.slot)
+    }
+
+    /// Refuses device block ids beyond the engine's table (when the layout gives its size).
+    pub(super) fn check_device_ids(
+        &self,
+        req: &RequestId,
+        field: &'static str,
+        ids: &[DeviceBlockId],
+    ) -> Result<(), ConnectorError> {
+        if let Some(n) = self.num_device_blocks {
+            if let Some(b) = ids.iter().find(|b| b.0 >= n) {
+                return Err(ConnectorError::invalid(
+                    req,
+                    field,
+                    format!("device block {} is beyond the engine's {n} blocks", b.0),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Read access to the host pool (tests, metrics).
+    pub fn host_pool(&self) -> Option<&BlockPool> {
+        self.tiers.host.as_ref()
+    }
+
+    /// Read access to the disk pool (tests, metrics).
+    pub fn disk_pool(&self) -> Option<&BlockPool> {
+        self.tiers.disk.as_ref()
+    }
+}

@@ -1,0 +1,396 @@
+//! Stores and steps: each engine step's records feed their slots; the full blocks they produce
+//! are reserved in the store tier (G2, else G3) and written by one store job per record; a
+//! request finishes once its copies are confirmed.
+//!
+//! Invariants: a block being written is reserved (pinned, hidden from matching) at dispatch
+//! and registered only when every rank confirmed it, a failed one is freed; a hash already held
+//! or being written by the store tier is not stored again; invalid records are refused one by
+//! one and the work planned for valid ones stays queued; `request_finished` returns true exactly
+//! while a store or load of the request is in flight (the engine keeps its device blocks).
+use std::collections::BTreeSet;
+
+use crate::connector::leader::books::{JobBooks, RequestJob};
+use crate::connector::leader::{DiskPolicy, Leader, SlotEntry};
+use crate::connector::messages::{RequestStore, StepMetadata, PROTOCOL_VERSION};
+use crate::connector::slot::{OffloadBlock, Slot};
+use crate::connector::step::{SchedulerStep, StepRecord};
+use crate::connector::ConnectorError;
+use crate::ids::{BlockId, DeviceBlockId, RequestId, Tier};
+use crate::pool::{Priority, Reservation};
+use crate::transfer::{BlockPair, TransferJob};
+
+/// When the engine may reuse a finished request's device blocks (`Leader::request_finished`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use = "reusing device blocks a copy still reads or writes corrupts KV"]
+pub enum BlockReuse {
+    /// No copy reads or writes them any more: the engine may reuse them now.
+    Now,
+    /// A store or load of the request is in flight on some rank: keep them until a worker
+    /// reports the request saved (`FinishedReport::saved`).
+    AfterSaved,
+}
+
+impl BlockReuse {
+    /// Whether the engine must wait for the request to be reported saved (the engines' boolean).
+    pub fn must_wait(self) -> bool {
+        self == BlockReuse::AfterSaved
+    }
+}
+
+/// A device -> remote store of a node-only engine: `blocks` pairs, no pool block behind them.
+#[derive(Debug)]
+pub(crate) struct RemoteStoreBooks {
+    request: RequestId,
+    blocks: usize,
+}
+
+/// What a completed store does to the books: device -> `tier`.
+#[derive(Debug)]
+pub(super) struct StoreBooks {
+    request: RequestId,
+    tier: Tier,
+    /// The block written per pair (each reserved its hash in the pool).
+    blocks: Vec<BlockId>,
+    /// Retention priority per block (the engine's, else the configured default).
+    priorities: Vec<Priority>,
+}
+
+impl Leader {
+    /// Consume one engine step and return the metadata every worker must receive for it.
+    /// On invalid input the error names the first bad record; valid records are still applied
+    /// and their work stays queued for the next call (the adapter must then fail the step).
+    pub fn build_step(&mut self, step: &SchedulerStep) -> Result<StepMetadata, ConnectorError> {
+        let (meta, mut errors) = self.build_step_lenient(step);
+        if errors.is_empty() {
+            Ok(meta)
+        } else {
+            // Put the planned work back so nothing pinned is lost.
+            let mut meta = meta;
+            meta.loads.append(&mut self.outbox.loads);
+            meta.stores.append(&mut self.outbox.stores);
+            meta.background.append(&mut self.outbox.background);
+            meta.saving.append(&mut self.outbox.saving);
+            self.outbox = meta;
+            Err(errors.swap_remove(0))
+        }
+    }
+
+    /// Like [`Leader::build_step`], but skips invalid records and returns their errors beside the
+    /// metadata of everything valid (for adapters that abort single requests).
+    pub fn build_step_lenient(
+        &mut self,
+        step: &SchedulerStep,
+    ) -> (StepMetadata, Vec<ConnectorError>) {
+        self.poll_reports();
+        let mut errors = Vec::new();
+        for (pos, rec) in step.records.iter().enumerate() {
+            if let Err(e) = self.apply_record(pos, rec) {
+                tracing::warn!(error = %e, "invalid step record");
+                errors.push(e);
+            }
+        }
+        for f in &step.finished {
+            if let Some(e) = self.slots.get_mut(f) {
+                e.slot.finish();
+            }
+            self.maybe_drop_slot(f);
+        }
+        self.bound_events();
+        self.step += 1;
+        self.stats.steps += 1;
+        let mut meta = std::mem::take(&mut self.outbox);
+        meta.version = PROTOCOL_VERSION;
+        meta.step = self.step;
+        self.outbox.version = PROTOCOL_VERSION;
+        // The next step most likely stores about as many jobs: no regrowth on the way.
+        self.outbox.stores.reserve(meta.stores.len());
+        (meta, errors)
+    }
+
+    /// Apply the record at position `pos` of its step.
+    fn apply_record(&mut self, pos: usize, rec: &StepRecord) -> Result<(), ConnectorError> {
+        let req = &rec.request_id;
+        self.check_device_ids(req, "new_block_ids", &rec.new_block_ids)?;
+        let mut offloads = std::mem::take(&mut self.scratch.offloads);
+        offloads.clear();
+        let applied = self.apply_to_slot(pos, rec, &mut offloads);
+        if applied.is_ok() && !offloads.is_empty() {
+            self.dispatch_stores(req, &offloads);
+        }
+        self.scratch.offloads = offloads;
+        applied
+    }
+
+    /// Feed `rec` to its slot (created for a new request); the blocks to offload go to `out`.
+    fn apply_to_slot(
+        &mut self,
+        pos: usize,
+        rec: &StepRecord,
+        out: &mut Vec<OffloadBlock>,
+    ) -> Result<(), ConnectorError> {
+        let req = &rec.request_id;
+        match self.slots.get_mut_at(pos, req) {
+            Some(e) => e.slot.apply_into(rec, out),
+            None if !rec.is_new => Err(ConnectorError::invalid(
+                req,
+                "request_id",
+                "unknown request (not new)",
+            )),
+            None => {
+                let mut slot = Slot::new(req.clone(), self.block_size, self.salt);
+                slot.apply_into(rec, out)?;
+                self.slots
+                    .insert(req.clone(), SlotEntry::new(slot), Some(pos));
+                Ok(())
+            }
+        }
+    }
+
+    /// Reserve the target tier's blocks for `offloads` (one batched pool call: one registry probe
+    /// per block both deduplicates and reserves) and queue one store job for those it got.
+    fn dispatch_stores(&mut self, req: &RequestId, offloads: &[OffloadBlock]) {
+        if self.tiers.host.is_none() && self.remote_put && self.remote.is_some() {
+            self.dispatch_remote_store(req, offloads);
+        }
+        let Some((tier, pool)) = self.tiers.store_target() else {
+            return;
+        };
+        let sc = &mut self.scratch;
+        sc.hashes.clear();
+        sc.hashes.extend(offloads.iter().map(|b| b.hash));
+        sc.reservations.clear();
+        pool.reserve(&sc.hashes, &mut sc.reservations);
+        sc.seen_again.clear();
+        let mut pairs = Vec::with_capacity(offloads.len());
+        let mut books: Vec<BlockId> = Vec::with_capacity(offloads.len());
+        // Disk stores bind each slot to its hash (`TransferJob::remote_keys`).
+        let mut disk_keys = Vec::new();
+        let mut priorities: Vec<Priority> = Vec::with_capacity(offloads.len());
+        let mut dropped = 0u64;
+        for (ob, r) in offloads.iter().zip(&sc.reservations) {
+            match *r {
+                Reservation::Allocated(blk) => {
+                    pairs.push(BlockPair {
+                        src: ob.device.0,
+                        dst: blk.0,
+                    });
+                    books.push(blk);
+                    if tier == Tier::Disk {
+                        disk_keys.push(ob.hash.0);
+                    }
+                    priorities.push(
+                        self.block_priorities
+                            .get(&ob.device)
+                            .copied()
+                            .unwrap_or(self.priority),
+                    );
+                }
+                Reservation::Registered(existing) => {
+                    self.stats.offload_deduplicated += 1;
+                    if tier == Tier::Host {
+                        sc.seen_again.push((existing, ob.hash));
+                    }
+                }
+                Reservation::Writing(_) => self.stats.offload_deduplicated += 1,
+                Reservation::NoSpace => dropped += 1,
+            }
+        }
+        if dropped > 0 {
+            self.stats.offload_dropped += dropped;
+            tracing::debug!(request = %req, dropped, "offload tier full");
+        }
+        if !pairs.is_empty() {
+            self.stats.offload_blocks += pairs.len() as u64;
+            let id = self.track(JobBooks::Store(StoreBooks {
+                request: req.clone(),
+                tier,
+                blocks: books,
+                priorities,
+            }));
+            if let Some(e) = self.slots.get_mut(req) {
+                e.stores_in_flight += 1;
+            }
+            self.outbox.stores.push(RequestStore {
+                request: req.clone(),
+                job: TransferJob {
+                    id,
+                    src: Tier::Device,
+                    dst: tier,
+                    pairs,
+                    remote_keys: disk_keys,
+                },
+            });
+        }
+        if !self.scratch.seen_again.is_empty() {
+            let seen = std::mem::take(&mut self.scratch.seen_again);
+            self.spill_seen_again(&seen);
+            self.scratch.seen_again = seen;
+        }
+    }
+
+    /// The engine finished (or aborted) the request. While any of its stores or loads is not
+    /// yet confirmed by every rank the answer is [`BlockReuse::AfterSaved`]: the engine must keep
+    /// its device blocks until the workers report the request as saved.
+    pub fn request_finished(&mut self, req: &RequestId) -> Result<BlockReuse, ConnectorError> {
+        self.poll_reports();
+        let Some(e) = self.slots.get_mut(req) else {
+            return Err(ConnectorError::invalid(
+                req,
+                "request_id",
+                "unknown request",
+            ));
+        };
+        e.slot.finish();
+        // Loads planned for it and not yet handed to a worker never run: nothing was copied.
+        self.withdraw_unsent_loads(req);
+        // Device blocks stay with the request while any of its copies may still land in them
+        // (a load cancelled in flight must not write into blocks given to another request).
+        let in_flight = self
+            .slots
+            .get(req)
+            .is_some_and(|e| e.stores_in_flight > 0 || e.loads_in_flight > 0);
+        if in_flight {
+            self.outbox.saving.push(req.clone());
+        }
+        self.maybe_drop_slot(req);
+        Ok(if in_flight {
+            BlockReuse::AfterSaved
+        } else {
+            BlockReuse::Now
+        })
+    }
+
+    /// The engine preempted the request and freed its device blocks; it may be matched again.
+    pub fn request_preempted(&mut self, req: &RequestId) -> Result<(), ConnectorError> {
+        match self.slots.get_mut(req) {
+            Some(e) => e.slot.preempt(),
+            None => Err(ConnectorError::invalid(
+                req,
+                "request_id",
+                "unknown request",
+            )),
+        }
+    }
+
+    /// The engine's retention priority for device blocks it reports next (aligned with
+    /// `blocks`); blocks stored from then on enter the host/disk pools with it, so the pools'
+    /// priority-aware eviction keeps high-priority blocks longest. `None` clears them (the
+    /// configured default applies again).
+    pub fn set_block_priorities(&mut self, blocks: &[DeviceBlockId], priorities: Option<&[u32]>) {
+        match priorities {
+            Some(p) => {
+                for (b, &v) in blocks.iter().zip(p) {
+                    self.block_priorities.insert(*b, Priority(v));
+                }
+            }
+            None if !self.block_priorities.is_empty() => {
+                for b in blocks {
+                    self.block_priorities.remove(b);
+                }
+            }
+            None => {}
+        }
+    }
+
+    /// Whether stores of `req` are still unconfirmed (false for unknown requests).
+    pub fn has_pending_saves(&self, req: &RequestId) -> bool {
+        self.slots.get(req).is_some_and(|e| e.stores_in_flight > 0)
+    }
+
+    /// Every rank reported the store `b`: confirm the written blocks (then plan their spills),
+    /// free the failed ones.
+    /// With no host tier (node-only: the node's arena is this engine's G2): one device ->
+    /// remote store job for `offloads`, straight from the engine's blocks. The remote store
+    /// deduplicates (a block already there is not written again) and makes a block visible only
+    /// once written; the request keeps its device blocks until every rank reported the job.
+    fn dispatch_remote_store(&mut self, req: &RequestId, offloads: &[OffloadBlock]) {
+        if offloads.is_empty() {
+            return;
+        }
+        let mut pairs = Vec::with_capacity(offloads.len());
+        let mut keys = Vec::with_capacity(offloads.len());
+        for (k, ob) in offloads.iter().enumerate() {
+            // A fresh value replaces whatever failed to load under this hash.
+            self.remote_failed.remove(&ob.hash);
+            pairs.push(BlockPair {
+                src: ob.device.0,
+                dst: k as u32,
+            });
+            keys.push(ob.hash.0);
+        }
+        let n = pairs.len();
+        self.stats.offload_blocks += n as u64;
+        self.stats.remote_put_blocks += n as u64;
+        let id = self.track(JobBooks::StoreRemote(RemoteStoreBooks {
+            request: req.clone(),
+            blocks: n,
+        }));
+        if let Some(e) = self.slots.get_mut(req) {
+            e.stores_in_flight += 1;
+        }
+        self.outbox.stores.push(RequestStore {
+            request: req.clone(),
+            job: TransferJob {
+                id,
+                src: Tier::Device,
+                dst: Tier::Remote,
+                pairs,
+                remote_keys: keys,
+            },
+        });
+    }
+
+    pub(super) fn complete_remote_store(&mut self, b: RemoteStoreBooks, failed: &BTreeSet<usize>) {
+        let RemoteStoreBooks { request, blocks } = b;
+        let bad = failed.iter().filter(|&&i| i < blocks).count();
+        self.stats.remote_put_failed += bad as u64;
+        self.stats.remote_put_confirmed += (blocks - bad) as u64;
+        self.stats.offload_failed += bad as u64;
+        self.stats.offload_confirmed += (blocks - bad) as u64;
+        self.job_done(&request, RequestJob::Store);
+    }
+
+    pub(super) fn complete_store(&mut self, b: StoreBooks, failed: &BTreeSet<usize>) {
+        let StoreBooks {
+            request,
+            tier,
+            blocks,
+            priorities,
+        } = b;
+        // Spills and remote puts follow a confirmed G2 store only when configured.
+        let spills = tier == Tier::Host
+            && ((self.tiers.disk.is_some() && self.disk_policy != DiskPolicy::Never)
+                || (self.remote_put && self.remote.is_some()));
+        for (i, blk) in blocks.into_iter().enumerate() {
+            let priority = priorities.get(i).copied().unwrap_or(self.priority);
+            if failed.contains(&i) {
+                // Releasing the unconfirmed block frees it and drops its reservation.
+                self.stats.offload_failed += 1;
+                self.tiers.release(tier, blk);
+                continue;
+            }
+            let Some(pool) = self.tiers.get_mut(tier) else {
+                continue;
+            };
+            // Without spills the writer's pin goes in the same call (one pass).
+            let confirmed = if spills {
+                pool.confirm(blk, priority)
+            } else {
+                pool.confirm_and_release(blk, priority)
+            };
+            let hash = match confirmed {
+                Ok(hash) => hash,
+                Err(e) => {
+                    tracing::error!(error = %e, "confirming a stored block failed");
+                    continue;
+                }
+            };
+            self.stats.offload_confirmed += 1;
+            if spills {
+                self.plan_spills(blk, hash, true);
+                self.tiers.release(tier, blk);
+            }
+        }
+        self.job_done(&request, RequestJob::Store);
+    }
+}

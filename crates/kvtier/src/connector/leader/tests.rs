@@ -1,0 +1,348 @@
+//! Unit tests of the leader's books that need its private state; the behaviour seen from
+//! outside is tested in `tests/connector_flow.rs` and `tests/connector_props.rs`.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+
+use super::*;
+use crate::connector::messages::StepMetadata;
+use crate::connector::step::{SchedulerStep, StepRecord};
+use crate::hash::HashSalt;
+use crate::ids::{BlockId, DeviceBlockId, RequestId, Tier};
+use crate::transfer::{BlockPair, TransferJob, TransferOutcome};
+
+fn confirm_all(l: &mut Leader, m: &StepMetadata) {
+    let jobs = m
+        .stores
+        .iter()
+        .map(|s| s.job.id)
+        .chain(m.background.iter().map(|j| j.id));
+    for job in jobs.collect::<Vec<_>>() {
+        l.apply_report(WorkerReport {
+            rank: 0,
+            job,
+            outcome: TransferOutcome::Ok,
+        });
+    }
+}
+
+/// One step of the single record `rec`, nothing finished.
+fn run_step(l: &mut Leader, rec: StepRecord) -> StepMetadata {
+    l.build_step(&SchedulerStep {
+        records: vec![rec],
+        finished: vec![],
+    })
+    .unwrap()
+}
+
+fn new_record(id: &str, tokens: Vec<u32>, first_block: u32) -> StepRecord {
+    let blocks = (tokens.len() / 4) as u32;
+    StepRecord {
+        request_id: id.into(),
+        num_scheduled_tokens: tokens.len(),
+        new_tokens: tokens,
+        new_block_ids: (first_block..first_block + blocks)
+            .map(DeviceBlockId)
+            .collect(),
+        is_new: true,
+        ..Default::default()
+    }
+}
+
+/// A request matched again after its allocation, before it ever ran, was restarted by the
+/// engine (vLLM: an asynchronous load failed at its first block): it is recomputed from then
+/// on, as is a request whose allocation with external tokens was refused.
+#[test]
+fn restarted_or_refused_requests_are_recomputed() {
+    let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), 16)).unwrap();
+    let prompt: Vec<u32> = (0..12).collect();
+    let m = l
+        .build_step(&SchedulerStep {
+            records: vec![new_record("fill", prompt.clone(), 0)],
+            finished: vec!["fill".into()],
+        })
+        .unwrap();
+    confirm_all(&mut l, &m);
+    let devs: Vec<DeviceBlockId> = (20..23).map(DeviceBlockId).collect();
+
+    let r: RequestId = "r".into();
+    assert_eq!(l.get_num_new_matched_tokens(&r, &prompt, 0).unwrap(), 8);
+    l.update_state_after_alloc(&r, &devs, Some(8)).unwrap();
+    // Matched again before any record: restarted; nothing external from now on.
+    assert_eq!(l.get_num_new_matched_tokens(&r, &prompt, 0).unwrap(), 0);
+    assert_eq!(l.stats().load_restarts, 1);
+    assert!(l.slot(&r).unwrap().device_table().is_empty());
+    l.update_state_after_alloc(&r, &devs, Some(0)).unwrap();
+    let mut rec = new_record("r", prompt.clone(), 20);
+    rec.num_scheduled_tokens = 12;
+    run_step(&mut l, rec);
+
+    let q: RequestId = "q".into();
+    assert_eq!(l.get_num_new_matched_tokens(&q, &prompt, 0).unwrap(), 8);
+    // 6 is not a whole number of blocks: refused, and never offered again.
+    assert!(l.update_state_after_alloc(&q, &devs, Some(6)).is_err());
+    assert_eq!(l.get_num_new_matched_tokens(&q, &prompt, 0).unwrap(), 0);
+    // A request allocated with external tokens it was never matched for is refused too.
+    let u: RequestId = "u".into();
+    assert!(l.update_state_after_alloc(&u, &devs, Some(4)).is_err());
+    assert_eq!(l.get_num_new_matched_tokens(&u, &prompt, 0).unwrap(), 0);
+    assert_eq!(l.stats().load_restarts, 1);
+}
+
+/// Request "a" stores two blocks and every rank confirms them; returns the next metadata,
+/// which carries the background jobs (spills, remote puts) those confirmations planned.
+fn two_blocks_confirmed(l: &mut Leader) -> StepMetadata {
+    let m = run_step(l, new_record("a", (0..8).collect(), 0));
+    confirm_all(l, &m);
+    l.build_step(&SchedulerStep::default()).unwrap()
+}
+
+/// Report the first of two background jobs written, the second failed.
+fn one_written_one_failed(l: &mut Leader, m: &StepMetadata) {
+    l.apply_report(WorkerReport {
+        rank: 0,
+        job: m.background[0].id,
+        outcome: TransferOutcome::Ok,
+    });
+    l.apply_report(WorkerReport {
+        rank: 0,
+        job: m.background[1].id,
+        outcome: TransferOutcome::Failed(vec![crate::transfer::BlockFailure {
+            pair_index: 0,
+            reason: "write failed".into(),
+        }]),
+    });
+}
+
+/// A spill counts as confirmed only once every rank wrote it (not while in flight, not failed).
+#[test]
+fn spills_are_confirmed_only_when_written() {
+    let mut cfg = LeaderConfig::new(4, HashSalt(3), 4);
+    cfg.disk = Capacity::Blocks(8);
+    cfg.disk_policy = DiskPolicy::WriteThrough;
+    let mut l = Leader::new(cfg).unwrap();
+    let m = two_blocks_confirmed(&mut l);
+    assert_eq!(m.background.len(), 2);
+    let s = l.stats();
+    assert_eq!(
+        (s.spill_disk_blocks, s.spill_disk_confirmed),
+        (2, 0),
+        "in flight"
+    );
+    one_written_one_failed(&mut l, &m);
+    let s = l.stats();
+    assert_eq!(
+        (
+            s.spill_disk_blocks,
+            s.spill_disk_confirmed,
+            s.spill_disk_failed
+        ),
+        (2, 1, 1)
+    );
+    assert_eq!(l.disk_pool().unwrap().num_registered(), 1);
+}
+
+/// A remote put counts as confirmed once every rank reported it, failed pairs excepted.
+#[test]
+fn remote_puts_are_confirmed_only_when_written() {
+    let mut cfg = LeaderConfig::new(4, HashSalt(3), 4);
+    cfg.remote = Some(Arc::new(crate::connector::testing::MemoryRemoteStore::new()));
+    cfg.remote_put = true;
+    let mut l = Leader::new(cfg).unwrap();
+    let m = two_blocks_confirmed(&mut l);
+    assert_eq!(m.background.len(), 2);
+    assert_eq!(l.stats().remote_put_confirmed, 0, "in flight");
+    one_written_one_failed(&mut l, &m);
+    let s = l.stats();
+    assert_eq!(
+        (
+            s.remote_put_blocks,
+            s.remote_put_confirmed,
+            s.remote_put_failed
+        ),
+        (2, 1, 1)
+    );
+    assert_eq!(l.host_pool().unwrap().num_pinned(), 0);
+}
+
+/// Events come out in order per tier, are handed over once, and a leader nobody takes them
+/// from keeps only the newest `MAX_EVENTS`, counting the rest as dropped.
+#[test]
+fn events_are_ordered_bounded_and_counted() {
+    let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), 2)).unwrap();
+    let step = |l: &mut Leader, i: u32| {
+        let tokens: Vec<u32> = (0..4).map(|t| i * 4 + t).collect();
+        let rec = new_record(&format!("r{i}"), tokens.clone(), i);
+        let m = l
+            .build_step(&SchedulerStep {
+                records: vec![rec],
+                finished: vec![format!("r{i}").as_str().into()],
+            })
+            .unwrap();
+        confirm_all(l, &m);
+        crate::hash::sequence_hashes(HashSalt(3), &tokens, 4)[0]
+    };
+    let h: Vec<SequenceHash> = (0..3).map(|i| step(&mut l, i)).collect();
+    let host = Tier::Host;
+    assert_eq!(
+        l.take_events(),
+        vec![
+            KvEvent::Stored {
+                hash: h[0],
+                tier: host
+            },
+            KvEvent::Stored {
+                hash: h[1],
+                tier: host
+            },
+            KvEvent::Removed {
+                hash: h[0],
+                tier: host
+            },
+            KvEvent::Stored {
+                hash: h[2],
+                tier: host
+            },
+        ]
+    );
+    assert!(l.take_events().is_empty(), "handed over once");
+    // Nobody takes events: two per step (a store and an eviction) pile up to the bound.
+    let steps = (MAX_EVENTS / 2 + 10) as u32;
+    let mut last = h[2];
+    for i in 3..3 + steps {
+        last = step(&mut l, i);
+    }
+    let ev = l.take_events();
+    assert_eq!(ev.len(), MAX_EVENTS);
+    assert_eq!(
+        ev.last(),
+        Some(&KvEvent::Stored {
+            hash: last,
+            tier: host
+        })
+    );
+    assert_eq!(
+        l.stats().events_dropped,
+        2 * steps as u64 - MAX_EVENTS as u64
+    );
+    assert!(l.take_events().is_empty());
+}
+
+/// Regression: a record's offloads are reserved in order, so a block found in G2 can be evicted
+/// to make room for a later block of the same record. It must not then be spilled to disk under
+/// its old hash (its host block is being overwritten by the new store).
+#[test]
+fn a_g2_hit_evicted_by_its_own_batch_is_not_spilled() {
+    let mut cfg = LeaderConfig::new(4, HashSalt(3), 2);
+    cfg.disk = Capacity::Blocks(8);
+    cfg.disk_policy = DiskPolicy::filtered(); // spill on the second sighting
+    let mut l = Leader::new(cfg).unwrap();
+    // A stores two blocks (first sighting of each); G2 is then full, A's block 0 the LRU.
+    let a: Vec<u32> = (0..8).collect();
+    let m = run_step(&mut l, new_record("a", a.clone(), 0));
+    assert_eq!(m.stores.len(), 1);
+    confirm_all(&mut l, &m);
+    let hashes =
+        crate::hash::sequence_hashes(HashSalt(3), &[&a[..], &[100, 101, 102, 103]].concat(), 4);
+    let host = l.host_pool().unwrap();
+    let (blk0, blk1) = (
+        host.lookup(hashes[0]).unwrap(),
+        host.lookup(hashes[1]).unwrap(),
+    );
+    assert_eq!(host.eviction_order(), vec![blk0, blk1]);
+    // B repeats A's two blocks and adds a third: [hit, hit, new]; the new block evicts blk0.
+    let mut b = a.clone();
+    b.extend([100, 101, 102, 103]);
+    let m = run_step(&mut l, new_record("b", b, 10));
+    assert_eq!(m.stores.len(), 1);
+    assert_eq!(
+        m.stores[0].job.pairs,
+        vec![BlockPair {
+            src: 12,
+            dst: blk0.0
+        }]
+    );
+    // Only A's block 1, still in G2, is spilled on its second sighting.
+    assert_eq!(m.background.len(), 1);
+    assert_eq!(m.background[0].dst, Tier::Disk);
+    assert_eq!(m.background[0].pairs[0].src, blk1.0);
+    confirm_all(&mut l, &m);
+    let disk = l.disk_pool().unwrap();
+    assert!(disk.lookup(hashes[1]).is_some());
+    assert_eq!(disk.lookup(hashes[0]), None);
+    let host = l.host_pool().unwrap();
+    assert_eq!(host.lookup(hashes[2]), Some(blk0));
+    assert_eq!(host.lookup(hashes[0]), None);
+    assert_eq!(host.num_pinned(), 0);
+    let s = l.stats();
+    assert_eq!((s.offload_deduplicated, s.spill_disk_blocks), (2, 1));
+}
+
+/// #14 item 1: blocks the disk tier kept from an earlier run, adopted at start, are hits
+/// loaded from disk, and every disk job names each pair's key (its sequence hash) so the
+/// disk tier can refuse a slot that holds another block.
+#[test]
+fn adopted_disk_blocks_are_hits_and_disk_jobs_carry_keys() {
+    let mut cfg = LeaderConfig::new(4, HashSalt(3), 4);
+    cfg.disk = Capacity::Blocks(8);
+    let mut l = Leader::new(cfg).unwrap();
+    let prompt: Vec<u32> = (0..12).collect();
+    let hashes = crate::hash::sequence_hashes(HashSalt(3), &prompt, 4);
+    let adopted = [
+        (hashes[0], BlockId(5)),
+        (hashes[1], BlockId(2)),
+        (hashes[0], BlockId(3)),         // a hash already adopted: skipped
+        (SequenceHash(77), BlockId(2)),  // a block already taken: skipped
+        (SequenceHash(78), BlockId(99)), // out of range: skipped
+    ];
+    assert_eq!(l.adopt_disk_blocks(&adopted), 2);
+    let disk = l.disk_pool().unwrap();
+    assert_eq!(disk.lookup(hashes[1]), Some(BlockId(2)));
+    assert_eq!((disk.num_registered(), disk.num_evictable()), (2, 2));
+    let r: RequestId = "r".into();
+    assert_eq!(l.get_num_new_matched_tokens(&r, &prompt, 0).unwrap(), 8);
+    let devs: Vec<DeviceBlockId> = (20..23).map(DeviceBlockId).collect();
+    l.update_state_after_alloc(&r, &devs, Some(8)).unwrap();
+    let m = run_step(&mut l, new_record("r", prompt.clone(), 20));
+    let load = &m.loads[0].jobs[0];
+    assert_eq!(load.src, Tier::Disk);
+    assert_eq!(
+        load.pairs,
+        vec![BlockPair { src: 5, dst: 20 }, BlockPair { src: 2, dst: 21 }]
+    );
+    assert_eq!(load.remote_keys, vec![hashes[0].0, hashes[1].0]);
+    // Free disk blocks are handed out lowest first after the adoption.
+    assert_eq!(
+        l.tiers.disk.as_mut().unwrap().allocate(2).unwrap(),
+        vec![BlockId(0), BlockId(1)]
+    );
+}
+
+/// Spills to G3 and device -> disk stores name their keys.
+#[test]
+fn disk_stores_carry_keys() {
+    let mut cfg = LeaderConfig::new(4, HashSalt(3), 0);
+    cfg.host = Capacity::Blocks(0);
+    cfg.disk = Capacity::Blocks(8);
+    let mut l = Leader::new(cfg).unwrap();
+    let a: Vec<u32> = (0..8).collect();
+    let m = run_step(&mut l, new_record("a", a.clone(), 0));
+    let job = &m.stores[0].job;
+    assert_eq!(job.dst, Tier::Disk);
+    let hashes = crate::hash::sequence_hashes(HashSalt(3), &a, 4);
+    assert_eq!(job.remote_keys, vec![hashes[0].0, hashes[1].0]);
+    let mut cfg = LeaderConfig::new(4, HashSalt(3), 4);
+    cfg.disk = Capacity::Blocks(8);
+    cfg.disk_policy = DiskPolicy::WriteThrough;
+    let mut l = Leader::new(cfg).unwrap();
+    let m = two_blocks_confirmed(&mut l);
+    let spills: Vec<&TransferJob> = m
+        .background
+        .iter()
+        .filter(|j| j.dst == Tier::Disk)
+        .collect();
+    assert_eq!(spills.len(), 2);
+    for (j, h) in spills.iter().zip(&hashes) {
+        assert_eq!(j.remote_keys, vec![h.0]);
+    }
+}
