@@ -275,9 +275,27 @@ impl LeaderChannel {
     fn stop(&mut self) {
         let _ = self.cmd.send(LeaderCmd::Shutdown);
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            join_within(t, CHANNEL_STOP_TIMEOUT, "the leader's ZeroMQ thread");
         }
     }
+}
+
+/// How long stopping a channel waits for its socket thread (it flushes queued messages first).
+const CHANNEL_STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Join `t` if it ends within `timeout`; otherwise log and leave it detached (a socket thread
+/// stuck in the network must not hang the engine's shutdown). True if it was joined.
+fn join_within(t: std::thread::JoinHandle<()>, timeout: Duration, what: &str) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    while !t.is_finished() {
+        if std::time::Instant::now() >= deadline {
+            tracing::warn!(?timeout, "{what} did not stop in time; leaving it behind");
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let _ = t.join();
+    true
 }
 
 impl Drop for LeaderChannel {
@@ -580,7 +598,7 @@ impl WorkerChannel {
             Err(e) => {
                 drop(out_tx);
                 drop(stop_tx);
-                let _ = thread.join();
+                join_within(thread, CHANNEL_STOP_TIMEOUT, "a worker's ZeroMQ thread");
                 Err(e)
             }
         }
@@ -615,7 +633,7 @@ impl Drop for WorkerChannel {
         // The socket thread flushes queued reports, then exits.
         let _ = self.stop.send(());
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            join_within(t, CHANNEL_STOP_TIMEOUT, "a worker's ZeroMQ thread");
         }
     }
 }
@@ -755,6 +773,24 @@ async fn worker_loop(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stuck_channel_thread_does_not_hang_the_stop() {
+        let (tx, rx) = std_mpsc::channel::<()>();
+        let stuck = std::thread::spawn(move || {
+            let _ = rx.recv_timeout(Duration::from_secs(5));
+        });
+        let t = std::time::Instant::now();
+        assert!(!join_within(
+            stuck,
+            Duration::from_millis(50),
+            "test thread"
+        ));
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        drop(tx);
+        let quick = std::thread::spawn(|| {});
+        assert!(join_within(quick, Duration::from_secs(5), "test thread"));
+    }
 
     #[test]
     fn frames_of_another_version_are_rejected_by_name() {
