@@ -277,6 +277,24 @@ pub(crate) type PairResult = Result<(), String>;
 pub(crate) type DeviceLeg<'a> = dyn FnOnce(&[(usize, usize)]) -> Vec<(usize, String)> + 'a;
 
 impl NodeStore {
+    /// A connection for a direct job of `n` pairs, or the job's early answer: every pair failed
+    /// (the node is unreachable) or `None` (`need_cuda` and the arena is not registered with
+    /// CUDA: the caller stages the job).
+    fn direct_conn(
+        &self,
+        n: usize,
+        need_cuda: bool,
+    ) -> Result<(Conn, Arc<Arena>), Option<Vec<PairResult>>> {
+        let (c, arena) = self
+            .conn()
+            .map_err(|e| Some(vec![Err(format!("node: {e}")); n]))?;
+        if need_cuda && !arena.cuda_registered() {
+            self.pool(c);
+            return Err(None);
+        }
+        Ok((c, arena))
+    }
+
     /// Device -> arena for `keys` (blocks of `bytes`): reserve a slot per key, let `copy` fill
     /// the slots, then commit each slot copied with the checksum of its arena bytes (or abort
     /// it). `None` when the direct path cannot serve this job (`need_cuda` and the arena is not
@@ -289,14 +307,10 @@ impl NodeStore {
         need_cuda: bool,
         copy: Box<DeviceLeg<'_>>,
     ) -> Option<Vec<PairResult>> {
-        let (mut c, arena) = match self.conn() {
+        let (mut c, arena) = match self.direct_conn(keys.len(), need_cuda) {
             Ok(x) => x,
-            Err(e) => return Some(vec![Err(format!("node: {e}")); keys.len()]),
+            Err(early) => return early,
         };
-        if need_cuda && !arena.cuda_registered() {
-            self.pool(c);
-            return None;
-        }
         let mut out: Vec<PairResult> = vec![Ok(()); keys.len()];
         let mut broken: Option<String> = None;
         let mut grants: Vec<(usize, u64, u64)> = Vec::new();
@@ -386,14 +400,10 @@ impl NodeStore {
         need_cuda: bool,
         copy: Box<DeviceLeg<'_>>,
     ) -> Option<Vec<PairResult>> {
-        let (mut c, arena) = match self.conn() {
+        let (mut c, arena) = match self.direct_conn(keys.len(), need_cuda) {
             Ok(x) => x,
-            Err(e) => return Some(vec![Err(format!("node: {e}")); keys.len()]),
+            Err(early) => return early,
         };
-        if need_cuda && !arena.cuda_registered() {
-            self.pool(c);
-            return None;
-        }
         let mut out: Vec<PairResult> = vec![Ok(()); keys.len()];
         let mut broken: Option<String> = None;
         let mut leases: Vec<(usize, u64)> = Vec::new();

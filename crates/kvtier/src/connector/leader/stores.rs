@@ -15,7 +15,7 @@ use crate::connector::messages::{RequestStore, StepMetadata, PROTOCOL_VERSION};
 use crate::connector::slot::{OffloadBlock, Slot};
 use crate::connector::step::{SchedulerStep, StepRecord};
 use crate::connector::ConnectorError;
-use crate::ids::{BlockId, DeviceBlockId, RequestId, Tier};
+use crate::ids::{BlockId, DeviceBlockId, JobId, RequestId, Tier};
 use crate::pool::{Priority, Reservation};
 use crate::transfer::{BlockPair, TransferJob};
 
@@ -207,19 +207,7 @@ impl Leader {
                 blocks: books,
                 priorities,
             }));
-            if let Some(e) = self.slots.get_mut(req) {
-                e.stores_in_flight += 1;
-            }
-            self.outbox.stores.push(RequestStore {
-                request: req.clone(),
-                job: TransferJob {
-                    id,
-                    src: Tier::Device,
-                    dst: tier,
-                    pairs,
-                    remote_keys: disk_keys,
-                },
-            });
+            self.queue_store(req, id, tier, pairs, disk_keys);
         }
         if !self.scratch.seen_again.is_empty() {
             let seen = std::mem::take(&mut self.scratch.seen_again);
@@ -325,6 +313,19 @@ impl Leader {
             request: req.clone(),
             blocks: n,
         }));
+        self.queue_store(req, id, Tier::Remote, pairs, keys);
+    }
+
+    /// Hand a device -> `dst` store job of `req` to the workers (the next metadata) and count it
+    /// in flight for the request (its device blocks stay held until every rank reported it).
+    fn queue_store(
+        &mut self,
+        req: &RequestId,
+        id: JobId,
+        dst: Tier,
+        pairs: Vec<BlockPair>,
+        remote_keys: Vec<u128>,
+    ) {
         if let Some(e) = self.slots.get_mut(req) {
             e.stores_in_flight += 1;
         }
@@ -333,9 +334,9 @@ impl Leader {
             job: TransferJob {
                 id,
                 src: Tier::Device,
-                dst: Tier::Remote,
+                dst,
                 pairs,
-                remote_keys: keys,
+                remote_keys,
             },
         });
     }
