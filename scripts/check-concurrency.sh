@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Miri on kvtier-io's unsafe host/device/bounce code paths that Miri can run, and loom on the
-# Python bindings' rendezvous (#13). Needs a nightly toolchain with Miri
+# Python bindings' rendezvous and on the worker's task queue (#13). Needs a nightly toolchain with Miri
 # (`rustup toolchain install nightly --component miri`); loom comes from crates.io like any
 # dependency. Uses its own target dirs (Miri's and loom's builds do not mix with the normal one).
 # What Miri cannot run is left out here, not hidden: mmap with flags other than
@@ -24,3 +24,6 @@ CARGO_TARGET_DIR=$target/miri cargo +nightly miri test -p kvtier-io \
 
 echo "== loom: rendezvous of a Leader with its Workers (every interleaving)"
 CARGO_TARGET_DIR=$target/loom cargo test -p kvtier-py --features loom --lib loom_tests
+
+echo "== loom: the worker's task queue (two executors, the feeding worker, the queue closing)"
+CARGO_TARGET_DIR=$target/loom cargo test -p kvtier --features loom --lib loom_tests
