@@ -54,7 +54,8 @@ def _sched_summary(args, kwargs, out) -> dict[str, Any]:
 
 
 def _update_summary(args, kwargs, out) -> dict[str, Any]:
-    mo = args[2] if len(args) > 2 else kwargs.get("model_runner_output")
+    # Bound method: args = (scheduler_output, model_runner_output).
+    mo = args[1] if len(args) > 1 else kwargs.get("model_runner_output")
     kco = getattr(mo, "kv_connector_output", None)
     fin = []
     for eco in (out or {}).values():
@@ -79,18 +80,12 @@ def install(llm: Any) -> None:
     """Wrap the scheduler of ``llm`` (an in-process ``vllm.LLM``) and its connector's class."""
     core = llm.llm_engine.engine_core.engine_core
     sched = core.scheduler
-    # Bound methods on the instance: the engine core calls them through the attribute.
-    for name, summ in (("schedule", _sched_summary), ("update_from_output", _update_summary)):
-        fn = getattr(type(sched), name)
-        bound = fn.__get__(sched)
-        setattr(sched, name, bound)
-        _wrap(sched, name, (lambda s: (lambda a, k, o: s((sched,) + a, k, o)))(summ))
-    step_owner = core
+    # An instance attribute shadows the class's method: the engine core calls these through the instance.
+    _wrap(sched, "schedule", _sched_summary)
+    _wrap(sched, "update_from_output", _update_summary)
     for name in ("step", "step_with_batch_queue"):
-        if hasattr(step_owner, name):
-            setattr(step_owner, name, getattr(type(step_owner), name).__get__(step_owner))
-            _wrap(step_owner, name)
-    if getattr(core, "step_fn", None) is not None:
+        _wrap(core, name)
+    if getattr(core, "step_fn", None) is not None:  # bound at construction: point it at the wrapped one
         core.step_fn = core.step_with_batch_queue if core.batch_queue is not None else core.step
     conn = getattr(sched, "connector", None)
     if conn is not None:

@@ -272,17 +272,18 @@ impl CudaMover {
             dir.kernel.wait(&f.0)?;
         }
         let method = self.pick(items);
-        tracing::debug!(
-            target: "kvtier_timing",
-            blocks = items.len(),
-            to_host,
-            ?method,
-            before_first_copy_us = entered.elapsed().as_micros() as u64,
-            "cuda copy starts"
-        );
         if tracing::enabled!(tracing::Level::DEBUG) {
+            // Profiling aid: the copy's method and the CPU time spent before its first copy.
             let chunks: usize = items.iter().map(|(_, c, _)| c.len()).sum();
-            tracing::debug!(?method, blocks = items.len(), chunks, to_host, "CUDA copy");
+            let before_first_copy_us = entered.elapsed().as_micros() as u64;
+            tracing::debug!(
+                ?method,
+                blocks = items.len(),
+                chunks,
+                to_host,
+                before_first_copy_us,
+                "CUDA copy"
+            );
         }
         match method {
             CudaCopyMethod::Kernel => self.run_kernel(&dir, items, to_host),

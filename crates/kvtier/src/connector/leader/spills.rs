@@ -90,7 +90,7 @@ impl Leader {
                 }
             }
         }
-        if first_store && self.remote_put && self.remote.is_some() {
+        if first_store && self.remote_put() {
             // A fresh value replaces whatever failed to load under this hash.
             self.remote_failed.remove(&hash);
             self.pin_host(host_block);

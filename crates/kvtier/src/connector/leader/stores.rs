@@ -39,7 +39,7 @@ impl BlockReuse {
 
 /// A device -> remote store of a node-only engine: `blocks` pairs, no pool block behind them.
 #[derive(Debug)]
-pub(crate) struct RemoteStoreBooks {
+pub(super) struct RemoteStoreBooks {
     request: RequestId,
     blocks: usize,
 }
@@ -149,7 +149,7 @@ impl Leader {
     /// Reserve the target tier's blocks for `offloads` (one batched pool call: one registry probe
     /// per block both deduplicates and reserves) and queue one store job for those it got.
     fn dispatch_stores(&mut self, req: &RequestId, offloads: &[OffloadBlock]) {
-        if self.tiers.host.is_none() && self.remote_put && self.remote.is_some() {
+        if self.tiers.host.is_none() && self.remote_put() {
             self.dispatch_remote_store(req, offloads);
         }
         let Some((tier, pool)) = self.tiers.store_target() else {
@@ -361,7 +361,7 @@ impl Leader {
         // Spills and remote puts follow a confirmed G2 store only when configured.
         let spills = tier == Tier::Host
             && ((self.tiers.disk.is_some() && self.disk_policy != DiskPolicy::Never)
-                || (self.remote_put && self.remote.is_some()));
+                || self.remote_put());
         for (i, blk) in blocks.into_iter().enumerate() {
             let priority = priorities.get(i).copied().unwrap_or(self.priority);
             if failed.contains(&i) {
