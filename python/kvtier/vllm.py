@@ -688,6 +688,11 @@ class _WorkerSide:
         self._worker = core.Worker(self._settings, tensors)
         # Decided once: asking torch whether CUDA is there costs more than the rest of a decode step's hooks.
         self._cuda = any(getattr(t, "is_cuda", False) for t in kv_caches.values())
+        # vLLM runs the forward pass on the stream current at start_load_kv, right after it when the step has sync
+        # loads (kv_connector_model_runner_mixin.py): a sync load is ordered ahead of it on the GPU (that stream
+        # waits on the copies' event) instead of being waited for on the CPU.
+        if self._cuda and hasattr(self._worker, "set_ordered_sync_loads"):
+            self._worker.set_ordered_sync_loads(True)
 
     def start_step(self, meta: KvtierConnectorMetadata) -> None:
         self._awaiting_save.update(meta.delayed_frees)

@@ -21,6 +21,10 @@ enum Mover {
     Cuda(Box<crate::cuda::CudaMover>),
 }
 
+/// A synchronous load's ordering: the engine's stream (raw handle) and the call that lets the
+/// engine go on ([`kvtier::transfer::BlockTransfer::execute_ordered`]).
+pub(crate) type Order<'a> = Option<(u64, &'a mut dyn FnMut())>;
+
 pub(crate) struct DeviceSide {
     layout: Arc<dyn BlockChunks>,
     kind: DeviceKind,
@@ -66,12 +70,15 @@ impl DeviceSide {
     }
 
     /// Copy `items[k] = (pair index, device block, host block address)` in the direction given;
-    /// returns the failed pair indices with reasons.
+    /// returns the failed pair indices with reasons. `order` (synchronous loads): the engine's
+    /// stream and the call telling the caller it may go on, made only if no pair has failed by
+    /// then (CUDA: once the stream waits for the copies; CPU: once they are done).
     pub(crate) fn copy(
         &self,
         items: &[(usize, u32, usize)],
         to_host: bool,
         fence: &Fence,
+        order: Order<'_>,
     ) -> Vec<(usize, String)> {
         let prep = std::time::Instant::now();
         let mut failed = Vec::new();
@@ -110,8 +117,14 @@ impl DeviceSide {
                     }
                 }
                 mem::store_fence();
+                if let (Some((_, enqueued)), true) = (order, failed.is_empty()) {
+                    enqueued();
+                }
             }
-            Mover::Cuda(c) => failed.extend(c.copy(&resolved, to_host, fence)),
+            Mover::Cuda(c) => {
+                let order = order.filter(|_| failed.is_empty());
+                failed.extend(c.copy(&resolved, to_host, fence, order));
+            }
         }
         failed
     }

@@ -26,7 +26,7 @@ use kvtier::transfer::{
 use kvtier::Tier;
 
 use crate::cuda::CudaCopyMethod;
-use crate::device::{DeviceKind, DeviceSide};
+use crate::device::{DeviceKind, DeviceSide, Order};
 use crate::disk::{DiskOptions, DiskStorage};
 use crate::error::IoError;
 use crate::host::{HostOptions, HostStorage, PinMode};
@@ -370,7 +370,7 @@ impl TransferEngine {
             .collect()
     }
 
-    fn run(&self, job: &TransferJob, fence: &Fence) -> TransferOutcome {
+    fn run(&self, job: &TransferJob, fence: &Fence, order: Order<'_>) -> TransferOutcome {
         let mut res = Results {
             failures: Vec::new(),
         };
@@ -385,7 +385,7 @@ impl TransferEngine {
         match (job.src, job.dst) {
             (Tier::Host, Tier::Host) => self.host_to_host(job, &mut res),
             (Tier::Device, Tier::Host) | (Tier::Host, Tier::Device) => {
-                self.device_host(job, fence, &mut res)
+                self.device_host(job, fence, order, &mut res)
             }
             (Tier::Host, Tier::Disk) | (Tier::Disk, Tier::Host) => {
                 self.host_far(job, Tier::Disk, &mut res)
@@ -450,7 +450,7 @@ impl TransferEngine {
         mem::store_fence();
     }
 
-    fn device_host(&self, job: &TransferJob, fence: &Fence, res: &mut Results) {
+    fn device_host(&self, job: &TransferJob, fence: &Fence, order: Order<'_>, res: &mut Results) {
         let Some(dev) = &self.device else { return };
         let to_host = job.src == Tier::Device;
         let host_addrs = self.host_addrs(job, !to_host, res);
@@ -460,7 +460,9 @@ impl TransferEngine {
                 items.push((i, if to_host { p.src } else { p.dst }, h));
             }
         }
-        for (i, reason) in dev.copy(&items, to_host, fence) {
+        // A job with a pair already failed is not ordered: the engine waits for its outcome.
+        let order = order.filter(|_| res.failures.is_empty() && !to_host);
+        for (i, reason) in dev.copy(&items, to_host, fence, order) {
             res.fail(i, reason);
         }
     }
@@ -630,7 +632,7 @@ impl TransferEngine {
             } else {
                 (pending.as_slice(), next)
             };
-            let near = || dev.copy(&dev_items(near_items), store, fence);
+            let near = || dev.copy(&dev_items(near_items), store, fence, None);
             let far_run = || {
                 let mut r = Results {
                     failures: Vec::new(),
@@ -729,8 +731,29 @@ impl BlockTransfer for TransferEngine {
     }
 
     fn execute(&self, job: &TransferJob, fence: &Fence) -> TransferOutcome {
+        self.logged(job, || self.run(job, fence, None))
+    }
+
+    /// Host -> device loads are ordered on the device (see the trait); every other job runs as
+    /// `execute` does.
+    fn execute_ordered(
+        &self,
+        job: &TransferJob,
+        fence: &Fence,
+        engine_stream: u64,
+        enqueued: &mut dyn FnMut(),
+    ) -> TransferOutcome {
+        let order =
+            (job.src == Tier::Host && job.dst == Tier::Device).then_some((engine_stream, enqueued));
+        self.logged(job, || self.run(job, fence, order))
+    }
+}
+
+impl TransferEngine {
+    /// Run a job with its profiling and failure logs.
+    fn logged(&self, job: &TransferJob, run: impl FnOnce() -> TransferOutcome) -> TransferOutcome {
         let started = std::time::Instant::now();
-        let outcome = self.run(job, fence);
+        let outcome = run();
         // Profiling aid (KVTIER_LOG=kvtier_io=debug): where a load's or a store's time goes.
         tracing::debug!(
             job = job.id.0,

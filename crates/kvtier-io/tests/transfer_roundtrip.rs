@@ -418,3 +418,46 @@ fn failing_tiers_are_left_out_not_fatal() {
         vec![0]
     );
 }
+
+/// `execute_ordered` (synchronous loads): a host -> device load tells the caller it may go on
+/// exactly once, and only with every pair good; its bytes are in place when it does (CPU: the
+/// copies are done); a load with a failed pair, or a job in any other direction, never tells.
+#[test]
+fn ordered_loads_signal_once_and_only_when_every_pair_is_good() {
+    let (layers, blocks, chunk) = (2, 4u32, 256);
+    let cache = PerLayerCache::new(layers, blocks, chunk);
+    let bpb = layers * 2 * chunk;
+    let h = host(4, bpb);
+    for b in 0..4 {
+        h.write_block(b, &pattern(b + 40, bpb)).unwrap();
+    }
+    let e = TransferEngine::builder()
+        .device(Arc::new(cache.layout()), DeviceKind::Cpu)
+        .host(h.clone())
+        .build()
+        .unwrap();
+    let ordered = |j: kvtier::transfer::TransferJob, cache: &PerLayerCache| {
+        let f = e.fence(None).unwrap();
+        let mut seen = Vec::new();
+        let out = e.execute_ordered(&j, &f, 0, &mut || {
+            seen.push((0..blocks).map(|b| cache.read(b)).collect::<Vec<_>>())
+        });
+        (out, seen)
+    };
+    let (out, seen) = ordered(job(Tier::Host, Tier::Device, &[(0, 3), (1, 2)]), &cache);
+    assert_eq!(out, TransferOutcome::Ok);
+    assert_eq!(seen.len(), 1, "told once");
+    assert_eq!(seen[0][3], pattern(40, bpb), "bytes in place when told");
+    assert_eq!(seen[0][2], pattern(41, bpb));
+    // A host block out of range fails its pair before anything is copied: not told.
+    let (out, seen) = ordered(job(Tier::Host, Tier::Device, &[(2, 0), (99, 1)]), &cache);
+    assert_eq!(out.failed_pairs(), vec![1]);
+    assert!(
+        seen.is_empty(),
+        "a load with a failed pair must not let the engine go on"
+    );
+    // Stores are never ordered.
+    let (out, seen) = ordered(job(Tier::Device, Tier::Host, &[(3, 3)]), &cache);
+    assert_eq!(out, TransferOutcome::Ok);
+    assert!(seen.is_empty());
+}

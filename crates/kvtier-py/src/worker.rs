@@ -397,6 +397,17 @@ impl PyWorker {
         Ok(())
     }
 
+    /// Order sync loads on the device (see `kvtier::connector::Worker::set_ordered_sync_loads`):
+    /// only for engines whose forward pass runs on the stream they pass to `start_load`.
+    fn set_ordered_sync_loads(&self, yes: bool) -> PyResult<()> {
+        let mut g = self.lock();
+        g.worker
+            .as_mut()
+            .ok_or_else(gone)?
+            .set_ordered_sync_loads(yes);
+        Ok(())
+    }
+
     #[pyo3(signature = (stream = None))]
     fn start_load(&self, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let stream: Option<u64> = extract_opt_arg(Family::Connector, "stream", stream)?;

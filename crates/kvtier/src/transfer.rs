@@ -133,6 +133,27 @@ pub trait BlockTransfer: Send + Sync {
     fn fence(&self, engine_stream: Option<u64>) -> Result<Fence, TransferError>;
     /// Run `job` to completion on the calling thread, after `fence` has passed.
     fn execute(&self, job: &TransferJob, fence: &Fence) -> TransferOutcome;
+    /// Run a load whose bytes the engine's next work on `engine_stream` reads (a synchronous
+    /// load), ordering that work after the copies on the device instead of on the CPU.
+    ///
+    /// An implementation that can (CUDA: the stream waits on the job's completion event) calls
+    /// `enqueued` at most once, after it has made `engine_stream` wait for every copy of the job
+    /// and only if no pair has failed by then: from that call on, whatever the engine enqueues
+    /// on `engine_stream` sees the loaded bytes, so it may launch its forward pass at once. The
+    /// only failure left after `enqueued` is a device error, which poisons the engine's context
+    /// too. It still returns the job's final outcome, once the copies completed (the worker
+    /// keeps the source blocks until then). The default runs `execute` and never calls
+    /// `enqueued`: the engine then waits for completion on the CPU.
+    fn execute_ordered(
+        &self,
+        job: &TransferJob,
+        fence: &Fence,
+        engine_stream: u64,
+        enqueued: &mut dyn FnMut(),
+    ) -> TransferOutcome {
+        let _ = (engine_stream, enqueued);
+        self.execute(job, fence)
+    }
 }
 
 /// A shared, content-addressed remote store (G4): Redis/Valkey, or a shared directory.

@@ -56,7 +56,7 @@ pub(crate) fn run(
             })
             .collect();
         let dir = if store { "device read" } else { "device write" };
-        dev.copy(&dev_items, store, fence)
+        dev.copy(&dev_items, store, fence, None)
             .into_iter()
             .map(|(k, why)| (k, format!("{dir}: {why}")))
             .collect()

@@ -236,6 +236,21 @@ impl Event {
         }
     }
 
+    /// Make a stream the engine owns (raw handle, 0 = legacy default stream) wait on the device
+    /// for this event's latest record: the engine's later work on it runs after that record.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the current context, or 0.
+    pub(crate) unsafe fn make_raw_stream_wait(&self, stream: u64) -> CuResult<()> {
+        // SAFETY: forwarded to the caller; the event is live.
+        unsafe {
+            check(
+                sys::cuStreamWaitEvent(stream as usize as sys::CUstream, self.raw, 0),
+                "cuStreamWaitEvent",
+            )
+        }
+    }
+
     pub(crate) fn synchronize(&self) -> CuResult<()> {
         // SAFETY: live handle (a never-recorded event counts as complete).
         unsafe { check(sys::cuEventSynchronize(self.raw), "cuEventSynchronize") }

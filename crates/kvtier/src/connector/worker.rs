@@ -6,8 +6,10 @@
 //! Invariants:
 //! - stores read engine memory only after the fence captured in `forward_done` (the end of the
 //!   step's forward pass);
-//! - sync loads of a step are complete before `wait_for_layer_load` returns; a sync load that the
-//!   engine never waited for before its forward pass ended is not run and is reported as failed;
+//! - sync loads of a step are complete before `wait_for_layer_load` returns, or, with ordered
+//!   sync loads (`set_ordered_sync_loads`), the engine's stream is made to wait for their copies
+//!   on the device first ([`BlockTransfer::execute_ordered`]); a sync load that the engine never
+//!   waited for before its forward pass ended is not run and is reported as failed;
 //! - a load that failed on any pair puts those device blocks in `take_load_errors` and its
 //!   request in `load_failed`, never in `loaded`;
 //! - a finished request is reported saved only if the leader answered "saves in flight" for it
@@ -98,6 +100,8 @@ struct LoadState {
 struct Task {
     jobs: Vec<TransferJob>,
     fence: Fence,
+    /// Ordered sync loads: the engine stream that must wait for these jobs' copies.
+    order: Option<u64>,
     /// When the task was handed to the executor (profiling: `KVTIER_LOG=kvtier_timing=debug`).
     queued: std::time::Instant,
 }
@@ -107,14 +111,21 @@ struct Done {
     outcome: TransferOutcome,
 }
 
+/// What executors tell the worker.
+enum Note {
+    /// An ordered job's copies are enqueued and the engine's stream waits for them.
+    Enqueued(JobId),
+    Done(Done),
+}
+
 /// One rank's worker. See the module documentation.
 pub struct Worker {
     rank: u32,
     transfer: Arc<dyn BlockTransfer>,
     link: WorkerLink,
     task_tx: Option<Sender<Task>>,
-    done_tx: Sender<Done>,
-    done_rx: Receiver<Done>,
+    done_tx: Sender<Note>,
+    done_rx: Receiver<Note>,
     threads: Vec<JoinHandle<()>>,
     /// Loads and stores of the bound step not yet handed to the executor.
     bound_loads: Vec<RequestLoad>,
@@ -123,6 +134,9 @@ pub struct Worker {
     stores_pending: HashMap<RequestId, usize>,
     loads: HashMap<RequestId, LoadState>,
     sync_pending: usize,
+    /// Sync load jobs (still running) whose copies the engine's stream already waits for.
+    sync_enqueued: HashSet<JobId>,
+    ordered_sync_loads: bool,
     /// Finished requests passed in by the engine, with the bind count when they were passed.
     finished_waiting: HashMap<RequestId, u64>,
     /// Requests the leader declared saving (from the metadata).
@@ -151,7 +165,7 @@ impl Worker {
     ) -> Self {
         let (task_tx, task_rx) = channel::<Task>();
         let task_rx = Arc::new(Mutex::new(task_rx));
-        let (done_tx, done_rx) = channel::<Done>();
+        let (done_tx, done_rx) = channel::<Note>();
         let mut handles = Vec::new();
         for i in 0..threads.max(1) {
             let rx = Arc::clone(&task_rx);
@@ -180,6 +194,8 @@ impl Worker {
             stores_pending: HashMap::new(),
             loads: HashMap::new(),
             sync_pending: 0,
+            sync_enqueued: HashSet::new(),
+            ordered_sync_loads: false,
             finished_waiting: HashMap::new(),
             saving: HashSet::new(),
             finished_are_saving: false,
@@ -202,17 +218,26 @@ impl Worker {
         self.finished_are_saving = yes;
     }
 
+    /// Order sync loads on the device: `start_load`'s engine stream waits for their copies
+    /// (where the transfer can), and `wait_for_layer_load` returns once that wait is enqueued
+    /// instead of when the copies completed. Only for engines whose forward pass runs on the
+    /// stream they pass to `start_load` (vLLM: `torch.cuda.current_stream()`). Off by default.
+    pub fn set_ordered_sync_loads(&mut self, yes: bool) {
+        self.ordered_sync_loads = yes;
+    }
+
     pub fn transfer(&self) -> &Arc<dyn BlockTransfer> {
         &self.transfer
     }
 
-    fn submit(&mut self, jobs: Vec<TransferJob>, fence: Fence) {
+    fn submit(&mut self, jobs: Vec<TransferJob>, fence: Fence, order: Option<u64>) {
         if jobs.is_empty() {
             return;
         }
         let task = Task {
             jobs,
             fence,
+            order,
             queued: std::time::Instant::now(),
         };
         let rejected = match &self.task_tx {
@@ -235,7 +260,7 @@ impl Worker {
             job: job.id,
             outcome: outcome.clone(),
         });
-        let _ = self.done_tx.send(Done { job, outcome });
+        let _ = self.done_tx.send(Note::Done(Done { job, outcome }));
     }
 
     /// Take the step's metadata (every rank receives the same). Background copies start now.
@@ -285,7 +310,7 @@ impl Worker {
         for j in &meta.background {
             self.jobs.insert(j.id, JobInfo::Background);
         }
-        self.submit(meta.background.clone(), Fence::none());
+        self.submit(meta.background.clone(), Fence::none(), None);
     }
 
     /// Start the bound step's loads (engine thread, before the forward pass).
@@ -293,21 +318,24 @@ impl Worker {
         if self.bound_loads.is_empty() {
             return;
         }
-        let jobs: Vec<TransferJob> = std::mem::take(&mut self.bound_loads)
-            .into_iter()
-            .flat_map(|l| l.jobs)
-            .collect();
-        self.submit_after_fence(jobs, engine_stream, "loads");
+        let loads = std::mem::take(&mut self.bound_loads);
+        let order = engine_stream.filter(|_| self.ordered_sync_loads);
+        let (ordered, plain): (Vec<RequestLoad>, Vec<RequestLoad>) =
+            loads.into_iter().partition(|l| l.sync && order.is_some());
+        let flat = |v: Vec<RequestLoad>| v.into_iter().flat_map(|l| l.jobs).collect::<Vec<_>>();
+        self.submit_after_fence(flat(plain), engine_stream, "loads", None);
+        self.submit_after_fence(flat(ordered), engine_stream, "loads", order);
     }
 
-    /// Block until the step's sync loads are done (all layers at once: correct first).
+    /// Block until the step's sync loads are done, or (ordered sync loads) until the engine's
+    /// stream waits for their copies; all layers at once: correct first.
     pub fn wait_for_layer_load(&mut self, _layer: usize) {
         if !self.bound_loads.is_empty() {
             self.start_load(None);
         }
-        while self.sync_pending > 0 {
+        while self.sync_pending > self.sync_enqueued.len() {
             match self.done_rx.recv() {
-                Ok(d) => self.on_done(d),
+                Ok(n) => self.on_note(n),
                 Err(_) => break,
             }
         }
@@ -347,7 +375,7 @@ impl Worker {
         if stores.is_empty() {
             return;
         }
-        self.submit_after_fence(stores, engine_stream, "stores");
+        self.submit_after_fence(stores, engine_stream, "stores", None);
     }
 
     /// Requests whose saves / async loads finished on this rank. `finished`: requests the engine
@@ -429,7 +457,7 @@ impl Worker {
                 break;
             }
             match self.done_rx.recv_timeout(WAIT_TIMEOUT) {
-                Ok(d) => self.on_done(d),
+                Ok(n) => self.on_note(n),
                 Err(_) => {
                     tracing::error!(
                         rank = self.rank,
@@ -471,7 +499,7 @@ impl Worker {
                 break;
             }
             match self.done_rx.recv_timeout(WAIT_TIMEOUT) {
-                Ok(d) => self.on_done(d),
+                Ok(n) => self.on_note(n),
                 Err(_) => {
                     tracing::error!(
                         rank = self.rank,
@@ -490,9 +518,13 @@ impl Worker {
         jobs: Vec<TransferJob>,
         engine_stream: Option<u64>,
         what: &str,
+        order: Option<u64>,
     ) {
+        if jobs.is_empty() {
+            return;
+        }
         match self.transfer.fence(engine_stream) {
-            Ok(f) => self.submit(jobs, f),
+            Ok(f) => self.submit(jobs, f, order),
             Err(e) => {
                 tracing::error!(error = %e, "fence for {what} failed; {what} fail");
                 for j in jobs {
@@ -504,8 +536,8 @@ impl Worker {
     }
 
     fn drain(&mut self) {
-        while let Ok(d) = self.done_rx.try_recv() {
-            self.on_done(d);
+        while let Ok(n) = self.done_rx.try_recv() {
+            self.on_note(n);
         }
     }
 
@@ -517,6 +549,17 @@ impl Worker {
                 }
                 self.loads.remove(req);
             }
+        }
+    }
+
+    fn on_note(&mut self, n: Note) {
+        match n {
+            Note::Enqueued(id) => {
+                if let Some(JobInfo::Load { sync: true, .. }) = self.jobs.get(&id) {
+                    self.sync_enqueued.insert(id);
+                }
+            }
+            Note::Done(d) => self.on_done(d),
         }
     }
 
@@ -545,6 +588,7 @@ impl Worker {
                     }
                 }
                 if sync {
+                    self.sync_enqueued.remove(&d.job.id);
                     self.sync_pending = self.sync_pending.saturating_sub(1);
                     if !failed.is_empty() {
                         self.poisoned.insert(request.clone());
@@ -649,6 +693,8 @@ trait TaskSource {
 /// Where executors put finished jobs; false once the worker is gone (the executor then ends).
 trait DoneSink {
     fn job_done(&self, done: Done) -> bool;
+    /// An ordered job's copies are enqueued ahead of the engine's stream.
+    fn job_enqueued(&self, job: JobId);
 }
 
 impl TaskSource for Arc<Mutex<Receiver<Task>>> {
@@ -658,9 +704,12 @@ impl TaskSource for Arc<Mutex<Receiver<Task>>> {
     }
 }
 
-impl DoneSink for Sender<Done> {
+impl DoneSink for Sender<Note> {
     fn job_done(&self, done: Done) -> bool {
-        self.send(done).is_ok()
+        self.send(Note::Done(done)).is_ok()
+    }
+    fn job_enqueued(&self, job: JobId) {
+        let _ = self.send(Note::Enqueued(job));
     }
 }
 
@@ -685,9 +734,15 @@ fn executor(
                     *k = remote_key_for_rank(*k, link.rank, link.world_size);
                 }
             }
-            let outcome =
-                std::panic::catch_unwind(AssertUnwindSafe(|| transfer.execute(&run, &task.fence)))
-                    .unwrap_or_else(|_| fail_all(&job, "transfer panicked"));
+            let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| match task.order {
+                Some(stream) => {
+                    let id = job.id;
+                    transfer
+                        .execute_ordered(&run, &task.fence, stream, &mut || done.job_enqueued(id))
+                }
+                None => transfer.execute(&run, &task.fence),
+            }))
+            .unwrap_or_else(|_| fail_all(&job, "transfer panicked"));
             // Profiling aid: where a job's time goes from the step that submitted it.
             tracing::debug!(
                 target: "kvtier_timing",
@@ -788,6 +843,7 @@ mod loom_tests {
         fn job_done(&self, done: Done) -> bool {
             self.send(done).is_ok()
         }
+        fn job_enqueued(&self, _job: JobId) {}
     }
 
     struct Instant1;
@@ -855,6 +911,7 @@ mod loom_tests {
                 let task = Task {
                     jobs: vec![job(id)],
                     fence: Fence::none(),
+                    order: None,
                     queued: std::time::Instant::now(),
                 };
                 task_tx.send(task);
