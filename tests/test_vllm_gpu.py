@@ -155,6 +155,22 @@ def test_host_and_disk_tiers_identical(model, reference, tmp_path):
     assert repeated["onboard_disk_blocks"] > filled["onboard_disk_blocks"], repeated
 
 
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
+def test_ordered_sync_loads_identical(model, reference, tmp_path, layout):
+    """Synchronous loads (``async_loads: false``, ``ordered_sync_loads: true``): vLLM launches the forward pass
+    right after start_load_kv on the same stream, which kvtier makes wait for the copies on the GPU instead of
+    waiting on the CPU. Any missing order shows up as wrong KV, so wrong tokens; both copy paths (LBNHC: the
+    gather/scatter kernel, BLNHC: one copy per block)."""
+    eager, refs = reference
+    ref = refs(layout)
+    ktc = connector_config(settings={"host.num_blocks": 1024, "kv_cache_layout": layout, "async_loads": False,
+                                     "ordered_sync_loads": True})
+    with _engine(model, tmp_path / "sync.log", ktc, eager=eager) as e:
+        filled, repeated = _check(e, ref)
+        assert _layout_used(e) == layout, _layout_used(e)
+    assert repeated["onboard_host_blocks"] > filled["onboard_host_blocks"], repeated
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

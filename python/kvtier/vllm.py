@@ -9,8 +9,9 @@ Configure vLLM with::
 ``kv_connector_extra_config`` takes kvtier's configuration keys (docs/CONFIG.md, nested or dotted); ``async_loads``
 (kvtier's ``connector.async_loads``, default true here) may also be given at its top. With asynchronous loads a
 matched request waits in ``WAITING_FOR_REMOTE_KVS`` while kvtier loads it; ``false`` loads it in the step that first
-computes it. Settings not given
-there come from ``KVTIER_*`` environment variables (then the ``DYN_KVBM_*`` aliases). Roles: ``kv_both``
+computes it; with ``"ordered_sync_loads": true`` as well (GPU only, opt-in, not yet measured on a GPU) such a load is
+ordered ahead of the forward pass on the GPU (vLLM's stream waits on kvtier's copies) instead of on the CPU.
+Settings not given there come from ``KVTIER_*`` environment variables (then the ``DYN_KVBM_*`` aliases). Roles: ``kv_both``
 (aggregated), ``kv_producer`` (prefill) and ``kv_consumer`` (decode); with ``remote.url`` set (``dir:///shared`` or
 ``redis://...``) every full block goes through to the shared tier and every process matches from it, which is how
 a producer hands its KV to a consumer.
@@ -688,11 +689,6 @@ class _WorkerSide:
         self._worker = core.Worker(self._settings, tensors)
         # Decided once: asking torch whether CUDA is there costs more than the rest of a decode step's hooks.
         self._cuda = any(getattr(t, "is_cuda", False) for t in kv_caches.values())
-        # vLLM runs the forward pass on the stream current at start_load_kv, right after it when the step has sync
-        # loads (kv_connector_model_runner_mixin.py): a sync load is ordered ahead of it on the GPU (that stream
-        # waits on the copies' event) instead of being waited for on the CPU.
-        if self._cuda and hasattr(self._worker, "set_ordered_sync_loads"):
-            self._worker.set_ordered_sync_loads(True)
 
     def start_step(self, meta: KvtierConnectorMetadata) -> None:
         self._awaiting_save.update(meta.delayed_frees)

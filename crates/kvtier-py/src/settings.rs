@@ -51,6 +51,7 @@ const ADAPTER_KEYS: &[&str] = &[
     "layout",
     "dtype",
     "finished_ids_are_saving",
+    "ordered_sync_loads",
     "zmq_endpoint",
     "test_load_delay_ms",
     // Informational keys some adapters pass along; accepted and ignored here.

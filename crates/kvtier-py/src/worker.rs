@@ -304,6 +304,9 @@ impl PyWorker {
         worker.set_finished_ids_are_saving(
             settings.bool("finished_ids_are_saving")?.unwrap_or(false),
         );
+        // Opt-in (`ordered_sync_loads`, vLLM's extra config): sync loads ordered on the device
+        // ahead of the engine's forward pass (kvtier::connector::Worker::set_ordered_sync_loads).
+        worker.set_ordered_sync_loads(settings.bool("ordered_sync_loads")?.unwrap_or(false));
         Ok(PyWorker {
             inner: Mutex::new(Inner {
                 worker: Some(worker),
@@ -394,17 +397,6 @@ impl PyWorker {
         let meta = StepMetadata::from_bytes(metadata).map_err(BridgeError::from)?;
         let mut g = self.lock();
         g.worker.as_mut().ok_or_else(gone)?.bind(&meta);
-        Ok(())
-    }
-
-    /// Order sync loads on the device (see `kvtier::connector::Worker::set_ordered_sync_loads`):
-    /// only for engines whose forward pass runs on the stream they pass to `start_load`.
-    fn set_ordered_sync_loads(&self, yes: bool) -> PyResult<()> {
-        let mut g = self.lock();
-        g.worker
-            .as_mut()
-            .ok_or_else(gone)?
-            .set_ordered_sync_loads(yes);
         Ok(())
     }
 

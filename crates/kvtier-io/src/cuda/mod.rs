@@ -10,17 +10,14 @@
 //!   packs scattered chunks into a device staging buffer, and the copy engine moves whole
 //!   blocks over PCIe; two staging halves pipeline kernel and copy. The kernel touches only
 //!   device memory, so it occupies the SMs for microseconds per batch, not for the transfer.
-//!   The whole job is enqueued at once: the rounds are ordered on the device by events, so the
-//!   CPU never waits between them.
 //!
 //! Invariants: every job first makes both kvtier streams wait for the job's fence (an event
 //! recorded on the engine's stream), so engine memory is read or written only after the engine's
 //! earlier work; `copy` returns only after all its copies completed (or failed); a staging half
-//! is refilled only after the device finished the previous round that used it (a stream wait on
-//! that round's event); a job's descriptors are written once, before its first round, and the
-//! buffer is reused only by a later job, after this one completed; with an [`Order`], the
-//! engine's stream waits for the job's completion event before the caller is told to go on;
-//! per-direction state is guarded by its own mutex, so offload and onboard run concurrently.
+//! and its descriptors are reused only after the event closing their previous use completed;
+//! with an [`Order`] (a synchronous load), the engine's stream waits for the job's completion
+//! event before the caller is told to go on; per-direction state is guarded by its own mutex, so
+//! offload and onboard run concurrently.
 use std::sync::{Arc, Mutex};
 
 use kvtier::transfer::{Fence, TransferError};
@@ -100,11 +97,8 @@ struct Copy {
 struct Dir {
     copy: Stream,
     kernel: Stream,
-    /// Kernel path: device staging (2 halves of HALF_BLOCKS blocks).
-    staging: Option<DeviceAlloc>,
-    /// Kernel path: the current job's descriptors, every round's (pinned, device-mapped; grown
-    /// on demand).
-    descs: Option<PinnedAlloc>,
+    /// Kernel path: device staging (2 halves of HALF_BLOCKS blocks) and pinned descriptors.
+    staging: Option<(DeviceAlloc, [PinnedAlloc; 2])>,
     half_done: [Event; 2],
     handoff: [Event; 2],
     done: Event,
@@ -169,18 +163,17 @@ impl CudaMover {
             ));
         }
         let dir = |with_staging: bool| -> CuResult<Dir> {
-            let (staging, descs) = if with_staging {
+            let staging = if with_staging {
                 let dev = (DeviceAlloc::new(2 * HALF_BLOCKS * bytes_per_block))?;
-                let nd = 4 * HALF_BLOCKS * max_chunks(layout) * 24;
-                (Some(dev), Some((PinnedAlloc::new(nd))?))
+                let nd = HALF_BLOCKS * max_chunks(layout) * 24;
+                Some((dev, [(PinnedAlloc::new(nd))?, (PinnedAlloc::new(nd))?]))
             } else {
-                (None, None)
+                None
             };
             Ok(Dir {
                 copy: (Stream::new(false))?,
                 kernel: (Stream::new(true))?,
                 staging,
-                descs,
                 half_done: [(Event::new(false))?, (Event::new(false))?],
                 handoff: [(Event::new(false))?, (Event::new(false))?],
                 done: (Event::new(false))?,
@@ -277,7 +270,7 @@ impl CudaMover {
         let entered = std::time::Instant::now();
         self.driver.make_current()?;
         let dir_lock = if to_host { &self.d2h } else { &self.h2d };
-        let mut dir = dir_lock
+        let dir = dir_lock
             .lock()
             .map_err(|_| "transfer state poisoned by an earlier panic".to_string())?;
         if let Some(f) = fence.0.as_ref().and_then(|b| b.downcast_ref::<CudaFence>()) {
@@ -300,7 +293,7 @@ impl CudaMover {
         }
         let last = match method {
             CudaCopyMethod::Kernel => {
-                self.run_kernel(&mut dir, items, to_host)?;
+                self.run_kernel(&dir, items, to_host)?;
                 // A gather round ends with its copies, a scatter round with its kernel.
                 if to_host {
                     &dir.copy
@@ -353,25 +346,25 @@ impl CudaMover {
         dir.done.wait()
     }
 
-    /// Gather/scatter through the staging halves (see the module comment): every round is
-    /// enqueued at once, ordered on the device.
+    /// Gather/scatter through the staging halves (see the module comment).
     fn run_kernel(
         &self,
-        dir: &mut Dir,
+        dir: &Dir,
         items: &[(usize, Vec<Chunk>, usize)],
         to_host: bool,
     ) -> CuResult<()> {
-        let (Some(kernel), Some(stage)) = (&self.kernel, &dir.staging) else {
+        let (Some(kernel), Some((stage, descs))) = (&self.kernel, &dir.staging) else {
             return Err("kernel path not set up".into());
         };
         let bpb = self.bytes_per_block;
-        // Every round's descriptors first, in one buffer: a round's kernel may run long after
-        // the CPU has enqueued the later rounds, so none may be overwritten within the job.
-        let mut d: Vec<u64> = Vec::with_capacity(items.len() * 64 * 3);
-        let mut rounds: Vec<(usize, usize, Vec<Copy>)> = Vec::new();
+        let mut last = [false; 2];
         for (r, group) in items.chunks(HALF_BLOCKS).enumerate() {
-            let base = stage.addr() + ((r % 2) * HALF_BLOCKS * bpb) as u64;
-            let first = d.len() / 3;
+            let h = r % 2;
+            // The half's previous round (kernel and copies) is complete: staging and
+            // descriptors are free.
+            dir.half_done[h].wait()?;
+            let base = stage.addr() + (h * HALF_BLOCKS * bpb) as u64;
+            let mut d: Vec<u64> = Vec::with_capacity(group.len() * 64 * 3);
             let mut copies = Vec::with_capacity(group.len());
             for (k, (_, chunks, host)) in group.iter().enumerate() {
                 let slot = base + (k * bpb) as u64;
@@ -385,58 +378,59 @@ impl CudaMover {
                     d.extend_from_slice(&[s, t, c.len as u64]);
                     off += c.len as u64;
                 }
-                let (src, dst) = if to_host {
-                    (slot, *host as u64)
+                copies.push(if to_host {
+                    Copy {
+                        src: slot,
+                        dst: *host as u64,
+                        len: bpb,
+                    }
                 } else {
-                    (*host as u64, slot)
-                };
-                copies.push(Copy { src, dst, len: bpb });
+                    Copy {
+                        src: *host as u64,
+                        dst: slot,
+                        len: bpb,
+                    }
+                });
             }
-            rounds.push((first, d.len() / 3 - first, coalesce(copies)));
-        }
-        let bytes = d.len() * 8;
-        if dir.descs.as_ref().is_none_or(|b| b.len() < bytes) {
-            // The previous job of this direction completed (`copy_inner` waits for `done`
-            // before it unlocks `dir`): its descriptors are free.
-            dir.descs = Some(PinnedAlloc::new(bytes.next_power_of_two())?);
-        }
-        let Some(dbuf) = dir.descs.as_ref() else {
-            return Err("descriptor buffer missing".into());
-        };
-        let dbytes: Vec<u8> = d.iter().flat_map(|v| v.to_le_bytes()).collect();
-        // SAFETY: `dbuf` is our pinned buffer of at least `dbytes.len()` bytes, and no kernel
-        // reads it (the job that last used it completed, see above).
-        unsafe { crate::sys::mem::copy(dbytes.as_ptr() as usize, dbuf.addr(), dbytes.len()) };
-        for (r, (first, nd, copies)) in rounds.iter().enumerate() {
-            let h = r % 2;
-            let descs = dbuf.addr() as u64 + (*first * 24) as u64;
-            let grid = u32::try_from((*nd).clamp(1, 65535)).unwrap_or(65535);
-            let n = u32::try_from(*nd).map_err(|e| e.to_string())?;
+            let copies = coalesce(copies);
+            let nd = d.len() / 3;
+            let dbuf = &descs[h];
+            if d.len() * 8 > dbuf.len() {
+                return Err("descriptor buffer too small".into());
+            }
+            let dbytes: Vec<u8> = d.iter().flat_map(|v| v.to_le_bytes()).collect();
+            // SAFETY: `dbuf` is our pinned buffer of at least `dbytes.len()` bytes and the GPU
+            // is done with it (`half_done[h]` synchronised above).
+            unsafe { crate::sys::mem::copy(dbytes.as_ptr() as usize, dbuf.addr(), dbytes.len()) };
+            let grid = u32::try_from(nd.min(65535)).unwrap_or(65535);
+            let n = u32::try_from(nd).map_err(|e| e.to_string())?;
             if to_host {
-                // The half's previous round (its copies out to the host) finished first.
-                dir.kernel.wait(&dir.half_done[h])?;
                 // SAFETY: descriptors name engine chunks (registered) and our staging half;
                 // the pinned descriptor buffer is device-mapped (unified addressing).
-                unsafe { kernel.launch(grid, THREADS, &dir.kernel, descs, n)? };
+                unsafe { kernel.launch(grid, THREADS, &dir.kernel, dbuf.addr() as u64, n)? };
                 dir.handoff[h].record(&dir.kernel)?;
                 dir.copy.wait(&dir.handoff[h])?;
-                for c in copies {
+                for c in &copies {
                     // SAFETY: staging half (ours) to whole host blocks owned by this job.
                     unsafe { cu::memcpy_async(c.dst, c.src, c.len, &dir.copy)? };
                 }
                 dir.half_done[h].record(&dir.copy)?;
             } else {
-                // The half's previous round (its scatter kernel) finished reading it first.
-                dir.copy.wait(&dir.half_done[h])?;
-                for c in copies {
+                for c in &copies {
                     // SAFETY: whole host blocks held by this job to our staging half.
                     unsafe { cu::memcpy_async(c.dst, c.src, c.len, &dir.copy)? };
                 }
                 dir.handoff[h].record(&dir.copy)?;
                 dir.kernel.wait(&dir.handoff[h])?;
                 // SAFETY: as for the gather, with the direction reversed.
-                unsafe { kernel.launch(grid, THREADS, &dir.kernel, descs, n)? };
+                unsafe { kernel.launch(grid, THREADS, &dir.kernel, dbuf.addr() as u64, n)? };
                 dir.half_done[h].record(&dir.kernel)?;
+            }
+            last[h] = true;
+        }
+        for (used, ev) in last.iter().zip(&dir.half_done) {
+            if *used {
+                ev.wait()?;
             }
         }
         Ok(())
