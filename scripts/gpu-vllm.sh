@@ -3,6 +3,7 @@
 #   bash scripts/gpu-vllm.sh            # tests/test_vllm_gpu.py: bit-exact outputs (eager, CUDA graphs, both layouts,
 #                                       # host, host + disk, preemption, chunked prefill, producer/consumer via Redis)
 #   bash scripts/gpu-vllm.sh --bench    # also scripts/bench_vllm_gpu.py (replay TTFT: vLLM / native offload / kvtier)
+#   bash scripts/gpu-vllm.sh --graph-diag  # also scripts/gpu_graph_diag.py (where CUDA-graph runs part from vLLM alone)
 # Environment: PYTHON (default python3) must import torch with CUDA and vllm (e.g. PYTHONPATH=/tmp/site from
 # ../shared/scripts/vllm-gpu-bundle.sh's unpack.sh); KVTIER_WHEEL=path installs that kvtier wheel into a private
 # target first (else kvtier must be importable); KVTIER_REDIS_SERVER=path/to/redis-server for the Redis test
@@ -24,6 +25,9 @@ rc=0
 if [ "${KVTIER_GPU_TESTS:-1}" = 1 ]; then
   (cd "$here/tests" && "$py" -m pytest -q -p no:cacheprovider -rs -s --basetemp="${KVTIER_BASETEMP:-$out/pytest}" test_vllm_gpu.py \
      2>&1 | tee "$out/gpu-tests.log") || rc=$?
+fi
+if [ "${1:-}" = "--graph-diag" ]; then
+  "$py" "$here/scripts/gpu_graph_diag.py" "$out/graph-diag.json" 2>&1 | tee "$out/graph-diag.log" || rc=$?
 fi
 if [ "${1:-}" = "--bench" ]; then
   "$py" "$here/scripts/bench_vllm_gpu.py" --out "$out/bench.json" ${KVTIER_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" || rc=$?
