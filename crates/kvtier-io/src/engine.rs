@@ -86,6 +86,7 @@ impl TransferEngineBuilder {
         let kind = layout.device();
         self.device(Arc::new(layout), kind)
     }
+    /// The host tier (G2).
     pub fn host(mut self, host: Arc<HostStorage>) -> Self {
         self.host = Some(host);
         self
@@ -115,10 +116,12 @@ impl TransferEngineBuilder {
         }
         self
     }
+    /// The disk tier (G3).
     pub fn disk(mut self, disk: Arc<DiskStorage>) -> Self {
         self.disk = Some(disk);
         self
     }
+    /// The remote store (G4): Redis, a shared directory or the node tier.
     pub fn remote(mut self, remote: Arc<dyn RemoteStore>) -> Self {
         self.remote = Some(remote);
         self
@@ -302,6 +305,7 @@ impl Results {
 }
 
 impl TransferEngine {
+    /// A builder with no tier yet.
     pub fn builder() -> TransferEngineBuilder {
         TransferEngineBuilder::default()
     }
@@ -310,9 +314,11 @@ impl TransferEngine {
     pub fn setup_errors(&self) -> &[String] {
         &self.setup_errors
     }
+    /// The host tier, if built.
     pub fn host(&self) -> Option<&Arc<HostStorage>> {
         self.host.as_ref()
     }
+    /// The disk tier, if built.
     pub fn disk(&self) -> Option<&Arc<DiskStorage>> {
         self.disk.as_ref()
     }

@@ -17,16 +17,22 @@ use crate::ids::{JobId, Tier};
 /// Device-tier numbers are the engine's block ids; others are kvtier pool block ids.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct BlockPair {
+    /// The block read, in the job's source tier.
     pub src: u32,
+    /// The block written, in the job's destination tier.
     pub dst: u32,
 }
 
 /// A batch of block copies between two tiers.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TransferJob {
+    /// The leader's id of the job; every rank reports it under this id.
     pub id: JobId,
+    /// The tier every pair reads from.
     pub src: Tier,
+    /// The tier every pair writes to.
     pub dst: Tier,
+    /// The block copies, each of which succeeds or fails on its own.
     pub pairs: Vec<BlockPair>,
     /// For jobs whose source or destination is `Tier::Remote`: the content keys (sequence hashes);
     /// the remote side of `pairs[i]` is an index into this list. For jobs whose source or
@@ -41,17 +47,21 @@ pub struct TransferJob {
 pub struct BlockFailure {
     /// Index into `TransferJob::pairs`.
     pub pair_index: usize,
+    /// What went wrong, for logs.
     pub reason: String,
 }
 
 /// The result of a job. `Failed` lists exactly the pairs that did not complete; all others did.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum TransferOutcome {
+    /// Every pair completed.
     Ok,
+    /// These pairs did not complete (each named once); all others did.
     Failed(Vec<BlockFailure>),
 }
 
 impl TransferOutcome {
+    /// Every pair completed.
     pub fn is_ok(&self) -> bool {
         matches!(self, TransferOutcome::Ok)
     }
@@ -68,6 +78,7 @@ impl TransferOutcome {
 pub struct Fence(pub Option<Box<dyn std::any::Any + Send>>);
 
 impl Fence {
+    /// No ordering: the engine is synchronous (or the job touches no engine memory).
     pub fn none() -> Self {
         Fence(None)
     }
@@ -77,20 +88,33 @@ impl Fence {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TransferError {
+    /// A job names a tier this worker was not built with.
     #[error("tier {0:?} is not configured on this worker")]
     TierMissing(Tier),
+    /// No copy path between these tiers.
     #[error("cannot copy from {src:?} to {dst:?}: unsupported direction")]
-    Unsupported { src: Tier, dst: Tier },
+    Unsupported {
+        /// The job's source tier.
+        src: Tier,
+        /// The job's destination tier.
+        dst: Tier,
+    },
+    /// A CUDA driver call failed (the message names it).
     #[error("CUDA error: {0}")]
     Cuda(String),
+    /// A file or socket operation failed.
     #[error("I/O error on {what}: {source}")]
     Io {
+        /// The object operated on (a path, a socket).
         what: String,
+        /// The operating system's error.
         #[source]
         source: std::io::Error,
     },
+    /// Anything else, described.
     #[error("{0}")]
     Other(String),
+    /// A remote store's error.
     #[error(transparent)]
     Remote(#[from] RemoteError),
 }
@@ -100,24 +124,49 @@ pub enum TransferError {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum RemoteError {
+    /// A miss: the key is not stored.
     #[error("remote key {key:032x} is not present")]
-    Missing { key: u128 },
+    Missing {
+        /// The key asked for.
+        key: u128,
+    },
+    /// The value ended before a whole block.
     #[error("remote value of {key:032x} is truncated: {got} of {expected} bytes")]
     Short {
+        /// The key asked for.
         key: u128,
+        /// Bytes of one framed block.
         expected: usize,
+        /// Bytes the store returned.
         got: usize,
     },
+    /// The value's frame names another block size.
     #[error("remote value of {key:032x} holds {stored} bytes but a block is {expected}")]
     SizeMismatch {
+        /// The key asked for.
         key: u128,
+        /// This engine's block size.
         expected: usize,
+        /// The block size the frame declares.
         stored: usize,
     },
+    /// The frame's checksum or key binding does not verify.
     #[error("remote value of {key:032x} is corrupt: {reason}")]
-    Corrupt { key: u128, reason: String },
+    Corrupt {
+        /// The key asked for.
+        key: u128,
+        /// What did not verify.
+        reason: String,
+    },
+    /// The store did not answer (down, timed out, or its circuit breaker is open).
     #[error("remote store unavailable during {op}: {reason}")]
-    Unavailable { op: &'static str, reason: String },
+    Unavailable {
+        /// The operation (`get`, `put`, `contains`).
+        op: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// The store's URL or options are invalid.
     #[error("invalid remote store configuration: {0}")]
     Config(String),
 }
@@ -159,6 +208,7 @@ pub trait BlockTransfer: Send + Sync {
 /// A shared, content-addressed remote store (G4): Redis/Valkey, or a shared directory.
 /// Keys are 128-bit sequence hashes; every value carries a checksum verified on `get`.
 pub trait RemoteStore: Send + Sync {
+    /// Store one block (`data`, exactly one block) under `key`, framed with its checksum.
     fn put(&self, key: u128, data: &[u8]) -> Result<(), TransferError>;
     /// Fill `out` (exactly one block) with the value of `key`; a missing, short or corrupt value is an error.
     fn get(&self, key: u128, out: &mut [u8]) -> Result<(), TransferError>;

@@ -38,12 +38,16 @@ pub enum CudaCopyMethod {
     /// (`chunk`, `batch`, `kernel`).
     #[default]
     Auto,
+    /// One `cuMemcpyAsync` per coalesced chunk.
     PerChunk,
+    /// The chunks' copies through `cuMemcpyBatchAsync` (CUDA 12.8+ drivers).
     Batch,
+    /// The gather/scatter kernel through the device staging halves.
     Kernel,
 }
 
 impl CudaCopyMethod {
+    /// The method named `auto`, `chunk` (or `per-chunk`), `batch` or `kernel`.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "auto" => Some(Self::Auto),

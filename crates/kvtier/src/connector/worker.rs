@@ -35,6 +35,7 @@ use crate::transfer::{BlockFailure, BlockTransfer, Fence, TransferJob, TransferO
 
 /// Where a worker's reports go.
 pub trait ReportSink: Send + Sync {
+    /// Deliver one finished job's report; an error means the leader is gone.
     fn send(&self, report: WorkerReport) -> Result<(), ConnectorError>;
 }
 
@@ -47,7 +48,9 @@ impl ReportSink for Sender<WorkerReport> {
 /// A worker's identity and its way to the leader.
 #[derive(Clone)]
 pub struct WorkerLink {
+    /// This worker's rank (0-based).
     pub rank: u32,
+    /// Ranks of the engine (tensor-parallel size).
     pub world_size: u32,
     sink: Arc<dyn ReportSink>,
 }
@@ -207,6 +210,7 @@ impl Worker {
         }
     }
 
+    /// This worker's rank.
     pub fn rank(&self) -> u32 {
         self.rank
     }
@@ -226,6 +230,7 @@ impl Worker {
         self.ordered_sync_loads = yes;
     }
 
+    /// The transfer this worker runs its jobs through.
     pub fn transfer(&self) -> &Arc<dyn BlockTransfer> {
         &self.transfer
     }
