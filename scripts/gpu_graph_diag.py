@@ -4,8 +4,9 @@ Each engine runs in its own process with tests/test_vllm_gpu.py's spec (tiny ran
 request at a time, chunked prefill) and the same workload; outputs are compared token by token:
 - vLLM alone twice in two processes (is vLLM itself reproducible across processes with CUDA graphs?);
 - kvtier (host tier) with CUDA graphs;
-- both again with ``compilation_config={"backend": "eager"}`` (Dynamo's piecewise graphs, no Inductor
-  codegen: vLLM's custom CUDA ops instead of Inductor's Triton kernels, whose configs are chosen per process).
+- both again with deterministic Inductor (``DETERMINISTIC_COMPILE``, what the GPU tests run: no kernel tuning by
+  timing), and with ``compilation_config={"backend": "eager"}`` (Dynamo's piecewise graphs, no Inductor codegen:
+  vLLM's custom CUDA ops instead of Inductor's Triton kernels).
 Usage: python3 scripts/gpu_graph_diag.py OUT.json [--only NAME,...]
 """
 from __future__ import annotations
@@ -42,10 +43,12 @@ def main() -> None:
                         str(t.LAYERS), "--hidden", "256", "--heads", "4", "--kv-heads", str(t.KV_HEADS),
                         "--head-dim", str(t.HEAD_DIM), "--seed", "0"], check=True, stdout=subprocess.DEVNULL)
     kt = connector_config(settings={"host.num_blocks": 1024})
-    noind = {"backend": "eager"}
-    runs = [("ref_a", None, {}), ("ref_b", None, {}), ("kvtier", kt, {}),
-            ("ref_noinductor", None, {"compilation_config": noind}),
-            ("kvtier_noinductor", kt, {"compilation_config": noind})]
+    default = {"compilation_config": {}}  # vLLM's defaults: Inductor tunes kernels by timing, per process
+    det = {"compilation_config": t.DETERMINISTIC_COMPILE}  # what tests/test_vllm_gpu.py runs
+    noind = {"compilation_config": {"backend": "eager"}}
+    runs = [("ref_a", None, default), ("ref_b", None, default), ("kvtier", kt, default),
+            ("ref_det", None, det), ("kvtier_det", kt, det),
+            ("ref_noinductor", None, noind), ("kvtier_noinductor", kt, noind)]
     res: dict[str, dict] = {}
     for name, ktc, kw in runs:
         if only and name not in only:
@@ -67,11 +70,10 @@ def main() -> None:
         cmp = {k: first_diff(r[k], base.get(k, [])) for k in ("phase", "other", "again")} if base else {}
         self_again = first_diff(r["phase"], r["again"])
         print(f"{name:20s} vs ref_a: {cmp}  phase-vs-again: {self_again}  onboard: {r.get('_onboard')}")
-    ni = res.get("ref_noinductor")
-    kn = res.get("kvtier_noinductor")
-    if ni and kn and "error" not in ni and "error" not in kn:
-        print("kvtier_noinductor vs ref_noinductor:",
-              {k: first_diff(kn[k], ni[k]) for k in ("phase", "other", "again")})
+    for ref, kv in (("ref_det", "kvtier_det"), ("ref_noinductor", "kvtier_noinductor")):
+        a, b = res.get(ref), res.get(kv)
+        if a and b and "error" not in a and "error" not in b:
+            print(f"{kv} vs {ref}:", {k: first_diff(b[k], a[k]) for k in ("phase", "other", "again")})
     out.write_text(json.dumps(res))
 
 

@@ -6,7 +6,8 @@ of ``G1_BLOCKS`` blocks, less than one phase's prompts, and a batch budget below
 prefilled in chunks. What must hold:
 
 - greedy outputs with kvtier are token-for-token those of vLLM without a connector, eager and with CUDA graphs
-  (each against its own reference: the two modes may round differently), with vLLM's own layout (LBNHC) and with
+  (each against its own reference: the two modes may round differently; CUDA-graph runs compile with deterministic
+  Inductor, see ``DETERMINISTIC_COMPILE``), with vLLM's own layout (LBNHC) and with
   the block-outermost layout kvtier can ask for (BLNHC), from the host tier and from host + disk;
 - kvtier starts with no layout override (it detects vLLM's 4-D views) and really serves the repeats;
 - one request at a time (vLLM on a GPU is not batch-invariant, see SPEC); requests that vLLM preempts mid-decode
@@ -55,8 +56,21 @@ SPEC = dict(block_size=BLOCK, max_model_len=512, max_num_seqs=1, max_num_batched
             gpu_memory_utilization=0.3)
 
 
+# CUDA-graph engines compile the model with Inductor, whose defaults pick kernel configurations by timing them in
+# each process: vLLM turns on max_autotune and coordinate_descent_tuning (vllm/compilation/compiler_interface.py,
+# set_inductor_config; envs VLLM_ENABLE_INDUCTOR_MAX_AUTOTUNE / _COORDINATE_DESCENT_TUNING default 1) and
+# benchmark_combo_kernel unless deterministic (vllm/config/compilation.py), and Inductor tunes a reduction's RBLOCK
+# and num_warps, "knobs [that] shift numerics" (torch/_inductor/runtime/triton_heuristics.py). kvtier's engine and
+# its reference compile separately (vLLM's compile cache is keyed by the kv-transfer config), so two such runs may
+# round differently with nothing else differing. Deterministic Inductor fixes the kernels for both; an explicit
+# compilation_config overrides it (scripts/gpu_graph_diag.py runs vLLM's defaults too).
+DETERMINISTIC_COMPILE = {"inductor_compile_config": {"deterministic": True}}
+
+
 def _engine(model: Path, log: Path, ktc: dict | None = None, eager: bool = True, env: dict | None = None,
             **kw) -> Engine:
+    if not eager:
+        kw.setdefault("compilation_config", DETERMINISTIC_COMPILE)
     return Engine(model, log, kv_cache_blocks=G1_BLOCKS, kv_transfer_config=ktc, bytes_per_block=BYTES_PER_BLOCK,
                   enforce_eager=eager, start_timeout=600.0, env=env, **{**SPEC, **kw})
 
