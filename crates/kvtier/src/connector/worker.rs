@@ -22,16 +22,18 @@
 //! Threading: the engine thread owns `Worker` (`&mut self`); executor threads share only the
 //! task queue (a mutex around the receiver) and the completion channel.
 use std::collections::{HashMap, HashSet};
-use std::panic::AssertUnwindSafe;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::connector::messages::{remote_key_for_rank, RequestLoad, StepMetadata, WorkerReport};
+use crate::connector::messages::{RequestLoad, StepMetadata, WorkerReport};
 use crate::connector::ConnectorError;
-use crate::ids::{DeviceBlockId, JobId, RequestId, Tier};
-use crate::transfer::{BlockFailure, BlockTransfer, Fence, TransferJob, TransferOutcome};
+use crate::ids::{DeviceBlockId, JobId, RequestId};
+use crate::transfer::{BlockTransfer, Fence, TransferJob, TransferOutcome};
+
+mod executor;
+use executor::{executor, fail_all, Done, Note, Task};
 
 /// Where a worker's reports go.
 pub trait ReportSink: Send + Sync {
@@ -98,27 +100,6 @@ struct LoadState {
     pending: usize,
     failed: bool,
     sync: bool,
-}
-
-struct Task {
-    jobs: Vec<TransferJob>,
-    fence: Fence,
-    /// Ordered sync loads: the engine stream that must wait for these jobs' copies.
-    order: Option<u64>,
-    /// When the task was handed to the executor (profiling: `KVTIER_LOG=kvtier_timing=debug`).
-    queued: std::time::Instant,
-}
-
-struct Done {
-    job: TransferJob,
-    outcome: TransferOutcome,
-}
-
-/// What executors tell the worker.
-enum Note {
-    /// An ordered job's copies are enqueued and the engine's stream waits for them.
-    Enqueued(JobId),
-    Done(Done),
 }
 
 /// One rank's worker. See the module documentation.
@@ -672,268 +653,5 @@ impl Drop for Worker {
         if let Err(e) = self.stop_threads(DROP_SHUTDOWN_TIMEOUT) {
             tracing::error!(error = %e, "kvtier worker dropped while transfers still ran");
         }
-    }
-}
-
-fn fail_all(job: &TransferJob, reason: &str) -> TransferOutcome {
-    if job.pairs.is_empty() {
-        return TransferOutcome::Ok;
-    }
-    TransferOutcome::Failed(
-        (0..job.pairs.len())
-            .map(|i| BlockFailure {
-                pair_index: i,
-                reason: reason.to_owned(),
-            })
-            .collect(),
-    )
-}
-
-/// The executors' side of the task queue: the next task, or `None` once the worker dropped its
-/// sender (the executor then ends). Several executors share one queue.
-trait TaskSource {
-    fn next_task(&self) -> Option<Task>;
-}
-
-/// Where executors put finished jobs; false once the worker is gone (the executor then ends).
-trait DoneSink {
-    fn job_done(&self, done: Done) -> bool;
-    /// An ordered job's copies are enqueued ahead of the engine's stream.
-    fn job_enqueued(&self, job: JobId);
-}
-
-impl TaskSource for Arc<Mutex<Receiver<Task>>> {
-    fn next_task(&self) -> Option<Task> {
-        let guard = self.lock().ok()?;
-        guard.recv().ok()
-    }
-}
-
-impl DoneSink for Sender<Note> {
-    fn job_done(&self, done: Done) -> bool {
-        self.send(Note::Done(done)).is_ok()
-    }
-    fn job_enqueued(&self, job: JobId) {
-        let _ = self.send(Note::Enqueued(job));
-    }
-}
-
-/// One executor thread: runs every job of every task it takes, reports each to the leader and
-/// to the worker, in job order within a task. Generic over the queue so that the loom model
-/// (`loom_tests`) runs this very function over loom's primitives.
-fn executor(
-    rx: impl TaskSource,
-    done: impl DoneSink,
-    transfer: Arc<dyn BlockTransfer>,
-    link: WorkerLink,
-) {
-    while let Some(task) = rx.next_task() {
-        let waited = task.queued.elapsed();
-        for job in task.jobs {
-            let started = std::time::Instant::now();
-            let mut run = job.clone();
-            // Remote keys are per rank; disk keys stay sequence hashes (each rank has its own
-            // disk files, and the leader re-registers recovered disk blocks by hash).
-            if !run.remote_keys.is_empty() && (run.src == Tier::Remote || run.dst == Tier::Remote) {
-                for k in &mut run.remote_keys {
-                    *k = remote_key_for_rank(*k, link.rank, link.world_size);
-                }
-            }
-            let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| match task.order {
-                Some(stream) => {
-                    let id = job.id;
-                    transfer
-                        .execute_ordered(&run, &task.fence, stream, &mut || done.job_enqueued(id))
-                }
-                None => transfer.execute(&run, &task.fence),
-            }))
-            .unwrap_or_else(|_| fail_all(&job, "transfer panicked"));
-            // Profiling aid: where a job's time goes from the step that submitted it.
-            tracing::debug!(
-                target: "kvtier_timing",
-                job = job.id.0,
-                blocks = job.pairs.len(),
-                src = job.src.label(),
-                dst = job.dst.label(),
-                task_waited_us = waited.as_micros() as u64,
-                run_us = started.elapsed().as_micros() as u64,
-                "executor ran a job"
-            );
-            if let Err(e) = link.sink.send(WorkerReport {
-                rank: link.rank,
-                job: job.id,
-                outcome: outcome.clone(),
-            }) {
-                tracing::error!(error = %e, job = job.id.0, "could not report to the leader");
-            }
-            if !done.job_done(Done { job, outcome }) {
-                return;
-            }
-        }
-    }
-}
-
-/// Every interleaving (loom) of two executors sharing one task queue with the worker that feeds
-/// it: each job runs and is reported exactly once, to the leader and to the worker; dropping the
-/// queue's sender ends both executors (no lost wakeup, no deadlock). Run by
-/// scripts/check-concurrency.sh (`cargo test -p kvtier --features loom --lib loom_tests`).
-#[cfg(all(test, feature = "loom"))]
-mod loom_tests {
-    use super::*;
-    use loom::sync::mpsc as lmpsc;
-
-    use loom::sync::{Arc as LArc, Condvar, Mutex as LMutex};
-    use std::collections::VecDeque;
-
-    /// std's mpsc channel as the executors use it, over loom's primitives (loom's own mpsc does
-    /// not model a sender's drop): `recv` blocks until a task arrives or every sender is gone.
-    struct Chan {
-        state: LMutex<(VecDeque<Task>, usize)>,
-        cv: Condvar,
-    }
-    struct TaskTx(LArc<Chan>);
-    struct TaskRx(LArc<Chan>);
-
-    fn task_channel() -> (TaskTx, TaskRx) {
-        let c = LArc::new(Chan {
-            state: LMutex::new((VecDeque::new(), 1)),
-            cv: Condvar::new(),
-        });
-        (TaskTx(c.clone()), TaskRx(c))
-    }
-
-    impl TaskTx {
-        fn send(&self, t: Task) {
-            if let Ok(mut g) = self.0.state.lock() {
-                g.0.push_back(t);
-            }
-            self.0.cv.notify_one();
-        }
-    }
-
-    impl Drop for TaskTx {
-        fn drop(&mut self) {
-            if let Ok(mut g) = self.0.state.lock() {
-                g.1 -= 1;
-            }
-            self.0.cv.notify_all();
-        }
-    }
-
-    impl TaskRx {
-        fn recv(&self) -> Option<Task> {
-            let mut g = self.0.state.lock().ok()?;
-            loop {
-                if let Some(t) = g.0.pop_front() {
-                    return Some(t);
-                }
-                if g.1 == 0 {
-                    return None;
-                }
-                g = self.0.cv.wait(g).ok()?;
-            }
-        }
-    }
-
-    // The production shape: executors share the receiver behind a mutex and block in `recv`
-    // while holding it.
-    impl TaskSource for LArc<LMutex<TaskRx>> {
-        fn next_task(&self) -> Option<Task> {
-            let guard = self.lock().ok()?;
-            guard.recv()
-        }
-    }
-
-    impl DoneSink for lmpsc::Sender<Done> {
-        fn job_done(&self, done: Done) -> bool {
-            self.send(done).is_ok()
-        }
-        fn job_enqueued(&self, _job: JobId) {}
-    }
-
-    struct Instant1;
-    impl BlockTransfer for Instant1 {
-        fn bytes_per_block(&self) -> usize {
-            1
-        }
-        fn has_tier(&self, _tier: Tier) -> bool {
-            true
-        }
-        fn fence(&self, _s: Option<u64>) -> Result<Fence, crate::transfer::TransferError> {
-            Ok(Fence::none())
-        }
-        fn execute(&self, _job: &TransferJob, _fence: &Fence) -> TransferOutcome {
-            TransferOutcome::Ok
-        }
-    }
-
-    struct Reports(std::sync::Mutex<Vec<u64>>);
-    impl ReportSink for Reports {
-        fn send(&self, report: WorkerReport) -> Result<(), ConnectorError> {
-            self.0
-                .lock()
-                .map_err(|_| ConnectorError::Channel("poisoned".into()))?
-                .push(report.job.0);
-            Ok(())
-        }
-    }
-
-    fn job(id: u64) -> TransferJob {
-        TransferJob {
-            id: JobId(id),
-            src: Tier::Host,
-            dst: Tier::Device,
-            pairs: vec![crate::transfer::BlockPair { src: 0, dst: 0 }],
-            remote_keys: Vec::new(),
-        }
-    }
-
-    #[test]
-    fn two_executors_run_every_job_once_and_stop_when_the_queue_closes() {
-        loom::model(|| {
-            let (task_tx, task_rx) = task_channel();
-            let task_rx = LArc::new(LMutex::new(task_rx));
-            let (done_tx, done_rx) = lmpsc::channel::<Done>();
-            let reports = Arc::new(Reports(std::sync::Mutex::new(Vec::new())));
-            let link = WorkerLink {
-                rank: 0,
-                world_size: 1,
-                sink: reports.clone(),
-            };
-            let transfer: Arc<dyn BlockTransfer> = Arc::new(Instant1);
-            let mut threads = Vec::new();
-            for _ in 0..2 {
-                let (rx, done, t, l) = (
-                    task_rx.clone(),
-                    done_tx.clone(),
-                    transfer.clone(),
-                    link.clone(),
-                );
-                threads.push(loom::thread::spawn(move || executor(rx, done, t, l)));
-            }
-            drop(done_tx);
-            for id in [1u64, 2] {
-                let task = Task {
-                    jobs: vec![job(id)],
-                    fence: Fence::none(),
-                    order: None,
-                    queued: std::time::Instant::now(),
-                };
-                task_tx.send(task);
-            }
-            drop(task_tx);
-            for t in threads {
-                t.join().expect("executor panicked");
-            }
-            let mut seen: Vec<u64> = Vec::new();
-            while let Ok(d) = done_rx.try_recv() {
-                seen.push(d.job.id.0);
-            }
-            seen.sort_unstable();
-            assert_eq!(seen, vec![1, 2]);
-            let mut reported = reports.0.lock().map(|v| v.clone()).unwrap_or_default();
-            reported.sort_unstable();
-            assert_eq!(reported, vec![1, 2]);
-        });
     }
 }
