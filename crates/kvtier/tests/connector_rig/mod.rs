@@ -1,0 +1,194 @@
+//! The connector rig shared by the end-to-end connector tests: one leader and its workers on
+//! `MemoryTransfer` (host memory standing in for each rank's device), driven step by step as an
+//! engine would, with KV bytes that are a function of the prefix, so a misplaced block shows.
+#![allow(clippy::unwrap_used)]
+#![allow(dead_code, unused_imports)] // each test file uses part of the rig
+pub use std::sync::Arc;
+
+pub use kvtier::connector::testing::{
+    FaultRules, FaultyTransfer, MemoryRemoteStore, MemoryTransfer,
+};
+pub use kvtier::connector::{
+    Capacity, ClusterLayout, ConnectorError, DiskPolicy, Leader, LeaderConfig, RequestKey,
+    SchedulerStep, StepMetadata, StepRecord, Worker, WorkerLink,
+};
+pub use kvtier::hash::{sequence_hashes, HashSalt};
+pub use kvtier::transfer::{BlockTransfer, RemoteStore};
+pub use kvtier::{DeviceBlockId, RequestId, Tier};
+
+pub const BS: usize = 16;
+pub const BPB: usize = 64;
+pub const DEV: usize = 64;
+pub const SALT: HashSalt = HashSalt(42);
+
+/// The KV an engine would compute for block `i` of `tokens` on `rank`: a function of the prefix.
+pub fn kv_bytes(tokens: &[u32], i: usize, rank: u32, bpb: usize) -> Vec<u8> {
+    let h = sequence_hashes(SALT, &tokens[..(i + 1) * BS], BS)[i].0 ^ (rank as u128 * 0x9e37);
+    (0..bpb)
+        .map(|k| (h >> ((k % 16) * 8)) as u8 ^ k as u8)
+        .collect()
+}
+
+/// Tokens of a request and the (block index, device block) pairs a forward pass computes.
+pub type Computed = (Vec<u32>, Vec<(usize, u32)>);
+
+pub struct Rank {
+    pub mem: Arc<MemoryTransfer>,
+    pub faulty: Arc<FaultyTransfer>,
+    pub worker: Worker,
+    pub bpb: usize,
+}
+
+pub struct Rig {
+    pub leader: Leader,
+    pub ranks: Vec<Rank>,
+}
+
+impl Rig {
+    pub fn new(cfg: LeaderConfig, bpbs: &[usize], remote: Option<Arc<dyn RemoteStore>>) -> Rig {
+        let mut cfg = cfg;
+        cfg.layout = Some(ClusterLayout {
+            block_size: BS as u32,
+            num_device_blocks: DEV as u32,
+            bytes_per_block: bpbs.iter().map(|&b| b as u64).collect(),
+        });
+        let leader = Leader::new(cfg).unwrap();
+        let world = bpbs.len() as u32;
+        let ranks = bpbs
+            .iter()
+            .enumerate()
+            .map(|(r, &bpb)| {
+                let mut m = MemoryTransfer::new(bpb, DEV, 64, 64);
+                if let Some(rs) = &remote {
+                    m = m.with_remote(rs.clone());
+                }
+                let mem = Arc::new(m);
+                let faulty = Arc::new(FaultyTransfer::new(mem.clone()));
+                let link = WorkerLink::in_process(r as u32, world, leader.report_sender());
+                let worker = Worker::new(faulty.clone() as Arc<dyn BlockTransfer>, link);
+                Rank {
+                    mem,
+                    faulty,
+                    worker,
+                    bpb,
+                }
+            })
+            .collect();
+        Rig { leader, ranks }
+    }
+
+    /// Run one engine step: metadata to every rank, loads awaited, "forward" writes the KV of
+    /// the blocks computed by this step, stores queued.
+    pub fn run(&mut self, step: &SchedulerStep, computed: &[Computed]) -> StepMetadata {
+        let meta = self.leader.build_step(step).unwrap();
+        let bytes = meta.to_bytes().unwrap();
+        for r in &mut self.ranks {
+            let m = StepMetadata::from_bytes(&bytes).unwrap();
+            r.worker.bind(&m);
+            r.worker.start_load(None);
+            r.worker.wait_for_layer_load(0);
+            for (tokens, blocks) in computed {
+                for &(i, dev) in blocks {
+                    r.mem
+                        .write_block(
+                            Tier::Device,
+                            dev,
+                            &kv_bytes(tokens, i, r.worker.rank(), r.bpb),
+                        )
+                        .unwrap();
+                }
+            }
+            r.worker.forward_done(None);
+        }
+        meta
+    }
+
+    pub fn settle(&mut self) {
+        for r in &mut self.ranks {
+            r.worker.wait_idle();
+        }
+        self.leader.poll_reports();
+    }
+}
+
+pub fn ids(v: std::ops::Range<u32>) -> Vec<DeviceBlockId> {
+    v.map(DeviceBlockId).collect()
+}
+
+pub fn new_rec(
+    req: &str,
+    tokens: &[u32],
+    blocks: Vec<DeviceBlockId>,
+    computed: usize,
+    scheduled: usize,
+) -> StepRecord {
+    StepRecord {
+        request_id: req.into(),
+        new_tokens: tokens.to_vec(),
+        new_block_ids: blocks,
+        num_computed_tokens: computed,
+        num_scheduled_tokens: scheduled,
+        is_new: true,
+        ..Default::default()
+    }
+}
+
+pub fn cont(
+    req: &str,
+    tokens: &[u32],
+    blocks: Vec<DeviceBlockId>,
+    computed: usize,
+    scheduled: usize,
+) -> StepRecord {
+    StepRecord {
+        request_id: req.into(),
+        new_tokens: tokens.to_vec(),
+        new_block_ids: blocks,
+        num_computed_tokens: computed,
+        num_scheduled_tokens: scheduled,
+        ..Default::default()
+    }
+}
+
+pub fn step(records: Vec<StepRecord>) -> SchedulerStep {
+    SchedulerStep {
+        records,
+        finished: vec![],
+    }
+}
+
+/// Fill request "a" (prompt of `n` tokens, blocks 0..) into the host tier through two prefill chunks.
+pub fn prefill(rig: &mut Rig, req: &str, prompt: &[u32], first_dev: u32) {
+    let nb = prompt.len().div_ceil(BS) as u32;
+    let r: RequestId = req.into();
+    assert_eq!(
+        rig.leader
+            .get_num_new_matched_tokens(&r, prompt, 0)
+            .unwrap(),
+        0
+    );
+    rig.leader
+        .update_state_after_alloc(&r, &ids(first_dev..first_dev + nb), Some(0))
+        .unwrap();
+    let full = prompt.len() / BS;
+    let chunk1 = (0..full.min(4))
+        .map(|i| (i, first_dev + i as u32))
+        .collect();
+    rig.run(
+        &step(vec![new_rec(
+            req,
+            prompt,
+            ids(first_dev..first_dev + nb),
+            0,
+            64.min(prompt.len()),
+        )]),
+        &[(prompt.to_vec(), chunk1)],
+    );
+    if prompt.len() > 64 {
+        let chunk2 = (4..full).map(|i| (i, first_dev + i as u32)).collect();
+        rig.run(
+            &step(vec![cont(req, &[], vec![], 64, prompt.len() - 64)]),
+            &[(prompt.to_vec(), chunk2)],
+        );
+    }
+}
