@@ -115,6 +115,7 @@ pub fn ids(v: std::ops::Range<u32>) -> Vec<DeviceBlockId> {
     v.map(DeviceBlockId).collect()
 }
 
+/// A scheduler record of a request's first step.
 pub fn new_rec(
     req: &str,
     tokens: &[u32],
@@ -123,16 +124,12 @@ pub fn new_rec(
     scheduled: usize,
 ) -> StepRecord {
     StepRecord {
-        request_id: req.into(),
-        new_tokens: tokens.to_vec(),
-        new_block_ids: blocks,
-        num_computed_tokens: computed,
-        num_scheduled_tokens: scheduled,
         is_new: true,
-        ..Default::default()
+        ..cont(req, tokens, blocks, computed, scheduled)
     }
 }
 
+/// A scheduler record of a running request's later step.
 pub fn cont(
     req: &str,
     tokens: &[u32],
