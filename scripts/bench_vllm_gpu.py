@@ -166,6 +166,11 @@ def main() -> None:
         "kvtier": dict(base, kv_transfer_config=connector_config(settings=kt)),
         "kvtier-blnhc": dict(base, kv_transfer_config=connector_config(settings={**kt, "kv_cache_layout": "BLNHC"})),
         "kvtier-sync": dict(base, kv_transfer_config=connector_config(settings={**kt, "async_loads": False})),
+        # Sync loads ordered on the GPU: the forward pass is launched while the copies run.
+        "kvtier-ordered": dict(base, kv_transfer_config=connector_config(
+            settings={**kt, "async_loads": False, "ordered_sync_loads": True})),
+        "kvtier-ordered-blnhc": dict(base, kv_transfer_config=connector_config(
+            settings={**kt, "async_loads": False, "ordered_sync_loads": True, "kv_cache_layout": "BLNHC"})),
     }
     # Every engine also without vLLM's async scheduling (its batch queue), as "<engine>-nosched".
     for k in list(engines):
