@@ -14,9 +14,11 @@
 //! Invariants: every job first makes both kvtier streams wait for the job's fence (an event
 //! recorded on the engine's stream), so engine memory is read or written only after the engine's
 //! earlier work; `copy` returns only after all its copies completed (or failed); a staging half
-//! and its descriptors are reused only after the event closing their previous use completed;
-//! with an [`Order`] (a synchronous load), the engine's stream waits for the job's completion
-//! event before the caller is told to go on; per-direction state is guarded by its own mutex, so
+//! and its descriptors are reused only after the event closing their previous use completed (on
+//! the CPU; for an ordered load, by a stream wait on the device, with every round's descriptors
+//! in one buffer written before the first round and reused only by a later job); with an
+//! [`Order`] (a synchronous load), the engine's stream waits for the job's completion event
+//! before the caller is told to go on; per-direction state is guarded by its own mutex, so
 //! offload and onboard run concurrently.
 use std::sync::{Arc, Mutex};
 
@@ -103,6 +105,9 @@ struct Dir {
     kernel: Stream,
     /// Kernel path: device staging (2 halves of HALF_BLOCKS blocks) and pinned descriptors.
     staging: Option<(DeviceAlloc, [PinnedAlloc; 2])>,
+    /// Kernel path, ordered jobs: every round's descriptors of the current job (pinned,
+    /// device-mapped; grown on demand, reused only by a later job).
+    job_descs: Option<PinnedAlloc>,
     half_done: [Event; 2],
     handoff: [Event; 2],
     done: Event,
@@ -178,6 +183,7 @@ impl CudaMover {
                 copy: (Stream::new(false))?,
                 kernel: (Stream::new(true))?,
                 staging,
+                job_descs: None,
                 half_done: [(Event::new(false))?, (Event::new(false))?],
                 handoff: [(Event::new(false))?, (Event::new(false))?],
                 done: (Event::new(false))?,
@@ -274,7 +280,7 @@ impl CudaMover {
         let entered = std::time::Instant::now();
         self.driver.make_current()?;
         let dir_lock = if to_host { &self.d2h } else { &self.h2d };
-        let dir = dir_lock
+        let mut dir = dir_lock
             .lock()
             .map_err(|_| "transfer state poisoned by an earlier panic".to_string())?;
         if let Some(f) = fence.0.as_ref().and_then(|b| b.downcast_ref::<CudaFence>()) {
@@ -297,7 +303,7 @@ impl CudaMover {
         }
         let last = match method {
             CudaCopyMethod::Kernel => {
-                self.run_kernel(&dir, items, to_host)?;
+                self.run_kernel(&mut dir, items, to_host, order.is_none())?;
                 // A gather round ends with its copies, a scatter round with its kernel.
                 if to_host {
                     &dir.copy
@@ -351,94 +357,154 @@ impl CudaMover {
     }
 
     /// Gather/scatter through the staging halves (see the module comment).
+    ///
+    /// `paced` (every job but an ordered load): before a round refills a half's descriptors and
+    /// reuses it, the CPU waits for that half's previous round, and at the end for both halves
+    /// (the loop validated on the H200). Not paced (an ordered load, whose caller returns to the
+    /// engine once everything is enqueued): every round is enqueued at once, a half's reuse is
+    /// ordered on the device (a stream waits for its previous round's event), and all rounds'
+    /// descriptors are written to one buffer before the first round.
     fn run_kernel(
         &self,
-        dir: &Dir,
+        dir: &mut Dir,
         items: &[(usize, Vec<Chunk>, usize)],
         to_host: bool,
+        paced: bool,
     ) -> CuResult<()> {
-        let (Some(kernel), Some((stage, descs))) = (&self.kernel, &dir.staging) else {
+        let (Some(kernel), Some((stage, _))) = (&self.kernel, &dir.staging) else {
             return Err("kernel path not set up".into());
         };
         let bpb = self.bytes_per_block;
+        let base = stage.addr();
+        let rounds: Vec<(Vec<u64>, Vec<Copy>)> = items
+            .chunks(HALF_BLOCKS)
+            .enumerate()
+            .map(|(r, group)| {
+                let half = base + ((r % 2) * HALF_BLOCKS * bpb) as u64;
+                round(group, half, bpb, to_host)
+            })
+            .collect();
+        if !paced {
+            let bytes: usize = rounds.iter().map(|(d, _)| d.len() * 8).sum();
+            if dir.job_descs.as_ref().is_none_or(|b| b.len() < bytes) {
+                dir.job_descs = Some(PinnedAlloc::new(bytes.next_power_of_two())?);
+            }
+            let Some(buf) = dir.job_descs.as_ref() else {
+                return Err("descriptor buffer missing".into());
+            };
+            let all: Vec<u8> = rounds
+                .iter()
+                .flat_map(|(d, _)| d.iter().flat_map(|v| v.to_le_bytes()))
+                .collect();
+            // SAFETY: `buf` is our pinned buffer of at least `all.len()` bytes, and no kernel
+            // reads it: the job that used it last completed (`copy_inner` waits for `done`
+            // before it unlocks `dir`).
+            unsafe { crate::sys::mem::copy(all.as_ptr() as usize, buf.addr(), all.len()) };
+        }
+        let (Some((_, descs)), dir) = (&dir.staging, &*dir) else {
+            return Err("kernel path not set up".into());
+        };
+        let mut first = 0u64; // not paced: this round's first descriptor in `job_descs`
         let mut last = [false; 2];
-        for (r, group) in items.chunks(HALF_BLOCKS).enumerate() {
+        for (r, (d, copies)) in rounds.iter().enumerate() {
             let h = r % 2;
-            // The half's previous round (kernel and copies) is complete: staging and
-            // descriptors are free.
-            dir.half_done[h].wait()?;
-            let base = stage.addr() + (h * HALF_BLOCKS * bpb) as u64;
-            let mut d: Vec<u64> = Vec::with_capacity(group.len() * 64 * 3);
-            let mut copies = Vec::with_capacity(group.len());
-            for (k, (_, chunks, host)) in group.iter().enumerate() {
-                let slot = base + (k * bpb) as u64;
-                let mut off = 0u64;
-                for c in chunks {
-                    let (s, t) = if to_host {
-                        (c.addr, slot + off)
-                    } else {
-                        (slot + off, c.addr)
-                    };
-                    d.extend_from_slice(&[s, t, c.len as u64]);
-                    off += c.len as u64;
-                }
-                copies.push(if to_host {
-                    Copy {
-                        src: slot,
-                        dst: *host as u64,
-                        len: bpb,
-                    }
-                } else {
-                    Copy {
-                        src: *host as u64,
-                        dst: slot,
-                        len: bpb,
-                    }
-                });
-            }
-            let copies = coalesce(copies);
             let nd = d.len() / 3;
-            let dbuf = &descs[h];
-            if d.len() * 8 > dbuf.len() {
-                return Err("descriptor buffer too small".into());
-            }
-            let dbytes: Vec<u8> = d.iter().flat_map(|v| v.to_le_bytes()).collect();
-            // SAFETY: `dbuf` is our pinned buffer of at least `dbytes.len()` bytes and the GPU
-            // is done with it (`half_done[h]` synchronised above).
-            unsafe { crate::sys::mem::copy(dbytes.as_ptr() as usize, dbuf.addr(), dbytes.len()) };
+            let dptr = if paced {
+                // The half's previous round (kernel and copies) is complete: staging and
+                // descriptors are free.
+                dir.half_done[h].wait()?;
+                let dbuf = &descs[h];
+                if d.len() * 8 > dbuf.len() {
+                    return Err("descriptor buffer too small".into());
+                }
+                let dbytes: Vec<u8> = d.iter().flat_map(|v| v.to_le_bytes()).collect();
+                // SAFETY: `dbuf` is our pinned buffer of at least `dbytes.len()` bytes and the
+                // GPU is done with it (`half_done[h]` synchronised above).
+                unsafe {
+                    crate::sys::mem::copy(dbytes.as_ptr() as usize, dbuf.addr(), dbytes.len())
+                };
+                dbuf.addr() as u64
+            } else {
+                // The half's previous round finished with it before this round refills it: its
+                // copies out (gather) or its scatter kernel (scatter).
+                if to_host {
+                    dir.kernel.wait(&dir.half_done[h])?;
+                } else {
+                    dir.copy.wait(&dir.half_done[h])?;
+                }
+                let buf = dir.job_descs.as_ref().map_or(0, |b| b.addr() as u64);
+                let p = buf + first * 24;
+                first += nd as u64;
+                p
+            };
             let grid = u32::try_from(nd.min(65535)).unwrap_or(65535);
             let n = u32::try_from(nd).map_err(|e| e.to_string())?;
             if to_host {
                 // SAFETY: descriptors name engine chunks (registered) and our staging half;
                 // the pinned descriptor buffer is device-mapped (unified addressing).
-                unsafe { kernel.launch(grid, THREADS, &dir.kernel, dbuf.addr() as u64, n)? };
+                unsafe { kernel.launch(grid, THREADS, &dir.kernel, dptr, n)? };
                 dir.handoff[h].record(&dir.kernel)?;
                 dir.copy.wait(&dir.handoff[h])?;
-                for c in &copies {
+                for c in copies {
                     // SAFETY: staging half (ours) to whole host blocks owned by this job.
                     unsafe { cu::memcpy_async(c.dst, c.src, c.len, &dir.copy)? };
                 }
                 dir.half_done[h].record(&dir.copy)?;
             } else {
-                for c in &copies {
+                for c in copies {
                     // SAFETY: whole host blocks held by this job to our staging half.
                     unsafe { cu::memcpy_async(c.dst, c.src, c.len, &dir.copy)? };
                 }
                 dir.handoff[h].record(&dir.copy)?;
                 dir.kernel.wait(&dir.handoff[h])?;
                 // SAFETY: as for the gather, with the direction reversed.
-                unsafe { kernel.launch(grid, THREADS, &dir.kernel, dbuf.addr() as u64, n)? };
+                unsafe { kernel.launch(grid, THREADS, &dir.kernel, dptr, n)? };
                 dir.half_done[h].record(&dir.kernel)?;
             }
             last[h] = true;
         }
-        for (used, ev) in last.iter().zip(&dir.half_done) {
-            if *used {
-                ev.wait()?;
+        if paced {
+            for (used, ev) in last.iter().zip(&dir.half_done) {
+                if *used {
+                    ev.wait()?;
+                }
             }
         }
         Ok(())
     }
+}
+
+/// One staging round of the kernel path: the kernel's descriptors (src, dst, len per chunk,
+/// between the engine's chunks and the blocks' slots of the staging half at `half`) and the
+/// copy engine's copies of whole blocks between that half and the host tier.
+fn round(
+    group: &[(usize, Vec<Chunk>, usize)],
+    half: u64,
+    bpb: usize,
+    to_host: bool,
+) -> (Vec<u64>, Vec<Copy>) {
+    let mut d: Vec<u64> = Vec::with_capacity(group.len() * 64 * 3);
+    let mut copies = Vec::with_capacity(group.len());
+    for (k, (_, chunks, host)) in group.iter().enumerate() {
+        let slot = half + (k * bpb) as u64;
+        let mut off = 0u64;
+        for c in chunks {
+            let (s, t) = if to_host {
+                (c.addr, slot + off)
+            } else {
+                (slot + off, c.addr)
+            };
+            d.extend_from_slice(&[s, t, c.len as u64]);
+            off += c.len as u64;
+        }
+        let (src, dst) = if to_host {
+            (slot, *host as u64)
+        } else {
+            (*host as u64, slot)
+        };
+        copies.push(Copy { src, dst, len: bpb });
+    }
+    (d, coalesce(copies))
 }
 
 fn max_chunks(layout: &dyn BlockChunks) -> usize {
@@ -505,6 +571,9 @@ fn compile_kernel() -> CuResult<Kernel> {
     }
     Kernel::load(KERNEL_PTX, "kvtier_copy_chunks")
 }
+
+#[cfg(test)]
+mod gpu_tests;
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
@@ -583,6 +652,48 @@ mod tests {
                 dst: 5000,
                 len: 6
             }
+        );
+    }
+
+    #[test]
+    fn a_round_places_each_blocks_chunks_in_its_staging_slot() {
+        // Two blocks of 10 bytes (chunks of 4 + 6), host blocks contiguous at 640 and 650.
+        let items = vec![
+            (
+                0usize,
+                vec![Chunk { addr: 1000, len: 4 }, Chunk { addr: 5000, len: 6 }],
+                640usize,
+            ),
+            (
+                1usize,
+                vec![Chunk { addr: 2000, len: 4 }, Chunk { addr: 6000, len: 6 }],
+                650usize,
+            ),
+        ];
+        let (d, copies) = round(&items, 100, 10, true);
+        // Gather: engine chunk -> slot k of the half at 100, in canonical order.
+        assert_eq!(
+            d,
+            vec![1000, 100, 4, 5000, 104, 6, 2000, 110, 4, 6000, 114, 6]
+        );
+        // The two slots and the two host blocks are both contiguous: one copy.
+        assert_eq!(
+            copies,
+            vec![Copy {
+                src: 100,
+                dst: 640,
+                len: 20
+            }]
+        );
+        let (d, copies) = round(&items, 100, 10, false);
+        assert_eq!(&d[..6], &[100, 1000, 4, 104, 5000, 6]);
+        assert_eq!(
+            copies,
+            vec![Copy {
+                src: 640,
+                dst: 100,
+                len: 20
+            }]
         );
     }
 

@@ -1,0 +1,155 @@
+//! Ordered loads on a CUDA machine (skip cleanly without a driver): a host -> device load run
+//! through `execute_ordered` is seen, bit-exact, by work the "engine" enqueues on its own stream
+//! right after `enqueued` — the stream waits for kvtier's copies on the device, the CPU does not —
+//! for the gather/scatter kernel path (vLLM's per-layer layout: 64 chunks of 32 KiB per block;
+//! its staging rounds enqueued at once) and the per-chunk path (whole 2 MiB blocks). The same
+//! loads without ordering are checked too.
+//!
+//! Run on a GPU machine with the lib test binary:
+//! `kvtier_io-<hash> --exact cuda::gpu_tests::ordered_loads_are_seen_by_the_engine_stream --nocapture`.
+#![allow(clippy::unwrap_used)]
+use std::sync::Arc;
+
+use kvtier::transfer::{BlockPair, BlockTransfer, TransferJob};
+use kvtier::{JobId, Tier};
+
+use crate::device::DeviceKind;
+use crate::engine::TransferEngine;
+use crate::host::{HostOptions, HostStorage, PinMode};
+use crate::layout::{BlockChunks, StridedLayout};
+use crate::sys::cuda::{self as cu, DeviceAlloc, Driver, Stream};
+
+const LAYERS: usize = 32;
+const CHUNK: usize = 32 << 10;
+const BPB: usize = LAYERS * 2 * CHUNK; // 2 MiB
+/// Blocks per load: 6 staging rounds of 8 on the kernel path.
+const N: u32 = 48;
+
+fn fill(mem: &DeviceAlloc, seed: u64) {
+    let mut buf = vec![0u8; mem.len()];
+    let mut x = seed | 1;
+    for b in buf.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    mem.upload(0, &buf).unwrap();
+}
+
+/// A block's bytes in canonical order, read from `mem` (`layout` describes `mem`).
+fn block(mem: &DeviceAlloc, layout: &dyn BlockChunks, b: u32) -> Vec<u8> {
+    let mut chunks = Vec::new();
+    layout.chunks(b, &mut chunks).unwrap();
+    let mut out = vec![0u8; BPB];
+    let mut o = 0;
+    for c in chunks {
+        mem.download((c.addr - mem.addr()) as usize, &mut out[o..o + c.len])
+            .unwrap();
+        o += c.len;
+    }
+    out
+}
+
+fn job(src: Tier, dst: Tier, pairs: impl Iterator<Item = (u32, u32)>) -> TransferJob {
+    TransferJob {
+        id: JobId(1),
+        src,
+        dst,
+        pairs: pairs.map(|(s, d)| BlockPair { src: s, dst: d }).collect(),
+        remote_keys: Vec::new(),
+    }
+}
+
+/// Store device blocks 0..N to host 0..N, then load host i into device block 2N-1-i, ordered
+/// on `engine`: in `enqueued`, the engine copies every destination block to `seen` on its own
+/// stream. `seen` must then hold exactly the stored blocks.
+fn check(name: &str, layout: StridedLayout, mem: &DeviceAlloc) {
+    let host = {
+        let mut o = HostOptions::new(N, BPB);
+        o.pin = PinMode::Require;
+        Arc::new(HostStorage::new(&o).unwrap())
+    };
+    let e = TransferEngine::builder()
+        .device(Arc::new(layout.clone()), DeviceKind::Cuda(0))
+        .host(host)
+        .build()
+        .unwrap();
+    let f = e.fence(None).unwrap();
+    let out = e.execute(&job(Tier::Device, Tier::Host, (0..N).map(|b| (b, b))), &f);
+    assert!(out.is_ok(), "{name}: store {out:?}");
+    let expected: Vec<Vec<u8>> = (0..N).map(|i| block(mem, &layout, i)).collect();
+    let engine = Stream::new(false).unwrap();
+    let seen = DeviceAlloc::new(N as usize * BPB).unwrap();
+    let mut told = 0;
+    let load = job(Tier::Host, Tier::Device, (0..N).map(|i| (i, 2 * N - 1 - i)));
+    let f = e.fence(Some(engine.raw() as u64)).unwrap();
+    let out = e.execute_ordered(&load, &f, engine.raw() as u64, &mut || {
+        told += 1;
+        // The engine's next work, enqueued at once: it must run after the load's copies.
+        let mut at = 0u64;
+        for i in 0..N {
+            let mut chunks = Vec::new();
+            layout.chunks(2 * N - 1 - i, &mut chunks).unwrap();
+            for c in chunks {
+                // SAFETY: both ranges are live device allocations of this test.
+                unsafe { cu::memcpy_async(seen.addr() + at, c.addr, c.len, &engine).unwrap() };
+                at += c.len as u64;
+            }
+        }
+    });
+    assert!(out.is_ok(), "{name}: ordered load {out:?}");
+    assert_eq!(told, 1, "{name}: told once");
+    engine.synchronize().unwrap();
+    let mut got = vec![0u8; BPB];
+    for i in 0..N {
+        seen.download(i as usize * BPB, &mut got).unwrap();
+        assert!(
+            got == expected[i as usize],
+            "{name}: the engine's stream read block {} before the load into it finished",
+            2 * N - 1 - i
+        );
+        assert!(block(mem, &layout, 2 * N - 1 - i) == expected[i as usize]);
+    }
+    // Unordered (CPU-paced), the same kind of load is complete when `execute` returns.
+    fill(mem, 99);
+    let f = e.fence(None).unwrap();
+    let back = job(Tier::Host, Tier::Device, (0..N).map(|i| (i, N + i)));
+    assert!(e.execute(&back, &f).is_ok());
+    for i in 0..N {
+        assert!(
+            block(mem, &layout, N + i) == expected[i as usize],
+            "{name}: unordered load of block {}",
+            N + i
+        );
+    }
+    println!("{name}: ordered and unordered loads bit-exact");
+}
+
+#[test]
+fn ordered_loads_are_seen_by_the_engine_stream() {
+    if !cu::library_present() {
+        eprintln!("no CUDA driver: ordered-load GPU test skipped");
+        return;
+    }
+    let _driver = Driver::open(0).unwrap();
+    let total = 2 * N;
+    // vLLM's per-layer layout: the kernel path.
+    let mem = DeviceAlloc::new(total as usize * BPB).unwrap();
+    fill(&mem, 7);
+    let lb = 2 * total as usize * CHUNK;
+    let bases: Vec<u64> = (0..LAYERS).map(|l| mem.addr() + (l * lb) as u64).collect();
+    check(
+        "kernel path",
+        StridedLayout::kv_per_layer(&bases, total, CHUNK).unwrap(),
+        &mem,
+    );
+    // Whole blocks: the per-chunk path.
+    let mem = DeviceAlloc::new(total as usize * BPB).unwrap();
+    fill(&mem, 8);
+    check(
+        "per-chunk path",
+        StridedLayout::contiguous(mem.addr(), total, BPB).unwrap(),
+        &mem,
+    );
+}
