@@ -21,6 +21,31 @@ enum Mover {
     Cuda(Box<crate::cuda::CudaMover>),
 }
 
+/// Which way a device copy moves bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CopyDir {
+    /// The engine's device blocks to kvtier's memory (a store).
+    DeviceToHost,
+    /// kvtier's memory to the engine's device blocks (a load).
+    HostToDevice,
+}
+
+impl CopyDir {
+    /// The direction of a job between the device and another tier.
+    pub(crate) fn of(job: &kvtier::transfer::TransferJob) -> Self {
+        if job.src == kvtier::Tier::Device {
+            CopyDir::DeviceToHost
+        } else {
+            CopyDir::HostToDevice
+        }
+    }
+
+    /// Whether the bytes leave the device.
+    pub(crate) fn to_host(self) -> bool {
+        self == CopyDir::DeviceToHost
+    }
+}
+
 /// A synchronous load's ordering: the engine's stream (raw handle) and the call that lets the
 /// engine go on ([`kvtier::transfer::BlockTransfer::execute_ordered`]).
 pub(crate) type Order<'a> = Option<(u64, &'a mut dyn FnMut())>;
@@ -76,10 +101,11 @@ impl DeviceSide {
     pub(crate) fn copy(
         &self,
         items: &[(usize, u32, usize)],
-        to_host: bool,
+        way: CopyDir,
         fence: &Fence,
         order: Order<'_>,
     ) -> Vec<(usize, String)> {
+        let to_host = way.to_host();
         let prep = std::time::Instant::now();
         let mut failed = Vec::new();
         let mut resolved: Vec<(usize, Vec<Chunk>, usize)> = Vec::with_capacity(items.len());
@@ -123,7 +149,7 @@ impl DeviceSide {
             }
             Mover::Cuda(c) => {
                 let order = order.filter(|_| failed.is_empty());
-                failed.extend(c.copy(&resolved, to_host, fence, order));
+                failed.extend(c.copy(&resolved, way, fence, order));
             }
         }
         failed

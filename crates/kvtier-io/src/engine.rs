@@ -26,7 +26,7 @@ use kvtier::transfer::{
 use kvtier::Tier;
 
 use crate::cuda::CudaCopyMethod;
-use crate::device::{DeviceKind, DeviceSide, Order};
+use crate::device::{CopyDir, DeviceKind, DeviceSide, Order};
 use crate::disk::{DiskOptions, DiskStorage};
 use crate::error::IoError;
 use crate::host::{HostOptions, HostStorage, PinMode};
@@ -401,8 +401,12 @@ impl TransferEngine {
             }
             (Tier::Remote, Tier::Device) | (Tier::Device, Tier::Remote)
                 if self.node_direct(job, fence, &mut res) => {}
-            (Tier::Disk | Tier::Remote, Tier::Device) => self.staged(job, fence, false, &mut res),
-            (Tier::Device, Tier::Disk | Tier::Remote) => self.staged(job, fence, true, &mut res),
+            (Tier::Disk | Tier::Remote, Tier::Device) => {
+                self.staged(job, fence, CopyDir::HostToDevice, &mut res)
+            }
+            (Tier::Device, Tier::Disk | Tier::Remote) => {
+                self.staged(job, fence, CopyDir::DeviceToHost, &mut res)
+            }
             (src, dst) => {
                 for i in 0..job.pairs.len() {
                     res.fail(i, TransferError::Unsupported { src, dst });
@@ -418,8 +422,14 @@ impl TransferEngine {
         let (Some(dev), Some(node)) = (&self.device, self.node_store()) else {
             return false;
         };
-        let store = job.dst == Tier::Remote;
-        match crate::node::direct::run(dev, node, job, fence, self.bytes_per_block, store) {
+        match crate::node::direct::run(
+            dev,
+            node,
+            job,
+            fence,
+            self.bytes_per_block,
+            CopyDir::of(job),
+        ) {
             Some(failed) => {
                 self.node_direct_jobs
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -458,7 +468,8 @@ impl TransferEngine {
 
     fn device_host(&self, job: &TransferJob, fence: &Fence, order: Order<'_>, res: &mut Results) {
         let Some(dev) = &self.device else { return };
-        let to_host = job.src == Tier::Device;
+        let way = CopyDir::of(job);
+        let to_host = way.to_host();
         let host_addrs = self.host_addrs(job, !to_host, res);
         let mut items = Vec::with_capacity(job.pairs.len());
         for (i, (p, h)) in job.pairs.iter().zip(host_addrs).enumerate() {
@@ -468,7 +479,7 @@ impl TransferEngine {
         }
         // A job with a pair already failed is not ordered: the engine waits for its outcome.
         let order = order.filter(|_| res.failures.is_empty() && !to_host);
-        for (i, reason) in dev.copy(&items, to_host, fence, order) {
+        for (i, reason) in dev.copy(&items, way, fence, order) {
             res.fail(i, reason);
         }
     }
@@ -590,7 +601,8 @@ impl TransferEngine {
     /// for the pairs that copied. With two halves the far leg of one slice (on a scoped helper
     /// thread) runs while the device leg of the neighbouring slice (on this thread, after the
     /// fence) uses the other half; with one half they alternate.
-    fn staged(&self, job: &TransferJob, fence: &Fence, store: bool, res: &mut Results) {
+    fn staged(&self, job: &TransferJob, fence: &Fence, way: CopyDir, res: &mut Results) {
+        let store = way.to_host();
         let (Some(dev), Some(bounces)) = (&self.device, &self.bounce) else {
             for i in 0..job.pairs.len() {
                 res.fail(i, "no bounce buffer for device <-> disk/remote");
@@ -638,7 +650,7 @@ impl TransferEngine {
             } else {
                 (pending.as_slice(), next)
             };
-            let near = || dev.copy(&dev_items(near_items), store, fence, None);
+            let near = || dev.copy(&dev_items(near_items), way, fence, None);
             let far_run = || {
                 let mut r = Results {
                     failures: Vec::new(),

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 
 use kvtier::transfer::{Fence, TransferError};
 
-use crate::device::Order;
+use crate::device::{CopyDir, Order};
 use crate::error::IoError;
 use crate::host::HostStorage;
 use crate::layout::{BlockChunks, Chunk};
@@ -228,14 +228,14 @@ impl CudaMover {
     pub(crate) fn copy(
         &self,
         items: &[(usize, Vec<Chunk>, usize)],
-        to_host: bool,
+        way: CopyDir,
         fence: &Fence,
         order: Order<'_>,
     ) -> Vec<(usize, String)> {
         if items.is_empty() {
             return Vec::new();
         }
-        match self.copy_inner(items, to_host, fence, order) {
+        match self.copy_inner(items, way, fence, order) {
             Ok(()) => Vec::new(),
             Err(e) => items
                 .iter()
@@ -273,10 +273,11 @@ impl CudaMover {
     fn copy_inner(
         &self,
         items: &[(usize, Vec<Chunk>, usize)],
-        to_host: bool,
+        way: CopyDir,
         fence: &Fence,
         order: Order<'_>,
     ) -> CuResult<()> {
+        let to_host = way.to_host();
         let entered = std::time::Instant::now();
         self.driver.make_current()?;
         let dir_lock = if to_host { &self.d2h } else { &self.h2d };
@@ -303,7 +304,7 @@ impl CudaMover {
         }
         let last = match method {
             CudaCopyMethod::Kernel => {
-                self.run_kernel(&mut dir, items, to_host, order.is_none())?;
+                self.run_kernel(&mut dir, items, way, order.is_none())?;
                 // A gather round ends with its copies, a scatter round with its kernel.
                 if to_host {
                     &dir.copy
@@ -312,7 +313,7 @@ impl CudaMover {
                 }
             }
             m => {
-                let copies = coalesce(flatten(items, to_host));
+                let copies = coalesce(flatten(items, way));
                 if m == CudaCopyMethod::Batch {
                     let mut d: Vec<u64> = copies.iter().map(|c| c.dst).collect();
                     let mut s: Vec<u64> = copies.iter().map(|c| c.src).collect();
@@ -368,9 +369,10 @@ impl CudaMover {
         &self,
         dir: &mut Dir,
         items: &[(usize, Vec<Chunk>, usize)],
-        to_host: bool,
+        way: CopyDir,
         paced: bool,
     ) -> CuResult<()> {
+        let to_host = way.to_host();
         let (Some(kernel), Some((stage, _))) = (&self.kernel, &dir.staging) else {
             return Err("kernel path not set up".into());
         };
@@ -381,7 +383,7 @@ impl CudaMover {
             .enumerate()
             .map(|(r, group)| {
                 let half = base + ((r % 2) * HALF_BLOCKS * bpb) as u64;
-                round(group, half, bpb, to_host)
+                round(group, half, bpb, way)
             })
             .collect();
         if !paced {
@@ -481,8 +483,9 @@ fn round(
     group: &[(usize, Vec<Chunk>, usize)],
     half: u64,
     bpb: usize,
-    to_host: bool,
+    way: CopyDir,
 ) -> (Vec<u64>, Vec<Copy>) {
+    let to_host = way.to_host();
     let mut d: Vec<u64> = Vec::with_capacity(group.len() * 64 * 3);
     let mut copies = Vec::with_capacity(group.len());
     for (k, (_, chunks, host)) in group.iter().enumerate() {
@@ -513,7 +516,8 @@ fn max_chunks(layout: &dyn BlockChunks) -> usize {
     v.len().max(1)
 }
 
-fn flatten(items: &[(usize, Vec<Chunk>, usize)], to_host: bool) -> Vec<Copy> {
+fn flatten(items: &[(usize, Vec<Chunk>, usize)], way: CopyDir) -> Vec<Copy> {
+    let to_host = way.to_host();
     let mut out = Vec::new();
     for (_, chunks, host) in items {
         let mut off = 0u64;
@@ -628,7 +632,7 @@ mod tests {
             vec![Chunk { addr: 1000, len: 4 }, Chunk { addr: 5000, len: 6 }],
             64usize,
         )];
-        let f = flatten(&items, true);
+        let f = flatten(&items, CopyDir::DeviceToHost);
         assert_eq!(
             f,
             vec![
@@ -644,7 +648,7 @@ mod tests {
                 }
             ]
         );
-        let b = flatten(&items, false);
+        let b = flatten(&items, CopyDir::HostToDevice);
         assert_eq!(
             b[1],
             Copy {
@@ -670,7 +674,7 @@ mod tests {
                 650usize,
             ),
         ];
-        let (d, copies) = round(&items, 100, 10, true);
+        let (d, copies) = round(&items, 100, 10, CopyDir::DeviceToHost);
         // Gather: engine chunk -> slot k of the half at 100, in canonical order.
         assert_eq!(
             d,
@@ -685,7 +689,7 @@ mod tests {
                 len: 20
             }]
         );
-        let (d, copies) = round(&items, 100, 10, false);
+        let (d, copies) = round(&items, 100, 10, CopyDir::HostToDevice);
         assert_eq!(&d[..6], &[100, 1000, 4, 104, 5000, 6]);
         assert_eq!(
             copies,

@@ -11,9 +11,9 @@
 use kvtier::transfer::{Fence, TransferJob};
 
 use super::client::NodeStore;
-use crate::device::{DeviceKind, DeviceSide};
+use crate::device::{CopyDir, DeviceKind, DeviceSide};
 
-/// Run `job` (device -> remote when `store`, else remote -> device) on the node's arena.
+/// Run `job` (device -> remote for `DeviceToHost`, else remote -> device) on the node's arena.
 /// Returns the failed pairs, or `None` when the job must be staged instead.
 pub(crate) fn run(
     dev: &DeviceSide,
@@ -21,8 +21,9 @@ pub(crate) fn run(
     job: &TransferJob,
     fence: &Fence,
     bytes: usize,
-    store: bool,
+    way: CopyDir,
 ) -> Option<Vec<(usize, String)>> {
+    let store = way.to_host();
     let mut failed = Vec::new();
     // keys[k] belongs to pair pairs_of[k].
     let mut keys = Vec::with_capacity(job.pairs.len());
@@ -56,7 +57,7 @@ pub(crate) fn run(
             })
             .collect();
         let dir = if store { "device read" } else { "device write" };
-        dev.copy(&dev_items, store, fence, None)
+        dev.copy(&dev_items, way, fence, None)
             .into_iter()
             .map(|(k, why)| (k, format!("{dir}: {why}")))
             .collect()
