@@ -22,38 +22,8 @@ pub struct GenRequest {
     pub prefilled: Option<u32>,
 }
 
-/// Why a generation stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// The end-of-sequence token was produced.
-    Stop,
-    /// `max_tokens` (or the context window) was reached.
-    Length,
-    /// Prefill role: the first token is computed and the prompt's KV is published to the shared tier;
-    /// a decode server continues the request.
-    Prefilled,
-}
-
-impl FinishReason {
-    /// The OpenAI spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-            FinishReason::Prefilled => "prefilled",
-        }
-    }
-
-    /// Parses the OpenAI spelling.
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "stop" => Some(FinishReason::Stop),
-            "length" => Some(FinishReason::Length),
-            "prefilled" => Some(FinishReason::Prefilled),
-            _ => None,
-        }
-    }
-}
+/// Why a generation stopped: the reference engine's vocabulary (one enum, one OpenAI spelling).
+pub use kvtier_engine::FinishReason;
 
 /// One event of a running generation, in order: zero or more `Token`, then exactly one `Done` or `Error`.
 #[derive(Debug, Clone, PartialEq, Eq)]

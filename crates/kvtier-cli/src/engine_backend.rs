@@ -12,7 +12,7 @@ use kvtier_engine::{
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::backend::{
-    Backend, CacheCounters, FinishReason, GenEvent, GenRequest, Sample, SampleKind, SubmitError,
+    Backend, CacheCounters, GenEvent, GenRequest, Sample, SampleKind, SubmitError,
     TextCodec, TierCounts,
 };
 
@@ -61,14 +61,6 @@ impl EngineBackend {
     }
 }
 
-fn map_finish(r: kvtier_engine::FinishReason) -> FinishReason {
-    match r {
-        kvtier_engine::FinishReason::Stop => FinishReason::Stop,
-        kvtier_engine::FinishReason::Length => FinishReason::Length,
-        kvtier_engine::FinishReason::Prefilled => FinishReason::Prefilled,
-    }
-}
-
 fn sat_u32(x: usize) -> u32 {
     u32::try_from(x).unwrap_or(u32::MAX)
 }
@@ -114,7 +106,7 @@ impl Backend for EngineBackend {
                         finish_reason,
                         usage,
                     } => GenEvent::Done {
-                        finish_reason: map_finish(finish_reason),
+                        finish_reason,
                         prompt_tokens: sat_u32(usage.prompt_tokens),
                         completion_tokens: sat_u32(usage.completion_tokens),
                         cached_tokens: sat_u32(usage.cached_tokens),

@@ -114,22 +114,35 @@ impl GenerateRequest {
     }
 }
 
+/// Why a generation stopped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
     /// An end-of-sequence token was generated.
     Stop,
     /// `max_tokens` or the model's maximum length was reached.
     Length,
-    /// Prefill role: the prompt's KV is published; continue on a decode engine.
+    /// Prefill role: the first token is computed and the prompt's KV is published to the shared
+    /// tier; a decode engine continues the request.
     Prefilled,
 }
 
 impl FinishReason {
+    /// The OpenAI spelling (`finish_reason`).
     pub fn as_str(self) -> &'static str {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Prefilled => "prefilled",
+        }
+    }
+
+    /// Parses the OpenAI spelling ([`FinishReason::as_str`]'s inverse).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "stop" => Some(FinishReason::Stop),
+            "length" => Some(FinishReason::Length),
+            "prefilled" => Some(FinishReason::Prefilled),
+            _ => None,
         }
     }
 }

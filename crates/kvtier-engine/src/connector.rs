@@ -6,14 +6,14 @@
 //!   `update_state_after_alloc` right after, with all of its blocks;
 //! - `build_connector_meta` is called once per step with a record for every scheduled request
 //!   (new exactly once, then cached), before `start_load_kv` and the forward pass;
-//! - blocks of a finished request for which `request_finished` returned `true` are not reused
-//!   until `get_finished` reports the request saved;
+//! - blocks of a finished request for which `request_finished` returned
+//!   [`BlockReuse::AfterSaved`] are not reused until `get_finished` reports the request saved;
 //! - blocks reported by `get_block_ids_with_load_errors` are recomputed, never trusted;
 //! - `handle_preemptions` returns only when no transfer touches the preempted requests' blocks.
 use std::sync::Arc;
 
 use kvtier::config::KvtierConfig;
-use kvtier::connector::SchedulerStep;
+use kvtier::connector::{BlockReuse, SchedulerStep};
 use kvtier::transfer::BlockTransfer;
 use kvtier::{DeviceBlockId, RequestId};
 
@@ -66,8 +66,9 @@ pub trait EngineConnector: Send {
         num_external_tokens: usize,
     );
     fn build_connector_meta(&mut self, step: &SchedulerStep) -> Result<(), String>;
-    /// `true`: saves are in flight, keep the blocks until `get_finished` reports the request.
-    fn request_finished(&mut self, id: &RequestId, block_ids: &[DeviceBlockId]) -> bool;
+    /// When the engine may reuse the finished request's blocks: now, or (saves in flight) only
+    /// once `get_finished` reports the request saved.
+    fn request_finished(&mut self, id: &RequestId, block_ids: &[DeviceBlockId]) -> BlockReuse;
 
     // ---- worker side ----
     fn start_load_kv(&mut self);

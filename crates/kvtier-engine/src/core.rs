@@ -447,7 +447,7 @@ impl EngineCore {
             let reason = r.finish.unwrap_or(FinishReason::Length);
             self.finished_ids.push(r.id.clone());
             let keep = match self.connector.as_mut() {
-                Some(c) => c.request_finished(&r.id, &dev_ids(&r.blocks)),
+                Some(c) => c.request_finished(&r.id, &dev_ids(&r.blocks)).must_wait(),
                 None => false,
             };
             if !failed {

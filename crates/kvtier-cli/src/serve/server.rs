@@ -52,14 +52,7 @@ pub struct AppState {
 impl AppState {
     /// State for a server over `backend`.
     pub fn new(backend: Arc<dyn Backend>, generator: Generator, mode: &'static str) -> Arc<Self> {
-        Arc::new(AppState {
-            backend,
-            generator,
-            exporter: Exporter::new(),
-            next_id: AtomicU64::new(1),
-            mode,
-            limits: ServeOptions::default(),
-        })
+        Self::with_limits(backend, generator, mode, ServeOptions::default())
     }
 
     /// As [`AppState::new`], with other server bounds.

@@ -56,19 +56,9 @@ impl LeaderChannel {
         let (cmd_tx, cmd_rx) = tk::unbounded_channel();
         let (ready_tx, ready_rx) = std_mpsc::channel();
         let ep = endpoint.to_owned();
-        let thread = std::thread::Builder::new()
-            .name("kvtier-zmq-leader".into())
-            .spawn(move || {
-                let rt = match runtime() {
-                    Ok(rt) => rt,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                        return;
-                    }
-                };
-                rt.block_on(leader_loop(ep, secret, cmd_rx, ready_tx));
-            })
-            .map_err(|e| ConnectorError::Channel(format!("spawn: {e}")))?;
+        let thread = spawn_socket_thread("kvtier-zmq-leader", ready_tx, move |ready| {
+            leader_loop(ep, secret, cmd_rx, ready)
+        })?;
         let endpoint = ready_rx
             .recv_timeout(Duration::from_secs(30))
             .map_err(|_| ConnectorError::Channel("leader socket thread did not start".into()))??;

@@ -66,21 +66,9 @@ impl WorkerChannel {
         let (steps_tx, steps_rx) = std_mpsc::channel();
         let (ready_tx, ready_rx) = std_mpsc::channel();
         let ep = endpoint.to_owned();
-        let thread = std::thread::Builder::new()
-            .name("kvtier-zmq-worker".into())
-            .spawn(move || {
-                let rt = match runtime() {
-                    Ok(rt) => rt,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                        return;
-                    }
-                };
-                rt.block_on(worker_loop(
-                    ep, me, secret, timeout, out_rx, stop_rx, steps_tx, ready_tx,
-                ));
-            })
-            .map_err(|e| ConnectorError::Channel(format!("spawn: {e}")))?;
+        let thread = spawn_socket_thread("kvtier-zmq-worker", ready_tx, move |ready| {
+            worker_loop(ep, me, secret, timeout, out_rx, stop_rx, steps_tx, ready)
+        })?;
         let verdict = ready_rx
             .recv_timeout(timeout + Duration::from_secs(5))
             .map_err(|_| {
