@@ -165,7 +165,7 @@ pub(crate) mod fake {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
     /// Byte tokenizer: token id = byte value; ids >= 256 decode to nothing.
-    pub struct ByteCodec;
+    pub(crate) struct ByteCodec;
 
     impl TextCodec for ByteCodec {
         fn encode(&self, text: &str) -> Vec<u32> {
@@ -181,7 +181,7 @@ pub(crate) mod fake {
     }
 
     /// Generates `next = 'a' + (sum of context) % 26`; token 0 is EOS. Refuses when `overloaded` is set.
-    pub struct FakeBackend {
+    pub(crate) struct FakeBackend {
         pub overloaded: AtomicBool,
         pub submitted: AtomicU64,
         pub eos_after: Option<u32>,
@@ -193,7 +193,7 @@ pub(crate) mod fake {
     }
 
     impl FakeBackend {
-        pub fn new() -> Self {
+        pub(crate) fn new() -> Self {
             FakeBackend {
                 overloaded: AtomicBool::new(false),
                 submitted: AtomicU64::new(0),

@@ -12,8 +12,8 @@ use kvtier_engine::{
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::backend::{
-    Backend, CacheCounters, GenEvent, GenRequest, Sample, SampleKind, SubmitError,
-    TextCodec, TierCounts,
+    Backend, CacheCounters, GenEvent, GenRequest, Sample, SampleKind, SubmitError, TextCodec,
+    TierCounts,
 };
 
 /// The engine's tokenizer as a [`TextCodec`].

@@ -334,7 +334,9 @@ impl NodeStore {
                     }
                 },
                 Some(Reply::AlreadyPresent) | None => {}
-                Some(Reply::Full) => b.out[k] = Err("the kvtier node is full; store skipped".into()),
+                Some(Reply::Full) => {
+                    b.out[k] = Err("the kvtier node is full; store skipped".into())
+                }
                 Some(other) => b.out[k] = Err(format!("node put: unexpected reply {other:?}")),
             }
         }

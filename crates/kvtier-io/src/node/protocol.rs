@@ -87,7 +87,7 @@ pub enum Reply {
 }
 
 /// Write one frame.
-pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> io::Result<()> {
+pub(super) fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> io::Result<()> {
     let body = postcard::to_stdvec(msg).map_err(|e| io::Error::other(e.to_string()))?;
     if body.len() > MAX_FRAME {
         return Err(io::Error::new(
@@ -103,7 +103,7 @@ pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> io::Result<()> 
 }
 
 /// Read one frame (`Ok(None)` at a clean end of stream before a frame starts).
-pub fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read) -> io::Result<Option<T>> {
+pub(super) fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read) -> io::Result<Option<T>> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len) {
         Ok(()) => {}

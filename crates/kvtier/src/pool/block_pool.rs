@@ -24,7 +24,7 @@ use super::slot::{Slot, NIL};
 use super::types::{BlockState, PoolError, PoolEvent, Priority, Reservation};
 
 /// The largest capacity a pool accepts (block ids are `u32`, and `u32::MAX` marks list ends).
-pub const MAX_POOL_BLOCKS: usize = (u32::MAX - 1) as usize;
+pub(super) const MAX_POOL_BLOCKS: usize = (u32::MAX - 1) as usize;
 
 /// The block pool of one tier. See the module docs of [`crate::pool`] for the API contract.
 #[derive(Debug)]
