@@ -33,15 +33,20 @@
 //! assert!(out.iter().all(|&b| b == 7));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+#![warn(missing_docs)]
+
 /// The transfer benchmark behind `kvtier bench transfer` (feature `transfer-bench`; not part of
 /// the storage and transfer API).
 #[cfg(feature = "transfer-bench")]
 #[doc(hidden)]
 pub mod bench;
 pub mod compose;
+// engine.rs and cuda/ are being changed on another branch: their docs land with that change.
+#[allow(missing_docs)]
 pub mod cuda;
 mod device;
 pub mod disk;
+#[allow(missing_docs)]
 mod engine;
 pub mod error;
 mod host;

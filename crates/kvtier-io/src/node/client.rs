@@ -33,6 +33,7 @@ use crate::sys::shm::Arena;
 /// Settings of a [`NodeStore`].
 #[derive(Clone, Debug)]
 pub struct NodeClientOptions {
+    /// Bound on each socket read and write to the node (default 2 s).
     pub io_timeout: Duration,
     /// Connections kept open to the node (concurrent operations of this process).
     pub pool: usize,

@@ -266,6 +266,7 @@ impl RedisStore {
         })
     }
 
+    /// The namespace this store reads and writes.
     pub fn namespace(&self) -> &Namespace {
         &self.ns
     }
