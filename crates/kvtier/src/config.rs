@@ -53,21 +53,34 @@ pub use settings::{Setting, CONFIG_PATH_ENV, SETTINGS};
 pub use remote_url::{parse_http_endpoint, redact_url, RedisTarget, RemoteBackend, RemoteTarget};
 pub use value::{bool_reason, parse_bool as parse_bool_text, parse_u64 as parse_u64_text};
 
+/// Why a configuration could not be built; each names the setting as it was given.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
     /// A setting has a value that cannot be used.
     #[error("{setting}: {reason}")]
-    Invalid { setting: String, reason: String },
+    Invalid {
+        /// The setting, by the name it was given under.
+        setting: String,
+        /// Why the value cannot be used.
+        reason: String,
+    },
     /// A TOML file or engine map names a setting kvtier does not have.
     #[error("{source_name}: unknown setting `{setting}`")]
     Unknown {
+        /// The unknown key.
         setting: String,
+        /// Where it was given (the TOML file, "engine settings").
         source_name: String,
     },
     /// The TOML file could not be read or parsed.
     #[error("config file {path}: {reason}")]
-    File { path: String, reason: String },
+    File {
+        /// The file (or the origin a TOML text was given under).
+        path: String,
+        /// The read or parse error.
+        reason: String,
+    },
     /// Neither a host, disk nor remote tier is configured.
     #[error(
         "no offload tier configured: set host.gb (KVTIER_HOST_GB, DYN_KVBM_CPU_CACHE_GB) or \
@@ -82,7 +95,9 @@ pub enum IoBackend {
     /// io_uring when the kernel allows it, else pread/pwrite.
     #[default]
     Auto,
+    /// io_uring, or fail (no fallback).
     Uring,
+    /// pread/pwrite.
     Pread,
 }
 
@@ -95,41 +110,53 @@ pub enum TierSize {
     Blocks(u64),
 }
 
+/// The host (G2) tier.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct HostConfig {
     /// None = no host tier.
     pub size: Option<TierSize>,
 }
 
+/// The disk (G3) tier.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DiskConfig {
     /// None = no disk tier.
     pub size: Option<TierSize>,
+    /// The directory holding kvtier's cache files (`disk.dir`).
     pub dir: PathBuf,
+    /// Bypass the page cache with O_DIRECT where the file system supports it.
     pub use_o_direct: bool,
+    /// Which system interface moves the bytes.
     pub io_backend: IoBackend,
     /// Keep G3's blocks across restarts (warm restart): a new process on the same `dir` serves
     /// what the last one made durable. Off: every start is cold and files go with the process.
     pub persist: bool,
 }
 
+/// The G2 -> G3 frequency filter: spill a host block to disk only on its second sighting.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DiskFilterConfig {
+    /// Whether the filter applies (off: every host block is spilled).
     pub enabled: bool,
+    /// The decay window in seconds: a second sighting counts only within it.
     pub window_secs: u64,
+    /// Hashes remembered at most (the least recently seen are forgotten first).
     pub max_tracked: usize,
 }
 
+/// The tiers' policies.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PolicyConfig {
     /// The G2 -> G3 frequency filter (applies wherever there are both a host and a disk tier).
     pub disk_filter: DiskFilterConfig,
 }
 
+/// The connector (leader and workers).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ConnectorConfig {
     /// Overrides the engine's tokens per block (must then match the engine).
     pub block_size: Option<usize>,
+    /// How long the leader and its workers wait for each other at start.
     pub leader_worker_timeout_secs: u64,
     /// ZeroMQ endpoint between leader and workers; None = in process.
     pub zmq_endpoint: Option<String>,
@@ -139,12 +166,16 @@ pub struct ConnectorConfig {
     pub async_loads: Option<bool>,
 }
 
+/// The Prometheus endpoint.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MetricsConfig {
+    /// Serve `/metrics`.
     pub enabled: bool,
+    /// Its TCP port.
     pub port: u16,
 }
 
+/// What the sequence hashes are salted with.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HashingConfig {
     /// Model identity mixed into every sequence hash (the engine's model name when unset).
@@ -156,20 +187,30 @@ pub struct HashingConfig {
 /// The whole configuration. Build it with [`KvtierConfig::load`] or [`KvtierConfig::build`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KvtierConfig {
+    /// The host (G2) tier.
     pub host: HostConfig,
+    /// The disk (G3) tier.
     pub disk: DiskConfig,
+    /// The shared remote (G4) tier, if any.
     pub remote: Option<RemoteTarget>,
+    /// The tiers' policies.
     pub policy: PolicyConfig,
+    /// The connector.
     pub connector: ConnectorConfig,
+    /// The Prometheus endpoint.
     pub metrics: MetricsConfig,
+    /// The hash salt's parts.
     pub hashing: HashingConfig,
 }
 
 /// Block counts per tier once the block size is known.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TierCapacities {
+    /// Host tier blocks (0: no host tier).
     pub host_blocks: usize,
+    /// Disk tier blocks (0: no disk tier).
     pub disk_blocks: usize,
+    /// Whether a remote tier is configured (its size is the store's own).
     pub remote: bool,
 }
 

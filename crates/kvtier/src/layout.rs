@@ -51,26 +51,43 @@ use crate::ids::DeviceBlockId;
 mod paged;
 pub use paged::MAX_PIECES;
 
+/// Why engine tensors do not make a layout, or a layout query is out of range.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum LayoutError {
     /// A tensor does not have the shape, strides or type the layout needs.
     #[error("tensor {tensor}: {reason}")]
-    Mismatch { tensor: String, reason: String },
+    Mismatch {
+        /// The tensor's name.
+        tensor: String,
+        /// What does not fit.
+        reason: String,
+    },
     /// The layout got no tensors, or a number the kind does not accept.
     #[error("{0}")]
     Tensors(String),
     /// A device block id beyond `num_blocks`.
     #[error("device block {block} out of range ({num_blocks} blocks)")]
-    BlockOutOfRange { block: u32, num_blocks: usize },
+    BlockOutOfRange {
+        /// The block asked for.
+        block: u32,
+        /// Blocks of the layout.
+        num_blocks: usize,
+    },
     /// A layer index beyond `num_layers`.
     #[error("layer {layer} out of range ({num_layers} layers)")]
-    LayerOutOfRange { layer: usize, num_layers: usize },
+    LayerOutOfRange {
+        /// The layer asked for.
+        layer: usize,
+        /// Layers of the layout.
+        num_layers: usize,
+    },
 }
 
 /// Where a tensor lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum DeviceKind {
+    /// Host memory.
     Cpu,
     /// A CUDA device, by ordinal.
     Cuda(u32),
@@ -79,11 +96,17 @@ pub enum DeviceKind {
 /// An engine tensor as the engine reports it. `strides` are in elements (torch's convention).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorDesc {
+    /// The tensor's name in errors (e.g. `layer.3`).
     pub name: String,
+    /// Address of element `[0, 0, ...]`.
     pub data_ptr: u64,
+    /// Extent of each dimension, outermost first.
     pub shape: Vec<usize>,
+    /// Strides in elements, per dimension.
     pub strides: Vec<usize>,
+    /// Bytes per element.
     pub elem_size: usize,
+    /// Where the memory lives.
     pub device: DeviceKind,
 }
 
@@ -124,16 +147,24 @@ impl TensorDesc {
 /// the layout's identity, so blocks never move between caches of different types.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum DType {
+    /// 32-bit float.
     F32,
+    /// 16-bit float.
     F16,
+    /// bfloat16.
     BF16,
+    /// 8-bit float, 4 exponent bits.
     F8E4M3,
+    /// 8-bit float, 5 exponent bits.
     F8E5M2,
+    /// Unsigned byte (e.g. quantized caches).
     U8,
+    /// Signed byte.
     I8,
 }
 
 impl DType {
+    /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
             DType::F32 => 4,
@@ -165,12 +196,15 @@ impl DType {
 /// The shape of one block's KV, independent of where the engine keeps it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct KvGeometry {
+    /// Layers of the model.
     pub num_layers: usize,
     /// K/V planes: 2, or 1 for MLA (one latent plane).
     pub kv_planes: usize,
+    /// Tokens per block.
     pub tokens_per_block: usize,
     /// Bytes of one token in one plane of one layer (e.g. kv_heads * head_dim * elem size).
     pub bytes_per_token_plane: usize,
+    /// Element type.
     pub dtype: DType,
 }
 
@@ -194,16 +228,23 @@ impl KvGeometry {
 /// Which engine tensor convention the tensors follow (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum EngineLayoutKind {
+    /// TensorRT-LLM's single pool tensor (see the module docs).
     TrtllmPool {
+        /// Tokens per block of the pool.
         tokens_per_block: usize,
     },
+    /// vLLM per-layer `[2, num_blocks, block_size, heads, head_dim]`.
     VllmCudaKvFirst,
+    /// vLLM per-layer `[num_blocks, 2, block_size, heads, head_dim]`.
     VllmCudaBlockFirst,
+    /// vLLM per-layer MLA `[num_blocks, block_size, head_size]` (one plane).
     VllmMla,
+    /// vLLM's CPU per-layer `[num_blocks, kv_heads, block_size, 2 * head_size]`.
     VllmCpu,
     /// vLLM >= 0.32's 4-D views in any `KVCacheLayout`; `kernel_blocks` kernel blocks (rows
     /// of the view) per logical block (1 unless vLLM splits blocks for its kernels).
     VllmPaged {
+        /// Kernel blocks (rows of the view) per logical block.
         kernel_blocks: usize,
     },
 }
@@ -259,7 +300,9 @@ impl EngineLayoutKind {
 /// One contiguous range of device memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Chunk {
+    /// Address of its first byte.
     pub addr: u64,
+    /// Its length in bytes.
     pub len: usize,
 }
 
@@ -268,8 +311,11 @@ pub struct Chunk {
 /// block is made of (before coalescing).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct DeviceRegion {
+    /// Address of block 0's piece.
     pub base: u64,
+    /// Bytes from one block's piece to the next one's.
     pub block_stride: u64,
+    /// Bytes of the piece.
     pub len: usize,
 }
 
@@ -568,18 +614,22 @@ impl DeviceLayout {
         Self::new(EngineLayoutKind::VllmCpu, layers, dtype)
     }
 
+    /// The engine convention the tensors follow.
     pub fn kind(&self) -> EngineLayoutKind {
         self.kind
     }
 
+    /// The shape of one block's KV.
     pub fn geometry(&self) -> KvGeometry {
         self.geometry
     }
 
+    /// Device blocks of the layout.
     pub fn num_blocks(&self) -> usize {
         self.num_blocks
     }
 
+    /// Where the tensors live.
     pub fn device(&self) -> DeviceKind {
         self.device
     }

@@ -4,8 +4,11 @@
 /// One setting: its TOML key (also the engine key), its environment name and aliases.
 #[derive(Clone, Copy, Debug)]
 pub struct Setting {
+    /// The TOML key, also the engine key (e.g. `host.gb`).
     pub key: &'static str,
+    /// The environment variable (`KVTIER_*`).
     pub env: &'static str,
+    /// Older names of the variable (`DYN_KVBM_*`); the `KVTIER_*` name wins.
     pub aliases: &'static [&'static str],
     /// Aliases whose boolean value is the negation of the setting.
     pub negated_aliases: &'static [&'static str],

@@ -45,15 +45,20 @@ pub enum SlotState {
 pub struct OffloadBlock {
     /// Block index within the request (block `i` holds tokens `i*bs .. (i+1)*bs`).
     pub index: usize,
+    /// The device block holding it.
     pub device: DeviceBlockId,
+    /// Its sequence hash.
     pub hash: SequenceHash,
 }
 
 /// One block the engine expects kvtier to fill (its source is chosen by the leader).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OnboardBlock {
+    /// Block index within the request.
     pub index: usize,
+    /// The device block to fill.
     pub device: DeviceBlockId,
+    /// The sequence hash of its content.
     pub hash: SequenceHash,
 }
 
@@ -222,9 +227,11 @@ impl Slot {
         self.salt
     }
 
+    /// The request.
     pub fn id(&self) -> &RequestId {
         &self.id
     }
+    /// Where the request is in its lifecycle.
     pub fn state(&self) -> SlotState {
         self.state
     }
@@ -236,12 +243,15 @@ impl Slot {
     pub fn hashes(&self) -> &[SequenceHash] {
         &self.hashes
     }
+    /// The request's device block table, in block order.
     pub fn device_table(&self) -> &[DeviceBlockId] {
         &self.table.ids
     }
+    /// Tokens whose KV is on the device after the last record's forward pass.
     pub fn position(&self) -> usize {
         self.position
     }
+    /// Blocks already offloaded, onboarded or found in the device prefix cache.
     pub fn evaluated_blocks(&self) -> usize {
         self.evaluated
     }
@@ -252,10 +262,12 @@ impl Slot {
         self.external_refused = true;
     }
 
+    /// Whether matching offers this request no external tokens (see `refuse_external`).
     pub fn external_refused(&self) -> bool {
         self.external_refused
     }
 
+    /// What the last match of this request found.
     pub fn last_match(&self) -> Option<MatchRecord> {
         self.last_match
     }

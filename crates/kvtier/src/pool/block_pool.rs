@@ -86,6 +86,7 @@ impl BlockPool {
         })
     }
 
+    /// The tier this pool serves.
     pub fn tier(&self) -> Tier {
         self.tier
     }

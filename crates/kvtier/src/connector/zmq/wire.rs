@@ -14,18 +14,29 @@ pub const WIRE_VERSION: u32 = 2;
 /// Everything that crosses the wire.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Wire {
+    /// A worker introduces its rank, authenticated.
     Hello {
+        /// The rank's layout.
         layout: RankLayout,
+        /// Fresh per hello (a repeated nonce is refused).
         nonce: [u8; 16],
+        /// The secret's tag over nonce and layout.
         tag: [u8; 32],
     },
+    /// The leader accepts: the agreed layout.
     Welcome {
+        /// The layout every rank agreed on.
         layout: ClusterLayout,
+        /// The secret's tag over the rank's nonce and the layout.
         tag: [u8; 32],
     },
+    /// The handshake failed: the reason.
     Reject(String),
+    /// A worker's job report.
     Report(WorkerReport),
+    /// The leader's step metadata.
     Step(StepMetadata),
+    /// The leader is going away.
     Shutdown,
 }
 
