@@ -32,8 +32,11 @@ pub enum GenEvent {
     Token(u32),
     /// Generation finished normally.
     Done {
+        /// Why it stopped.
         finish_reason: FinishReason,
+        /// Tokens of the prompt.
         prompt_tokens: u32,
+        /// Tokens generated.
         completion_tokens: u32,
         /// Prompt tokens the engine did not compute because they came from a cache (any tier).
         cached_tokens: u32,
@@ -68,10 +71,15 @@ pub enum SampleKind {
 /// One metric sample of an engine snapshot, already named in the `kvtier_` namespace.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sample {
+    /// The Prometheus family name (`kvtier_*`).
     pub name: &'static str,
+    /// Label names and values of this series.
     pub labels: Vec<(&'static str, String)>,
+    /// Counter or gauge.
     pub kind: SampleKind,
+    /// The value.
     pub value: f64,
+    /// The `# HELP` text.
     pub help: &'static str,
 }
 
@@ -91,8 +99,11 @@ pub struct CacheCounters {
 /// A count per offload tier.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct TierCounts {
+    /// Host (G2) tier.
     pub host: u64,
+    /// Disk (G3) tier.
     pub disk: u64,
+    /// Remote (G4) tier.
     pub remote: u64,
 }
 

@@ -33,8 +33,6 @@
 //! assert!(out.iter().all(|&b| b == 7));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
-#![warn(missing_docs)]
-
 /// The transfer benchmark behind `kvtier bench transfer` (feature `transfer-bench`; not part of
 /// the storage and transfer API).
 #[cfg(feature = "transfer-bench")]

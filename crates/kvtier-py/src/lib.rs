@@ -23,9 +23,6 @@
 //! assert_eq!(layout.bytes_per_block(), 64 * 2 * 2 * 2);
 //! ```
 #![forbid(unsafe_code)]
-// Ahead of the workspace: every public item of the bindings is documented (the workspace-wide
-// `missing_docs` waits for the other crates).
-#![warn(missing_docs)]
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 use pyo3::prelude::*;

@@ -10,8 +10,6 @@
 //! optional ZeroMQ leader<->worker channel (`connector::zmq`, feature `zmq`) and reading the
 //! TOML file named by `KVTIER_CONFIG`.
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
-
 pub mod config;
 pub mod connector;
 pub mod error;

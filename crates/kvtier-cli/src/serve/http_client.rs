@@ -14,17 +14,24 @@ use hyper_util::rt::TokioIo;
 /// Errors reaching or reading from a server.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
+    /// The URL is not `http://host:port[/path]`.
     #[error("bad url `{0}` (expected http://host:port[/path])")]
     BadUrl(String),
+    /// The TCP connection failed.
     #[error("connecting to {addr}: {source}")]
     Connect {
+        /// The `host:port` dialled.
         addr: String,
+        /// The system's error.
         source: std::io::Error,
     },
+    /// The HTTP exchange failed.
     #[error("http: {0}")]
     Http(#[from] hyper::Error),
+    /// The request could not be built.
     #[error("building request: {0}")]
     Request(#[from] hyper::http::Error),
+    /// No complete answer within the timeout.
     #[error("timed out after {0:?}")]
     Timeout(Duration),
 }

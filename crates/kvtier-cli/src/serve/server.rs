@@ -39,8 +39,11 @@ pub enum Generator {
 
 /// Shared state of one server.
 pub struct AppState {
+    /// The engine.
     pub backend: Arc<dyn Backend>,
+    /// Where first tokens come from (this engine, or a prefill server).
     pub generator: Generator,
+    /// The `/metrics` exporter.
     pub exporter: Exporter,
     next_id: AtomicU64,
     /// A label for `/health` (`agg`, `prefill`, `decode`).
