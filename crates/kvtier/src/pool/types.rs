@@ -49,6 +49,7 @@ pub enum PoolEvent {
 
 /// What [`BlockPool::reserve`](super::BlockPool::reserve) did with one hash.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[must_use = "an `Allocated` reservation carries the writer's pin: confirm or release the block"]
 pub enum Reservation {
     /// The hash is registered in this block (nothing was pinned or changed).
     Registered(BlockId),
