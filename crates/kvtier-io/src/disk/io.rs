@@ -32,7 +32,6 @@ struct Op {
     fault: Option<Fault>,
 }
 
-
 /// The fault kind that hits an operation of `op`.
 fn fault_op(op: IoOp) -> FaultOp {
     match op {
@@ -63,11 +62,7 @@ impl DiskStorage {
         results
     }
 
-    fn run_batch(
-        &self,
-        items: &[(u32, u128, usize)],
-        dir: IoOp,
-    ) -> Vec<Result<(), BlockIoError>> {
+    fn run_batch(&self, items: &[(u32, u128, usize)], dir: IoOp) -> Vec<Result<(), BlockIoError>> {
         let op_name = dir.name();
         let mut results: Vec<Option<Result<(), BlockIoError>>> =
             (0..items.len()).map(|_| None).collect();
