@@ -184,37 +184,7 @@ impl DeviceLayout {
         }
         // Every layer tensor must agree with the first one.
         for t in &tensors[1..] {
-            if t.shape != first.shape {
-                return Err(t.mismatch(format!(
-                    "shape {:?} differs from {}'s {:?}{}",
-                    t.shape,
-                    first.name,
-                    first.shape,
-                    if t.shape.get(dims.block) != first.shape.get(dims.block) {
-                        " (block counts do not match)"
-                    } else {
-                        ""
-                    }
-                )));
-            }
-            if t.strides != first.strides {
-                return Err(t.mismatch(format!(
-                    "strides {:?} differ from {}'s {:?}",
-                    t.strides, first.name, first.strides
-                )));
-            }
-            if t.elem_size != first.elem_size {
-                return Err(t.mismatch(format!(
-                    "element size {} differs from {}'s {}",
-                    t.elem_size, first.name, first.elem_size
-                )));
-            }
-            if t.device != first.device {
-                return Err(t.mismatch(format!(
-                    "device {:?} differs from {}'s {:?}",
-                    t.device, first.name, first.device
-                )));
-            }
+            t.check_same_as(first, dims.block)?;
         }
         let shape = &first.shape;
         let elem = first.elem_size;

@@ -56,6 +56,48 @@ impl TensorDesc {
         }
     }
 
+    /// `Ok` if this tensor has `first`'s shape, strides, element size and device, as every layer
+    /// tensor of one layout must; else the first difference, naming both tensors (and saying so
+    /// when dimension `block_dim`, the block count, is what differs).
+    pub(super) fn check_same_as(
+        &self,
+        first: &TensorDesc,
+        block_dim: usize,
+    ) -> Result<(), LayoutError> {
+        if self.shape != first.shape {
+            return Err(self.mismatch(format!(
+                "shape {:?} differs from {}'s {:?}{}",
+                self.shape,
+                first.name,
+                first.shape,
+                if self.shape.get(block_dim) != first.shape.get(block_dim) {
+                    " (block counts do not match)"
+                } else {
+                    ""
+                }
+            )));
+        }
+        if self.strides != first.strides {
+            return Err(self.mismatch(format!(
+                "strides {:?} differ from {}'s {:?}",
+                self.strides, first.name, first.strides
+            )));
+        }
+        if self.elem_size != first.elem_size {
+            return Err(self.mismatch(format!(
+                "element size {} differs from {}'s {}",
+                self.elem_size, first.name, first.elem_size
+            )));
+        }
+        if self.device != first.device {
+            return Err(self.mismatch(format!(
+                "device {:?} differs from {}'s {:?}",
+                self.device, first.name, first.device
+            )));
+        }
+        Ok(())
+    }
+
     pub(super) fn mismatch(&self, reason: impl Into<String>) -> LayoutError {
         LayoutError::Mismatch {
             tensor: self.name.clone(),
