@@ -22,38 +22,8 @@ pub struct GenRequest {
     pub prefilled: Option<u32>,
 }
 
-/// Why a generation stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// The end-of-sequence token was produced.
-    Stop,
-    /// `max_tokens` (or the context window) was reached.
-    Length,
-    /// Prefill role: the first token is computed and the prompt's KV is published to the shared tier;
-    /// a decode server continues the request.
-    Prefilled,
-}
-
-impl FinishReason {
-    /// The OpenAI spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-            FinishReason::Prefilled => "prefilled",
-        }
-    }
-
-    /// Parses the OpenAI spelling.
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "stop" => Some(FinishReason::Stop),
-            "length" => Some(FinishReason::Length),
-            "prefilled" => Some(FinishReason::Prefilled),
-            _ => None,
-        }
-    }
-}
+/// Why a generation stopped: the reference engine's vocabulary (one enum, one OpenAI spelling).
+pub use kvtier_engine::FinishReason;
 
 /// One event of a running generation, in order: zero or more `Token`, then exactly one `Done` or `Error`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,8 +32,11 @@ pub enum GenEvent {
     Token(u32),
     /// Generation finished normally.
     Done {
+        /// Why it stopped.
         finish_reason: FinishReason,
+        /// Tokens of the prompt.
         prompt_tokens: u32,
+        /// Tokens generated.
         completion_tokens: u32,
         /// Prompt tokens the engine did not compute because they came from a cache (any tier).
         cached_tokens: u32,
@@ -98,10 +71,15 @@ pub enum SampleKind {
 /// One metric sample of an engine snapshot, already named in the `kvtier_` namespace.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sample {
+    /// The Prometheus family name (`kvtier_*`).
     pub name: &'static str,
+    /// Label names and values of this series.
     pub labels: Vec<(&'static str, String)>,
+    /// Counter or gauge.
     pub kind: SampleKind,
+    /// The value.
     pub value: f64,
+    /// The `# HELP` text.
     pub help: &'static str,
 }
 
@@ -121,8 +99,11 @@ pub struct CacheCounters {
 /// A count per offload tier.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct TierCounts {
+    /// Host (G2) tier.
     pub host: u64,
+    /// Disk (G3) tier.
     pub disk: u64,
+    /// Remote (G4) tier.
     pub remote: u64,
 }
 
@@ -195,7 +176,7 @@ pub(crate) mod fake {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
     /// Byte tokenizer: token id = byte value; ids >= 256 decode to nothing.
-    pub struct ByteCodec;
+    pub(crate) struct ByteCodec;
 
     impl TextCodec for ByteCodec {
         fn encode(&self, text: &str) -> Vec<u32> {
@@ -211,7 +192,7 @@ pub(crate) mod fake {
     }
 
     /// Generates `next = 'a' + (sum of context) % 26`; token 0 is EOS. Refuses when `overloaded` is set.
-    pub struct FakeBackend {
+    pub(crate) struct FakeBackend {
         pub overloaded: AtomicBool,
         pub submitted: AtomicU64,
         pub eos_after: Option<u32>,
@@ -223,7 +204,7 @@ pub(crate) mod fake {
     }
 
     impl FakeBackend {
-        pub fn new() -> Self {
+        pub(crate) fn new() -> Self {
             FakeBackend {
                 overloaded: AtomicBool::new(false),
                 submitted: AtomicU64::new(0),

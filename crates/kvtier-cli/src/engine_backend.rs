@@ -12,8 +12,8 @@ use kvtier_engine::{
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::backend::{
-    Backend, CacheCounters, FinishReason, GenEvent, GenRequest, Sample, SampleKind, SubmitError,
-    TextCodec, TierCounts,
+    Backend, CacheCounters, GenEvent, GenRequest, Sample, SampleKind, SubmitError, TextCodec,
+    TierCounts,
 };
 
 /// The engine's tokenizer as a [`TextCodec`].
@@ -58,14 +58,6 @@ impl EngineBackend {
     /// The engine's own metrics.
     pub fn engine_metrics(&self) -> EngineMetrics {
         self.handle.metrics()
-    }
-}
-
-fn map_finish(r: kvtier_engine::FinishReason) -> FinishReason {
-    match r {
-        kvtier_engine::FinishReason::Stop => FinishReason::Stop,
-        kvtier_engine::FinishReason::Length => FinishReason::Length,
-        kvtier_engine::FinishReason::Prefilled => FinishReason::Prefilled,
     }
 }
 
@@ -114,7 +106,7 @@ impl Backend for EngineBackend {
                         finish_reason,
                         usage,
                     } => GenEvent::Done {
-                        finish_reason: map_finish(finish_reason),
+                        finish_reason,
                         prompt_tokens: sat_u32(usage.prompt_tokens),
                         completion_tokens: sat_u32(usage.completion_tokens),
                         cached_tokens: sat_u32(usage.cached_tokens),

@@ -20,6 +20,7 @@ pub struct InspectArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
+    /// The engine and tier settings whose state to show.
     #[command(flatten)]
     pub engine: EngineArgs,
 }
@@ -27,9 +28,13 @@ pub struct InspectArgs {
 /// Files and bytes under a directory (recursive), plus the largest few files.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct DirSummary {
+    /// Whether the directory exists.
     pub exists: bool,
+    /// Files under it.
     pub files: u64,
+    /// Bytes of those files.
     pub bytes: u64,
+    /// The largest files (path, bytes), largest first.
     pub largest: Vec<(String, u64)>,
 }
 

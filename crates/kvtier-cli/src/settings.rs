@@ -86,6 +86,7 @@ pub struct EngineArgs {
     /// (with `--connector none`, every prompt is computed in full).
     #[arg(long)]
     pub no_prefix_cache: bool,
+    /// The offload tiers' sizes and places.
     #[command(flatten)]
     pub tiers: TierArgs,
 }
@@ -124,6 +125,7 @@ pub fn default_disk_dir() -> PathBuf {
 
 /// Embedded default sizes (decimal GB).
 pub const DEFAULT_HOST_GB: f64 = 1.0;
+/// Embedded default disk tier size (decimal GB).
 pub const DEFAULT_DISK_GB: f64 = 1.0;
 
 /// The embedded defaults as the lowest TOML layer: host 1 GB, disk 1 GB in the user's cache directory.

@@ -19,7 +19,7 @@ struct Meta {
     free_tick: Option<u64>,
 }
 
-pub struct BlockPool {
+pub(crate) struct BlockPool {
     meta: Vec<Meta>,
     free_plain: Vec<u32>,
     free_cached: BTreeMap<u64, u32>,
@@ -28,7 +28,7 @@ pub struct BlockPool {
 }
 
 impl BlockPool {
-    pub fn new(num_blocks: usize) -> Self {
+    pub(crate) fn new(num_blocks: usize) -> Self {
         BlockPool {
             meta: vec![Meta::default(); num_blocks],
             free_plain: (0..num_blocks as u32).rev().collect(),
@@ -38,12 +38,12 @@ impl BlockPool {
         }
     }
 
-    pub fn capacity(&self) -> usize {
+    pub(crate) fn capacity(&self) -> usize {
         self.meta.len()
     }
 
     /// Blocks `allocate` could hand out now (free, including evictable cached ones).
-    pub fn num_free(&self) -> usize {
+    pub(crate) fn num_free(&self) -> usize {
         self.free_plain.len() + self.free_cached.len()
     }
 
@@ -53,7 +53,7 @@ impl BlockPool {
     }
 
     /// Longest prefix of `hashes` that is cached; each matched block gains a reference.
-    pub fn match_prefix(&mut self, hashes: &[SequenceHash]) -> Vec<u32> {
+    pub(crate) fn match_prefix(&mut self, hashes: &[SequenceHash]) -> Vec<u32> {
         let mut out = Vec::new();
         for h in hashes {
             let Some(&b) = self.registry.get(h) else {
@@ -75,7 +75,7 @@ impl BlockPool {
 
     /// `n` blocks, each with one reference; plain free blocks first, then the least recently
     /// released cached ones (their hashes are dropped). `None` if fewer than `n` are free.
-    pub fn allocate(&mut self, n: usize) -> Option<Vec<u32>> {
+    pub(crate) fn allocate(&mut self, n: usize) -> Option<Vec<u32>> {
         if self.num_free() < n {
             return None;
         }
@@ -100,7 +100,7 @@ impl BlockPool {
 
     /// Publish a full, computed block under `hash`. If another block already holds the hash, the
     /// registry keeps that one and `block` stays unregistered.
-    pub fn register(&mut self, block: u32, hash: SequenceHash) {
+    pub(crate) fn register(&mut self, block: u32, hash: SequenceHash) {
         let m = &self.meta[block as usize];
         if m.hash.is_some() || self.registry.contains_key(&hash) {
             return;
@@ -111,7 +111,7 @@ impl BlockPool {
 
     /// Drop one reference of each block; blocks reaching zero become free (cached ones stay
     /// matchable until evicted). Blocks are released in reverse so a sequence's tail is evicted first.
-    pub fn release(&mut self, blocks: &[u32]) {
+    pub(crate) fn release(&mut self, blocks: &[u32]) {
         for &b in blocks.iter().rev() {
             let Some(m) = self.meta.get_mut(b as usize) else {
                 continue;
@@ -135,7 +135,7 @@ impl BlockPool {
 
     /// Forget every hash (the "reset prefix cache" of an engine). Blocks in use stay valid for
     /// their owners; free cached blocks become plain free blocks.
-    pub fn reset_prefix_cache(&mut self) {
+    pub(crate) fn reset_prefix_cache(&mut self) {
         self.registry.clear();
         for (_, b) in std::mem::take(&mut self.free_cached) {
             self.free_plain.push(b);

@@ -6,20 +6,21 @@
 //!   `update_state_after_alloc` right after, with all of its blocks;
 //! - `build_connector_meta` is called once per step with a record for every scheduled request
 //!   (new exactly once, then cached), before `start_load_kv` and the forward pass;
-//! - blocks of a finished request for which `request_finished` returned `true` are not reused
-//!   until `get_finished` reports the request saved;
+//! - blocks of a finished request for which `request_finished` returned
+//!   [`BlockReuse::AfterSaved`] are not reused until `get_finished` reports the request saved;
 //! - blocks reported by `get_block_ids_with_load_errors` are recomputed, never trusted;
 //! - `handle_preemptions` returns only when no transfer touches the preempted requests' blocks.
 use std::sync::Arc;
 
 use kvtier::config::KvtierConfig;
-use kvtier::connector::SchedulerStep;
+use kvtier::connector::{BlockReuse, SchedulerStep};
 use kvtier::transfer::BlockTransfer;
 use kvtier::{DeviceBlockId, RequestId};
 
 /// What the engine tells a connector about one request.
 #[derive(Clone, Copy, Debug)]
 pub struct RequestView<'a> {
+    /// The request.
     pub id: &'a RequestId,
     /// Prompt plus generated tokens so far.
     pub tokens: &'a [u32],
@@ -31,14 +32,21 @@ pub struct ConnectorStats {
     /// The leader's whole snapshot, read through `kvtier::metrics::METRICS` by exporters; the
     /// fields below are views of it the engine's own bookkeeping uses.
     pub kvtier: kvtier::connector::LeaderStats,
+    /// Blocks copied out of G1.
     pub offloaded_blocks: u64,
+    /// Blocks copied into G1.
     pub onboarded_blocks: u64,
+    /// Tokens matched in the host tier.
     pub matched_tokens_host: u64,
+    /// Tokens matched in the disk tier.
     pub matched_tokens_disk: u64,
+    /// Tokens matched in the remote tier.
     pub matched_tokens_remote: u64,
     /// Gauge: transfer jobs not yet confirmed.
     pub jobs_in_flight: u64,
+    /// Blocks copied host -> disk (dispatched).
     pub spilled_disk_blocks: u64,
+    /// Blocks put host -> remote (dispatched).
     pub remote_put_blocks: u64,
     /// Blocks written into the host tier (G1 -> host stores).
     pub offloaded_host_blocks: u64,
@@ -49,6 +57,7 @@ pub struct ConnectorStats {
     pub offloaded_remote_blocks: u64,
 }
 
+/// The KV connector hooks, in the order TensorRT-LLM calls them (see the module docs).
 pub trait EngineConnector: Send {
     // ---- scheduler side ----
     /// Tokens loadable beyond the `num_computed_tokens` the engine already holds, and whether
@@ -65,13 +74,18 @@ pub trait EngineConnector: Send {
         block_ids: &[DeviceBlockId],
         num_external_tokens: usize,
     );
+    /// The step's records: plan its loads and stores (TensorRT-LLM `build_connector_meta`).
     fn build_connector_meta(&mut self, step: &SchedulerStep) -> Result<(), String>;
-    /// `true`: saves are in flight, keep the blocks until `get_finished` reports the request.
-    fn request_finished(&mut self, id: &RequestId, block_ids: &[DeviceBlockId]) -> bool;
+    /// When the engine may reuse the finished request's blocks: now, or (saves in flight) only
+    /// once `get_finished` reports the request saved.
+    fn request_finished(&mut self, id: &RequestId, block_ids: &[DeviceBlockId]) -> BlockReuse;
 
     // ---- worker side ----
+    /// Start this step's loads (before the forward pass).
     fn start_load_kv(&mut self);
+    /// Block until the step's synchronous loads into `layer` are done.
     fn wait_for_layer_load(&mut self, layer: usize);
+    /// `layer` of the forward pass is computed.
     fn save_kv_layer(&mut self, layer: usize);
     /// End of the forward pass: stores gated on it may start.
     fn forward_done(&mut self);
@@ -81,6 +95,7 @@ pub trait EngineConnector: Send {
         finished_gen_req_ids: &[RequestId],
         started_loading_req_ids: &[RequestId],
     ) -> (Vec<RequestId>, Vec<RequestId>);
+    /// Device blocks whose load failed since the last call (the engine recomputes them).
     fn get_block_ids_with_load_errors(&mut self) -> Vec<DeviceBlockId>;
     /// Block until no transfer reads or writes the blocks of these requests; their device state
     /// is forgotten (they will be matched and allocated again).
@@ -90,6 +105,7 @@ pub trait EngineConnector: Send {
     fn request_reset(&mut self, id: &RequestId);
     /// Transfers are in flight or queued (the engine keeps stepping while true).
     fn has_pending(&self) -> bool;
+    /// The connector's counters now.
     fn stats(&self) -> ConnectorStats;
 }
 
@@ -107,6 +123,7 @@ pub struct ConnectorSetup {
 }
 
 impl ConnectorSetup {
+    /// kvtier on with `config`, the transfer engine unwrapped.
     pub fn new(config: KvtierConfig) -> Self {
         ConnectorSetup {
             config,

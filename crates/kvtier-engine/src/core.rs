@@ -84,7 +84,7 @@ fn dev_ids(blocks: &[u32]) -> Vec<DeviceBlockId> {
 }
 
 impl EngineCore {
-    pub fn new(
+    pub(crate) fn new(
         cfg: &EngineConfig,
         model: Model,
         model_name: &str,
@@ -119,32 +119,32 @@ impl EngineCore {
     }
 
     /// The G1 pool (to register with kvtier).
-    pub fn kv_cache(&self) -> &KvCache {
+    pub(crate) fn kv_cache(&self) -> &KvCache {
         &self.kv
     }
 
-    pub fn attach_connector(&mut self, c: Box<dyn EngineConnector>) {
+    pub(crate) fn attach_connector(&mut self, c: Box<dyn EngineConnector>) {
         self.connector = Some(c);
     }
 
     /// Requests that can make progress by stepping.
-    pub fn has_work(&self) -> bool {
+    pub(crate) fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty() || !self.finished_ids.is_empty()
     }
 
     /// Requests waiting on the connector (loads or saves in flight).
-    pub fn has_pending(&self) -> bool {
+    pub(crate) fn has_pending(&self) -> bool {
         !self.loading.is_empty()
             || !self.saving.is_empty()
             || self.connector.as_ref().is_some_and(|c| c.has_pending())
     }
 
-    pub fn reset_prefix_cache(&mut self) {
+    pub(crate) fn reset_prefix_cache(&mut self) {
         self.pool.reset_prefix_cache();
     }
 
     /// Validate and queue a request. Invalid requests get an `Error` event, never a panic.
-    pub fn add_request(
+    pub(crate) fn add_request(
         &mut self,
         id: RequestId,
         req: GenerateRequest,
@@ -278,7 +278,7 @@ impl EngineCore {
     }
 
     /// One engine step. Returns the number of tokens computed.
-    pub fn step(&mut self) -> usize {
+    pub(crate) fn step(&mut self) -> usize {
         self.poll_connector();
         let plan = self.schedule();
         let records = self.build_records(&plan);
@@ -447,7 +447,7 @@ impl EngineCore {
             let reason = r.finish.unwrap_or(FinishReason::Length);
             self.finished_ids.push(r.id.clone());
             let keep = match self.connector.as_mut() {
-                Some(c) => c.request_finished(&r.id, &dev_ids(&r.blocks)),
+                Some(c) => c.request_finished(&r.id, &dev_ids(&r.blocks)).must_wait(),
                 None => false,
             };
             if !failed {
@@ -766,14 +766,14 @@ impl EngineCore {
     }
 
     /// Deliver the events queued since the last call.
-    pub fn flush_events(&mut self) {
+    pub(crate) fn flush_events(&mut self) {
         for (tx, ev) in self.outbox.drain(..) {
             let _ = tx.send(ev);
         }
     }
 
     /// Fail every request (engine shutting down).
-    pub fn abort_all(&mut self, why: &str) {
+    pub(crate) fn abort_all(&mut self, why: &str) {
         for r in self
             .waiting
             .drain(..)

@@ -3,7 +3,7 @@
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 
-use kvtier::connector::{SchedulerStep, StepRecord};
+use kvtier::connector::{BlockReuse, SchedulerStep, StepRecord};
 use kvtier::{DeviceBlockId, RequestId};
 use tokio::sync::mpsc::unbounded_channel;
 
@@ -66,9 +66,9 @@ impl EngineConnector for Recorder {
         }
         Ok(())
     }
-    fn request_finished(&mut self, _id: &RequestId, _b: &[DeviceBlockId]) -> bool {
+    fn request_finished(&mut self, _id: &RequestId, _b: &[DeviceBlockId]) -> BlockReuse {
         self.log.lock().unwrap().calls.push(Call::Finished);
-        false
+        BlockReuse::Now
     }
     fn start_load_kv(&mut self) {}
     fn wait_for_layer_load(&mut self, _layer: usize) {}

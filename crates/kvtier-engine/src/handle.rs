@@ -187,14 +187,17 @@ impl EngineHandle {
         Err(EngineError::ShutDown)
     }
 
+    /// The engine's tokenizer.
     pub fn tokenizer(&self) -> Arc<Tokenizer> {
         self.inner.tokenizer.clone()
     }
 
+    /// The model's name (as served on `/v1/models`).
     pub fn model_name(&self) -> String {
         self.inner.model_name.clone()
     }
 
+    /// The model's configuration.
     pub fn model_config(&self) -> &ModelConfig {
         &self.inner.model_config
     }

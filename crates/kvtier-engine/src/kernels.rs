@@ -74,6 +74,7 @@ pub struct Rope {
 }
 
 impl Rope {
+    /// Rotary embedding tables for positions `0..max_pos` of a `head_dim` head.
     pub fn new(head_dim: usize, max_pos: usize, theta: f64) -> Self {
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(max_pos * half);

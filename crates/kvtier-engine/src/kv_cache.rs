@@ -8,6 +8,7 @@
 //! elements; callers index blocks they own through the block pool.
 use crate::model::ModelConfig;
 
+/// The engine's G1 KV pool: one f32 buffer, `[num_blocks, num_layers, 2, block_size * kv_dim]`.
 pub struct KvCache {
     data: Vec<f32>,
     num_blocks: usize,
@@ -17,6 +18,7 @@ pub struct KvCache {
 }
 
 impl KvCache {
+    /// A zeroed pool of `num_blocks` blocks of `block_size` tokens for `cfg`.
     pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> Self {
         let kv_dim = cfg.kv_dim();
         let len = num_blocks * cfg.num_layers * 2 * block_size * kv_dim;
@@ -29,12 +31,15 @@ impl KvCache {
         }
     }
 
+    /// Blocks of the pool.
     pub fn num_blocks(&self) -> usize {
         self.num_blocks
     }
+    /// Layers of the model.
     pub fn num_layers(&self) -> usize {
         self.num_layers
     }
+    /// Tokens per block.
     pub fn block_size(&self) -> usize {
         self.block_size
     }
@@ -46,6 +51,7 @@ impl KvCache {
     pub fn block_len(&self) -> usize {
         self.num_layers * 2 * self.plane_len()
     }
+    /// Bytes of one block.
     pub fn bytes_per_block(&self) -> usize {
         self.block_len() * 4
     }
@@ -64,6 +70,7 @@ impl KvCache {
         &self.data[o..o + self.kv_dim]
     }
 
+    /// As [`KvCache::token`], writable.
     pub fn token_mut(
         &mut self,
         block: usize,
@@ -81,6 +88,7 @@ impl KvCache {
         &self.data[block * n..(block + 1) * n]
     }
 
+    /// As [`KvCache::block`], writable.
     pub fn block_mut(&mut self, block: usize) -> &mut [f32] {
         let n = self.block_len();
         &mut self.data[block * n..(block + 1) * n]
@@ -91,6 +99,7 @@ impl KvCache {
         &self.data
     }
 
+    /// As [`KvCache::as_slice`], writable.
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
         &mut self.data
     }

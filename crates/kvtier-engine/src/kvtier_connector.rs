@@ -239,20 +239,18 @@ impl EngineConnector for KvtierConnector {
         }
     }
 
-    fn request_finished(&mut self, id: &RequestId, _block_ids: &[DeviceBlockId]) -> bool {
-        match self.leader.request_finished(id).map(BlockReuse::must_wait) {
-            Ok(in_flight) => {
-                if self.wait_for_remote && !in_flight {
-                    // Nothing to wait for on this rank, but the remote puts may still be queued.
-                    self.publishing
-                        .insert(id.clone(), Instant::now() + REMOTE_PUBLISH_DEADLINE);
-                    return true;
-                }
-                in_flight
+    fn request_finished(&mut self, id: &RequestId, _block_ids: &[DeviceBlockId]) -> BlockReuse {
+        match self.leader.request_finished(id) {
+            Ok(BlockReuse::Now) if self.wait_for_remote => {
+                // Nothing to wait for on this rank, but the remote puts may still be queued.
+                self.publishing
+                    .insert(id.clone(), Instant::now() + REMOTE_PUBLISH_DEADLINE);
+                BlockReuse::AfterSaved
             }
+            Ok(reuse) => reuse,
             Err(e) => {
                 tracing::warn!(request = %id, error = %e, "kvtier request_finished");
-                false
+                BlockReuse::Now
             }
         }
     }

@@ -47,7 +47,7 @@ pub(crate) struct Request {
 
 impl Request {
     /// Extend `hashes` to every full block of `tokens`.
-    pub fn update_hashes(&mut self, salt: HashSalt, block_size: usize) {
+    pub(crate) fn update_hashes(&mut self, salt: HashSalt, block_size: usize) {
         let full = self.tokens.len() / block_size;
         while self.hashes.len() < full {
             let i = self.hashes.len();
@@ -63,13 +63,13 @@ impl Request {
 
     /// The connector must be told everything again (after preemption or a failed load): all
     /// blocks in the next record, flagged as resumed if it was reported before.
-    pub fn forget_connector_view(&mut self) {
+    pub(crate) fn forget_connector_view(&mut self) {
         self.blocks_reported = 0;
         self.resumed = self.reported_once;
         self.ext_subtract = 0;
     }
 
-    pub fn usage(&self) -> Usage {
+    pub(crate) fn usage(&self) -> Usage {
         Usage {
             prompt_tokens: self.prompt_len,
             completion_tokens: self.generated,
@@ -79,7 +79,7 @@ impl Request {
 
     /// Queue an event in `outbox` (sent after the step's metrics are published); `false` if the
     /// receiver is gone (the request is then aborted).
-    pub fn send(&self, outbox: &mut Outbox, ev: GenerateEvent) -> bool {
+    pub(crate) fn send(&self, outbox: &mut Outbox, ev: GenerateEvent) -> bool {
         if self.tx.is_closed() {
             return false;
         }

@@ -6,6 +6,7 @@
 //! nothing.
 use crate::model::config::{BYTE_VOCAB_BOS, BYTE_VOCAB_EOS};
 
+/// A byte-level tokenizer: ids 0..=255 are bytes, the rest specials that decode to nothing.
 #[derive(Clone, Debug)]
 pub struct Tokenizer {
     vocab_size: usize,
@@ -14,6 +15,7 @@ pub struct Tokenizer {
 }
 
 impl Tokenizer {
+    /// A byte-level tokenizer of `vocab_size` ids with these specials.
     pub fn byte_level(vocab_size: usize, bos: Option<u32>, eos: Vec<u32>) -> Self {
         Tokenizer {
             vocab_size,
@@ -47,12 +49,15 @@ impl Tokenizer {
         ids.iter().filter(|&&t| t < 256).map(|&t| t as u8).collect()
     }
 
+    /// Ids of the vocabulary.
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
     }
+    /// Tokens that end a generation.
     pub fn eos_token_ids(&self) -> &[u32] {
         &self.eos
     }
+    /// The beginning-of-sequence token, if any.
     pub fn bos_token_id(&self) -> Option<u32> {
         self.bos
     }

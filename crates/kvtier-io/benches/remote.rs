@@ -7,6 +7,8 @@
 //! on a shared, loaded machine this keeps load swings out of the ratios.
 //!
 //! Run: `cargo bench -p kvtier-io --bench remote`.
+// `criterion_main!` generates an undocumented `pub fn main`.
+#![allow(missing_docs)]
 #![allow(clippy::unwrap_used)]
 
 #[path = "../tests/remote_support/mod.rs"]

@@ -61,6 +61,7 @@ pub struct EngineIdentity {
     /// Model name or path (vLLM passes its whole identity string here through the `salt`
     /// setting).
     pub model: String,
+    /// Model revision (a checkpoint's commit or tag), if the engine knows it.
     pub revision: Option<String>,
     /// KV cache dtype.
     pub dtype: Option<String>,
@@ -69,6 +70,7 @@ pub struct EngineIdentity {
 }
 
 impl EngineIdentity {
+    /// The identity of `model`, with no revision, dtype or layout named.
     pub fn new(model: impl Into<String>) -> Self {
         EngineIdentity {
             model: model.into(),
@@ -128,21 +130,29 @@ pub enum ServingRole {
     Decode,
 }
 
+/// Why an engine's kvtier could not be composed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ComposeError {
+    /// The configuration is invalid.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// A tier could not be set up.
     #[error("{0}")]
     Io(#[from] IoError),
+    /// The remote store could not be opened.
     #[error("remote tier ({url}): {source}")]
     Remote {
+        /// Its URL, password redacted.
         url: String,
+        /// Why it could not be opened.
         #[source]
         source: TransferError,
     },
+    /// The leader could not be built.
     #[error("leader: {0}")]
     Leader(#[from] ConnectorError),
+    /// The metrics endpoint could not be served.
     #[error("{0}")]
     Metrics(std::io::Error),
 }
@@ -150,6 +160,7 @@ pub enum ComposeError {
 /// How a rank's host tier is allocated (pinning depends on the engine's device).
 #[derive(Clone, Copy, Debug)]
 pub struct HostMemory {
+    /// Whether to pin the host tier with CUDA.
     pub pin: PinMode,
     /// CUDA device whose primary context registers the memory.
     pub cuda_device: i32,
@@ -169,6 +180,7 @@ impl Default for HostMemory {
 
 /// One rank's transfer engine.
 pub struct RankTiers {
+    /// The engine moving this rank's blocks between its tiers.
     pub engine: TransferEngine,
 }
 
@@ -185,6 +197,8 @@ pub struct Composition {
 }
 
 impl Composition {
+    /// Check `config` against the engine's `cluster` layout and resolve every tier's capacity, the
+    /// hash salt and the remote namespace from `identity`.
     pub fn new(
         config: &KvtierConfig,
         mut identity: EngineIdentity,
@@ -233,18 +247,22 @@ impl Composition {
         })
     }
 
+    /// The configuration it was built from.
     pub fn config(&self) -> &KvtierConfig {
         &self.config
     }
 
+    /// The engine's identity (with `hashing.model` applied).
     pub fn identity(&self) -> &EngineIdentity {
         &self.identity
     }
 
+    /// The engine's cluster layout.
     pub fn cluster(&self) -> &ClusterLayout {
         &self.cluster
     }
 
+    /// Each tier's capacity in blocks.
     pub fn capacities(&self) -> TierCapacities {
         self.caps
     }

@@ -31,8 +31,11 @@ pub enum PinMode {
 /// How to build a [`HostStorage`].
 #[derive(Clone, Debug)]
 pub struct HostOptions {
+    /// Blocks of the host tier.
     pub num_blocks: u32,
+    /// Bytes of one block.
     pub block_bytes: usize,
+    /// Whether to pin the memory with CUDA.
     pub pin: PinMode,
     /// CUDA device whose primary context registers the memory.
     pub cuda_device: i32,
@@ -41,6 +44,7 @@ pub struct HostOptions {
 }
 
 impl HostOptions {
+    /// Options for `num_blocks` blocks of `block_bytes`; pinning `Auto`, CUDA device 0.
     pub fn new(num_blocks: u32, block_bytes: usize) -> Self {
         HostOptions {
             num_blocks,
@@ -156,9 +160,11 @@ impl HostStorage {
         })
     }
 
+    /// Blocks of the host tier.
     pub fn num_blocks(&self) -> u32 {
         self.num_blocks
     }
+    /// Bytes of one block.
     pub fn block_bytes(&self) -> usize {
         self.block_bytes
     }

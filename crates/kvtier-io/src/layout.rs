@@ -24,8 +24,11 @@ pub trait BlockChunks: Send + Sync {
 /// `base + b * block_stride` and is `len` bytes long.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Region {
+    /// Address of block 0's chunk.
     pub base: u64,
+    /// Bytes from one block's chunk to the next one's.
     pub block_stride: u64,
+    /// Bytes of the chunk.
     pub len: usize,
 }
 
@@ -118,6 +121,7 @@ impl StridedLayout {
         Self::new(num_blocks, regions)
     }
 
+    /// The regions, in each block's canonical chunk order.
     pub fn regions(&self) -> &[Region] {
         &self.regions
     }

@@ -21,14 +21,17 @@ use kvtier::connector::LeaderStats;
 pub struct StatsPublisher(Arc<Mutex<LeaderStats>>);
 
 impl StatsPublisher {
+    /// A publisher holding default (zero) stats until the first `publish`.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// Replace the snapshot the endpoint serves.
     pub fn publish(&self, stats: LeaderStats) {
         *self.0.lock().unwrap_or_else(|p| p.into_inner()) = stats;
     }
 
+    /// A copy of the latest published stats.
     pub fn snapshot(&self) -> LeaderStats {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }

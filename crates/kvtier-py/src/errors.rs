@@ -23,15 +23,22 @@ use pyo3::types::{PyDict, PyTuple, PyType};
 /// One family of kvtier errors, as seen from Python.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
+    /// `kvtier.KvtierError`, the root: errors of no narrower family.
     Base,
+    /// `kvtier.ConfigError`: settings ([`kvtier::config::ConfigError`]).
     Config,
+    /// `kvtier.LayoutError`: KV tensor layouts ([`kvtier::layout`]).
     Layout,
+    /// `kvtier.PoolError`: a tier's block pool ([`kvtier::pool::PoolError`]).
     Pool,
+    /// `kvtier.ConnectorError`: the leader, the workers and their channel.
     Connector,
+    /// `kvtier.TransferError`: copies between tiers.
     Transfer,
 }
 
 impl Family {
+    /// Every family, root first (the order the exception types are created in).
     pub const ALL: [Family; 6] = [
         Family::Base,
         Family::Config,
@@ -150,14 +157,21 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// `?` converts the Rust families into it; `PyErr::from` turns it into the matching exception.
 #[derive(Debug, thiserror::Error)]
 pub enum BridgeError {
+    /// An error of the core crates, mapped to its family by [`kvtier_family`].
     #[error(transparent)]
     Kvtier(#[from] kvtier::Error),
     /// An error this crate detects itself (argument shapes, call order), with its family.
     #[error("{message}")]
-    Local { family: Family, message: String },
+    Local {
+        /// The exception type it becomes.
+        family: Family,
+        /// The exception's message.
+        message: String,
+    },
 }
 
 impl BridgeError {
+    /// An error this crate detects, raised in Python as `family`'s exception.
     pub fn local(family: Family, message: impl Into<String>) -> Self {
         BridgeError::Local {
             family,
@@ -165,6 +179,7 @@ impl BridgeError {
         }
     }
 
+    /// The family whose exception type this error becomes in Python.
     pub fn family(&self) -> Family {
         match self {
             BridgeError::Local { family, .. } => *family,

@@ -31,6 +31,7 @@ use crate::settings::Settings;
 #[pyclass(name = "StepRecord", module = "kvtier._native")]
 #[derive(Clone, Debug)]
 pub struct PyStepRecord {
+    /// The record the leader consumes.
     pub inner: StepRecord,
 }
 

@@ -116,6 +116,7 @@ impl Rendezvous {
             .take()
     }
 
+    /// A worker's layout for its rank (a later one replaces it); wakes a waiting leader.
     pub fn register(&self, layout: RankLayout) {
         self.lock().layouts.insert(layout.rank, layout);
         self.cv.notify_all();

@@ -63,6 +63,7 @@ const ADAPTER_KEYS: &[&str] = &[
 #[derive(Debug)]
 pub struct Settings {
     adapter: HashMap<String, serde_json::Value>,
+    /// kvtier's own settings (defaults < TOML < environment < the engine's map).
     pub config: KvtierConfig,
 }
 
@@ -148,6 +149,8 @@ impl Settings {
         self.adapter.get(key).filter(|v| !v.is_null())
     }
 
+    /// The adapter setting `key` as a whole number >= 0 (a JSON number or its text); `None` if
+    /// absent or null.
     pub fn usize(&self, key: &str) -> BridgeResult<Option<usize>> {
         match self.get(key) {
             None => Ok(None),
@@ -164,6 +167,8 @@ impl Settings {
         }
     }
 
+    /// The adapter setting `key` as a boolean (JSON bool, 0/1, or the text kvtier's one boolean
+    /// parser accepts); `None` if absent or null.
     pub fn bool(&self, key: &str) -> BridgeResult<Option<bool>> {
         match self.get(key) {
             None => Ok(None),
@@ -177,6 +182,7 @@ impl Settings {
         }
     }
 
+    /// The adapter setting `key` as a string; `None` if absent or null.
     pub fn string(&self, key: &str) -> BridgeResult<Option<String>> {
         match self.get(key) {
             None => Ok(None),
@@ -213,6 +219,7 @@ impl Settings {
         Ok(b)
     }
 
+    /// The engine's tensor-parallel world size (`world_size`, default 1; must be > 0).
     pub fn world_size(&self) -> BridgeResult<u32> {
         let w = self.usize("world_size")?.unwrap_or(1);
         u32::try_from(w)
@@ -238,6 +245,8 @@ impl Settings {
         }
     }
 
+    /// How long the leader and its workers wait for each other
+    /// (`connector.leader_worker_timeout_secs`).
     pub fn timeout(&self) -> std::time::Duration {
         std::time::Duration::from_secs(self.config.connector.leader_worker_timeout_secs)
     }

@@ -17,11 +17,14 @@ use crate::errors::{BridgeError, BridgeResult, Family};
 /// Where a tensor's memory lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceKind {
+    /// Host memory (a CPU tensor or a numpy array).
     Cpu,
+    /// CUDA device memory (its ordinal is `TensorDesc::device_index`).
     Cuda,
 }
 
 impl DeviceKind {
+    /// The Python-side name (`"cpu"`, `"cuda"`); `None` for any other device.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "cpu" => Some(DeviceKind::Cpu),
@@ -29,6 +32,7 @@ impl DeviceKind {
             _ => None,
         }
     }
+    /// The Python-side name, [`DeviceKind::parse`]'s inverse.
     pub fn as_str(self) -> &'static str {
         match self {
             DeviceKind::Cpu => "cpu",
@@ -45,16 +49,19 @@ pub struct TensorDesc {
     /// Address of element `[0, 0, ...]`.
     #[pyo3(get)]
     pub data_ptr: u64,
+    /// Extent of each dimension, outermost first.
     #[pyo3(get)]
     pub shape: Vec<usize>,
     /// Strides in BYTES (numpy convention; torch's element strides times the element size).
     #[pyo3(get)]
     pub strides: Vec<i64>,
+    /// Bytes per element.
     #[pyo3(get)]
     pub itemsize: usize,
     /// Element type name, e.g. "bfloat16", "float16", "float32", "uint8", "float8_e4m3fn".
     #[pyo3(get)]
     pub dtype: String,
+    /// Where the memory lives.
     pub device: DeviceKind,
     /// CUDA ordinal; 0 for CPU.
     #[pyo3(get)]

@@ -17,6 +17,8 @@
 //!
 //! Every figure comes twice: wall time, and (`*_oncpu`) the benchmark thread's on-CPU time from
 //! `CLOCK_THREAD_CPUTIME_ID`, which stays meaningful on a shared, overloaded machine.
+// `criterion_main!` generates an undocumented `pub fn main`.
+#![allow(missing_docs)]
 #![allow(clippy::unwrap_used)]
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

@@ -2,6 +2,8 @@
 //! a pool of 1M registered blocks, and the allocate + register + evict cycle per block (and the
 //! same cycle through the batched `reserve` + `confirm` store path).
 //! Baseline in the same run: the same 2,048 lookups in a `std::collections::HashMap<u128, u32>`.
+// `criterion_main!` generates an undocumented `pub fn main`.
+#![allow(missing_docs)]
 use std::collections::HashMap;
 use std::hint::black_box;
 

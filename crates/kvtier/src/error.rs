@@ -8,17 +8,23 @@ pub use crate::layout::LayoutError;
 pub use crate::pool::PoolError;
 pub use crate::transfer::TransferError;
 
+/// Any error of kvtier, by family.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
+    /// Configuration.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// KV layouts.
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// A tier's block pool.
     #[error(transparent)]
     Pool(#[from] PoolError),
+    /// The connector.
     #[error(transparent)]
     Connector(#[from] ConnectorError),
+    /// Transfers.
     #[error(transparent)]
     Transfer(#[from] TransferError),
 }

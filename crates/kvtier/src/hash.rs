@@ -23,6 +23,7 @@ pub struct SequenceHash(pub u128);
 pub struct HashSalt(pub u64);
 
 impl HashSalt {
+    /// The salt of `model`, a LoRA adapter and a tenant's cache salt (any may be empty).
     pub fn new(model: &str, lora: Option<&str>, cache_salt: Option<&str>) -> Self {
         let mut buf = Vec::with_capacity(16 + model.len());
         buf.extend_from_slice(b"kvtier-v1\0");

@@ -46,10 +46,12 @@ fn word_pair(s: &[u8]) -> Option<(u64, u64)> {
 }
 
 impl RequestId {
+    /// The id of an engine request.
     pub fn new(id: impl AsRef<str>) -> Self {
         RequestId(CompactString::new(id.as_ref()))
     }
 
+    /// The id as the engine gave it.
     pub fn as_str(&self) -> &str {
         self.0.as_str()
     }
@@ -106,6 +108,7 @@ pub enum Tier {
 }
 
 impl Tier {
+    /// The lowercase name used in metrics labels and logs.
     pub fn label(self) -> &'static str {
         match self {
             Tier::Device => "device",

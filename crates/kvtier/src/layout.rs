@@ -48,231 +48,44 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::DeviceBlockId;
 
+mod desc;
 mod paged;
+
+pub use desc::{Chunk, DType, DeviceKind, DeviceRegion, EngineLayoutKind, KvGeometry, TensorDesc};
 pub use paged::MAX_PIECES;
 
+/// Why engine tensors do not make a layout, or a layout query is out of range.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum LayoutError {
     /// A tensor does not have the shape, strides or type the layout needs.
     #[error("tensor {tensor}: {reason}")]
-    Mismatch { tensor: String, reason: String },
+    Mismatch {
+        /// The tensor's name.
+        tensor: String,
+        /// What does not fit.
+        reason: String,
+    },
     /// The layout got no tensors, or a number the kind does not accept.
     #[error("{0}")]
     Tensors(String),
     /// A device block id beyond `num_blocks`.
     #[error("device block {block} out of range ({num_blocks} blocks)")]
-    BlockOutOfRange { block: u32, num_blocks: usize },
+    BlockOutOfRange {
+        /// The block asked for.
+        block: u32,
+        /// Blocks of the layout.
+        num_blocks: usize,
+    },
     /// A layer index beyond `num_layers`.
     #[error("layer {layer} out of range ({num_layers} layers)")]
-    LayerOutOfRange { layer: usize, num_layers: usize },
-}
-
-/// Where a tensor lives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum DeviceKind {
-    Cpu,
-    /// A CUDA device, by ordinal.
-    Cuda(u32),
-}
-
-/// An engine tensor as the engine reports it. `strides` are in elements (torch's convention).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TensorDesc {
-    pub name: String,
-    pub data_ptr: u64,
-    pub shape: Vec<usize>,
-    pub strides: Vec<usize>,
-    pub elem_size: usize,
-    pub device: DeviceKind,
-}
-
-impl TensorDesc {
-    /// A tensor with row-major (contiguous) strides.
-    pub fn contiguous(
-        name: impl Into<String>,
-        data_ptr: u64,
-        shape: Vec<usize>,
-        elem_size: usize,
-        device: DeviceKind,
-    ) -> Self {
-        let mut strides = vec![0; shape.len()];
-        let mut acc = 1usize;
-        for (i, n) in shape.iter().enumerate().rev() {
-            strides[i] = acc;
-            acc = acc.saturating_mul(*n);
-        }
-        TensorDesc {
-            name: name.into(),
-            data_ptr,
-            shape,
-            strides,
-            elem_size,
-            device,
-        }
-    }
-
-    fn mismatch(&self, reason: impl Into<String>) -> LayoutError {
-        LayoutError::Mismatch {
-            tensor: self.name.clone(),
-            reason: reason.into(),
-        }
-    }
-}
-
-/// Element type of the KV cache. Informational for kvtier (blocks are opaque bytes) but part of
-/// the layout's identity, so blocks never move between caches of different types.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum DType {
-    F32,
-    F16,
-    BF16,
-    F8E4M3,
-    F8E5M2,
-    U8,
-    I8,
-}
-
-impl DType {
-    pub fn size(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::F16 | DType::BF16 => 2,
-            DType::F8E4M3 | DType::F8E5M2 | DType::U8 | DType::I8 => 1,
-        }
-    }
-
-    /// Parse torch / numpy style names: `torch.bfloat16`, `bfloat16`, `bf16`, `float16`, `half`,
-    /// `float32`, `float`, `float8_e4m3fn`, `fp8`, `uint8`, `int8`.
-    pub fn parse(name: &str) -> Option<DType> {
-        let n = name
-            .trim()
-            .trim_start_matches("torch.")
-            .to_ascii_lowercase();
-        Some(match n.as_str() {
-            "float32" | "float" | "f32" | "fp32" => DType::F32,
-            "float16" | "half" | "f16" | "fp16" => DType::F16,
-            "bfloat16" | "bf16" => DType::BF16,
-            "float8_e4m3fn" | "float8_e4m3" | "fp8" | "fp8_e4m3" | "f8e4m3" => DType::F8E4M3,
-            "float8_e5m2" | "fp8_e5m2" | "f8e5m2" => DType::F8E5M2,
-            "uint8" | "u8" => DType::U8,
-            "int8" | "i8" => DType::I8,
-            _ => return None,
-        })
-    }
-}
-
-/// The shape of one block's KV, independent of where the engine keeps it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct KvGeometry {
-    pub num_layers: usize,
-    /// K/V planes: 2, or 1 for MLA (one latent plane).
-    pub kv_planes: usize,
-    pub tokens_per_block: usize,
-    /// Bytes of one token in one plane of one layer (e.g. kv_heads * head_dim * elem size).
-    pub bytes_per_token_plane: usize,
-    pub dtype: DType,
-}
-
-impl KvGeometry {
-    /// Bytes of one (layer, plane) piece of a block.
-    pub fn bytes_per_piece(&self) -> usize {
-        self.tokens_per_block * self.bytes_per_token_plane
-    }
-
-    /// Bytes of one block on one rank: all layers, all planes.
-    pub fn bytes_per_block(&self) -> usize {
-        self.num_layers * self.kv_planes * self.bytes_per_piece()
-    }
-
-    /// Offset of (layer, plane) inside a block in kvtier's canonical host/disk format.
-    pub fn canonical_offset(&self, layer: usize, plane: usize) -> usize {
-        (layer * self.kv_planes + plane) * self.bytes_per_piece()
-    }
-}
-
-/// Which engine tensor convention the tensors follow (see the module docs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum EngineLayoutKind {
-    TrtllmPool {
-        tokens_per_block: usize,
-    },
-    VllmCudaKvFirst,
-    VllmCudaBlockFirst,
-    VllmMla,
-    VllmCpu,
-    /// vLLM >= 0.32's 4-D views in any `KVCacheLayout`; `kernel_blocks` kernel blocks (rows
-    /// of the view) per logical block (1 unless vLLM splits blocks for its kernels).
-    VllmPaged {
-        kernel_blocks: usize,
+    LayerOutOfRange {
+        /// The layer asked for.
+        layer: usize,
+        /// Layers of the layout.
+        num_layers: usize,
     },
 }
-
-impl EngineLayoutKind {
-    /// Pick the vLLM convention from a per-layer tensor's rank: 4-D views are
-    /// [`EngineLayoutKind::VllmPaged`] (vLLM >= 0.32, any `KVCacheLayout`), 5-D shapes the
-    /// K/V-first or block-first tensors of earlier releases, 3-D MLA tensors `[n, tokens, dim]`.
-    /// `num_blocks` (vLLM's logical block count, if known) detects kernel-block splitting.
-    pub fn detect_vllm(
-        tensor: &TensorDesc,
-        num_blocks: Option<usize>,
-    ) -> Result<Self, LayoutError> {
-        match tensor.shape.len() {
-            4 => {
-                let rows = tensor.shape[0];
-                let kernel_blocks = match num_blocks {
-                    Some(n) if n > 0 && rows > n && rows.is_multiple_of(n) => rows / n,
-                    _ => 1,
-                };
-                Ok(EngineLayoutKind::VllmPaged { kernel_blocks })
-            }
-            5 => Self::detect_vllm_cuda(tensor),
-            3 => Ok(EngineLayoutKind::VllmMla),
-            _ => Err(tensor.mismatch(format!(
-                "shape {:?} is none of vLLM's KV cache tensors: a 4-D view [num_blocks, \
-                 num_kv_heads, block_size, content] (vLLM >= 0.32), [2, num_blocks, block_size, \
-                 heads, head_dim] or [num_blocks, 2, ...] (earlier releases), or MLA's \
-                 [num_blocks, block_size, head_size]",
-                tensor.shape
-            ))),
-        }
-    }
-
-    /// Pick the vLLM CUDA convention from a per-layer shape: `[2, n, ...]` is KV-first,
-    /// `[n, 2, ...]` block-first. With exactly 2 blocks the shape is ambiguous: an error.
-    pub fn detect_vllm_cuda(tensor: &TensorDesc) -> Result<Self, LayoutError> {
-        match tensor.shape.as_slice() {
-            [2, n, _, _, _] if *n != 2 => Ok(EngineLayoutKind::VllmCudaKvFirst),
-            [n, 2, _, _, _] if *n != 2 => Ok(EngineLayoutKind::VllmCudaBlockFirst),
-            [2, 2, _, _, _] => Err(tensor.mismatch(
-                "shape [2, 2, ...] is ambiguous between [2, num_blocks, ...] and [num_blocks, 2, ...]; \
-                 name the layout kind explicitly",
-            )),
-            s => Err(tensor.mismatch(format!(
-                "shape {s:?} is neither [2, num_blocks, block_size, heads, head_dim] nor \
-                 [num_blocks, 2, block_size, heads, head_dim]"
-            ))),
-        }
-    }
-}
-
-/// One contiguous range of device memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Chunk {
-    pub addr: u64,
-    pub len: usize,
-}
-
-/// A strided region holding one piece of every block: block `b`'s piece is
-/// `[base + b * block_stride, + len)`. The regions of a layout, in canonical order, are what a
-/// block is made of (before coalescing).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct DeviceRegion {
-    pub base: u64,
-    pub block_stride: u64,
-    pub len: usize,
-}
-
 /// The engine's KV cache as kvtier sees it: for each device block, the byte ranges that make it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceLayout {
@@ -371,37 +184,7 @@ impl DeviceLayout {
         }
         // Every layer tensor must agree with the first one.
         for t in &tensors[1..] {
-            if t.shape != first.shape {
-                return Err(t.mismatch(format!(
-                    "shape {:?} differs from {}'s {:?}{}",
-                    t.shape,
-                    first.name,
-                    first.shape,
-                    if t.shape.get(dims.block) != first.shape.get(dims.block) {
-                        " (block counts do not match)"
-                    } else {
-                        ""
-                    }
-                )));
-            }
-            if t.strides != first.strides {
-                return Err(t.mismatch(format!(
-                    "strides {:?} differ from {}'s {:?}",
-                    t.strides, first.name, first.strides
-                )));
-            }
-            if t.elem_size != first.elem_size {
-                return Err(t.mismatch(format!(
-                    "element size {} differs from {}'s {}",
-                    t.elem_size, first.name, first.elem_size
-                )));
-            }
-            if t.device != first.device {
-                return Err(t.mismatch(format!(
-                    "device {:?} differs from {}'s {:?}",
-                    t.device, first.name, first.device
-                )));
-            }
+            t.check_same_as(first, dims.block)?;
         }
         let shape = &first.shape;
         let elem = first.elem_size;
@@ -568,18 +351,22 @@ impl DeviceLayout {
         Self::new(EngineLayoutKind::VllmCpu, layers, dtype)
     }
 
+    /// The engine convention the tensors follow.
     pub fn kind(&self) -> EngineLayoutKind {
         self.kind
     }
 
+    /// The shape of one block's KV.
     pub fn geometry(&self) -> KvGeometry {
         self.geometry
     }
 
+    /// Device blocks of the layout.
     pub fn num_blocks(&self) -> usize {
         self.num_blocks
     }
 
+    /// Where the tensors live.
     pub fn device(&self) -> DeviceKind {
         self.device
     }

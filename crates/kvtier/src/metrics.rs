@@ -28,11 +28,14 @@ use crate::connector::LeaderStats;
 /// Prometheus metric type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MetricKind {
+    /// Only ever increases.
     Counter,
+    /// May go up and down.
     Gauge,
 }
 
 impl MetricKind {
+    /// The Prometheus `# TYPE` spelling.
     pub fn as_str(self) -> &'static str {
         match self {
             MetricKind::Counter => "counter",
@@ -48,7 +51,9 @@ pub struct Metric {
     pub key: &'static str,
     /// Prometheus family name (`kvtier_*`).
     pub name: &'static str,
+    /// The `# HELP` line.
     pub help: &'static str,
+    /// Counter or gauge.
     pub kind: MetricKind,
     /// This series' label values.
     pub labels: &'static [(&'static str, &'static str)],

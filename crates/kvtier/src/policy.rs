@@ -37,7 +37,9 @@ use crate::hash::SequenceHash;
 /// The filter's parameters (from [`DiskFilterConfig`] or set directly).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FilterParams {
+    /// A second sighting counts only within this long of the previous one.
     pub window: Duration,
+    /// Hashes remembered at most.
     pub max_tracked: usize,
 }
 
@@ -71,6 +73,7 @@ struct Sighting {
 }
 
 impl FrequencyFilter {
+    /// An empty filter.
     pub fn new(params: FilterParams) -> Self {
         FrequencyFilter {
             params,
@@ -112,6 +115,7 @@ impl FrequencyFilter {
         self.last_seen.len()
     }
 
+    /// Whether no hash is remembered.
     pub fn is_empty(&self) -> bool {
         self.last_seen.is_empty()
     }

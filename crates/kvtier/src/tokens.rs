@@ -31,6 +31,7 @@ pub struct TokenBlockSequence {
 }
 
 impl TokenBlockSequence {
+    /// An empty sequence.
     pub fn new(salt: HashSalt, block_size: NonZeroUsize) -> Self {
         TokenBlockSequence {
             salt,
@@ -64,6 +65,7 @@ impl TokenBlockSequence {
             .truncate(self.tokens.len() / self.block_size.get());
     }
 
+    /// Every token appended (and not truncated).
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
     }
@@ -73,22 +75,27 @@ impl TokenBlockSequence {
         &self.hashes
     }
 
+    /// The salt its blocks are hashed with.
     pub fn salt(&self) -> HashSalt {
         self.salt
     }
 
+    /// Tokens per block.
     pub fn block_size(&self) -> usize {
         self.block_size.get()
     }
 
+    /// Tokens in the sequence.
     pub fn len(&self) -> usize {
         self.tokens.len()
     }
 
+    /// Whether the sequence holds no token.
     pub fn is_empty(&self) -> bool {
         self.tokens.is_empty()
     }
 
+    /// Full blocks in the sequence.
     pub fn num_full_blocks(&self) -> usize {
         self.hashes.len()
     }

@@ -25,7 +25,9 @@ use crate::settings::{ConnectorKind, EngineArgs, TierArgs};
 /// Which workloads to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum WorkloadChoice {
+    /// Multi-round chat sharing a system prompt.
     Chat,
+    /// Several questions per long document.
     Docqa,
 }
 
@@ -104,14 +106,17 @@ pub struct BenchEngineArgs {
     /// Hugging Face Llama directory. Default: the built-in model.
     #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
+    /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
     /// G1 capacity in blocks (small on purpose: the workloads' history must not fit).
     /// Default 96 (1536 tokens), 128 with --large.
     #[arg(long)]
     pub num_device_blocks: Option<usize>,
+    /// Most requests running at once.
     #[arg(long, default_value_t = 16)]
     pub max_num_seqs: usize,
+    /// Token budget of one forward pass.
     #[arg(long, default_value_t = 256)]
     pub max_batch_tokens: usize,
     /// Host tier size of the `kvtier` configuration, GB.

@@ -20,33 +20,52 @@ pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
 /// Fraction of prompt tokens served per tier.
 #[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
 pub struct HitRates {
+    /// From the engine's own G1 prefix cache.
     pub device: f64,
+    /// From kvtier's host tier.
     pub host: f64,
+    /// From kvtier's disk tier.
     pub disk: f64,
+    /// From kvtier's remote tier.
     pub remote: f64,
 }
 
 /// One (workload, configuration) row.
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
+    /// The workload's name.
     pub workload: String,
+    /// The configuration's name.
     pub config: String,
+    /// Requests run.
     pub requests: usize,
+    /// Of those, failed.
     pub errors: usize,
+    /// Seconds the run took.
     pub wall_s: f64,
+    /// Median time to first token, ms.
     pub ttft_p50_ms: f64,
+    /// 90th percentile time to first token, ms.
     pub ttft_p90_ms: f64,
+    /// 99th percentile time to first token, ms.
     pub ttft_p99_ms: f64,
+    /// Median time from submit to the last event, ms.
     pub e2e_p50_ms: f64,
+    /// Requests finished per second of the run.
     pub requests_per_s: f64,
+    /// Tokens generated per second of the run.
     pub output_tokens_per_s: f64,
+    /// Prompt tokens of all requests.
     pub prompt_tokens: u64,
     /// Prompt tokens the engine ran through the model.
     pub computed_prompt_tokens: u64,
     /// Computed prompt tokens that had already been computed earlier in the run.
     pub recomputed_tokens: u64,
+    /// Fraction of prompt tokens served per tier.
     pub hit_rate: HitRates,
+    /// Blocks offloaded into each tier.
     pub offloaded_blocks: TierCounts,
+    /// Blocks onboarded from each tier into G1.
     pub onboarded_blocks: TierCounts,
     /// TTFT p50 (ms) per turn index (chat round / docqa question).
     pub ttft_p50_ms_by_turn: Vec<f64>,

@@ -20,7 +20,9 @@ use crate::bench::workload::{History, RequestKey, Script, Workload};
 /// What happened to one request.
 #[derive(Debug, Clone, Serialize)]
 pub struct RequestRecord {
+    /// Which stream and turn it was.
     pub key: RequestKey,
+    /// Tokens of its prompt.
     pub prompt_tokens: usize,
     /// Prompt tokens whose full blocks were already computed earlier in this run.
     pub seen_prefix_tokens: usize,
@@ -32,15 +34,19 @@ pub struct RequestRecord {
     pub e2e_s: f64,
     /// Seconds after the start of the run at which the request was submitted.
     pub submitted_at_s: f64,
+    /// The generated tokens (compared across configurations, not written).
     #[serde(skip)]
     pub output: Vec<u32>,
+    /// Why it failed, if it did.
     pub error: Option<String>,
 }
 
 /// One workload's run on one backend.
 #[derive(Debug, Clone)]
 pub struct RunResult {
+    /// Every request, in submission order.
     pub records: Vec<RequestRecord>,
+    /// How long the run took.
     pub wall: Duration,
     /// Engine counter deltas over the run.
     pub counters: CacheCounters,

@@ -31,7 +31,9 @@ pub struct TierSetup {
 /// One engine configuration of the comparison.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct BenchConfig {
+    /// Its name in the report (e.g. `kvtier`).
     pub name: String,
+    /// One line saying what it is.
     pub description: String,
     /// The engine's own G1 prefix cache (off: nothing computed is reused across requests).
     pub prefix_cache: bool,
@@ -50,10 +52,15 @@ pub trait EngineFactory {
 /// What to run and where to write.
 #[derive(Debug, Clone)]
 pub struct SuiteOptions {
+    /// Workloads to run, in order.
     pub workloads: Vec<Workload>,
+    /// Configurations to compare on each.
     pub configs: Vec<BenchConfig>,
+    /// Where the report, chart and scratch directories go.
     pub out_dir: PathBuf,
+    /// Seed of the workloads' token content.
     pub seed: u64,
+    /// No progress output.
     pub quiet: bool,
     /// The configuration the target ratio is computed against.
     pub baseline: String,
@@ -70,49 +77,72 @@ pub struct SuiteOptions {
 /// A mismatch between two configurations' outputs.
 #[derive(Debug, Clone, Serialize)]
 pub struct Mismatch {
+    /// The workload.
     pub workload: String,
+    /// The configuration whose output differs from the first one's.
     pub config: String,
+    /// The request.
     pub key: RequestKey,
 }
 
 /// The whole report.
 #[derive(Debug, Clone, Serialize)]
 pub struct SuiteReport {
+    /// How the run was invoked.
     pub command: String,
+    /// The machine it ran on (cores, model).
     pub machine: String,
+    /// The workloads run.
     pub workloads: Vec<Workload>,
+    /// The configurations compared.
     pub configs: Vec<BenchConfig>,
+    /// One row per (workload, configuration).
     pub rows: Vec<Summary>,
+    /// Every configuration generated the same tokens for every request.
     pub outputs_identical: bool,
+    /// The requests where they did not.
     pub mismatches: Vec<Mismatch>,
+    /// The headline check, if its configurations ran.
     pub target: Option<TargetCheck>,
     /// The target configuration's TTFT p50 ratio against every baseline, per workload.
     pub ratios: Vec<Ratio>,
     /// 1-minute load average of the machine when the run started and ended (Linux).
     pub load_avg: Option<(f64, f64)>,
+    /// Per workload, per configuration, every request's record.
     pub requests: BTreeMap<String, BTreeMap<String, Vec<RequestRecord>>>,
 }
 
 /// `baseline`'s TTFT p50 divided by `config`'s on one workload (higher: `config` is faster).
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Ratio {
+    /// The workload.
     pub workload: String,
+    /// The configuration measured.
     pub config: String,
+    /// The configuration it is compared with.
     pub baseline: String,
+    /// `baseline`'s TTFT p50 over `config`'s.
     pub ttft_p50: f64,
 }
 
 /// The headline check: kvtier vs the baseline on the first workload.
 #[derive(Debug, Clone, Serialize)]
 pub struct TargetCheck {
+    /// The first workload.
     pub workload: String,
+    /// The configuration compared with.
     pub baseline: String,
+    /// The configuration the target is about.
     pub config: String,
+    /// `baseline`'s TTFT p50 over `config`'s.
     pub ratio: f64,
+    /// The ratio asked for.
     pub required: f64,
+    /// Whether `ratio >= required`.
     pub met: bool,
     /// Distinct tokens the workload keeps alive (all streams' final histories) vs G1's capacity.
     pub working_set_tokens: usize,
+    /// G1's capacity in tokens.
     pub device_tokens: usize,
 }
 

@@ -10,10 +10,15 @@ use serde::Serialize;
 /// the user's whole history (system prompt, earlier questions and the engine's earlier answers).
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct ChatParams {
+    /// Concurrent users (streams).
     pub users: usize,
+    /// Questions each user asks.
     pub rounds: usize,
+    /// Tokens of the shared system prompt.
     pub system_tokens: usize,
+    /// Tokens of each question.
     pub question_tokens: usize,
+    /// Tokens generated per answer.
     pub answer_tokens: u32,
     /// Request arrival rate (requests per second, across users); a user waits for its previous answer.
     pub qps: f64,
@@ -23,11 +28,17 @@ pub struct ChatParams {
 /// round-robin, so a document's KV has usually left a small G1 before its next question.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct DocQaParams {
+    /// Documents (streams).
     pub docs: usize,
+    /// Tokens of each document.
     pub doc_tokens: usize,
+    /// Questions asked about each document.
     pub questions_per_doc: usize,
+    /// Tokens of each question.
     pub question_tokens: usize,
+    /// Tokens generated per answer.
     pub answer_tokens: u32,
+    /// Request arrival rate (requests per second, across documents).
     pub qps: f64,
 }
 
@@ -35,7 +46,9 @@ pub struct DocQaParams {
 #[derive(Debug, Clone, Serialize, PartialEq)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Workload {
+    /// Multi-round chat.
     Chat(ChatParams),
+    /// Long-document QA.
     DocQa(DocQaParams),
 }
 
@@ -128,6 +141,7 @@ pub struct Script {
     pub questions: Vec<Vec<Vec<u32>>>,
     /// Whether a stream's later prompts include its earlier questions and answers (chat) or not (docqa).
     pub carries_history: bool,
+    /// Tokens generated per answer.
     pub answer_tokens: u32,
 }
 
@@ -186,7 +200,9 @@ impl Script {
 /// A stream's running conversation.
 #[derive(Debug, Clone, Default)]
 pub struct History {
+    /// The stream's prompt so far (prefix, questions and answers).
     pub tokens: Vec<u32>,
+    /// The next turn to ask.
     pub next_turn: usize,
 }
 

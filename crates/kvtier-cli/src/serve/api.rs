@@ -15,10 +15,15 @@ use crate::backend::{Backend, GenRequest, SubmitError};
 /// An OpenAI-style error: `{"error":{"message","type","param","code"}}` with an HTTP status.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
+    /// The HTTP status.
     pub status: StatusCode,
+    /// `error.message`.
     pub message: String,
+    /// `error.type` (e.g. `invalid_request_error`).
     pub kind: &'static str,
+    /// `error.param`: the offending request field.
     pub param: Option<&'static str>,
+    /// `error.code`.
     pub code: Option<&'static str>,
 }
 
@@ -99,7 +104,9 @@ impl IntoResponse for ApiError {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum Prompt {
+    /// Text, tokenized by the server.
     Text(String),
+    /// Token ids, used as given.
     Tokens(Vec<u32>),
     /// Batches (`["a","b"]`, `[[1],[2]]`) are recognised only to be refused clearly.
     Batch(Vec<Value>),
@@ -108,6 +115,7 @@ pub enum Prompt {
 /// Streaming options.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct StreamOptions {
+    /// Send a last chunk with the usage.
     #[serde(default)]
     pub include_usage: bool,
 }
@@ -115,19 +123,29 @@ pub struct StreamOptions {
 /// Fields shared by both endpoints.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Sampling {
+    /// The model asked for (must be the served one, if given).
     pub model: Option<String>,
+    /// Most tokens to generate.
     pub max_tokens: Option<u32>,
     /// Newer OpenAI name for `max_tokens` on chat.
     pub max_completion_tokens: Option<u32>,
+    /// Only 0 (or absent): decoding is greedy.
     pub temperature: Option<f64>,
+    /// Only 1 (or absent): decoding is greedy.
     pub top_p: Option<f64>,
+    /// Only 1 (or absent).
     pub n: Option<u32>,
+    /// Answer as server-sent events.
     #[serde(default)]
     pub stream: bool,
+    /// Streaming options.
     pub stream_options: Option<StreamOptions>,
+    /// Keep generating past end-of-sequence tokens (vLLM's extension).
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Refused unless absent or empty: stop sequences are not supported.
     pub stop: Option<Value>,
+    /// Refused unless absent: log probabilities are not supported.
     pub logprobs: Option<Value>,
     /// Non-standard (vLLM): include the generated token ids in each choice.
     #[serde(default)]
@@ -137,7 +155,9 @@ pub struct Sampling {
 /// `POST /v1/completions` body.
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionBody {
+    /// The prompt.
     pub prompt: Prompt,
+    /// The shared fields.
     #[serde(flatten)]
     pub sampling: Sampling,
 }
@@ -146,29 +166,37 @@ pub struct CompletionBody {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum Content {
+    /// Plain text.
     Text(String),
+    /// A list of parts (only text parts are accepted).
     Parts(Vec<ContentPart>),
 }
 
 /// One content part; only `text` parts are supported.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ContentPart {
+    /// The part's `type` (only `text`).
     #[serde(rename = "type")]
     pub kind: String,
+    /// Its text.
     pub text: Option<String>,
 }
 
 /// One chat message.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Message {
+    /// `system`, `user` or `assistant`.
     pub role: String,
+    /// Its content.
     pub content: Option<Content>,
 }
 
 /// `POST /v1/chat/completions` body.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatBody {
+    /// The conversation, in order.
     pub messages: Vec<Message>,
+    /// The shared fields.
     #[serde(flatten)]
     pub sampling: Sampling,
 }
@@ -176,10 +204,15 @@ pub struct ChatBody {
 /// A validated request plus how to answer it.
 #[derive(Debug, Clone)]
 pub struct Validated {
+    /// What to generate.
     pub gen: GenRequest,
+    /// Answer as server-sent events.
     pub stream: bool,
+    /// Send a last chunk with the usage (streaming).
     pub include_usage: bool,
+    /// Include the generated token ids in each choice.
     pub return_token_ids: bool,
+    /// The model name to answer with.
     pub model: String,
 }
 

@@ -38,6 +38,7 @@ pub struct ServeArgs {
     /// Decode mode: timeout for one prefill call, in seconds.
     #[arg(long, default_value_t = 120)]
     pub prefill_timeout_s: u64,
+    /// The engine and tier settings.
     #[command(flatten)]
     pub engine: EngineArgs,
 }

@@ -23,15 +23,20 @@ use crate::serve::http_client::{self, HttpUrl};
 /// How a decode server reaches its prefill server.
 #[derive(Debug, Clone)]
 pub struct PrefillClient {
+    /// The prefill server.
     pub url: HttpUrl,
+    /// Bound on one prefill call.
     pub timeout: Duration,
 }
 
 /// The prefill server's answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Prefilled {
+    /// The first generated token.
     pub first_token: u32,
+    /// Why the prefill stopped (`Prefilled`: continue here).
     pub finish_reason: FinishReason,
+    /// Prompt tokens the prefill server did not compute.
     pub cached_tokens: u32,
 }
 

@@ -14,17 +14,24 @@ use hyper_util::rt::TokioIo;
 /// Errors reaching or reading from a server.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
+    /// The URL is not `http://host:port[/path]`.
     #[error("bad url `{0}` (expected http://host:port[/path])")]
     BadUrl(String),
+    /// The TCP connection failed.
     #[error("connecting to {addr}: {source}")]
     Connect {
+        /// The `host:port` dialled.
         addr: String,
+        /// The system's error.
         source: std::io::Error,
     },
+    /// The HTTP exchange failed.
     #[error("http: {0}")]
     Http(#[from] hyper::Error),
+    /// The request could not be built.
     #[error("building request: {0}")]
     Request(#[from] hyper::http::Error),
+    /// No complete answer within the timeout.
     #[error("timed out after {0:?}")]
     Timeout(Duration),
 }
@@ -59,7 +66,7 @@ async fn send(
     url: &HttpUrl,
     method: &str,
     endpoint: &str,
-    body: Option<&serde_json::Value>,
+    payload: Bytes,
 ) -> Result<hyper::Response<hyper::body::Incoming>, ClientError> {
     let stream = tokio::net::TcpStream::connect(&url.authority)
         .await
@@ -73,10 +80,6 @@ async fn send(
             tracing::debug!("client connection closed: {e}");
         }
     });
-    let payload = match body {
-        Some(v) => Bytes::from(v.to_string()),
-        None => Bytes::new(),
-    };
     let req = hyper::Request::builder()
         .method(method)
         .uri(url.path(endpoint))
@@ -86,16 +89,16 @@ async fn send(
     Ok(sender.send_request(req).await?)
 }
 
-/// Sends a request and reads the whole body.
-pub async fn call(
+/// One request with `payload` as its body, the whole response body read, all within `timeout`.
+async fn exchange(
     url: &HttpUrl,
     method: &str,
     endpoint: &str,
-    body: Option<&serde_json::Value>,
+    payload: Bytes,
     timeout: Duration,
 ) -> Result<(StatusCode, Bytes), ClientError> {
     let fut = async {
-        let resp = send(url, method, endpoint, body).await?;
+        let resp = send(url, method, endpoint, payload).await?;
         let status = resp.status();
         let bytes = resp.into_body().collect().await?.to_bytes();
         Ok((status, bytes))
@@ -105,39 +108,26 @@ pub async fn call(
         .map_err(|_| ClientError::Timeout(timeout))?
 }
 
-/// Sends a raw body (for malformed-JSON tests).
+/// Sends a request (with `body` as JSON, if any) and reads the whole body.
+pub async fn call(
+    url: &HttpUrl,
+    method: &str,
+    endpoint: &str,
+    body: Option<&serde_json::Value>,
+    timeout: Duration,
+) -> Result<(StatusCode, Bytes), ClientError> {
+    let payload = body.map(|v| Bytes::from(v.to_string())).unwrap_or_default();
+    exchange(url, method, endpoint, payload, timeout).await
+}
+
+/// Posts a raw body (for malformed-JSON tests).
 pub async fn call_raw(
     url: &HttpUrl,
     endpoint: &str,
     raw: &'static [u8],
     timeout: Duration,
 ) -> Result<(StatusCode, Bytes), ClientError> {
-    let fut = async {
-        let stream = tokio::net::TcpStream::connect(&url.authority)
-            .await
-            .map_err(|source| ClientError::Connect {
-                addr: url.authority.clone(),
-                source,
-            })?;
-        let (mut sender, conn) =
-            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        let req = hyper::Request::builder()
-            .method("POST")
-            .uri(url.path(endpoint))
-            .header("host", &url.authority)
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from_static(raw)))?;
-        let resp = sender.send_request(req).await?;
-        let status = resp.status();
-        let bytes = resp.into_body().collect().await?.to_bytes();
-        Ok((status, bytes))
-    };
-    tokio::time::timeout(timeout, fut)
-        .await
-        .map_err(|_| ClientError::Timeout(timeout))?
+    exchange(url, "POST", endpoint, Bytes::from_static(raw), timeout).await
 }
 
 /// Posts JSON and returns the status plus the `data:` payloads of the SSE body, in order.

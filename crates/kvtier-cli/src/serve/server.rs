@@ -39,8 +39,11 @@ pub enum Generator {
 
 /// Shared state of one server.
 pub struct AppState {
+    /// The engine.
     pub backend: Arc<dyn Backend>,
+    /// Where first tokens come from (this engine, or a prefill server).
     pub generator: Generator,
+    /// The `/metrics` exporter.
     pub exporter: Exporter,
     next_id: AtomicU64,
     /// A label for `/health` (`agg`, `prefill`, `decode`).
@@ -52,14 +55,7 @@ pub struct AppState {
 impl AppState {
     /// State for a server over `backend`.
     pub fn new(backend: Arc<dyn Backend>, generator: Generator, mode: &'static str) -> Arc<Self> {
-        Arc::new(AppState {
-            backend,
-            generator,
-            exporter: Exporter::new(),
-            next_id: AtomicU64::new(1),
-            mode,
-            limits: ServeOptions::default(),
-        })
+        Self::with_limits(backend, generator, mode, ServeOptions::default())
     }
 
     /// As [`AppState::new`], with other server bounds.

@@ -9,24 +9,39 @@ use crate::model::ModelError;
 
 /// Token ids of the built-in byte-level vocabulary: 0..=255 are bytes, then these specials.
 pub const BYTE_VOCAB_BOS: u32 = 256;
+/// End of sequence in the built-in byte vocabulary.
 pub const BYTE_VOCAB_EOS: u32 = 257;
 /// Vocabulary size of the built-in model (256 bytes, BOS, EOS, two reserved ids).
 pub const BUILTIN_VOCAB: usize = 260;
 
+/// A Llama model's configuration (Hugging Face `config.json` names).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
+    /// Width of the residual stream.
     pub hidden_size: usize,
+    /// Width of the MLP.
     pub intermediate_size: usize,
+    /// Decoder layers.
     pub num_layers: usize,
+    /// Attention (query) heads.
     pub num_heads: usize,
+    /// Key/value heads (grouped-query attention).
     pub num_kv_heads: usize,
+    /// Width of one head.
     pub head_dim: usize,
+    /// Tokens of the vocabulary.
     pub vocab_size: usize,
+    /// Longest sequence the rotary tables cover.
     pub max_position_embeddings: usize,
+    /// Epsilon of the RMS norms.
     pub rms_norm_eps: f32,
+    /// Base of the rotary embedding.
     pub rope_theta: f64,
+    /// Beginning-of-sequence token, if any.
     pub bos_token_id: Option<u32>,
+    /// Tokens that end a generation.
     pub eos_token_ids: Vec<u32>,
+    /// The output projection is the embedding's transpose.
     pub tie_word_embeddings: bool,
 }
 
@@ -55,6 +70,7 @@ impl ModelConfig {
         self.num_kv_heads * self.head_dim
     }
 
+    /// Refuse a configuration the forward pass cannot run (a zero size, an odd `head_dim`, ...).
     pub fn validate(&self) -> Result<(), ModelError> {
         let bad = |reason: String| Err(ModelError::Config(reason));
         if self.hidden_size == 0

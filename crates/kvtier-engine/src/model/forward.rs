@@ -13,8 +13,11 @@ use crate::model::{Model, ModelError};
 /// the blocks of `block_table` (which must cover `start_pos + tokens.len()` positions).
 #[derive(Clone, Copy, Debug)]
 pub struct SeqChunk<'a> {
+    /// The tokens to run.
     pub tokens: &'a [u32],
+    /// Position of the first of them.
     pub start_pos: usize,
+    /// The sequence's KV blocks, in order.
     pub block_table: &'a [u32],
     /// Compute the logits of the last token of this chunk.
     pub want_logits: bool,

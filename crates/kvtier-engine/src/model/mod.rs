@@ -16,24 +16,32 @@ pub use weights::Weights;
 
 use crate::kernels::Rope;
 
+/// Why a model could not be loaded or run.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ModelError {
+    /// The configuration is unusable.
     #[error("model config: {0}")]
     Config(String),
+    /// The weights are missing, malformed or of the wrong shape.
     #[error("model weights: {0}")]
     Weights(String),
+    /// A batch the forward pass cannot run.
     #[error("invalid batch: {0}")]
     Batch(String),
 }
 
+/// A Llama model: configuration, weights and rotary tables.
 pub struct Model {
+    /// Its configuration.
     pub config: ModelConfig,
+    /// Its weights.
     pub weights: Weights,
     rope: Rope,
 }
 
 impl Model {
+    /// Check `config` and build the model.
     pub fn new(config: ModelConfig, weights: Weights) -> Result<Self, ModelError> {
         config.validate()?;
         let rope = Rope::new(

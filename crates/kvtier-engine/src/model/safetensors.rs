@@ -24,6 +24,7 @@ pub struct SafeTensors {
 }
 
 impl SafeTensors {
+    /// Parse a `.safetensors` file (`what` names it in errors).
     pub fn parse(data: Vec<u8>, what: &str) -> Result<Self, ModelError> {
         let err = |r: String| ModelError::Weights(format!("{what}: {r}"));
         if data.len() < 8 {
@@ -55,6 +56,7 @@ impl SafeTensors {
         })
     }
 
+    /// The tensor names of the file.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.entries.keys().map(|s| s.as_str())
     }

@@ -7,21 +7,35 @@ use std::path::Path;
 use crate::model::safetensors::SafeTensors;
 use crate::model::{ModelConfig, ModelError};
 
+/// One decoder layer's weights, row-major f32.
 pub struct LayerWeights {
+    /// RMS norm before attention.
     pub input_norm: Vec<f32>,
+    /// Query projection.
     pub wq: Vec<f32>,
+    /// Key projection.
     pub wk: Vec<f32>,
+    /// Value projection.
     pub wv: Vec<f32>,
+    /// Attention output projection.
     pub wo: Vec<f32>,
+    /// RMS norm before the MLP.
     pub post_norm: Vec<f32>,
+    /// MLP gate projection.
     pub gate: Vec<f32>,
+    /// MLP up projection.
     pub up: Vec<f32>,
+    /// MLP down projection.
     pub down: Vec<f32>,
 }
 
+/// A Llama model's weights, row-major f32.
 pub struct Weights {
+    /// Token embeddings.
     pub embed: Vec<f32>,
+    /// The decoder layers.
     pub layers: Vec<LayerWeights>,
+    /// The final RMS norm.
     pub norm: Vec<f32>,
     /// `None` when tied to `embed`.
     pub lm_head: Option<Vec<f32>>,
@@ -203,6 +217,7 @@ impl Weights {
         out
     }
 
+    /// The output projection (the embedding when tied).
     pub fn lm_head(&self) -> &[f32] {
         self.lm_head.as_deref().unwrap_or(&self.embed)
     }

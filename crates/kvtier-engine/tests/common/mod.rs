@@ -5,7 +5,7 @@
 use kvtier_engine::{EngineConfig, EngineHandle, FinishReason, GenerateEvent, GenerateRequest};
 
 /// Deterministic pseudo-text prompts of varying lengths that share prefixes in groups.
-pub fn prompts(n: usize, base_len: usize) -> Vec<Vec<u32>> {
+pub(crate) fn prompts(n: usize, base_len: usize) -> Vec<Vec<u32>> {
     let shared: Vec<u32> = (0..base_len as u32).map(|i| (i * 37 + 11) % 256).collect();
     (0..n)
         .map(|i| {
@@ -21,14 +21,17 @@ pub fn prompts(n: usize, base_len: usize) -> Vec<Vec<u32>> {
         .collect()
 }
 
-pub fn request(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
+pub(crate) fn request(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
     let mut r = GenerateRequest::new(prompt.to_vec(), max_tokens);
     r.ignore_eos = true;
     r
 }
 
 /// Submit all requests at once, then collect every answer (tokens, finish reason).
-pub fn run_all(engine: &EngineHandle, reqs: Vec<GenerateRequest>) -> Vec<(Vec<u32>, FinishReason)> {
+pub(crate) fn run_all(
+    engine: &EngineHandle,
+    reqs: Vec<GenerateRequest>,
+) -> Vec<(Vec<u32>, FinishReason)> {
     let rxs: Vec<_> = reqs
         .into_iter()
         .map(|r| engine.submit(r).unwrap())
@@ -51,7 +54,11 @@ pub fn run_all(engine: &EngineHandle, reqs: Vec<GenerateRequest>) -> Vec<(Vec<u3
 }
 
 /// Run requests one at a time on a fresh engine: the reference answers.
-pub fn reference(cfg: EngineConfig, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<Vec<u32>> {
+pub(crate) fn reference(
+    cfg: EngineConfig,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+) -> Vec<Vec<u32>> {
     let mut cfg = cfg;
     cfg.max_num_seqs = 1;
     cfg.connector = None;

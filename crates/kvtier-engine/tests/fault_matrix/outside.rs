@@ -20,14 +20,14 @@ struct Entry {
 type Snapshot = BTreeMap<PathBuf, Entry>;
 
 /// A private tree around a shared `disk.dir`; see the module docs.
-pub struct Sandbox {
+pub(crate) struct Sandbox {
     root: tempfile::TempDir,
     disk_dir: PathBuf,
     before: Snapshot,
 }
 
 impl Sandbox {
-    pub fn new() -> Sandbox {
+    pub(crate) fn new() -> Sandbox {
         let root = tempfile::tempdir().unwrap();
         let disk_dir = root.path().join("shared");
         let sub = disk_dir.join("other-app");
@@ -55,12 +55,12 @@ impl Sandbox {
     }
 
     /// What the row sets `disk.dir` to.
-    pub fn disk_dir(&self) -> &Path {
+    pub(crate) fn disk_dir(&self) -> &Path {
         &self.disk_dir
     }
 
     /// Asserts that everything outside kvtier's own files is as it was.
-    pub fn assert_untouched(&self) {
+    pub(crate) fn assert_untouched(&self) {
         let after = snapshot(self.root.path());
         for (p, e) in &self.before {
             assert_eq!(

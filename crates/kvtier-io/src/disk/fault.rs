@@ -8,7 +8,9 @@ use std::sync::Mutex;
 /// Which operation a fault hits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FaultOp {
+    /// Reads of a slot (header page and payload).
     Read,
+    /// Writes of a slot.
     Write,
 }
 
@@ -38,6 +40,7 @@ pub struct FaultInjector {
 }
 
 impl FaultInjector {
+    /// An injector with no faults armed.
     pub fn new() -> Self {
         Self::default()
     }

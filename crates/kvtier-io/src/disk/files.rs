@@ -8,7 +8,7 @@ use std::path::Path;
 
 use super::store::DirectMode;
 use crate::error::IoError;
-use crate::sys::file::{self, IoReq, IoSeg};
+use crate::sys::file::{self, IoOp, IoReq, IoSeg};
 use crate::sys::mem::{AlignedBuf, IO_ALIGN};
 
 /// One open data file.
@@ -124,14 +124,17 @@ fn probe_direct(f: &File) -> std::io::Result<()> {
             addr: buf.addr(),
             len: IO_ALIGN,
         }],
-        write: false,
+        op: IoOp::Read,
     };
     // SAFETY: `buf` is ours and lives across both calls.
     let n = unsafe { file::run_sync(&r) }?;
     if n < IO_ALIGN {
         return Err(std::io::Error::other("short O_DIRECT probe read"));
     }
-    let w = IoReq { write: true, ..r };
+    let w = IoReq {
+        op: IoOp::Write,
+        ..r
+    };
     // SAFETY: as above.
     unsafe { file::run_sync(&w) }?;
     Ok(())

@@ -13,7 +13,7 @@ use super::fault::{Fault, FaultOp};
 use super::format::{self, Expect, Header, HEADER_BYTES};
 use super::store::{DiskStorage, SlotMeta};
 use crate::error::BlockIoError;
-use crate::sys::file::{self, IoReq, IoSeg};
+use crate::sys::file::{self, IoOp, IoReq, IoSeg};
 use crate::sys::mem::{self, AlignedBuf, IO_ALIGN};
 use crate::sys::uring::Ring;
 
@@ -32,13 +32,21 @@ struct Op {
     fault: Option<Fault>,
 }
 
+/// The fault kind that hits an operation of `op`.
+fn fault_op(op: IoOp) -> FaultOp {
+    match op {
+        IoOp::Read => FaultOp::Read,
+        IoOp::Write => FaultOp::Write,
+    }
+}
+
 impl DiskStorage {
     /// Write blocks: `items[i] = (slot, key, address of block_bytes to write)`; key 0 = unkeyed.
     /// The addresses must stay valid and unwritten until this returns. One result per item.
     pub(crate) fn write_from(&self, items: &[(u32, u128, usize)]) -> Vec<Result<(), BlockIoError>> {
         let mut results: Vec<Result<(), BlockIoError>> = Vec::with_capacity(items.len());
         for chunk in items.chunks(self.queue_depth as usize * 2) {
-            results.extend(self.run_batch(chunk, true));
+            results.extend(self.run_batch(chunk, IoOp::Write));
         }
         results
     }
@@ -49,23 +57,19 @@ impl DiskStorage {
     pub(crate) fn read_into(&self, items: &[(u32, u128, usize)]) -> Vec<Result<(), BlockIoError>> {
         let mut results: Vec<Result<(), BlockIoError>> = Vec::with_capacity(items.len());
         for chunk in items.chunks(self.queue_depth as usize * 2) {
-            results.extend(self.run_batch(chunk, false));
+            results.extend(self.run_batch(chunk, IoOp::Read));
         }
         results
     }
 
-    fn run_batch(
-        &self,
-        items: &[(u32, u128, usize)],
-        write: bool,
-    ) -> Vec<Result<(), BlockIoError>> {
-        let op_name = if write { "write" } else { "read" };
+    fn run_batch(&self, items: &[(u32, u128, usize)], dir: IoOp) -> Vec<Result<(), BlockIoError>> {
+        let op_name = dir.name();
         let mut results: Vec<Option<Result<(), BlockIoError>>> =
             (0..items.len()).map(|_| None).collect();
         let mut deleted: Vec<Option<bool>> = vec![None; self.files.len()];
         let mut ops: Vec<Op> = Vec::with_capacity(items.len());
         for (index, &(slot, key, addr)) in items.iter().enumerate() {
-            match self.prepare(slot, key, addr, write, &mut deleted) {
+            match self.prepare(slot, key, addr, dir, &mut deleted) {
                 Ok(op) => ops.push(Op { index, ..op }),
                 Err(e) => results[index] = Some(Err(e)),
             }
@@ -101,7 +105,7 @@ impl DiskStorage {
                     got,
                     want,
                 }),
-                Ok(_) if write => {
+                Ok(_) if dir == IoOp::Write => {
                     self.meta()[op.slot as usize] = SlotMeta {
                         generation: op.generation,
                         key: op.key,
@@ -125,7 +129,7 @@ impl DiskStorage {
         slot: u32,
         key: u128,
         addr: usize,
-        write: bool,
+        dir: IoOp,
         deleted: &mut [Option<bool>],
     ) -> Result<Op, BlockIoError> {
         let (file_idx, offset) = self
@@ -135,7 +139,7 @@ impl DiskStorage {
         let gone = *deleted[file_idx]
             .get_or_insert_with(|| cf.file.metadata().map(|m| m.nlink() == 0).unwrap_or(true));
         if gone {
-            if write {
+            if dir == IoOp::Write {
                 self.meta()[slot as usize] = SlotMeta::default();
             }
             return Err(BlockIoError::FileDeleted {
@@ -146,7 +150,7 @@ impl DiskStorage {
         let fault = self
             .faults
             .as_ref()
-            .and_then(|f| f.take(if write { FaultOp::Write } else { FaultOp::Read }, slot));
+            .and_then(|f| f.take(fault_op(dir), slot));
         let header =
             AlignedBuf::new(HEADER_BYTES).map_err(|e| BlockIoError::Other(e.to_string()))?;
         let mut op = Op {
@@ -161,14 +165,14 @@ impl DiskStorage {
                 fd: cf.file.as_raw_fd(),
                 offset,
                 segs: Vec::new(),
-                write,
+                op: dir,
             },
             full_len: 0,
             fault,
         };
         let aligned = addr.is_multiple_of(IO_ALIGN) && self.block_bytes.is_multiple_of(IO_ALIGN);
         let zero_copy = aligned || !self.direct;
-        if write {
+        if dir == IoOp::Write {
             self.meta()[slot as usize] = SlotMeta::default();
             op.generation = self.next_gen();
             // SAFETY: the caller guarantees `addr..addr+block_bytes` is valid and unwritten

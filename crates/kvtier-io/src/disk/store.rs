@@ -51,7 +51,9 @@ pub enum DiskIoMode {
     /// io_uring if the kernel allows it, else pread/pwrite.
     #[default]
     Auto,
+    /// io_uring, or fail to open (no fallback).
     Uring,
+    /// pread/pwrite from the calling thread.
     Sync,
 }
 
@@ -61,7 +63,9 @@ pub enum DirectMode {
     /// O_DIRECT where the file system supports it, buffered I/O otherwise (logged).
     #[default]
     Auto,
+    /// O_DIRECT or fail to open.
     Require,
+    /// Buffered I/O through the page cache.
     Off,
 }
 
@@ -71,11 +75,15 @@ pub struct DiskOptions {
     /// The configured directory (`disk.dir`); kvtier's files go into its subdirectory
     /// [`super::SUBDIR`], and `dir` itself is never chmodded.
     pub dir: PathBuf,
+    /// Slots of the store (the disk tier's capacity in blocks).
     pub num_blocks: u32,
+    /// Bytes of one block (every slot's payload size).
     pub block_bytes: usize,
     /// Slots per cache file (0 = about 1 GiB per file).
     pub blocks_per_file: u32,
+    /// Which system interface moves the bytes.
     pub io: DiskIoMode,
+    /// Whether to bypass the page cache.
     pub direct: DirectMode,
     /// File set name (e.g. `rank0`): a restart with the same name re-opens the same files; a
     /// second live store of the name gets `name.1`, `name.2`, ...
@@ -85,10 +93,12 @@ pub struct DiskOptions {
     /// Keep the blocks across restarts (journal + files kept on drop). Off: cold start, files
     /// removed on drop.
     pub persist: bool,
+    /// Faults to inject into reads and writes (tests); `None` in production.
     pub faults: Option<Arc<FaultInjector>>,
 }
 
 impl DiskOptions {
+    /// Options for `num_blocks` slots of `block_bytes` under `dir`; the rest at their defaults.
     pub fn new(dir: impl Into<PathBuf>, num_blocks: u32, block_bytes: usize) -> Self {
         DiskOptions {
             dir: dir.into(),
@@ -393,9 +403,11 @@ impl DiskStorage {
         })
     }
 
+    /// Slots of the store.
     pub fn num_blocks(&self) -> u32 {
         self.num_blocks
     }
+    /// Bytes of one block.
     pub fn block_bytes(&self) -> usize {
         self.block_bytes
     }

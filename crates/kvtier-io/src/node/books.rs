@@ -40,9 +40,13 @@ pub enum PutRefused {
 /// A slot handed out for reading or writing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SlotGrant {
+    /// The grant's id, named again by the commit, abort or end of lease.
     pub id: u64,
+    /// Where the block's bytes start in the arena.
     pub offset: u64,
+    /// Bytes of the block.
     pub bytes: u64,
+    /// The checksum its writer committed (0 in a put grant, not yet known).
     pub checksum: u64,
 }
 
@@ -78,29 +82,46 @@ struct Client {
 /// A committed block as the node's disk tier needs it (evicted, or left at shutdown).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockCopy {
+    /// The namespace (model identity) it was stored under.
     pub namespace: String,
+    /// The block's content key (its sequence hash).
     pub key: u128,
+    /// Where its bytes are in the arena.
     pub offset: u64,
+    /// Bytes of the block.
     pub bytes: u64,
+    /// The checksum its writer committed.
     pub checksum: u64,
 }
 
 /// Counters of the node (reported by `kvtier node` and its stats request).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NodeStats {
+    /// Connections attached now.
     pub clients: u64,
+    /// Blocks held in the arena now (committed or being written).
     pub blocks: u64,
+    /// Arena bytes those blocks use.
     pub bytes_used: u64,
+    /// Arena bytes in all.
     pub capacity: u64,
+    /// Puts committed.
     pub puts: u64,
+    /// Puts skipped because nothing was free or evictable.
     pub puts_full: u64,
+    /// Gets asked for.
     pub gets: u64,
+    /// Of those, keys the node did not hold.
     pub get_misses: u64,
+    /// Committed blocks evicted to make room.
     pub evictions: u64,
+    /// Puts begun and never committed (aborted, or their client detached).
     pub abandoned_puts: u64,
-    /// The node's disk tier: blocks held, blocks spilled to it, reads it served.
+    /// Blocks the node's disk tier holds.
     pub disk_blocks: u64,
+    /// Blocks spilled from the arena to the disk tier.
     pub disk_spills: u64,
+    /// Gets served from the disk tier.
     pub disk_hits: u64,
 }
 
@@ -407,6 +428,7 @@ impl Books {
         }
     }
 
+    /// The counters now.
     pub fn stats(&self) -> NodeStats {
         self.stats
     }

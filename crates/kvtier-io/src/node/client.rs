@@ -33,6 +33,7 @@ use crate::sys::shm::Arena;
 /// Settings of a [`NodeStore`].
 #[derive(Clone, Debug)]
 pub struct NodeClientOptions {
+    /// Bound on each socket read and write to the node (default 2 s).
     pub io_timeout: Duration,
     /// Connections kept open to the node (concurrent operations of this process).
     pub pool: usize,
@@ -311,81 +312,58 @@ impl NodeStore {
             Ok(x) => x,
             Err(early) => return early,
         };
-        let mut out: Vec<PairResult> = vec![Ok(()); keys.len()];
-        let mut broken: Option<String> = None;
+        let mut b = DirectBatch::new(keys.len());
         let mut grants: Vec<(usize, u64, u64)> = Vec::new();
         let mut items: Vec<(usize, usize)> = Vec::new();
         for (k, &key) in keys.iter().enumerate() {
-            if let Some(b) = &broken {
-                out[k] = Err(b.clone());
+            if b.failed_by_break(k) {
                 continue;
             }
             let req = Request::BeginPut {
                 key,
                 bytes: bytes as u64,
             };
-            match c.call(&req) {
-                Ok(Reply::PutSlot { id, offset }) => match arena.addr(offset, bytes) {
+            match b.call(&mut c, k, &req) {
+                Some(Reply::PutSlot { id, offset }) => match arena.addr(offset, bytes) {
                     Ok(a) => {
                         grants.push((k, id, offset));
                         items.push((k, a));
                     }
                     Err(e) => {
-                        out[k] = Err(format!("node slot: {e}"));
-                        if let Err(e) = c.call(&Request::AbortPut(id)) {
-                            broken = Some(format!("node: {e}"));
-                        }
+                        b.out[k] = Err(format!("node slot: {e}"));
+                        b.send(&mut c, &Request::AbortPut(id));
                     }
                 },
-                Ok(Reply::AlreadyPresent) => {}
-                Ok(Reply::Full) => out[k] = Err("the kvtier node is full; store skipped".into()),
-                Ok(other) => out[k] = Err(format!("node put: unexpected reply {other:?}")),
-                Err(e) => {
-                    broken = Some(format!("node: {e}"));
-                    out[k] = Err(format!("node: {e}"));
+                Some(Reply::AlreadyPresent) | None => {}
+                Some(Reply::Full) => {
+                    b.out[k] = Err("the kvtier node is full; store skipped".into())
                 }
+                Some(other) => b.out[k] = Err(format!("node put: unexpected reply {other:?}")),
             }
         }
-        let failed = if items.is_empty() {
-            Vec::new()
-        } else {
-            copy(&items)
-        };
-        for (k, why) in failed {
-            if let Some(o) = out.get_mut(k) {
-                *o = Err(why);
-            }
-        }
+        b.copy(&items, copy);
         for (k, id, offset) in grants {
-            if let Some(b) = &broken {
-                // The node detached this connection: the reservation vanished there.
-                out[k] = Err(b.clone());
+            // After a break the node detached this connection: the reservation vanished there.
+            if b.failed_by_break(k) {
                 continue;
             }
-            let req = if out[k].is_err() {
+            let req = if b.out[k].is_err() {
                 Request::AbortPut(id)
             } else {
                 match arena.checksum(keys[k], offset, bytes) {
                     Ok(checksum) => Request::CommitPut { id, checksum },
                     Err(e) => {
-                        out[k] = Err(format!("node slot: {e}"));
+                        b.out[k] = Err(format!("node slot: {e}"));
                         Request::AbortPut(id)
                     }
                 }
             };
-            match c.call(&req) {
-                Ok(Reply::Done) => {}
-                Ok(other) => out[k] = Err(format!("node commit refused: {other:?}")),
-                Err(e) => {
-                    broken = Some(format!("node: {e}"));
-                    out[k] = Err(format!("node: {e}"));
-                }
+            match b.call(&mut c, k, &req) {
+                Some(Reply::Done) | None => {}
+                Some(other) => b.out[k] = Err(format!("node commit refused: {other:?}")),
             }
         }
-        if broken.is_none() {
-            self.pool(c);
-        }
-        Some(out)
+        Some(b.finish(self, c))
     }
 
     /// Arena -> device for `keys`: lease each block, verify its arena bytes against the
@@ -404,35 +382,29 @@ impl NodeStore {
             Ok(x) => x,
             Err(early) => return early,
         };
-        let mut out: Vec<PairResult> = vec![Ok(()); keys.len()];
-        let mut broken: Option<String> = None;
+        let mut b = DirectBatch::new(keys.len());
         let mut leases: Vec<(usize, u64)> = Vec::new();
         let mut items: Vec<(usize, usize)> = Vec::new();
         for (k, &key) in keys.iter().enumerate() {
-            if let Some(b) = &broken {
-                out[k] = Err(b.clone());
+            if b.failed_by_break(k) {
                 continue;
             }
-            let (id, offset, stored, checksum) = match c.call(&Request::BeginGet(key)) {
-                Ok(Reply::Lease {
+            let (id, offset, stored, checksum) = match b.call(&mut c, k, &Request::BeginGet(key)) {
+                Some(Reply::Lease {
                     id,
                     offset,
                     bytes,
                     checksum,
                 }) => (id, offset, bytes, checksum),
-                Ok(Reply::Missing) => {
-                    out[k] = Err(RemoteError::Missing { key }.to_string());
+                Some(Reply::Missing) => {
+                    b.out[k] = Err(RemoteError::Missing { key }.to_string());
                     continue;
                 }
-                Ok(other) => {
-                    out[k] = Err(format!("node get: unexpected reply {other:?}"));
+                Some(other) => {
+                    b.out[k] = Err(format!("node get: unexpected reply {other:?}"));
                     continue;
                 }
-                Err(e) => {
-                    broken = Some(format!("node: {e}"));
-                    out[k] = Err(format!("node: {e}"));
-                    continue;
-                }
+                None => continue,
             };
             let verdict = if stored != bytes as u64 {
                 Err((
@@ -469,42 +441,91 @@ impl NodeStore {
                     items.push((k, a));
                 }
                 Err((end, why)) => {
-                    out[k] = Err(why);
-                    if let Err(e) = c.call(&end) {
-                        broken = Some(format!("node: {e}"));
-                    }
+                    b.out[k] = Err(why);
+                    b.send(&mut c, &end);
                 }
             }
         }
-        let failed = if items.is_empty() {
-            Vec::new()
-        } else {
-            copy(&items)
-        };
-        for (k, why) in failed {
-            if let Some(o) = out.get_mut(k) {
+        b.copy(&items, copy);
+        for (k, id) in leases {
+            // After a break the lease may have ended while the copy ran: the bytes are not trusted.
+            if b.failed_by_break(k) {
+                continue;
+            }
+            match b.call(&mut c, k, &Request::EndGet(id)) {
+                Some(Reply::Done) | None => {}
+                Some(other) => b.out[k] = Err(format!("node end of lease: {other:?}")),
+            }
+        }
+        Some(b.finish(self, c))
+    }
+}
+
+/// One direct job's results, pair by pair, and whether its connection broke: after a transport
+/// error every later pair fails with that reason, and the connection is not pooled again (the
+/// node detached it, dropping its reservations and leases).
+struct DirectBatch {
+    out: Vec<PairResult>,
+    broken: Option<String>,
+}
+
+impl DirectBatch {
+    fn new(n: usize) -> Self {
+        DirectBatch {
+            out: vec![Ok(()); n],
+            broken: None,
+        }
+    }
+
+    /// Fails pair `k` with the connection's break, if it broke; true then.
+    fn failed_by_break(&mut self, k: usize) -> bool {
+        match &self.broken {
+            Some(b) => {
+                self.out[k] = Err(b.clone());
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// `req` on behalf of pair `k`: a transport error breaks the batch and fails `k` (`None`).
+    fn call(&mut self, c: &mut Conn, k: usize, req: &Request) -> Option<Reply> {
+        match c.call(req) {
+            Ok(reply) => Some(reply),
+            Err(e) => {
+                self.broken = Some(format!("node: {e}"));
+                self.out[k] = Err(format!("node: {e}"));
+                None
+            }
+        }
+    }
+
+    /// `req` for a pair already failed (an abort, an early end of lease): its reply is not
+    /// needed, a transport error only breaks the batch.
+    fn send(&mut self, c: &mut Conn, req: &Request) {
+        if let Err(e) = c.call(req) {
+            self.broken = Some(format!("node: {e}"));
+        }
+    }
+
+    /// The device leg over `items` (none: no call), failing the pairs it reports.
+    fn copy(&mut self, items: &[(usize, usize)], copy: Box<DeviceLeg<'_>>) {
+        if items.is_empty() {
+            return;
+        }
+        for (k, why) in copy(items) {
+            if let Some(o) = self.out.get_mut(k) {
                 *o = Err(why);
             }
         }
-        for (k, id) in leases {
-            if let Some(b) = &broken {
-                // The lease may have ended while the copy ran: the bytes are not trusted.
-                out[k] = Err(b.clone());
-                continue;
-            }
-            match c.call(&Request::EndGet(id)) {
-                Ok(Reply::Done) => {}
-                Ok(other) => out[k] = Err(format!("node end of lease: {other:?}")),
-                Err(e) => {
-                    broken = Some(format!("node: {e}"));
-                    out[k] = Err(format!("node: {e}"));
-                }
-            }
+    }
+
+    /// The results; `c` goes back to `store`'s pool unless it broke.
+    fn finish(self, store: &NodeStore, c: Conn) -> Vec<PairResult> {
+        if self.broken.is_none() {
+            store.pool(c);
         }
-        if broken.is_none() {
-            self.pool(c);
-        }
-        Some(out)
+        self.out
     }
 }
 

@@ -21,39 +21,58 @@ pub enum Request {
     /// The first message: protocol version and the namespace (model identity) this client
     /// stores and reads.
     Hello {
+        /// This client's [`NODE_PROTOCOL_VERSION`].
         version: u32,
+        /// The namespace every later request of this connection is in.
         namespace: String,
     },
+    /// Which of these keys the node holds (answered `Present`).
     Contains(Vec<u128>),
+    /// Reserve a slot for `key` (answered `PutSlot`, `AlreadyPresent` or `Full`).
     BeginPut {
+        /// The block's content key.
         key: u128,
+        /// Bytes of the block.
         bytes: u64,
     },
+    /// Publish the written slot `id` with the checksum of its bytes.
     CommitPut {
+        /// The `PutSlot` id.
         id: u64,
+        /// [`block_checksum`] of the bytes written.
         checksum: u64,
     },
+    /// Give up the reserved slot (the write failed); the block stays absent.
     AbortPut(u64),
+    /// Lease the block of this key for reading (answered `Lease` or `Missing`).
     BeginGet(u128),
+    /// End lease `id`: the client copied (or gave up on) the bytes.
     EndGet(u64),
     /// The bytes of lease `id` failed their checksum: drop the block.
     Damaged(u64),
+    /// The node's counters (answered `Stats`).
     Stats,
 }
 
 /// Node -> client.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Reply {
+    /// `Hello` accepted.
     Welcome {
         /// The shared arena: a file the client maps read-write.
         arena_path: String,
+        /// Bytes of the arena file.
         arena_bytes: u64,
     },
+    /// The request was refused (wrong version, no `Hello` first, ...): the reason.
     Refused(String),
+    /// For `Contains`: one flag per key, in order.
     Present(Vec<bool>),
     /// Write the block at `offset`, then `CommitPut { id, .. }`.
     PutSlot {
+        /// The reservation's id.
         id: u64,
+        /// Where in the arena to write.
         offset: u64,
     },
     /// The block is stored already (or being written by someone else).
@@ -62,32 +81,52 @@ pub enum Reply {
     Full,
     /// Read the `bytes` of the block at `offset`, check `checksum`, then `EndGet(id)`.
     Lease {
+        /// The lease's id.
         id: u64,
+        /// Where in the arena the bytes are.
         offset: u64,
+        /// Bytes of the block as stored.
         bytes: u64,
+        /// The checksum its writer committed.
         checksum: u64,
     },
+    /// The node does not hold the key.
     Missing,
+    /// The commit, abort, end of lease or damage report was applied.
     Done,
+    /// The node's counters, as `NodeStats` names them.
     Stats {
+        /// Connections attached now.
         clients: u64,
+        /// Blocks held in the arena now.
         blocks: u64,
+        /// Arena bytes those blocks use.
         bytes_used: u64,
+        /// Arena bytes in all.
         capacity: u64,
+        /// Puts committed.
         puts: u64,
+        /// Puts skipped because the node was full.
         puts_full: u64,
+        /// Gets asked for.
         gets: u64,
+        /// Of those, keys the node did not hold.
         get_misses: u64,
+        /// Committed blocks evicted to make room.
         evictions: u64,
+        /// Puts begun and never committed.
         abandoned_puts: u64,
+        /// Blocks the node's disk tier holds.
         disk_blocks: u64,
+        /// Blocks spilled from the arena to the disk tier.
         disk_spills: u64,
+        /// Gets served from the disk tier.
         disk_hits: u64,
     },
 }
 
 /// Write one frame.
-pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> io::Result<()> {
+pub(super) fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> io::Result<()> {
     let body = postcard::to_stdvec(msg).map_err(|e| io::Error::other(e.to_string()))?;
     if body.len() > MAX_FRAME {
         return Err(io::Error::new(
@@ -103,7 +142,7 @@ pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> io::Result<()> 
 }
 
 /// Read one frame (`Ok(None)` at a clean end of stream before a frame starts).
-pub fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read) -> io::Result<Option<T>> {
+pub(super) fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read) -> io::Result<Option<T>> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len) {
         Ok(()) => {}

@@ -44,10 +44,12 @@ pub struct NodeOptions {
     pub share: SharePolicy,
     /// The node's disk tier behind the arena (`--disk-dir`; none by default) and its size.
     pub disk_dir: Option<PathBuf>,
+    /// Bytes of that disk tier (0: no disk tier).
     pub disk_bytes: u64,
 }
 
 impl NodeOptions {
+    /// Options for a node at `socket` with `capacity` bytes of arena; the rest at their defaults.
     pub fn new(socket: impl Into<PathBuf>, capacity: u64) -> Self {
         NodeOptions {
             socket: socket.into(),
@@ -190,6 +192,7 @@ impl NodeServer {
         })
     }
 
+    /// The Unix socket engines attach to.
     pub fn socket(&self) -> &Path {
         &self.socket
     }

@@ -17,8 +17,10 @@
 /// The capacity policy of a node (see the module docs).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum SharePolicy {
+    /// Every attached namespace gets the same share.
     #[default]
     Equal,
+    /// Shares in proportion to these weights (by namespace or model name); others weigh 1.
     Weighted(Vec<(String, u32)>),
 }
 

@@ -32,6 +32,7 @@ pub enum BreakerState {
 /// Counters and state of a breaker (all counters since the store was opened).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BreakerStats {
+    /// Whether operations reach the server now.
     pub state: BreakerState,
     /// Operations that reached the server (including probes).
     pub attempted: u64,

@@ -90,6 +90,7 @@ impl DirStore {
         })
     }
 
+    /// The namespace this store reads and writes.
     pub fn namespace(&self) -> &Namespace {
         &self.ns
     }

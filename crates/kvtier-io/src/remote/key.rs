@@ -12,8 +12,10 @@ use kvtier::transfer::RemoteError;
 pub struct Namespace(String);
 
 impl Namespace {
+    /// Longest namespace accepted, in characters.
     pub const MAX_LEN: usize = 64;
 
+    /// Validate `ns` (1..=64 of `[A-Za-z0-9_.-]`, not starting with `.`).
     pub fn new(ns: &str) -> Result<Self, RemoteError> {
         let ok_chars = ns
             .bytes()
@@ -27,6 +29,7 @@ impl Namespace {
         Ok(Namespace(ns.to_owned()))
     }
 
+    /// The namespace as given.
     pub fn as_str(&self) -> &str {
         &self.0
     }

@@ -85,7 +85,7 @@ fn open_target(
                 backoff: r.backoff,
                 max_backoff: r.max_backoff,
                 lookup_timeout: r.lookup_timeout,
-                cluster: !r.cluster_seeds.is_empty(),
+                cluster_seeds: r.cluster_seeds.clone(),
             };
             // The redis crate reads the URL's address and its own options, ignoring kvtier's.
             Ok(Arc::new(RedisStore::open(&target.url, namespace, opts)?))

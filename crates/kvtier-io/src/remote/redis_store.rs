@@ -54,8 +54,10 @@ pub struct RedisOptions {
     pub backoff: Duration,
     /// The longest window the breaker's doubling reaches. Default 30 s.
     pub max_backoff: Duration,
-    /// Treat the URL's hosts as seeds of a Redis/Valkey Cluster. Default off.
-    pub cluster: bool,
+    /// The seed nodes of a Redis/Valkey Cluster (`redis://[userinfo@]host:port` each), as the
+    /// one remote URL parser (`kvtier::config::RemoteTarget::parse`) splits them from
+    /// `redis://h1:p1,h2:p2?cluster=1`. Empty (the default): the URL names one server.
+    pub cluster_seeds: Vec<String>,
 }
 
 impl Default for RedisOptions {
@@ -68,7 +70,7 @@ impl Default for RedisOptions {
             lookup_timeout: Duration::from_millis(250),
             backoff: Duration::from_secs(1),
             max_backoff: Duration::from_secs(30),
-            cluster: false,
+            cluster_seeds: Vec::new(),
         }
     }
 }
@@ -217,8 +219,8 @@ fn unavailable(op: &'static str, e: &redis::RedisError) -> RemoteError {
 
 impl RedisStore {
     /// A store on the server at `url` (`redis://[user:pass@]host:port[/db]`, `valkey://…`,
-    /// `redis+unix:///path`), or, with `opts.cluster`, on the cluster seeded by the URL's
-    /// comma-separated hosts (`redis://[user:pass@]h1:p1,h2:p2`). Connects lazily: a server that
+    /// `redis+unix:///path`), or, with `opts.cluster_seeds`, on the cluster they seed (`url` then
+    /// only names the store in messages). Connects lazily: a server that
     /// is down now only makes operations fail.
     pub fn open(url: &str, namespace: &str, opts: RedisOptions) -> Result<Self, RemoteError> {
         let ns = Namespace::new(namespace)?;
@@ -240,9 +242,8 @@ impl RedisStore {
             let msg = e.to_string().replace(url, &shown);
             RemoteError::Config(format!("redis url {shown:?}: {msg}"))
         };
-        let client = if opts.cluster {
-            let nodes = cluster_seed_urls(url)?;
-            let c = ClusterClient::builder(nodes)
+        let client = if !opts.cluster_seeds.is_empty() {
+            let c = ClusterClient::builder(opts.cluster_seeds.clone())
                 .connection_timeout(opts.connect_timeout)
                 .response_timeout(opts.io_timeout)
                 .retries(1)
@@ -265,6 +266,7 @@ impl RedisStore {
         })
     }
 
+    /// The namespace this store reads and writes.
     pub fn namespace(&self) -> &Namespace {
         &self.ns
     }
@@ -533,41 +535,6 @@ impl RemoteStore for RedisStore {
     }
 }
 
-/// `redis://[user:pass@]h1:p1,h2:p2[/][?query]` -> one URL per seed node, each with the userinfo.
-fn cluster_seed_urls(url: &str) -> Result<Vec<String>, RemoteError> {
-    let bad = |why: &str| {
-        RemoteError::Config(format!(
-            "cluster url {:?}: {why}",
-            super::open::redact_url(url)
-        ))
-    };
-    let (scheme, rest) = url.split_once("://").ok_or_else(|| bad("no scheme"))?;
-    if !matches!(scheme, "redis" | "valkey") {
-        return Err(bad("cluster mode needs redis:// or valkey://"));
-    }
-    let rest = rest.split('?').next().unwrap_or("");
-    let (authority, path) = match rest.split_once('/') {
-        Some((a, p)) => (a, p),
-        None => (rest, ""),
-    };
-    if !path.is_empty() && path != "0" {
-        return Err(bad("a cluster has only database 0"));
-    }
-    let (userinfo, hosts) = match authority.rsplit_once('@') {
-        Some((u, h)) => (format!("{u}@"), h),
-        None => (String::new(), authority),
-    };
-    let seeds: Vec<String> = hosts
-        .split(',')
-        .filter(|h| !h.is_empty())
-        .map(|h| format!("{scheme}://{userinfo}{h}"))
-        .collect();
-    if seeds.is_empty() {
-        return Err(bad("no seed host"));
-    }
-    Ok(seeds)
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -589,20 +556,5 @@ mod tests {
             }
             assert_eq!(ours, cmd.get_packed_command());
         }
-    }
-
-    #[test]
-    fn cluster_seeds_carry_credentials() {
-        assert_eq!(
-            cluster_seed_urls("redis://u:p@a:1,b:2/?cluster=1").unwrap(),
-            vec!["redis://u:p@a:1", "redis://u:p@b:2"]
-        );
-        assert_eq!(
-            cluster_seed_urls("valkey://a:1").unwrap(),
-            vec!["valkey://a:1"]
-        );
-        assert!(cluster_seed_urls("redis://a:1/3").is_err());
-        assert!(cluster_seed_urls("redis+unix:///s").is_err());
-        assert!(cluster_seed_urls("redis://").is_err());
     }
 }

@@ -16,13 +16,32 @@ pub(crate) struct IoSeg {
     pub len: usize,
 }
 
+/// Which way a request moves bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum IoOp {
+    /// File -> memory.
+    Read,
+    /// Memory -> file.
+    Write,
+}
+
+impl IoOp {
+    /// `"read"` or `"write"`, for messages.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            IoOp::Read => "read",
+            IoOp::Write => "write",
+        }
+    }
+}
+
 /// One positional, vectored read or write (a disk slot: header page + payload).
 #[derive(Clone, Debug)]
 pub(crate) struct IoReq {
     pub fd: i32,
     pub offset: u64,
     pub segs: Vec<IoSeg>,
-    pub write: bool,
+    pub op: IoOp,
 }
 
 impl IoReq {
@@ -118,7 +137,7 @@ pub(crate) unsafe fn run_sync(req: &IoReq) -> io::Result<usize> {
         let cnt = libc::c_int::try_from(iov.len()).unwrap_or(libc::c_int::MAX);
         // SAFETY: the iovecs describe caller-owned memory valid for the call (see # Safety).
         let n = unsafe {
-            if req.write {
+            if req.op == IoOp::Write {
                 libc::pwritev(req.fd, iov.as_ptr(), cnt, off)
             } else {
                 libc::preadv(req.fd, iov.as_ptr(), cnt, off)
@@ -133,7 +152,7 @@ pub(crate) unsafe fn run_sync(req: &IoReq) -> io::Result<usize> {
         }
         let n = n as usize;
         if n == 0 {
-            if req.write {
+            if req.op == IoOp::Write {
                 return Err(io::Error::new(
                     io::ErrorKind::WriteZero,
                     "write returned 0 bytes",

@@ -7,7 +7,7 @@ use std::io;
 
 use io_uring::{opcode, types, IoUring};
 
-use super::file::{run_sync, IoReq};
+use super::file::{run_sync, IoOp, IoReq};
 
 /// A ring of `depth` entries owned by one thread at a time.
 pub(crate) struct Ring {
@@ -53,7 +53,7 @@ impl Ring {
                     let r = &reqs[next];
                     let iov = &iovs[next];
                     let len = u32::try_from(iov.len()).unwrap_or(u32::MAX);
-                    let e = if r.write {
+                    let e = if r.op == IoOp::Write {
                         opcode::Writev::new(types::Fd(r.fd), iov.as_ptr(), len)
                             .offset(r.offset)
                             .build()

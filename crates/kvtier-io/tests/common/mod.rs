@@ -5,7 +5,7 @@ use kvtier::transfer::{BlockPair, TransferJob};
 use kvtier::{JobId, Tier};
 
 /// Bytes of a block that depend on a seed, so any misplaced chunk changes the result.
-pub fn pattern(seed: u32, len: usize) -> Vec<u8> {
+pub(crate) fn pattern(seed: u32, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(2654435761).wrapping_add(12345) as u64 | 1;
     (0..len)
         .map(|_| {
@@ -17,7 +17,7 @@ pub fn pattern(seed: u32, len: usize) -> Vec<u8> {
         .collect()
 }
 
-pub fn job(src: Tier, dst: Tier, pairs: &[(u32, u32)]) -> TransferJob {
+pub(crate) fn job(src: Tier, dst: Tier, pairs: &[(u32, u32)]) -> TransferJob {
     TransferJob {
         id: JobId(1),
         src,

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-pub struct RedisServer {
+pub(crate) struct RedisServer {
     child: Option<Child>,
     pub port: u16,
     dir: tempfile::TempDir,
@@ -34,13 +34,13 @@ fn free_port() -> Result<u16> {
 impl RedisServer {
     /// Starts a server, or returns `None` when `redis-server` is absent and `KVTIER_SKIP_REDIS=1`.
     /// Without that variable a missing binary fails the test.
-    pub fn start() -> Option<RedisServer> {
+    pub(crate) fn start() -> Option<RedisServer> {
         Self::start_with(&[])
     }
 
     /// As [`start`](Self::start), with extra `redis-server` arguments; `{free_port}` in an argument
     /// is replaced by another free port.
-    pub fn start_with(extra: &[&str]) -> Option<RedisServer> {
+    pub(crate) fn start_with(extra: &[&str]) -> Option<RedisServer> {
         let Some(bin) = find_redis_server() else {
             if std::env::var("KVTIER_SKIP_REDIS").as_deref() == Ok("1") {
                 eprintln!("redis-server not found; skipped because KVTIER_SKIP_REDIS=1");
@@ -72,7 +72,7 @@ impl RedisServer {
     }
 
     /// (Re)starts the server process on `self.port` and waits until it answers PING.
-    pub fn spawn(&mut self) -> Result<()> {
+    pub(crate) fn spawn(&mut self) -> Result<()> {
         let child = Command::new(&self.bin)
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
@@ -106,24 +106,24 @@ impl RedisServer {
         }
     }
 
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
     /// A raw connection (no kvtier framing), for inspecting and damaging values.
-    pub fn raw(&self) -> Result<redis::Connection> {
+    pub(crate) fn raw(&self) -> Result<redis::Connection> {
         let c = redis::Client::open(self.url())?
             .get_connection_with_timeout(Duration::from_millis(500))?;
         c.set_read_timeout(Some(Duration::from_secs(5)))?;
         Ok(c)
     }
 
-    pub fn pid(&self) -> Option<u32> {
+    pub(crate) fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(|c| c.id())
     }
 
     /// Sends a signal (e.g. "STOP", "CONT") to the server process.
-    pub fn signal(&self, sig: &str) {
+    pub(crate) fn signal(&self, sig: &str) {
         if let Some(pid) = self.pid() {
             let ok = Command::new("kill")
                 .args([&format!("-{sig}"), &pid.to_string()])
@@ -134,7 +134,7 @@ impl RedisServer {
         }
     }
 
-    pub fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
@@ -150,7 +150,7 @@ impl Drop for RedisServer {
 }
 
 /// Deterministic pseudo-random bytes (xorshift), distinct per seed.
-pub fn block(seed: u64, len: usize) -> Vec<u8> {
+pub(crate) fn block(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..len)
         .map(|_| {
@@ -163,12 +163,12 @@ pub fn block(seed: u64, len: usize) -> Vec<u8> {
 }
 
 /// A Redis Cluster of `n` masters (no replicas) on loopback, each a [`RedisServer`].
-pub struct RedisCluster {
+pub(crate) struct RedisCluster {
     pub nodes: Vec<RedisServer>,
 }
 
 impl RedisCluster {
-    pub fn start(n: usize) -> Option<RedisCluster> {
+    pub(crate) fn start(n: usize) -> Option<RedisCluster> {
         let mut nodes = Vec::new();
         for _ in 0..n {
             nodes.push(RedisServer::start_with(&[
@@ -219,7 +219,7 @@ impl RedisCluster {
     }
 
     /// `redis://h1:p1,h2:p2,...?cluster=1`
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         let hosts: Vec<String> = self
             .nodes
             .iter()
@@ -229,7 +229,7 @@ impl RedisCluster {
     }
 
     /// The node that holds `name` (by asking any node for the key's slot owner).
-    pub fn owner_of(&self, name: &str) -> &RedisServer {
+    pub(crate) fn owner_of(&self, name: &str) -> &RedisServer {
         let mut c = self.nodes[0].raw().expect("raw connection");
         let slot: i64 = redis::cmd("CLUSTER")
             .arg("KEYSLOT")

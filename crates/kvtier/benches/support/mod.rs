@@ -5,11 +5,11 @@ use std::time::{Duration, Instant};
 
 use cpu_time::ThreadTime;
 
-pub fn cpu_clock() -> bool {
+pub(crate) fn cpu_clock() -> bool {
     std::env::var("KVTIER_BENCH_CLOCK").is_ok_and(|v| v == "cpu")
 }
 
-pub fn group_name(base: &str) -> String {
+pub(crate) fn group_name(base: &str) -> String {
     if cpu_clock() {
         format!("{base}_cputime")
     } else {
@@ -17,7 +17,7 @@ pub fn group_name(base: &str) -> String {
     }
 }
 
-pub fn time<F: FnMut()>(iters: u64, mut body: F) -> Duration {
+pub(crate) fn time<F: FnMut()>(iters: u64, mut body: F) -> Duration {
     if cpu_clock() {
         let t = ThreadTime::now();
         for _ in 0..iters {

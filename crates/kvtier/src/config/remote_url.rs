@@ -28,22 +28,29 @@ use super::value::{bool_reason, parse_bool, parse_u64};
 pub struct RemoteTarget {
     /// The URL as given. The Redis client reads it too (it ignores kvtier's options).
     pub url: String,
+    /// Which store, with kvtier's options parsed.
     pub backend: RemoteBackend,
 }
 
 /// The store behind a [`RemoteTarget`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RemoteBackend {
+    /// A Redis/Valkey server or cluster.
     Redis(RedisTarget),
     /// A shared directory; `fsync` syncs each value before publishing it.
     Dir {
+        /// The (shared) directory.
         path: PathBuf,
+        /// Sync each value before publishing it.
         fsync: bool,
     },
     /// The node tier at a Unix socket (`kvtier node`).
     Node {
+        /// The node's Unix socket.
         socket: PathBuf,
+        /// Bound on each socket read and write (default 2 s).
         io_timeout: Duration,
+        /// Connections kept open to the node (default 4).
         pool: usize,
     },
 }

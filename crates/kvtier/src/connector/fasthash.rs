@@ -6,6 +6,6 @@
 //! Invariant: equal keys hash equally within one process; nothing here is persisted or sent.
 use std::collections::{HashMap, HashSet};
 
-pub type FastBuild = rustc_hash::FxBuildHasher;
-pub type FastMap<K, V> = HashMap<K, V, FastBuild>;
-pub type FastSet<K> = HashSet<K, FastBuild>;
+pub(crate) type FastBuild = rustc_hash::FxBuildHasher;
+pub(crate) type FastMap<K, V> = HashMap<K, V, FastBuild>;
+pub(crate) type FastSet<K> = HashSet<K, FastBuild>;

@@ -17,6 +17,7 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// The loads of one request in one step.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RequestLoad {
+    /// The request the loads fill.
     pub request: RequestId,
     /// Sync loads complete before the forward pass reads layer 0 (`wait_for_layer_load`);
     /// async ones are reported through `get_finished`.
@@ -32,17 +33,22 @@ pub struct RequestLoad {
 /// step's forward pass.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RequestStore {
+    /// The request the store reads.
     pub request: RequestId,
+    /// Its blocks, device -> the offload tier.
     pub job: TransferJob,
 }
 
 /// Everything every worker must do in one step. Built by `Leader::build_step`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StepMetadata {
+    /// [`PROTOCOL_VERSION`] of the leader that built it.
     pub version: u32,
     /// The leader's step counter (starts at 1).
     pub step: u64,
+    /// Loads to start this step.
     pub loads: Vec<RequestLoad>,
+    /// Stores to start once the forward pass ends.
     pub stores: Vec<RequestStore>,
     /// Copies between kvtier's own tiers (host -> disk, host -> remote); they touch no engine
     /// memory and may run at once.
@@ -53,6 +59,7 @@ pub struct StepMetadata {
 }
 
 impl StepMetadata {
+    /// Nothing to do this step.
     pub fn is_empty(&self) -> bool {
         self.loads.is_empty()
             && self.stores.is_empty()
@@ -82,15 +89,20 @@ impl StepMetadata {
 /// A worker's report of one finished job.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerReport {
+    /// The rank that ran the job.
     pub rank: u32,
+    /// The job.
     pub job: JobId,
+    /// How it went, pair by pair.
     pub outcome: TransferOutcome,
 }
 
 /// What one rank tells the leader when it connects.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankLayout {
+    /// This rank's index (0-based).
     pub rank: u32,
+    /// Ranks of the engine.
     pub world_size: u32,
     /// Tokens per block (must be equal on every rank and in the leader's configuration).
     pub block_size: u32,
@@ -103,7 +115,9 @@ pub struct RankLayout {
 /// The layout every rank agreed on, from which the leader sizes its pools.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClusterLayout {
+    /// Tokens per block.
     pub block_size: u32,
+    /// Device (G1) blocks on every rank.
     pub num_device_blocks: u32,
     /// Per rank, in rank order.
     pub bytes_per_block: Vec<u64>,
@@ -165,6 +179,7 @@ impl ClusterLayout {
         })
     }
 
+    /// Ranks of the engine.
     pub fn world_size(&self) -> usize {
         self.bytes_per_block.len()
     }

@@ -14,6 +14,7 @@ pub(crate) mod slot_table;
 pub mod step;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testing;
+#[allow(missing_docs)] // see `transfer` in lib.rs
 pub mod worker;
 #[cfg(feature = "zmq")]
 pub mod zmq;
@@ -38,8 +39,11 @@ pub enum ConnectorError {
     /// The engine passed something the connector cannot accept; nothing was changed.
     #[error("request {request}: {field}: {reason}")]
     InvalidInput {
+        /// The request it concerns.
         request: String,
+        /// The argument that was wrong.
         field: &'static str,
+        /// What is wrong with it.
         reason: String,
     },
     /// The connector's configuration is unusable.

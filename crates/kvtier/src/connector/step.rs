@@ -11,6 +11,7 @@ use crate::ids::{DeviceBlockId, RequestId};
 /// One scheduled request in one step.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StepRecord {
+    /// The request.
     pub request_id: RequestId,
     /// Tokens appended to the request since its last record (the whole prompt for a new one).
     pub new_tokens: Vec<u32>,
@@ -31,6 +32,8 @@ pub struct StepRecord {
 /// One engine step as the connector sees it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SchedulerStep {
+    /// Every scheduled request, in the scheduler's order.
     pub records: Vec<StepRecord>,
+    /// Requests that finished since the previous step.
     pub finished: Vec<RequestId>,
 }

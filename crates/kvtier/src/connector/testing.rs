@@ -165,12 +165,15 @@ pub struct MemoryRemoteStore {
 }
 
 impl MemoryRemoteStore {
+    /// An empty store.
     pub fn new() -> Self {
         Self::default()
     }
+    /// Values stored.
     pub fn len(&self) -> usize {
         self.map.lock().map(|m| m.len()).unwrap_or(0)
     }
+    /// Whether no value is stored.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -238,6 +241,7 @@ pub struct FaultyTransfer {
 }
 
 impl FaultyTransfer {
+    /// Forward to `inner`, with no fault armed.
     pub fn new(inner: Arc<dyn BlockTransfer>) -> Self {
         FaultyTransfer {
             inner,
@@ -247,6 +251,7 @@ impl FaultyTransfer {
         }
     }
 
+    /// Replace the armed faults (jobs started from now on see them).
     pub fn set_rules(&self, rules: FaultRules) {
         if let Ok(mut r) = self.rules.lock() {
             *r = rules;
@@ -260,6 +265,7 @@ impl FaultyTransfer {
         }
     }
 
+    /// Let held jobs run (see [`FaultyTransfer::hold`]).
     pub fn release(&self) {
         if let Ok(mut h) = self.held.lock() {
             *h = false;

@@ -158,24 +158,8 @@ pub(super) fn build(
     };
     let (num_blocks, c) = cut(first, kernel_blocks, dtype)?;
     for t in &tensors[1..] {
-        if t.shape != first.shape {
-            return Err(t.mismatch(format!(
-                "shape {:?} differs from {}'s {:?}",
-                t.shape, first.name, first.shape
-            )));
-        }
-        if t.strides != first.strides {
-            return Err(t.mismatch(format!(
-                "strides {:?} differ from {}'s {:?}",
-                t.strides, first.name, first.strides
-            )));
-        }
-        if t.elem_size != first.elem_size || t.device != first.device {
-            return Err(t.mismatch(format!(
-                "element size {} on {:?} differs from {}'s {} on {:?}",
-                t.elem_size, t.device, first.name, first.elem_size, first.device
-            )));
-        }
+        // Dimension 0 of a paged view counts (kernel) blocks.
+        t.check_same_as(first, 0)?;
         if t.data_ptr == 0 {
             return Err(t.mismatch("null data pointer"));
         }

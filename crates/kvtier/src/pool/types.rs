@@ -32,13 +32,24 @@ pub enum BlockState {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum PoolEvent {
     /// `hash` became available in `tier`.
-    Stored { hash: SequenceHash, tier: Tier },
+    Stored {
+        /// The sequence hash.
+        hash: SequenceHash,
+        /// The pool's tier.
+        tier: Tier,
+    },
     /// `hash` is no longer available in `tier` (evicted or invalidated).
-    Removed { hash: SequenceHash, tier: Tier },
+    Removed {
+        /// The sequence hash.
+        hash: SequenceHash,
+        /// The pool's tier.
+        tier: Tier,
+    },
 }
 
 /// What [`BlockPool::reserve`](super::BlockPool::reserve) did with one hash.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[must_use = "an `Allocated` reservation carries the writer's pin: confirm or release the block"]
 pub enum Reservation {
     /// The hash is registered in this block (nothing was pinned or changed).
     Registered(BlockId),
@@ -51,6 +62,7 @@ pub enum Reservation {
     NoSpace,
 }
 
+/// Why a pool operation was refused; the pool is unchanged.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PoolError {
@@ -59,52 +71,88 @@ pub enum PoolError {
         "{tier:?} pool exhausted: requested {requested} blocks, {available} free or evictable"
     )]
     Exhausted {
+        /// The pool's tier.
         tier: Tier,
+        /// Blocks asked for.
         requested: usize,
+        /// Blocks free or evictable.
         available: usize,
     },
     /// The block id is not below the pool's capacity.
     #[error("{tier:?} pool: block {block:?} out of range (capacity {capacity})")]
     UnknownBlock {
+        /// The pool's tier.
         tier: Tier,
+        /// The block.
         block: BlockId,
+        /// Blocks of the pool.
         capacity: usize,
     },
     /// The operation needs a block that is allocated or registered, and this one is free.
     #[error("{tier:?} pool: block {block:?} is free")]
-    BlockFree { tier: Tier, block: BlockId },
+    BlockFree {
+        /// The pool's tier.
+        tier: Tier,
+        /// The block.
+        block: BlockId,
+    },
     /// `release` of a block whose pin count is already zero.
     #[error("{tier:?} pool: block {block:?} is not pinned")]
-    NotPinned { tier: Tier, block: BlockId },
+    NotPinned {
+        /// The pool's tier.
+        tier: Tier,
+        /// The block.
+        block: BlockId,
+    },
     /// `register` on a block that is already registered under another hash.
     #[error("{tier:?} pool: block {block:?} is already registered as {existing:032x}, not {requested:032x}")]
     AlreadyRegistered {
+        /// The pool's tier.
         tier: Tier,
+        /// The block.
         block: BlockId,
+        /// The hash it holds.
         existing: u128,
+        /// The hash asked for.
         requested: u128,
     },
     /// `register` on a block that is not pinned by its writer.
     #[error("{tier:?} pool: block {block:?} must be allocated (pinned) to be registered")]
-    NotWritable { tier: Tier, block: BlockId },
+    NotWritable {
+        /// The pool's tier.
+        tier: Tier,
+        /// The block.
+        block: BlockId,
+    },
     /// `register` of a hash that a write in flight to another block has reserved, or of a
     /// reserved block under another hash than its reservation.
     #[error(
         "{tier:?} pool: hash {hash:032x} is reserved by block {block:?}, whose write is in flight"
     )]
     Reserved {
+        /// The pool's tier.
         tier: Tier,
+        /// The block whose write reserved it.
         block: BlockId,
+        /// The hash.
         hash: u128,
     },
     /// `confirm` of a block that holds no reservation.
     #[error("{tier:?} pool: block {block:?} holds no reservation to confirm")]
-    NotReserved { tier: Tier, block: BlockId },
+    NotReserved {
+        /// The pool's tier.
+        tier: Tier,
+        /// The block.
+        block: BlockId,
+    },
     /// A pool cannot hold this many blocks (ids are 32-bit).
     #[error("{tier:?} pool: capacity {requested} exceeds the maximum of {max} blocks")]
     CapacityTooLarge {
+        /// The pool's tier.
         tier: Tier,
+        /// Blocks asked for.
         requested: usize,
+        /// The most a pool holds.
         max: usize,
     },
     /// The pool's own books (block records and registry) do not fit in memory: more than the
@@ -114,8 +162,11 @@ pub enum PoolError {
          lower the tier's num_blocks (or gb)"
     )]
     OutOfMemory {
+        /// The pool's tier.
         tier: Tier,
+        /// Blocks asked for.
         requested: usize,
+        /// Bytes of bookkeeping they need.
         bytes: usize,
         /// What was known about free memory ("only N bytes available" or "allocation refused").
         available: String,

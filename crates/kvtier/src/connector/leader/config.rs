@@ -14,7 +14,9 @@ use crate::transfer::RemoteStore;
 /// A pool size: in blocks, or in bytes (then divided by the sum of the ranks' bytes per block).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Capacity {
+    /// A number of blocks.
     Blocks(usize),
+    /// Bytes across all ranks.
     Bytes(u64),
 }
 
@@ -76,9 +78,11 @@ pub struct LeaderConfig {
     pub host: Capacity,
     /// G3 (disk) pool size; 0 = no disk tier.
     pub disk: Capacity,
+    /// Which device blocks go to disk, and when.
     pub disk_policy: DiskPolicy,
     /// Optional G4 store: consulted by matching; written (host -> remote) when `remote_put`.
     pub remote: Option<Arc<dyn RemoteStore>>,
+    /// Put stored blocks to `remote` (false for a decode-only engine: it only reads).
     pub remote_put: bool,
     /// Load matched blocks asynchronously (reported via `get_finished`) instead of before the
     /// step's forward pass.

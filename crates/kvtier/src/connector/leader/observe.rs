@@ -16,31 +16,45 @@ pub type KvEvent = PoolEvent;
 /// Counters and gauges of the leader (pulled).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LeaderStats {
+    /// Steps built.
     pub steps: u64,
+    /// Requests with a slot now.
     pub active_requests: usize,
+    /// Transfer jobs dispatched and not yet reported by every rank.
     pub jobs_in_flight: usize,
+    /// Matches asked for (`get_num_new_matched_tokens`).
     pub match_queries: u64,
+    /// Tokens those matches offered.
     pub matched_tokens: u64,
     /// Full blocks handed to the offload tier / confirmed / failed.
     pub offload_blocks: u64,
+    /// Of those, written by every rank and registered.
     pub offload_confirmed: u64,
+    /// Of those, failed on some rank.
     pub offload_failed: u64,
     /// Offload candidates skipped because the tier already held (or was writing) their hash.
     pub offload_deduplicated: u64,
     /// Offload candidates dropped because the tier had no free or evictable block.
     pub offload_dropped: u64,
+    /// Blocks loaded from the host tier.
     pub onboard_host_blocks: u64,
+    /// Blocks loaded from the disk tier.
     pub onboard_disk_blocks: u64,
+    /// Blocks loaded from the remote tier.
     pub onboard_remote_blocks: u64,
     /// Blocks whose load failed (on any rank) or whose source had vanished.
     pub onboard_failed: u64,
     /// Host -> disk copies dispatched / written and registered in G3 / failed.
     pub spill_disk_blocks: u64,
+    /// Of those, written and registered in G3.
     pub spill_disk_confirmed: u64,
+    /// Of those, failed.
     pub spill_disk_failed: u64,
     /// Host -> remote puts dispatched / written by every rank / failed.
     pub remote_put_blocks: u64,
+    /// Of those, written by every rank.
     pub remote_put_confirmed: u64,
+    /// Of those, failed.
     pub remote_put_failed: u64,
     /// Pool events dropped because nobody took them (`take_events`) in time.
     pub events_dropped: u64,
@@ -50,11 +64,17 @@ pub struct LeaderStats {
     /// Requests the engine marked as not cacheable (kvtier cannot key their KV): never matched,
     /// never stored.
     pub uncacheable_requests: u64,
+    /// Blocks of the host tier.
     pub host_capacity: usize,
+    /// Of those, free or evictable.
     pub host_free: usize,
+    /// Of those, holding a registered hash.
     pub host_registered: usize,
+    /// Blocks of the disk tier.
     pub disk_capacity: usize,
+    /// Of those, free or evictable.
     pub disk_free: usize,
+    /// Of those, holding a registered hash.
     pub disk_registered: usize,
     /// The remote store's breaker and deadline counters (the leader's store: its lookups, and
     /// the ranks' loads and stores where they share it in one process).
