@@ -39,12 +39,9 @@
 #[doc(hidden)]
 pub mod bench;
 pub mod compose;
-// engine.rs and cuda/ are being changed on another branch: their docs land with that change.
-#[allow(missing_docs)]
 pub mod cuda;
 mod device;
 pub mod disk;
-#[allow(missing_docs)]
 mod engine;
 pub mod error;
 mod host;

@@ -14,7 +14,6 @@ pub(crate) mod slot_table;
 pub mod step;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testing;
-#[allow(missing_docs)] // see `transfer` in lib.rs
 pub mod worker;
 #[cfg(feature = "zmq")]
 pub mod zmq;

@@ -3,26 +3,26 @@
 //! engine would, with KV bytes that are a function of the prefix, so a misplaced block shows.
 #![allow(clippy::unwrap_used)]
 #![allow(dead_code, unused_imports)] // each test file uses part of the rig
-pub use std::sync::Arc;
+pub(crate) use std::sync::Arc;
 
-pub use kvtier::connector::testing::{
+pub(crate) use kvtier::connector::testing::{
     FaultRules, FaultyTransfer, MemoryRemoteStore, MemoryTransfer,
 };
-pub use kvtier::connector::{
+pub(crate) use kvtier::connector::{
     Capacity, ClusterLayout, ConnectorError, DiskPolicy, Leader, LeaderConfig, RequestKey,
     SchedulerStep, StepMetadata, StepRecord, Worker, WorkerLink,
 };
-pub use kvtier::hash::{sequence_hashes, HashSalt};
-pub use kvtier::transfer::{BlockTransfer, RemoteStore};
-pub use kvtier::{DeviceBlockId, RequestId, Tier};
+pub(crate) use kvtier::hash::{sequence_hashes, HashSalt};
+pub(crate) use kvtier::transfer::{BlockTransfer, RemoteStore};
+pub(crate) use kvtier::{DeviceBlockId, RequestId, Tier};
 
-pub const BS: usize = 16;
-pub const BPB: usize = 64;
-pub const DEV: usize = 64;
-pub const SALT: HashSalt = HashSalt(42);
+pub(crate) const BS: usize = 16;
+pub(crate) const BPB: usize = 64;
+pub(crate) const DEV: usize = 64;
+pub(crate) const SALT: HashSalt = HashSalt(42);
 
 /// The KV an engine would compute for block `i` of `tokens` on `rank`: a function of the prefix.
-pub fn kv_bytes(tokens: &[u32], i: usize, rank: u32, bpb: usize) -> Vec<u8> {
+pub(crate) fn kv_bytes(tokens: &[u32], i: usize, rank: u32, bpb: usize) -> Vec<u8> {
     let h = sequence_hashes(SALT, &tokens[..(i + 1) * BS], BS)[i].0 ^ (rank as u128 * 0x9e37);
     (0..bpb)
         .map(|k| (h >> ((k % 16) * 8)) as u8 ^ k as u8)
@@ -30,22 +30,22 @@ pub fn kv_bytes(tokens: &[u32], i: usize, rank: u32, bpb: usize) -> Vec<u8> {
 }
 
 /// Tokens of a request and the (block index, device block) pairs a forward pass computes.
-pub type Computed = (Vec<u32>, Vec<(usize, u32)>);
+pub(crate) type Computed = (Vec<u32>, Vec<(usize, u32)>);
 
-pub struct Rank {
-    pub mem: Arc<MemoryTransfer>,
-    pub faulty: Arc<FaultyTransfer>,
-    pub worker: Worker,
-    pub bpb: usize,
+pub(crate) struct Rank {
+    pub(crate) mem: Arc<MemoryTransfer>,
+    pub(crate) faulty: Arc<FaultyTransfer>,
+    pub(crate) worker: Worker,
+    pub(crate) bpb: usize,
 }
 
-pub struct Rig {
-    pub leader: Leader,
-    pub ranks: Vec<Rank>,
+pub(crate) struct Rig {
+    pub(crate) leader: Leader,
+    pub(crate) ranks: Vec<Rank>,
 }
 
 impl Rig {
-    pub fn new(cfg: LeaderConfig, bpbs: &[usize], remote: Option<Arc<dyn RemoteStore>>) -> Rig {
+    pub(crate) fn new(cfg: LeaderConfig, bpbs: &[usize], remote: Option<Arc<dyn RemoteStore>>) -> Rig {
         let mut cfg = cfg;
         cfg.layout = Some(ClusterLayout {
             block_size: BS as u32,
@@ -79,7 +79,7 @@ impl Rig {
 
     /// Run one engine step: metadata to every rank, loads awaited, "forward" writes the KV of
     /// the blocks computed by this step, stores queued.
-    pub fn run(&mut self, step: &SchedulerStep, computed: &[Computed]) -> StepMetadata {
+    pub(crate) fn run(&mut self, step: &SchedulerStep, computed: &[Computed]) -> StepMetadata {
         let meta = self.leader.build_step(step).unwrap();
         let bytes = meta.to_bytes().unwrap();
         for r in &mut self.ranks {
@@ -103,7 +103,7 @@ impl Rig {
         meta
     }
 
-    pub fn settle(&mut self) {
+    pub(crate) fn settle(&mut self) {
         for r in &mut self.ranks {
             r.worker.wait_idle();
         }
@@ -111,12 +111,12 @@ impl Rig {
     }
 }
 
-pub fn ids(v: std::ops::Range<u32>) -> Vec<DeviceBlockId> {
+pub(crate) fn ids(v: std::ops::Range<u32>) -> Vec<DeviceBlockId> {
     v.map(DeviceBlockId).collect()
 }
 
 /// A scheduler record of a request's first step.
-pub fn new_rec(
+pub(crate) fn new_rec(
     req: &str,
     tokens: &[u32],
     blocks: Vec<DeviceBlockId>,
@@ -130,7 +130,7 @@ pub fn new_rec(
 }
 
 /// A scheduler record of a running request's later step.
-pub fn cont(
+pub(crate) fn cont(
     req: &str,
     tokens: &[u32],
     blocks: Vec<DeviceBlockId>,
@@ -147,7 +147,7 @@ pub fn cont(
     }
 }
 
-pub fn step(records: Vec<StepRecord>) -> SchedulerStep {
+pub(crate) fn step(records: Vec<StepRecord>) -> SchedulerStep {
     SchedulerStep {
         records,
         finished: vec![],
@@ -155,7 +155,7 @@ pub fn step(records: Vec<StepRecord>) -> SchedulerStep {
 }
 
 /// Fill request "a" (prompt of `n` tokens, blocks 0..) into the host tier through two prefill chunks.
-pub fn prefill(rig: &mut Rig, req: &str, prompt: &[u32], first_dev: u32) {
+pub(crate) fn prefill(rig: &mut Rig, req: &str, prompt: &[u32], first_dev: u32) {
     let nb = prompt.len().div_ceil(BS) as u32;
     let r: RequestId = req.into();
     assert_eq!(
