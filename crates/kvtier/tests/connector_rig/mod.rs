@@ -45,7 +45,11 @@ pub(crate) struct Rig {
 }
 
 impl Rig {
-    pub(crate) fn new(cfg: LeaderConfig, bpbs: &[usize], remote: Option<Arc<dyn RemoteStore>>) -> Rig {
+    pub(crate) fn new(
+        cfg: LeaderConfig,
+        bpbs: &[usize],
+        remote: Option<Arc<dyn RemoteStore>>,
+    ) -> Rig {
         let mut cfg = cfg;
         cfg.layout = Some(ClusterLayout {
             block_size: BS as u32,
