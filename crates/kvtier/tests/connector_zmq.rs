@@ -170,6 +170,35 @@ fn rec(
     }
 }
 
+/// The leader of a TP=2 engine whose two ranks are connecting to `chan`: 20 host blocks.
+fn tp2_leader(chan: &LeaderChannel) -> Leader {
+    let layout = chan.handshake(2, BS, Duration::from_secs(60)).unwrap();
+    assert_eq!(layout.total_bytes_per_block(), 192);
+    let mut cfg = LeaderConfig::new(BS as usize, HashSalt(9), 0);
+    cfg.host = Capacity::Bytes(192 * 20);
+    cfg.layout = Some(layout);
+    let leader = Leader::new(cfg).unwrap();
+    chan.attach(leader.report_sender()).unwrap();
+    leader
+}
+
+/// Request "a" (100 tokens, device blocks 0..7) computes its first 64 tokens: 4 full blocks
+/// stored by each rank.
+fn prefill_a(leader: &mut Leader, chan: &LeaderChannel, prompt: &[u32]) -> RequestId {
+    let ids = |r: std::ops::Range<u32>| r.map(DeviceBlockId).collect::<Vec<_>>();
+    let a: RequestId = "a".into();
+    assert_eq!(leader.get_num_new_matched_tokens(&a, prompt, 0).unwrap(), 0);
+    leader
+        .update_state_after_alloc(&a, &ids(0..7), Some(0))
+        .unwrap();
+    let s1 = SchedulerStep {
+        records: vec![rec("a", prompt.to_vec(), ids(0..7), 0, 64, true)],
+        finished: vec![],
+    };
+    chan.broadcast(&leader.build_step(&s1).unwrap()).unwrap();
+    a
+}
+
 #[test]
 fn leader_and_two_worker_processes_tp2() {
     let chan = LeaderChannel::bind("tcp://127.0.0.1:0").unwrap();
@@ -177,34 +206,15 @@ fn leader_and_two_worker_processes_tp2() {
         spawn_worker(chan.endpoint(), 0),
         spawn_worker(chan.endpoint(), 1),
     ];
-    let layout = chan.handshake(2, BS, Duration::from_secs(60)).unwrap();
-    assert_eq!(layout.total_bytes_per_block(), 192);
-    let mut cfg = LeaderConfig::new(BS as usize, HashSalt(9), 0);
-    cfg.host = Capacity::Bytes(192 * 20);
-    cfg.layout = Some(layout);
-    let mut leader = Leader::new(cfg).unwrap();
+    let mut leader = tp2_leader(&chan);
     assert_eq!(
         leader.stats().host_capacity,
         20,
         "capacity derived from the ranks' summed bytes per block"
     );
-    chan.attach(leader.report_sender()).unwrap();
-
     let prompt: Vec<u32> = (0..100).collect();
     let ids = |r: std::ops::Range<u32>| r.map(DeviceBlockId).collect::<Vec<_>>();
-    let a: RequestId = "a".into();
-    assert_eq!(
-        leader.get_num_new_matched_tokens(&a, &prompt, 0).unwrap(),
-        0
-    );
-    leader
-        .update_state_after_alloc(&a, &ids(0..7), Some(0))
-        .unwrap();
-    let s1 = SchedulerStep {
-        records: vec![rec("a", prompt.clone(), ids(0..7), 0, 64, true)],
-        finished: vec![],
-    };
-    chan.broadcast(&leader.build_step(&s1).unwrap()).unwrap();
+    let a = prefill_a(&mut leader, &chan, &prompt);
     let s2 = SchedulerStep {
         records: vec![rec("a", vec![], vec![], 64, 36, false)],
         finished: vec![],
@@ -256,28 +266,9 @@ fn a_worker_process_killed_mid_transfer_leaves_no_block_visible_and_nothing_hang
     let chan = LeaderChannel::bind("tcp://127.0.0.1:0").unwrap();
     let survivor = spawn_worker_with(chan.endpoint(), 0, &[(SURVIVOR, "1")]);
     let dying = spawn_worker_with(chan.endpoint(), 1, &[(DIE, "1"), (SURVIVOR, "1")]);
-    let layout = chan.handshake(2, BS, Duration::from_secs(60)).unwrap();
-    let mut cfg = LeaderConfig::new(BS as usize, HashSalt(9), 0);
-    cfg.host = Capacity::Bytes(192 * 20);
-    cfg.layout = Some(layout);
-    let mut leader = Leader::new(cfg).unwrap();
-    chan.attach(leader.report_sender()).unwrap();
-
+    let mut leader = tp2_leader(&chan);
     let prompt: Vec<u32> = (0..100).collect();
-    let ids = |r: std::ops::Range<u32>| r.map(DeviceBlockId).collect::<Vec<_>>();
-    let a: RequestId = "a".into();
-    assert_eq!(
-        leader.get_num_new_matched_tokens(&a, &prompt, 0).unwrap(),
-        0
-    );
-    leader
-        .update_state_after_alloc(&a, &ids(0..7), Some(0))
-        .unwrap();
-    let s1 = SchedulerStep {
-        records: vec![rec("a", prompt.clone(), ids(0..7), 0, 64, true)],
-        finished: vec![],
-    };
-    chan.broadcast(&leader.build_step(&s1).unwrap()).unwrap();
+    let a = prefill_a(&mut leader, &chan, &prompt);
     let status = wait_child(dying, Duration::from_secs(30));
     assert_eq!(status.code(), Some(9), "rank 1 died mid-transfer");
 

@@ -17,11 +17,9 @@ use crate::device::DeviceKind;
 use crate::engine::TransferEngine;
 use crate::host::{HostOptions, HostStorage, PinMode};
 use crate::layout::{BlockChunks, StridedLayout};
+use crate::node::gpu_tests::{block, BPB, CHUNK, LAYERS};
 use crate::sys::cuda::{self as cu, DeviceAlloc, Driver, Stream};
 
-const LAYERS: usize = 32;
-const CHUNK: usize = 32 << 10;
-const BPB: usize = LAYERS * 2 * CHUNK; // 2 MiB
 /// Blocks per load: 6 staging rounds of 8 on the kernel path.
 const N: u32 = 48;
 
@@ -35,20 +33,6 @@ fn fill(mem: &DeviceAlloc, seed: u64) {
         *b = x as u8;
     }
     mem.upload(0, &buf).unwrap();
-}
-
-/// A block's bytes in canonical order, read from `mem` (`layout` describes `mem`).
-fn block(mem: &DeviceAlloc, layout: &dyn BlockChunks, b: u32) -> Vec<u8> {
-    let mut chunks = Vec::new();
-    layout.chunks(b, &mut chunks).unwrap();
-    let mut out = vec![0u8; BPB];
-    let mut o = 0;
-    for c in chunks {
-        mem.download((c.addr - mem.addr()) as usize, &mut out[o..o + c.len])
-            .unwrap();
-        o += c.len;
-    }
-    out
 }
 
 fn job(src: Tier, dst: Tier, pairs: impl Iterator<Item = (u32, u32)>) -> TransferJob {

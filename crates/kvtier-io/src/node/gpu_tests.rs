@@ -21,9 +21,9 @@ use crate::host::{HostOptions, HostStorage, PinMode};
 use crate::layout::{BlockChunks, StridedLayout};
 use crate::sys::cuda::{self as cu, DeviceAlloc, Driver};
 
-const LAYERS: usize = 32;
-const CHUNK: usize = 32 << 10;
-const BPB: usize = LAYERS * 2 * CHUNK; // 2 MiB, Llama-3.1-8B bf16
+pub(crate) const LAYERS: usize = 32;
+pub(crate) const CHUNK: usize = 32 << 10;
+pub(crate) const BPB: usize = LAYERS * 2 * CHUNK; // 2 MiB, Llama-3.1-8B bf16
 const PER_JOB: usize = 64;
 
 fn fill(mem: &DeviceAlloc, seed: u64) {
@@ -44,7 +44,8 @@ fn fill(mem: &DeviceAlloc, seed: u64) {
     }
 }
 
-fn block(mem: &DeviceAlloc, layout: &StridedLayout, b: u32) -> Vec<u8> {
+/// A block of 2 MiB in canonical order, read from `mem` (`layout` describes `mem`).
+pub(crate) fn block(mem: &DeviceAlloc, layout: &StridedLayout, b: u32) -> Vec<u8> {
     let mut chunks = Vec::new();
     layout.chunks(b, &mut chunks).unwrap();
     let mut out = vec![0u8; BPB];

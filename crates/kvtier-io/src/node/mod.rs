@@ -13,7 +13,7 @@ mod client;
 pub(crate) mod direct;
 mod disk;
 #[cfg(test)]
-mod gpu_tests;
+pub(crate) mod gpu_tests;
 mod protocol;
 mod server;
 mod share;
