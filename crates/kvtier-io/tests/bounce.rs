@@ -9,7 +9,7 @@ mod common;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::sync::Arc;
 
-use common::{job, pattern};
+use common::{job, pattern, PerLayerCache};
 use kvtier::transfer::{BlockTransfer, TransferJob, TransferOutcome};
 use kvtier::Tier;
 use kvtier_io::*;
@@ -20,47 +20,6 @@ const BPB: usize = LAYERS * 2 * CHUNK;
 const BLOCKS: u32 = 11;
 /// Smaller than every job below, so jobs run in several slices.
 const BOUNCE: u32 = 3;
-
-/// A CPU "engine" cache: per layer `[2, blocks, chunk]` (vLLM's CUDA layout, in CPU memory).
-struct Cache {
-    layers: Vec<Vec<u8>>,
-}
-
-impl Cache {
-    fn new() -> Self {
-        Cache {
-            layers: (0..LAYERS)
-                .map(|_| vec![0u8; 2 * BLOCKS as usize * CHUNK])
-                .collect(),
-        }
-    }
-    fn layout(&self) -> StridedLayout {
-        let bases: Vec<u64> = self.layers.iter().map(|l| l.as_ptr() as u64).collect();
-        StridedLayout::kv_per_layer(&bases, BLOCKS, CHUNK).unwrap()
-    }
-    fn offset(b: u32, plane: usize) -> usize {
-        (plane * BLOCKS as usize + b as usize) * CHUNK
-    }
-    fn read(&self, b: u32) -> Vec<u8> {
-        let mut out = Vec::new();
-        for l in &self.layers {
-            for plane in 0..2 {
-                let o = Self::offset(b, plane);
-                out.extend_from_slice(&l[o..o + CHUNK]);
-            }
-        }
-        out
-    }
-    fn write(&mut self, b: u32, data: &[u8]) {
-        let mut it = data.chunks(CHUNK);
-        for l in &mut self.layers {
-            for plane in 0..2 {
-                let o = Self::offset(b, plane);
-                l[o..o + CHUNK].copy_from_slice(it.next().unwrap());
-            }
-        }
-    }
-}
 
 fn run(e: &TransferEngine, j: &TransferJob) -> TransferOutcome {
     let f = e.fence(None).unwrap();
@@ -97,7 +56,7 @@ fn device_disk_device_round_trip_without_host_tier() {
         (DiskIoMode::Auto, 8),
     ] {
         let tmp = tempfile::tempdir().unwrap();
-        let mut cache = Cache::new();
+        let mut cache = PerLayerCache::new(LAYERS, BLOCKS, CHUNK);
         for b in 0..BLOCKS {
             cache.write(b, &pattern(b, BPB));
         }
@@ -151,7 +110,7 @@ fn corrupted_disk_block_fails_only_its_pair_and_leaves_its_device_block() {
 
 fn corrupted_disk_block(bounce: u32) {
     let tmp = tempfile::tempdir().unwrap();
-    let mut cache = Cache::new();
+    let mut cache = PerLayerCache::new(LAYERS, BLOCKS, CHUNK);
     for b in 0..BLOCKS {
         cache.write(b, &pattern(b + 50, BPB));
     }
@@ -212,7 +171,7 @@ fn bad_device_ids_fail_only_their_pairs() {
 
 fn bad_device_ids(bounce: u32) {
     let tmp = tempfile::tempdir().unwrap();
-    let mut cache = Cache::new();
+    let mut cache = PerLayerCache::new(LAYERS, BLOCKS, CHUNK);
     for b in 0..BLOCKS {
         cache.write(b, &pattern(b + 7, BPB));
     }
@@ -260,7 +219,7 @@ fn device_remote_device_round_trip_and_missing_key() {
 fn remote_round_trip(bounce: u32) {
     let tmp = tempfile::tempdir().unwrap();
     let url = format!("dir://{}", tmp.path().display());
-    let mut producer = Cache::new();
+    let mut producer = PerLayerCache::new(LAYERS, BLOCKS, CHUNK);
     for b in 0..BLOCKS {
         producer.write(b, &pattern(b + 300, BPB));
     }
@@ -282,7 +241,7 @@ fn remote_round_trip(bounce: u32) {
         );
     }
     // A consumer with its own engine and store handle, as another process would open it.
-    let mut consumer = Cache::new();
+    let mut consumer = PerLayerCache::new(LAYERS, BLOCKS, CHUNK);
     for b in 0..BLOCKS {
         consumer.write(b, &vec![0x11; BPB]);
     }
@@ -326,7 +285,7 @@ fn remote_round_trip(bounce: u32) {
 #[test]
 fn concurrent_staged_jobs() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut cache = Cache::new();
+    let mut cache = PerLayerCache::new(LAYERS, BLOCKS, CHUNK);
     for b in 0..BLOCKS {
         cache.write(b, &pattern(b + 900, BPB));
     }

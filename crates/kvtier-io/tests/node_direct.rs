@@ -11,7 +11,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
 
-use common::pattern;
+use common::{pattern, PerLayerCache};
 use kvtier::transfer::{BlockPair, BlockTransfer, RemoteStore, TransferJob, TransferOutcome};
 use kvtier::{JobId, Tier};
 use kvtier_io::node::{NodeClientOptions, NodeOptions, NodeServer, NodeStore};
@@ -21,47 +21,6 @@ const LAYERS: usize = 2;
 const CHUNK: usize = 1024;
 const BPB: usize = LAYERS * 2 * CHUNK;
 const BLOCKS: u32 = 10;
-
-/// A CPU engine cache, per layer `[2, blocks, chunk]`.
-struct Cache {
-    layers: Vec<Vec<u8>>,
-}
-
-impl Cache {
-    fn new() -> Self {
-        Cache {
-            layers: (0..LAYERS)
-                .map(|_| vec![0u8; 2 * BLOCKS as usize * CHUNK])
-                .collect(),
-        }
-    }
-    fn layout(&self) -> StridedLayout {
-        let bases: Vec<u64> = self.layers.iter().map(|l| l.as_ptr() as u64).collect();
-        StridedLayout::kv_per_layer(&bases, BLOCKS, CHUNK).unwrap()
-    }
-    fn offset(b: u32, plane: usize) -> usize {
-        (plane * BLOCKS as usize + b as usize) * CHUNK
-    }
-    fn read(&self, b: u32) -> Vec<u8> {
-        let mut out = Vec::new();
-        for l in &self.layers {
-            for plane in 0..2 {
-                let o = Self::offset(b, plane);
-                out.extend_from_slice(&l[o..o + CHUNK]);
-            }
-        }
-        out
-    }
-    fn write(&mut self, b: u32, data: &[u8]) {
-        let mut it = data.chunks(CHUNK);
-        for l in &mut self.layers {
-            for plane in 0..2 {
-                let o = Self::offset(b, plane);
-                l[o..o + CHUNK].copy_from_slice(it.next().unwrap());
-            }
-        }
-    }
-}
 
 fn node(dir: &Path, blocks: u64) -> NodeServer {
     let mut o = NodeOptions::new(dir.join("node.sock"), blocks * BPB as u64);
@@ -73,7 +32,7 @@ fn store(n: &NodeServer) -> Arc<NodeStore> {
     Arc::new(NodeStore::connect(n.socket(), "m", NodeClientOptions::default()).unwrap())
 }
 
-fn engine(cache: &Cache, node: Arc<NodeStore>) -> TransferEngine {
+fn engine(cache: &PerLayerCache, node: Arc<NodeStore>) -> TransferEngine {
     TransferEngine::builder()
         .device(Arc::new(cache.layout()), DeviceKind::Cpu)
         .remote(node)
@@ -123,7 +82,7 @@ fn key(b: u32) -> u128 {
 fn blocks_go_device_to_arena_and_back_to_another_engine_bit_exact() {
     let dir = tempfile::tempdir().unwrap();
     let n = node(dir.path(), 32);
-    let mut a_cache = Cache::new();
+    let mut a_cache = PerLayerCache::new(LAYERS, BLOCKS, CHUNK);
     for b in 0..BLOCKS {
         a_cache.write(b, &pattern(b, BPB));
     }
@@ -147,7 +106,7 @@ fn blocks_go_device_to_arena_and_back_to_another_engine_bit_exact() {
     assert!(run(&a, &job(Tier::Device, Tier::Remote, &devs, &keys)).is_ok());
     assert_eq!(n.stats().puts, BLOCKS as u64);
     // Another engine loads them reversed into its own blocks.
-    let mut b_cache = Cache::new();
+    let mut b_cache = PerLayerCache::new(LAYERS, BLOCKS, CHUNK);
     for b in 0..BLOCKS {
         b_cache.write(b, &[0x5A; BPB]);
     }
@@ -173,7 +132,7 @@ fn blocks_go_device_to_arena_and_back_to_another_engine_bit_exact() {
 fn failed_pairs_fail_alone_and_never_touch_their_device_block() {
     let dir = tempfile::tempdir().unwrap();
     let n = node(dir.path(), 16);
-    let mut cache = Cache::new();
+    let mut cache = PerLayerCache::new(LAYERS, BLOCKS, CHUNK);
     for b in 0..BLOCKS {
         cache.write(b, &pattern(b + 7, BPB));
     }
@@ -241,7 +200,7 @@ fn failed_pairs_fail_alone_and_never_touch_their_device_block() {
 fn a_full_node_fails_the_stores_it_cannot_take_and_the_rest_succeed() {
     let dir = tempfile::tempdir().unwrap();
     let n = node(dir.path(), 3);
-    let mut cache = Cache::new();
+    let mut cache = PerLayerCache::new(LAYERS, BLOCKS, CHUNK);
     for b in 0..BLOCKS {
         cache.write(b, &pattern(b + 3, BPB));
     }

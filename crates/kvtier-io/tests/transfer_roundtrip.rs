@@ -7,54 +7,10 @@ mod common;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use common::{job, pattern};
+use common::{job, pattern, PerLayerCache};
 use kvtier::transfer::{BlockTransfer, RemoteStore, TransferError, TransferOutcome};
 use kvtier::Tier;
 use kvtier_io::*;
-
-/// A CPU "engine" KV cache in the per-layer layout: `layers` tensors of `[2, blocks, chunk]`.
-struct PerLayerCache {
-    layers: Vec<Vec<u8>>,
-    blocks: u32,
-    chunk: usize,
-}
-
-impl PerLayerCache {
-    fn new(layers: usize, blocks: u32, chunk: usize) -> Self {
-        PerLayerCache {
-            layers: (0..layers)
-                .map(|_| vec![0u8; 2 * blocks as usize * chunk])
-                .collect(),
-            blocks,
-            chunk,
-        }
-    }
-    fn layout(&self) -> StridedLayout {
-        let bases: Vec<u64> = self.layers.iter().map(|l| l.as_ptr() as u64).collect();
-        StridedLayout::kv_per_layer(&bases, self.blocks, self.chunk).unwrap()
-    }
-    /// The block in kvtier's canonical order (layer 0 K, layer 0 V, layer 1 K, ...).
-    fn read(&self, b: u32) -> Vec<u8> {
-        let mut out = Vec::new();
-        for l in &self.layers {
-            for plane in 0..2 {
-                let o = (plane * self.blocks as usize + b as usize) * self.chunk;
-                out.extend_from_slice(&l[o..o + self.chunk]);
-            }
-        }
-        out
-    }
-    fn write(&mut self, b: u32, data: &[u8]) {
-        let mut it = data.chunks(self.chunk);
-        let (blocks, chunk) = (self.blocks as usize, self.chunk);
-        for l in &mut self.layers {
-            for plane in 0..2 {
-                let o = (plane * blocks + b as usize) * chunk;
-                l[o..o + chunk].copy_from_slice(it.next().unwrap());
-            }
-        }
-    }
-}
 
 fn host(blocks: u32, bytes: usize) -> Arc<HostStorage> {
     let mut o = HostOptions::new(blocks, bytes);
