@@ -8,11 +8,9 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{prompts, reference, request};
+use common::{collect, prompts, reference, request};
 use kvtier::config::{KvtierConfig, RemoteTarget, TierSize};
-use kvtier_engine::{
-    ConnectorSetup, EngineConfig, EngineHandle, FinishReason, GenerateEvent, Prefilled, Role,
-};
+use kvtier_engine::{ConnectorSetup, EngineConfig, EngineHandle, FinishReason, Prefilled, Role};
 
 const SEED: u64 = 31;
 const MAX_TOKENS: usize = 10;
@@ -27,20 +25,6 @@ fn engine(role: Role, remote: &Path) -> EngineConfig {
     c.role = role;
     c.connector = Some(ConnectorSetup::new(kv));
     c
-}
-
-fn collect(
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<GenerateEvent>,
-) -> (Vec<u32>, FinishReason) {
-    let mut toks = Vec::new();
-    loop {
-        match rx.blocking_recv() {
-            Some(GenerateEvent::Token(t)) => toks.push(t),
-            Some(GenerateEvent::Done { finish_reason, .. }) => return (toks, finish_reason),
-            Some(GenerateEvent::Error(e)) => panic!("{e}"),
-            None => panic!("closed"),
-        }
-    }
 }
 
 #[test]

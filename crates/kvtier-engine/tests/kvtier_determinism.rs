@@ -9,13 +9,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{prompts, reference, request, run_all};
+use common::{collect, prompts, reference, request, run_all};
 use kvtier::config::{KvtierConfig, RemoteTarget, TierSize};
 use kvtier::connector::testing::{FaultRules, FaultyTransfer};
 use kvtier::Tier;
 use kvtier_engine::{
-    ConnectorSetup, EngineConfig, EngineHandle, FinishReason, GenerateEvent, GenerateRequest,
-    Prefilled, Role,
+    ConnectorSetup, EngineConfig, EngineHandle, FinishReason, GenerateRequest, Prefilled, Role,
 };
 
 const IDLE: Duration = Duration::from_secs(60);
@@ -238,20 +237,6 @@ fn partially_failed_loads_are_recomputed_identically() {
         rules.fail_src.insert((Tier::Host, b));
     }
     run_with_failures(rules, 25);
-}
-
-fn collect(
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<GenerateEvent>,
-) -> (Vec<u32>, FinishReason) {
-    let mut toks = Vec::new();
-    loop {
-        match rx.blocking_recv() {
-            Some(GenerateEvent::Token(t)) => toks.push(t),
-            Some(GenerateEvent::Done { finish_reason, .. }) => return (toks, finish_reason),
-            Some(GenerateEvent::Error(e)) => panic!("{e}"),
-            None => panic!("closed"),
-        }
-    }
 }
 
 #[test]

@@ -70,3 +70,19 @@ pub(crate) fn reference(
     e.shutdown();
     out
 }
+
+/// The tokens and finish reason of one streamed request (a streamed error or a closed stream fails
+/// the test).
+pub(crate) fn collect(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<GenerateEvent>,
+) -> (Vec<u32>, FinishReason) {
+    let mut toks = Vec::new();
+    loop {
+        match rx.blocking_recv() {
+            Some(GenerateEvent::Token(t)) => toks.push(t),
+            Some(GenerateEvent::Done { finish_reason, .. }) => return (toks, finish_reason),
+            Some(GenerateEvent::Error(e)) => panic!("{e}"),
+            None => panic!("closed"),
+        }
+    }
+}

@@ -5,9 +5,9 @@ use std::time::{Duration, Instant};
 
 use kvtier::config::{KvtierConfig, RemoteTarget, TierSize};
 use kvtier::metrics::render_prometheus;
-use kvtier_engine::{EngineConfig, EngineHandle, FinishReason, GenerateEvent, Prefilled, Role};
+use kvtier_engine::{EngineConfig, EngineHandle, Prefilled, Role};
 
-use super::common::{prompts, reference, request};
+use super::common::{collect, prompts, reference, request};
 use super::outside::Sandbox;
 use super::{engine, IDLE};
 
@@ -103,20 +103,6 @@ impl Drop for Redis {
         self.signal("CONT");
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-}
-
-fn collect(
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<GenerateEvent>,
-) -> (Vec<u32>, FinishReason) {
-    let mut toks = Vec::new();
-    loop {
-        match rx.blocking_recv() {
-            Some(GenerateEvent::Token(t)) => toks.push(t),
-            Some(GenerateEvent::Done { finish_reason, .. }) => return (toks, finish_reason),
-            Some(GenerateEvent::Error(e)) => panic!("{e}"),
-            None => panic!("closed"),
-        }
     }
 }
 
