@@ -140,19 +140,21 @@ impl Rendezvous {
     }
 }
 
+/// Rank `rank`'s layout of a two-rank test engine.
+#[cfg(test)]
+fn layout(rank: u32) -> RankLayout {
+    RankLayout {
+        rank,
+        world_size: 2,
+        block_size: 16,
+        bytes_per_block: 4096,
+        num_device_blocks: 8,
+    }
+}
+
 #[cfg(all(test, not(feature = "loom")))]
 mod tests {
     use super::*;
-
-    fn layout(rank: u32) -> RankLayout {
-        RankLayout {
-            rank,
-            world_size: 2,
-            block_size: 16,
-            bytes_per_block: 4096,
-            num_device_blocks: 8,
-        }
-    }
 
     #[test]
     fn trtllm_and_vllm_orders_pair_up_and_engines_do_not_share() {
@@ -183,16 +185,6 @@ mod tests {
 #[cfg(all(test, feature = "loom"))]
 mod loom_tests {
     use super::*;
-
-    fn layout(rank: u32) -> RankLayout {
-        RankLayout {
-            rank,
-            world_size: 2,
-            block_size: 16,
-            bytes_per_block: 4096,
-            num_device_blocks: 8,
-        }
-    }
 
     /// A Leader waiting for rank 0's layout is woken by the Worker's registration, whichever
     /// runs first (a lost wakeup is a deadlock loom reports).
