@@ -304,7 +304,12 @@ impl CudaMover {
         }
         let last = match method {
             CudaCopyMethod::Kernel => {
-                self.run_kernel(&mut dir, items, way, order.is_none())?;
+                let paced = order.is_none();
+                self.run_kernel(&mut dir, items, way, paced)?;
+                if paced {
+                    // The paced loop waited for both halves: the copies are complete.
+                    return Ok(());
+                }
                 // A gather round ends with its copies, a scatter round with its kernel.
                 if to_host {
                     &dir.copy
