@@ -179,6 +179,8 @@ fn cpu_pool_checks_bounds_and_outlives_its_handle() {
         .host(host.clone())
         .build()
         .unwrap();
+    // The engine holds the allocation (its EngineMemory), the handle can go.
+    assert_eq!(pool.holders(), 2);
     drop(pool);
     let job = TransferJob {
         id: JobId(1),
