@@ -349,6 +349,7 @@ impl Drop for PoolAlloc {
 /// the allocation lives until this handle and every engine registered over it dropped.
 pub struct CpuKvPool<T: KvElem> {
     alloc: Arc<PoolAlloc>,
+    base: DevicePtr,
     len: usize,
     _elem: PhantomData<T>,
 }
@@ -366,8 +367,11 @@ impl<T: KvElem> CpuKvPool<T> {
         // SAFETY: `layout` has a non-zero size (checked above).
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(ptr).ok_or(MemoryError::Alloc { bytes })?;
+        let alloc = Arc::new(PoolAlloc { ptr, bytes, layout });
+        let base = DevicePtr::from_host(ptr.as_ptr()).ok_or(MemoryError::Alloc { bytes })?;
         Ok(CpuKvPool {
-            alloc: Arc::new(PoolAlloc { ptr, bytes, layout }),
+            alloc,
+            base,
             len,
             _elem: PhantomData,
         })
@@ -382,7 +386,7 @@ impl<T: KvElem> CpuKvPool<T> {
     }
     /// Address of element 0.
     pub fn base(&self) -> DevicePtr {
-        DevicePtr::from_host(self.alloc.ptr.as_ptr()).unwrap_or(DevicePtr(NonZeroU64::MIN))
+        self.base
     }
     /// Holders of the allocation (this handle and the engine memories registered over it); for
     /// tests and diagnostics.
