@@ -29,7 +29,9 @@ def configured_tiers(settings: Optional[dict] = None) -> dict:
     "remote" (configured at a non-zero size / with a URL) and "async_loads"."""
 
 class TensorDesc:
-    """A plain description of an engine tensor; build it with ``kvtier.describe(obj)``."""
+    """A plain description of an engine tensor; build it with ``kvtier.describe(obj)``, which sets
+    ``owner`` to ``obj``: a Worker registered over the descriptor keeps the owner referenced. Without an
+    owner the engine must keep the memory allocated for the Worker's life."""
 
     data_ptr: int
     shape: list[int]
@@ -39,6 +41,7 @@ class TensorDesc:
     device: str  # "cpu" | "cuda"
     device_index: int
     nbytes: int
+    has_owner: bool
     def __init__(
         self,
         data_ptr: int,
@@ -48,6 +51,7 @@ class TensorDesc:
         dtype: str,
         device: str = "cpu",
         device_index: int = 0,
+        owner: object | None = None,
     ) -> None: ...
     @staticmethod
     def contiguous_strides(shape: Sequence[int], itemsize: int) -> list[int]: ...

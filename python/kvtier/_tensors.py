@@ -9,8 +9,10 @@ Accepted inputs, tried in this order:
   unless it has a ``device`` attribute with an ``index``;
 * an object with ``__array_interface__`` (numpy arrays, memoryview-backed arrays).
 
-The descriptor holds addresses only; the caller keeps the tensor alive (engines keep their KV caches
-for the life of the process). No tensor library is imported here.
+The descriptor holds the object it describes (its ``owner``): a Worker registered over it keeps the
+tensor referenced, so its memory stays allocated while kvtier copies into it (kvtier checks every
+block's bytes against the described tensors; that the description matches the object is what
+``describe`` guarantees). No tensor library is imported here.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def _typestr_dtype(typestr: str) -> tuple[str, int]:
     return _TYPESTR_NAMES.get((kind, size), f"{kind}{size}"), size
 
 
-def _from_array_interface(iface: dict, device: str, device_index: int) -> TensorDesc:
+def _from_array_interface(iface: dict, device: str, device_index: int, owner: Any) -> TensorDesc:
     data = iface.get("data")
     if not isinstance(data, tuple) or len(data) != 2:
         raise LayoutError("array interface without a (pointer, read_only) data tuple is not supported")
@@ -60,7 +62,7 @@ def _from_array_interface(iface: dict, device: str, device_index: int) -> Tensor
     strides = iface.get("strides")
     if strides is None:
         strides = TensorDesc.contiguous_strides(shape, itemsize)
-    return TensorDesc(int(ptr or 0), shape, [int(s) for s in strides], itemsize, dtype, device, device_index)
+    return TensorDesc(int(ptr or 0), shape, [int(s) for s in strides], itemsize, dtype, device, device_index, owner)
 
 
 def describe(obj: Any) -> TensorDesc:
@@ -86,14 +88,14 @@ def describe(obj: Any) -> TensorDesc:
             dtype = dtype[len("torch.") :]
         shape = [int(d) for d in obj.shape]
         strides = [int(s) * itemsize for s in obj.stride()]
-        return TensorDesc(int(obj.data_ptr()), shape, strides, itemsize, dtype, kind, int(index))
+        return TensorDesc(int(obj.data_ptr()), shape, strides, itemsize, dtype, kind, int(index), obj)
     iface = getattr(obj, "__cuda_array_interface__", None)
     if iface is not None:
         index = getattr(getattr(obj, "device", None), "index", None) or 0
-        return _from_array_interface(iface, "cuda", int(index))
+        return _from_array_interface(iface, "cuda", int(index), obj)
     iface = getattr(obj, "__array_interface__", None)
     if iface is not None:
-        return _from_array_interface(iface, "cpu", 0)
+        return _from_array_interface(iface, "cpu", 0, obj)
     raise TypeError(
         f"{type(obj).__name__} is not a tensor: expected a torch tensor, a TensorDesc, or an object "
         "with __array_interface__ / __cuda_array_interface__"

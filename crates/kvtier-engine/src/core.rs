@@ -89,9 +89,9 @@ impl EngineCore {
         model: Model,
         model_name: &str,
         pending: Arc<AtomicUsize>,
-    ) -> Self {
-        let kv = KvCache::new(&model.config, cfg.num_device_blocks, cfg.block_size);
-        EngineCore {
+    ) -> Result<Self, EngineError> {
+        let kv = KvCache::new(&model.config, cfg.num_device_blocks, cfg.block_size)?;
+        Ok(EngineCore {
             model,
             kv,
             pool: BlockPool::new(cfg.num_device_blocks),
@@ -115,7 +115,7 @@ impl EngineCore {
             outbox: Vec::new(),
             next_seq: 0,
             pending,
-        }
+        })
     }
 
     /// The G1 pool (to register with kvtier).

@@ -105,7 +105,8 @@ fn run(
 ) -> Vec<Call> {
     let mut cfg = EngineConfig::builtin(0);
     cfg.max_batch_tokens = chunk;
-    let mut core = EngineCore::new(&cfg, Model::builtin(0), "m", Arc::new(AtomicUsize::new(1)));
+    let mut core =
+        EngineCore::new(&cfg, Model::builtin(0), "m", Arc::new(AtomicUsize::new(1))).unwrap();
     let log = Arc::new(Mutex::new(Log::default()));
     core.attach_connector(Box::new(Recorder {
         log: log.clone(),

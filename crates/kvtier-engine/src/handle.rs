@@ -112,7 +112,7 @@ impl EngineHandle {
             pending: pending.clone(),
             rejected: AtomicU64::new(0),
         });
-        let mut core = EngineCore::new(&cfg, model, &model_name, pending);
+        let mut core = EngineCore::new(&cfg, model, &model_name, pending)?;
         // Built once: each build allocates the host tier and creates the disk files.
         if let Some(setup) = &cfg.connector {
             let c = crate::kvtier_connector::build(setup, &cfg, &model_name, core.kv_cache())?;

@@ -4,13 +4,22 @@
 //! head_dim]` of f32, so one block is contiguous across layers (`bytes_per_block` bytes) and a
 //! (block, layer, plane) chunk is contiguous too. Inside a plane the order is `[slot][kv_head][dim]`.
 //!
+//! The buffer is a kvtier-io [`CpuKvPool`], so the kvtier connector registers it without `unsafe`
+//! (`EngineMemory::from_cpu_pool` checks the layout against the pool and keeps the allocation
+//! alive while its transfer engine lives). Every accessor borrows only the range it returns,
+//! never the whole pool, so kvtier's copies of other blocks never overlap a live borrow.
+//!
 //! Invariant: the slice returned for (block, layer, plane, slot) always has exactly `kv_dim`
-//! elements; callers index blocks they own through the block pool.
+//! elements; callers index blocks they own through the block pool (the connector's books keep
+//! kvtier's jobs off the blocks the engine touches).
+use kvtier_io::CpuKvPool;
+
+use crate::api::EngineError;
 use crate::model::ModelConfig;
 
 /// The engine's G1 KV pool: one f32 buffer, `[num_blocks, num_layers, 2, block_size * kv_dim]`.
 pub struct KvCache {
-    data: Vec<f32>,
+    data: CpuKvPool<f32>,
     num_blocks: usize,
     num_layers: usize,
     block_size: usize,
@@ -18,17 +27,26 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// A zeroed pool of `num_blocks` blocks of `block_size` tokens for `cfg`.
-    pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> Self {
+    /// A zeroed pool of `num_blocks` blocks of `block_size` tokens for `cfg`; a `Config` error
+    /// when it holds no element or cannot be allocated.
+    pub fn new(
+        cfg: &ModelConfig,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<Self, EngineError> {
         let kv_dim = cfg.kv_dim();
-        let len = num_blocks * cfg.num_layers * 2 * block_size * kv_dim;
-        KvCache {
-            data: vec![0.0; len],
+        let len = [num_blocks, cfg.num_layers, 2, block_size, kv_dim]
+            .iter()
+            .try_fold(1usize, |a, &n| a.checked_mul(n))
+            .ok_or_else(|| EngineError::Config("KV cache size overflows".into()))?;
+        let data = CpuKvPool::zeroed(len).map_err(|e| EngineError::Config(e.to_string()))?;
+        Ok(KvCache {
+            data,
             num_blocks,
             num_layers: cfg.num_layers,
             block_size,
             kv_dim,
-        }
+        })
     }
 
     /// Blocks of the pool.
@@ -94,25 +112,21 @@ impl KvCache {
         &mut self.data[block * n..(block + 1) * n]
     }
 
-    /// The whole pool as one slice (what gets registered with kvtier).
-    pub fn as_slice(&self) -> &[f32] {
+    /// The pool itself (what gets registered with kvtier).
+    pub fn pool(&self) -> &CpuKvPool<f32> {
         &self.data
-    }
-
-    /// As [`KvCache::as_slice`], writable.
-    pub fn as_mut_slice(&mut self) -> &mut [f32] {
-        &mut self.data
     }
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
     #[test]
     fn blocks_are_contiguous_across_layers() {
         let cfg = ModelConfig::builtin();
-        let mut kv = KvCache::new(&cfg, 3, 4);
+        let mut kv = KvCache::new(&cfg, 3, 4).unwrap();
         assert_eq!(kv.shape(), [3, 2, 2, 4 * 64]);
         kv.token_mut(1, 1, 1, 3).fill(7.0);
         let b = kv.block(1);

@@ -23,7 +23,7 @@ use kvtier::transfer::{BlockTransfer, RemoteStore};
 use kvtier::{DeviceBlockId, RequestId};
 use kvtier_io::compose::{Composition, EngineIdentity, HostMemory, ServingRole};
 use kvtier_io::metrics_http::StatsPublisher;
-use kvtier_io::PinMode;
+use kvtier_io::{EngineMemory, PinMode};
 
 use crate::api::{EngineConfig, EngineError, Role};
 use crate::connector::{ConnectorSetup, ConnectorStats, EngineConnector, RequestView};
@@ -62,10 +62,9 @@ pub(crate) fn build(
     let bs = cfg.block_size;
     let bytes_per_block = kv.bytes_per_block();
     // Register G1 exactly as TensorRT-LLM does: one pool tensor [blocks, layers, 2, bs*kv_dim].
-    let ptr = kv.as_slice().as_ptr() as usize as u64;
     let desc = TensorDesc::contiguous(
         "kv_pool",
-        ptr,
+        kv.pool().base().get(),
         kv.shape().to_vec(),
         4,
         layout::DeviceKind::Cpu,
@@ -116,14 +115,10 @@ pub(crate) fn build(
         touch_threads: 1,
         ..HostMemory::default()
     };
+    // Checked against the pool's bounds; the transfer engine keeps the pool's allocation alive.
+    let memory = EngineMemory::from_cpu_pool(dl, kv.pool()).map_err(|e| cerr("kv memory", e))?;
     let tiers = plan
-        .transfer(
-            0,
-            Arc::new(dl),
-            layout::DeviceKind::Cpu,
-            host,
-            remote.clone(),
-        )
+        .transfer(0, memory, host, remote.clone())
         .map_err(|e| cerr("kvtier", e))?;
     let mut transfer: Arc<dyn BlockTransfer> = Arc::new(tiers.engine);
     if let Some(w) = &setup.wrap_transfer {

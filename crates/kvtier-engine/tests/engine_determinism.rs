@@ -16,7 +16,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 
 fn logits_alone(model: &Model, prompt: &[u32]) -> Vec<f32> {
     let bs = 16;
-    let mut kv = KvCache::new(&model.config, 32, bs);
+    let mut kv = KvCache::new(&model.config, 32, bs).unwrap();
     let table: Vec<u32> = (0..prompt.len().div_ceil(bs) as u32).collect();
     let out = model
         .forward(
@@ -40,7 +40,7 @@ fn logits_bits_do_not_depend_on_batch_composition() {
     let alone: Vec<Vec<f32>> = ps.iter().map(|p| logits_alone(&model, p)).collect();
     // All five in one batch, in reverse order, with disjoint block tables.
     let bs = 16;
-    let mut kv = KvCache::new(&model.config, 64, bs);
+    let mut kv = KvCache::new(&model.config, 64, bs).unwrap();
     let mut next = 0u32;
     let tables: Vec<Vec<u32>> = ps
         .iter()
@@ -75,7 +75,7 @@ fn logits_bits_do_not_depend_on_chunking() {
     let whole = logits_alone(&model, &p);
     for chunk in [1usize, 7, 16, 33] {
         let bs = 16;
-        let mut kv = KvCache::new(&model.config, 8, bs);
+        let mut kv = KvCache::new(&model.config, 8, bs).unwrap();
         let table: Vec<u32> = vec![5, 2, 7, 0, 3];
         let mut last = None;
         let mut pos = 0;
@@ -108,7 +108,7 @@ fn wrong_kv_changes_the_generated_tokens() {
     let mut changed = 0;
     for p in prompts(6, 48) {
         let good = logits_alone(&model, &p);
-        let mut kv = KvCache::new(&model.config, 32, bs);
+        let mut kv = KvCache::new(&model.config, 32, bs).unwrap();
         let table: Vec<u32> = (0..p.len().div_ceil(bs) as u32).collect();
         let split = bs; // compute block 0, corrupt it, then the rest
         model

@@ -20,6 +20,7 @@ use crate::disk::{DiskOptions, DiskStorage};
 use crate::engine::TransferEngine;
 use crate::host::{HostOptions, HostStorage, PinMode};
 use crate::layout::{BlockChunks, StridedLayout};
+use crate::memory::{DevicePtr, EngineMemory};
 use crate::sys::cublas::Gemm;
 use crate::sys::cuda::{self as cu, DeviceAlloc, Driver, Event, PinnedAlloc, Stream};
 use crate::sys::mem::{self, Mapping};

@@ -51,8 +51,8 @@ use kvtier::transfer::{RemoteStore, TransferError};
 
 use crate::metrics_http::{self, StatsPublisher};
 use crate::{
-    BlockChunks, DeviceKind, DirectMode, DiskIoMode, DiskOptions, DiskStorage, HostOptions,
-    HostStorage, IoError, PinMode, TransferEngine,
+    DirectMode, DiskIoMode, DiskOptions, DiskStorage, EngineMemory, HostOptions, HostStorage,
+    IoError, PinMode, TransferEngine,
 };
 
 /// What the engine is: whatever makes two engines' KV bytes for the same tokens differ.
@@ -363,13 +363,12 @@ impl Composition {
         Ok(leader)
     }
 
-    /// Rank `rank`'s transfer engine over the engine's memory (`device`, of `kind`), with the
+    /// Rank `rank`'s transfer engine over the engine's registered memory (`device`), with the
     /// host and disk tiers sized like the leader's pools and `remote` as its remote store.
     pub fn transfer(
         &self,
         rank: u32,
-        device: Arc<dyn BlockChunks>,
-        kind: DeviceKind,
+        device: EngineMemory,
         host: HostMemory,
         remote: Option<Arc<dyn RemoteStore>>,
     ) -> Result<RankTiers, ComposeError> {
@@ -381,7 +380,7 @@ impl Composition {
             })
         };
         // Device <-> disk/remote jobs go through the transfer engine's own bounce buffers.
-        let mut b = TransferEngine::builder().device(device, kind);
+        let mut b = TransferEngine::builder().device(device);
         if self.caps.host_blocks > 0 {
             let mut o = HostOptions::new(n32(self.caps.host_blocks, "host.gb")?, bpb);
             o.pin = host.pin;

@@ -3,7 +3,8 @@
 //! a memcpy per chunk. CUDA engines register GPU memory: then copies go through [`crate::cuda`].
 //!
 //! Invariant: device memory is borrowed from the engine, never freed here, and only touched
-//! after the job's fence.
+//! after the job's fence; the side holds the [`EngineMemory`] it was opened over (its owners
+//! keep the memory allocated) for its whole life.
 use std::sync::Arc;
 
 use kvtier::transfer::{Fence, TransferError};
@@ -11,6 +12,7 @@ use kvtier::transfer::{Fence, TransferError};
 use crate::error::IoError;
 use crate::host::HostStorage;
 use crate::layout::{BlockChunks, Chunk};
+use crate::memory::EngineMemory;
 use crate::sys::mem;
 
 /// What kind of memory the engine's KV cache is (CPU, or CUDA device by ordinal).
@@ -54,15 +56,18 @@ pub(crate) struct DeviceSide {
     layout: Arc<dyn BlockChunks>,
     kind: DeviceKind,
     mover: Mover,
+    /// Held for the side's life: what keeps the chunks of `layout` allocated.
+    _memory: EngineMemory,
 }
 
 impl DeviceSide {
     pub(crate) fn open(
-        layout: Arc<dyn BlockChunks>,
-        kind: DeviceKind,
+        memory: EngineMemory,
         host: Option<&HostStorage>,
         method: crate::cuda::CudaCopyMethod,
     ) -> Result<Self, IoError> {
+        let layout = Arc::clone(memory.layout());
+        let kind = memory.kind();
         let mover = match kind {
             DeviceKind::Cpu => Mover::Cpu,
             DeviceKind::Cuda(ordinal) => {
@@ -80,6 +85,7 @@ impl DeviceSide {
             layout,
             kind,
             mover,
+            _memory: memory,
         })
     }
 
@@ -134,8 +140,9 @@ impl DeviceSide {
                         } else {
                             (host + off, c.addr as usize)
                         };
-                        // SAFETY: `c` is a chunk of a device block the engine registered (valid
-                        // while the TransferEngine lives), `host + off` lies inside one host
+                        // SAFETY: `c` is a chunk of a device block of the `EngineMemory` this
+                        // side holds (CPU memory, allocated while it lives: its `# Safety`, or its
+                        // safe constructor's bound check and owners), `host + off` lies inside one host
                         // block (chunks sum to the block size, checked at build); the job owns
                         // the destination and holds the source read-only.
                         unsafe { mem::copy_stream(src, dst, c.len) };

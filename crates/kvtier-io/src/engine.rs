@@ -30,7 +30,7 @@ use crate::device::{CopyDir, DeviceKind, DeviceSide, Order};
 use crate::disk::{DiskOptions, DiskStorage};
 use crate::error::IoError;
 use crate::host::{HostOptions, HostStorage};
-use crate::layout::{BlockChunks, DeviceLayout};
+use crate::memory::EngineMemory;
 use crate::node::NodeStore;
 use crate::sys::mem;
 
@@ -40,7 +40,7 @@ use staged::{Bounce, Bounces};
 /// Builds a [`TransferEngine`] from the tiers a worker has.
 #[derive(Default)]
 pub struct TransferEngineBuilder {
-    device: Option<(Arc<dyn BlockChunks>, DeviceKind)>,
+    device: Option<EngineMemory>,
     host: Option<Arc<HostStorage>>,
     disk: Option<Arc<DiskStorage>>,
     remote: Option<Arc<dyn RemoteStore>>,
@@ -73,21 +73,13 @@ impl TransferEngineBuilder {
         self.cuda_copy = m;
         self
     }
-    /// The engine's KV memory: where each device block's chunks are, and whether that memory
-    /// is CUDA or CPU memory.
-    ///
-    /// Precondition (not checkable, see docs/arch/io.md "The `unsafe` boundary"): every chunk of
-    /// every block is memory of `kind` that stays allocated at the same address while the
-    /// TransferEngine lives, and the engine writes a block only while no job of kvtier's holds it.
-    pub fn device(mut self, layout: Arc<dyn BlockChunks>, kind: DeviceKind) -> Self {
-        self.device = Some((layout, kind));
+    /// The engine's KV memory (G1), registered: where each device block's chunks are, whether
+    /// they are CUDA or CPU memory, and what keeps them allocated. The precondition of copying
+    /// into engine memory is [`EngineMemory::new`]'s `# Safety` (or what a safe constructor of
+    /// `EngineMemory` checked); the engine holds `memory` for its whole life.
+    pub fn device(mut self, memory: EngineMemory) -> Self {
+        self.device = Some(memory);
         self
-    }
-    /// The engine's registered KV tensors as the core crate describes them; the memory kind
-    /// (CPU or CUDA device) comes from the layout.
-    pub fn device_layout(self, layout: DeviceLayout) -> Self {
-        let kind = layout.device();
-        self.device(Arc::new(layout), kind)
     }
     /// The host tier (G2).
     pub fn host(mut self, host: Arc<HostStorage>) -> Self {
@@ -138,8 +130,8 @@ impl TransferEngineBuilder {
     /// Check that every tier agrees on the block size and open the device side.
     pub fn build(self) -> Result<TransferEngine, IoError> {
         let mut sizes: Vec<(&str, usize)> = Vec::new();
-        if let Some((l, _)) = &self.device {
-            sizes.push(("device layout", l.bytes_per_block()));
+        if let Some(m) = &self.device {
+            sizes.push(("device layout", m.bytes_per_block()));
         }
         if let Some(h) = &self.host {
             sizes.push(("host tier", h.block_bytes()));
@@ -164,9 +156,8 @@ impl TransferEngineBuilder {
             return Err(IoError::Config("blocks of zero bytes".into()));
         }
         let device = match self.device {
-            Some((layout, kind)) => Some(DeviceSide::open(
-                layout,
-                kind,
+            Some(memory) => Some(DeviceSide::open(
+                memory,
                 self.host.as_deref(),
                 self.cuda_copy,
             )?),

@@ -44,6 +44,10 @@ pub enum IoError {
     /// The tiers do not fit together (e.g. different bytes per block).
     #[error("invalid transfer configuration: {0}")]
     Config(String),
+    /// Engine memory that a safe constructor of `EngineMemory` refused (out of its owners'
+    /// bounds, another device, no bytes).
+    #[error(transparent)]
+    Memory(#[from] crate::memory::MemoryError),
 }
 
 /// Why one block could not be read or written. Turned into `BlockFailure::reason` strings.

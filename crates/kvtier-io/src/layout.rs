@@ -3,11 +3,13 @@
 //!
 //! Invariants: every block of a layout has the same chunks lengths in the same order, summing to
 //! `bytes_per_block`; chunks of different blocks never overlap; addresses are borrowed from the
-//! engine (kvtier never frees them).
+//! engine (kvtier never frees them) and reach a `TransferEngine` only inside an
+//! [`EngineMemory`](crate::EngineMemory) (the `unsafe` boundary, module [`crate::memory`]).
 use kvtier::ids::DeviceBlockId;
 pub use kvtier::layout::{Chunk, DeviceLayout};
 
 use crate::error::IoError;
+use crate::memory::DevicePtr;
 
 /// The mapping from a device block id to its chunks. Implemented by the core crate's
 /// [`DeviceLayout`] (what engines register) and by [`StridedLayout`] (tests and benchmarks).
@@ -25,7 +27,7 @@ pub trait BlockChunks: Send + Sync {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Region {
     /// Address of block 0's chunk.
-    pub base: u64,
+    pub base: DevicePtr,
     /// Bytes from one block's chunk to the next one's.
     pub block_stride: u64,
     /// Bytes of the chunk.
@@ -43,7 +45,7 @@ pub struct StridedLayout {
 
 impl StridedLayout {
     /// Validate and build. Each region needs `len <= block_stride` (blocks do not overlap) and
-    /// a non-null base; `num_blocks > 0`.
+    /// a non-empty chunk; `num_blocks > 0`.
     pub fn new(num_blocks: u32, regions: Vec<Region>) -> Result<Self, IoError> {
         if num_blocks == 0 || regions.is_empty() {
             return Err(IoError::Config(
@@ -51,10 +53,8 @@ impl StridedLayout {
             ));
         }
         for (i, r) in regions.iter().enumerate() {
-            if r.base == 0 || r.len == 0 {
-                return Err(IoError::Config(format!(
-                    "region {i}: null base or empty chunk"
-                )));
+            if r.len == 0 {
+                return Err(IoError::Config(format!("region {i}: empty chunk")));
             }
             if num_blocks > 1 && (r.len as u64) > r.block_stride {
                 return Err(IoError::Config(format!(
@@ -65,7 +65,7 @@ impl StridedLayout {
             let end = r
                 .block_stride
                 .checked_mul(u64::from(num_blocks - 1))
-                .and_then(|v| v.checked_add(r.base))
+                .and_then(|v| v.checked_add(r.base.get()))
                 .and_then(|v| v.checked_add(r.len as u64));
             if end.is_none() {
                 return Err(IoError::Config(format!("region {i}: address overflow")));
@@ -81,7 +81,11 @@ impl StridedLayout {
 
     /// TensorRT-LLM's pool layout: one buffer `[num_blocks, layers, 2, tokens*heads*dim]`, so a
     /// block is one contiguous chunk.
-    pub fn contiguous(base: u64, num_blocks: u32, bytes_per_block: usize) -> Result<Self, IoError> {
+    pub fn contiguous(
+        base: DevicePtr,
+        num_blocks: u32,
+        bytes_per_block: usize,
+    ) -> Result<Self, IoError> {
         Self::new(
             num_blocks,
             vec![Region {
@@ -96,28 +100,24 @@ impl StridedLayout {
     /// then V plane); `layer_bases[l]` is the tensor's address, `chunk` the bytes of one block's
     /// K (or V) in one layer. Canonical order: layer 0 K, layer 0 V, layer 1 K, ...
     pub fn kv_per_layer(
-        layer_bases: &[u64],
+        layer_bases: &[DevicePtr],
         num_blocks: u32,
         chunk: usize,
     ) -> Result<Self, IoError> {
         let plane = chunk as u64 * u64::from(num_blocks);
-        let regions = layer_bases
-            .iter()
-            .flat_map(|&b| {
-                [
-                    Region {
-                        base: b,
-                        block_stride: chunk as u64,
-                        len: chunk,
-                    },
-                    Region {
-                        base: b + plane,
-                        block_stride: chunk as u64,
-                        len: chunk,
-                    },
-                ]
-            })
-            .collect();
+        let mut regions = Vec::with_capacity(2 * layer_bases.len());
+        for (l, &b) in layer_bases.iter().enumerate() {
+            let v = b
+                .checked_add(plane)
+                .ok_or_else(|| IoError::Config(format!("layer {l}: address overflow")))?;
+            for base in [b, v] {
+                regions.push(Region {
+                    base,
+                    block_stride: chunk as u64,
+                    len: chunk,
+                });
+            }
+        }
         Self::new(num_blocks, regions)
     }
 
@@ -142,7 +142,7 @@ impl BlockChunks for StridedLayout {
             ));
         }
         out.extend(self.regions.iter().map(|r| Chunk {
-            addr: r.base + u64::from(block) * r.block_stride,
+            addr: r.base.get() + u64::from(block) * r.block_stride,
             len: r.len,
         }));
         Ok(())
@@ -169,7 +169,8 @@ mod tests {
 
     #[test]
     fn per_layer_chunks_are_in_canonical_order() {
-        let l = StridedLayout::kv_per_layer(&[1000, 9000], 4, 10).unwrap();
+        let p = |a| DevicePtr::new(a).unwrap();
+        let l = StridedLayout::kv_per_layer(&[p(1000), p(9000)], 4, 10).unwrap();
         assert_eq!(l.bytes_per_block(), 40);
         let mut c = Vec::new();
         l.chunks(2, &mut c).unwrap();
@@ -181,7 +182,7 @@ mod tests {
     #[test]
     fn overlapping_regions_are_rejected() {
         let r = Region {
-            base: 64,
+            base: DevicePtr::new(64).unwrap(),
             block_stride: 8,
             len: 16,
         };

@@ -1,8 +1,9 @@
 //! kvtier-io: host memory, disk, CUDA and the transfer engine. All `unsafe` of kvtier lives here
 //! (in [`sys`](crate) modules, each block with a `// SAFETY:` note).
 //!
-//! A worker builds one [`TransferEngine`] from the engine's registered KV memory (a
-//! [`BlockChunks`] layout, CUDA or CPU), an optional [`HostStorage`], an optional
+//! A worker builds one [`TransferEngine`] from the engine's registered KV memory (an
+//! [`EngineMemory`]: a [`BlockChunks`] layout, CUDA or CPU, registered through the `unsafe fn`
+//! [`EngineMemory::new`] or a checked safe constructor, module [`memory`]), an optional [`HostStorage`], an optional
 //! [`DiskStorage`] and an optional remote store, and hands it to the connector as its
 //! `kvtier::transfer::BlockTransfer`. Every job completes with `Ok` or with the exact pairs that
 //! failed.
@@ -11,17 +12,23 @@
 //! use std::sync::Arc;
 //! use kvtier::transfer::{BlockPair, BlockTransfer, TransferJob};
 //! use kvtier::{JobId, Tier};
-//! use kvtier_io::{DeviceKind, HostOptions, HostStorage, PinMode, StridedLayout, TransferEngine};
+//! use kvtier_io::{
+//!     DeviceKind, DevicePtr, EngineMemory, HostOptions, HostStorage, PinMode, StridedLayout,
+//!     TransferEngine,
+//! };
 //!
 //! // A CPU "engine" cache of 4 blocks of 256 bytes.
 //! let mut kv = vec![0u8; 4 * 256];
 //! kv[256..512].fill(7);
-//! let layout = StridedLayout::contiguous(kv.as_ptr() as u64, 4, 256)?;
+//! let base = DevicePtr::from_host(kv.as_ptr()).ok_or("null")?;
+//! let layout = StridedLayout::contiguous(base, 4, 256)?;
+//! // SAFETY: `kv` stays allocated, unmoved and untouched until `engine` drops below.
+//! let memory = unsafe { EngineMemory::new(Arc::new(layout), DeviceKind::Cpu) };
 //! let mut opts = HostOptions::new(8, 256);
 //! opts.pin = PinMode::Never;
 //! let host = Arc::new(HostStorage::new(&opts)?);
 //! let engine = TransferEngine::builder()
-//!     .device(Arc::new(layout), DeviceKind::Cpu)
+//!     .device(memory)
 //!     .host(host.clone())
 //!     .build()?;
 //! let job = TransferJob { id: JobId(1), src: Tier::Device, dst: Tier::Host,
@@ -46,6 +53,7 @@ mod engine;
 pub mod error;
 mod host;
 pub mod layout;
+pub mod memory;
 pub mod metrics_http;
 pub mod node;
 pub mod remote;
@@ -61,3 +69,4 @@ pub use engine::{TransferEngine, TransferEngineBuilder};
 pub use error::{BlockIoError, IoError};
 pub use host::{HostOptions, HostStorage, PinMode};
 pub use layout::{BlockChunks, Chunk, DeviceLayout, Region, StridedLayout};
+pub use memory::{CpuKvPool, DevicePtr, EngineMemory, MemoryError, TensorMemory};

@@ -62,7 +62,10 @@ fn device_disk_device_round_trip_without_host_tier() {
         }
         let d = disk(tmp.path(), io);
         let e = TransferEngine::builder()
-            .device(Arc::new(cache.layout()), DeviceKind::Cpu)
+            .device(
+                // SAFETY: the cache outlives the engine; the test touches it only between jobs.
+                unsafe { EngineMemory::new(Arc::new(cache.layout()), DeviceKind::Cpu) },
+            )
             .disk(d.clone())
             .bounce_blocks(bounce)
             .build()
@@ -116,7 +119,10 @@ fn corrupted_disk_block(bounce: u32) {
     }
     let d = disk(tmp.path(), DiskIoMode::Auto);
     let e = TransferEngine::builder()
-        .device(Arc::new(cache.layout()), DeviceKind::Cpu)
+        .device(
+            // SAFETY: the cache outlives the engine; the test touches it only between jobs.
+            unsafe { EngineMemory::new(Arc::new(cache.layout()), DeviceKind::Cpu) },
+        )
         .disk(d.clone())
         .bounce_blocks(bounce)
         .build()
@@ -177,7 +183,10 @@ fn bad_device_ids(bounce: u32) {
     }
     let d = disk(tmp.path(), DiskIoMode::Auto);
     let e = TransferEngine::builder()
-        .device(Arc::new(cache.layout()), DeviceKind::Cpu)
+        .device(
+            // SAFETY: the cache outlives the engine; the test touches it only between jobs.
+            unsafe { EngineMemory::new(Arc::new(cache.layout()), DeviceKind::Cpu) },
+        )
         .disk(d.clone())
         .bounce_blocks(bounce)
         .build()
@@ -228,7 +237,10 @@ fn remote_round_trip(bounce: u32) {
         .collect();
     {
         let e = TransferEngine::builder()
-            .device(Arc::new(producer.layout()), DeviceKind::Cpu)
+            .device(
+                // SAFETY: the cache outlives the engine; the test touches it only between jobs.
+                unsafe { EngineMemory::new(Arc::new(producer.layout()), DeviceKind::Cpu) },
+            )
             .remote(kvtier_io::remote::from_url(&url, "bounce-test").unwrap())
             .bounce_blocks(bounce)
             .build()
@@ -246,7 +258,10 @@ fn remote_round_trip(bounce: u32) {
         consumer.write(b, &vec![0x11; BPB]);
     }
     let e = TransferEngine::builder()
-        .device(Arc::new(consumer.layout()), DeviceKind::Cpu)
+        .device(
+            // SAFETY: the cache outlives the engine; the test touches it only between jobs.
+            unsafe { EngineMemory::new(Arc::new(consumer.layout()), DeviceKind::Cpu) },
+        )
         .remote(kvtier_io::remote::from_url(&url, "bounce-test").unwrap())
         .bounce_blocks(bounce)
         .build()
@@ -292,7 +307,10 @@ fn concurrent_staged_jobs() {
     let d = disk(tmp.path(), DiskIoMode::Auto);
     let e = Arc::new(
         TransferEngine::builder()
-            .device(Arc::new(cache.layout()), DeviceKind::Cpu)
+            .device(
+                // SAFETY: the cache outlives the engine; the test touches it only between jobs.
+                unsafe { EngineMemory::new(Arc::new(cache.layout()), DeviceKind::Cpu) },
+            )
             .disk(d)
             .bounce_blocks(2)
             .build()

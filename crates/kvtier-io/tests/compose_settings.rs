@@ -23,7 +23,7 @@ use kvtier::policy::FilterParams;
 use kvtier::transfer::RemoteStore;
 use kvtier_io::compose::{Composition, EngineIdentity, HostMemory, RankTiers, ServingRole};
 use kvtier_io::metrics_http::StatsPublisher;
-use kvtier_io::PinMode;
+use kvtier_io::{EngineMemory, PinMode, TensorMemory};
 
 const BS: usize = 16;
 /// [16 blocks, 1 layer, K/V, 16 tokens x 4 floats]: 512 bytes per block.
@@ -149,8 +149,8 @@ fn build(src: Source, key: &str, value: &str, base: &[(&str, String)]) -> Result
     let tiers = plan
         .transfer(
             0,
-            Arc::new(dl),
-            layout::DeviceKind::Cpu,
+            EngineMemory::from_tensors(dl, vec![TensorMemory::of(&desc, None).unwrap()])
+                .map_err(|e| e.to_string())?,
             host,
             remote.clone(),
         )

@@ -34,7 +34,10 @@ fn store(n: &NodeServer) -> Arc<NodeStore> {
 
 fn engine(cache: &PerLayerCache, node: Arc<NodeStore>) -> TransferEngine {
     TransferEngine::builder()
-        .device(Arc::new(cache.layout()), DeviceKind::Cpu)
+        .device(
+            // SAFETY: the cache outlives the engine; the test touches it only between jobs.
+            unsafe { EngineMemory::new(Arc::new(cache.layout()), DeviceKind::Cpu) },
+        )
         .remote(node)
         .bounce_blocks(2)
         .build()

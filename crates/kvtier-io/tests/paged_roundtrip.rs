@@ -69,8 +69,13 @@ fn every_layout_round_trips_through_the_host_tier() {
         let mut o = HostOptions::new(4, bpb);
         o.pin = PinMode::Never;
         let host = Arc::new(HostStorage::new(&o).unwrap());
+        // The safe registration: each layer's regions lie inside its own view of `mem`.
+        let owned = views
+            .iter()
+            .map(|v| TensorMemory::of(v, None).unwrap())
+            .collect();
         let e = TransferEngine::builder()
-            .device_layout(layout)
+            .device(EngineMemory::from_tensors(layout, owned).unwrap())
             .host(host)
             .build()
             .unwrap();

@@ -14,7 +14,10 @@ use kvtier::hash::{sequence_hashes, HashSalt};
 use kvtier::transfer::{BlockPair, BlockTransfer, RemoteStore, TransferJob, TransferOutcome};
 use kvtier::{JobId, Tier};
 use kvtier_io::remote::from_url;
-use kvtier_io::{DeviceKind, HostOptions, HostStorage, PinMode, StridedLayout, TransferEngine};
+use kvtier_io::{
+    DeviceKind, DevicePtr, EngineMemory, HostOptions, HostStorage, PinMode, StridedLayout,
+    TransferEngine,
+};
 use remote_support::{block, RedisServer};
 
 const BLOCK: usize = 64 << 10;
@@ -31,12 +34,17 @@ struct Worker {
 impl Worker {
     fn new(remote: Arc<dyn RemoteStore>) -> Worker {
         let kv = vec![0u8; BLOCKS as usize * BLOCK];
-        let layout = StridedLayout::contiguous(kv.as_ptr() as u64, BLOCKS, BLOCK).unwrap();
+        let layout =
+            StridedLayout::contiguous(DevicePtr::from_host(kv.as_ptr()).unwrap(), BLOCKS, BLOCK)
+                .unwrap();
         let mut o = HostOptions::new(BLOCKS, BLOCK);
         o.pin = PinMode::Never;
         let host = Arc::new(HostStorage::new(&o).unwrap());
         let engine = TransferEngine::builder()
-            .device(Arc::new(layout), DeviceKind::Cpu)
+            .device(
+                // SAFETY: the cache outlives the engine; the test touches it only between jobs.
+                unsafe { EngineMemory::new(Arc::new(layout), DeviceKind::Cpu) },
+            )
             .host(Arc::clone(&host))
             .remote(remote)
             .build()

@@ -48,7 +48,10 @@ fn full_cycle(chunk: usize, io: DiskIoMode, direct: DirectMode) {
     let h = host(8, bpb);
     let d = disk(&tmp.path().join("cache"), 8, bpb, io, direct);
     let e = TransferEngine::builder()
-        .device(Arc::new(cache.layout()), DeviceKind::Cpu)
+        .device(
+            // SAFETY: the cache outlives the engine; the test touches it only between jobs.
+            unsafe { EngineMemory::new(Arc::new(cache.layout()), DeviceKind::Cpu) },
+        )
         .host(h.clone())
         .disk(d.clone())
         .build()
@@ -118,10 +121,18 @@ fn per_layer_unaligned_buffered_sync() {
 fn contiguous_pool_layout_round_trip() {
     let (blocks, bpb) = (5u32, 3 * 4096 + 100);
     let mut pool: Vec<u8> = (0..blocks).flat_map(|b| pattern(b + 100, bpb)).collect();
-    let layout = StridedLayout::contiguous(pool.as_mut_ptr() as u64, blocks, bpb).unwrap();
+    let layout = StridedLayout::contiguous(
+        DevicePtr::from_host(pool.as_mut_ptr()).unwrap(),
+        blocks,
+        bpb,
+    )
+    .unwrap();
     let h = host(5, bpb);
     let e = TransferEngine::builder()
-        .device(Arc::new(layout), DeviceKind::Cpu)
+        .device(
+            // SAFETY: the cache outlives the engine; the test touches it only between jobs.
+            unsafe { EngineMemory::new(Arc::new(layout), DeviceKind::Cpu) },
+        )
         .host(h.clone())
         .build()
         .unwrap();
@@ -155,9 +166,14 @@ fn contiguous_pool_layout_round_trip() {
 #[test]
 fn bad_ids_fail_only_their_pairs() {
     let mut pool = vec![1u8; 4 * 512];
-    let layout = StridedLayout::contiguous(pool.as_mut_ptr() as u64, 4, 512).unwrap();
+    let layout =
+        StridedLayout::contiguous(DevicePtr::from_host(pool.as_mut_ptr()).unwrap(), 4, 512)
+            .unwrap();
     let e = TransferEngine::builder()
-        .device(Arc::new(layout), DeviceKind::Cpu)
+        .device(
+            // SAFETY: the cache outlives the engine; the test touches it only between jobs.
+            unsafe { EngineMemory::new(Arc::new(layout), DeviceKind::Cpu) },
+        )
         .host(host(2, 512))
         .build()
         .unwrap();
@@ -175,9 +191,14 @@ fn bad_ids_fail_only_their_pairs() {
 #[test]
 fn mismatched_block_sizes_are_rejected() {
     let mut pool = vec![0u8; 1024];
-    let layout = StridedLayout::contiguous(pool.as_mut_ptr() as u64, 2, 512).unwrap();
+    let layout =
+        StridedLayout::contiguous(DevicePtr::from_host(pool.as_mut_ptr()).unwrap(), 2, 512)
+            .unwrap();
     let r = TransferEngine::builder()
-        .device(Arc::new(layout), DeviceKind::Cpu)
+        .device(
+            // SAFETY: the cache outlives the engine; the test touches it only between jobs.
+            unsafe { EngineMemory::new(Arc::new(layout), DeviceKind::Cpu) },
+        )
         .host(host(2, 256))
         .build();
     assert!(matches!(r, Err(IoError::Config(_))));
@@ -303,8 +324,14 @@ fn core_device_layouts_round_trip() {
     let layout = DeviceLayout::vllm_cpu(&descs, DType::F32).unwrap();
     let bpb = layout.bytes_per_block();
     let h = host(blocks as u32, bpb);
+    // The safe registration: every region checked against the tensors (the test owns them and
+    // keeps them past the engine).
+    let owned = descs
+        .iter()
+        .map(|d| TensorMemory::of(d, None).unwrap())
+        .collect();
     let e = TransferEngine::builder()
-        .device_layout(layout)
+        .device(EngineMemory::from_tensors(layout, owned).unwrap())
         .host(h.clone())
         .build()
         .unwrap();
@@ -332,8 +359,9 @@ fn core_device_layouts_round_trip() {
     );
     let layout = DeviceLayout::trtllm(&d, bs, DType::BF16).unwrap();
     let h = host(blocks as u32, layout.bytes_per_block());
+    let owned = vec![TensorMemory::of(&d, None).unwrap()];
     let e = TransferEngine::builder()
-        .device_layout(layout)
+        .device(EngineMemory::from_tensors(layout, owned).unwrap())
         .host(h)
         .build()
         .unwrap();
@@ -355,9 +383,14 @@ fn failing_tiers_are_left_out_not_fatal() {
     // A regular file where the cache directory should be.
     let d = DiskOptions::new(file.path().join("sub"), 4, 4096);
     let mut pool = vec![0u8; 4 * 4096];
-    let layout = StridedLayout::contiguous(pool.as_mut_ptr() as u64, 4, 4096).unwrap();
+    let layout =
+        StridedLayout::contiguous(DevicePtr::from_host(pool.as_mut_ptr()).unwrap(), 4, 4096)
+            .unwrap();
     let e = TransferEngine::builder()
-        .device(Arc::new(layout), DeviceKind::Cpu)
+        .device(
+            // SAFETY: the cache outlives the engine; the test touches it only between jobs.
+            unsafe { EngineMemory::new(Arc::new(layout), DeviceKind::Cpu) },
+        )
         .host_from(&ho)
         .disk_from(&d)
         .build()
@@ -388,7 +421,10 @@ fn ordered_loads_signal_once_and_only_when_every_pair_is_good() {
         h.write_block(b, &pattern(b + 40, bpb)).unwrap();
     }
     let e = TransferEngine::builder()
-        .device(Arc::new(cache.layout()), DeviceKind::Cpu)
+        .device(
+            // SAFETY: the cache outlives the engine; the test touches it only between jobs.
+            unsafe { EngineMemory::new(Arc::new(cache.layout()), DeviceKind::Cpu) },
+        )
         .host(h.clone())
         .build()
         .unwrap();

@@ -18,6 +18,7 @@
 //!     dtype: "float16".into(),
 //!     device: DeviceKind::Cpu,
 //!     device_index: 0,
+//!     owner: None,
 //! };
 //! let layout = desc.trtllm_layout(16).unwrap();
 //! assert_eq!(layout.bytes_per_block(), 64 * 2 * 2 * 2);

@@ -5,9 +5,13 @@
 //! Invariants: a descriptor's own fields agree (as many strides as dimensions, a positive element
 //! size, a non-null address for a non-empty tensor); whether tensors fit an engine layout is
 //! decided by the core's `DeviceLayout` alone, whose errors name the tensor and the mismatch (a
-//! `LayoutError`, also a `ValueError` in Python). Descriptors hold addresses only: the engine owns
-//! the memory and keeps the tensor alive (TensorRT-LLM and vLLM keep their caches for the process
-//! lifetime).
+//! `LayoutError`, also a `ValueError` in Python). A descriptor made by `kvtier.describe(obj)` holds
+//! `obj` (its [`Owner`]): the Worker registers the tensors' bytes with kvtier-io's checked
+//! `EngineMemory::from_tensors`, which keeps the owners alive while the transfer engine lives. A
+//! descriptor built from raw integers (TensorRT-LLM's `KvCacheLayout` regions) has no owner: the
+//! engine keeps that memory (TensorRT-LLM and vLLM keep their caches for the process lifetime).
+use std::sync::Arc;
+
 use pyo3::prelude::*;
 
 use kvtier::layout::{self, DType, DeviceLayout, EngineLayoutKind};
@@ -41,6 +45,35 @@ impl DeviceKind {
     }
 }
 
+/// The Python object a descriptor was made from (a torch tensor, a numpy or CUDA array), held so
+/// the memory it owns stays allocated while kvtier copies into it. Equal only to itself.
+#[derive(Clone)]
+pub struct Owner(Arc<Py<PyAny>>);
+
+impl Owner {
+    /// Holds `obj`.
+    pub fn new(obj: Py<PyAny>) -> Self {
+        Owner(Arc::new(obj))
+    }
+    /// The keep-alive kvtier-io's `TensorMemory` holds.
+    pub fn keep_alive(&self) -> kvtier_io::memory::KeepAlive {
+        self.0.clone()
+    }
+}
+
+impl std::fmt::Debug for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Owner(..)")
+    }
+}
+
+impl PartialEq for Owner {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+impl Eq for Owner {}
+
 /// A plain description of one tensor. Built in Python by `kvtier._tensors.describe(obj)` from a
 /// torch tensor, a numpy array (`__array_interface__`) or a CUDA array (`__cuda_array_interface__`).
 #[pyclass(frozen, module = "kvtier._native", from_py_object)]
@@ -66,6 +99,9 @@ pub struct TensorDesc {
     /// CUDA ordinal; 0 for CPU.
     #[pyo3(get)]
     pub device_index: u32,
+    /// The object described, kept alive by a Worker registered over it; `None` for a descriptor
+    /// of memory the engine keeps by itself.
+    pub owner: Option<Owner>,
 }
 
 impl TensorDesc {
@@ -158,7 +194,8 @@ impl TensorDesc {
 #[pymethods]
 impl TensorDesc {
     #[new]
-    #[pyo3(signature = (data_ptr, shape, strides, itemsize, dtype, device = "cpu", device_index = 0))]
+    #[pyo3(signature = (data_ptr, shape, strides, itemsize, dtype, device = "cpu", device_index = 0, owner = None))]
+    #[allow(clippy::too_many_arguments)]
     fn py_new(
         data_ptr: u64,
         shape: Vec<usize>,
@@ -167,6 +204,7 @@ impl TensorDesc {
         dtype: String,
         device: &str,
         device_index: u32,
+        owner: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let device = DeviceKind::parse(device).ok_or_else(|| {
             crate::errors::new_err(
@@ -182,6 +220,7 @@ impl TensorDesc {
             dtype,
             device,
             device_index,
+            owner: owner.map(Owner::new),
         };
         desc.validate("tensor")?;
         Ok(desc)
@@ -233,6 +272,12 @@ impl TensorDesc {
         self.device.as_str()
     }
 
+    /// Whether the descriptor holds the object it describes (see `owner` in `__init__`).
+    #[getter]
+    fn has_owner(&self) -> bool {
+        self.owner.is_some()
+    }
+
     /// Total bytes spanned by the elements (0 for an empty tensor).
     #[getter]
     fn nbytes(&self) -> usize {
@@ -266,6 +311,7 @@ mod tests {
             dtype: "bfloat16".into(),
             device: DeviceKind::Cuda,
             device_index: 0,
+            owner: None,
         }
     }
 

@@ -2,7 +2,10 @@
 //! over kvtier-io's `TransferEngine` (the engine's KV memory, the host tier, the disk tier).
 //!
 //! Invariants: constructing a Worker validates the engine's tensors into a `DeviceLayout` before
-//! anything is allocated (a bad tensor is a `LayoutError`, nothing is left behind); the host and
+//! anything is allocated (a bad tensor is a `LayoutError`, nothing is left behind), and registers
+//! them only through kvtier-io's checked `EngineMemory::from_tensors`: every region of the layout
+//! lies inside one described tensor, and the tensors' owners (the objects `kvtier.describe` was
+//! given) stay referenced while the transfer engine lives; the host and
 //! disk tiers hold exactly the block counts the Leader computes from the same settings (equal
 //! shards: `bytes_per_block * world_size`, or the `bytes_per_block` setting); job reports go to
 //! the in-process Leader (`link = "in_process"`) or into a buffer drained by `take_reports`
@@ -17,6 +20,7 @@ use kvtier::ids::RequestId;
 use kvtier::layout::{self, DeviceLayout, EngineLayoutKind};
 use kvtier::transfer::BlockTransfer;
 use kvtier_io::compose::HostMemory;
+use kvtier_io::memory::{EngineMemory, TensorMemory};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
@@ -196,6 +200,17 @@ impl PyWorker {
         let dl = DeviceLayout::new(kind, &core, dtype)?;
         let bpb = dl.bytes_per_block();
         let num_blocks = dl.num_blocks();
+        let device = dl.device();
+        // The tensors' bytes and owners; a region outside them is refused (a LayoutError).
+        let mut owned = Vec::with_capacity(core.len());
+        for ((_, d), c) in tensors.iter().zip(&core) {
+            owned.push(
+                TensorMemory::of(c, d.owner.as_ref().map(|o| o.keep_alive()))
+                    .map_err(|e| BridgeError::local(Family::Layout, e.to_string()))?,
+            );
+        }
+        let memory = EngineMemory::from_tensors(dl, owned)
+            .map_err(|e| BridgeError::local(Family::Layout, e.to_string()))?;
         let link_name = settings
             .string("link")?
             .unwrap_or_else(|| "engine".to_string());
@@ -239,16 +254,15 @@ impl PyWorker {
         let plan = crate::vllm_support::composition(settings, cluster)?;
         let caps = plan.capacities();
         let host = HostMemory {
-            cuda_device: match dl.device() {
+            cuda_device: match device {
                 layout::DeviceKind::Cpu => 0,
                 layout::DeviceKind::Cuda(i) => i as i32,
             },
             ..HostMemory::default()
         };
-        let kind = dl.device();
         let remote = plan.remote_store().map_err(crate::vllm_support::bridge)?;
         let tiers = plan
-            .transfer(rank, Arc::new(dl), kind, host, remote)
+            .transfer(rank, memory, host, remote)
             .map_err(crate::vllm_support::bridge)?;
         let mut engine: Arc<dyn BlockTransfer> = Arc::new(tiers.engine);
         if let Some(ms) = settings.usize("test_load_delay_ms")?.filter(|ms| *ms > 0) {

@@ -27,14 +27,16 @@ impl GpuCache {
     }
     /// TensorRT-LLM pool `[blocks, layers, 2, chunk]`: one contiguous 2 MiB chunk per block.
     pub(super) fn pool(&self) -> Result<StridedLayout, String> {
-        StridedLayout::contiguous(self.mem.addr(), self.blocks, BPB).map_err(|e| e.to_string())
+        let base = DevicePtr::new(self.mem.addr()).ok_or("null device allocation")?;
+        StridedLayout::contiguous(base, self.blocks, BPB).map_err(|e| e.to_string())
     }
     /// vLLM per-layer `[2, blocks, chunk]` per layer: 64 chunks of 32 KiB per block.
     pub(super) fn per_layer(&self) -> Result<StridedLayout, String> {
         let lb = 2 * self.blocks as usize * CHUNK;
-        let bases: Vec<u64> = (0..LAYERS)
-            .map(|l| self.mem.addr() + (l * lb) as u64)
-            .collect();
+        let bases = (0..LAYERS)
+            .map(|l| DevicePtr::new(self.mem.addr() + (l * lb) as u64))
+            .collect::<Option<Vec<_>>>()
+            .ok_or("null device allocation")?;
         StridedLayout::kv_per_layer(&bases, self.blocks, CHUNK).map_err(|e| e.to_string())
     }
     /// Canonical bytes of device block `b` under `layout`, read back from the GPU.
@@ -133,8 +135,13 @@ pub(super) fn gpu(opts: &BenchOptions, r: &mut BenchReport) -> Result<(), String
         ] {
             let e = match TransferEngine::builder()
                 .device(
-                    Arc::new(layout.clone()),
-                    DeviceKind::Cuda(opts.cuda_device as u32),
+                    // SAFETY: `cache` outlives every engine here; only their jobs touch it meanwhile.
+                    unsafe {
+                        EngineMemory::new(
+                            Arc::new(layout.clone()),
+                            DeviceKind::Cuda(opts.cuda_device as u32),
+                        )
+                    },
                 )
                 .host(host.clone())
                 .cuda_copy_method(method)
@@ -189,7 +196,12 @@ pub(super) fn gpu(opts: &BenchOptions, r: &mut BenchReport) -> Result<(), String
     let per_layer = Arc::new(layouts[1].1.clone());
     let e = Arc::new(
         TransferEngine::builder()
-            .device(per_layer.clone(), DeviceKind::Cuda(opts.cuda_device as u32))
+            .device(
+                // SAFETY: `cache` outlives every engine here; only their jobs touch it meanwhile.
+                unsafe {
+                    EngineMemory::new(per_layer.clone(), DeviceKind::Cuda(opts.cuda_device as u32))
+                },
+            )
             .host(host.clone())
             .build()
             .map_err(|e| e.to_string())?,

@@ -26,13 +26,17 @@ pub(super) fn cpu_host(opts: &BenchOptions, r: &mut BenchReport) -> Result<(), S
     // The CPU "engine" cache, per-layer layout, lives in mapping `a`, reinterpreted as 32
     // layer tensors of [2, n, CHUNK].
     let layer_bytes = 2 * n * CHUNK;
-    let bases: Vec<u64> = (0..LAYERS)
-        .map(|l| (a.addr() + l * layer_bytes) as u64)
-        .collect();
+    let bases = (0..LAYERS)
+        .map(|l| DevicePtr::new((a.addr() + l * layer_bytes) as u64))
+        .collect::<Option<Vec<_>>>()
+        .ok_or("null mapping")?;
     let per_layer =
         StridedLayout::kv_per_layer(&bases, opts.blocks, CHUNK).map_err(|e| e.to_string())?;
     let e = TransferEngine::builder()
-        .device(Arc::new(per_layer), DeviceKind::Cpu)
+        .device(
+            // SAFETY: the mapping outlives the engine (declared first); only its jobs touch it.
+            unsafe { EngineMemory::new(Arc::new(per_layer), DeviceKind::Cpu) },
+        )
         .host(host.clone())
         .build()
         .map_err(|e| e.to_string())?;
@@ -156,18 +160,25 @@ pub(super) fn disk_cpu_device(
     let kv = Mapping::new(bytes).map_err(|e| e.to_string())?;
     kv.touch_parallel(4);
     let layer_bytes = 2 * n as usize * CHUNK;
-    let bases: Vec<u64> = (0..LAYERS)
-        .map(|l| (kv.addr() + l * layer_bytes) as u64)
-        .collect();
+    let bases = (0..LAYERS)
+        .map(|l| DevicePtr::new((kv.addr() + l * layer_bytes) as u64))
+        .collect::<Option<Vec<_>>>()
+        .ok_or("null mapping")?;
     let layout =
         Arc::new(StridedLayout::kv_per_layer(&bases, n, CHUNK).map_err(|e| e.to_string())?);
     let staged = TransferEngine::builder()
-        .device(layout.clone(), DeviceKind::Cpu)
+        .device(
+            // SAFETY: the mapping outlives the engine (declared first); only its jobs touch it.
+            unsafe { EngineMemory::new(layout.clone(), DeviceKind::Cpu) },
+        )
         .disk(d.clone())
         .build()
         .map_err(|e| e.to_string())?;
     let two_hop = TransferEngine::builder()
-        .device(layout, DeviceKind::Cpu)
+        .device(
+            // SAFETY: the mapping outlives the engine (declared first); only its jobs touch it.
+            unsafe { EngineMemory::new(layout, DeviceKind::Cpu) },
+        )
         .host(host.clone())
         .disk(d.clone())
         .build()

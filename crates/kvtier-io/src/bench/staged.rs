@@ -47,7 +47,10 @@ pub(super) fn gpu_staged(
             .map_err(|e| e.to_string())?;
     let kind = DeviceKind::Cuda(opts.cuda_device as u32);
     let staged = TransferEngine::builder()
-        .device(Arc::new(layout.clone()), kind)
+        .device(
+            // SAFETY: the benchmark's device cache outlives these engines; only their jobs touch it.
+            unsafe { EngineMemory::new(Arc::new(layout.clone()), kind) },
+        )
         .disk(disk.clone())
         .remote(remote.clone())
         .build()
@@ -64,7 +67,10 @@ pub(super) fn gpu_staged(
     ho.cuda_device = opts.cuda_device;
     let host = Arc::new(HostStorage::new(&ho).map_err(|e| e.to_string())?);
     let two_hop = TransferEngine::builder()
-        .device(Arc::new(layout.clone()), kind)
+        .device(
+            // SAFETY: the benchmark's device cache outlives these engines; only their jobs touch it.
+            unsafe { EngineMemory::new(Arc::new(layout.clone()), kind) },
+        )
         .host(host)
         .disk(disk.clone())
         .remote(remote.clone())
@@ -204,7 +210,10 @@ pub(super) fn gpu_staged(
     }
     // A larger bounce buffer (64 blocks: two halves of 32, the job size): disk rows only.
     let big = TransferEngine::builder()
-        .device(Arc::new(layout.clone()), kind)
+        .device(
+            // SAFETY: the benchmark's device cache outlives these engines; only their jobs touch it.
+            unsafe { EngineMemory::new(Arc::new(layout.clone()), kind) },
+        )
         .disk(disk.clone())
         .bounce_blocks(64)
         .build()

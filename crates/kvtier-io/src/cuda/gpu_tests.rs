@@ -17,6 +17,7 @@ use crate::device::DeviceKind;
 use crate::engine::TransferEngine;
 use crate::host::{HostOptions, HostStorage, PinMode};
 use crate::layout::{BlockChunks, StridedLayout};
+use crate::memory::{DevicePtr, EngineMemory};
 use crate::node::gpu_tests::{block, BPB, CHUNK, LAYERS};
 use crate::sys::cuda::{self as cu, DeviceAlloc, Driver, Stream};
 
@@ -55,7 +56,10 @@ fn check(name: &str, layout: StridedLayout, mem: &DeviceAlloc) {
         Arc::new(HostStorage::new(&o).unwrap())
     };
     let e = TransferEngine::builder()
-        .device(Arc::new(layout.clone()), DeviceKind::Cuda(0))
+        .device(
+            // SAFETY: the test's device allocation outlives the engine; only its jobs touch it.
+            unsafe { EngineMemory::new(Arc::new(layout.clone()), DeviceKind::Cuda(0)) },
+        )
         .host(host)
         .build()
         .unwrap();
@@ -122,7 +126,9 @@ fn ordered_loads_are_seen_by_the_engine_stream() {
     let mem = DeviceAlloc::new(total as usize * BPB).unwrap();
     fill(&mem, 7);
     let lb = 2 * total as usize * CHUNK;
-    let bases: Vec<u64> = (0..LAYERS).map(|l| mem.addr() + (l * lb) as u64).collect();
+    let bases: Vec<DevicePtr> = (0..LAYERS)
+        .map(|l| DevicePtr::new(mem.addr() + (l * lb) as u64).unwrap())
+        .collect();
     check(
         "kernel path",
         StridedLayout::kv_per_layer(&bases, total, CHUNK).unwrap(),
@@ -133,7 +139,7 @@ fn ordered_loads_are_seen_by_the_engine_stream() {
     fill(&mem, 8);
     check(
         "per-chunk path",
-        StridedLayout::contiguous(mem.addr(), total, BPB).unwrap(),
+        StridedLayout::contiguous(DevicePtr::new(mem.addr()).unwrap(), total, BPB).unwrap(),
         &mem,
     );
 }

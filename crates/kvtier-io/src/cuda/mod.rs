@@ -738,7 +738,8 @@ mod tests {
             eprintln!("CUDA present: skipping the no-driver check");
             return;
         }
-        let l = crate::StridedLayout::contiguous(4096, 2, 64).unwrap();
+        let l =
+            crate::StridedLayout::contiguous(crate::DevicePtr::new(4096).unwrap(), 2, 64).unwrap();
         let r = CudaMover::new(0, &l, None, CudaCopyMethod::Auto);
         assert!(matches!(r, Err(IoError::Cuda(_))));
     }

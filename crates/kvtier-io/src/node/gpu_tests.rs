@@ -19,6 +19,7 @@ use crate::device::DeviceKind;
 use crate::engine::TransferEngine;
 use crate::host::{HostOptions, HostStorage, PinMode};
 use crate::layout::{BlockChunks, StridedLayout};
+use crate::memory::{DevicePtr, EngineMemory};
 use crate::sys::cuda::{self as cu, DeviceAlloc, Driver};
 
 pub(crate) const LAYERS: usize = 32;
@@ -122,7 +123,9 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
     let mem = DeviceAlloc::new(total as usize * BPB).unwrap();
     fill(&mem, 7);
     let lb = 2 * total as usize * CHUNK;
-    let bases: Vec<u64> = (0..LAYERS).map(|l| mem.addr() + (l * lb) as u64).collect();
+    let bases: Vec<DevicePtr> = (0..LAYERS)
+        .map(|l| DevicePtr::new(mem.addr() + (l * lb) as u64).unwrap())
+        .collect();
     let layout = StridedLayout::kv_per_layer(&bases, total, CHUNK).unwrap();
     let kind = DeviceKind::Cuda(0);
 
@@ -136,7 +139,10 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
         NodeStore::connect(node.socket(), "gpu-test", NodeClientOptions::default()).unwrap(),
     );
     let e = TransferEngine::builder()
-        .device(Arc::new(layout.clone()), kind)
+        .device(
+            // SAFETY: the test's device allocation outlives the engine; only its jobs touch it.
+            unsafe { EngineMemory::new(Arc::new(layout.clone()), kind) },
+        )
         .remote(store.clone())
         .build()
         .unwrap();
@@ -177,7 +183,10 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
     ho.pin = PinMode::Require;
     let host = Arc::new(HostStorage::new(&ho).unwrap());
     let h = TransferEngine::builder()
-        .device(Arc::new(layout.clone()), kind)
+        .device(
+            // SAFETY: the test's device allocation outlives the engine; only its jobs touch it.
+            unsafe { EngineMemory::new(Arc::new(layout.clone()), kind) },
+        )
         .host(host)
         .build()
         .unwrap();

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 use kvtier::transfer::{BlockPair, TransferJob};
 use kvtier::{JobId, Tier};
-use kvtier_io::StridedLayout;
+use kvtier_io::{DevicePtr, StridedLayout};
 
 /// Bytes of a block that depend on a seed, so any misplaced chunk changes the result.
 pub(crate) fn pattern(seed: u32, len: usize) -> Vec<u8> {
@@ -49,7 +49,11 @@ impl PerLayerCache {
         }
     }
     pub(crate) fn layout(&self) -> StridedLayout {
-        let bases: Vec<u64> = self.layers.iter().map(|l| l.as_ptr() as u64).collect();
+        let bases: Vec<DevicePtr> = self
+            .layers
+            .iter()
+            .map(|l| DevicePtr::from_host(l.as_ptr()).unwrap())
+            .collect();
         StridedLayout::kv_per_layer(&bases, self.blocks, self.chunk).unwrap()
     }
     /// The block in kvtier's canonical order (layer 0 K, layer 0 V, layer 1 K, ...).
