@@ -62,7 +62,7 @@ def chat(e, convs: int, turns: int, first: int, more: int, vocab: int) -> dict:
 
 def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: int, spec: dict,
                trace: Path | None, vocab: int = 100000, profile: bool = False,
-               chat_shape: tuple[int, int, int, int] | None = None) -> dict:
+               chat_shape: tuple[int, int, int, int] | None = None, miss_drain: bool = False) -> dict:
     env = {"KVTIER_LOG": os.environ.get("KVTIER_LOG", "warn")}
     if trace is not None:
         env["KVTIER_VLLM_TRACE"] = str(trace)
@@ -77,7 +77,15 @@ def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: i
         e.ttft(prompts(1, 512, seed=99, vocab=vocab))  # warm-up
         for n in lengths:
             ps = prompts(reps, n, seed=n, vocab=vocab)
-            miss = e.call("ttft", prompts=ps)
+            if miss_drain:  # each miss starts once the previous prompt's stores are done (nothing overlaps it)
+                miss = {"seconds": [], "first_tokens": []}
+                for p1 in ps:
+                    m1 = e.call("ttft", prompts=[p1])
+                    e.drain(120)
+                    miss["seconds"] += m1["seconds"]
+                    miss["first_tokens"] += m1["first_tokens"]
+            else:
+                miss = e.call("ttft", prompts=ps)
             e.drain(120)
             e.reset_prefix_cache()
             time.sleep(0.5)  # let stores finish before the replays
@@ -137,6 +145,9 @@ def main() -> None:
     ap.add_argument("--g1-gb", type=float, default=6.0)
     ap.add_argument("--engines", default="vllm,native,kvtier,kvtier-blnhc")
     ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--miss-drain", action="store_true",
+                    help="drain the engine (kvtier's stores) between miss prompts: is a miss slowed by the previous "
+                         "prompt's stores still running?")
     ap.add_argument("--chat", default=None, metavar="CONVS,TURNS,FIRST,MORE",
                     help="also a multi-turn chat (e.g. 8,4,4096,1024: 8 conversations whose histories exceed G1)")
     ap.add_argument("--profile", action="store_true",
@@ -185,7 +196,7 @@ def main() -> None:
         trace = tmp / f"{name}.trace" if a.trace and name.startswith("kvtier") else None
         try:
             shape = tuple(int(x) for x in a.chat.split(",")) if a.chat else None
-            r = run_engine(name, model, tmp, lengths, a.reps, dict(engines[name]), trace, vocab, a.profile, shape)
+            r = run_engine(name, model, tmp, lengths, a.reps, dict(engines[name]), trace, vocab, a.profile, shape, a.miss_drain)
         except Exception as e:  # keep the other engines' figures
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[-2000:]}", flush=True)
             continue
