@@ -294,15 +294,8 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 };
                 match m.state[b] {
                     MState::Free => prop_assert!(false, "a held pin on a free block"),
-                    // Only `confirm` of its token publishes a reservation.
-                    MState::Reserved { hash: mine } => refused(
-                        &r,
-                        PoolError::Reserved {
-                            tier: Tier::Host,
-                            block: me,
-                            hash: key(mine).0,
-                        },
-                    )?,
+                    // A reservation's token is its only pin: no `Pinned` names it.
+                    MState::Reserved { .. } => prop_assert!(false, "a Pinned on a reserved block"),
                     MState::Registered { hash: held, .. } if held == hash => {
                         prop_assert_eq!(&r, &Ok(me));
                     }
@@ -369,6 +362,16 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let r = pool.pin(BlockId(b as u32));
                 if capacity == 0 || m.state[b] == MState::Free {
                     prop_assert!(r.is_err());
+                } else if let MState::Reserved { hash } = m.state[b] {
+                    // A reservation's token is its block's only pin.
+                    prop_assert_eq!(
+                        r,
+                        Err(PoolError::Reserved {
+                            tier: Tier::Host,
+                            block: BlockId(b as u32),
+                            hash: key(hash).0
+                        })
+                    );
                 } else {
                     let pin = r.unwrap();
                     prop_assert_eq!(pin.block(), BlockId(b as u32));

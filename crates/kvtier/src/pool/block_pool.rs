@@ -17,9 +17,9 @@
 //!   [`Reserved`] of its store): only this pool makes them, each carries the pool's `id`, and
 //!   each pin is given back by consuming its token, so a pin cannot be released twice nor by
 //!   someone who does not hold it;
-//! - while a `Reserved` token lives its block stays reserved: only consuming that token
-//!   (`confirm`, `confirm_and_release`) publishes the reservation, and it is dropped only when
-//!   the block's last pin is given back (`abort`, `release`) unconfirmed.
+//! - a block is reserved exactly while its [`Reserved`] token lives, and that token is its only
+//!   pin (`pin` refuses reserved blocks): `reserve` makes both, and only consuming the token
+//!   ends the reservation (`confirm`, `confirm_and_release` publish it; `abort` frees the block).
 //!
 //! Not thread-safe by itself: the owner (the connector's leader) serialises access.
 use crate::hash::SequenceHash;
@@ -397,8 +397,8 @@ impl BlockPool {
         Ok((reserved.into_pin(), hash))
     }
 
-    /// A write failed: give back the writer's pin of `reserved`. With no other pin the block
-    /// is freed and its reservation dropped (nothing was ever published).
+    /// A write failed: give back the writer's pin of `reserved`, its block's only pin: the
+    /// block is freed and its reservation dropped (nothing was ever published).
     pub fn abort(&mut self, reserved: Reserved) -> Result<(), PoolError> {
         let i = self.own(reserved.pin())?;
         self.unpin_index(i);
@@ -481,6 +481,9 @@ impl BlockPool {
                 });
             }
             BlockState::Writing if self.slots[i].reserved => {
+                // Unreachable: a reserved block's only pin is its `Reserved` token (`pin`
+                // refuses reserved blocks), so no `Pinned` names it.
+                debug_assert!(false, "a Pinned on a reserved block");
                 return Err(PoolError::Reserved {
                     tier: self.tier,
                     block,
@@ -560,13 +563,23 @@ impl BlockPool {
         n
     }
 
-    /// Add a pin to a `Writing` or `Registered` block; the caller gives it back with `release`.
+    /// Add a pin to a `Registered` or (unreserved) `Writing` block; the caller gives it back
+    /// with `release`. A reserved block is refused (`Reserved`): its write's `Reserved` token is
+    /// its only pin, so the write alone decides when the reservation ends.
     pub fn pin(&mut self, block: BlockId) -> Result<Pinned, PoolError> {
         let i = self.index(block)?;
-        if self.slots[i].state == BlockState::Free {
+        let s = &self.slots[i];
+        if s.state == BlockState::Free {
             return Err(PoolError::BlockFree {
                 tier: self.tier,
                 block,
+            });
+        }
+        if s.reserved {
+            return Err(PoolError::Reserved {
+                tier: self.tier,
+                block,
+                hash: s.hash().0,
             });
         }
         self.pin_index(i);

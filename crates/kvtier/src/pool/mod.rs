@@ -23,7 +23,7 @@
 //!   the written (`Writing`) block the pin holds. If `hash` is already registered elsewhere, the
 //!   pin moves to the existing block (which is returned), the written block loses it (and
 //!   becomes free when it has no other pin), and the existing block keeps the higher of the two
-//!   priorities. A pin on a reserved block is refused: only `confirm` publishes a reservation
+//!   priorities
 //! - `reserve(&mut self, &[SequenceHash], &mut Vec<Reservation>)`: the batched store path. Per
 //!   hash, in order (exactly as a sequence of `reserve_one`): `Registered(block)` or
 //!   `Writing(block)` if the pool already holds or is writing it; else `Allocated(Reserved)`, a
@@ -33,9 +33,10 @@
 //! - `confirm(&mut self, Reserved, priority) -> Result<(Pinned, SequenceHash), PoolError>`:
 //!   publish a reservation under its hash (no registry probe; emits `Stored`); the writer's pin
 //!   comes back as a `Pinned`. `confirm_and_release(Reserved, priority)` also gives that pin
-//!   back in the same pass; `abort(Reserved)` gives it back unconfirmed (a failed write): at
-//!   zero pins the block is freed and the reservation dropped
-//! - `pin(&mut self, BlockId) -> Result<Pinned, PoolError>` (a `Writing` or `Registered` block),
+//!   back in the same pass; `abort(Reserved)` gives it back unconfirmed (a failed write): the
+//!   block is freed and the reservation dropped. The token is the block's only pin
+//! - `pin(&mut self, BlockId) -> Result<Pinned, PoolError>` (a `Registered` or unreserved
+//!   `Writing` block; a reserved one is refused, `Reserved`),
 //!   `release(&mut self, Pinned) -> Result<(), PoolError>`: pin count +1 / -1. A registered
 //!   block at 0 pins becomes evictable; an unregistered one free
 //! - `invalidate(&mut self, block) -> Result<(), PoolError>`: unpublish (e.g. its bytes were lost)

@@ -102,8 +102,8 @@ impl Pinned {
 /// (hidden from lookups) until [`BlockPool::confirm`](super::BlockPool::confirm) publishes it.
 /// Used up by `confirm` (which hands back the pin, now on a registered block),
 /// `confirm_and_release`, or `abort` (a failed write: the block is freed and its reservation
-/// dropped). While it lives, the block's hash stays reserved: nothing else publishes or drops
-/// the reservation.
+/// dropped). It is its block's only pin (`pin` refuses a reserved block), and the block stays
+/// reserved exactly while it lives: nothing else publishes or drops the reservation.
 ///
 /// ```
 /// # use kvtier::hash::SequenceHash;

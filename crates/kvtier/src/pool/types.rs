@@ -125,8 +125,8 @@ pub enum PoolError {
         /// The hash asked for.
         requested: u128,
     },
-    /// `register` of a hash that a write in flight to another block has reserved, or through a
-    /// pin on a reserved block (only `confirm` of its [`Reserved`] publishes a reservation).
+    /// `register` of a hash that a write in flight to another block has reserved, or `pin` of a
+    /// reserved block (its [`Reserved`] token is its only pin).
     #[error(
         "{tier:?} pool: hash {hash:032x} is reserved by block {block:?}, whose write is in flight"
     )]

@@ -496,28 +496,24 @@ fn reserve_dedups_hides_and_confirm_publishes() {
         p.take_events().is_empty(),
         "an unconfirmed write was never stored"
     );
-    // `register` cannot take a reserved hash, nor publish a reservation through another pin
-    // on its block: only `confirm` of its token does.
+    // `register` cannot take a reserved hash, and a reserved block takes no other pin: its
+    // token is its only one.
     let mut other = p.allocate(1).unwrap().remove(0);
     assert!(matches!(
         p.register(&mut other, h(4), Priority(0)),
         Err(PoolError::Reserved { .. })
     ));
     p.release(other).unwrap();
-    let mut reader = p.pin(old).unwrap();
     assert_eq!(
-        p.register(&mut reader, h(4), Priority(0)),
+        p.pin(old),
         Err(PoolError::Reserved {
             tier: Tier::Host,
             block: old,
             hash: h(4).0
         })
     );
-    assert_eq!(p.num_reserved(), 1);
-    // An aborted write whose block has another pin stays reserved until that pin goes.
+    assert_eq!((p.pin_count(old), p.num_reserved()), (Some(1), 1));
     p.abort(r4).unwrap();
-    assert_eq!(p.reserved_block(h(4)), Some(old));
-    p.release(reader).unwrap();
     assert_eq!(p.reserved_block(h(4)), None);
     assert_eq!(p.state(old), Some(BlockState::Free));
     assert_eq!(p.num_reserved(), 0);
