@@ -2,10 +2,11 @@
 //! job per source tier; a completed load releases them, and a failed one is never offered again.
 //!
 //! Invariants: a pool block a load reads is pinned from planning until every rank reported the
-//! load (or the load is withdrawn unsent), its `Pinned` token held by the load's books; a host or disk block whose load failed is
-//! invalidated, a remote hash whose load failed is skipped by matching (at most
-//! `MAX_REMOTE_FAILED` remembered); a block whose source vanished since matching is reported to
-//! the engine as a failed load (`failed_devices`), never as loaded.
+//! load (or the load is withdrawn unsent), its `Pinned` token held by the load's books; a host
+//! or disk block whose load failed is invalidated, a remote hash whose load failed is skipped by
+//! matching (at most `MAX_REMOTE_FAILED` remembered); a block whose source vanished since
+//! matching (or cannot be pinned) is reported to the engine as a failed load
+//! (`failed_devices`), never as loaded.
 use crate::connector::leader::books::{JobBooks, RequestJob};
 use crate::connector::leader::{Leader, SlotEntry};
 use crate::connector::messages::RequestLoad;
