@@ -35,10 +35,10 @@ fn full_pool() -> BlockPool {
         Ok(p) => p,
         Err(e) => panic!("{e}"),
     };
-    let blocks = p.allocate(N).unwrap_or_default();
-    for (i, b) in blocks.iter().enumerate() {
-        let got = p.register(*b, key(i as u64), Priority(0)).unwrap_or(*b);
-        let _ = p.release(got);
+    let pins = p.allocate(N).unwrap_or_default();
+    for (i, mut pin) in pins.into_iter().enumerate() {
+        let _ = p.register(&mut pin, key(i as u64), Priority(0));
+        let _ = p.release(pin);
     }
     let _ = p.take_events();
     p
@@ -83,10 +83,10 @@ fn bench(c: &mut Criterion) {
         b.iter_custom(|it| {
             clock::time(it, || {
                 let m = pool.match_prefix(black_box(&prompt));
-                for blk in &m {
-                    let _ = pool.release(*blk);
-                }
                 black_box(m.len());
+                for pin in m {
+                    let _ = pool.release(pin);
+                }
             })
         })
     });
@@ -98,10 +98,10 @@ fn bench(c: &mut Criterion) {
     g.bench_function("allocate_register_evict_64", |b| {
         b.iter_custom(|iters| {
             let d = clock::time(iters, || {
-                let blocks = pool.allocate(BATCH).unwrap_or_default();
-                for blk in blocks {
-                    let got = pool.register(blk, key(next), Priority(0)).unwrap_or(blk);
-                    let _ = pool.release(got);
+                let pins = pool.allocate(BATCH).unwrap_or_default();
+                for mut pin in pins {
+                    let _ = pool.register(&mut pin, key(next), Priority(0));
+                    let _ = pool.release(pin);
                     next += 1;
                 }
             });
@@ -110,7 +110,8 @@ fn bench(c: &mut Criterion) {
         })
     });
     // The same cycle through the batched store path: one `reserve` call for the 64 hashes (one
-    // registry probe each dedups and reserves), then `confirm` + release.
+    // registry probe each dedups and reserves), then `confirm` + release (the reservations are
+    // drained from the reused buffer: each token is used up once).
     let mut res = Vec::with_capacity(BATCH);
     let mut hashes = Vec::with_capacity(BATCH);
     g.bench_function("reserve_confirm_evict_64", |b| {
@@ -121,10 +122,11 @@ fn bench(c: &mut Criterion) {
                 next += BATCH as u64;
                 res.clear();
                 pool.reserve(&hashes, &mut res);
-                for r in &res {
-                    if let Reservation::Allocated(blk) = *r {
-                        let _ = pool.confirm(blk, Priority(0));
-                        let _ = pool.release(blk);
+                for r in res.drain(..) {
+                    if let Reservation::Allocated(reserved) = r {
+                        if let Ok((pin, _)) = pool.confirm(reserved, Priority(0)) {
+                            let _ = pool.release(pin);
+                        }
                     }
                 }
             });

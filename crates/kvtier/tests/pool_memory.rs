@@ -19,13 +19,14 @@ fn one_million_registered_blocks_use_at_most_64_bytes_each() {
     let mut pool = BlockPool::new(Tier::Host, n).unwrap();
     pool.set_record_events(false);
     {
-        let blocks = pool.allocate(n).unwrap();
-        for (i, b) in blocks.iter().enumerate() {
+        let pins = pool.allocate(n).unwrap();
+        for (i, mut pin) in pins.into_iter().enumerate() {
             let h = SequenceHash(
                 (i as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835) | 1,
             );
-            let got = pool.register(*b, h, Priority((i % 3) as u32)).unwrap();
-            pool.release(got).unwrap();
+            pool.register(&mut pin, h, Priority((i % 3) as u32))
+                .unwrap();
+            pool.release(pin).unwrap();
         }
     }
     assert_eq!(pool.num_registered(), n);

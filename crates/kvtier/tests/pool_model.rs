@@ -6,13 +6,18 @@
 //! allocation takes never-registered free blocks first and evicts exactly the lowest
 //! (priority, last use) unpinned blocks; pinned blocks are never evicted; events match.
 //! Reservations (`reserve`, `confirm`) are modelled as their own state: hidden from lookups,
-//! published by `confirm`, dropped when released unconfirmed; a batch `reserve` behaves exactly
+//! published by `confirm`, dropped when aborted unconfirmed; a batch `reserve` behaves exactly
 //! as the same hashes passed one by one to `reserve_one`.
+//! The test holds every token the pool hands out (`Pinned`, `Reserved`) and gives pins back only
+//! through them: after every operation each block's pin count equals the number of tokens held
+//! on it, and once every token is given back nothing is pinned or reserved.
 #![allow(clippy::unwrap_used)]
 use std::collections::{BTreeMap, HashMap};
 
 use kvtier::hash::SequenceHash;
-use kvtier::pool::{BlockPool, BlockState, PoolError, PoolEvent, Priority, Reservation};
+use kvtier::pool::{
+    BlockPool, BlockState, Pinned, PoolError, PoolEvent, Priority, Reservation, Reserved,
+};
 use kvtier::{BlockId, Tier};
 use proptest::prelude::*;
 
@@ -98,11 +103,13 @@ impl Model {
 #[derive(Clone, Debug)]
 enum Op {
     Allocate(usize),
+    /// `register` through the picked held pin.
     Register {
         pick: usize,
         hash: u128,
         prio: u32,
     },
+    /// Give back the picked token: a held pin (`release`) or a reservation (`abort`).
     Release(usize),
     Pin(usize),
     Match(Vec<u128>),
@@ -112,7 +119,7 @@ enum Op {
         hashes: Vec<u128>,
         batch: bool,
     },
-    /// `confirm`, or (`release`) `confirm_and_release`.
+    /// `confirm` of the picked reservation, or (`release`) `confirm_and_release`.
     Confirm {
         pick: usize,
         prio: u32,
@@ -140,13 +147,43 @@ fn key(h: u128) -> SequenceHash {
     SequenceHash(h.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835) ^ 0x1234)
 }
 
-fn check(pool: &BlockPool, m: &Model) -> Result<(), TestCaseError> {
+/// Every token the test holds.
+#[derive(Default)]
+struct Tokens {
+    pins: Vec<Pinned>,
+    reservations: Vec<Reserved>,
+}
+
+impl Tokens {
+    /// Tokens held on `b`.
+    fn on(&self, b: BlockId) -> u32 {
+        let p = self.pins.iter().filter(|t| t.block() == b).count();
+        let r = self.reservations.iter().filter(|t| t.block() == b).count();
+        (p + r) as u32
+    }
+    /// Give every token back; the pool must then have nothing pinned or reserved.
+    fn give_back(self, pool: &mut BlockPool) -> Result<(), TestCaseError> {
+        for pin in self.pins {
+            prop_assert_eq!(pool.release(pin), Ok(()));
+        }
+        for r in self.reservations {
+            prop_assert_eq!(pool.abort(r), Ok(()));
+        }
+        prop_assert_eq!(pool.num_pinned(), 0);
+        prop_assert_eq!(pool.num_reserved(), 0);
+        prop_assert_eq!(pool.num_free(), pool.capacity());
+        Ok(())
+    }
+}
+
+fn check(pool: &BlockPool, m: &Model, t: &Tokens) -> Result<(), TestCaseError> {
     let n = m.state.len();
     let mut registered = 0;
     for b in 0..n {
         let id = BlockId(b as u32);
         let st = pool.state(id).unwrap();
         prop_assert_eq!(pool.pin_count(id), Some(m.pins[b]), "pins of {}", b);
+        prop_assert_eq!(t.on(id), m.pins[b], "tokens held on {}", b);
         match m.state[b] {
             MState::Free => {
                 prop_assert_eq!(st, BlockState::Free);
@@ -196,6 +233,7 @@ fn check(pool: &BlockPool, m: &Model) -> Result<(), TestCaseError> {
 fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let mut pool = BlockPool::new(Tier::Host, capacity).unwrap();
     let mut m = Model::new(capacity);
+    let mut t = Tokens::default();
     for op in ops {
         let mut expected_events = Vec::new();
         match op {
@@ -203,12 +241,14 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let free = m.free_count();
                 let evictable = m.evictable();
                 match pool.allocate(k) {
-                    Ok(blocks) => {
+                    Ok(pins) => {
                         prop_assert!(k <= free + evictable.len());
-                        prop_assert_eq!(blocks.len(), k);
+                        prop_assert_eq!(pins.len(), k);
                         let evict_n = k.saturating_sub(free);
                         let mut evicted: Vec<u32> = Vec::new();
-                        for b in &blocks {
+                        for pin in &pins {
+                            let b = pin.block();
+                            prop_assert_eq!(pin.tier(), Tier::Host);
                             let i = b.0 as usize;
                             match m.state[i] {
                                 MState::Free => {}
@@ -230,6 +270,7 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                             m.state[i] = MState::Writing;
                             m.pins[i] = 1;
                         }
+                        t.pins.extend(pins);
                         prop_assert_eq!(evicted, evictable[..evict_n].to_vec(), "eviction order");
                     }
                     Err(e) => {
@@ -240,87 +281,101 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 }
             }
             Op::Register { pick, hash, prio } => {
-                let writing: Vec<usize> = (0..capacity)
-                    .filter(|b| matches!(m.state[*b], MState::Writing | MState::Reserved { .. }))
-                    .collect();
-                if writing.is_empty() {
+                if t.pins.is_empty() {
                     continue;
                 }
-                let b = writing[pick % writing.len()];
-                let r = pool.register(BlockId(b as u32), key(hash), Priority(prio));
-                if let MState::Reserved { hash: mine } = m.state[b] {
-                    if mine == hash {
-                        // Registering a reservation under its own hash confirms it.
-                        prop_assert_eq!(r, Ok(BlockId(b as u32)));
-                        expected_events.push(m.publish(b, hash, prio));
-                    } else {
-                        let is_reserved = matches!(r, Err(PoolError::Reserved { .. }));
-                        prop_assert!(is_reserved, "{:?}", r);
+                let k = pick % t.pins.len();
+                let b = t.pins[k].block().0 as usize;
+                let r = pool.register(&mut t.pins[k], key(hash), Priority(prio));
+                let me = BlockId(b as u32);
+                let refused = |r: &Result<BlockId, PoolError>, e: PoolError| {
+                    prop_assert_eq!(r, &Err(e));
+                    Ok(())
+                };
+                match m.state[b] {
+                    MState::Free => prop_assert!(false, "a held pin on a free block"),
+                    // A reservation's token is its only pin: no `Pinned` names it.
+                    MState::Reserved { .. } => prop_assert!(false, "a Pinned on a reserved block"),
+                    MState::Registered { hash: held, .. } if held == hash => {
+                        prop_assert_eq!(&r, &Ok(me));
                     }
-                    prop_assert_eq!(pool.take_events(), expected_events);
-                    check(&pool, &m)?;
-                    continue;
-                }
-                if let Some(&owner) = m.reserved.get(&hash) {
-                    prop_assert_eq!(
-                        r,
-                        Err(PoolError::Reserved {
+                    MState::Registered { hash: held, .. } => refused(
+                        &r,
+                        PoolError::AlreadyRegistered {
                             tier: Tier::Host,
-                            block: BlockId(owner),
-                            hash: key(hash).0
-                        })
-                    );
-                    prop_assert_eq!(pool.take_events(), expected_events);
-                    check(&pool, &m)?;
-                    continue;
-                }
-                let got = r.unwrap();
-                match m.by_hash.get(&hash).copied() {
-                    Some(e) => {
-                        prop_assert_eq!(got, BlockId(e));
-                        let ei = e as usize;
-                        m.pins[ei] += 1;
-                        if let MState::Registered { prio: p, .. } = &mut m.state[ei] {
-                            *p = (*p).max(prio);
+                            block: me,
+                            existing: key(held).0,
+                            requested: key(hash).0,
+                        },
+                    )?,
+                    MState::Writing => {
+                        if let Some(&owner) = m.reserved.get(&hash) {
+                            refused(
+                                &r,
+                                PoolError::Reserved {
+                                    tier: Tier::Host,
+                                    block: BlockId(owner),
+                                    hash: key(hash).0,
+                                },
+                            )?;
+                        } else if let Some(e) = m.by_hash.get(&hash).copied() {
+                            prop_assert_eq!(&r, &Ok(BlockId(e)));
+                            let ei = e as usize;
+                            m.pins[ei] += 1;
+                            if let MState::Registered { prio: p, .. } = &mut m.state[ei] {
+                                *p = (*p).max(prio);
+                            }
+                            m.unpin(b);
+                        } else {
+                            prop_assert_eq!(&r, &Ok(me));
+                            m.state[b] = MState::Registered { hash, prio };
+                            m.by_hash.insert(hash, b as u32);
+                            expected_events.push(PoolEvent::Stored {
+                                hash: key(hash),
+                                tier: Tier::Host,
+                            });
                         }
-                        m.unpin(b);
-                    }
-                    None => {
-                        prop_assert_eq!(got, BlockId(b as u32));
-                        m.state[b] = MState::Registered { hash, prio };
-                        m.by_hash.insert(hash, b as u32);
-                        expected_events.push(PoolEvent::Stored {
-                            hash: key(hash),
-                            tier: Tier::Host,
-                        });
                     }
                 }
+                // The pin is where `register` said the hash now is (or stayed on refusal).
+                let now = t.pins[k].block();
+                prop_assert!(r.as_ref().map_or(now == me, |got| *got == now));
             }
             Op::Release(pick) => {
-                let b = pick % capacity.max(1);
-                let r = pool.release(BlockId(b as u32));
-                if capacity == 0 {
-                    prop_assert!(r.is_err());
-                } else if m.pins[b] == 0 {
-                    prop_assert_eq!(
-                        r,
-                        Err(PoolError::NotPinned {
-                            tier: Tier::Host,
-                            block: BlockId(b as u32)
-                        })
-                    );
-                } else {
-                    prop_assert!(r.is_ok());
-                    m.unpin(b);
+                let n = t.pins.len() + t.reservations.len();
+                if n == 0 {
+                    continue;
                 }
+                let k = pick % n;
+                let (b, r) = if k < t.pins.len() {
+                    let pin = t.pins.swap_remove(k);
+                    (pin.block(), pool.release(pin))
+                } else {
+                    let res = t.reservations.swap_remove(k - t.pins.len());
+                    (res.block(), pool.abort(res))
+                };
+                prop_assert_eq!(r, Ok(()));
+                m.unpin(b.0 as usize);
             }
             Op::Pin(pick) => {
                 let b = pick % capacity.max(1);
                 let r = pool.pin(BlockId(b as u32));
                 if capacity == 0 || m.state[b] == MState::Free {
                     prop_assert!(r.is_err());
+                } else if let MState::Reserved { hash } = m.state[b] {
+                    // A reservation's token is its block's only pin.
+                    prop_assert_eq!(
+                        r,
+                        Err(PoolError::Reserved {
+                            tier: Tier::Host,
+                            block: BlockId(b as u32),
+                            hash: key(hash).0
+                        })
+                    );
                 } else {
-                    prop_assert!(r.is_ok());
+                    let pin = r.unwrap();
+                    prop_assert_eq!(pin.block(), BlockId(b as u32));
+                    t.pins.push(pin);
                     m.pins[b] += 1;
                 }
             }
@@ -336,10 +391,12 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     }
                 }
                 prop_assert_eq!(peek, expect.len());
-                prop_assert_eq!(&got, &expect);
-                for b in got {
+                let blocks: Vec<BlockId> = got.iter().map(Pinned::block).collect();
+                prop_assert_eq!(&blocks, &expect);
+                for b in blocks {
                     m.pins[b.0 as usize] += 1;
                 }
+                t.pins.extend(got);
             }
             Op::Reserve { hashes, batch } => {
                 let keys: Vec<SequenceHash> = hashes.iter().map(|h| key(*h)).collect();
@@ -362,11 +419,13 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     }
                     let free = m.free_count();
                     let evictable = m.evictable();
-                    let Reservation::Allocated(blk) = r else {
+                    let Reservation::Allocated(res) = r else {
                         prop_assert_eq!(r, Reservation::NoSpace);
                         prop_assert_eq!(free + evictable.len(), 0);
                         continue;
                     };
+                    let blk = res.block();
+                    t.reservations.push(res);
                     let i = blk.0 as usize;
                     if free > 0 {
                         prop_assert_eq!(m.state[i], MState::Free, "free blocks first");
@@ -391,21 +450,27 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 prio,
                 release,
             } => {
-                let b = pick % capacity.max(1);
-                let r = if release {
-                    pool.confirm_and_release(BlockId(b as u32), Priority(prio))
-                } else {
-                    pool.confirm(BlockId(b as u32), Priority(prio))
+                if t.reservations.is_empty() {
+                    continue;
+                }
+                let res = t.reservations.swap_remove(pick % t.reservations.len());
+                let b = res.block().0 as usize;
+                let MState::Reserved { hash } = m.state[b] else {
+                    prop_assert!(false, "a held reservation on {:?}", m.state[b]);
+                    unreachable!()
                 };
-                match m.state.get(b).copied() {
-                    Some(MState::Reserved { hash }) => {
-                        prop_assert_eq!(r, Ok(key(hash)));
-                        expected_events.push(m.publish(b, hash, prio));
-                        if release {
-                            m.unpin(b);
-                        }
-                    }
-                    _ => prop_assert!(r.is_err(), "{:?}", r),
+                if release {
+                    let r = pool.confirm_and_release(res, Priority(prio));
+                    prop_assert_eq!(r, Ok(key(hash)));
+                } else {
+                    let (pin, got) = pool.confirm(res, Priority(prio)).unwrap();
+                    prop_assert_eq!(got, key(hash));
+                    prop_assert_eq!(pin.block(), BlockId(b as u32));
+                    t.pins.push(pin);
+                }
+                expected_events.push(m.publish(b, hash, prio));
+                if release {
+                    m.unpin(b);
                 }
             }
             Op::Invalidate(pick) => {
@@ -431,9 +496,9 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
             }
         }
         prop_assert_eq!(pool.take_events(), expected_events);
-        check(&pool, &m)?;
+        check(&pool, &m, &t)?;
     }
-    Ok(())
+    t.give_back(&mut pool)
 }
 
 proptest! {
@@ -448,58 +513,99 @@ proptest! {
 #[test]
 fn pinned_blocks_survive_pressure() {
     let mut pool = BlockPool::new(Tier::Disk, 8).unwrap();
-    let blocks = pool.allocate(8).unwrap();
-    for (i, b) in blocks.iter().enumerate() {
-        pool.register(*b, key(i as u128), Priority(0)).unwrap();
-    }
-    // Keep blocks 0 and 5 pinned; release the rest.
-    for (i, b) in blocks.iter().enumerate() {
-        if i != 0 && i != 5 {
-            pool.release(*b).unwrap();
+    let mut kept = Vec::new();
+    for (i, mut pin) in pool.allocate(8).unwrap().into_iter().enumerate() {
+        pool.register(&mut pin, key(i as u128), Priority(0))
+            .unwrap();
+        // Keep blocks 0 and 5 pinned; release the rest.
+        if i == 0 || i == 5 {
+            kept.push(pin);
+        } else {
+            pool.release(pin).unwrap();
         }
     }
     let mut seen = BTreeMap::new();
     for round in 0..50 {
-        let got = pool.allocate(6).unwrap();
-        for b in &got {
-            assert_ne!(*b, blocks[0]);
-            assert_ne!(*b, blocks[5]);
-            *seen.entry(b.0).or_insert(0) += 1;
-            pool.release(*b).unwrap();
+        for pin in pool.allocate(6).unwrap() {
+            assert_ne!(pin.block(), kept[0].block());
+            assert_ne!(pin.block(), kept[1].block());
+            *seen.entry(pin.block().0).or_insert(0) += 1;
+            pool.release(pin).unwrap();
         }
-        assert_eq!(pool.lookup(key(0)), Some(blocks[0]), "round {round}");
-        assert_eq!(pool.lookup(key(5)), Some(blocks[5]));
+        assert_eq!(pool.lookup(key(0)), Some(kept[0].block()), "round {round}");
+        assert_eq!(pool.lookup(key(5)), Some(kept[1].block()));
     }
     assert_eq!(seen.len(), 6);
 }
 
-/// Applies `op` to `pool`, with every `reserve` done as one batch (`batch_all`) or hash by hash,
+/// One pool and the tokens it handed out (the batch-equivalence test drives two of them).
+struct Held {
+    pool: BlockPool,
+    tokens: Tokens,
+}
+
+/// What a reservation answered, by block (tokens of two pools differ in their pool id).
+fn reservation_str(r: &Reservation) -> String {
+    match r {
+        Reservation::Allocated(res) => format!("Allocated({:?})", res.block()),
+        other => format!("{other:?}"),
+    }
+}
+
+/// Applies `op` to `h`, with every `reserve` done as one batch (`batch_all`) or hash by hash,
 /// and returns everything the call answered.
-fn apply_op(pool: &mut BlockPool, op: &Op, batch_all: bool) -> String {
-    let cap = pool.capacity().max(1) as u32;
-    let pick = |p: usize| BlockId((p % cap as usize) as u32);
+fn apply_op(h: &mut Held, op: &Op, batch_all: bool) -> String {
+    let Held { pool, tokens: t } = h;
+    let cap = pool.capacity().max(1);
+    let pick = |p: usize| BlockId((p % cap) as u32);
     match op {
-        Op::Allocate(k) => format!("{:?}", pool.allocate(*k)),
+        Op::Allocate(k) => match pool.allocate(*k) {
+            Ok(pins) => {
+                let s = format!("{:?}", pins.iter().map(Pinned::block).collect::<Vec<_>>());
+                t.pins.extend(pins);
+                s
+            }
+            Err(e) => format!("{e:?}"),
+        },
         Op::Register {
             pick: p,
             hash,
             prio,
-        } => {
-            // The n-th `Writing` block, as the model test picks it.
-            let writing: Vec<BlockId> = (0..pool.capacity() as u32)
-                .map(BlockId)
-                .filter(|b| pool.state(*b) == Some(BlockState::Writing))
-                .collect();
-            match writing.get(p % writing.len().max(1)) {
-                Some(b) => format!("{:?}", pool.register(*b, key(*hash), Priority(*prio))),
-                None => String::new(),
+        } => match t.pins.len() {
+            0 => String::new(),
+            n => {
+                let pin = &mut t.pins[p % n];
+                let r = pool.register(pin, key(*hash), Priority(*prio));
+                format!("{r:?} {:?}", pin.block())
+            }
+        },
+        Op::Release(p) => {
+            let n = t.pins.len() + t.reservations.len();
+            if n == 0 {
+                return String::new();
+            }
+            let k = p % n;
+            if k < t.pins.len() {
+                format!("{:?}", pool.release(t.pins.swap_remove(k)))
+            } else {
+                let res = t.reservations.swap_remove(k - t.pins.len());
+                format!("{:?}", pool.abort(res))
             }
         }
-        Op::Release(p) => format!("{:?}", pool.release(pick(*p))),
-        Op::Pin(p) => format!("{:?}", pool.pin(pick(*p))),
+        Op::Pin(p) => match pool.pin(pick(*p)) {
+            Ok(pin) => {
+                let s = format!("{:?}", pin.block());
+                t.pins.push(pin);
+                s
+            }
+            Err(e) => format!("{e:?}"),
+        },
         Op::Match(hs) => {
             let keys: Vec<SequenceHash> = hs.iter().map(|h| key(*h)).collect();
-            format!("{:?}", pool.match_prefix(&keys))
+            let got = pool.match_prefix(&keys);
+            let s = format!("{:?}", got.iter().map(Pinned::block).collect::<Vec<_>>());
+            t.pins.extend(got);
+            s
         }
         Op::Invalidate(p) => format!("{:?}", pool.invalidate(pick(*p))),
         Op::Reserve { hashes, .. } => {
@@ -511,17 +617,34 @@ fn apply_op(pool: &mut BlockPool, op: &Op, batch_all: bool) -> String {
             } else {
                 keys.iter().map(|k| pool.reserve_one(*k)).collect()
             };
-            format!("{got:?}")
+            let s: Vec<String> = got.iter().map(reservation_str).collect();
+            for r in got {
+                if let Reservation::Allocated(res) = r {
+                    t.reservations.push(res);
+                }
+            }
+            format!("{s:?}")
         }
         Op::Confirm {
             pick: p,
             prio,
             release,
         } => {
+            if t.reservations.is_empty() {
+                return String::new();
+            }
+            let res = t.reservations.swap_remove(p % t.reservations.len());
             if *release {
-                format!("{:?}", pool.confirm_and_release(pick(*p), Priority(*prio)))
+                format!("{:?}", pool.confirm_and_release(res, Priority(*prio)))
             } else {
-                format!("{:?}", pool.confirm(pick(*p), Priority(*prio)))
+                match pool.confirm(res, Priority(*prio)) {
+                    Ok((pin, hash)) => {
+                        let s = format!("{:?} {hash:?}", pin.block());
+                        t.pins.push(pin);
+                        s
+                    }
+                    Err(e) => format!("{e:?}"),
+                }
             }
         }
     }
@@ -557,13 +680,18 @@ proptest! {
     /// evictions, same events, same state afterwards.
     #[test]
     fn batch_reserve_equals_single_reserves(capacity in 0usize..10, ops in proptest::collection::vec(op(), 0..120)) {
-        let mut batch = BlockPool::new(Tier::Host, capacity).unwrap();
-        let mut single = BlockPool::new(Tier::Host, capacity).unwrap();
+        let held = || Held {
+            pool: BlockPool::new(Tier::Host, capacity).unwrap(),
+            tokens: Tokens::default(),
+        };
+        let (mut batch, mut single) = (held(), held());
         for op in &ops {
             let a = apply_op(&mut batch, op, true);
             let b = apply_op(&mut single, op, false);
             prop_assert_eq!(a, b, "{:?}", op);
-            prop_assert_eq!(snapshot(&mut batch), snapshot(&mut single));
+            prop_assert_eq!(snapshot(&mut batch.pool), snapshot(&mut single.pool));
         }
+        batch.tokens.give_back(&mut batch.pool)?;
+        single.tokens.give_back(&mut single.pool)?;
     }
 }

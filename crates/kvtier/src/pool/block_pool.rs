@@ -12,13 +12,21 @@
 //!   flight reserved its hash with `reserve`), and lookups never return it;
 //! - `state == Registered` <=> the registry maps its hash to it; it is in the LRU lists exactly
 //!   when its pin count is 0;
-//! - `free_len + lru.len() + (blocks with pins) == capacity`.
+//! - `free_len + lru.len() + (blocks with pins) == capacity`;
+//! - a block's pin count is the number of live tokens naming it ([`Pinned`], and the
+//!   [`Reserved`] of its store): only this pool makes them, each carries the pool's `id`, and
+//!   each pin is given back by consuming its token, so a pin cannot be released twice nor by
+//!   someone who does not hold it;
+//! - a block is reserved exactly while its [`Reserved`] token lives, and that token is its only
+//!   pin (`pin` refuses reserved blocks): `reserve` makes both, and only consuming the token
+//!   ends the reservation (`confirm`, `confirm_and_release` publish it; `abort` frees the block).
 //!
 //! Not thread-safe by itself: the owner (the connector's leader) serialises access.
 use crate::hash::SequenceHash;
 use crate::ids::{BlockId, Tier};
 
 use super::lru::PriorityLru;
+use super::pin::{next_pool_id, Pinned, Reserved};
 use super::registry::Registry;
 use super::slot::{Slot, NIL};
 use super::types::{BlockState, PoolError, PoolEvent, Priority, Reservation};
@@ -30,6 +38,8 @@ pub(super) const MAX_POOL_BLOCKS: usize = (u32::MAX - 1) as usize;
 #[derive(Debug)]
 pub struct BlockPool {
     tier: Tier,
+    /// Process-unique: the tokens this pool makes carry it, and it refuses any other.
+    id: u32,
     slots: Vec<Slot>,
     /// Top of the free stack (the most recently freed block is reused first); `NIL` if empty.
     free_head: u32,
@@ -75,6 +85,7 @@ impl BlockPool {
         }));
         Ok(BlockPool {
             tier,
+            id: next_pool_id(),
             slots,
             free_head: if n > 0 { 0 } else { NIL },
             free_len: n,
@@ -161,6 +172,25 @@ impl BlockPool {
             .filter(|&b| self.slots[b as usize].state == BlockState::Registered)
     }
 
+    /// The index of `pin`'s block, if `pin` was made by this pool.
+    fn own(&self, pin: &Pinned) -> Result<usize, PoolError> {
+        if pin.pool() != self.id {
+            return Err(PoolError::ForeignPin {
+                tier: self.tier,
+                block: pin.block(),
+                from: pin.tier(),
+            });
+        }
+        let i = pin.block().0 as usize;
+        // A token of this pool holds a pin on a block below its capacity.
+        debug_assert!(self.slots.get(i).is_some_and(|s| s.pins > 0));
+        Ok(i)
+    }
+
+    fn token(&self, block: u32) -> Pinned {
+        Pinned::new(self.id, self.tier, BlockId(block))
+    }
+
     /// The registered block holding `hash` (a reservation is not a registration).
     pub fn lookup(&self, hash: SequenceHash) -> Option<BlockId> {
         self.find_registered(hash).map(BlockId)
@@ -221,16 +251,19 @@ impl BlockPool {
         self.for_each_prefix_block(hashes, |_| {})
     }
 
-    /// Pin the blocks of the longest registered prefix of `hashes` and return them in order.
-    /// The caller owns one pin on each and must `release` it.
-    #[must_use = "each returned block carries a pin the caller must release"]
-    pub fn match_prefix(&mut self, hashes: &[SequenceHash]) -> Vec<BlockId> {
-        let mut out = Vec::new();
-        self.for_each_prefix_block(hashes, |b| out.push(BlockId(b)));
-        for b in &out {
-            self.pin_index(b.0 as usize);
-        }
-        out
+    /// Pin the blocks of the longest registered prefix of `hashes` and return the pins in
+    /// order; the caller gives each back with `release`.
+    #[must_use = "each returned pin must be given back with `release`"]
+    pub fn match_prefix(&mut self, hashes: &[SequenceHash]) -> Vec<Pinned> {
+        let mut found = Vec::new();
+        self.for_each_prefix_block(hashes, |b| found.push(b));
+        found
+            .into_iter()
+            .map(|b| {
+                self.pin_index(b as usize);
+                self.token(b)
+            })
+            .collect()
     }
 
     /// Every evictable block, next victim first. No side effects.
@@ -262,8 +295,8 @@ impl BlockPool {
         self.free_len += 1;
     }
 
-    /// Hand out `n` pinned blocks in state `Writing`, or none at all.
-    pub fn allocate(&mut self, n: usize) -> Result<Vec<BlockId>, PoolError> {
+    /// Hand out `n` blocks in state `Writing`, each with the writer's pin, or none at all.
+    pub fn allocate(&mut self, n: usize) -> Result<Vec<Pinned>, PoolError> {
         let available = self.num_free();
         if n > available {
             return Err(PoolError::Exhausted {
@@ -279,7 +312,7 @@ impl BlockPool {
                 debug_assert!(false, "pool accounting broken");
                 break;
             };
-            out.push(BlockId(b));
+            out.push(self.token(b));
         }
         Ok(out)
     }
@@ -322,7 +355,7 @@ impl BlockPool {
         let slots = &self.slots;
         self.registry.insert(b, hash, |x| slots[x as usize].hash());
         self.reserved += 1;
-        Reservation::Allocated(BlockId(b))
+        Reservation::Allocated(Reserved::new(self.token(b)))
     }
 
     /// Reserve blocks for storing `hashes`; appends one [`Reservation`] per hash to `out`, in
@@ -338,35 +371,45 @@ impl BlockPool {
         }
     }
 
-    /// [`BlockPool::confirm`], then drop the writer's pin (`release`) in the same pass: the
-    /// store path's last two steps for a block nobody reads right away.
+    /// [`BlockPool::confirm`], then give back the writer's pin in the same pass: the store
+    /// path's last two steps for a block nobody reads right away. Returns the hash.
     pub fn confirm_and_release(
         &mut self,
-        block: BlockId,
+        reserved: Reserved,
         priority: Priority,
     ) -> Result<SequenceHash, PoolError> {
-        let hash = self.confirm(block, priority)?;
-        self.unpin_index(block.0 as usize); // confirm checked the index; Writing blocks have a pin
+        let i = self.own(reserved.pin())?;
+        let hash = self.publish_reserved(i, priority);
+        self.unpin_index(i);
         Ok(hash)
     }
 
-    /// Publish the reserved block `block` under the hash it reserved, with `priority`: no
-    /// registry probe (the entry exists); emits `Stored` and returns the hash. The caller keeps
-    /// its pin.
+    /// Publish the reserved block under the hash it reserved, with `priority`: no registry
+    /// probe (the entry exists); emits `Stored`. Returns the writer's pin, now on a registered
+    /// block, and the hash. The only error is a token of another pool.
     pub fn confirm(
         &mut self,
-        block: BlockId,
+        reserved: Reserved,
         priority: Priority,
-    ) -> Result<SequenceHash, PoolError> {
-        let i = self.index(block)?;
+    ) -> Result<(Pinned, SequenceHash), PoolError> {
+        let i = self.own(reserved.pin())?;
+        let hash = self.publish_reserved(i, priority);
+        Ok((reserved.into_pin(), hash))
+    }
+
+    /// A write failed: give back the writer's pin of `reserved`, its block's only pin: the
+    /// block is freed and its reservation dropped (nothing was ever published).
+    pub fn abort(&mut self, reserved: Reserved) -> Result<(), PoolError> {
+        let i = self.own(reserved.pin())?;
+        self.unpin_index(i);
+        Ok(())
+    }
+
+    /// Block `i` holds a reservation (a live [`Reserved`] guarantees it): publish it.
+    fn publish_reserved(&mut self, i: usize, priority: Priority) -> SequenceHash {
         let s = &mut self.slots[i];
-        if !s.reserved {
-            return Err(PoolError::NotReserved {
-                tier: self.tier,
-                block,
-            });
-        }
-        debug_assert_eq!(s.state, BlockState::Writing);
+        // Only the `Reserved` token's consumption publishes or drops a reservation.
+        debug_assert!(s.reserved && s.state == BlockState::Writing);
         s.reserved = false;
         s.state = BlockState::Registered;
         s.priority = priority;
@@ -376,7 +419,7 @@ impl BlockPool {
             hash,
             tier: self.tier,
         });
-        Ok(hash)
+        hash
     }
 
     /// Remove block `i` (registered) from the registry and emit `Removed`. Leaves its state to
@@ -391,27 +434,44 @@ impl BlockPool {
         });
     }
 
-    /// Publish the written block `block` under `hash`. Returns the block that now holds `hash`
-    /// and carries the caller's pin: `block` itself, or the block already registered under
-    /// `hash` (then `block` loses the caller's pin; see the module docs).
+    /// Publish the written block `pin` holds under `hash`. Returns the block that now holds
+    /// `hash`, where `pin` now is: its own block, or the block already registered under `hash`
+    /// (the pin moves there and its old block loses it; see the module docs). A pin on a
+    /// reserved block is refused (`Reserved`): only `confirm` publishes a reservation.
     pub fn register(
         &mut self,
-        block: BlockId,
+        pin: &mut Pinned,
         hash: SequenceHash,
         priority: Priority,
     ) -> Result<BlockId, PoolError> {
-        let i = self.index(block)?;
+        let i = self.own(pin)?;
+        let holder = BlockId(self.register_index(i, hash, priority)?);
+        pin.move_to(holder);
+        Ok(holder)
+    }
+
+    /// `register` of block `i`, which carries the caller's pin; returns the block that carries
+    /// it afterwards.
+    fn register_index(
+        &mut self,
+        i: usize,
+        hash: SequenceHash,
+        priority: Priority,
+    ) -> Result<u32, PoolError> {
+        let block = BlockId(i as u32);
         match self.slots[i].state {
             BlockState::Free => {
-                return Err(PoolError::NotWritable {
+                // Unreachable: the caller's pin keeps the block out of the free stack.
+                debug_assert!(false, "a pinned block is free");
+                return Err(PoolError::BlockFree {
                     tier: self.tier,
                     block,
-                })
+                });
             }
             BlockState::Registered => {
                 let existing = self.slots[i].hash();
                 if existing == hash {
-                    return Ok(block);
+                    return Ok(i as u32);
                 }
                 return Err(PoolError::AlreadyRegistered {
                     tier: self.tier,
@@ -421,10 +481,9 @@ impl BlockPool {
                 });
             }
             BlockState::Writing if self.slots[i].reserved => {
-                if self.slots[i].hash() == hash {
-                    self.confirm(block, priority)?;
-                    return Ok(block);
-                }
+                // Unreachable: a reserved block's only pin is its `Reserved` token (`pin`
+                // refuses reserved blocks), so no `Pinned` names it.
+                debug_assert!(false, "a Pinned on a reserved block");
                 return Err(PoolError::Reserved {
                     tier: self.tier,
                     block,
@@ -448,7 +507,7 @@ impl BlockPool {
                 self.slots[e].priority = priority;
             }
             self.unpin_index(i);
-            return Ok(BlockId(existing));
+            return Ok(existing);
         }
         let s = &mut self.slots[i];
         s.set_hash(hash);
@@ -461,7 +520,7 @@ impl BlockPool {
             hash,
             tier: self.tier,
         });
-        Ok(block)
+        Ok(i as u32)
     }
 
     /// Register blocks that already hold data when the pool starts (a disk tier's blocks kept
@@ -482,10 +541,14 @@ impl BlockPool {
             // Off the free stack below; `Writing` with the caller's pin, as `register` expects.
             self.slots[i].state = BlockState::Writing;
             self.slots[i].pins = 1;
-            if self.register(block, hash, priority).is_ok() {
-                n += 1;
-            }
-            self.unpin_index(i);
+            let holder = match self.register_index(i, hash, priority) {
+                Ok(holder) => {
+                    n += 1;
+                    holder as usize
+                }
+                Err(_) => i,
+            };
+            self.unpin_index(holder);
         }
         if n > 0 {
             // Rebuild the free stack from the blocks still free, lowest id on top.
@@ -500,29 +563,34 @@ impl BlockPool {
         n
     }
 
-    /// Add a pin to a `Writing` or `Registered` block.
-    pub fn pin(&mut self, block: BlockId) -> Result<(), PoolError> {
+    /// Add a pin to a `Registered` or (unreserved) `Writing` block; the caller gives it back
+    /// with `release`. A reserved block is refused (`Reserved`): its write's `Reserved` token is
+    /// its only pin, so the write alone decides when the reservation ends.
+    pub fn pin(&mut self, block: BlockId) -> Result<Pinned, PoolError> {
         let i = self.index(block)?;
-        if self.slots[i].state == BlockState::Free {
+        let s = &self.slots[i];
+        if s.state == BlockState::Free {
             return Err(PoolError::BlockFree {
                 tier: self.tier,
                 block,
             });
         }
-        self.pin_index(i);
-        Ok(())
-    }
-
-    /// Drop one pin. At zero pins a registered block becomes the most recently used evictable
-    /// block of its priority; an unregistered one becomes free.
-    pub fn release(&mut self, block: BlockId) -> Result<(), PoolError> {
-        let i = self.index(block)?;
-        if self.slots[i].pins == 0 {
-            return Err(PoolError::NotPinned {
+        if s.reserved {
+            return Err(PoolError::Reserved {
                 tier: self.tier,
                 block,
+                hash: s.hash().0,
             });
         }
+        self.pin_index(i);
+        Ok(self.token(block.0))
+    }
+
+    /// Give back one pin. At zero pins a registered block becomes the most recently used
+    /// evictable block of its priority; an unregistered one becomes free (and a reservation it
+    /// held is dropped). The only error is a token of another pool.
+    pub fn release(&mut self, pin: Pinned) -> Result<(), PoolError> {
+        let i = self.own(&pin)?;
         self.unpin_index(i);
         Ok(())
     }

@@ -7,6 +7,8 @@ use serde::{Deserialize, Serialize};
 use crate::hash::SequenceHash;
 use crate::ids::{BlockId, Tier};
 
+use super::pin::Reserved;
+
 /// Retention priority of a registered block. Lower priorities are evicted first; within one
 /// priority the least recently used block goes first. TensorRT-LLM's retention priorities
 /// (0..=100, default 35) map directly; engines without priorities use `Priority::default()` (0).
@@ -48,21 +50,25 @@ pub enum PoolEvent {
 }
 
 /// What [`BlockPool::reserve`](super::BlockPool::reserve) did with one hash.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[must_use = "an `Allocated` reservation carries the writer's pin: confirm or release the block"]
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "an `Allocated` reservation carries the writer's pin: confirm or abort it"]
 pub enum Reservation {
     /// The hash is registered in this block (nothing was pinned or changed).
     Registered(BlockId),
     /// The hash is already reserved by a write in flight to this block (nothing changed).
     Writing(BlockId),
-    /// This block was allocated for the hash: pinned once, `Writing`, the hash reserved (hidden
-    /// from lookups until `confirm`; a release to zero pins before that frees the block).
-    Allocated(BlockId),
+    /// A block was allocated for the hash: pinned once (the token is the writer's pin),
+    /// `Writing`, the hash reserved (hidden from lookups until `confirm`; `abort` frees it).
+    Allocated(Reserved),
     /// Nothing changed: no block was free or evictable.
     NoSpace,
 }
 
 /// Why a pool operation was refused; the pool is unchanged.
+///
+/// Misuse the token types make a compile error has no variant: releasing a pin twice, releasing
+/// a pin one does not hold, confirming a block that holds no reservation (or twice), and
+/// registering a block nobody pinned.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PoolError {
@@ -96,13 +102,16 @@ pub enum PoolError {
         /// The block.
         block: BlockId,
     },
-    /// `release` of a block whose pin count is already zero.
-    #[error("{tier:?} pool: block {block:?} is not pinned")]
-    NotPinned {
+    /// A token ([`Pinned`](super::Pinned) or [`Reserved`]) made by another pool (of `from`):
+    /// this pool is unchanged; a consumed token's pin stays in the pool that made it.
+    #[error("{tier:?} pool: the token for block {block:?} was made by another pool ({from:?})")]
+    ForeignPin {
         /// The pool's tier.
         tier: Tier,
-        /// The block.
+        /// The block the token names.
         block: BlockId,
+        /// The tier of the pool that made it.
+        from: Tier,
     },
     /// `register` on a block that is already registered under another hash.
     #[error("{tier:?} pool: block {block:?} is already registered as {existing:032x}, not {requested:032x}")]
@@ -116,16 +125,8 @@ pub enum PoolError {
         /// The hash asked for.
         requested: u128,
     },
-    /// `register` on a block that is not pinned by its writer.
-    #[error("{tier:?} pool: block {block:?} must be allocated (pinned) to be registered")]
-    NotWritable {
-        /// The pool's tier.
-        tier: Tier,
-        /// The block.
-        block: BlockId,
-    },
-    /// `register` of a hash that a write in flight to another block has reserved, or of a
-    /// reserved block under another hash than its reservation.
+    /// `register` of a hash that a write in flight to another block has reserved, or `pin` of a
+    /// reserved block (its [`Reserved`] token is its only pin).
     #[error(
         "{tier:?} pool: hash {hash:032x} is reserved by block {block:?}, whose write is in flight"
     )]
@@ -136,14 +137,6 @@ pub enum PoolError {
         block: BlockId,
         /// The hash.
         hash: u128,
-    },
-    /// `confirm` of a block that holds no reservation.
-    #[error("{tier:?} pool: block {block:?} holds no reservation to confirm")]
-    NotReserved {
-        /// The pool's tier.
-        tier: Tier,
-        /// The block.
-        block: BlockId,
     },
     /// A pool cannot hold this many blocks (ids are 32-bit).
     #[error("{tier:?} pool: capacity {requested} exceeds the maximum of {max} blocks")]

@@ -2,17 +2,19 @@
 //! job per source tier; a completed load releases them, and a failed one is never offered again.
 //!
 //! Invariants: a pool block a load reads is pinned from planning until every rank reported the
-//! load (or the load is withdrawn unsent); a host or disk block whose load failed is
-//! invalidated, a remote hash whose load failed is skipped by matching (at most
-//! `MAX_REMOTE_FAILED` remembered); a block whose source vanished since matching is reported to
-//! the engine as a failed load (`failed_devices`), never as loaded.
+//! load (or the load is withdrawn unsent), its `Pinned` token held by the load's books; a host
+//! or disk block whose load failed is invalidated, a remote hash whose load failed is skipped by
+//! matching (at most `MAX_REMOTE_FAILED` remembered); a block whose source vanished since
+//! matching (or cannot be pinned) is reported to the engine as a failed load
+//! (`failed_devices`), never as loaded.
 use crate::connector::leader::books::{JobBooks, RequestJob};
 use crate::connector::leader::{Leader, SlotEntry};
 use crate::connector::messages::RequestLoad;
 use crate::connector::slot::{OnboardBlock, Slot};
 use crate::connector::ConnectorError;
 use crate::hash::SequenceHash;
-use crate::ids::{BlockId, DeviceBlockId, RequestId, Tier};
+use crate::ids::{DeviceBlockId, RequestId, Tier};
+use crate::pool::Pinned;
 use crate::transfer::{BlockPair, TransferJob};
 use std::collections::BTreeSet;
 
@@ -24,8 +26,9 @@ pub const MAX_REMOTE_FAILED: usize = 1 << 16;
 pub(super) struct LoadBooks {
     request: RequestId,
     src: Tier,
-    /// Pool blocks pinned for the read (empty for remote).
-    pinned: Vec<BlockId>,
+    /// The pins of the pool blocks read, one per pair (empty for remote); the books own them
+    /// until the load completes or is withdrawn.
+    pinned: Vec<Pinned>,
     /// Destination device block per pair.
     devices: Vec<DeviceBlockId>,
     /// Remote loads: the hash each pair reads (empty for host and disk).
@@ -36,8 +39,8 @@ pub(super) struct LoadBooks {
 struct TierLoad {
     tier: Tier,
     pairs: Vec<BlockPair>,
-    /// Pool blocks pinned for it (host and disk).
-    pinned: Vec<BlockId>,
+    /// The pins of the pool blocks it reads, one per pair (host and disk).
+    pinned: Vec<Pinned>,
     /// The hash per pair (disk and remote; the key the source checks or reads).
     keys: Vec<u128>,
 }
@@ -97,7 +100,22 @@ impl Leader {
         let hashes: Vec<SequenceHash> = onboard.iter().map(|b| b.hash).collect();
         let sources = self.find_sources(&hashes);
         let mut per_tier: Vec<TierLoad> = Vec::new();
+        // Blocks with a source, pinned where it is a pool: a block that cannot be pinned
+        // (unreachable: it was just found registered) ends the run, as a vanished source does.
+        let mut planned = 0;
         for (ob, &(tier, block)) in onboard.iter().zip(&sources) {
+            let pin = match tier {
+                Tier::Remote => None,
+                _ => match self.tiers.get_mut(tier).map(|p| p.pin(block)) {
+                    Some(Ok(pin)) => Some(pin),
+                    Some(Err(e)) => {
+                        tracing::error!(error = %e, "pinning a just-found block failed");
+                        break;
+                    }
+                    None => break,
+                },
+            };
+            planned += 1;
             let k = match per_tier.iter().position(|t| t.tier == tier) {
                 Some(k) => k,
                 None => {
@@ -111,25 +129,20 @@ impl Leader {
                 }
             };
             let entry = &mut per_tier[k];
-            match tier {
-                Tier::Remote => {
+            match pin {
+                None => {
                     entry.pairs.push(BlockPair {
                         src: entry.keys.len() as u32,
                         dst: ob.device.0,
                     });
                     entry.keys.push(ob.hash.0);
                 }
-                _ => {
-                    if let Some(p) = self.tiers.get_mut(tier) {
-                        if let Err(e) = p.pin(block) {
-                            tracing::error!(error = %e, "pinning a just-found block failed");
-                        }
-                    }
+                Some(pin) => {
                     entry.pairs.push(BlockPair {
                         src: block.0,
                         dst: ob.device.0,
                     });
-                    entry.pinned.push(block);
+                    entry.pinned.push(pin);
                     if tier == Tier::Disk {
                         // The disk tier checks the slot holds this hash's block.
                         entry.keys.push(ob.hash.0);
@@ -138,9 +151,9 @@ impl Leader {
             }
         }
         let failed_devices: Vec<DeviceBlockId> =
-            onboard[sources.len()..].iter().map(|b| b.device).collect();
+            onboard[planned..].iter().map(|b| b.device).collect();
         self.stats.onboard_failed += failed_devices.len() as u64;
-        if let (Some(first), Some(e)) = (onboard.get(sources.len()), self.slots.get_mut(req)) {
+        if let (Some(first), Some(e)) = (onboard.get(planned), self.slots.get_mut(req)) {
             e.slot.load_failed(first.index);
         }
         if !failed_devices.is_empty() {
@@ -211,14 +224,14 @@ impl Leader {
                 e.slot.load_failed(i);
             }
         }
-        for (i, blk) in pinned.into_iter().enumerate() {
+        for (i, pin) in pinned.into_iter().enumerate() {
             if failed.contains(&i) {
                 // Its bytes could not be read: never offer it again.
                 if let Some(p) = self.tiers.get_mut(src) {
-                    let _ = p.invalidate(blk);
+                    let _ = p.invalidate(pin.block());
                 }
             }
-            self.tiers.release(src, blk);
+            self.tiers.release(pin);
         }
         for &i in failed {
             if let Some(&h) = remote_hashes.get(i) {

@@ -12,19 +12,20 @@ use crate::connector::leader::books::JobBooks;
 use crate::connector::leader::{DiskPolicy, Leader};
 use crate::hash::SequenceHash;
 use crate::ids::{BlockId, Tier};
+use crate::pool::Pinned;
 use crate::transfer::{BlockPair, TransferJob};
 
-/// What a completed spill does to the books: `(host block read, disk block written, hash)` per
-/// pair.
+/// What a completed spill does to the books: `(pin of the host block read, writer's pin of the
+/// disk block written, hash)` per pair.
 #[derive(Debug)]
 pub(super) struct SpillBooks {
-    blocks: Vec<(BlockId, BlockId, SequenceHash)>,
+    blocks: Vec<(Pinned, Pinned, SequenceHash)>,
 }
 
-/// What a completed remote put does to the books: the host blocks read.
+/// What a completed remote put does to the books: the pins of the host blocks read.
 #[derive(Debug)]
 pub(super) struct PutBooks {
-    host_blocks: Vec<BlockId>,
+    host_blocks: Vec<Pinned>,
 }
 
 impl Leader {
@@ -69,34 +70,26 @@ impl Leader {
                 .is_some_and(|d| d.lookup(hash).is_none() && d.num_free() > 0);
         if to_disk {
             let got = self.tiers.disk.as_mut().map(|d| d.allocate(1));
-            if let Some(Ok(v)) = got {
-                if let Some(&dblk) = v.first() {
-                    self.pin_host(host_block);
-                    self.spilling.insert(hash);
-                    self.stats.spill_disk_blocks += 1;
-                    let id = self.track(JobBooks::SpillDisk(SpillBooks {
-                        blocks: vec![(host_block, dblk, hash)],
-                    }));
-                    self.outbox.background.push(TransferJob {
-                        id,
-                        src: Tier::Host,
-                        dst: Tier::Disk,
-                        pairs: vec![BlockPair {
-                            src: host_block.0,
-                            dst: dblk.0,
-                        }],
-                        remote_keys: vec![hash.0],
-                    });
+            if let Some(Ok(mut v)) = got {
+                if let Some(dpin) = v.pop() {
+                    match self.pin_host(host_block) {
+                        Some(hpin) => self.spill_to_disk(hpin, dpin, hash),
+                        // Unreachable (the caller holds or just checked the host block): the
+                        // disk block goes back.
+                        None => self.tiers.release(dpin),
+                    }
                 }
             }
         }
         if first_store && self.remote_put() {
+            let Some(hpin) = self.pin_host(host_block) else {
+                return;
+            };
             // A fresh value replaces whatever failed to load under this hash.
             self.remote_failed.remove(&hash);
-            self.pin_host(host_block);
             self.stats.remote_put_blocks += 1;
             let id = self.track(JobBooks::PutRemote(PutBooks {
-                host_blocks: vec![host_block],
+                host_blocks: vec![hpin],
             }));
             self.outbox.background.push(TransferJob {
                 id,
@@ -111,35 +104,62 @@ impl Leader {
         }
     }
 
-    /// One more pin of a confirmed host block, held by the background copy that reads it.
-    fn pin_host(&mut self, host_block: BlockId) {
-        if let Some(h) = self.tiers.host.as_mut() {
-            let _ = h.pin(host_block);
+    /// Queue the copy of the host block `hpin` holds to the disk block `dpin` holds; the job's
+    /// books keep both pins until every rank reported it.
+    fn spill_to_disk(&mut self, hpin: Pinned, dpin: Pinned, hash: SequenceHash) {
+        let pair = BlockPair {
+            src: hpin.block().0,
+            dst: dpin.block().0,
+        };
+        self.spilling.insert(hash);
+        self.stats.spill_disk_blocks += 1;
+        let id = self.track(JobBooks::SpillDisk(SpillBooks {
+            blocks: vec![(hpin, dpin, hash)],
+        }));
+        self.outbox.background.push(TransferJob {
+            id,
+            src: Tier::Host,
+            dst: Tier::Disk,
+            pairs: vec![pair],
+            remote_keys: vec![hash.0],
+        });
+    }
+
+    /// One more pin of a confirmed host block, held by the background copy that reads it
+    /// (`None`, logged, if it cannot be pinned: then nothing may read it).
+    fn pin_host(&mut self, host_block: BlockId) -> Option<Pinned> {
+        match self.tiers.host.as_mut()?.pin(host_block) {
+            Ok(pin) => Some(pin),
+            Err(e) => {
+                tracing::error!(error = %e, "pinning a host block to copy it failed");
+                None
+            }
         }
     }
 
     /// Every rank reported the spill `b`: release the host blocks, register the written disk
     /// blocks, free the failed ones.
     pub(super) fn complete_spill(&mut self, b: SpillBooks, failed: &BTreeSet<usize>) {
-        for (i, (hblk, dblk, hash)) in b.blocks.into_iter().enumerate() {
+        for (i, (hpin, mut dpin, hash)) in b.blocks.into_iter().enumerate() {
             self.spilling.remove(&hash);
-            self.tiers.release(Tier::Host, hblk);
+            self.tiers.release(hpin);
             if failed.contains(&i) {
                 self.stats.spill_disk_failed += 1;
-                self.tiers.release(Tier::Disk, dblk);
+                self.tiers.release(dpin);
                 continue;
             }
             if let Some(d) = self.tiers.disk.as_mut() {
-                match d.register(dblk, hash, self.priority) {
-                    Ok(c) => {
-                        self.stats.spill_disk_confirmed += 1;
-                        let _ = d.release(c);
-                    }
+                // On success the pin is on the block holding `hash` (this one, or the copy
+                // already there); on failure it is still on the written block, which the
+                // release below frees.
+                match d.register(&mut dpin, hash, self.priority) {
+                    Ok(_) => self.stats.spill_disk_confirmed += 1,
                     Err(e) => {
                         tracing::error!(error = %e, "registering a spilled block failed")
                     }
                 }
             }
+            self.tiers.release(dpin);
         }
     }
 
@@ -148,8 +168,8 @@ impl Leader {
         let bad = failed.iter().filter(|&&i| i < b.host_blocks.len()).count();
         self.stats.remote_put_failed += bad as u64;
         self.stats.remote_put_confirmed += (b.host_blocks.len() - bad) as u64;
-        for blk in b.host_blocks {
-            self.tiers.release(Tier::Host, blk);
+        for pin in b.host_blocks {
+            self.tiers.release(pin);
         }
     }
 }

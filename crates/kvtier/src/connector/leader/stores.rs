@@ -15,8 +15,8 @@ use crate::connector::messages::{RequestStore, StepMetadata, PROTOCOL_VERSION};
 use crate::connector::slot::{OffloadBlock, Slot};
 use crate::connector::step::{SchedulerStep, StepRecord};
 use crate::connector::ConnectorError;
-use crate::ids::{BlockId, DeviceBlockId, JobId, RequestId, Tier};
-use crate::pool::{Priority, Reservation};
+use crate::ids::{DeviceBlockId, JobId, RequestId, Tier};
+use crate::pool::{Priority, Reservation, Reserved};
 use crate::transfer::{BlockPair, TransferJob};
 
 /// When the engine may reuse a finished request's device blocks (`Leader::request_finished`).
@@ -49,8 +49,9 @@ pub(super) struct RemoteStoreBooks {
 pub(super) struct StoreBooks {
     request: RequestId,
     tier: Tier,
-    /// The block written per pair (each reserved its hash in the pool).
-    blocks: Vec<BlockId>,
+    /// The writer's reservation per pair (its block is the pair's destination); the books own
+    /// it until the store completes, which confirms or aborts it.
+    blocks: Vec<Reserved>,
     /// Retention priority per block (the engine's, else the configured default).
     priorities: Vec<Priority>,
 }
@@ -162,19 +163,19 @@ impl Leader {
         pool.reserve(&sc.hashes, &mut sc.reservations);
         sc.seen_again.clear();
         let mut pairs = Vec::with_capacity(offloads.len());
-        let mut books: Vec<BlockId> = Vec::with_capacity(offloads.len());
+        let mut books: Vec<Reserved> = Vec::with_capacity(offloads.len());
         // Disk stores bind each slot to its hash (`TransferJob::remote_keys`).
         let mut disk_keys = Vec::new();
         let mut priorities: Vec<Priority> = Vec::with_capacity(offloads.len());
         let mut dropped = 0u64;
-        for (ob, r) in offloads.iter().zip(&sc.reservations) {
-            match *r {
-                Reservation::Allocated(blk) => {
+        for (ob, r) in offloads.iter().zip(sc.reservations.drain(..)) {
+            match r {
+                Reservation::Allocated(res) => {
                     pairs.push(BlockPair {
                         src: ob.device.0,
-                        dst: blk.0,
+                        dst: res.block().0,
                     });
-                    books.push(blk);
+                    books.push(res);
                     if tier == Tier::Disk {
                         disk_keys.push(ob.hash.0);
                     }
@@ -362,34 +363,32 @@ impl Leader {
         let spills = tier == Tier::Host
             && ((self.tiers.disk.is_some() && self.disk_policy != DiskPolicy::Never)
                 || self.remote_put());
-        for (i, blk) in blocks.into_iter().enumerate() {
+        for (i, res) in blocks.into_iter().enumerate() {
             let priority = priorities.get(i).copied().unwrap_or(self.priority);
             if failed.contains(&i) {
-                // Releasing the unconfirmed block frees it and drops its reservation.
+                // Aborting the unconfirmed block frees it and drops its reservation.
                 self.stats.offload_failed += 1;
-                self.tiers.release(tier, blk);
+                self.tiers.abort(res);
                 continue;
             }
-            let Some(pool) = self.tiers.get_mut(tier) else {
+            let Some(pool) = self.tiers.get_mut(res.tier()) else {
                 continue;
             };
-            // Without spills the writer's pin goes in the same call (one pass).
-            let confirmed = if spills {
-                pool.confirm(blk, priority)
-            } else {
-                pool.confirm_and_release(blk, priority)
-            };
-            let hash = match confirmed {
-                Ok(hash) => hash,
-                Err(e) => {
-                    tracing::error!(error = %e, "confirming a stored block failed");
-                    continue;
+            if !spills {
+                // The writer's pin goes in the same call (one pass).
+                match pool.confirm_and_release(res, priority) {
+                    Ok(_) => self.stats.offload_confirmed += 1,
+                    Err(e) => tracing::error!(error = %e, "confirming a stored block failed"),
                 }
-            };
-            self.stats.offload_confirmed += 1;
-            if spills {
-                self.plan_spills(blk, hash, true);
-                self.tiers.release(tier, blk);
+                continue;
+            }
+            match pool.confirm(res, priority) {
+                Ok((pin, hash)) => {
+                    self.stats.offload_confirmed += 1;
+                    self.plan_spills(pin.block(), hash, true);
+                    self.tiers.release(pin);
+                }
+                Err(e) => tracing::error!(error = %e, "confirming a stored block failed"),
             }
         }
         self.job_done(&request, RequestJob::Store);

@@ -312,10 +312,12 @@ fn adopted_disk_blocks_are_hits_and_disk_jobs_carry_keys() {
     );
     assert_eq!(load.remote_keys, vec![hashes[0].0, hashes[1].0]);
     // Free disk blocks are handed out lowest first after the adoption.
-    assert_eq!(
-        l.tiers.disk.as_mut().unwrap().allocate(2).unwrap(),
-        vec![BlockId(0), BlockId(1)]
-    );
+    let pins = l.tiers.disk.as_mut().unwrap().allocate(2).unwrap();
+    let blocks: Vec<BlockId> = pins.iter().map(|p| p.block()).collect();
+    assert_eq!(blocks, vec![BlockId(0), BlockId(1)]);
+    for pin in pins {
+        l.tiers.release(pin);
+    }
 }
 
 /// Spills to G3 and device -> disk stores name their keys.

@@ -6,7 +6,7 @@
 use crate::connector::leader::Leader;
 use crate::hash::SequenceHash;
 use crate::ids::{BlockId, Tier};
-use crate::pool::{BlockPool, PoolError, Priority};
+use crate::pool::{BlockPool, Pinned, PoolError, Priority, Reserved};
 
 /// The leader's local pools.
 #[derive(Debug)]
@@ -53,12 +53,31 @@ impl Tiers {
             .flatten()
     }
 
-    /// Drop one pin of `blk` in `tier` (a failure is a bookkeeping bug: logged, not raised).
-    pub(super) fn release(&mut self, tier: Tier, blk: BlockId) {
-        if let Some(p) = self.get_mut(tier) {
-            if let Err(e) = p.release(blk) {
-                tracing::error!(error = %e, "releasing a pool block failed");
+    /// Give back `pin` to the pool of its tier (a failure is a bookkeeping bug: logged, not
+    /// raised).
+    pub(super) fn release(&mut self, pin: Pinned) {
+        let tier = pin.tier();
+        match self.get_mut(tier) {
+            Some(p) => {
+                if let Err(e) = p.release(pin) {
+                    tracing::error!(error = %e, "releasing a pool block failed");
+                }
             }
+            None => tracing::error!(?tier, "a pin of a tier with no pool"),
+        }
+    }
+
+    /// Give back the writer's pin of a store that failed (the block is freed and its
+    /// reservation dropped); a failure is logged as in [`Tiers::release`].
+    pub(super) fn abort(&mut self, reserved: Reserved) {
+        let tier = reserved.tier();
+        match self.get_mut(tier) {
+            Some(p) => {
+                if let Err(e) = p.abort(reserved) {
+                    tracing::error!(error = %e, "aborting a pool reservation failed");
+                }
+            }
+            None => tracing::error!(?tier, "a reservation of a tier with no pool"),
         }
     }
 }
