@@ -31,18 +31,22 @@ pub enum GenEvent {
     /// A newly generated token.
     Token(u32),
     /// Generation finished normally.
-    Done {
-        /// Why it stopped.
-        finish_reason: FinishReason,
-        /// Tokens of the prompt.
-        prompt_tokens: u32,
-        /// Tokens generated.
-        completion_tokens: u32,
-        /// Prompt tokens the engine did not compute because they came from a cache (any tier).
-        cached_tokens: u32,
-    },
+    Done(Finished),
     /// Generation failed; no further events follow.
     Error(String),
+}
+
+/// How a generation ended: its reason and its token counts (OpenAI's `usage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Finished {
+    /// Why it stopped.
+    pub finish_reason: FinishReason,
+    /// Tokens of the prompt.
+    pub prompt_tokens: u32,
+    /// Tokens generated.
+    pub completion_tokens: u32,
+    /// Prompt tokens the engine did not compute because they came from a cache (any tier).
+    pub cached_tokens: u32,
 }
 
 /// Why a request was not accepted.
@@ -273,12 +277,12 @@ pub(crate) mod fake {
                 self.held.lock().unwrap_or_else(|p| p.into_inner()).push(tx);
                 return Ok(rx);
             }
-            let _ = tx.send(GenEvent::Done {
+            let _ = tx.send(GenEvent::Done(Finished {
                 finish_reason: reason,
                 prompt_tokens: req.prompt.len() as u32,
                 completion_tokens: n,
                 cached_tokens: 0,
-            });
+            }));
             Ok(rx)
         }
         fn samples(&self) -> Vec<Sample> {

@@ -12,8 +12,8 @@ use kvtier_engine::{
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::backend::{
-    Backend, CacheCounters, GenEvent, GenRequest, Sample, SampleKind, SubmitError, TextCodec,
-    TierCounts,
+    Backend, CacheCounters, Finished, GenEvent, GenRequest, Sample, SampleKind, SubmitError,
+    TextCodec, TierCounts,
 };
 
 /// The engine's tokenizer as a [`TextCodec`].
@@ -105,12 +105,12 @@ impl Backend for EngineBackend {
                     GenerateEvent::Done {
                         finish_reason,
                         usage,
-                    } => GenEvent::Done {
+                    } => GenEvent::Done(Finished {
                         finish_reason,
                         prompt_tokens: sat_u32(usage.prompt_tokens),
                         completion_tokens: sat_u32(usage.completion_tokens),
                         cached_tokens: sat_u32(usage.cached_tokens),
-                    },
+                    }),
                     GenerateEvent::Error(e) => GenEvent::Error(e),
                 };
                 if tx.send(ev).is_err() {

@@ -158,8 +158,8 @@ async fn one_request(
                 ttft.get_or_insert_with(|| submitted.elapsed());
                 record.output.push(t);
             }
-            Some(GenEvent::Done { cached_tokens, .. }) => {
-                record.cached_tokens = cached_tokens;
+            Some(GenEvent::Done(done)) => {
+                record.cached_tokens = done.cached_tokens;
                 break;
             }
             Some(GenEvent::Error(e)) => {

@@ -16,7 +16,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::backend::{Backend, FinishReason, GenEvent, GenRequest};
+use crate::backend::{Backend, FinishReason, Finished, GenEvent, GenRequest};
 use crate::serve::api::{submit_error, ApiError};
 use crate::serve::http_client::{self, HttpUrl};
 
@@ -115,12 +115,12 @@ pub async fn start(
         // Finished on the prefill server (EOS, or max_tokens = 1): nothing to decode.
         let (tx, rx) = unbounded_channel();
         let _ = tx.send(GenEvent::Token(p.first_token));
-        let _ = tx.send(GenEvent::Done {
+        let _ = tx.send(GenEvent::Done(Finished {
             finish_reason: p.finish_reason,
             prompt_tokens: req.prompt.len() as u32,
             completion_tokens: 1,
             cached_tokens: p.cached_tokens,
-        });
+        }));
         return Ok(rx);
     }
     let rest = GenRequest {

@@ -16,11 +16,7 @@ async fn collect(mut rx: UnboundedReceiver<GenEvent>) -> (Vec<u32>, FinishReason
     while let Some(ev) = rx.recv().await {
         match ev {
             GenEvent::Token(t) => toks.push(t),
-            GenEvent::Done {
-                finish_reason,
-                completion_tokens,
-                ..
-            } => return (toks, finish_reason, completion_tokens),
+            GenEvent::Done(f) => return (toks, f.finish_reason, f.completion_tokens),
             GenEvent::Error(e) => panic!("{e}"),
         }
     }

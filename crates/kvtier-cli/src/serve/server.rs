@@ -22,7 +22,7 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::backend::{Backend, FinishReason, GenEvent};
+use crate::backend::{Backend, FinishReason, Finished, GenEvent};
 use crate::serve::api::{self, submit_error, ApiError, Validated};
 use crate::serve::detok::Detokenizer;
 use crate::serve::disagg::PrefillClient;
@@ -329,19 +329,7 @@ async fn full_response(
                 ttft.get_or_insert_with(|| arrived.elapsed());
                 tokens.push(t);
             }
-            Some(GenEvent::Done {
-                finish_reason,
-                prompt_tokens,
-                completion_tokens,
-                cached_tokens,
-            }) => {
-                break Ok((
-                    finish_reason,
-                    prompt_tokens,
-                    completion_tokens,
-                    cached_tokens,
-                ))
-            }
+            Some(GenEvent::Done(f)) => break Ok(f),
             Some(GenEvent::Error(e)) => {
                 break Err(ApiError::internal(format!("generation failed: {e}")))
             }
@@ -349,7 +337,12 @@ async fn full_response(
         }
     };
     drop(in_flight);
-    let (reason, prompt, completion, cached) = match outcome {
+    let Finished {
+        finish_reason: reason,
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        cached_tokens: cached,
+    } = match outcome {
         Ok(o) => o,
         Err(e) => return e.into_response(),
     };
@@ -458,12 +451,12 @@ impl StreamState {
                         return Some(self.chunk(&delta, &[t], None));
                     }
                 }
-                Some(GenEvent::Done {
+                Some(GenEvent::Done(Finished {
                     finish_reason,
                     prompt_tokens,
                     completion_tokens,
                     cached_tokens,
-                }) => {
+                })) => {
                     self.done = true;
                     self.in_flight = None;
                     self.st.exporter.finished(
