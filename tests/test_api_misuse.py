@@ -95,6 +95,21 @@ def test_negative_ints_to_the_worker_are_kvtier_errors(kvtier_env):
     w.shutdown()
 
 
+def test_shutdown_timeouts_are_checked_and_an_idle_worker_stops_cleanly(kvtier_env, tmp_path):
+    """A negative or NaN timeout is a kvtier error naming it (Duration::from_secs_f64 would panic on it);
+    an idle worker's bounded shutdown reports a clean stop, and a second one has nothing left to stop."""
+    _, w = worker()
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(kvtier.ConnectorError, match="timeout: .* is not a number of seconds"):
+            w.shutdown(bad)
+    assert w.shutdown(5.0) is True
+    assert w.shutdown() is True
+    node = _native.NodeServer(str(tmp_path / "n.sock"), 1 << 22)
+    with pytest.raises(kvtier.KvtierError, match="timeout: NaN is not a number of seconds"):
+        node.shutdown(float("nan"))
+    node.shutdown(1.0)
+
+
 def test_node_server_negative_capacity_is_a_config_error(tmp_path):
     with pytest.raises(kvtier.ConfigError, match="capacity_bytes: -1 is out of range"):
         _native.NodeServer(str(tmp_path / "s"), -1)

@@ -217,7 +217,10 @@ class Worker:
     def wait_for_requests(self, request_ids: list[str]) -> None:
         """Wait for the submitted jobs of these requests only (their device blocks are about to be reused)."""
     def stats(self) -> dict[str, int]: ...
-    def shutdown(self) -> None: ...
+    def shutdown(self, timeout: float = 60.0) -> bool:
+        """Wait for in-flight jobs and stop the executor threads, ``timeout`` seconds at most in all; False
+        when time ran out (threads still running end on their own). A negative or NaN timeout is a
+        ``ConnectorError``."""
 
 class NodeServer:
     """The node tier (``kvtier node``): one host cache in shared memory for every engine process of this

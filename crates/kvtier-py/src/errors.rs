@@ -270,6 +270,19 @@ where
     }
 }
 
+/// A `timeout` argument in seconds as a [`Duration`](std::time::Duration): finite and
+/// non-negative, capped at an hour; anything else (negative, NaN, infinite) is a kvtier error of
+/// `family` naming the argument, never a panic in `Duration::from_secs_f64`.
+pub fn timeout_arg(family: Family, name: &str, seconds: f64) -> PyResult<std::time::Duration> {
+    if !(seconds.is_finite() && seconds >= 0.0) {
+        return Err(new_err(
+            family,
+            format!("{name}: {seconds} is not a number of seconds >= 0"),
+        ));
+    }
+    Ok(std::time::Duration::from_secs_f64(seconds.min(3600.0)))
+}
+
 /// Shorthand for results of binding functions.
 pub type BridgeResult<T> = Result<T, BridgeError>;
 

@@ -6,13 +6,12 @@
 //! object is dropped; a start failure is a `ConfigError` naming the socket, never a panic.
 use std::path::PathBuf;
 use std::sync::Mutex;
-use std::time::Duration;
 
 use kvtier_io::node::{NodeOptions, NodeServer, SharePolicy};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::{extract_arg, BridgeError, Family};
+use crate::errors::{extract_arg, timeout_arg, BridgeError, Family};
 
 /// A running node service (see `_native.pyi`).
 #[pyclass(name = "NodeServer", module = "kvtier._native")]
@@ -106,11 +105,12 @@ impl PyNodeServer {
 
     /// Stop serving within `timeout` seconds; removes the socket and the arena. Idempotent.
     #[pyo3(signature = (timeout = 5.0))]
-    fn shutdown(&self, py: Python<'_>, timeout: f64) {
+    fn shutdown(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let t = timeout_arg(Family::Base, "timeout", timeout)?;
         let taken = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(mut n) = taken {
-            let t = Duration::from_secs_f64(timeout.clamp(0.0, 3600.0));
             py.detach(move || n.shutdown(t));
         }
+        Ok(())
     }
 }

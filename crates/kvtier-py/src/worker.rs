@@ -11,6 +11,7 @@
 //! the in-process Leader (`link = "in_process"`) or into a buffer drained by `take_reports`
 //! (`link = "engine"`). Blocking calls release the GIL. One mutex guards the connector worker.
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use kvtier::connector::messages::{ClusterLayout, RankLayout, StepMetadata, WorkerReport};
 use kvtier::connector::worker::{ReportSink, Worker, WorkerLink};
@@ -24,7 +25,7 @@ use kvtier_io::memory::{EngineMemory, TensorMemory};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
-use crate::errors::{extract_arg, extract_opt_arg, BridgeError, BridgeResult, Family};
+use crate::errors::{extract_arg, extract_opt_arg, timeout_arg, BridgeError, BridgeResult, Family};
 use crate::leader::encode_reports;
 use crate::rendezvous::Rendezvous;
 use crate::settings::Settings;
@@ -336,16 +337,27 @@ impl PyWorker {
     }
 }
 
-fn shut(py: Python<'_>, inner: &mut Inner) {
-    if let Some(mut w) = inner.worker.take() {
-        py.detach(move || {
-            w.wait_idle();
-            drop(w);
-        });
-    }
+/// Waits for the worker's jobs, then stops its threads, within `timeout` in all; false when
+/// time ran out (the error is in the log; threads still running end on their own).
+fn shut(py: Python<'_>, inner: &mut Inner, timeout: Duration) -> bool {
+    let clean = match inner.worker.take() {
+        Some(mut w) => py.detach(move || {
+            let deadline = Instant::now() + timeout;
+            let idle = w.wait_idle_within(timeout);
+            match w.shutdown(deadline.saturating_duration_since(Instant::now())) {
+                Ok(()) => idle,
+                Err(e) => {
+                    tracing::error!(error = %e, "kvtier worker shutdown");
+                    false
+                }
+            }
+        }),
+        None => true,
+    };
     inner.zmq = None;
     // The disk tier's file set stays: the next worker of this rank on the directory takes it
     // over (and, with `disk.persist`, serves its blocks).
+    clean
 }
 
 /// Which tiers and load mode `settings` configure, without building anything: the TensorRT-LLM
@@ -527,8 +539,12 @@ impl PyWorker {
         Ok(d.unbind())
     }
 
-    fn shutdown(&self, py: Python<'_>) {
+    /// Waits for in-flight jobs and stops the executor threads, `timeout` seconds at most in
+    /// all; returns False when time ran out (the threads still running end on their own).
+    #[pyo3(signature = (timeout = 60.0))]
+    fn shutdown(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+        let timeout = timeout_arg(Family::Connector, "timeout", timeout)?;
         let mut g = self.lock();
-        shut(py, &mut g);
+        Ok(shut(py, &mut g, timeout))
     }
 }

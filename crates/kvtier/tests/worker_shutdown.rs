@@ -1,5 +1,6 @@
-//! `Worker::shutdown(timeout)` is bounded: a worker whose transfer never returns gives up at the
-//! deadline with an error naming the threads still running; an idle one stops at once.
+//! `Worker::shutdown(timeout)` and `Worker::wait_idle_within(timeout)` are bounded: a worker whose
+//! transfer never returns gives up at the deadline (shutdown with an error naming the threads
+//! still running); an idle one stops at once.
 #![allow(clippy::unwrap_used)]
 
 use std::sync::mpsc::{channel, Receiver};
@@ -75,5 +76,21 @@ fn shutdown_of_a_worker_whose_jobs_end_joins_every_thread() {
     let (gate, rx) = channel::<()>();
     let w = worker_with_a_store(Arc::new(Gated(Mutex::new(rx))));
     gate.send(()).unwrap();
+    w.shutdown(Duration::from_secs(10)).unwrap();
+}
+
+#[test]
+fn wait_idle_within_gives_up_at_its_deadline_and_succeeds_once_jobs_end() {
+    let (gate, rx) = channel::<()>();
+    let mut w = worker_with_a_store(Arc::new(Gated(Mutex::new(rx))));
+    let started = Instant::now();
+    assert!(!w.wait_idle_within(Duration::from_millis(100)));
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(100), "{waited:?}");
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
+    assert_eq!(w.jobs_in_flight(), 1);
+    gate.send(()).unwrap();
+    assert!(w.wait_idle_within(Duration::from_secs(10)));
+    assert_eq!(w.jobs_in_flight(), 0);
     w.shutdown(Duration::from_secs(10)).unwrap();
 }

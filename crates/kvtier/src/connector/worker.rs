@@ -436,21 +436,35 @@ impl Worker {
     /// Wait until every job handed to the executor has finished (tests, shutdown); gives up,
     /// with an error in the log, when no job finishes for `WAIT_TIMEOUT`.
     pub fn wait_idle(&mut self) {
+        self.wait_idle_until(None);
+    }
+
+    /// [`Self::wait_idle`] bounded by `timeout` in all: true when every submitted job finished
+    /// within it, false (and an error in the log) when time ran out first.
+    pub fn wait_idle_within(&mut self, timeout: Duration) -> bool {
+        self.wait_idle_until(Some(Instant::now() + timeout))
+    }
+
+    fn wait_idle_until(&mut self, deadline: Option<Instant>) -> bool {
         loop {
             let unsubmitted: usize = self.bound_loads.iter().map(|l| l.jobs.len()).sum::<usize>()
                 + self.bound_stores.len();
             if self.jobs.len() <= unsubmitted {
-                break;
+                return true;
             }
-            match self.done_rx.recv_timeout(WAIT_TIMEOUT) {
+            let wait = deadline.map_or(WAIT_TIMEOUT, |d| {
+                d.saturating_duration_since(Instant::now())
+                    .min(WAIT_TIMEOUT)
+            });
+            match self.done_rx.recv_timeout(wait) {
                 Ok(n) => self.on_note(n),
                 Err(_) => {
                     tracing::error!(
                         rank = self.rank,
                         jobs = self.jobs.len(),
-                        "kvtier worker: no job finished within {WAIT_TIMEOUT:?}; stopped waiting"
+                        "kvtier worker: no job finished within {wait:?}; stopped waiting"
                     );
-                    break;
+                    return false;
                 }
             }
         }
