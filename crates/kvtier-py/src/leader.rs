@@ -401,6 +401,46 @@ impl PyLeader {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// One engine step through the leader: the encoded metadata and its reuse fences.
+    fn step_metadata<'py>(
+        &self,
+        py: Python<'py>,
+        records: Vec<Bound<'py, PyAny>>,
+        finished: Vec<String>,
+    ) -> PyResult<(Bound<'py, PyBytes>, Vec<String>)> {
+        let mut step = SchedulerStep {
+            records: Vec::with_capacity(records.len()),
+            finished: finished.into_iter().map(RequestId::from).collect(),
+        };
+        // Engine-supplied retention priorities per new block (TensorRT-LLM `RequestData.priorities`).
+        let mut priorities: Vec<Option<Vec<u32>>> = Vec::with_capacity(records.len());
+        for r in &records {
+            step.records.push(record_from_py(r)?);
+            let p = match r.cast::<PyTuple>() {
+                Ok(t) if t.len() == 9 => t.get_item(8)?.extract::<Option<Vec<u32>>>()?,
+                _ => None,
+            };
+            priorities.push(p);
+        }
+        let mut g = self.lock();
+        let leader = g.ready(py)?;
+        for (r, p) in step.records.iter().zip(&priorities) {
+            if !r.new_block_ids.is_empty() {
+                leader.set_block_priorities(&r.new_block_ids, p.as_deref());
+            }
+        }
+        for r in &mut step.records {
+            // TensorRT-LLM reports generation-only requests in cached_requests on first sight.
+            if !r.is_new && leader.slot(&r.request_id).is_none() {
+                r.is_new = true;
+            }
+        }
+        let meta = leader.build_step(&step).map_err(BridgeError::from)?;
+        let bytes = meta.to_bytes().map_err(BridgeError::from)?;
+        let fence = meta.fence.iter().map(|r| r.as_str().to_owned()).collect();
+        Ok((PyBytes::new(py, &bytes), fence))
+    }
 }
 
 #[pymethods]
@@ -553,44 +593,37 @@ impl PyLeader {
         records: Vec<Bound<'py, PyAny>>,
         finished: Vec<String>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let mut step = SchedulerStep {
-            records: Vec::with_capacity(records.len()),
-            finished: finished.into_iter().map(RequestId::from).collect(),
-        };
-        // Engine-supplied retention priorities per new block (TensorRT-LLM `RequestData.priorities`).
-        let mut priorities: Vec<Option<Vec<u32>>> = Vec::with_capacity(records.len());
-        for r in &records {
-            step.records.push(record_from_py(r)?);
-            let p = match r.cast::<PyTuple>() {
-                Ok(t) if t.len() == 9 => t.get_item(8)?.extract::<Option<Vec<u32>>>()?,
-                _ => None,
-            };
-            priorities.push(p);
-        }
-        let mut g = self.lock();
-        let leader = g.ready(py)?;
-        for (r, p) in step.records.iter().zip(&priorities) {
-            if !r.new_block_ids.is_empty() {
-                leader.set_block_priorities(&r.new_block_ids, p.as_deref());
-            }
-        }
-        for r in &mut step.records {
-            // TensorRT-LLM reports generation-only requests in cached_requests on first sight.
-            if !r.is_new && leader.slot(&r.request_id).is_none() {
-                r.is_new = true;
-            }
-        }
-        let meta = leader.build_step(&step).map_err(BridgeError::from)?;
-        let bytes = meta.to_bytes().map_err(BridgeError::from)?;
-        Ok(PyBytes::new(py, &bytes))
+        Ok(self.step_metadata(py, records, finished)?.0)
     }
 
-    fn request_finished(&self, py: Python<'_>, request_id: String) -> PyResult<bool> {
+    /// `build_step`, plus the step's reuse fences: the finished requests whose jobs the
+    /// workers must wait for before anything of the step writes device blocks.
+    #[pyo3(signature = (records, finished = Vec::new()))]
+    fn build_step_with_fences<'py>(
+        &self,
+        py: Python<'py>,
+        records: Vec<Bound<'py, PyAny>>,
+        finished: Vec<String>,
+    ) -> PyResult<(Bound<'py, PyBytes>, Vec<String>)> {
+        self.step_metadata(py, records, finished)
+    }
+
+    #[pyo3(signature = (request_id, fence_reuse = false))]
+    fn request_finished(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        fence_reuse: bool,
+    ) -> PyResult<bool> {
         let mut g = self.lock();
-        Ok(g.ready(py)?
-            .request_finished(&RequestId::from(request_id))
-            .map(kvtier::connector::BlockReuse::must_wait)
-            .map_err(BridgeError::from)?)
+        let leader = g.ready(py)?;
+        let id = RequestId::from(request_id);
+        let reuse = if fence_reuse {
+            leader.request_finished_fenced(&id)
+        } else {
+            leader.request_finished(&id)
+        };
+        Ok(reuse.map_err(BridgeError::from)?.must_wait())
     }
 
     /// Forget every host and disk block (vLLM's reset_cache); returns how many.

@@ -121,12 +121,10 @@ fn worker(t: &Arc<Gated>, ordered: bool) -> (Worker, Receiver<kvtier::connector:
 
 fn step(loads: Vec<RequestLoad>) -> StepMetadata {
     StepMetadata {
-        version: 1,
+        version: kvtier::connector::messages::PROTOCOL_VERSION,
         step: 1,
         loads,
-        stores: Vec::new(),
-        background: Vec::new(),
-        saving: Vec::new(),
+        ..Default::default()
     }
 }
 

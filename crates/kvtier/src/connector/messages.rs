@@ -12,7 +12,7 @@ use crate::ids::{DeviceBlockId, JobId, RequestId};
 use crate::transfer::{TransferJob, TransferOutcome};
 
 /// Version of the leader <-> worker messages. Bumped on any incompatible change.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The loads of one request in one step.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -56,6 +56,11 @@ pub struct StepMetadata {
     /// Requests for which `request_finished` answered "saves in flight" since the previous
     /// metadata: only these are ever reported saved by the workers.
     pub saving: Vec<RequestId>,
+    /// Finished requests whose device blocks this step hands to another request while their
+    /// stores may still read them (`Leader::request_finished_fenced`): a worker waits for their
+    /// jobs before anything of this step runs, and the engine must not write those blocks
+    /// before (vLLM: `handle_preemptions`).
+    pub fence: Vec<RequestId>,
 }
 
 impl StepMetadata {
@@ -65,6 +70,7 @@ impl StepMetadata {
             && self.stores.is_empty()
             && self.background.is_empty()
             && self.saving.is_empty()
+            && self.fence.is_empty()
     }
 
     /// Encode (postcard).

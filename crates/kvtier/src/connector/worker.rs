@@ -250,7 +250,13 @@ impl Worker {
     }
 
     /// Take the step's metadata (every rank receives the same). Background copies start now.
+    /// First waits for the jobs of the requests in `meta.fence`: this step hands their device
+    /// blocks to other requests (the engine's adapter may have waited already, earlier in the
+    /// step, with [`Worker::wait_for_requests`]; then this returns at once).
     pub fn bind(&mut self, meta: &StepMetadata) {
+        if !meta.fence.is_empty() {
+            self.wait_for_requests(&meta.fence);
+        }
         self.drain();
         self.binds += 1;
         self.saving.extend(meta.saving.iter().cloned());

@@ -117,6 +117,7 @@ impl Leader {
         };
         if drop {
             self.slots.remove(req);
+            self.fences.release(req);
         }
     }
 
@@ -129,6 +130,7 @@ impl Leader {
         });
         if drop {
             self.slots.remove(req);
+            self.fences.release(req);
         }
     }
 

@@ -23,6 +23,8 @@
 //!   already registered in the target tier is not stored again;
 //! - `request_finished` returns true exactly while a store or a load of that request is not
 //!   confirmed by every rank; the slot lives until its stores and loads are all confirmed;
+//!   `request_finished_fenced` gives blocks that only stores still read back at once, and every
+//!   step that hands one of them out names that request in its `fence` (`fences`);
 //! - invalid engine input returns [`ConnectorError::InvalidInput`] and changes nothing for any
 //!   other request; work planned before the error stays queued for the next metadata.
 //!
@@ -45,6 +47,7 @@ use crate::transfer::RemoteStore;
 
 mod books;
 pub mod config;
+mod fences;
 mod loads;
 mod matching;
 pub mod observe;
@@ -123,6 +126,8 @@ pub struct Leader {
     stats: LeaderStats,
     /// Pool events not yet taken, oldest first, at most `MAX_EVENTS` (older ones are dropped).
     events: std::collections::VecDeque<KvEvent>,
+    /// Device blocks given back while stores still read them (`request_finished_fenced`).
+    fences: fences::ReuseFences,
 }
 
 impl Leader {
@@ -191,6 +196,7 @@ impl Leader {
             reports_tx,
             stats: LeaderStats::default(),
             events: std::collections::VecDeque::new(),
+            fences: fences::ReuseFences::default(),
         })
     }
 

@@ -6,7 +6,9 @@
 //! and registered only when every rank confirmed it, a failed one is freed; a hash already held
 //! or being written by the store tier is not stored again; invalid records are refused one by
 //! one and the work planned for valid ones stays queued; `request_finished` returns true exactly
-//! while a store or load of the request is in flight (the engine keeps its device blocks).
+//! while a store or load of the request is in flight (the engine keeps its device blocks);
+//! `request_finished_fenced` answers `Fenced` instead while only stores are, and the blocks
+//! are fenced (`fences`) until those stores are confirmed.
 use std::collections::BTreeSet;
 
 use crate::connector::leader::books::{JobBooks, RequestJob};
@@ -28,10 +30,16 @@ pub enum BlockReuse {
     /// A store or load of the request is in flight on some rank: keep them until a worker
     /// reports the request saved (`FinishedReport::saved`).
     AfterSaved,
+    /// Only stores still read them (`Leader::request_finished_fenced`): the engine may reuse
+    /// them now, provided a step that hands one out lets the workers wait for the request
+    /// (`StepMetadata::fence`) before anything writes the block. The workers never report
+    /// the request saved.
+    Fenced,
 }
 
 impl BlockReuse {
-    /// Whether the engine must wait for the request to be reported saved (the engines' boolean).
+    /// Whether the engine must wait for the request to be reported saved (the engines' boolean;
+    /// false for [`BlockReuse::Fenced`]).
     pub fn must_wait(self) -> bool {
         self == BlockReuse::AfterSaved
     }
@@ -100,6 +108,8 @@ impl Leader {
         self.step += 1;
         self.stats.steps += 1;
         let mut meta = std::mem::take(&mut self.outbox);
+        self.fences
+            .collect(&step.records, self.block_size, &mut meta);
         meta.version = PROTOCOL_VERSION;
         meta.step = self.step;
         self.outbox.version = PROTOCOL_VERSION;
@@ -221,6 +231,23 @@ impl Leader {
     /// yet confirmed by every rank the answer is [`BlockReuse::AfterSaved`]: the engine must keep
     /// its device blocks until the workers report the request as saved.
     pub fn request_finished(&mut self, req: &RequestId) -> Result<BlockReuse, ConnectorError> {
+        self.finish(req, false)
+    }
+
+    /// Like [`Leader::request_finished`] for engines that report every block they hand out and
+    /// let the workers act before anything writes one (vLLM: the step's records and
+    /// `handle_preemptions`): while only stores still read the request's blocks the answer is
+    /// [`BlockReuse::Fenced`], and each later step that hands one of them to a request carries
+    /// this request in `StepMetadata::fence` until its stores are confirmed. A request with a
+    /// load in flight is still [`BlockReuse::AfterSaved`] (a cancelled load may land late).
+    pub fn request_finished_fenced(
+        &mut self,
+        req: &RequestId,
+    ) -> Result<BlockReuse, ConnectorError> {
+        self.finish(req, true)
+    }
+
+    fn finish(&mut self, req: &RequestId, fence: bool) -> Result<BlockReuse, ConnectorError> {
         self.poll_reports();
         let Some(e) = self.slots.get_mut(req) else {
             return Err(ConnectorError::invalid(
@@ -234,19 +261,32 @@ impl Leader {
         self.withdraw_unsent_loads(req);
         // Device blocks stay with the request while any of its copies may still land in them
         // (a load cancelled in flight must not write into blocks given to another request).
-        let in_flight = self
+        let (stores, loads) = self
             .slots
             .get(req)
-            .is_some_and(|e| e.stores_in_flight > 0 || e.loads_in_flight > 0);
-        if in_flight {
-            self.outbox.saving.push(req.clone());
+            .map_or((0, 0), |e| (e.stores_in_flight, e.loads_in_flight));
+        let reuse = match (stores, loads) {
+            (0, 0) => BlockReuse::Now,
+            (_, 0) if fence => BlockReuse::Fenced,
+            _ => BlockReuse::AfterSaved,
+        };
+        match reuse {
+            BlockReuse::AfterSaved => self.outbox.saving.push(req.clone()),
+            BlockReuse::Fenced => {
+                if let Some(e) = self.slots.get(req) {
+                    self.fences.add(req, e.slot.device_table());
+                }
+            }
+            BlockReuse::Now => {}
         }
         self.maybe_drop_slot(req);
-        Ok(if in_flight {
-            BlockReuse::AfterSaved
-        } else {
-            BlockReuse::Now
-        })
+        Ok(reuse)
+    }
+
+    /// Device blocks given back by [`Leader::request_finished_fenced`] whose stores are not yet
+    /// confirmed.
+    pub fn fenced_blocks(&self) -> usize {
+        self.fences.len()
     }
 
     /// The engine preempted the request and freed its device blocks; it may be matched again.
