@@ -285,6 +285,12 @@ impl CudaMover {
             .lock()
             .map_err(|_| "transfer state poisoned by an earlier panic".to_string())?;
         if let Some(f) = fence.0.as_ref().and_then(|b| b.downcast_ref::<CudaFence>()) {
+            if order.is_none() {
+                // The engine's work before the fence (for a store, its whole forward pass) is
+                // waited for asleep; the copies' own waits below are short. An ordered load
+                // must return once enqueued: the streams alone order it.
+                f.0.wait_asleep()?;
+            }
             dir.copy.wait(&f.0)?;
             dir.kernel.wait(&f.0)?;
         }

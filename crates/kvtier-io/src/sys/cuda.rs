@@ -201,6 +201,14 @@ unsafe impl Send for Event {}
 // SAFETY: as above.
 unsafe impl Sync for Event {}
 
+/// How often [`Event::wait`] asks the driver (a 2 MiB block crosses PCIe Gen5 in about 40 us).
+const POLL_GAP: std::time::Duration = std::time::Duration::from_micros(10);
+/// The first sleep of [`Event::wait_asleep`] between two polls.
+const FIRST_NAP: std::time::Duration = std::time::Duration::from_micros(20);
+/// The longest sleep of [`Event::wait_asleep`] between two polls: the most a fence's completion
+/// can go unseen before the copies behind it are issued.
+const MAX_NAP: std::time::Duration = std::time::Duration::from_micros(200);
+
 impl Event {
     /// `timing`: usable with `elapsed_ms`; otherwise cheaper and waited for by blocking (not
     /// spinning) the host thread.
@@ -256,17 +264,42 @@ impl Event {
         unsafe { check(sys::cuEventSynchronize(self.raw), "cuEventSynchronize") }
     }
 
-    /// Wait for the event by polling (yielding the CPU between polls): wakes up within
-    /// microseconds of completion, unlike a blocking wait, which costs a per-job bubble.
+    /// Wait for a short event (copies in flight) by polling it every `POLL_GAP`, yielding the
+    /// CPU in between: wakes up within microseconds of completion, unlike a blocking wait, which
+    /// costs a per-job bubble, and asks the driver at most once per gap (a tight
+    /// `cuEventQuery` loop competes with the engine thread's own driver calls).
     pub(crate) fn wait(&self) -> CuResult<()> {
         loop {
-            // SAFETY: live handle.
-            let r = unsafe { sys::cuEventQuery(self.raw) };
-            match r {
-                sys::CUresult::CUDA_SUCCESS => return Ok(()),
-                sys::CUresult::CUDA_ERROR_NOT_READY => std::thread::yield_now(),
-                e => return Err(format!("cuEventQuery failed: {e:?}")),
+            if self.query()? {
+                return Ok(());
             }
+            let t = std::time::Instant::now();
+            while t.elapsed() < POLL_GAP {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Wait for a long event (the engine's forward pass before a store) asleep: polls, sleeping
+    /// from `FIRST_NAP` doubling to `MAX_NAP` between polls. On the H200 an executor spinning on
+    /// the driver while the forward pass ran slowed vLLM's launch of the next prompt's first
+    /// forward pass by 15-20 ms.
+    pub(crate) fn wait_asleep(&self) -> CuResult<()> {
+        let mut nap = FIRST_NAP;
+        while !self.query()? {
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(MAX_NAP);
+        }
+        Ok(())
+    }
+
+    /// Whether the event's latest record completed (a never-recorded event has).
+    fn query(&self) -> CuResult<bool> {
+        // SAFETY: live handle.
+        match unsafe { sys::cuEventQuery(self.raw) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(format!("cuEventQuery failed: {e:?}")),
         }
     }
 
