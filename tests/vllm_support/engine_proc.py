@@ -64,6 +64,19 @@ def torch_cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def _profiler():
+    """A started torch.profiler over CPU and CUDA activity (every stream and thread of the process, kvtier's copies
+    included); the caller exits it and exports a Chrome trace."""
+    import torch.profiler as tp
+
+    acts = [tp.ProfilerActivity.CPU]
+    if torch_cuda_available():
+        acts.append(tp.ProfilerActivity.CUDA)
+    prof = tp.profile(activities=acts)
+    prof.__enter__()
+    return prof
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     # vLLM prints progress bars and logs to stdout in places: keep stdout for the protocol only.
@@ -119,9 +132,14 @@ def main() -> None:
             if op == "generate":
                 sp = SamplingParams(temperature=0.0, max_tokens=int(cmd["max_tokens"]), detokenize=False,
                                     ignore_eos=True)
+                prof = _profiler() if cmd.get("profile") else None  # bench_vllm_gpu.py --profile-decode
                 t = time.time()
                 outs = llm.generate(_prompts(cmd), sp, use_tqdm=False)
-                _reply({"outputs": [list(o.outputs[0].token_ids) for o in outs], "seconds": time.time() - t})
+                seconds = time.time() - t
+                if prof is not None:
+                    prof.__exit__(None, None, None)
+                    prof.export_chrome_trace(cmd["profile"])
+                _reply({"outputs": [list(o.outputs[0].token_ids) for o in outs], "seconds": seconds})
             elif op == "ttft":
                 sp = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
                 times = []
@@ -130,15 +148,8 @@ def main() -> None:
                 for i, p in enumerate(todo):
                     prof = None
                     if cmd.get("profile") and i == len(todo) - 1:
-                        # Profiling (bench_vllm_gpu.py --profile): CPU and CUDA activity of the last prompt,
-                        # every stream and thread of the process (kvtier's copies included), as a Chrome trace.
-                        import torch.profiler as tp
-
-                        acts = [tp.ProfilerActivity.CPU]
-                        if torch_cuda_available():
-                            acts.append(tp.ProfilerActivity.CUDA)
-                        prof = tp.profile(activities=acts)
-                        prof.__enter__()
+                        # Profiling (bench_vllm_gpu.py --profile): CPU and CUDA activity of the last prompt.
+                        prof = _profiler()
                     t = time.perf_counter()
                     o = llm.generate([p], sp, use_tqdm=False)
                     times.append(time.perf_counter() - t)
