@@ -6,6 +6,10 @@
 //! - no failed load is reported as loaded, and every load error names a block whose load failed;
 //! - no finished request is reported saved, or answered "no saves in flight", while one of its
 //!   stores has not run;
+//! - with fenced reuse (`request_finished_fenced`, the engine frees at once; the sim reuses the
+//!   most recently freed blocks first), a step that hands out a block some finished request's
+//!   unrun store still reads names that request in its fence, and no store of it is left unrun
+//!   once the worker bound the step;
 //! - at the end nothing is pinned and no job is in flight.
 #![allow(clippy::unwrap_used)]
 use std::collections::{HashMap, HashSet};
@@ -13,8 +17,8 @@ use std::sync::{Arc, Mutex};
 
 use kvtier::connector::testing::{FaultRules, FaultyTransfer, MemoryTransfer};
 use kvtier::connector::{
-    ClusterLayout, ConnectorError, Leader, LeaderConfig, ReportSink, SchedulerStep, StepRecord,
-    Worker, WorkerLink, WorkerReport,
+    BlockReuse, ClusterLayout, ConnectorError, Leader, LeaderConfig, ReportSink, SchedulerStep,
+    StepRecord, Worker, WorkerLink, WorkerReport,
 };
 use kvtier::hash::{sequence_hashes, HashSalt};
 use kvtier::transfer::BlockTransfer;
@@ -76,6 +80,7 @@ struct Script {
     fail_load_dev: Vec<u32>,
     fail_store_dev: Vec<u32>,
     host_blocks: usize,
+    fenced: bool,
 }
 
 fn script() -> impl Strategy<Value = Script> {
@@ -87,9 +92,10 @@ fn script() -> impl Strategy<Value = Script> {
         prop::collection::vec(0u32..48, 0..6),
         prop::collection::vec(0u32..48, 0..6),
         8usize..64,
+        any::<bool>(),
     )
         .prop_map(
-            |(prompts, dice, async_loads, vllm_alloc, fl, fs, host_blocks)| Script {
+            |(prompts, dice, async_loads, vllm_alloc, fl, fs, host_blocks, fenced)| Script {
                 prompts,
                 dice,
                 async_loads,
@@ -97,6 +103,7 @@ fn script() -> impl Strategy<Value = Script> {
                 fail_load_dev: fl,
                 fail_store_dev: fs,
                 host_blocks,
+                fenced,
             },
         )
 }
@@ -121,6 +128,12 @@ struct Sim {
     finished_unsaved: HashSet<usize>,
     to_report_finished: Vec<RequestId>,
     vllm_alloc: bool,
+    /// Finish through `request_finished_fenced` (vLLM's adapter).
+    fenced: bool,
+    /// Device block -> the finished request that gave it back fenced (until a step reuses it).
+    fenced_blocks: HashMap<u32, usize>,
+    /// Blocks handed out since the step began.
+    step_alloc: Vec<u32>,
 }
 
 impl Sim {
@@ -134,7 +147,17 @@ impl Sim {
         if self.free.len() < n {
             return None;
         }
-        Some((0..n).filter_map(|_| self.free.pop()).collect())
+        let got: Vec<u32> = (0..n).filter_map(|_| self.free.pop()).collect();
+        self.step_alloc.extend_from_slice(&got);
+        Some(got)
+    }
+
+    /// Whether every store job of request `r` was reported (run, or failed without running).
+    fn stores_ran(&self, r: usize) -> bool {
+        let ran = self.ran.lock().unwrap();
+        self.store_jobs
+            .get(&r)
+            .is_none_or(|v| v.iter().all(|j| ran.contains(j)))
     }
 
     fn release_blocks(&mut self, r: usize) {
@@ -213,6 +236,7 @@ impl Sim {
     }
 
     fn step(&mut self) {
+        self.step_alloc.clear();
         // Admission and (rarely) preemption.
         for r in 0..self.reqs.len() {
             let d = self.roll();
@@ -297,8 +321,34 @@ impl Sim {
             self.store_jobs.entry(r).or_default().push(s.job.id);
         }
 
+        // Fenced reuse: the step names every finished request whose unrun store reads a block it
+        // hands out; once bound, none of their stores is left unrun.
+        let reused: Vec<(u32, usize)> = self
+            .step_alloc
+            .iter()
+            .filter_map(|b| self.fenced_blocks.get(b).map(|&r| (*b, r)))
+            .collect();
+        for &(b, r) in &reused {
+            if !self.stores_ran(r) {
+                assert!(
+                    meta.fence.contains(&self.reqs[r].id),
+                    "block {b} reused while a store of {} reads it, not fenced: {:?}",
+                    self.reqs[r].id,
+                    meta.fence
+                );
+            }
+        }
+
         // The worker runs the step.
         self.worker.bind(&meta);
+        for &(b, r) in &reused {
+            assert!(
+                self.stores_ran(r),
+                "the step reusing block {b} went on before the stores of {} ran",
+                self.reqs[r].id
+            );
+            self.fenced_blocks.remove(&b);
+        }
         self.worker.start_load(None);
         self.worker.wait_for_layer_load(0);
         self.worker.forward_done(None);
@@ -345,13 +395,20 @@ impl Sim {
                 if q.gen_left == 0 {
                     q.st = St::Done;
                     let id = q.id.clone();
-                    let in_flight = self.leader.request_finished(&id).unwrap().must_wait();
-                    let ran = self.ran.lock().unwrap().clone();
-                    let all_ran = self
-                        .store_jobs
-                        .get(&r)
-                        .is_none_or(|v| v.iter().all(|j| ran.contains(j)));
-                    if !in_flight {
+                    let reuse = if self.fenced {
+                        self.leader.request_finished_fenced(&id).unwrap()
+                    } else {
+                        self.leader.request_finished(&id).unwrap()
+                    };
+                    let in_flight = reuse.must_wait();
+                    let all_ran = self.stores_ran(r);
+                    if reuse == BlockReuse::Fenced {
+                        assert!(!all_ran || self.leader.has_pending_saves(&id));
+                        for &b in &self.reqs[r].table {
+                            self.fenced_blocks.insert(b, r);
+                        }
+                        self.release_blocks(r);
+                    } else if !in_flight {
                         assert!(
                             all_ran,
                             "{id} answered 'no saves in flight' with a store not reported"
@@ -405,9 +462,12 @@ impl Sim {
                 !self.leader.has_pending_saves(id),
                 "{id} reported saved before the leader confirmed"
             );
-            if self.finished_unsaved.remove(&r) {
-                self.release_blocks(r);
-            }
+            // vLLM asserts on a saved report of a request whose blocks it already freed.
+            assert!(
+                self.finished_unsaved.remove(&r),
+                "{id} reported saved, but its blocks were not held"
+            );
+            self.release_blocks(r);
         }
         for (id, ok) in f
             .loaded
@@ -523,6 +583,9 @@ fn run_script(s: Script) {
         finished_unsaved: HashSet::new(),
         to_report_finished: Vec::new(),
         vllm_alloc: s.vllm_alloc,
+        fenced: s.fenced,
+        fenced_blocks: HashMap::new(),
+        step_alloc: Vec::new(),
     };
     for _ in 0..s.dice.len() {
         sim.step();
@@ -594,5 +657,6 @@ fn regression_failed_async_load_blocks_are_all_reported() {
         fail_load_dev: vec![0, 4, 12, 2],
         fail_store_dev: vec![47, 19, 44],
         host_blocks: 36,
+        fenced: false,
     });
 }

@@ -326,8 +326,6 @@ impl Leader {
         self.slots.get(req).is_some_and(|e| e.stores_in_flight > 0)
     }
 
-    /// Every rank reported the store `b`: confirm the written blocks (then plan their spills),
-    /// free the failed ones.
     /// With no host tier (node-only: the node's arena is this engine's G2): one device ->
     /// remote store job for `offloads`, straight from the engine's blocks. The remote store
     /// deduplicates (a block already there is not written again) and makes a block visible only
@@ -392,6 +390,8 @@ impl Leader {
         self.job_done(&request, RequestJob::Store);
     }
 
+    /// Every rank reported the store `b`: confirm the written blocks (then plan their spills),
+    /// free the failed ones.
     pub(super) fn complete_store(&mut self, b: StoreBooks, failed: &BTreeSet<usize>) {
         let StoreBooks {
             request,
