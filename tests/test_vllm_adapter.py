@@ -234,3 +234,36 @@ def test_fenced_reuse_unless_vllm_zeroes_new_blocks():
     assert kv._fence_reuse(None) is True
     assert kv._fence_reuse(SimpleNamespace(needs_kv_cache_zeroing=False)) is True
     assert kv._fence_reuse(SimpleNamespace(needs_kv_cache_zeroing=True)) is False
+
+
+class _EventsLeader:
+    loads_are_async = True
+
+    def __init__(self, settings):
+        self.taken = 0
+        self.discarded = 0
+
+    def take_events(self):
+        self.taken += 1
+        return [{"kind": "stored", "tier": "host", "hashes": [(1 << 100) + 5]}]
+
+    def discard_events(self):
+        self.discarded += 1
+        return 1
+
+
+def test_events_are_built_only_when_vllm_publishes_them(monkeypatch):
+    """vLLM asks for connector events every step and drops them unless kv_events_config enables a publisher
+    (EventPublisherFactory.create): only then are they built; otherwise the leader's queue is drained unbuilt."""
+    assert kv._publishes_kv_events(SimpleNamespace(kv_events_config=None)) is False
+    off = SimpleNamespace(enable_kv_cache_events=False, publisher="zmq")
+    null = SimpleNamespace(enable_kv_cache_events=True, publisher="null")
+    on = SimpleNamespace(enable_kv_cache_events=True, publisher="zmq")
+    assert [kv._publishes_kv_events(SimpleNamespace(kv_events_config=c)) for c in (off, null, on)] == [
+        False, False, True]
+    monkeypatch.setattr(kv, "_backend", lambda settings: SimpleNamespace(Leader=_EventsLeader))
+    quiet = kv._SchedulerSide({}, 16, publish_events=False)
+    assert quiet.take_events() == [] and (quiet._leader.taken, quiet._leader.discarded) == (0, 1)
+    loud = kv._SchedulerSide({}, 16, publish_events=True)
+    events = loud.take_events()
+    assert len(events) == 1 and events[0].block_hashes and loud._leader.taken == 1

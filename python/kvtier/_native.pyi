@@ -182,6 +182,9 @@ class Leader:
     def take_events(self) -> list[dict[str, Any]]:
         """Tier changes since the last call: ``{"kind": "stored"|"removed", "tier": "host"|"disk"|"remote",
         "hashes": [int]}`` (128-bit sequence hashes)."""
+    def discard_events(self) -> int:
+        """Drop the tier changes since the last call without building them (the engine publishes no KV
+        events); returns how many."""
     def stats(self) -> dict[str, int]:
         """Counters: steps, match_queries, matched_tokens, offload_blocks, offload_confirmed,
         offload_failed, offload_deduplicated, offload_dropped, onboard_{host,disk,remote}_blocks,

@@ -217,7 +217,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             _recompute_failed_loads(vllm_config)
-            self._sched = _SchedulerSide(self._settings, self._block_size, _fence_reuse(kv_cache_config))
+            self._sched = _SchedulerSide(self._settings, self._block_size, _fence_reuse(kv_cache_config),
+                                         _publishes_kv_events(vllm_config))
         else:
             self._settings.setdefault("rank", _rank())
             self._worker = _WorkerSide(self._settings, self._block_size)
@@ -407,6 +408,16 @@ def _fence_reuse(kv_cache_config: "KVCacheConfig | None") -> bool:
     return not bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
 
 
+def _publishes_kv_events(vllm_config: "VllmConfig") -> bool:
+    """Whether vLLM publishes KV cache events: it asks the connector for them every step (``take_events`` in
+    ``Scheduler.update_from_output``) and hands them to a publisher that drops them unless ``kv_events_config``
+    enables one (vllm/distributed/kv_events.py ``EventPublisherFactory.create``). Without one, building an event
+    per stored block is wasted on the step's critical path."""
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False)
+                and getattr(cfg, "publisher", "null") != "null")
+
+
 def _recompute_failed_loads(vllm_config: "VllmConfig") -> None:
     """kvtier reports failed loads so that vLLM recomputes them; vLLM's default policy ("fail") would abort the
     request instead. The scheduler reads the policy right after building its connector."""
@@ -425,10 +436,12 @@ class _SchedulerSide:
     the live Request objects (their token lists grow in place), how many of each request's tokens kvtier has
     seen, and the device-prefix length of each request's last match."""
 
-    def __init__(self, settings: dict[str, Any], block_size: int, fence_reuse: bool = True) -> None:
+    def __init__(self, settings: dict[str, Any], block_size: int, fence_reuse: bool = True,
+                 publish_events: bool = True) -> None:
         self._leader = _backend(settings).Leader(settings)
         self._block_size = block_size
         self._fence_reuse = fence_reuse
+        self._publish_events = publish_events
         # Resolved by kvtier's configuration (engine setting > environment > TOML > this adapter's default).
         self.async_loads = bool(getattr(self._leader, "loads_are_async", False))
         self._requests: dict[str, "Request"] = {}
@@ -639,6 +652,13 @@ class _SchedulerSide:
         return delay, None
 
     def take_events(self) -> list:
+        discard = None if self._publish_events else getattr(self._leader, "discard_events", None)
+        if discard is not None:
+            try:
+                discard()  # bounded in the leader either way; this keeps it from counting them as dropped
+            except Exception as e:
+                self._error("discard_events", e)
+            return []
         try:
             raw = self._leader.take_events()
         except Exception as e:

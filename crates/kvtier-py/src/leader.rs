@@ -673,6 +673,13 @@ impl PyLeader {
         Ok(out)
     }
 
+    /// Drop the tier events since the last call without building them (an engine that publishes
+    /// no KV events); returns how many.
+    fn discard_events(&self, py: Python<'_>) -> PyResult<usize> {
+        let mut g = self.lock();
+        Ok(g.ready(py)?.take_events().len())
+    }
+
     fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         let mut g = self.lock();
         let s = g.ready(py)?.stats();
