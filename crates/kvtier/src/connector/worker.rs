@@ -22,7 +22,7 @@
 //! Threading: the engine thread owns `Worker` (`&mut self`); executor threads share only the
 //! task queue (a mutex around the receiver) and the completion channel.
 use std::collections::{HashMap, HashSet};
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -479,10 +479,20 @@ impl Worker {
     /// Wait until the submitted jobs of `requests` (their loads into and stores from device
     /// blocks) have finished: the engine is about to reuse those requests' device blocks (vLLM's
     /// `handle_preemptions`). Other requests' jobs keep running.
+    ///
+    /// It never gives up while an executor may still run one of those jobs: the engine writes
+    /// their blocks next, so a copy that outlived the wait would store torn KV under its hash or
+    /// land in another request's blocks. It says so in the log every `WAIT_TIMEOUT`, and stops
+    /// only if the executors are gone.
     pub fn wait_for_requests(&mut self, requests: &[RequestId]) {
+        self.wait_for_requests_logging(requests, WAIT_TIMEOUT);
+    }
+
+    fn wait_for_requests_logging(&mut self, requests: &[RequestId], every: Duration) {
         if requests.is_empty() {
             return;
         }
+        let started = Instant::now();
         let wanted: HashSet<&RequestId> = requests.iter().collect();
         let unsubmitted: HashSet<JobId> = self
             .bound_loads
@@ -504,12 +514,19 @@ impl Worker {
             if !busy {
                 break;
             }
-            match self.done_rx.recv_timeout(WAIT_TIMEOUT) {
+            match self.done_rx.recv_timeout(every) {
                 Ok(n) => self.on_note(n),
-                Err(_) => {
+                Err(RecvTimeoutError::Timeout) => {
                     tracing::error!(
                         rank = self.rank,
-                        "kvtier worker: no job of the waited-for requests finished within {WAIT_TIMEOUT:?}; stopped waiting"
+                        waited = ?started.elapsed(),
+                        "kvtier worker: jobs of requests whose device blocks the engine reuses next are still running; still waiting (a copy cut short would corrupt KV)"
+                    );
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    tracing::error!(
+                        rank = self.rank,
+                        "kvtier worker: the executors are gone; stopped waiting"
                     );
                     break;
                 }
@@ -611,8 +628,8 @@ impl Worker {
     }
 }
 
-/// How long `wait_idle` and `wait_for_requests` wait for the next job to finish before they
-/// give up (and say so in the log).
+/// How long `wait_idle` waits for the next job to finish before it gives up (and says so in the
+/// log); `wait_for_requests` logs at this interval and keeps waiting.
 pub const WAIT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How long dropping a [`Worker`] waits for its executor threads (see [`Worker::shutdown`]).
@@ -673,5 +690,56 @@ impl Drop for Worker {
         if let Err(e) = self.stop_threads(DROP_SHUTDOWN_TIMEOUT) {
             tracing::error!(error = %e, "kvtier worker dropped while transfers still ran");
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::connector::messages::{RequestStore, PROTOCOL_VERSION};
+    use crate::connector::testing::{FaultyTransfer, MemoryTransfer};
+    use crate::ids::Tier;
+    use crate::transfer::BlockPair;
+
+    #[test]
+    fn waiting_for_requests_outlasts_its_log_interval() {
+        let faulty = Arc::new(FaultyTransfer::new(Arc::new(MemoryTransfer::new(
+            8, 4, 4, 0,
+        ))));
+        let (tx, _rx) = channel();
+        let mut w = Worker::new(faulty.clone(), WorkerLink::in_process(0, 1, tx));
+        let r: RequestId = "r".into();
+        let job = TransferJob {
+            id: JobId(1),
+            src: Tier::Device,
+            dst: Tier::Host,
+            pairs: vec![BlockPair { src: 0, dst: 0 }],
+            remote_keys: Vec::new(),
+        };
+        faulty.hold();
+        w.bind(&StepMetadata {
+            version: PROTOCOL_VERSION,
+            step: 1,
+            stores: vec![RequestStore {
+                request: r.clone(),
+                job,
+            }],
+            ..Default::default()
+        });
+        w.forward_done(None);
+        let releaser = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            faulty.release();
+        });
+        let t = Instant::now();
+        w.wait_for_requests_logging(std::slice::from_ref(&r), Duration::from_millis(20));
+        assert!(
+            t.elapsed() >= Duration::from_millis(250),
+            "gave up after {:?}",
+            t.elapsed()
+        );
+        assert_eq!(w.jobs_in_flight(), 0);
+        releaser.join().unwrap();
     }
 }
