@@ -441,7 +441,8 @@ class _SchedulerSide:
         self._leader = _backend(settings).Leader(settings)
         self._block_size = block_size
         self._fence_reuse = fence_reuse
-        self._publish_events = publish_events
+        # Without a publisher the leader's events are drained unbuilt (a backend without discard_events builds them).
+        self._discard_events = None if publish_events else getattr(self._leader, "discard_events", None)
         # Resolved by kvtier's configuration (engine setting > environment > TOML > this adapter's default).
         self.async_loads = bool(getattr(self._leader, "loads_are_async", False))
         self._requests: dict[str, "Request"] = {}
@@ -617,7 +618,7 @@ class _SchedulerSide:
         delayed, self._delayed_frees = self._delayed_frees, []
         _trace("meta", "", [len(records), len(plan)])
         return KvtierConnectorMetadata(plan=plan, sync_loads=sync, preempted=preempted, delayed_frees=delayed,
-                                       failed_loads=failed, failed_loads_async=self.async_loads, fence=list(fence))
+                                       failed_loads=failed, failed_loads_async=self.async_loads, fence=fence)
 
     def update_output(self, out: "KVConnectorOutput") -> None:
         meta = out.kv_connector_worker_meta
@@ -652,10 +653,9 @@ class _SchedulerSide:
         return delay, None
 
     def take_events(self) -> list:
-        discard = None if self._publish_events else getattr(self._leader, "discard_events", None)
-        if discard is not None:
+        if self._discard_events is not None:
             try:
-                discard()  # bounded in the leader either way; this keeps it from counting them as dropped
+                self._discard_events()  # bounded in the leader either way; this keeps it from counting them as dropped
             except Exception as e:
                 self._error("discard_events", e)
             return []

@@ -287,12 +287,14 @@ impl CudaMover {
         if let Some(f) = fence.0.as_ref().and_then(|b| b.downcast_ref::<CudaFence>()) {
             if order.is_none() {
                 // The engine's work before the fence (for a store, its whole forward pass) is
-                // waited for asleep; the copies' own waits below are short. An ordered load
-                // must return once enqueued: the streams alone order it.
+                // waited for asleep; once it completed, work enqueued below runs after it, so
+                // the copy streams need no wait on it. The copies' own waits are short.
                 f.0.wait_asleep()?;
+            } else {
+                // An ordered load must return once enqueued: the streams alone order it.
+                dir.copy.wait(&f.0)?;
+                dir.kernel.wait(&f.0)?;
             }
-            dir.copy.wait(&f.0)?;
-            dir.kernel.wait(&f.0)?;
         }
         let method = self.pick(items);
         if tracing::enabled!(tracing::Level::DEBUG) {
