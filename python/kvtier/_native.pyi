@@ -231,6 +231,9 @@ class Worker:
         """Block until every job handed out has finished."""
     def wait_for_requests(self, request_ids: list[str]) -> None:
         """Wait for the submitted jobs of these requests only (their device blocks are about to be reused)."""
+    def wait_for_all_requests(self) -> None:
+        """Wait for every request's submitted jobs (the engine may reuse any device block); never gives up while
+        the executors run."""
     def stats(self) -> dict[str, int]: ...
     def shutdown(self, timeout: float = 60.0) -> bool:
         """Wait for in-flight jobs and stop the executor threads, ``timeout`` seconds at most in all; False

@@ -43,6 +43,7 @@ import importlib
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -75,6 +76,9 @@ from ._vllm_util import (_COUNTERS, _embeds_digest, _first_group, _identity, _re
 logger = logging.getLogger("kvtier.vllm")
 
 _ROLES = {"kv_both": "both", "kv_producer": "producer", "kv_consumer": "consumer"}
+
+# Seconds between two reads of the leader's counters for vLLM's stats (vLLM logs them every few seconds).
+_STATS_EVERY = 0.25
 
 # Live connectors of this process, for process_stats() (tests, benchmarks).
 _LIVE: "weakref.WeakSet[KvtierConnector]" = weakref.WeakSet()
@@ -111,6 +115,9 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     # still read them, and which this step hands to other requests: the workers wait for their jobs in
     # handle_preemptions, before vLLM writes any block of the step.
     fence: list[str] = field(default_factory=list)
+    # The scheduler side lost track of which freed blocks stores still read (build_step or request_finished
+    # failed): the workers wait for every request's jobs in handle_preemptions instead.
+    fence_all: bool = False
 
 
 @dataclass
@@ -246,7 +253,11 @@ class KvtierConnector(KVConnectorBase_V1):
         # delayed frees when the KV cache needs zeroing (_SchedulerSide).
         assert self._worker is not None
         meta = kv_connector_metadata
-        if isinstance(meta, KvtierConnectorMetadata) and (meta.preempted or meta.fence):
+        if not isinstance(meta, KvtierConnectorMetadata):
+            return
+        if meta.fence_all:
+            self._worker.drain_all()
+        elif meta.preempted or meta.fence:
             self._worker.drain(list(meta.preempted) + list(meta.fence))
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
@@ -455,7 +466,10 @@ class _SchedulerSide:
         self._local_computed: dict[str, int] = {}
         self._sync_loads_pending = False
         self._delayed_frees: list[str] = []
+        # An adapter error lost track of blocks that stores still read: the next metadata fences every job.
+        self._fence_all = False
         self._last_stats: dict[str, float] = {}
+        self._stats_at = float("-inf")
         self._preempted = 0
         self._errors = 0
         # Per request: its identity (built once: vLLM matches a request repeatedly) and its planned load sources.
@@ -613,12 +627,16 @@ class _SchedulerSide:
             plan = bytes(raw)
         except Exception as e:
             self._error("build_step", e)
+            # This step may hand out blocks that stores still read, and its fence is lost with it.
+            self._fence_all = True
+        fence_all, self._fence_all = self._fence_all, False
         failed, self._failed_loads = self._failed_loads, {}
         sync, self._sync_loads_pending = self._sync_loads_pending, False
         delayed, self._delayed_frees = self._delayed_frees, []
         _trace("meta", "", [len(records), len(plan)])
         return KvtierConnectorMetadata(plan=plan, sync_loads=sync, preempted=preempted, delayed_frees=delayed,
-                                       failed_loads=failed, failed_loads_async=self.async_loads, fence=fence)
+                                       failed_loads=failed, failed_loads_async=self.async_loads, fence=fence,
+                                       fence_all=fence_all)
 
     def update_output(self, out: "KVConnectorOutput") -> None:
         meta = out.kv_connector_worker_meta
@@ -647,6 +665,8 @@ class _SchedulerSide:
             delay = bool(self._leader.request_finished(rid, fence_reuse=self._fence_reuse))
         except Exception as e:
             self._error("request_finished", e)
+            # vLLM frees the blocks now and the leader cannot fence them: the next step waits for every job.
+            self._fence_all = True
             return False, None
         if delay:
             self._delayed_frees.append(rid)
@@ -684,6 +704,12 @@ class _SchedulerSide:
         return s
 
     def take_stats_delta(self) -> dict[str, float]:
+        # vLLM asks every step and sums the deltas into its logging interval (seconds): reading the leader's whole
+        # table at most every _STATS_EVERY keeps it off the decode step (the counts wait in the leader, none lost).
+        t = time.monotonic()
+        if t - self._stats_at < _STATS_EVERY:
+            return {}
+        self._stats_at = t
         now = {k: v for k, v in self.cumulative_stats().items() if k in _COUNTERS}
         delta = {k: v - self._last_stats.get(k, 0) for k, v in now.items() if v != self._last_stats.get(k, 0)}
         self._last_stats = now
@@ -711,6 +737,7 @@ class _WorkerSide:
         self._awaiting_save: set[str] = set()
         self._last_stats: dict[str, float] = {}
         self._cuda = False
+        self._device = 0
 
     def _error(self, what: str, e: BaseException) -> None:
         self._errors += 1
@@ -719,7 +746,12 @@ class _WorkerSide:
     def _stream(self) -> int | None:
         """The engine's current CUDA stream handle when its KV cache is on a GPU, else None (the CPU forward pass
         is synchronous)."""
-        return int(torch.cuda.current_stream().cuda_stream) if self._cuda else None
+        if not self._cuda:
+            return None
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton launches on; no Stream object
+        if raw is not None:
+            return int(raw(self._device))
+        return int(torch.cuda.current_stream().cuda_stream)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # Layer order is the model's (vLLM's dict preserves it); a (layer, block)'s bytes are opaque to kvtier.
@@ -731,6 +763,9 @@ class _WorkerSide:
         self._worker = core.Worker(self._settings, tensors)
         # Decided once: asking torch whether CUDA is there costs more than the rest of a decode step's hooks.
         self._cuda = any(getattr(t, "is_cuda", False) for t in kv_caches.values())
+        if self._cuda:
+            idx = next(t.device.index for t in kv_caches.values() if t.is_cuda)
+            self._device = int(idx) if idx is not None else int(torch.cuda.current_device())
 
     def start_step(self, meta: KvtierConnectorMetadata) -> None:
         self._awaiting_save.update(meta.delayed_frees)
@@ -781,6 +816,15 @@ class _WorkerSide:
                 self._worker.wait_idle()
         except Exception as e:
             self._error("wait_for_requests", e)
+
+    def drain_all(self) -> None:
+        """Wait for every request's jobs (the scheduler side lost a step's fence): any device block may be reused."""
+        if self._worker is None:
+            return
+        try:
+            self._worker.wait_for_all_requests()
+        except Exception as e:
+            self._error("wait_for_all_requests", e)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending: set[str] = set()

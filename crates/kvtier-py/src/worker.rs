@@ -523,6 +523,16 @@ impl PyWorker {
         })
     }
 
+    /// Wait for every request's jobs: the adapter lost a step's fence (an adapter error) and the
+    /// engine may reuse any device block a copy still reads or writes.
+    fn wait_for_all_requests(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            let mut g = self.lock();
+            g.worker.as_mut().ok_or_else(gone)?.wait_for_all_requests();
+            Ok(())
+        })
+    }
+
     fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         let jobs = self
             .lock()

@@ -485,15 +485,23 @@ impl Worker {
     /// land in another request's blocks. It says so in the log every `WAIT_TIMEOUT`, and stops
     /// only if the executors are gone.
     pub fn wait_for_requests(&mut self, requests: &[RequestId]) {
-        self.wait_for_requests_logging(requests, WAIT_TIMEOUT);
+        if !requests.is_empty() {
+            self.wait_for_requests_logging(Some(requests), WAIT_TIMEOUT);
+        }
     }
 
-    fn wait_for_requests_logging(&mut self, requests: &[RequestId], every: Duration) {
-        if requests.is_empty() {
-            return;
-        }
+    /// [`Self::wait_for_requests`] for every request with a submitted job: the engine may reuse
+    /// any device block a copy still uses, and the adapter cannot say which (it lost a step's
+    /// fence to an adapter error). Background jobs (host <-> disk/remote) touch no device block
+    /// and keep running.
+    pub fn wait_for_all_requests(&mut self) {
+        self.wait_for_requests_logging(None, WAIT_TIMEOUT);
+    }
+
+    /// `requests`: whose jobs to wait for; `None`: every request's.
+    fn wait_for_requests_logging(&mut self, requests: Option<&[RequestId]>, every: Duration) {
         let started = Instant::now();
-        let wanted: HashSet<&RequestId> = requests.iter().collect();
+        let wanted: Option<HashSet<&RequestId>> = requests.map(|r| r.iter().collect());
         let unsubmitted: HashSet<JobId> = self
             .bound_loads
             .iter()
@@ -506,7 +514,7 @@ impl Worker {
                 !unsubmitted.contains(id)
                     && match info {
                         JobInfo::Store { request } | JobInfo::Load { request, .. } => {
-                            wanted.contains(request)
+                            wanted.as_ref().is_none_or(|w| w.contains(request))
                         }
                         JobInfo::Background => false,
                     }
@@ -703,6 +711,49 @@ mod tests {
     use crate::transfer::BlockPair;
 
     #[test]
+    fn waiting_for_all_requests_waits_for_every_requests_store() {
+        let faulty = Arc::new(FaultyTransfer::new(Arc::new(MemoryTransfer::new(
+            8, 4, 4, 0,
+        ))));
+        let (tx, _rx) = channel();
+        let mut w = Worker::new(faulty.clone(), WorkerLink::in_process(0, 1, tx));
+        let store = |id: u64, request: &str| RequestStore {
+            request: request.into(),
+            job: TransferJob {
+                id: JobId(id),
+                src: Tier::Device,
+                dst: Tier::Host,
+                pairs: vec![BlockPair {
+                    src: id as u32,
+                    dst: id as u32,
+                }],
+                remote_keys: Vec::new(),
+            },
+        };
+        faulty.hold();
+        w.bind(&StepMetadata {
+            version: PROTOCOL_VERSION,
+            step: 1,
+            stores: vec![store(1, "a"), store(2, "b")],
+            ..Default::default()
+        });
+        w.forward_done(None);
+        let releaser = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(150));
+            faulty.release();
+        });
+        let t = Instant::now();
+        w.wait_for_all_requests();
+        assert!(
+            t.elapsed() >= Duration::from_millis(120),
+            "returned after {:?}",
+            t.elapsed()
+        );
+        assert_eq!(w.jobs_in_flight(), 0, "a store is still running");
+        releaser.join().unwrap();
+    }
+
+    #[test]
     fn waiting_for_requests_outlasts_its_log_interval() {
         let faulty = Arc::new(FaultyTransfer::new(Arc::new(MemoryTransfer::new(
             8, 4, 4, 0,
@@ -733,7 +784,7 @@ mod tests {
             faulty.release();
         });
         let t = Instant::now();
-        w.wait_for_requests_logging(std::slice::from_ref(&r), Duration::from_millis(20));
+        w.wait_for_requests_logging(Some(std::slice::from_ref(&r)), Duration::from_millis(20));
         assert!(
             t.elapsed() >= Duration::from_millis(250),
             "gave up after {:?}",
