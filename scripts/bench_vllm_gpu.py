@@ -136,7 +136,7 @@ def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: i
 
 
 def decode_rounds(names: list[str], specs: dict[str, dict], model: Path, logdir: Path, rounds: int, batch: int,
-                  length: int, vocab: int, gpu_share: float) -> dict:
+                  length: int, vocab: int, gpu_share: float | None, out: Path | None = None) -> dict:
     """Decode throughput of several engines alive side by side on one GPU, in rounds: each round runs one rep
     (``batch`` fresh ``length``-token prompts decoding 256 tokens) per engine, in an order rotated every round, and
     each engine's rate is divided by the first engine's of the same round. Eager decode is bound by the CPU's
@@ -163,11 +163,19 @@ def decode_rounds(names: list[str], specs: dict[str, dict], model: Path, logdir:
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
                 p = prompts(batch, length, seed=50_000 + 100 * r, vocab=vocab)  # the same prompts for every engine
-                out = engines[n].call("generate", prompts=p, max_tokens=256)
-                rates[n].append(256 * batch / out["seconds"])
+                res = engines[n].call("generate", prompts=p, max_tokens=256)
+                rates[n].append(256 * batch / res["seconds"])
                 if r == 0:
-                    first_tokens[n] = out["outputs"][0][:16]
+                    first_tokens[n] = res["outputs"][0][:16]
+            if out is not None:  # after every round: a run cut short by its time limit keeps the finished rounds
+                out.write_text(json.dumps(_rounds_result(names, rates, first_tokens), indent=1))
+    return _rounds_result(names, rates, first_tokens)
+
+
+def _rounds_result(names: list[str], rates: dict[str, list[float]], first_tokens: dict[str, list[int]]) -> dict:
     ref = names[0]
+    done = min(len(rates[n]) for n in names)  # whole rounds only
+    rates = {n: rates[n][:done] for n in names}
     ratios = {n: [a / b for a, b in zip(rates[n], rates[ref])] for n in names}
     return {"rates": rates, "ratios": ratios, "same_tokens": {n: first_tokens[n] == first_tokens[ref] for n in names}}
 
@@ -274,10 +282,9 @@ def main() -> None:
     if a.decode_rounds:
         names = a.engines.split(",")
         share = 0.9 / len(names) if not a.dry_run_cpu else None
-        res = decode_rounds(names, engines, model, tmp, a.decode_rounds, a.decode_batch, min(2048, max(lengths)),
-                            vocab, share)
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=1))
+        res = decode_rounds(names, engines, model, tmp, a.decode_rounds, a.decode_batch, min(2048, max(lengths)),
+                            vocab, share, Path(a.out))
         print(f"\ndecode in {a.decode_rounds} rounds ({'CUDA graphs' if a.graphs else 'eager'}), batch "
               f"{a.decode_batch}: tok/s p50 (range), rate / {names[0]}'s in the same round p50 (range), same tokens")
         for n in names:
