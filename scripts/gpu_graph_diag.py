@@ -21,12 +21,7 @@ import test_vllm_gpu as t  # noqa: E402
 from vllm_support import connector_config  # noqa: E402
 
 
-def first_diff(a: list, b: list) -> str:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            k = next((j for j, (p, q) in enumerate(zip(x, y)) if p != q), None)
-            return f"prompt {i} token {k}"
-    return "same"
+first_diff = t._first_diff  # "same", or where and how two runs' outputs first differ
 
 
 def main() -> None:
