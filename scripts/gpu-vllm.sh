@@ -4,6 +4,8 @@
 #                                       # host, host + disk, preemption, chunked prefill, producer/consumer via Redis)
 #   bash scripts/gpu-vllm.sh --bench    # also scripts/bench_vllm_gpu.py (replay TTFT: vLLM / native offload / kvtier)
 #   bash scripts/gpu-vllm.sh --graph-diag  # also scripts/gpu_graph_diag.py (where CUDA-graph runs part from vLLM alone)
+#   bash scripts/gpu-vllm.sh --decode   # also decode throughput, vLLM alone and kvtier side by side in 8 rounds
+#                                       # (CUDA graphs; KVTIER_DECODE_ARGS replaces the arguments)
 # Environment: PYTHON (default python3) must import torch with CUDA and vllm (e.g. PYTHONPATH=/tmp/site from
 # ../shared/scripts/vllm-gpu-bundle.sh's unpack.sh); KVTIER_WHEEL=path installs that kvtier wheel into a private
 # target first (else kvtier must be importable); KVTIER_REDIS_SERVER=path/to/redis-server for the Redis test
@@ -31,5 +33,10 @@ if [ "${1:-}" = "--graph-diag" ]; then
 fi
 if [ "${1:-}" = "--bench" ]; then
   "$py" "$here/scripts/bench_vllm_gpu.py" --out "$out/bench.json" ${KVTIER_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" || rc=$?
+fi
+if [ "${1:-}" = "--decode" ]; then
+  "$py" "$here/scripts/bench_vllm_gpu.py" --out "$out/decode-rounds.json" \
+    ${KVTIER_DECODE_ARGS:---graphs --decode-rounds 8 --decode-batch 4 --host-gb 10 --engines vllm,kvtier --lengths 2048} \
+    2>&1 | tee "$out/decode-rounds.log" || rc=$?
 fi
 exit $rc
