@@ -60,21 +60,28 @@ def chat(e, convs: int, turns: int, first: int, more: int, vocab: int) -> dict:
     return {"ttft_ms": ttft_ms, "replies": replies, "history_tokens": sum(len(h) for h in hist)}
 
 
+def open_engine(spec: dict, model: Path, log: Path, env: dict[str, str] | None = None) -> Engine:
+    """An engine of ``spec`` (a dict of main()'s table; ``g1_gb`` sizes vLLM's KV cache in 8B-shaped blocks)."""
+    bpb = 16 * KV_BYTES_PER_TOKEN
+    spec = dict(spec)
+    return Engine(model, log, env={"KVTIER_LOG": os.environ.get("KVTIER_LOG", "warn"), **(env or {})},
+                  start_timeout=900.0, bytes_per_block=bpb, kv_cache_blocks=int(spec.pop("g1_gb") * (1 << 30)) // bpb,
+                  **spec)
+
+
 def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: int, spec: dict,
                trace: Path | None, vocab: int = 100000, profile: bool = False,
                chat_shape: tuple[int, int, int, int] | None = None, miss_drain: bool = False,
                profile_miss: bool = False, decode_reps: int = 1, decode_batch: int = 1,
                profile_decode: bool = False, step_trace: bool = False, profile_decode_tokens: int = 64) -> dict:
-    env = {"KVTIER_LOG": os.environ.get("KVTIER_LOG", "warn"), **spec.pop("env", {})}
+    env = {}
     if trace is not None:
         env["KVTIER_VLLM_TRACE"] = str(trace)
     if profile or step_trace:
         env["KVTIER_STEP_TRACE"] = str(logdir / f"{name}.steps")
     t0 = time.time()
     out: dict = {"name": name, "lengths": {}}
-    bpb = 16 * KV_BYTES_PER_TOKEN
-    with Engine(model, logdir / f"{name}.log", env=env, start_timeout=900.0, bytes_per_block=bpb,
-                kv_cache_blocks=int(spec.pop("g1_gb") * (1 << 30)) // bpb, **spec) as e:
+    with open_engine(spec, model, logdir / f"{name}.log", env) as e:
         out["start_s"] = e.start_seconds
         e.ttft(prompts(1, 512, seed=99, vocab=vocab))  # warm-up
         for n in lengths:
@@ -144,16 +151,12 @@ def decode_rounds(names: list[str], specs: dict[str, dict], model: Path, logdir:
     (unpaired reps of one engine spread 118-242 tok/s): only reps adjacent in time compare."""
     import contextlib
 
-    bpb = 16 * KV_BYTES_PER_TOKEN
     rates: dict[str, list[float]] = {n: [] for n in names}
     with contextlib.ExitStack() as stack:
         engines = {}
         for n in names:
-            spec = dict(specs[n], gpu_memory_utilization=gpu_share)
-            env = {"KVTIER_LOG": os.environ.get("KVTIER_LOG", "warn"), **spec.pop("env", {})}
-            e = stack.enter_context(Engine(model, logdir / f"rounds-{n}.log", env=env, start_timeout=900.0,
-                                           bytes_per_block=bpb, kv_cache_blocks=int(spec.pop("g1_gb") * (1 << 30)) // bpb,
-                                           **spec))
+            e = stack.enter_context(open_engine(dict(specs[n], gpu_memory_utilization=gpu_share), model,
+                                                logdir / f"rounds-{n}.log"))
             # Warm-up: the decode path's kernels, then one untimed rep.
             e.call("generate", prompts=prompts(batch, length, seed=31, vocab=vocab), max_tokens=32)
             engines[n] = e
@@ -255,9 +258,6 @@ def main() -> None:
         "native": dict(base, kv_offloading_size=a.host_gb, kv_offloading_backend="native"),
         "kvtier": dict(base, kv_transfer_config=connector_config(settings=kt)),
         "kvtier-blnhc": dict(base, kv_transfer_config=connector_config(settings={**kt, "kv_cache_layout": "BLNHC"})),
-        # kvtier's CUDA copy method forced (docs/arch/io.md: Auto picks the gather kernel for vLLM's 32 KiB chunks).
-        "kvtier-batch": dict(base, kv_transfer_config=connector_config(settings=kt), env={"KVTIER_CUDA_COPY": "batch"}),
-        "kvtier-chunk": dict(base, kv_transfer_config=connector_config(settings=kt), env={"KVTIER_CUDA_COPY": "chunk"}),
         # A connector that does nothing (tests/vllm_support/null_connector.py): what any connector costs vLLM.
         "null": dict(base, kv_transfer_config={"kv_connector": "NullConnector", "kv_role": "kv_both",
                                                "kv_connector_module_path": "vllm_support.null_connector"}),
@@ -324,12 +324,14 @@ def main() -> None:
     print("link-bound    " + "".join(f"{1000 * n * KV_BYTES_PER_TOKEN / 55e9:>12.1f}          " for n in lengths))
     step = ref.get("single_step_ms")
     if step:
-        print(f"one request's decode step ({ref['name']}): {step:.1f} ms; replay / (link-bound + that step):")
+        print(f"replay / (link-bound + one request's decode step): with {ref['name']}'s step ({step:.1f} ms) "
+              "[with the engine's own step]")
         for r in results:
-            ratios = [statistics.median(r["lengths"][n]["replay_ms"]) / (1000 * n * KV_BYTES_PER_TOKEN / 55e9 + step)
+            own = r["single_step_ms"]
+            ratios = [(statistics.median(r["lengths"][n]["replay_ms"]), 1000 * n * KV_BYTES_PER_TOKEN / 55e9)
                       for n in lengths]
-            print(f"{r['name']:14s}" + "".join(f"{x:>22.2f}" for x in ratios) +
-                  f"   decode {r['decode_tok_s'] / ref['decode_tok_s']:.3f}x of {ref['name']}")
+            print(f"{r['name']:14s}" + "".join(f"{t / (b + step):>13.2f} [{t / (b + own):.2f}]" for t, b in ratios) +
+                  f"   own step {own:.1f} ms, decode {r['decode_tok_s'] / ref['decode_tok_s']:.3f}x of {ref['name']}")
     if any(r.get("chat") for r in results):
         print("\nmulti-turn chat (turns after the first): TTFT p50 / p90 ms, history tokens, same replies as "
               f"{ref['name']}")

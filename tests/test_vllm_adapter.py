@@ -259,8 +259,9 @@ def _empty_step(finished=()):
 
 def test_a_lost_fence_makes_the_next_step_wait_for_every_job(monkeypatch):
     """A step whose build_step failed reaches the workers without its fence, and a request whose request_finished
-    failed has its blocks freed by vLLM with no fence at all: vLLM may hand those blocks out while stores still
-    read them. The metadata then says fence_all, once, and handle_preemptions waits for every request's jobs."""
+    failed has its blocks freed by vLLM with no fence at all (vllm/v1/core/sched/scheduler.py ``_free_request``
+    frees at once unless the connector asks to delay): vLLM may hand those blocks out while stores still read
+    them. The metadata then says fence_all, once, and handle_preemptions waits for every request's jobs."""
     monkeypatch.setattr(kv, "_backend", lambda settings: SimpleNamespace(Leader=_FailingLeader))
     side = kv._SchedulerSide({}, 16)
     assert side.build_meta(_empty_step()).fence_all is False
@@ -285,6 +286,25 @@ def test_a_lost_fence_makes_the_next_step_wait_for_every_job(monkeypatch):
     conn.handle_preemptions(kv.KvtierConnectorMetadata(preempted=["p"], fence_all=True))
     conn.handle_preemptions(kv.KvtierConnectorMetadata(fence=["f"]))
     assert conn._worker._worker.waited == ["all", ["f"]]
+
+
+def test_leader_stats_are_read_at_most_every_interval_and_none_is_lost(monkeypatch):
+    """vLLM asks get_kv_connector_stats every step (Scheduler.update_from_output) and sums the deltas into its
+    logging interval: the scheduler side reads the leader at most every _STATS_EVERY, and what changed meanwhile
+    comes with the next read."""
+    monkeypatch.setattr(kv, "_backend", lambda settings: SimpleNamespace(Leader=_FailingLeader))
+    clock = [100.0]
+    monkeypatch.setattr(kv.time, "monotonic", lambda: clock[0])
+    side = kv._SchedulerSide({}, 16)
+    side._leader.stats = lambda: {}
+    side._preempted = 2
+    assert side.take_stats_delta() == {"preempted_requests": 2}
+    side._preempted = 5
+    clock[0] += kv._STATS_EVERY / 2
+    assert side.take_stats_delta() == {}
+    side._preempted = 6
+    clock[0] += kv._STATS_EVERY
+    assert side.take_stats_delta() == {"preempted_requests": 4}
 
 
 def test_fenced_reuse_unless_vllm_zeroes_new_blocks():

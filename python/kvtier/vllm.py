@@ -736,8 +736,8 @@ class _WorkerSide:
         self._failed_blocks: set[int] = set()
         self._awaiting_save: set[str] = set()
         self._last_stats: dict[str, float] = {}
-        self._cuda = False
-        self._device = 0
+        # The engine's current CUDA stream, as a raw handle (set in register when the KV cache is on a GPU).
+        self._current_stream: Any = None
 
     def _error(self, what: str, e: BaseException) -> None:
         self._errors += 1
@@ -746,12 +746,7 @@ class _WorkerSide:
     def _stream(self) -> int | None:
         """The engine's current CUDA stream handle when its KV cache is on a GPU, else None (the CPU forward pass
         is synchronous)."""
-        if not self._cuda:
-            return None
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton launches on; no Stream object
-        if raw is not None:
-            return int(raw(self._device))
-        return int(torch.cuda.current_stream().cuda_stream)
+        return None if self._current_stream is None else int(self._current_stream())
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # Layer order is the model's (vLLM's dict preserves it); a (layer, block)'s bytes are opaque to kvtier.
@@ -762,10 +757,13 @@ class _WorkerSide:
         tensors = [(name, describe(t)) for name, t in kv_caches.items()]
         self._worker = core.Worker(self._settings, tensors)
         # Decided once: asking torch whether CUDA is there costs more than the rest of a decode step's hooks.
-        self._cuda = any(getattr(t, "is_cuda", False) for t in kv_caches.values())
-        if self._cuda:
-            idx = next(t.device.index for t in kv_caches.values() if t.is_cuda)
-            self._device = int(idx) if idx is not None else int(torch.cuda.current_device())
+        cuda = [t for t in kv_caches.values() if getattr(t, "is_cuda", False)]
+        if cuda:
+            idx = cuda[0].device.index
+            dev = int(idx) if idx is not None else int(torch.cuda.current_device())
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton launches on; no Stream object
+            self._current_stream = (lambda: raw(dev)) if raw is not None else \
+                (lambda: torch.cuda.current_stream(dev).cuda_stream)
 
     def start_step(self, meta: KvtierConnectorMetadata) -> None:
         self._awaiting_save.update(meta.delayed_frees)

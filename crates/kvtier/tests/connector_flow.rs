@@ -46,13 +46,7 @@ fn offload_then_onboard_from_host_is_bit_exact() {
         "onboarded blocks are not stored again"
     );
     rig.settle();
-    for i in 0..6u32 {
-        assert_eq!(
-            rig.ranks[0].mem.read_block(Tier::Device, 20 + i).unwrap(),
-            kv_bytes(&prompt, i as usize, 0, BPB),
-            "block {i}"
-        );
-    }
+    rig.assert_device_kv(20, &prompt, 6, "onboarded");
     assert_eq!(rig.leader.host_pool().unwrap().num_pinned(), 0);
     assert!(rig.ranks[0].worker.take_load_errors().is_empty());
 }
@@ -188,12 +182,7 @@ fn disk_write_through_serves_after_host_eviction() {
     let meta = rig.run(&step(vec![new_rec("c", &p1, ids(40..47), 0, 4)]), &[]);
     assert_eq!(meta.loads[0].jobs[0].src, Tier::Disk);
     rig.settle();
-    for i in 0..6u32 {
-        assert_eq!(
-            rig.ranks[0].mem.read_block(Tier::Device, 40 + i).unwrap(),
-            kv_bytes(&p1, i as usize, 0, BPB)
-        );
-    }
+    rig.assert_device_kv(40, &p1, 6, "onboarded from disk");
     assert!(rig.leader.stats().onboard_disk_blocks >= 6);
 }
 

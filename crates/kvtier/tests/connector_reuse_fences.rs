@@ -14,20 +14,32 @@ use std::time::{Duration, Instant};
 use connector_rig::*;
 use kvtier::connector::BlockReuse;
 
+/// `req` arrives with `all_tokens`: kvtier matches `want` tokens, then vLLM allocates `blocks`.
+fn match_and_alloc(
+    rig: &mut Rig,
+    req: &RequestId,
+    all_tokens: &[u32],
+    want: usize,
+    blocks: &[DeviceBlockId],
+    external: Option<usize>,
+) {
+    assert_eq!(
+        rig.leader
+            .get_num_new_matched_tokens(req, all_tokens, 0)
+            .unwrap(),
+        want
+    );
+    rig.leader
+        .update_state_after_alloc(req, blocks, external)
+        .unwrap();
+}
+
 /// Request "a" computes `prompt` into device blocks 0..n with its stores held in flight, then
 /// finishes through the fenced call.
 fn finish_a_with_stores_held(rig: &mut Rig, prompt: &[u32]) -> RequestId {
     let a: RequestId = "a".into();
     let nb = prompt.len().div_ceil(BS) as u32;
-    assert_eq!(
-        rig.leader
-            .get_num_new_matched_tokens(&a, prompt, 0)
-            .unwrap(),
-        0
-    );
-    rig.leader
-        .update_state_after_alloc(&a, &ids(0..nb), Some(0))
-        .unwrap();
+    match_and_alloc(rig, &a, prompt, 0, &ids(0..nb), Some(0));
     rig.ranks[0].faulty.hold();
     let full: Vec<(usize, u32)> = (0..prompt.len() / BS).map(|i| (i, i as u32)).collect();
     rig.run(
@@ -50,15 +62,7 @@ fn a_reused_block_waits_for_the_store_that_reads_it() {
     // The next request gets a's blocks 0..5 (fresh allocations: nothing computed yet).
     let other: Vec<u32> = (9000..9080).collect();
     let b: RequestId = "b".into();
-    assert_eq!(
-        rig.leader
-            .get_num_new_matched_tokens(&b, &other, 0)
-            .unwrap(),
-        0
-    );
-    rig.leader
-        .update_state_after_alloc(&b, &ids(0..5), Some(0))
-        .unwrap();
+    match_and_alloc(&mut rig, &b, &other, 0, &ids(0..5), Some(0));
     let meta = rig
         .leader
         .build_step(&step(vec![new_rec("b", &other, ids(0..5), 0, 80)]))
@@ -94,24 +98,10 @@ fn a_reused_block_waits_for_the_store_that_reads_it() {
 
     // a's prompt again: its blocks come from the host tier, bit-exact a's KV (not b's).
     let c: RequestId = "c".into();
-    assert_eq!(
-        rig.leader
-            .get_num_new_matched_tokens(&c, &prompt, 0)
-            .unwrap(),
-        64
-    );
-    rig.leader
-        .update_state_after_alloc(&c, &ids(30..35), None)
-        .unwrap();
+    match_and_alloc(&mut rig, &c, &prompt, 64, &ids(30..35), None);
     rig.run(&step(vec![new_rec("c", &prompt, ids(30..35), 0, 16)]), &[]);
     rig.settle();
-    for i in 0..4u32 {
-        assert_eq!(
-            rig.ranks[0].mem.read_block(Tier::Device, 30 + i).unwrap(),
-            kv_bytes(&prompt, i as usize, 0, BPB),
-            "block {i} of a, as stored"
-        );
-    }
+    rig.assert_device_kv(30, &prompt, 4, "a's KV, as stored");
     assert!(
         waited >= Duration::from_millis(250),
         "the step went on after {waited:?}, before a's stores read its blocks"
@@ -169,15 +159,7 @@ fn unfenced_finish_and_in_flight_loads_still_hold_the_blocks() {
     // A request whose load is in flight: a cancelled load may land late, so it is held even
     // through the fenced call.
     let r: RequestId = "r".into();
-    assert_eq!(
-        rig.leader
-            .get_num_new_matched_tokens(&r, &prompt, 0)
-            .unwrap(),
-        64
-    );
-    rig.leader
-        .update_state_after_alloc(&r, &ids(20..25), None)
-        .unwrap();
+    match_and_alloc(&mut rig, &r, &prompt, 64, &ids(20..25), None);
     rig.ranks[0].faulty.hold();
     let meta = rig.leader.build_step(&step(vec![])).unwrap();
     assert_eq!(meta.loads.len(), 1);

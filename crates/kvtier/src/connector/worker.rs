@@ -710,38 +710,52 @@ mod tests {
     use crate::ids::Tier;
     use crate::transfer::BlockPair;
 
-    #[test]
-    fn waiting_for_all_requests_waits_for_every_requests_store() {
+    /// A worker whose transfers are held, with `stores` (job id, request) bound and submitted.
+    fn worker_with_held_stores(stores: &[(u64, &str)]) -> (Worker, Arc<FaultyTransfer>) {
         let faulty = Arc::new(FaultyTransfer::new(Arc::new(MemoryTransfer::new(
             8, 4, 4, 0,
         ))));
         let (tx, _rx) = channel();
         let mut w = Worker::new(faulty.clone(), WorkerLink::in_process(0, 1, tx));
-        let store = |id: u64, request: &str| RequestStore {
-            request: request.into(),
-            job: TransferJob {
-                id: JobId(id),
-                src: Tier::Device,
-                dst: Tier::Host,
-                pairs: vec![BlockPair {
-                    src: id as u32,
-                    dst: id as u32,
-                }],
-                remote_keys: Vec::new(),
-            },
-        };
+        let stores = stores
+            .iter()
+            .map(|&(id, request)| RequestStore {
+                request: request.into(),
+                job: TransferJob {
+                    id: JobId(id),
+                    src: Tier::Device,
+                    dst: Tier::Host,
+                    pairs: vec![BlockPair {
+                        src: id as u32,
+                        dst: id as u32,
+                    }],
+                    remote_keys: Vec::new(),
+                },
+            })
+            .collect();
         faulty.hold();
         w.bind(&StepMetadata {
             version: PROTOCOL_VERSION,
             step: 1,
-            stores: vec![store(1, "a"), store(2, "b")],
+            stores,
             ..Default::default()
         });
         w.forward_done(None);
-        let releaser = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(150));
+        (w, faulty)
+    }
+
+    /// Releases the held transfers after `after`.
+    fn release_after(faulty: Arc<FaultyTransfer>, after: Duration) -> std::thread::JoinHandle<()> {
+        std::thread::spawn(move || {
+            std::thread::sleep(after);
             faulty.release();
-        });
+        })
+    }
+
+    #[test]
+    fn waiting_for_all_requests_waits_for_every_requests_store() {
+        let (mut w, faulty) = worker_with_held_stores(&[(1, "a"), (2, "b")]);
+        let releaser = release_after(faulty, Duration::from_millis(150));
         let t = Instant::now();
         w.wait_for_all_requests();
         assert!(
@@ -755,34 +769,9 @@ mod tests {
 
     #[test]
     fn waiting_for_requests_outlasts_its_log_interval() {
-        let faulty = Arc::new(FaultyTransfer::new(Arc::new(MemoryTransfer::new(
-            8, 4, 4, 0,
-        ))));
-        let (tx, _rx) = channel();
-        let mut w = Worker::new(faulty.clone(), WorkerLink::in_process(0, 1, tx));
+        let (mut w, faulty) = worker_with_held_stores(&[(1, "r")]);
+        let releaser = release_after(faulty, Duration::from_millis(300));
         let r: RequestId = "r".into();
-        let job = TransferJob {
-            id: JobId(1),
-            src: Tier::Device,
-            dst: Tier::Host,
-            pairs: vec![BlockPair { src: 0, dst: 0 }],
-            remote_keys: Vec::new(),
-        };
-        faulty.hold();
-        w.bind(&StepMetadata {
-            version: PROTOCOL_VERSION,
-            step: 1,
-            stores: vec![RequestStore {
-                request: r.clone(),
-                job,
-            }],
-            ..Default::default()
-        });
-        w.forward_done(None);
-        let releaser = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(300));
-            faulty.release();
-        });
         let t = Instant::now();
         w.wait_for_requests_logging(Some(std::slice::from_ref(&r)), Duration::from_millis(20));
         assert!(

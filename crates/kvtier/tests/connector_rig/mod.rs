@@ -113,6 +113,20 @@ impl Rig {
         }
         self.leader.poll_reports();
     }
+
+    /// Rank 0's device blocks `first..first + n` hold blocks `0..n` of `tokens`' KV, bit-exact.
+    pub(crate) fn assert_device_kv(&self, first: u32, tokens: &[u32], n: u32, what: &str) {
+        for i in 0..n {
+            assert_eq!(
+                self.ranks[0]
+                    .mem
+                    .read_block(Tier::Device, first + i)
+                    .unwrap(),
+                kv_bytes(tokens, i as usize, 0, BPB),
+                "{what}: block {i}"
+            );
+        }
+    }
 }
 
 pub(crate) fn ids(v: std::ops::Range<u32>) -> Vec<DeviceBlockId> {
