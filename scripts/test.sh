@@ -28,6 +28,16 @@ rustup component add rustfmt clippy >/dev/null 2>&1 || true
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace --no-fail-fast
+# The connector's property test once more, in release with 1,024 cases while busy loops hold every core: a race
+# between the books and the copy threads must not hide behind a quiet machine (issue 24: one did).
+echo "== connector property test under CPU contention"
+hogs=()
+for _ in $(seq "$(nproc)"); do (while :; do :; done) & hogs+=($!); done
+props_rc=0
+KVTIER_PROPS_CASES=1024 cargo test -q -p kvtier --release --test connector_props || props_rc=$?
+kill "${hogs[@]}" 2>/dev/null || true
+wait "${hogs[@]}" 2>/dev/null || true
+[ "$props_rc" = 0 ] || { echo "connector_props failed under contention"; exit "$props_rc"; }
 disk
 # The test executables (a few GB, statically linked) are not needed again; the libraries stay for the wheel build.
 find target/debug/deps -maxdepth 1 -type f -perm -u+x ! -name '*.*' -delete
