@@ -132,6 +132,7 @@ class Leader:
         num_computed_tokens: int,
         identity: Optional[str] = None,
         cacheable: bool = True,
+        read: bool = True,
     ) -> int:
         """Tokens kvtier can load beyond the device prefix (block aligned, 0 if none); side-effect free
         on the pools. Whether the load is async: ``loads_are_async``.
@@ -141,7 +142,8 @@ class Leader:
         blocks are hashed with the engine salt combined with it, so requests share blocks only with
         equal identities. ``cacheable=False``: kvtier cannot key this request; it is never matched
         nor stored (stats ``uncacheable_requests``). Both are fixed by the request's first match; a
-        different value later raises ConnectorError."""
+        different value later raises ConnectorError. ``read=False``: the request must compute its whole
+        prompt (vLLM's ``skip_reading_prefix_cache``): it is matched 0 tokens and still stored."""
     def update_state_after_alloc(
         self, request_id: str, block_ids: Sequence[int], num_external_tokens: Optional[int] = None
     ) -> None:

@@ -163,6 +163,8 @@ def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None"
         raise ValueError(f"kvtier: kv_role must be one of {sorted(_ROLES)}, got {role!r}")
     cache = vllm_config.cache_config
     model = vllm_config.model_config
+    # kv_consumer stores nothing, kv_producer and kv_both store everything (kvtier's ServingRole::from_vllm).
+    extra["role"] = role
     extra["block_size"] = int(cache.block_size)
     # Asynchronous loads unless configured otherwise (kvtier's `connector.async_loads`: TOML, KVTIER_ASYNC_LOADS,
     # or "async_loads" here): vLLM parks the request in WAITING_FOR_REMOTE_KVS while kvtier loads it, and
@@ -463,6 +465,12 @@ class _SchedulerSide:
         # it after a failed load) is the leader's to recognise: it then offers it nothing external.
         self._scheduled: set[str] = set()
         self._failed_loads: dict[str, list[int]] = {}
+        # vLLM expects exactly one finished_recving for each request it let load asynchronously (the scheduler
+        # asserts the request is still known: vllm/v1/core/sched/scheduler.py `_update_from_kv_xfer_finished`).
+        # Planned: promised in update_state_after_alloc, not yet sent to the workers (a finish withdraws it, no
+        # report follows). Expected: sent in a step's metadata; cleared when vLLM is told (update_connector_output).
+        self._recv_planned: set[str] = set()
+        self._recv_expected: set[str] = set()
         self._local_computed: dict[str, int] = {}
         self._sync_loads_pending = False
         self._delayed_frees: list[str] = []
@@ -528,13 +536,15 @@ class _SchedulerSide:
                 self._preempted += 1
                 self._leader.request_preempted(rid)
             identity, cacheable = self._key(request)
-            if identity is None and cacheable:
-                n = int(self._leader.get_num_new_matched_tokens(rid, list(request.all_token_ids),
-                                                                int(num_computed_tokens)))
-            else:
-                n = int(self._leader.get_num_new_matched_tokens(rid, list(request.all_token_ids),
-                                                                int(num_computed_tokens), identity=identity,
-                                                                cacheable=cacheable))
+            kw: dict[str, Any] = {}
+            if identity is not None or not cacheable:
+                kw.update(identity=identity, cacheable=cacheable)
+            # Prompt logprobs, pooling or the user's wish: the request computes its whole prompt, as vLLM's own
+            # OffloadingConnector does (offloading/scheduler.py `get_num_new_matched_tokens`); it is still stored.
+            if getattr(request, "skip_reading_prefix_cache", False):
+                kw["read"] = False
+            n = int(self._leader.get_num_new_matched_tokens(rid, list(request.all_token_ids),
+                                                            int(num_computed_tokens), **kw))
         except Exception as e:
             self._error("get_num_new_matched_tokens", e)
             return 0
@@ -553,6 +563,8 @@ class _SchedulerSide:
             return
         if not self.async_loads:
             self._sync_loads_pending = True
+        else:
+            self._recv_planned.add(rid)
         _trace("alloc", rid, int(num_external_tokens))
         before = self._onboard_counts()
         ok = self._call_alloc(rid, block_ids, int(num_external_tokens))
@@ -625,12 +637,20 @@ class _SchedulerSide:
         try:
             raw, fence = self._leader.build_step_with_fences(records, finished)
             plan = bytes(raw)
+            # The loads planned since the last step travel in this plan: each of their requests now gets one
+            # finished_recving from every worker (loaded or failed). A failed build keeps them queued.
+            self._recv_expected |= self._recv_planned
+            self._recv_planned.clear()
         except Exception as e:
             self._error("build_step", e)
             # This step may hand out blocks that stores still read, and its fence is lost with it.
             self._fence_all = True
         fence_all, self._fence_all = self._fence_all, False
         failed, self._failed_loads = self._failed_loads, {}
+        if self.async_loads:
+            # Loads the leader refused are failed by the workers themselves: reported in finished_recving too.
+            self._recv_expected.update(failed)
+            self._recv_planned.difference_update(failed)
         sync, self._sync_loads_pending = self._sync_loads_pending, False
         delayed, self._delayed_frees = self._delayed_frees, []
         _trace("meta", "", [len(records), len(plan)])
@@ -639,6 +659,9 @@ class _SchedulerSide:
                                        fence_all=fence_all)
 
     def update_output(self, out: "KVConnectorOutput") -> None:
+        # vLLM calls this just before it acts on the same output's finished sets.
+        for rid in out.finished_recving or ():
+            self._recv_expected.discard(rid)
         meta = out.kv_connector_worker_meta
         if isinstance(meta, KvtierWorkerMetadata):
             for blob in meta.reports:
@@ -656,8 +679,17 @@ class _SchedulerSide:
         self._scheduled.discard(rid)
         self._identities.pop(rid, None)
         self._sources.pop(rid, None)
+        # A load promised but not yet sent is withdrawn by the leader (below): no worker will report it.
+        self._recv_planned.discard(rid)
+        self._failed_loads.pop(rid, None)
+        # vLLM still waits for this request's finished_recving (an asynchronous load was sent; the client went away
+        # meanwhile): that report is the one that frees its blocks, once every worker's load of it has landed.
+        # vLLM must keep the request until then and hear of it only there, never in finished_sending as well: it
+        # frees a finished request on its first report and asserts on a second (scheduler.py 0.32 and 0.33).
+        awaiting_recv = rid in self._recv_expected
+        self._recv_expected.discard(rid)
         if not known:  # aborted before kvtier ever saw it: nothing of it is stored
-            return False, None
+            return awaiting_recv, None
         try:
             # True while copies still use the request's device blocks: vLLM keeps them until the workers report the
             # request in finished_sending. With fenced reuse only in-flight loads keep them; blocks that stores still
@@ -667,7 +699,11 @@ class _SchedulerSide:
             self._error("request_finished", e)
             # vLLM frees the blocks now and the leader cannot fence them: the next step waits for every job.
             self._fence_all = True
-            return False, None
+            return awaiting_recv, None
+        if awaiting_recv:
+            # The workers report it saved as well once its load lands (the leader declared it saving): they drop that
+            # report, since only requests named in delayed_frees are reported in finished_sending.
+            return True, None
         if delay:
             self._delayed_frees.append(rid)
         return delay, None

@@ -11,6 +11,12 @@ per line on stdin, each answered with one JSON line on stdout (vLLM's own output
 - ``{"op": "reset_prefix_cache", "connector": false}`` -> ``{"ok": bool}`` (vLLM's device prefix cache; with
   ``"connector": true`` also the connector's cache, vLLM's ``reset_connector``)
 - ``generate`` and ``ttft`` take an optional ``"cache_salts"`` list (one per prompt, or null entries)
+- ``{"op": "abort_mix", "prompts": [[ids]], "max_tokens": n, "aborts": {"i": rule}}`` -> steps the engine itself
+  (``LLMEngine.step``, as a server's busy loop does) and aborts request ``i`` the way a client that goes away does
+  (``LLMEngine.abort_request``): rule ``{"when": "loading"}`` while vLLM waits for its asynchronous load
+  (``WAITING_FOR_REMOTE_KVS``), ``{"when": "step", "step": k}`` before step ``k``, ``{"when": "tokens", "n": k}``
+  once it streamed ``k`` tokens. Answers ``{"outputs": {i: [ids]}, "aborted": {i: rule}, "steps": s}`` for the
+  requests that were not aborted
 - ``{"op": "stats"}`` -> kvtier's counters (summed over this process's connector instances) and the number of
   ERROR records and exceptions kvtier produced so far
 - ``{"op": "exit"}``
@@ -75,6 +81,51 @@ def _profiler():
     prof = tp.profile(activities=acts)
     prof.__enter__()
     return prof
+
+
+def _abort_mix(llm, cmd: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.v1.request import RequestStatus
+
+    eng = llm.llm_engine
+    sched = eng.engine_core.engine_core.scheduler
+    sp = SamplingParams(temperature=0.0, max_tokens=int(cmd["max_tokens"]), detokenize=False, ignore_eos=True)
+    seq = cmd.get("tag", "am")
+    ids = [f"{seq}{i:04d}x" for i in range(len(cmd["prompts"]))]
+    rules = {int(k): v for k, v in (cmd.get("aborts") or {}).items()}
+    for rid, p in zip(ids, _prompts(cmd)):
+        eng.add_request(rid, p, sp)
+    outputs: dict[int, list[int]] = {}
+    streamed: dict[int, int] = {}
+    aborted: dict[int, str] = {}
+    deadline = time.time() + float(cmd.get("seconds", 300))
+    step = 0
+
+    def status(i: int):
+        for r in list(sched.requests.values()):  # vLLM may suffix the id it was given
+            if r.request_id.startswith(ids[i]):
+                return r.status
+        return None
+
+    while eng.has_unfinished_requests() and time.time() < deadline:
+        for i, rule in rules.items():
+            if i in aborted or i in outputs:
+                continue
+            when = rule.get("when")
+            if ((when == "loading" and status(i) == RequestStatus.WAITING_FOR_REMOTE_KVS)
+                    or (when == "step" and step >= int(rule.get("step", 0)))
+                    or (when == "tokens" and streamed.get(i, 0) >= int(rule.get("n", 1)))):
+                eng.abort_request([ids[i]])
+                aborted[i] = when
+        for o in eng.step():
+            i = ids.index(o.request_id[:len(ids[0])]) if o.request_id[:len(ids[0])] in ids else None
+            if i is None or i in aborted:
+                continue
+            streamed[i] = len(o.outputs[0].token_ids) if o.outputs else 0
+            if o.finished:
+                outputs[i] = list(o.outputs[0].token_ids)
+        step += 1
+    return {"outputs": outputs, "aborted": aborted, "steps": step, "idle": not eng.has_unfinished_requests()}
 
 
 def main() -> None:
@@ -158,6 +209,8 @@ def main() -> None:
                         prof.__exit__(None, None, None)
                         prof.export_chrome_trace(cmd["profile"])
                 _reply({"seconds": times, "first_tokens": firsts})
+            elif op == "abort_mix":
+                _reply(_abort_mix(llm, cmd))
             elif op == "drain":
                 # Step the engine while the scheduler still has work (e.g. a connector's pending copies):
                 # LLM.generate returns once outputs are complete, a server's busy loop would keep stepping.

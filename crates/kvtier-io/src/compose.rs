@@ -14,7 +14,8 @@
 //!   read the other's block;
 //! - the disk policy: the `policy.disk_filter.*` frequency filter whenever there are both a
 //!   host and a disk tier (with no host tier every stored block goes straight to disk);
-//! - remote puts: every role but `Decode` writes to the remote store;
+//! - remote puts: every role but `Decode` and `Consumer` writes to the remote store; a
+//!   `Consumer` stores nothing at all;
 //! - the metrics endpoint (`metrics.enabled`, `metrics.port`): [`Composition::metrics`];
 //! - the disk tier's files: `disk.dir`, `disk.use_o_direct`, `disk.io_backend`, one locked file
 //!   set per rank (`rank<N>` under `<disk.dir>/kvtier-g3/`), kept across restarts with
@@ -128,6 +129,23 @@ pub enum ServingRole {
     Prefill,
     /// Continues from KV another engine computed; reads the remote store, never writes it.
     Decode,
+    /// vLLM's `kv_consumer`: loads from every tier and stores nothing anywhere (vLLM's role
+    /// semantics: a consumer only consumes KV; its own connectors save nothing there, e.g.
+    /// `is_kv_consumer` in vllm/distributed/kv_transfer/kv_connector/v1/mooncake).
+    Consumer,
+}
+
+impl ServingRole {
+    /// vLLM's `kv_role` as kvtier's role: `kv_both` aggregated, `kv_producer` a prefill engine,
+    /// `kv_consumer` a consumer; anything else is not a role.
+    pub fn from_vllm(role: &str) -> Option<Self> {
+        match role {
+            "kv_both" | "both" => Some(ServingRole::Aggregated),
+            "kv_producer" | "producer" => Some(ServingRole::Prefill),
+            "kv_consumer" | "consumer" => Some(ServingRole::Consumer),
+            _ => None,
+        }
+    }
 }
 
 /// Why an engine's kvtier could not be composed.
@@ -291,7 +309,12 @@ impl Composition {
 
     /// Whether the leader writes blocks to the remote store.
     pub fn remote_put(&self) -> bool {
-        self.caps.remote && self.role != ServingRole::Decode
+        self.caps.remote && !matches!(self.role, ServingRole::Decode | ServingRole::Consumer)
+    }
+
+    /// Whether the leader stores the engine's blocks at all (not on a `Consumer`).
+    pub fn stores(&self) -> bool {
+        self.role != ServingRole::Consumer
     }
 
     /// Opens the configured remote store under this engine's namespace (None without one).
@@ -339,6 +362,7 @@ impl Composition {
             remote_put,
             async_loads,
             priority: Priority::default(),
+            stores: self.stores(),
         })?;
         let d = &self.config.disk;
         if self.caps.disk_blocks > 0 && d.persist {

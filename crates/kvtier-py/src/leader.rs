@@ -535,7 +535,7 @@ impl PyLeader {
         self.block_size
     }
 
-    #[pyo3(signature = (request_id, tokens, num_computed_tokens, identity = None, cacheable = true))]
+    #[pyo3(signature = (request_id, tokens, num_computed_tokens, identity = None, cacheable = true, read = true))]
     fn get_num_new_matched_tokens(
         &self,
         py: Python<'_>,
@@ -544,6 +544,7 @@ impl PyLeader {
         num_computed_tokens: &Bound<'_, PyAny>,
         identity: Option<String>,
         cacheable: bool,
+        read: bool,
     ) -> PyResult<usize> {
         // Integers extracted here so that a negative one is a ConnectorError naming it (#13).
         let c = Family::Connector;
@@ -553,6 +554,7 @@ impl PyLeader {
         let key = RequestKey {
             identity,
             cacheable,
+            read,
         };
         let mut g = self.lock();
         let leader = g.ready(py)?;

@@ -54,8 +54,8 @@ const ADAPTER_KEYS: &[&str] = &[
     "ordered_sync_loads",
     "zmq_endpoint",
     "test_load_delay_ms",
-    // Informational keys some adapters pass along; accepted and ignored here.
     "role",
+    // Informational keys some adapters pass along; accepted and ignored here.
     "backend_module",
 ];
 

@@ -25,9 +25,23 @@ pub fn composition(settings: &Settings, cluster: ClusterLayout) -> BridgeResult<
         &settings.config,
         identity(settings)?,
         cluster,
-        ServingRole::Aggregated,
+        role(settings)?,
     )
     .map_err(bridge)
+}
+
+/// The engine's serving role from the adapter's `role` setting (vLLM's `kv_role`: `kv_both`,
+/// `kv_producer`, `kv_consumer`, or their short forms); aggregated when unset.
+pub fn role(settings: &Settings) -> BridgeResult<ServingRole> {
+    match settings.string("role")? {
+        None => Ok(ServingRole::Aggregated),
+        Some(r) => ServingRole::from_vllm(&r).ok_or_else(|| {
+            BridgeError::local(
+                Family::Config,
+                format!("role: {r:?} is not one of kv_both, kv_producer, kv_consumer"),
+            )
+        }),
+    }
 }
 
 /// A composition error as the matching Python exception.

@@ -81,6 +81,7 @@ const fn m(
 
 use MetricKind::{Counter, Gauge};
 
+const PINNED: &str = "kvtier_pinned_blocks";
 const BLOCKS: &str = "kvtier_blocks_total";
 const BLOCKS_HELP: &str =
     "Blocks written into a tier (offload) or loaded from a tier into the engine (onboard)";
@@ -406,6 +407,30 @@ pub const METRICS: &[Metric] = &[
         Gauge,
         &[("tier", "disk")],
         |s| u(s.disk_registered),
+    ),
+    m(
+        "host_pinned",
+        PINNED,
+        "Blocks of a tier pinned by a load or store in flight (above 0 on an idle engine: a leak)",
+        Gauge,
+        &[("tier", "host")],
+        |s| u(s.host_pinned),
+    ),
+    m(
+        "disk_pinned",
+        PINNED,
+        "Blocks of a tier pinned by a load or store in flight (above 0 on an idle engine: a leak)",
+        Gauge,
+        &[("tier", "disk")],
+        |s| u(s.disk_pinned),
+    ),
+    m(
+        "fenced_device_blocks",
+        "kvtier_fenced_device_blocks",
+        "Engine device blocks given back while kvtier's stores still read them (fenced reuse)",
+        Gauge,
+        &[],
+        |s| u(s.fenced_device_blocks),
     ),
 ];
 

@@ -32,6 +32,7 @@ fn key(identity: Option<&str>, cacheable: bool) -> RequestKey {
     RequestKey {
         identity: identity.map(str::to_owned),
         cacheable,
+        read: true,
     }
 }
 

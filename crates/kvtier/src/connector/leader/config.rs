@@ -89,6 +89,8 @@ pub struct LeaderConfig {
     pub async_loads: bool,
     /// Retention priority of stored blocks.
     pub priority: Priority,
+    /// Store the engine's full blocks at all (false for vLLM's `kv_consumer`: it only loads).
+    pub stores: bool,
 }
 
 impl std::fmt::Debug for LeaderConfig {
@@ -104,6 +106,7 @@ impl std::fmt::Debug for LeaderConfig {
             .field("remote_put", &self.remote_put)
             .field("async_loads", &self.async_loads)
             .field("priority", &self.priority)
+            .field("stores", &self.stores)
             .finish()
     }
 }
@@ -122,6 +125,7 @@ impl LeaderConfig {
             remote_put: false,
             async_loads: false,
             priority: Priority::default(),
+            stores: true,
         }
     }
 }
@@ -135,6 +139,10 @@ pub struct RequestKey {
     pub identity: Option<String>,
     /// `false`: kvtier cannot key this request's KV correctly; it is never matched nor stored.
     pub cacheable: bool,
+    /// `false`: the request must compute its whole prompt (vLLM's `skip_reading_prefix_cache`:
+    /// prompt logprobs, pooling, or the user's wish): it is matched 0 tokens, and its blocks are
+    /// still stored for others.
+    pub read: bool,
 }
 
 impl Default for RequestKey {
@@ -142,6 +150,7 @@ impl Default for RequestKey {
         RequestKey {
             identity: None,
             cacheable: true,
+            read: true,
         }
     }
 }

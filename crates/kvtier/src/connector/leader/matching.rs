@@ -91,8 +91,9 @@ impl Leader {
 
     /// [`Leader::get_num_new_matched_tokens`] for a request with its own identity (`key`): its
     /// blocks are hashed with the engine salt combined with `key.identity`, and a request that
-    /// is not `key.cacheable` is never matched nor stored. A request's key is fixed by its
-    /// first match: a different key later is an error.
+    /// is not `key.cacheable` is never matched nor stored, and one that may not `key.read` is
+    /// matched nothing (and stored). A request's identity is fixed by its first match: a
+    /// different one later is an error.
     pub fn get_num_new_matched_tokens_for(
         &mut self,
         req: &RequestId,
@@ -159,7 +160,7 @@ impl Leader {
         self.stats.match_queries += 1;
         let device_blocks = num_computed_tokens / bs;
         let mut external = 0;
-        if num_computed_tokens.is_multiple_of(bs) && !refused {
+        if num_computed_tokens.is_multiple_of(bs) && !refused && key.read {
             let hashes = match self.slots.get(req) {
                 Some(e) => e.slot.hashes(),
                 None => &[],

@@ -106,6 +106,8 @@ pub struct Leader {
     started: std::time::Instant,
     remote: Option<Arc<dyn RemoteStore>>,
     remote_put: bool,
+    /// Whether the engine's blocks are stored at all (`LeaderConfig::stores`).
+    stores: bool,
     async_loads: bool,
     priority: Priority,
     /// Engine-supplied retention priority of device blocks (TensorRT-LLM `RequestData.priorities`),
@@ -179,6 +181,7 @@ impl Leader {
             started: std::time::Instant::now(),
             remote: cfg.remote,
             remote_put: cfg.remote_put,
+            stores: cfg.stores,
             async_loads: cfg.async_loads,
             priority: cfg.priority,
             block_priorities: HashMap::new(),

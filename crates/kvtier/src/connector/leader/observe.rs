@@ -76,6 +76,13 @@ pub struct LeaderStats {
     pub disk_free: usize,
     /// Of those, holding a registered hash.
     pub disk_registered: usize,
+    /// Host blocks pinned now (a load reads them or a store writes them): a count that stays
+    /// above 0 on an idle engine is a leak.
+    pub host_pinned: usize,
+    /// Disk blocks pinned now (see `host_pinned`).
+    pub disk_pinned: usize,
+    /// Device blocks the engine got back while stores still read them (fenced reuse), now.
+    pub fenced_device_blocks: usize,
     /// The remote store's breaker and deadline counters (the leader's store: its lookups, and
     /// the ranks' loads and stores where they share it in one process).
     pub remote: crate::transfer::RemoteHealth,
@@ -91,12 +98,15 @@ impl Leader {
             s.host_capacity = h.capacity();
             s.host_free = h.num_free();
             s.host_registered = h.num_registered();
+            s.host_pinned = h.num_pinned();
         }
         if let Some(d) = &self.tiers.disk {
             s.disk_capacity = d.capacity();
             s.disk_free = d.num_free();
             s.disk_registered = d.num_registered();
+            s.disk_pinned = d.num_pinned();
         }
+        s.fenced_device_blocks = self.fences.len();
         if let Some(r) = &self.remote {
             s.remote = r.health();
         }

@@ -160,6 +160,9 @@ impl Leader {
     /// Reserve the target tier's blocks for `offloads` (one batched pool call: one registry probe
     /// per block both deduplicates and reserves) and queue one store job for those it got.
     fn dispatch_stores(&mut self, req: &RequestId, offloads: &[OffloadBlock]) {
+        if !self.stores {
+            return;
+        }
         if self.tiers.host.is_none() && self.remote_put() {
             self.dispatch_remote_store(req, offloads);
         }
