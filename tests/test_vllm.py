@@ -214,6 +214,8 @@ def test_disaggregated_prefill_decode(model, reference, tmp_path):
         consumed = _clean(c)
     # Each prompt's last full block is recomputed (vLLM needs logits), so at least 2 + 8 * 4 come from G4.
     assert consumed["onboard_remote_blocks"] >= 2 + 8 * 4
+    # vLLM's kv_consumer only consumes KV: it stores nothing, in its own tiers or the shared one (issue 24).
+    assert consumed.get("offload_blocks", 0) == 0 and consumed.get("remote_put_blocks", 0) == 0, consumed
 
 
 def test_remote_faults_recompute(model, reference, tmp_path):

@@ -10,7 +10,9 @@ Guards, each checked by planting the bug (docs/arch/vllm.md, "Request life cycle
 - an abort while the load is in flight: the engine lives, the other requests' tokens are vLLM alone's, and no job,
   pin or tracked request is left once the engine is idle;
 - aborts at every step of a batch (before the first step, mid-prefill, after a few streamed tokens) with loads and
-  stores in flight.
+  stores in flight;
+- a request that may not read cached KV (``skip_reading_prefix_cache``: prompt logprobs) is matched nothing, as vLLM's
+  OffloadingConnector does, and its prompt logprobs are vLLM alone's bit for bit.
 """
 
 from __future__ import annotations
@@ -105,3 +107,21 @@ def test_aborts_at_every_step(model, reference, tmp_path):
         _idle(e)
         assert e.generate(PHASE, MAX_TOKENS) == reference
         _idle(e)
+
+
+def test_prompt_logprobs_read_nothing_cached(model, reference, tmp_path):
+    """vLLM sets ``skip_reading_prefix_cache`` for prompt-logprobs requests: kvtier offers them no tokens (its match
+    and load counters do not move) and their prompt logprobs equal vLLM alone's after the same history."""
+    with Engine(model, tmp_path / "plp_reference.log", kv_cache_blocks=G1_BLOCKS) as ref:
+        ref.generate(PHASE, MAX_TOKENS)
+        ref.generate(OTHER, 1)
+        want = ref.prompt_logprobs(PHASE[:3])
+    with Engine(model, tmp_path / "plp.log", kv_cache_blocks=G1_BLOCKS,
+                kv_transfer_config=connector_config(settings={"host.num_blocks": 256})) as e:
+        _warm(e, reference)
+        before = _idle(e)
+        got = e.prompt_logprobs(PHASE[:3])
+        after = _idle(e)
+    assert got == want
+    assert after["matched_tokens"] == before["matched_tokens"], (before, after)
+    assert after["onboard_host_blocks"] == before["onboard_host_blocks"], (before, after)

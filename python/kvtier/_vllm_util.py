@@ -100,6 +100,42 @@ def _embeds_digest(request: "Request") -> str | None:
         return None
 
 
+# Layer kinds whose KV kvtier stores and loads exactly: every token's K and V in full blocks, read by every later
+# token (vllm/v1/kv_cache_interface.py). Subclasses are not accepted by inheritance: RSWASpec and SinkFullAttentionSpec
+# derive from FullAttentionSpec but keep other rules.
+_EXACT_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+def _refuse_inexact_layers(kv_cache_config: Any, vllm_config: Any = None) -> None:
+    """Raise ValueError at engine start for a model whose layers kvtier would not serve exactly: more than one KV
+    cache group (vLLM's hybrid manager), or one group of another kind than full attention (sliding window, chunked
+    local attention, Mamba/linear attention, ...). The message names the layer kind and the setting that helps."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    kinds: list[str] = []
+    for g in groups:
+        spec = g.kv_cache_spec
+        inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one spec per layer
+        specs = list(inner.values()) if isinstance(inner, dict) and inner else [spec]
+        for s in specs:
+            name = type(s).__name__
+            window = getattr(s, "sliding_window", None) or getattr(s, "attention_chunk_size", None)
+            kind = f"{name}(window={window})" if window else name
+            if kind not in kinds:
+                kinds.append(kind)
+    if len(groups) > 1:
+        raise ValueError(
+            f"kvtier: this model has {len(groups)} KV cache groups ({', '.join(kinds)}); kvtier serves one group of "
+            "full attention only. Start vLLM with --disable-hybrid-kv-cache-manager (every layer then keeps its "
+            "whole prefix, served exactly), or without kvtier")
+    bad = [k for k in kinds if k.split("(")[0] not in _EXACT_SPECS]
+    if bad:
+        raise ValueError(
+            f"kvtier: this model's layers are {', '.join(bad)}; kvtier stores and loads full-attention and MLA KV "
+            "only and would not reproduce this layer kind exactly. Run this model without kvtier (kv_transfer_config "
+            "unset); models that mix such layers with full attention run when vLLM turns its hybrid KV cache manager "
+            "off (it does so itself for kvtier)")
+
+
 def _first_group(block_ids: Any) -> list[int]:
     """vLLM passes one block-id list per KV cache group; kvtier supports exactly one group."""
     if block_ids is None:

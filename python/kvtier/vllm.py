@@ -70,8 +70,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-from ._vllm_util import (_COUNTERS, _embeds_digest, _first_group, _identity, _record, _required_layout,
-                         _resolved_layout, _trace, _trace_dump, _vllm_events)
+from ._vllm_util import (_COUNTERS, _embeds_digest, _first_group, _identity, _record, _refuse_inexact_layers,
+                         _required_layout, _resolved_layout, _trace, _trace_dump, _vllm_events)
 
 logger = logging.getLogger("kvtier.vllm")
 
@@ -212,9 +212,10 @@ class KvtierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise ValueError("kvtier: models with more than one KV cache group (hybrid attention, e.g. sliding window "
-                             "plus full attention, or SSM layers) are not supported: kvtier implements no SupportsHMA")
+        if kv_cache_config is not None:
+            # Refused at start, naming the layer kind: a sliding-window model served as if it were full attention
+            # generated other tokens than vLLM alone (issue 25).
+            _refuse_inexact_layers(kv_cache_config)
         if getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False):
             # vLLM 0.33 asks supports_sleep_mode first; 0.32 has no such check, so refuse here too.
             raise ValueError("kvtier: sleep mode is not supported (a weight update while asleep would leave kvtier's "

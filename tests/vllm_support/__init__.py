@@ -28,11 +28,11 @@ NUM_LAYERS = 2
 BYTES_PER_BLOCK = NUM_LAYERS * 2 * 2 * BLOCK_SIZE * 32 * 2  # layers * K/V * kv_heads * tokens * head_dim * bf16
 
 
-def make_model(out: Path, seed: int = 0) -> Path:
-    """Write the seeded random checkpoint into ``out`` (idempotent)."""
+def make_model(out: Path, seed: int = 0, extra: list[str] | None = None) -> Path:
+    """Write the seeded random checkpoint into ``out`` (idempotent); ``extra``: more make_tiny_llama.py flags."""
     if not (out / "model.safetensors").exists():
-        subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_llama.py"), str(out), "--seed", str(seed)],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_llama.py"), str(out), "--seed", str(seed),
+                        *(extra or [])], check=True, stdout=subprocess.DEVNULL)
     return out
 
 
@@ -120,6 +120,10 @@ class Engine:
         raises :class:`EngineError` with the tail of its log."""
         return self.call("generate", timeout=timeout, prompts=prompts, max_tokens=max_tokens,
                          cache_salts=cache_salts)["outputs"]
+
+    def prompt_logprobs(self, prompts: list[list[int]], max_tokens: int = 1) -> list[list[float | None]]:
+        """Each prompt token's logprob (``SamplingParams.prompt_logprobs``: vLLM sets skip_reading_prefix_cache)."""
+        return self.call("generate", prompts=prompts, max_tokens=max_tokens, prompt_logprobs=1)["prompt_logprobs"]
 
     def ttft(self, prompts: list[list[int]], cache_salts: list[str | None] | None = None) -> list[float]:
         return self.call("ttft", prompts=prompts, cache_salts=cache_salts)["seconds"]

@@ -181,8 +181,9 @@ def main() -> None:
         op = cmd.get("op")
         try:
             if op == "generate":
+                plp = cmd.get("prompt_logprobs")
                 sp = SamplingParams(temperature=0.0, max_tokens=int(cmd["max_tokens"]), detokenize=False,
-                                    ignore_eos=True)
+                                    ignore_eos=True, prompt_logprobs=int(plp) if plp else None)
                 prof = _profiler() if cmd.get("profile") else None  # bench_vllm_gpu.py --profile-decode
                 t = time.time()
                 outs = llm.generate(_prompts(cmd), sp, use_tqdm=False)
@@ -190,7 +191,12 @@ def main() -> None:
                 if prof is not None:
                     prof.__exit__(None, None, None)
                     prof.export_chrome_trace(cmd["profile"])
-                _reply({"outputs": [list(o.outputs[0].token_ids) for o in outs], "seconds": seconds})
+                reply = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "seconds": seconds}
+                if plp:  # each prompt token's logprob (the first has none)
+                    reply["prompt_logprobs"] = [
+                        [None if d is None else float(d[t].logprob) for t, d in zip(o.prompt_token_ids, o.prompt_logprobs)]
+                        for o in outs]
+                _reply(reply)
             elif op == "ttft":
                 sp = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
                 times = []
