@@ -535,6 +535,8 @@ impl PyLeader {
         self.block_size
     }
 
+    // Each argument is a Python keyword of the binding's signature.
+    #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (request_id, tokens, num_computed_tokens, identity = None, cacheable = true, read = true))]
     fn get_num_new_matched_tokens(
         &self,
