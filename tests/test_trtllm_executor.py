@@ -1,4 +1,4 @@
-"""The executor shapes of TensorRT-LLM 1.2-1.4 (REFERENCE.md section 9) and what kvtier keys by:
+"""The executor shapes of TensorRT-LLM 1.2-1.4 (docs/arch/trtllm.md, read from their py_executor.py) and what kvtier keys by:
 bring-up order, hook-free forwards, device prefix reuse, KVCacheManagerV2 (layout registration,
 first-chunk-only allocation, matching and allocation apart with cancel_load, request_reset, the
 method is_generation_only_request), cache salts, model identity, LoRA / multimodal requests,

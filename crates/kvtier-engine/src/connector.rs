@@ -1,5 +1,6 @@
 //! The engine side of the KV connector: the hooks the scheduler and the forward pass call, in the
-//! order TensorRT-LLM calls them (REFERENCE.md sections 2 and 8).
+//! order TensorRT-LLM calls them (tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py and
+//! py_executor.py; docs/arch/trtllm.md).
 //!
 //! Invariants the engine keeps towards any `EngineConnector`:
 //! - `get_num_new_matched_tokens` is called before the request's blocks are allocated,

@@ -1,5 +1,5 @@
 //! What the scheduler reports to a connector, step by step, checked against TensorRT-LLM's
-//! semantics (REFERENCE.md sections 1, 2 and 8) with a recording connector.
+//! semantics (docs/arch/conn.md and docs/arch/trtllm.md) with a recording connector.
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 

@@ -487,6 +487,43 @@ fn disk_filter_spills_only_blocks_seen_twice() {
     );
 }
 
+/// Issue 27: a prefix the engine reuses counts as a sighting whichever tier serves it. A prefix
+/// vLLM keeps hitting in its own cache (G1) is never offloaded again, so without this it was
+/// never "seen twice" and never reached the disk (the disk tier then held almost nothing).
+#[test]
+fn disk_filter_counts_a_reuse_from_any_tier() {
+    let mut cfg = LeaderConfig::new(BS, SALT, 32);
+    cfg.disk = Capacity::Blocks(32);
+    cfg.disk_policy = DiskPolicy::filtered();
+    let mut rig = Rig::new(cfg, &[BPB], None);
+    let p1: Vec<u32> = (0..64).collect();
+    prefill(&mut rig, "a", &p1, 0);
+    rig.settle();
+    assert_eq!(rig.leader.stats().disk_registered, 0, "seen once");
+    // The engine's own cache holds the first two blocks: kvtier supplies blocks 2..3 (the last
+    // block holds the last token, which the engine computes).
+    let mut longer = p1.clone();
+    longer.extend(100..116);
+    let b: RequestId = "b".into();
+    let got = rig
+        .leader
+        .get_num_new_matched_tokens(&b, &longer, 32)
+        .unwrap();
+    assert_eq!(got, 32);
+    rig.leader
+        .update_state_after_alloc(&b, &ids(0..5), Some(32))
+        .unwrap();
+    rig.run(&step(vec![]), &[]);
+    rig.settle();
+    rig.run(&step(vec![]), &[]);
+    rig.settle();
+    let s = rig.leader.stats();
+    assert_eq!(
+        s.disk_registered, 4,
+        "two blocks hit in G1 and two loaded from G2 are each a second sighting: {s:?}"
+    );
+}
+
 /// Regression: stores computed in the same step as a failed sync load read KV computed over bad
 /// blocks; they must never be registered (the original served wrong KV after failed loads).
 #[test]

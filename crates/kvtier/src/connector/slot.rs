@@ -562,8 +562,8 @@ impl Slot {
     }
 
     /// Consume one step record; return the full blocks whose store this step must dispatch
-    /// (gated on the end of this step's forward pass). Implements REFERENCE.md section 1 with
-    /// `num_scheduled_tokens`, plus draft-token exclusion and preemption reset.
+    /// (gated on the end of this step's forward pass). Implements Dynamo KVBM's per-request slot algorithm
+    /// (`apply_scheduler_output` with `num_scheduled_tokens`; docs/arch/conn.md states it), plus draft-token exclusion and preemption reset.
     pub fn apply(&mut self, rec: &StepRecord) -> Result<Vec<OffloadBlock>, ConnectorError> {
         let mut out = Vec::new();
         self.apply_into(rec, &mut out)?;

@@ -88,6 +88,15 @@ impl Leader {
                 return Err(err);
             }
         };
+        // A reuse of the prefix is a sighting for the disk filter whichever tier serves it: the
+        // engine's own cache (its hit) or kvtier (the blocks it loads). Without this, a prefix the
+        // engine keeps hitting in G1 is never "seen twice" in G2 and never reaches the disk.
+        let reused = e.slot.last_match().map_or(0, |m| m.device_tokens / self.block_size)
+            + onboard.len();
+        if reused > 0 {
+            let hashes: Vec<SequenceHash> = e.slot.hashes().iter().take(reused).copied().collect();
+            self.reuse_seen(&hashes);
+        }
         if onboard.is_empty() {
             return Ok(());
         }

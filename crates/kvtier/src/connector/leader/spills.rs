@@ -42,6 +42,19 @@ impl Leader {
         }
     }
 
+    /// Blocks of a prefix a request reuses (the engine's hit and kvtier's loads): each one
+    /// G2 holds counts as a sighting for the disk filter.
+    pub(super) fn reuse_seen(&mut self, hashes: &[SequenceHash]) {
+        if self.tiers.disk.is_none() || !matches!(self.disk_policy, DiskPolicy::Filter(_)) {
+            return;
+        }
+        let seen: Vec<(BlockId, SequenceHash)> = hashes
+            .iter()
+            .filter_map(|&h| Some((self.tiers.host.as_ref()?.lookup(h)?, h)))
+            .collect();
+        self.spill_seen_again(&seen);
+    }
+
     /// `hash` was stored in, or found again in, G2 as `host_block`: plan its copy to G3 (per the
     /// disk policy) and, on its first store, to G4.
     pub(super) fn plan_spills(

@@ -1,0 +1,178 @@
+"""``vllm serve`` under a prefix-repetition load: no connector vs kvtier, in the same run (issue 27, item 0).
+
+The workload is the shape of ``vllm bench serve --dataset-name prefix_repetition`` (vllm/benchmarks/datasets/
+datasets.py, PrefixRepetitionRandomDataset: P prefixes of L tokens, each followed by S random suffix tokens, N
+prompts in all, shuffled): by default 6 prefixes of 384 tokens, 64-token suffixes, 36 prompts, 2 clients at once,
+128 output tokens (that dataset's default), greedy with ``ignore_eos``. The model is a 4-layer fp32 tiny Llama
+(scripts/make_tiny_llama.py), token-id prompts (no tokenizer). Each configuration gets its own server; the rounds
+alternate (none, kvtier, none, kvtier, ...) so that load on a shared machine hits both alike. Every kvtier output
+must equal the no-connector output of the same prompt (the script exits 1 otherwise).
+
+Reported per configuration: TTFT p50 and mean (first streamed token), request throughput, the share of prompt tokens
+kvtier supplied (``kvtier_matched_tokens_total``), blocks written to disk (``kvtier_spill_confirmed_blocks_total``).
+
+Usage (repository root, in the vLLM venv with kvtier installed):
+    python scripts/bench_vllm_serve.py [--rounds 2] [--host-gb 0.006] [--disk-gb 0.1] [--filter on|off|both]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from vllm_support import connector_config, make_model  # noqa: E402
+from vllm_support.serve import Server, free_port, scrape  # noqa: E402
+
+BLOCK = 32
+LAYERS = 4
+# fp32, 2 KV heads of dim 32 (make_tiny_llama.py defaults), K and V.
+BYTES_PER_BLOCK = LAYERS * 2 * 2 * BLOCK * 32 * 4
+
+
+def workload(a: argparse.Namespace) -> list[list[int]]:
+    rng = random.Random(a.seed)
+    out = []
+    for _ in range(a.prefixes):
+        prefix = [rng.randrange(3, 2048) for _ in range(a.prefix_len)]
+        for _ in range(a.prompts // a.prefixes):
+            out.append(prefix + [rng.randrange(3, 2048) for _ in range(a.suffix_len)])
+    rng.shuffle(out)
+    return out
+
+
+async def one(session, url: str, model: str, prompt: list[int], out_len: int) -> tuple[float, float, list[int]]:
+    body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    t0 = time.perf_counter()
+    ttft = None
+    toks: list[int] = []
+    async with session.post(url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.content:
+            if not line.startswith(b"data:") or b"[DONE]" in line:
+                continue
+            ch = json.loads(line[5:])["choices"][0]
+            ids = ch.get("token_ids") or []
+            if ids and ttft is None:
+                ttft = time.perf_counter() - t0
+            toks += ids
+    return ttft if ttft is not None else float("nan"), time.perf_counter() - t0, toks
+
+
+async def drive(srv: Server, prompts: list[list[int]], a: argparse.Namespace) -> dict:
+    url = f"http://127.0.0.1:{srv.port}/v1/completions"
+    sem = asyncio.Semaphore(a.concurrency)
+    res: list = [None] * len(prompts)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def run(i: int) -> None:
+            async with sem:
+                res[i] = await one(session, url, srv.name, prompts[i], a.output_len)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(run(i) for i in range(len(prompts))))
+        wall = time.perf_counter() - t0
+    ttfts = [r[0] * 1e3 for r in res]
+    return {"ttft_p50_ms": statistics.median(ttfts), "ttft_mean_ms": statistics.fmean(ttfts),
+            "req_per_s": len(prompts) / wall, "outputs": [r[2] for r in res]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prefixes", type=int, default=6)
+    p.add_argument("--prefix-len", type=int, default=384)
+    p.add_argument("--suffix-len", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=36)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--g1-blocks", type=int, default=48)
+    p.add_argument("--host-gb", type=float, default=0.006)
+    p.add_argument("--disk-gb", type=float, default=0.1)
+    p.add_argument("--filter", choices=["on", "off", "both"], default="both")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                   help="one more kvtier setting for every kvtier server (repeatable), e.g. --set host.gb=1")
+    p.add_argument("--no-disk", action="store_true", help="kvtier with the host tier only")
+    p.add_argument("--null", action="store_true",
+                   help="also vLLM with a connector that does nothing (tests/vllm_support/null_connector.py)")
+    p.add_argument("--out", type=Path)
+    a = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="kvtier-serve-bench-"))
+    model = make_model(work / "model", seed=0, extra=["--layers", str(LAYERS), "--dtype", "float32"])
+    prompts = workload(a)
+    configs: list[tuple[str, dict | None]] = [("none", None)]
+    if a.null:
+        configs.append(("null connector", {}))
+    for f in (["on", "off"] if a.filter == "both" else [a.filter]):
+        st = {"host.gb": a.host_gb, "disk.gb": a.disk_gb, "disk.dir": str(work / f"disk-{f}"),
+              "policy.disk_filter.enabled": f == "on"}
+        if a.no_disk:
+            st = {"host.gb": a.host_gb}
+        st.update({k: json.loads(v) for k, v in (x.split("=", 1) for x in a.set)})
+        configs.append((f"kvtier filter {f}" if not a.no_disk else "kvtier host only", st))
+        if a.no_disk:
+            break
+    results: dict[str, list[dict]] = {name: [] for name, _ in configs}
+    want = None
+    bad = 0
+    for rnd in range(a.rounds):
+        for name, settings in configs:
+            mport = free_port()
+            ktc = None
+            if settings == {}:
+                ktc = {"kv_connector": "NullConnector", "kv_role": "kv_both",
+                       "kv_connector_module_path": "vllm_support.null_connector"}
+            elif settings is not None:
+                ktc = connector_config(settings=dict(settings, **{"metrics.enabled": True, "metrics.port": mport}))
+                # A fresh disk directory per server: every round starts cold.
+                if "disk.dir" in settings:
+                    Path(settings["disk.dir"]).mkdir(parents=True, exist_ok=True)
+            srv = Server(model, work / f"{name.replace(' ', '-')}-{rnd}.log", ktc, a.g1_blocks * BYTES_PER_BLOCK,
+                         block_size=BLOCK, max_model_len=1024, max_num_seqs=a.concurrency)
+            try:
+                r = asyncio.run(drive(srv, prompts, a))
+                if settings:
+                    m = scrape(mport)
+                    matched = m.get("kvtier_matched_tokens_total", 0.0)
+                    r["kvtier_token_share"] = matched / sum(len(x) for x in prompts)
+                    r["disk_blocks_written"] = m.get("kvtier_spill_confirmed_blocks_total", 0.0)
+            finally:
+                srv.close()
+            outs = r.pop("outputs")
+            if want is None:
+                want = outs
+            elif outs != want:
+                bad += sum(o != w for o, w in zip(outs, want))
+            results[name].append(r)
+            print(f"round {rnd} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True)
+    base = results["none"]
+    print("\n| configuration | TTFT p50 ms | vs none | req/s | vs none | kvtier share of prompt tokens | disk blocks "
+          "written |\n|---|---|---|---|---|---|---|")
+    for name, rs in results.items():
+        t = statistics.median(r["ttft_p50_ms"] for r in rs)
+        q = statistics.median(r["req_per_s"] for r in rs)
+        t0 = statistics.median(r["ttft_p50_ms"] for r in base)
+        q0 = statistics.median(r["req_per_s"] for r in base)
+        share = statistics.median(r.get("kvtier_token_share", 0.0) for r in rs)
+        disk = statistics.median(r.get("disk_blocks_written", 0.0) for r in rs)
+        print(f"| {name} | {t:.1f} | {t / t0:.2f}x | {q:.2f} | {q / q0:.2f}x | {share:.0%} | {disk:.0f} |")
+    print(f"\noutputs differing from no connector: {bad}")
+    if a.out:
+        a.out.write_text(json.dumps(results, indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
