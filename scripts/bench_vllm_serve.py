@@ -52,22 +52,32 @@ def workload(a: argparse.Namespace) -> list[list[int]]:
     return out
 
 
-async def one(session, url: str, model: str, prompt: list[int], out_len: int) -> tuple[float, float, list[int]]:
+async def one(session, url: str, model: str, prompt: list[int], out_len: int,
+              leave: float | None) -> tuple[float, float, list[int] | None]:
+    """One streamed request: (TTFT, latency, tokens); a client that leaves (after ``leave`` seconds, or after its
+    first tokens when ``leave`` is 0) returns tokens None."""
     body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
     t0 = time.perf_counter()
     ttft = None
     toks: list[int] = []
-    async with session.post(url, json=body) as r:
-        r.raise_for_status()
-        async for line in r.content:
-            if not line.startswith(b"data:") or b"[DONE]" in line:
-                continue
-            ch = json.loads(line[5:])["choices"][0]
-            ids = ch.get("token_ids") or []
-            if ids and ttft is None:
-                ttft = time.perf_counter() - t0
-            toks += ids
+    try:
+        async with asyncio.timeout(leave if leave else None):
+            async with session.post(url, json=body) as r:
+                r.raise_for_status()
+                async for line in r.content:
+                    if not line.startswith(b"data:") or b"[DONE]" in line:
+                        continue
+                    ch = json.loads(line[5:])["choices"][0]
+                    ids = ch.get("token_ids") or []
+                    if ids and ttft is None:
+                        ttft = time.perf_counter() - t0
+                    toks += ids
+                    if leave == 0 and len(toks) >= 2:
+                        r.close()
+                        return float("nan"), float("nan"), None
+    except TimeoutError:
+        return float("nan"), float("nan"), None
     return ttft if ttft is not None else float("nan"), time.perf_counter() - t0, toks
 
 
@@ -75,17 +85,22 @@ async def drive(srv: Server, prompts: list[list[int]], a: argparse.Namespace) ->
     url = f"http://127.0.0.1:{srv.port}/v1/completions"
     sem = asyncio.Semaphore(a.concurrency)
     res: list = [None] * len(prompts)
+    rng = random.Random(a.seed + 1)
+    leave = [None if rng.random() >= a.disconnect else (0 if rng.random() < 0.5 else rng.uniform(0, 0.2))
+             for _ in prompts]
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         async def run(i: int) -> None:
             async with sem:
-                res[i] = await one(session, url, srv.name, prompts[i], a.output_len)
+                res[i] = await one(session, url, srv.name, prompts[i], a.output_len, leave[i])
         t0 = time.perf_counter()
         await asyncio.gather(*(run(i) for i in range(len(prompts))))
         wall = time.perf_counter() - t0
-    ttfts = [r[0] * 1e3 for r in res]
+    done = [r for r in res if r[2] is not None]
+    ttfts = sorted(r[0] * 1e3 for r in done)
     return {"ttft_p50_ms": statistics.median(ttfts), "ttft_mean_ms": statistics.fmean(ttfts),
-            "req_per_s": len(prompts) / wall, "outputs": [r[2] for r in res]}
+            "ttft_p90_ms": ttfts[int(0.9 * (len(ttfts) - 1))], "req_per_s": len(done) / wall,
+            "left": float(len(res) - len(done)), "outputs": [r[2] for r in res]}
 
 
 def main() -> int:
@@ -107,14 +122,31 @@ def main() -> int:
     p.add_argument("--no-disk", action="store_true", help="kvtier with the host tier only")
     p.add_argument("--null", action="store_true",
                    help="also vLLM with a connector that does nothing (tests/vllm_support/null_connector.py)")
+    p.add_argument("--disconnect", type=float, default=0.0,
+                   help="share of clients that go away (half after their first tokens, half 0-200 ms after sending)")
+    p.add_argument("--native-gb", type=float, default=0.0,
+                   help="also vLLM's native offloading (--kv-offloading-backend native) with this many GB")
+    p.add_argument("--llama8b", action="store_true",
+                   help="a Llama-3.1-8B-shaped model with random weights (load_format dummy; for the GPU)")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvtier-serve-bench-"))
-    model = make_model(work / "model", seed=0, extra=["--layers", str(LAYERS), "--dtype", "float32"])
+    bytes_per_block = BYTES_PER_BLOCK
+    extra_args: list[str] = []
+    if a.llama8b:
+        from bench_vllm_gpu import KV_BYTES_PER_TOKEN, write_config
+
+        model = write_config(work / "llama-8b-shape")
+        bytes_per_block = KV_BYTES_PER_TOKEN * BLOCK
+        extra_args = ["--load-format", "dummy"]
+    else:
+        model = make_model(work / "model", seed=0, extra=["--layers", str(LAYERS), "--dtype", "float32"])
     prompts = workload(a)
     configs: list[tuple[str, dict | None]] = [("none", None)]
     if a.null:
         configs.append(("null connector", {}))
+    if a.native_gb:
+        configs.append(("native", {"native": a.native_gb}))
     for f in (["on", "off"] if a.filter == "both" else [a.filter]):
         st = {"host.gb": a.host_gb, "disk.gb": a.disk_gb, "disk.dir": str(work / f"disk-{f}-{{round}}"),
               "policy.disk_filter.enabled": f == "on"}
@@ -131,21 +163,35 @@ def main() -> int:
         for name, settings in configs:
             mport = free_port()
             ktc = None
+            args = list(extra_args)
             if settings == {}:
                 ktc = {"kv_connector": "NullConnector", "kv_role": "kv_both",
                        "kv_connector_module_path": "vllm_support.null_connector"}
+            elif settings is not None and "native" in settings:
+                args += ["--kv-offloading-size", str(settings["native"]), "--kv-offloading-backend", "native"]
             elif settings is not None:
                 # A fresh disk directory per server: every round starts cold.
                 if "disk.dir" in settings:
                     settings = dict(settings, **{"disk.dir": settings["disk.dir"].replace("{round}", str(rnd))})
                     Path(settings["disk.dir"]).mkdir(parents=True, exist_ok=True)
                 ktc = connector_config(settings=dict(settings, **{"metrics.enabled": True, "metrics.port": mport}))
-            srv = Server(model, work / f"{name.replace(' ', '-')}-{rnd}.log", ktc, a.g1_blocks * BYTES_PER_BLOCK,
-                         block_size=BLOCK, max_model_len=1024, max_num_seqs=a.concurrency)
+            srv = Server(model, work / f"{name.replace(' ', '-')}-{rnd}.log", ktc, a.g1_blocks * bytes_per_block,
+                         block_size=BLOCK, max_model_len=a.prefix_len + a.suffix_len + a.output_len + 64,
+                         max_num_seqs=a.concurrency, extra_args=args)
             try:
                 r = asyncio.run(drive(srv, prompts, a))
-                if settings:
-                    m = scrape(mport)
+                if ktc and "metrics.port" in ktc.get("kv_connector_extra_config", {}):
+                    # Once idle, nothing may stay in flight or pinned (clients that left included).
+                    deadline = time.time() + 60
+                    while True:
+                        m = scrape(mport)
+                        held = {k: v for k, v in m.items() if v and k.startswith(
+                            ("kvtier_jobs_in_flight", "kvtier_pinned_blocks", "kvtier_active_requests"))}
+                        if not held or time.time() > deadline:
+                            break
+                        time.sleep(0.5)
+                    r["held_after_idle"] = float(sum(held.values()))
+                    r["alive"] = float(srv.alive())
                     matched = m.get("kvtier_matched_tokens_total", 0.0)
                     r["kvtier_token_share"] = matched / sum(len(x) for x in prompts)
                     r["disk_blocks_written"] = m.get("kvtier_spill_confirmed_blocks_total", 0.0)
@@ -155,20 +201,21 @@ def main() -> int:
             if want is None:
                 want = outs
             else:
-                bad[name] += sum(o != w for o, w in zip(outs, want))
+                bad[name] += sum(o != w for o, w in zip(outs, want) if o is not None and w is not None)
             results[name].append(r)
             print(f"round {rnd} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True)
     base = results["none"]
-    print("\n| configuration | TTFT p50 ms | vs none | req/s | vs none | kvtier share of prompt tokens | disk blocks "
-          "written |\n|---|---|---|---|---|---|---|")
+    print("\n| configuration | TTFT p50 ms | vs none | TTFT p90 ms | req/s | vs none | kvtier share of prompt tokens | "
+          "disk blocks written | clients gone | held after idle |\n|---|---|---|---|---|---|---|---|---|---|")
+    med = statistics.median
+    t0 = med(r["ttft_p50_ms"] for r in base)
+    q0 = med(r["req_per_s"] for r in base)
     for name, rs in results.items():
-        t = statistics.median(r["ttft_p50_ms"] for r in rs)
-        q = statistics.median(r["req_per_s"] for r in rs)
-        t0 = statistics.median(r["ttft_p50_ms"] for r in base)
-        q0 = statistics.median(r["req_per_s"] for r in base)
-        share = statistics.median(r.get("kvtier_token_share", 0.0) for r in rs)
-        disk = statistics.median(r.get("disk_blocks_written", 0.0) for r in rs)
-        print(f"| {name} | {t:.1f} | {t / t0:.2f}x | {q:.2f} | {q / q0:.2f}x | {share:.0%} | {disk:.0f} |")
+        t, q = med(r["ttft_p50_ms"] for r in rs), med(r["req_per_s"] for r in rs)
+        print(f"| {name} | {t:.1f} | {t / t0:.2f}x | {med(r['ttft_p90_ms'] for r in rs):.1f} | {q:.2f} | {q / q0:.2f}x | "
+              f"{med(r.get('kvtier_token_share', 0.0) for r in rs):.0%} | "
+              f"{med(r.get('disk_blocks_written', 0.0) for r in rs):.0f} | {sum(r['left'] for r in rs):.0f} | "
+              f"{max(r.get('held_after_idle', 0.0) for r in rs):.0f} |")
     print(f"\noutputs differing from no connector's, per configuration: {bad}")
     if a.out:
         a.out.write_text(json.dumps(results, indent=1))

@@ -27,7 +27,7 @@ class Server:
     cache (``--kv-cache-memory-bytes``)."""
 
     def __init__(self, model: Path, log: Path, ktc: dict | None, g1_bytes: int, *, block_size: int = 32,
-                 max_model_len: int = 512, max_num_seqs: int = 4) -> None:
+                 max_model_len: int = 512, max_num_seqs: int = 4, extra_args: list[str] | None = None) -> None:
         self.port = free_port()
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port",
                 str(self.port), "--host", "127.0.0.1", "--skip-tokenizer-init", "--block-size", str(block_size),
@@ -35,13 +35,14 @@ class Server:
                 "--seed", "0", "--kv-cache-memory-bytes", str(g1_bytes)]
         if ktc:
             args += ["--kv-transfer-config", json.dumps(ktc)]
+        args += extra_args or []
         tests = str(Path(__file__).resolve().parents[1])
         env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING",
                    PYTHONPATH=os.pathsep.join(x for x in (tests, os.environ.get("PYTHONPATH")) if x))
         self.log = log
         self._f = open(log, "wb")
         self.proc = subprocess.Popen(args, stdout=self._f, stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + 300
+        deadline = time.time() + 900
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vllm serve exited ({self.proc.returncode}):\n{self.tail()}")
