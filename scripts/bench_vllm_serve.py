@@ -9,7 +9,7 @@ alternate (none, kvtier, none, kvtier, ...) so that load on a shared machine hit
 must equal the no-connector output of the same prompt (the script exits 1 otherwise).
 
 Reported per configuration: TTFT p50 and mean (first streamed token), request throughput, the share of prompt tokens
-kvtier supplied (``kvtier_matched_tokens_total``), blocks written to disk (``kvtier_spill_confirmed_blocks_total``).
+kvtier supplied (blocks onboarded, ``kvtier_blocks_total``), blocks written to disk (``kvtier_spill_confirmed_blocks_total``).
 
 Usage (repository root, in the vLLM venv with kvtier installed):
     python scripts/bench_vllm_serve.py [--rounds 2] [--host-gb 0.006] [--disk-gb 0.1] [--filter on|off|both]
@@ -192,7 +192,10 @@ def main() -> int:
                         time.sleep(0.5)
                     r["held_after_idle"] = float(sum(held.values()))
                     r["alive"] = float(srv.alive())
-                    matched = m.get("kvtier_matched_tokens_total", 0.0)
+                    # Blocks kvtier loaded (kvtier_matched_tokens_total counts every match query, and vLLM asks
+                    # again for a request it could not schedule yet).
+                    matched = BLOCK * sum(v for k, v in m.items()
+                                          if k.startswith("kvtier_blocks_total") and 'direction="onboard"' in k)
                     r["kvtier_token_share"] = matched / sum(len(x) for x in prompts)
                     r["disk_blocks_written"] = m.get("kvtier_spill_confirmed_blocks_total", 0.0)
             finally:

@@ -296,7 +296,7 @@ def test_batch_invariant_64_in_flight(model, tmp_path):
                 enforce_eager=True, start_timeout=600.0, env=env, **spec) as e:
         ref = run(e)
     ktc = connector_config(settings={"host.num_blocks": 4096})
-    with Engine(model, tmp_path / "kvtier.log", ktc, kv_cache_blocks=BATCH * 15, bytes_per_block=BYTES_PER_BLOCK,
+    with Engine(model, tmp_path / "kvtier.log", kv_transfer_config=ktc, kv_cache_blocks=BATCH * 15, bytes_per_block=BYTES_PER_BLOCK,
                 enforce_eager=True, start_timeout=600.0, env=env, **spec) as e:
         got = run(e)
         stats = _clean(e)

@@ -14,7 +14,8 @@ worker's block of a disaggregated deployment: no connector, see below).
 Role of this module: translate TensorRT-LLM's objects (``LlmRequest``, ``SchedulerOutput`` /
 ``RequestData``, the pool tensor or V2 ``KvCacheLayout``, CUDA streams) into the engine-neutral
 calls of ``kvtier._native.Leader`` / ``Worker`` and back. It keeps no cache state. How the
-executor drives a connector is in REFERENCE.md section 9 and docs/arch/trtllm.md; every modelled
+executor drives a connector is in docs/arch/trtllm.md (from TensorRT-LLM's py_executor.py and
+connectors/kv_cache_connector.py); every modelled
 behaviour cites the TensorRT-LLM file it comes from.
 
 Invariants kept here:
