@@ -389,10 +389,10 @@ fn serve_frames(stream: &UnixStream, uid: u32, shared: &Shared) {
         if write_frame(&mut &*stream, &reply).is_err() {
             break;
         }
-        if matches!(reply, Reply::Welcome { .. }) {
-            if sock::send_fd(stream, shared.arena.fd()).is_err() {
-                break;
-            }
+        if matches!(reply, Reply::Welcome { .. })
+            && sock::send_fd(stream, shared.arena.fd()).is_err()
+        {
+            break;
         }
         if !attached && client.is_some() && stream.set_read_timeout(Some(shared.idle)).is_err() {
             break;
