@@ -12,21 +12,25 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use kvtier_io::node::{NodeOptions, NodeServer, SharePolicy};
+use kvtier_io::node::{default_socket, NodeOptions, NodeServer, SharePolicy};
 
 /// `kvtier node` flags.
 #[derive(Debug, Clone, Args)]
 pub struct NodeArgs {
-    /// The Unix socket engines attach to (`remote.url = "node://SOCKET"`). Created mode 0600.
-    #[arg(long, default_value = "/tmp/kvtier-node/node.sock")]
-    pub socket: PathBuf,
+    /// The Unix socket engines attach to (`remote.url = "node://SOCKET"`). Created mode 0600
+    /// (0666 with --allow-uid) in a directory of this user that no one else may write (created
+    /// 0700, 0711 with --allow-uid; refused otherwise). Default: $XDG_RUNTIME_DIR/kvtier-node/
+    /// node.sock, else /tmp/kvtier-node-<uid>/node.sock.
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
     /// Shared host memory for blocks, in GB (decimal).
     #[arg(long, default_value_t = 4.0)]
     pub capacity_gb: f64,
     /// Directory (tmpfs) of the shared-memory arena.
     #[arg(long, default_value = "/dev/shm")]
     pub shm_dir: PathBuf,
-    /// Other user ids allowed to attach (the node's own user always may).
+    /// Other user ids allowed to attach (the node's own user always may); their engines add
+    /// `node_uid=<this node's uid>` to their node:// URL. Each uid gets namespaces of its own.
     #[arg(long = "allow-uid", value_name = "UID")]
     pub allow_uids: Vec<u32>,
     /// Close a connection idle this long (seconds).
@@ -54,7 +58,8 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<()> {
         );
     }
     let capacity = (args.capacity_gb * 1e9) as u64;
-    let mut opts = NodeOptions::new(args.socket.clone(), capacity);
+    let socket = args.socket.clone().unwrap_or_else(default_socket);
+    let mut opts = NodeOptions::new(socket.clone(), capacity);
     opts.shm_dir = args.shm_dir.clone();
     opts.allowed_uids = args.allow_uids.clone();
     opts.idle_timeout = Duration::from_secs(args.idle_timeout_s.max(1));
@@ -65,8 +70,8 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<()> {
     opts.disk_bytes = (args.disk_gb * 1e9) as u64;
     opts.share = SharePolicy::parse(&args.share).map_err(|e| anyhow::anyhow!("--share {e}"))?;
     let mut node = NodeServer::start(&opts)
-        .with_context(|| format!("starting the kvtier node on {}", args.socket.display()))?;
-    println!("serving {}", args.socket.display());
+        .with_context(|| format!("starting the kvtier node on {}", socket.display()))?;
+    println!("serving {}", socket.display());
     std::io::stdout().flush().ok();
     let signals = Arc::new(AtomicUsize::new(0));
     wait_for_signal(&signals).await?;

@@ -32,13 +32,16 @@ fn block(key: u128) -> Vec<u8> {
 /// Raw protocol access, as a crashing or hostile client would use it.
 fn raw(n: &NodeServer, ns: &str) -> UnixStream {
     let mut s = UnixStream::connect(n.socket()).unwrap();
-    send(
+    let welcome = send(
         &mut s,
         &Request::Hello {
             version: NODE_PROTOCOL_VERSION,
             namespace: ns.into(),
         },
     );
+    assert!(matches!(welcome, Reply::Welcome { .. }), "{welcome:?}");
+    // The byte that carries the arena's descriptor (closed unread here).
+    s.read_exact(&mut [0u8; 1]).unwrap();
     s
 }
 

@@ -4,9 +4,10 @@
 //!
 //! Definitions:
 //! - a *client* is one attached engine process (one connection); it stores blocks under one
-//!   *namespace* (the model identity) and one block size;
-//! - the arena is carved into slots lazily, bump-allocated per block size (a *class*); a freed
-//!   slot returns to its class's free list and is reused only by that class;
+//!   *namespace*: the model identity it declared, qualified by its owner (the uid the node read
+//!   from the connection's `SO_PEERCRED`), so tenants of different uids never share one;
+//! - the arena is carved into slots by byte range ([`Extents`]): a range freed by blocks of
+//!   one size is reused by blocks of any size;
 //! - a *reservation* is a slot a client is writing (`begin_put` .. `commit_put`); a *lease* is a
 //!   slot a client is reading (`begin_get` .. `end_get`).
 //!
@@ -15,18 +16,44 @@
 //!   that disconnects mid-write (`detach`) leaves nothing visible and its slot is free again;
 //! - a leased or reserved slot is never evicted nor handed to anyone else; a client's leases and
 //!   reservations end when it detaches (a crashed engine leaks nothing);
-//! - keys live in their namespace: a lookup in one namespace never sees another's blocks;
-//! - eviction takes the least recently used unpinned block of the needed class, preferring the
+//! - keys live in their namespace: a lookup in one namespace never sees another's blocks; a
+//!   namespace with no client and no block is forgotten, and at most `max_namespaces` exist;
+//! - a block reported damaged is invisible at once (leases held on it keep its slot, which is
+//!   freed when the last one ends);
+//! - eviction takes the least recently used unpinned block (of the needed size first), preferring the
 //!   namespace that holds the most bytes above its fair share (capacity * its weight / the
 //!   weights of the namespaces attached; [`SharePolicy`], equal weights by default), so one
 //!   engine filling the node cannot push out another's blocks below its share;
 //! - slots never overlap and never exceed the arena (`offset + class bytes <= capacity`).
 use std::collections::{BTreeMap, HashMap};
 
+use super::alloc::Extents;
 use super::share::SharePolicy;
 
 /// One attached client (connection).
 pub type ClientId = u64;
+
+/// A namespace's number in the books (never reused while a block or client names it).
+type NsId = u64;
+
+/// Why a client could not attach.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AttachRefused {
+    /// The node holds its maximum number of namespaces (in use: they have clients or blocks).
+    #[error("the node holds its maximum of {0} namespaces")]
+    TooManyNamespaces(usize),
+}
+
+/// Default cap on namespaces the books hold at once.
+pub const MAX_NAMESPACES: usize = 1024;
+
+#[derive(Clone, Debug)]
+struct Namespace {
+    /// `<owner uid>/<declared name>`.
+    name: String,
+    weight: u32,
+    clients: u32,
+}
 
 /// Why a put could not start.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,7 +79,7 @@ pub struct SlotGrant {
 
 #[derive(Clone, Debug)]
 struct Block {
-    ns: u32,
+    ns: NsId,
     key: u128,
     offset: u64,
     bytes: u64,
@@ -60,12 +87,14 @@ struct Block {
     /// Readers holding the slot.
     leases: u32,
     tick: u64,
+    /// Reported damaged: out of the index and the LRU, freed when the last lease ends.
+    dead: bool,
 }
 
 #[derive(Clone, Debug)]
 struct Reservation {
     client: ClientId,
-    ns: u32,
+    ns: NsId,
     key: u128,
     offset: u64,
     bytes: u64,
@@ -73,7 +102,7 @@ struct Reservation {
 
 #[derive(Clone, Debug)]
 struct Client {
-    ns: u32,
+    ns: NsId,
     bytes: u64,
     leases: Vec<u64>,
     reservations: Vec<u64>,
@@ -129,22 +158,22 @@ pub struct NodeStats {
 #[derive(Debug)]
 pub struct Books {
     capacity: u64,
-    bump: u64,
-    free: HashMap<u64, Vec<u64>>,
-    namespaces: Vec<String>,
-    /// Weight of each namespace (by index), from `policy`.
-    weights: Vec<u32>,
+    space: Extents,
+    namespaces: HashMap<NsId, Namespace>,
+    ns_by_name: HashMap<String, NsId>,
+    next_ns: NsId,
+    max_namespaces: usize,
     policy: SharePolicy,
-    /// (namespace, key) -> block id (committed blocks only).
-    index: HashMap<(u32, u128), u64>,
+    /// (namespace, key) -> block id (committed, undamaged blocks only).
+    index: HashMap<(NsId, u128), u64>,
     blocks: HashMap<u64, Block>,
     /// LRU order of committed blocks: (tick, block id).
     lru: BTreeMap<(u64, u64), ()>,
     reservations: HashMap<u64, Reservation>,
     /// Keys being written, so a second writer of the same key is told `Present`.
-    writing: HashMap<(u32, u128), u64>,
+    writing: HashMap<(NsId, u128), u64>,
     /// Bytes of committed blocks per namespace.
-    ns_bytes: HashMap<u32, u64>,
+    ns_bytes: HashMap<NsId, u64>,
     clients: HashMap<ClientId, Client>,
     next_id: u64,
     tick: u64,
@@ -165,10 +194,11 @@ impl Books {
     pub fn with_policy(capacity: u64, policy: SharePolicy) -> Self {
         Books {
             capacity,
-            bump: 0,
-            free: HashMap::new(),
-            namespaces: Vec::new(),
-            weights: Vec::new(),
+            space: Extents::new(capacity),
+            namespaces: HashMap::new(),
+            ns_by_name: HashMap::new(),
+            next_ns: 0,
+            max_namespaces: MAX_NAMESPACES,
             policy,
             index: HashMap::new(),
             blocks: HashMap::new(),
@@ -188,6 +218,16 @@ impl Books {
         }
     }
 
+    /// At most `n` namespaces at once (default [`MAX_NAMESPACES`]).
+    pub fn set_max_namespaces(&mut self, n: usize) {
+        self.max_namespaces = n;
+    }
+
+    /// Namespaces held now (with a client or a block).
+    pub fn namespace_count(&self) -> usize {
+        self.namespaces.len()
+    }
+
     /// Keep each evicted block's place for [`Books::take_evicted`] (a disk tier spills them).
     pub fn set_keep_evicted(&mut self, on: bool) {
         self.keep_evicted = on;
@@ -201,21 +241,25 @@ impl Books {
 
     /// Every committed block (the disk tier keeps them at shutdown).
     pub fn committed(&self) -> Vec<BlockCopy> {
-        self.blocks.values().map(|b| self.copy_of(b)).collect()
+        self.blocks
+            .values()
+            .filter(|b| !b.dead)
+            .map(|b| self.copy_of(b))
+            .collect()
     }
 
-    /// The namespace `client` attached with.
+    /// The (owner-qualified) namespace `client` attached with.
     pub fn namespace_of(&self, client: ClientId) -> Option<&str> {
         let ns = self.clients.get(&client)?.ns;
-        self.namespaces.get(ns as usize).map(String::as_str)
+        self.namespaces.get(&ns).map(|n| n.name.as_str())
     }
 
     fn copy_of(&self, b: &Block) -> BlockCopy {
         BlockCopy {
             namespace: self
                 .namespaces
-                .get(b.ns as usize)
-                .cloned()
+                .get(&b.ns)
+                .map(|n| n.name.clone())
                 .unwrap_or_default(),
             key: b.key,
             offset: b.offset,
@@ -229,16 +273,34 @@ impl Books {
         self.next_id
     }
 
-    /// A client attached under `namespace`; returns its id.
-    pub fn attach(&mut self, namespace: &str) -> ClientId {
-        let ns = match self.namespaces.iter().position(|n| n == namespace) {
-            Some(i) => i as u32,
+    /// A client of user `owner` attached under `namespace` (its namespace is `owner/namespace`:
+    /// another user's clients never share it); returns its id.
+    pub fn attach(&mut self, owner: u32, namespace: &str) -> Result<ClientId, AttachRefused> {
+        let name = format!("{owner}/{namespace}");
+        let ns = match self.ns_by_name.get(&name) {
+            Some(&ns) => ns,
             None => {
-                self.namespaces.push(namespace.to_owned());
-                self.weights.push(self.policy.weight(namespace));
-                (self.namespaces.len() - 1) as u32
+                if self.namespaces.len() >= self.max_namespaces {
+                    return Err(AttachRefused::TooManyNamespaces(self.max_namespaces));
+                }
+                let ns = self.next_ns;
+                self.next_ns += 1;
+                let weight = self.policy.weight(namespace);
+                self.ns_by_name.insert(name.clone(), ns);
+                self.namespaces.insert(
+                    ns,
+                    Namespace {
+                        name,
+                        weight,
+                        clients: 0,
+                    },
+                );
+                ns
             }
         };
+        if let Some(n) = self.namespaces.get_mut(&ns) {
+            n.clients += 1;
+        }
         let id = self.id();
         self.clients.insert(
             id,
@@ -250,7 +312,31 @@ impl Books {
             },
         );
         self.stats.clients = self.clients.len() as u64;
-        id
+        Ok(id)
+    }
+
+    /// Forget namespace `ns` if no client and no block names it.
+    fn forget_if_unused(&mut self, ns: NsId) {
+        let unused = self.namespaces.get(&ns).is_some_and(|n| n.clients == 0)
+            // Damaged blocks still leased count here until freed.
+            && self.ns_bytes.get(&ns).copied().unwrap_or(0) == 0;
+        if unused {
+            if let Some(n) = self.namespaces.remove(&ns) {
+                self.ns_by_name.remove(&n.name);
+            }
+            self.ns_bytes.remove(&ns);
+        }
+    }
+
+    /// One lease on block `id` ended: a damaged block whose last lease this was is freed.
+    fn release_lease(&mut self, id: u64) {
+        let Some(b) = self.blocks.get_mut(&id) else {
+            return;
+        };
+        b.leases = b.leases.saturating_sub(1);
+        if b.dead && b.leases == 0 {
+            self.remove_block(id);
+        }
     }
 
     /// The client is gone (clean close or crash): its reservations are dropped (never
@@ -262,15 +348,17 @@ impl Books {
         for r in c.reservations {
             if let Some(res) = self.reservations.remove(&r) {
                 self.writing.remove(&(res.ns, res.key));
-                self.free.entry(res.bytes).or_default().push(res.offset);
+                self.space.give(res.offset, res.bytes);
                 self.stats.abandoned_puts += 1;
             }
         }
         for l in c.leases {
-            if let Some(b) = self.blocks.get_mut(&l) {
-                b.leases = b.leases.saturating_sub(1);
-            }
+            self.release_lease(l);
         }
+        if let Some(n) = self.namespaces.get_mut(&c.ns) {
+            n.clients = n.clients.saturating_sub(1);
+        }
+        self.forget_if_unused(c.ns);
         self.stats.clients = self.clients.len() as u64;
     }
 
@@ -352,6 +440,7 @@ impl Books {
             checksum,
             leases: 0,
             tick: self.tick,
+            dead: false,
         };
         self.lru.insert((self.tick, id), ());
         self.index.insert((r.ns, r.key), id);
@@ -363,6 +452,12 @@ impl Books {
         true
     }
 
+    /// `(key, offset, bytes)` of reservation `id` if `client` holds it.
+    pub fn reservation(&self, client: ClientId, id: u64) -> Option<(u128, u64, u64)> {
+        let r = self.reservations.get(&id)?;
+        (r.client == client).then_some((r.key, r.offset, r.bytes))
+    }
+
     /// The reservation `id` will not be committed (the writer failed): its slot is free again.
     pub fn abort_put(&mut self, client: ClientId, id: u64) {
         if let Some(r) = self.reservations.get(&id) {
@@ -372,7 +467,7 @@ impl Books {
         }
         if let Some(r) = self.reservations.remove(&id) {
             self.writing.remove(&(r.ns, r.key));
-            self.free.entry(r.bytes).or_default().push(r.offset);
+            self.space.give(r.offset, r.bytes);
             if let Some(c) = self.clients.get_mut(&client) {
                 c.reservations.retain(|x| *x != id);
             }
@@ -415,15 +510,40 @@ impl Books {
             return;
         };
         c.leases.swap_remove(pos);
-        if let Some(b) = self.blocks.get_mut(&id) {
-            b.leases = b.leases.saturating_sub(1);
-        }
+        self.release_lease(id);
     }
 
-    /// The block whose bytes were found damaged by a reader: removed (never served again).
-    pub fn drop_block(&mut self, client: ClientId, id: u64) {
+    /// The block of lease `id` was found damaged by its reader (a lease `client` holds): it is
+    /// invisible at once (never served again); its slot is freed when the last lease on it
+    /// ends. Returns false when `client` holds no such lease.
+    pub fn drop_block(&mut self, client: ClientId, id: u64) -> bool {
+        if !self
+            .clients
+            .get(&client)
+            .is_some_and(|c| c.leases.contains(&id))
+        {
+            return false;
+        }
+        self.hide_block(id);
         self.end_get(client, id);
-        if self.blocks.get(&id).is_some_and(|b| b.leases == 0) {
+        true
+    }
+
+    /// Block `id` leaves the index and the LRU (invisible, never evicted); freed when unleased.
+    fn hide_block(&mut self, id: u64) {
+        let Some(b) = self.blocks.get_mut(&id) else {
+            return;
+        };
+        if b.dead {
+            return;
+        }
+        b.dead = true;
+        let (ns, key, tick, leases) = (b.ns, b.key, b.tick, b.leases);
+        self.lru.remove(&(tick, id));
+        if self.index.get(&(ns, key)) == Some(&id) {
+            self.index.remove(&(ns, key));
+        }
+        if leases == 0 {
             self.remove_block(id);
         }
     }
@@ -433,61 +553,58 @@ impl Books {
         self.stats
     }
 
-    fn take_slot(&mut self, ns: u32, bytes: u64) -> Option<u64> {
-        if let Some(off) = self.free.get_mut(&bytes).and_then(Vec::pop) {
-            return Some(off);
+    /// A free range of `bytes`, evicting to make one: first a victim of the same size (its
+    /// range fits), then victims of any size until their freed ranges merge into one that fits.
+    fn take_slot(&mut self, ns: NsId, bytes: u64) -> Option<u64> {
+        if bytes > self.capacity {
+            return None;
         }
-        if self.bump.checked_add(bytes)? <= self.capacity {
-            let off = self.bump;
-            self.bump += bytes;
-            return Some(off);
-        }
-        let victim = self.victim(ns, bytes)?;
-        let b = self.blocks.get(&victim)?;
-        let off = b.offset;
-        if self.keep_evicted {
-            let c = self.copy_of(b);
-            self.evicted.push(c);
-        }
-        self.remove_block(victim);
-        self.stats.evictions += 1;
-        // The victim's slot went to the free list; take it back for this put.
-        if let Some(list) = self.free.get_mut(&bytes) {
-            if let Some(pos) = list.iter().position(|o| *o == off) {
-                list.swap_remove(pos);
+        loop {
+            if let Some(off) = self.space.take(bytes) {
+                return Some(off);
             }
+            let victim = self
+                .victim(ns, Some(bytes))
+                .or_else(|| self.victim(ns, None))?;
+            let b = self.blocks.get(&victim)?;
+            if self.keep_evicted {
+                let c = self.copy_of(b);
+                self.evicted.push(c);
+            }
+            self.remove_block(victim);
+            self.stats.evictions += 1;
         }
-        Some(off)
     }
 
-    /// The least recently used unleased block of size `bytes`, from the namespace most above
-    /// its fair share (the requesting namespace counts as attached even when it holds nothing).
-    fn victim(&self, requester: u32, bytes: u64) -> Option<u64> {
-        let mut active: Vec<u32> = self.clients.values().map(|c| c.ns).collect();
+    /// The least recently used unleased block (of size `bytes` when given), from the namespace
+    /// most above its fair share (the requesting namespace counts as attached even when it
+    /// holds nothing).
+    fn victim(&self, requester: NsId, bytes: Option<u64>) -> Option<u64> {
+        let mut active: Vec<NsId> = self.clients.values().map(|c| c.ns).collect();
         active.push(requester);
         active.sort_unstable();
         active.dedup();
-        let weight = |ns: u32| self.weights.get(ns as usize).copied().unwrap_or(1) as u128;
+        let weight = |ns: NsId| self.namespaces.get(&ns).map_or(1, |n| n.weight) as u128;
         let total: u128 = active.iter().map(|&n| weight(n)).sum::<u128>().max(1);
-        let over = |ns: u32| -> i128 {
+        let over = |ns: NsId| -> i128 {
             let share = (self.capacity as u128 * weight(ns) / total) as i128;
             let used = self.ns_bytes.get(&ns).copied().unwrap_or(0) as i128;
             used - share
         };
         let candidates = self.lru.keys().filter_map(|(_, id)| {
             let b = self.blocks.get(id)?;
-            (b.bytes == bytes && b.leases == 0).then_some((b.ns, *id))
+            (bytes.is_none_or(|n| b.bytes == n) && b.leases == 0).then_some((b.ns, *id))
         });
         // First candidate per namespace is that namespace's LRU block. The walk stops once every
         // namespace holding blocks has its first (eviction runs under the books' lock on every full
         // put); with a namespace holding none of this size it reads the whole LRU, as before.
-        let holders: Vec<u32> = self
+        let holders: Vec<NsId> = self
             .ns_bytes
             .iter()
             .filter(|(_, b)| **b > 0)
             .map(|(n, _)| *n)
             .collect();
-        let mut firsts: Vec<(u32, u64)> = Vec::new();
+        let mut firsts: Vec<(NsId, u64)> = Vec::new();
         for (ns, id) in candidates {
             if !firsts.iter().any(|(n, _)| *n == ns) {
                 firsts.push((ns, id));
@@ -512,206 +629,19 @@ impl Books {
             return;
         };
         self.lru.remove(&(b.tick, id));
-        self.index.remove(&(b.ns, b.key));
+        if self.index.get(&(b.ns, b.key)) == Some(&id) {
+            self.index.remove(&(b.ns, b.key));
+        }
         if let Some(n) = self.ns_bytes.get_mut(&b.ns) {
             *n = n.saturating_sub(b.bytes);
         }
-        self.free.entry(b.bytes).or_default().push(b.offset);
+        self.space.give(b.offset, b.bytes);
         self.stats.blocks = self.blocks.len() as u64;
         self.stats.bytes_used = self.stats.bytes_used.saturating_sub(b.bytes);
+        self.forget_if_unused(b.ns);
     }
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    fn put(b: &mut Books, c: ClientId, key: u128, bytes: u64) -> Result<u64, PutRefused> {
-        let g = b.begin_put(c, key, bytes)?;
-        assert!(b.commit_put(c, g.id, key as u64));
-        Ok(g.offset)
-    }
-
-    #[test]
-    fn a_block_is_invisible_until_committed_and_an_abandoned_write_frees_its_slot() {
-        let mut b = Books::new(4 * 100);
-        let w = b.attach("m");
-        let r = b.attach("m");
-        let g = b.begin_put(w, 7, 100).unwrap();
-        assert_eq!(b.contains(r, &[7]), vec![false]);
-        assert!(b.begin_get(r, 7).is_none());
-        assert_eq!(b.begin_put(r, 7, 100), Err(PutRefused::Present));
-        b.detach(w); // the writer crashed mid-write
-        assert_eq!(b.contains(r, &[7]), vec![false]);
-        assert_eq!(b.stats().abandoned_puts, 1);
-        // Its slot is reused, not leaked.
-        assert_eq!(put(&mut b, r, 7, 100), Ok(g.offset));
-        assert!(
-            !b.commit_put(w, g.id, 0),
-            "a detached client commits nothing"
-        );
-    }
-
-    #[test]
-    fn namespaces_never_see_each_other() {
-        let mut b = Books::new(1000);
-        let a = b.attach("model-a");
-        let q = b.attach("model-b");
-        put(&mut b, a, 1, 10).unwrap();
-        assert_eq!(b.contains(q, &[1]), vec![false]);
-        assert!(b.begin_get(q, 1).is_none());
-        let a2 = b.attach("model-a");
-        assert_eq!(b.contains(a2, &[1]), vec![true]);
-    }
-
-    #[test]
-    fn leased_blocks_are_not_evicted_and_a_full_node_refuses() {
-        let mut b = Books::new(2 * 10);
-        let c = b.attach("m");
-        put(&mut b, c, 1, 10).unwrap();
-        put(&mut b, c, 2, 10).unwrap();
-        let l1 = b.begin_get(c, 1).unwrap();
-        let l2 = b.begin_get(c, 2).unwrap();
-        assert_eq!(b.begin_put(c, 3, 10), Err(PutRefused::Full));
-        b.end_get(c, l1.id);
-        assert!(put(&mut b, c, 3, 10).is_ok(), "1 is unleased now");
-        assert_eq!(b.contains(c, &[1, 2, 3]), vec![false, true, true]);
-        b.detach(c); // leases end with the client
-        let d = b.attach("m");
-        assert!(put(&mut b, d, 4, 10).is_ok());
-        let _ = l2;
-    }
-
-    #[test]
-    fn one_engine_filling_the_node_cannot_push_another_below_its_share() {
-        let mut b = Books::new(10 * 10);
-        let a = b.attach("a");
-        let q = b.attach("b");
-        for k in 0..3 {
-            put(&mut b, q, 1000 + k, 10).unwrap();
-        }
-        for k in 0..50 {
-            put(&mut b, a, k, 10).unwrap();
-        }
-        // b holds 30 of its 50-byte share: all of its blocks survive a's flood.
-        assert_eq!(b.contains(q, &[1000, 1001, 1002]), vec![true; 3]);
-        assert!(b.stats().evictions > 0);
-    }
-
-    #[test]
-    fn weighted_shares_protect_the_heavier_namespace() {
-        // 10 slots; a weighs 3, b 1: a's share is 7.5 slots, b's 2.5.
-        let p = SharePolicy::parse("weighted:a=3").unwrap();
-        let mut b = Books::with_policy(10 * 10, p);
-        let a = b.attach("a-0000000000000000");
-        let q = b.attach("b-0000000000000000");
-        for k in 0..7 {
-            put(&mut b, a, k, 10).unwrap();
-        }
-        for k in 0..50 {
-            put(&mut b, q, 1000 + k, 10).unwrap();
-        }
-        // b's flood never takes a's 7 slots (below its share), only its own.
-        assert_eq!(b.contains(a, &[0, 1, 2, 3, 4, 5, 6]), vec![true; 7]);
-        assert_eq!(
-            b.stats().puts_full,
-            0,
-            "a full node evicts, it does not refuse"
-        );
-        // With equal weights a's 7 slots are above its share of 5: b's flood takes 2 of them.
-        let mut e = Books::new(10 * 10);
-        let a = e.attach("a-0000000000000000");
-        let q = e.attach("b-0000000000000000");
-        for k in 0..7 {
-            put(&mut e, a, k, 10).unwrap();
-        }
-        for k in 0..50 {
-            put(&mut e, q, 1000 + k, 10).unwrap();
-        }
-        let kept = e
-            .contains(a, &[0, 1, 2, 3, 4, 5, 6])
-            .iter()
-            .filter(|x| **x)
-            .count();
-        assert_eq!(kept, 5, "equal shares: a keeps exactly its share");
-    }
-
-    #[derive(Clone, Debug)]
-    enum Op {
-        Attach(u8),
-        Detach(u8),
-        BeginPut(u8, u8, u8),
-        Commit(u8),
-        Abort(u8),
-        Get(u8, u8),
-        EndGet(u8),
-    }
-
-    fn op() -> impl Strategy<Value = Op> {
-        prop_oneof![
-            (0u8..2).prop_map(Op::Attach),
-            (0u8..4).prop_map(Op::Detach),
-            (0u8..4, 0u8..6, 1u8..3).prop_map(|(c, k, s)| Op::BeginPut(c, k, s)),
-            (0u8..8).prop_map(Op::Commit),
-            (0u8..8).prop_map(Op::Abort),
-            (0u8..4, 0u8..6).prop_map(|(c, k)| Op::Get(c, k)),
-            (0u8..8).prop_map(Op::EndGet),
-        ]
-    }
-
-    proptest! {
-        /// Slots never overlap among live blocks, reservations and leases; leased blocks stay;
-        /// nothing exceeds the arena.
-        #[test]
-        fn slots_never_overlap_and_leases_pin(ops in proptest::collection::vec(op(), 1..200)) {
-            let mut b = Books::new(64);
-            let mut clients: Vec<ClientId> = Vec::new();
-            let mut puts: Vec<(ClientId, u64)> = Vec::new();
-            let mut leases: Vec<(ClientId, u64, u128)> = Vec::new();
-            for o in ops {
-                match o {
-                    Op::Attach(ns) => clients.push(b.attach(if ns == 0 { "a" } else { "b" })),
-                    Op::Detach(i) => if let Some(&c) = clients.get(i as usize) {
-                        b.detach(c);
-                        clients.retain(|x| *x != c);
-                        leases.retain(|l| l.0 != c);
-                    },
-                    Op::BeginPut(i, k, s) => if let Some(&c) = clients.get(i as usize) {
-                        if let Ok(g) = b.begin_put(c, k as u128, 8 * s as u64) { puts.push((c, g.id)); }
-                    },
-                    Op::Commit(i) => if !puts.is_empty() {
-                        let (c, id) = puts.remove(i as usize % puts.len());
-                        b.commit_put(c, id, 0);
-                    },
-                    Op::Abort(i) => if !puts.is_empty() {
-                        let (c, id) = puts.remove(i as usize % puts.len());
-                        b.abort_put(c, id);
-                    },
-                    Op::Get(i, k) => if let Some(&c) = clients.get(i as usize) {
-                        if let Some(g) = b.begin_get(c, k as u128) { leases.push((c, g.id, k as u128)); }
-                    },
-                    Op::EndGet(i) => if !leases.is_empty() {
-                        let (c, id, _) = leases.remove(i as usize % leases.len());
-                        b.end_get(c, id);
-                    },
-                }
-                // Leased blocks are still indexed.
-                for (c, id, _) in &leases {
-                    prop_assert!(b.blocks.contains_key(id), "leased block {id} of {c} evicted");
-                }
-                let mut ranges: Vec<(u64, u64)> = b.blocks.values().map(|x| (x.offset, x.bytes))
-                    .chain(b.reservations.values().map(|r| (r.offset, r.bytes)))
-                    .collect();
-                ranges.sort_unstable();
-                for w in ranges.windows(2) {
-                    prop_assert!(w[0].0 + w[0].1 <= w[1].0, "overlap {:?}", w);
-                }
-                if let Some(last) = ranges.last() {
-                    prop_assert!(last.0 + last.1 <= 64);
-                }
-            }
-        }
-    }
-}
+#[path = "books_tests.rs"]
+mod tests;

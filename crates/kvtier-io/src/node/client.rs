@@ -3,6 +3,12 @@
 //! over the socket) and whose books are the node's.
 //!
 //! Invariants:
+//! - a client attaches only to a node whose process runs as this uid or one of `node_uids`
+//!   (checked with `SO_PEERCRED` before a byte is sent), and maps only the arena descriptor
+//!   that node passed (`SCM_RIGHTS`) after checking it is a regular file of that uid, large
+//!   enough and open read-write: it never opens a path a node names;
+//! - a pooled connection the node has closed (idle timeout, protocol error) is seen closed
+//!   before use and replaced, so it costs no `io_timeout` wait;
 //! - `get` fills the caller's buffer and accepts it only when its checksum, bound to the key,
 //!   matches what the writer committed; a mismatch drops the block at the node and is an error
 //!   (the engine recomputes), never wrong bytes;
@@ -18,6 +24,8 @@
 //!   copied out, and count a pair done only when the node acknowledged its `CommitPut` or
 //!   `EndGet`: a connection that dies midway (the node then detached this client, so the slot
 //!   may be reused) fails the pairs still open, never reports them done.
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
@@ -29,6 +37,7 @@ use super::protocol::{
     block_checksum, read_frame, write_frame, Reply, Request, NODE_PROTOCOL_VERSION,
 };
 use crate::sys::shm::Arena;
+use crate::sys::sock;
 
 /// Settings of a [`NodeStore`].
 #[derive(Clone, Debug)]
@@ -37,6 +46,9 @@ pub struct NodeClientOptions {
     pub io_timeout: Duration,
     /// Connections kept open to the node (concurrent operations of this process).
     pub pool: usize,
+    /// Users besides this process's own whose node it attaches to (`node_uid` in the
+    /// `node://` URL); a listener of any other uid is refused.
+    pub node_uids: Vec<u32>,
 }
 
 impl Default for NodeClientOptions {
@@ -44,9 +56,13 @@ impl Default for NodeClientOptions {
         NodeClientOptions {
             io_timeout: Duration::from_secs(2),
             pool: 4,
+            node_uids: Vec::new(),
         }
     }
 }
+
+/// An arena's identity (device, inode): a restarted node has another.
+type ArenaId = (u64, u64);
 
 struct Conn {
     stream: UnixStream,
@@ -57,9 +73,9 @@ pub struct NodeStore {
     socket: PathBuf,
     namespace: String,
     opts: NodeClientOptions,
-    /// The node's arena and its path (a restarted node has a new one, mapped on reconnect);
-    /// `None` until the first connection succeeds.
-    arena: RwLock<Option<(String, Arc<Arena>)>>,
+    /// The node's arena and its identity (a restarted node has a new one, mapped on
+    /// reconnect); `None` until the first connection succeeds.
+    arena: RwLock<Option<(ArenaId, Arc<Arena>)>>,
     idle: Mutex<Vec<Conn>>,
     /// CUDA device whose context registers each arena mapping (set by a CUDA transfer engine).
     cuda: Mutex<Option<i32>>,
@@ -81,16 +97,32 @@ fn unavailable(op: &'static str, e: impl std::fmt::Display) -> RemoteError {
     }
 }
 
+/// A new connection's `Welcome`: the arena's descriptor, its bytes and the node's uid.
+struct Welcome {
+    fd: OwnedFd,
+    bytes: u64,
+    node_uid: u32,
+}
+
 fn hello(
     socket: &Path,
     namespace: &str,
-    timeout: Duration,
-) -> Result<(Conn, String, u64), RemoteError> {
+    opts: &NodeClientOptions,
+) -> Result<(Conn, Welcome), RemoteError> {
     let stream = UnixStream::connect(socket)
         .map_err(|e| unavailable("connect", format!("{}: {e}", socket.display())))?;
+    let node_uid = sock::peer_uid(&stream).map_err(|e| unavailable("connect", e))?;
+    if node_uid != sock::current_uid() && !opts.node_uids.contains(&node_uid) {
+        return Err(RemoteError::Config(format!(
+            "the process listening on {} runs as uid {node_uid}, not this engine's uid {} nor \
+             an allowed node_uid: refused",
+            socket.display(),
+            sock::current_uid()
+        )));
+    }
     stream
-        .set_read_timeout(Some(timeout))
-        .and_then(|()| stream.set_write_timeout(Some(timeout)))
+        .set_read_timeout(Some(opts.io_timeout))
+        .and_then(|()| stream.set_write_timeout(Some(opts.io_timeout)))
         .map_err(|e| unavailable("connect", e))?;
     let mut conn = Conn { stream };
     let reply = conn.call(&Request::Hello {
@@ -98,10 +130,15 @@ fn hello(
         namespace: namespace.to_owned(),
     })?;
     match reply {
-        Reply::Welcome {
-            arena_path,
-            arena_bytes,
-        } => Ok((conn, arena_path, arena_bytes)),
+        Reply::Welcome { arena_bytes } => {
+            let fd = sock::recv_fd(&conn.stream).map_err(|e| unavailable("hello", e))?;
+            let w = Welcome {
+                fd,
+                bytes: arena_bytes,
+                node_uid,
+            };
+            Ok((conn, w))
+        }
         Reply::Refused(why) => Err(RemoteError::Config(format!(
             "the kvtier node at {} refused this engine: {why}",
             socket.display()
@@ -110,11 +147,21 @@ fn hello(
     }
 }
 
-fn map_arena(path: &str, bytes: u64) -> Result<Arena, RemoteError> {
-    let len = usize::try_from(bytes)
+fn map_arena(w: Welcome) -> Result<Arena, RemoteError> {
+    let len = usize::try_from(w.bytes)
         .map_err(|_| RemoteError::Config("the node's arena does not fit this process".into()))?;
-    Arena::open(Path::new(path), len)
-        .map_err(|e| RemoteError::Config(format!("cannot map the node's arena {path}: {e}")))
+    Arena::from_fd(w.fd, len, w.node_uid)
+        .map_err(|e| RemoteError::Config(format!("cannot map the node's arena: {e}")))
+}
+
+/// The identity of the arena behind `fd`.
+fn arena_id(fd: &OwnedFd) -> Result<ArenaId, RemoteError> {
+    let f = fd
+        .try_clone()
+        .map(std::fs::File::from)
+        .map_err(|e| unavailable("hello", e))?;
+    let m = f.metadata().map_err(|e| unavailable("hello", e))?;
+    Ok((m.dev(), m.ino()))
 }
 
 impl Conn {
@@ -184,39 +231,46 @@ impl NodeStore {
         }
     }
 
-    /// A pooled connection, or a new one; a node that restarted (a new arena) is remapped.
+    /// A pooled connection the node has not closed, or a new one; a node that restarted (a
+    /// new arena) is remapped.
     fn conn(&self) -> Result<(Conn, Arc<Arena>), RemoteError> {
-        let pooled = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        if let Some(c) = pooled {
+        loop {
+            let pooled = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+            let Some(c) = pooled else { break };
+            if sock::peer_closed(&c.stream) {
+                continue; // closed by the node (idle timeout, error): dropped, never waited on
+            }
             let arena = self.arena.read().unwrap_or_else(|p| p.into_inner());
             if let Some((_, a)) = arena.as_ref() {
                 return Ok((c, Arc::clone(a)));
             }
         }
-        let (c, path, bytes) = hello(&self.socket, &self.namespace, self.opts.io_timeout)?;
+        let (c, welcome) = hello(&self.socket, &self.namespace, &self.opts)?;
+        let id = arena_id(&welcome.fd)?;
         let mut arena = self.arena.write().unwrap_or_else(|p| p.into_inner());
         match arena.as_ref() {
-            Some((p, a)) if *p == path => return Ok((c, Arc::clone(a))),
+            Some((known, a)) if *known == id => return Ok((c, Arc::clone(a))),
             Some(_) => {
-                tracing::info!(arena = %path, "kvtier node restarted; mapping its new arena");
+                tracing::info!("kvtier node restarted; mapping its new arena");
                 // Connections to the old node are dead.
                 self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
             }
             None => {}
         }
-        let mut mapped = map_arena(&path, bytes)?;
+        let mut mapped = map_arena(welcome)?;
         let cuda = *self.cuda.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(ordinal) = cuda {
             match mapped.register_cuda(ordinal) {
-                Ok(()) => tracing::info!(arena = %path, ordinal, "node arena registered with CUDA"),
-                Err(e) => tracing::warn!(
-                    arena = %path,
-                    "node arena not registered with CUDA ({e}); GPU copies are staged"
-                ),
+                Ok(()) => tracing::info!(ordinal, "node arena registered with CUDA"),
+                Err(e) => {
+                    tracing::warn!(
+                        "node arena not registered with CUDA ({e}); GPU copies are staged"
+                    )
+                }
             }
         }
         let a = Arc::new(mapped);
-        *arena = Some((path, Arc::clone(&a)));
+        *arena = Some((id, Arc::clone(&a)));
         Ok((c, a))
     }
 

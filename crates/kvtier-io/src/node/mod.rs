@@ -6,20 +6,28 @@
 //! Invariants (see each module): a block is visible only after its writer committed it; a
 //! crashed engine leaves neither a half-written block nor a lease behind; blocks are keyed by
 //! namespace (model identity) and sequence hash and verified against a checksum bound to the
-//! key before a read counts; only local users allowed by the socket's credentials attach; a full
-//! node degrades to skipped stores and misses.
+//! key before a read counts; only local users allowed by the socket's credentials attach, each in
+//! namespaces of its own uid, and a client attaches only to a node of its own (or an allowed)
+//! uid; a full node degrades to skipped stores and misses.
+mod alloc;
 mod books;
 mod client;
 pub(crate) mod direct;
 mod disk;
 #[cfg(test)]
 pub(crate) mod gpu_tests;
+mod listen;
 mod protocol;
 mod server;
 mod share;
 
-pub use books::{BlockCopy, Books, ClientId, NodeStats, PutRefused, SlotGrant};
+pub use books::{
+    AttachRefused, BlockCopy, Books, ClientId, NodeStats, PutRefused, SlotGrant, MAX_NAMESPACES,
+};
 pub use client::{NodeClientOptions, NodeStore};
-pub use protocol::{block_checksum, Reply, Request, MAX_FRAME, NODE_PROTOCOL_VERSION};
-pub use server::{NodeOptions, NodeServer};
+pub use listen::default_socket;
+pub use protocol::{
+    block_checksum, Reply, Request, MAX_FRAME, MAX_HELLO_FRAME, NODE_PROTOCOL_VERSION,
+};
+pub use server::{NodeOptions, NodeServer, HELLO_TIMEOUT, MAX_CONNECTIONS, MAX_NAMESPACE_LEN};
 pub use share::SharePolicy;

@@ -2,18 +2,24 @@
 //! Only control travels on the socket; block bytes go through the shared arena.
 //!
 //! Invariants: a frame is a 4-byte little-endian length then that many bytes of postcard; a
-//! frame longer than [`MAX_FRAME`] or one that does not decode is an error (the connection is
-//! closed), never a panic or an unbounded allocation; every request gets exactly one reply, in
-//! order.
+//! frame longer than the reader's limit ([`MAX_HELLO_FRAME`] before `Hello`, [`MAX_FRAME`]
+//! after) or one that does not decode is an error (the connection is closed), never a panic; a
+//! frame's body is read as its bytes arrive, so memory grows with the bytes received, never with
+//! the length a peer declares; every request gets exactly one reply, in order. The node's
+//! `Welcome` is followed by one byte carrying the arena's file descriptor (`SCM_RIGHTS`).
 use std::io::{self, Read, Write};
 
 use serde::{Deserialize, Serialize};
 
 /// Version of this protocol; a client of another version is refused at `Hello`.
-pub const NODE_PROTOCOL_VERSION: u32 = 2;
+pub const NODE_PROTOCOL_VERSION: u32 = 3;
 
 /// Largest frame either side accepts (a `Contains` of 64k keys fits).
 pub const MAX_FRAME: usize = 4 << 20;
+
+/// Largest frame the node reads before a client's `Hello` (a `Hello` with the longest
+/// namespace fits).
+pub const MAX_HELLO_FRAME: usize = 1 << 10;
 
 /// Client -> node.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -57,11 +63,10 @@ pub enum Request {
 /// Node -> client.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Reply {
-    /// `Hello` accepted.
+    /// `Hello` accepted; the next byte on the socket carries the arena's file descriptor
+    /// (`SCM_RIGHTS`), which the client checks and maps read-write.
     Welcome {
-        /// The shared arena: a file the client maps read-write.
-        arena_path: String,
-        /// Bytes of the arena file.
+        /// Bytes of the arena.
         arena_bytes: u64,
     },
     /// The request was refused (wrong version, no `Hello` first, ...): the reason.
@@ -141,8 +146,17 @@ pub(super) fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> io::Resu
     w.flush()
 }
 
-/// Read one frame (`Ok(None)` at a clean end of stream before a frame starts).
+/// Read one frame of at most [`MAX_FRAME`] bytes (`Ok(None)` at a clean end of stream before a
+/// frame starts).
 pub(super) fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read) -> io::Result<Option<T>> {
+    read_frame_max(r, MAX_FRAME)
+}
+
+/// Read one frame of at most `max` bytes (see [`read_frame`]).
+pub(super) fn read_frame_max<T: for<'de> Deserialize<'de>>(
+    r: &mut impl Read,
+    max: usize,
+) -> io::Result<Option<T>> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len) {
         Ok(()) => {}
@@ -150,14 +164,19 @@ pub(super) fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read) -> io:
         Err(e) => return Err(e),
     }
     let n = u32::from_le_bytes(len) as usize;
-    if n > MAX_FRAME {
+    if n > max {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("node frame of {n} bytes exceeds {MAX_FRAME}"),
+            format!("node frame of {n} bytes exceeds {max}"),
         ));
     }
-    let mut body = vec![0u8; n];
-    r.read_exact(&mut body)?;
+    // Grown as bytes arrive (read_to_end doubles from a small start): a peer that declares a
+    // long frame and sends nothing costs nothing.
+    let mut body = Vec::new();
+    r.take(n as u64).read_to_end(&mut body)?;
+    if body.len() != n {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
     postcard::from_bytes(&body)
         .map(Some)
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("node frame: {e}")))
@@ -197,6 +216,10 @@ mod tests {
         // Oversized length prefix: refused before allocating.
         let huge = (u32::MAX).to_le_bytes();
         assert!(read_frame::<Request>(&mut huge.as_slice()).is_err());
+        // Beyond the reader's limit.
+        let mut big = Vec::new();
+        write_frame(&mut big, &Request::Contains(vec![u128::MAX; 200])).unwrap();
+        assert!(read_frame_max::<Request>(&mut big.as_slice(), MAX_HELLO_FRAME).is_err());
         // Garbage body.
         let mut bad = 3u32.to_le_bytes().to_vec();
         bad.extend_from_slice(&[0xff, 0xff, 0xff]);

@@ -2,17 +2,31 @@
 //! engine processes over a Unix socket, one thread per connection.
 //!
 //! Invariants:
-//! - the socket file is created mode 0600 inside a directory kvtier owns (mode 0700) and every
-//!   peer is checked with `SO_PEERCRED`: only this user (and the uids in `allowed_uids`) attach;
-//!   anyone else is refused with a log line;
-//! - a connection that ends (clean close, crash, protocol error, read timeout) is detached from
-//!   the books at once: its unfinished writes vanish and its leases end, so a crashed engine
-//!   leaves no half-written block visible and no leaked lease;
+//! - the socket is created in a directory of the node's own uid that nobody else can write
+//!   (`listen.rs`), mode 0600 (0666 in a 0711 directory with `allowed_uids`), and every peer
+//!   is checked with `SO_PEERCRED`: only this user and the uids in `allowed_uids` attach;
+//!   anyone else is refused with a (rate-limited) log line;
+//! - a client's namespace is qualified by its uid (`<uid>/<declared>`): tenants of different
+//!   uids never see each other's blocks; the arena reaches a client only as a descriptor passed
+//!   after `Welcome`, never as a path;
+//! - bounded: at most `max_connections` connections (more are closed at once), frames of at
+//!   most [`MAX_HELLO_FRAME`] bytes before `Hello` and `MAX_FRAME` after, read as they arrive;
+//!   `Hello` within `hello_timeout`; namespaces of at most `max_namespace_len` bytes and
+//!   `max_namespaces` in all (unused ones are forgotten);
+//! - a block becomes visible only if the bytes in its slot at commit time hash to the checksum
+//!   its writer committed (the node re-hashes them); a block reported damaged is invisible at
+//!   once;
+//! - a connection that ends (clean close, crash, protocol error, idle or hello timeout) is shut
+//!   down both ways, so its peer sees end of stream at once, and detached from the books: its
+//!   unfinished writes vanish and its leases end, so a crashed engine leaves no half-written
+//!   block visible and no leaked lease;
 //! - a live socket is never replaced: a second node on the same path refuses to start; a stale
-//!   socket (nobody listening) and stale arenas (their flock free) of a dead node are removed;
+//!   socket (a socket nobody listens on, never another kind of file) and stale arenas (their
+//!   flock free) of a dead node are removed;
 //! - [`NodeServer::shutdown`] returns within its timeout.
-use std::io;
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::io::{self, Read};
+use std::net::Shutdown;
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,12 +34,21 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::books::{BlockCopy, Books, ClientId, NodeStats, PutRefused, SlotGrant};
+use super::books::{BlockCopy, Books, ClientId, NodeStats, PutRefused, SlotGrant, MAX_NAMESPACES};
 use super::disk::{disk_key, NodeDisk};
-use super::protocol::block_checksum;
-use super::protocol::{read_frame, write_frame, Reply, Request, NODE_PROTOCOL_VERSION};
+use super::listen::{self, Throttle};
+use super::protocol::{block_checksum, read_frame, read_frame_max, write_frame};
+use super::protocol::{Reply, Request, MAX_HELLO_FRAME, NODE_PROTOCOL_VERSION};
 use super::share::SharePolicy;
-use crate::sys::shm::{self, Arena};
+use crate::sys::shm::Arena;
+use crate::sys::sock;
+
+/// Default cap on concurrent connections.
+pub const MAX_CONNECTIONS: usize = 256;
+/// Default cap on a namespace's length, in bytes.
+pub const MAX_NAMESPACE_LEN: usize = 256;
+/// Default time a new connection has to say `Hello`.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Settings of a node service.
 #[derive(Clone, Debug)]
@@ -46,6 +69,14 @@ pub struct NodeOptions {
     pub disk_dir: Option<PathBuf>,
     /// Bytes of that disk tier (0: no disk tier).
     pub disk_bytes: u64,
+    /// Connections served at once; more are closed at once (default [`MAX_CONNECTIONS`]).
+    pub max_connections: usize,
+    /// Namespaces held at once (default [`MAX_NAMESPACES`]).
+    pub max_namespaces: usize,
+    /// Longest namespace a client may declare, in bytes (default [`MAX_NAMESPACE_LEN`]).
+    pub max_namespace_len: usize,
+    /// A connection that has not said `Hello` this long after it was accepted is closed.
+    pub hello_timeout: Duration,
 }
 
 impl NodeOptions {
@@ -60,6 +91,10 @@ impl NodeOptions {
             share: SharePolicy::Equal,
             disk_dir: None,
             disk_bytes: 0,
+            max_connections: MAX_CONNECTIONS,
+            max_namespaces: MAX_NAMESPACES,
+            max_namespace_len: MAX_NAMESPACE_LEN,
+            hello_timeout: HELLO_TIMEOUT,
         }
     }
 }
@@ -75,8 +110,15 @@ struct Shared {
     stop: AtomicBool,
     allowed: Vec<u32>,
     idle: Duration,
+    hello_timeout: Duration,
+    max_connections: usize,
+    max_namespace_len: usize,
     /// Connection threads and a handle on their sockets (shut down to end them).
     conns: Mutex<Vec<(JoinHandle<()>, UnixStream)>>,
+    /// Rate limits of the log lines a hostile or broken client can cause.
+    log_refused: Throttle,
+    log_full: Throttle,
+    log_damaged: Throttle,
 }
 
 /// A running node service (see the module docs).
@@ -99,50 +141,19 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Remove arenas of nodes that died (their flock is free) from `dir`.
-fn reclaim_stale_arenas(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if !(name.starts_with("kvtier-node-") && name.ends_with(".arena")) {
-            continue;
-        }
-        let Ok(f) = std::fs::File::open(e.path()) else {
-            continue;
-        };
-        if shm::flock(&f, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
-            tracing::info!(path = %e.path().display(), "removing the arena of a node that is gone");
-            let _ = std::fs::remove_file(e.path());
-        }
-    }
-}
-
 impl NodeServer {
     /// Create the arena, bind the socket and start serving.
     pub fn start(opts: &NodeOptions) -> io::Result<NodeServer> {
         let cap = usize::try_from(opts.capacity)
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "capacity too large"))?;
-        if let Some(dir) = opts.socket.parent().filter(|d| !d.as_os_str().is_empty()) {
-            if !dir.exists() {
-                std::fs::DirBuilder::new()
-                    .recursive(true)
-                    .mode(0o700)
-                    .create(dir)?;
-            }
-        }
-        if opts.socket.exists() {
-            if UnixStream::connect(&opts.socket).is_ok() {
-                return Err(io::Error::new(
-                    io::ErrorKind::AddrInUse,
-                    format!("a kvtier node already serves {}", opts.socket.display()),
-                ));
-            }
-            std::fs::remove_file(&opts.socket)?;
-        }
-        reclaim_stale_arenas(&opts.shm_dir);
+        let shared_mode = !opts.allowed_uids.is_empty();
+        let dir = match opts.socket.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        listen::prepare_dir(dir, shared_mode)?;
+        listen::reclaim_stale_socket(&opts.socket)?;
+        listen::reclaim_stale_arenas(&opts.shm_dir);
         let arena_path = opts
             .shm_dir
             .join(format!("kvtier-node-{}.arena", std::process::id()));
@@ -166,8 +177,10 @@ impl NodeServer {
         };
         let mut books = Books::with_policy(opts.capacity, opts.share.clone());
         books.set_keep_evicted(disk.is_some());
+        books.set_max_namespaces(opts.max_namespaces);
         let listener = UnixListener::bind(&opts.socket)?;
-        std::fs::set_permissions(&opts.socket, std::fs::Permissions::from_mode(0o600))?;
+        let mode = if shared_mode { 0o666 } else { 0o600 };
+        std::fs::set_permissions(&opts.socket, std::fs::Permissions::from_mode(mode))?;
         listener.set_nonblocking(true)?;
         let shared = Arc::new(Shared {
             books: Mutex::new(books),
@@ -178,7 +191,13 @@ impl NodeServer {
             stop: AtomicBool::new(false),
             allowed: opts.allowed_uids.clone(),
             idle: opts.idle_timeout,
+            hello_timeout: opts.hello_timeout,
+            max_connections: opts.max_connections.max(1),
+            max_namespace_len: opts.max_namespace_len,
             conns: Mutex::new(Vec::new()),
+            log_refused: Throttle::default(),
+            log_full: Throttle::default(),
+            log_damaged: Throttle::default(),
         });
         let s = Arc::clone(&shared);
         let accept = std::thread::Builder::new()
@@ -211,8 +230,8 @@ impl NodeServer {
             join_by(h, deadline);
         }
         let conns: Vec<_> = std::mem::take(&mut *lock(&self.shared.conns));
-        for (_, sock) in &conns {
-            let _ = sock.shutdown(std::net::Shutdown::Both);
+        for (_, s) in &conns {
+            let _ = s.shutdown(Shutdown::Both);
         }
         for (h, _) in conns {
             join_by(h, deadline);
@@ -249,21 +268,44 @@ fn join_by(h: JoinHandle<()>, deadline: Instant) {
 }
 
 fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
-    let me = shm::current_uid();
+    let me = sock::current_uid();
     while !shared.stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((stream, _)) => {
-                let uid = shm::peer_uid(&stream);
-                match uid {
-                    Ok(u) if u == me || shared.allowed.contains(&u) => {}
+                let uid = match sock::peer_uid(&stream) {
+                    Ok(u) if u == me || shared.allowed.contains(&u) => u,
                     Ok(u) => {
-                        tracing::warn!(uid = u, "kvtier node: refused a client of another user");
+                        if let Some(skipped) = shared.log_refused.allow() {
+                            tracing::warn!(
+                                uid = u,
+                                skipped,
+                                "kvtier node: refused a client of another user"
+                            );
+                        }
+                        let _ = stream.shutdown(Shutdown::Both);
                         continue;
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, "kvtier node: refused a client without credentials");
+                        if let Some(skipped) = shared.log_refused.allow() {
+                            tracing::warn!(error = %e, skipped, "kvtier node: refused a client without credentials");
+                        }
+                        let _ = stream.shutdown(Shutdown::Both);
                         continue;
                     }
+                };
+                let mut conns = lock(&shared.conns);
+                conns.retain(|(h, _)| !h.is_finished());
+                if conns.len() >= shared.max_connections {
+                    drop(conns);
+                    if let Some(skipped) = shared.log_full.allow() {
+                        tracing::warn!(
+                            max = shared.max_connections,
+                            skipped,
+                            "kvtier node: too many connections; closed a new one"
+                        );
+                    }
+                    let _ = stream.shutdown(Shutdown::Both);
+                    continue;
                 }
                 let Ok(handle) = stream.try_clone() else {
                     continue;
@@ -271,14 +313,11 @@ fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
                 let s = Arc::clone(shared);
                 match std::thread::Builder::new()
                     .name("kvtier-node-conn".into())
-                    .spawn(move || serve(stream, &s))
+                    .spawn(move || serve(stream, uid, &s))
                 {
-                    Ok(h) => {
-                        let mut conns = lock(&shared.conns);
-                        conns.retain(|(h, _)| !h.is_finished());
-                        conns.push((h, handle));
-                    }
+                    Ok(h) => conns.push((h, handle)),
                     Err(e) => {
+                        let _ = handle.shutdown(Shutdown::Both);
                         tracing::warn!(error = %e, "kvtier node: cannot start a connection thread")
                     }
                 }
@@ -294,21 +333,50 @@ fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
     }
 }
 
-/// Serve one connection until it ends; the client is always detached afterwards.
-fn serve(stream: UnixStream, shared: &Shared) {
-    // Blocking reads bounded by the idle timeout; shutdown ends them by shutting the socket.
-    if stream.set_nonblocking(false).is_err() || stream.set_read_timeout(Some(shared.idle)).is_err()
-    {
-        return;
+/// Reads bounded by a deadline: each read waits at most until `until` (a peer that trickles
+/// bytes cannot hold the connection open past it).
+struct Deadline<'a> {
+    stream: &'a UnixStream,
+    until: Instant,
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "no Hello in time"));
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        let mut s = self.stream;
+        s.read(buf)
     }
+}
+
+/// Serve one connection of user `uid` until it ends; it is then shut down both ways (the peer
+/// sees end of stream at once) and its client detached.
+fn serve(stream: UnixStream, uid: u32, shared: &Shared) {
+    let write_limit = Some(shared.idle.clamp(Duration::from_millis(1), HELLO_TIMEOUT));
+    if stream.set_nonblocking(false).is_ok() && stream.set_write_timeout(write_limit).is_ok() {
+        serve_frames(&stream, uid, shared);
+    }
+    let _ = stream.shutdown(Shutdown::Both);
+}
+
+fn serve_frames(stream: &UnixStream, uid: u32, shared: &Shared) {
     let mut client: Option<ClientId> = None;
-    let mut reader = match stream.try_clone() {
-        Ok(s) => s,
-        Err(_) => return,
-    };
-    let mut writer = stream;
+    let hello_by = Instant::now() + shared.hello_timeout;
     while !shared.stop.load(Ordering::SeqCst) {
-        let req: Request = match read_frame(&mut reader) {
+        let read = match client {
+            None => read_frame_max(
+                &mut Deadline {
+                    stream,
+                    until: hello_by,
+                },
+                MAX_HELLO_FRAME,
+            ),
+            Some(_) => read_frame(&mut &*stream),
+        };
+        let req: Request = match read {
             Ok(Some(r)) => r,
             Ok(None) => break,
             Err(e) => {
@@ -316,8 +384,17 @@ fn serve(stream: UnixStream, shared: &Shared) {
                 break;
             }
         };
-        let reply = handle(shared, &mut client, req);
-        if write_frame(&mut writer, &reply).is_err() {
+        let attached = client.is_some();
+        let reply = handle(shared, uid, &mut client, req);
+        if write_frame(&mut &*stream, &reply).is_err() {
+            break;
+        }
+        if matches!(reply, Reply::Welcome { .. })
+            && sock::send_fd(stream, shared.arena.fd()).is_err()
+        {
+            break;
+        }
+        if !attached && client.is_some() && stream.set_read_timeout(Some(shared.idle)).is_err() {
             break;
         }
     }
@@ -326,8 +403,7 @@ fn serve(stream: UnixStream, shared: &Shared) {
     }
 }
 
-fn handle(shared: &Shared, client: &mut Option<ClientId>, req: Request) -> Reply {
-    let mut books = lock(&shared.books);
+fn handle(shared: &Shared, uid: u32, client: &mut Option<ClientId>, req: Request) -> Reply {
     let Some(id) = *client else {
         return match req {
             Request::Hello { version, namespace } => {
@@ -336,20 +412,31 @@ fn handle(shared: &Shared, client: &mut Option<ClientId>, req: Request) -> Reply
                         "node protocol {version} is not this node's {NODE_PROTOCOL_VERSION}"
                     ));
                 }
-                if namespace.is_empty() {
-                    return Reply::Refused("an empty namespace".into());
+                if namespace.is_empty() || namespace.len() > shared.max_namespace_len {
+                    return Reply::Refused(format!(
+                        "a namespace must have 1 to {} bytes, not {}",
+                        shared.max_namespace_len,
+                        namespace.len()
+                    ));
                 }
-                *client = Some(books.attach(&namespace));
+                match lock(&shared.books).attach(uid, &namespace) {
+                    Ok(c) => *client = Some(c),
+                    Err(e) => return Reply::Refused(e.to_string()),
+                }
                 Reply::Welcome {
-                    arena_path: shared.arena_path.display().to_string(),
                     arena_bytes: shared.arena_bytes,
                 }
             }
             _ => Reply::Refused("the first message must be Hello".into()),
         };
     };
+    if let Request::CommitPut { id: put, checksum } = req {
+        return commit(shared, id, put, checksum);
+    }
+    let mut books = lock(&shared.books);
     match req {
         Request::Hello { .. } => Reply::Refused("already attached".into()),
+        Request::CommitPut { .. } => Reply::Refused("commit out of turn".into()),
         Request::Contains(keys) => {
             let mut present = books.contains(id, &keys);
             if let (Some(d), Some(ns)) = (&shared.disk, books.namespace_of(id)) {
@@ -378,13 +465,6 @@ fn handle(shared: &Shared, client: &mut Option<ClientId>, req: Request) -> Reply
                 Err(PutRefused::Full) => Reply::Full,
             }
         }
-        Request::CommitPut { id: put, checksum } => {
-            if books.commit_put(id, put, checksum) {
-                Reply::Done
-            } else {
-                Reply::Refused(format!("no write {put} of this client"))
-            }
-        }
         Request::AbortPut(put) => {
             books.abort_put(id, put);
             Reply::Done
@@ -406,31 +486,67 @@ fn handle(shared: &Shared, client: &mut Option<ClientId>, req: Request) -> Reply
             Reply::Done
         }
         Request::Damaged(lease) => {
-            tracing::warn!(
-                lease,
-                "kvtier node: a client found a damaged block; dropped"
-            );
-            books.drop_block(id, lease);
+            if books.drop_block(id, lease) {
+                if let Some(skipped) = shared.log_damaged.allow() {
+                    tracing::warn!(
+                        lease,
+                        skipped,
+                        "kvtier node: a client found a damaged block; dropped"
+                    );
+                }
+            }
             Reply::Done
         }
-        Request::Stats => {
-            let s = stats(shared, &books);
-            Reply::Stats {
-                clients: s.clients,
-                blocks: s.blocks,
-                bytes_used: s.bytes_used,
-                capacity: s.capacity,
-                puts: s.puts,
-                puts_full: s.puts_full,
-                gets: s.gets,
-                get_misses: s.get_misses,
-                evictions: s.evictions,
-                abandoned_puts: s.abandoned_puts,
-                disk_blocks: s.disk_blocks,
-                disk_spills: s.disk_spills,
-                disk_hits: s.disk_hits,
-            }
+        Request::Stats => stats_reply(&stats(shared, &books)),
+    }
+}
+
+/// `CommitPut`: the slot's bytes are hashed by the node (outside the books' lock: the slot is
+/// this client's reservation, no one else is handed it) and the block becomes visible only if
+/// they match the checksum the writer committed; otherwise the reservation is dropped.
+fn commit(shared: &Shared, client: ClientId, put: u64, checksum: u64) -> Reply {
+    let Some((key, offset, bytes)) = lock(&shared.books).reservation(client, put) else {
+        return Reply::Refused(format!("no write {put} of this client"));
+    };
+    let actual = usize::try_from(bytes)
+        .ok()
+        .and_then(|n| shared.arena.checksum(key, offset, n).ok());
+    let mut books = lock(&shared.books);
+    if actual != Some(checksum) {
+        books.abort_put(client, put);
+        if let Some(skipped) = shared.log_damaged.allow() {
+            tracing::warn!(
+                put,
+                skipped,
+                "kvtier node: a slot's bytes do not match the checksum committed; dropped"
+            );
         }
+        return Reply::Refused(format!(
+            "the bytes of write {put} do not match the checksum committed"
+        ));
+    }
+    if books.commit_put(client, put, checksum) {
+        Reply::Done
+    } else {
+        Reply::Refused(format!("no write {put} of this client"))
+    }
+}
+
+fn stats_reply(s: &NodeStats) -> Reply {
+    Reply::Stats {
+        clients: s.clients,
+        blocks: s.blocks,
+        bytes_used: s.bytes_used,
+        capacity: s.capacity,
+        puts: s.puts,
+        puts_full: s.puts_full,
+        gets: s.gets,
+        get_misses: s.get_misses,
+        evictions: s.evictions,
+        abandoned_puts: s.abandoned_puts,
+        disk_blocks: s.disk_blocks,
+        disk_spills: s.disk_spills,
+        disk_hits: s.disk_hits,
     }
 }
 

@@ -94,10 +94,12 @@ fn open_target(
             socket,
             io_timeout,
             pool,
+            node_uids,
         } => {
             let opts = NodeClientOptions {
                 io_timeout: *io_timeout,
                 pool: *pool,
+                node_uids: node_uids.clone(),
             };
             Ok(Arc::new(NodeStore::lazy(socket, namespace, opts)))
         }

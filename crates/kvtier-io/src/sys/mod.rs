@@ -1,5 +1,6 @@
 //! The only modules of kvtier that contain `unsafe`: raw memory (`mem`), file I/O system calls
-//! (`file`), io_uring submission (`uring`), CUDA driver calls (`cuda`) and, for the transfer
+//! (`file`), io_uring submission (`uring`), CUDA driver calls (`cuda`), shared memory (`shm`),
+//! Unix-socket credentials and descriptor passing (`sock`) and, for the transfer
 //! benchmark only, cuBLAS (`cublas`, feature `transfer-bench`).
 //!
 //! Invariant: every function here either takes plain safe arguments or is an `unsafe fn` whose
@@ -11,4 +12,5 @@ pub(crate) mod cuda;
 pub(crate) mod file;
 pub(crate) mod mem;
 pub(crate) mod shm;
+pub(crate) mod sock;
 pub(crate) mod uring;

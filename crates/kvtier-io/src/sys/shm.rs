@@ -1,5 +1,6 @@
 //! Shared memory for the node tier: one file (on tmpfs, e.g. `/dev/shm`) mapped `MAP_SHARED` by
-//! the node and by every attached engine process, plus the peer-credential check of its socket.
+//! the node and by every attached engine process, which receive the file as a descriptor passed
+//! over the node's socket (never by path).
 //!
 //! Invariants:
 //! - an [`Arena`] maps exactly `len` bytes of a file whose space was reserved with `fallocate`
@@ -9,6 +10,8 @@
 //!   [`Arena::read`]) with bounds checked here; no Rust reference to shared bytes is created,
 //!   because other processes write them. Which process writes which range when is the node's
 //!   books' business (one writer per reserved slot; leased slots are never rewritten);
+//! - a client maps only a descriptor that is a regular file of the node's uid, large enough and
+//!   open read-write ([`Arena::from_fd`]), checked before `mmap`;
 //! - the node holds an exclusive `flock` on its arena file for its lifetime, so a file whose lock
 //!   is free belongs to a node that died and may be removed;
 //! - an engine process on a CUDA machine may register its mapping with the driver
@@ -16,7 +19,8 @@
 //!   registration is undone before the mapping is unmapped.
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::ptr::NonNull;
@@ -64,20 +68,41 @@ impl Arena {
         Self::map(file, len)
     }
 
-    /// Map an existing arena file of `len` bytes read-write (an attached engine process).
-    pub(crate) fn open(path: &Path, len: usize) -> io::Result<Self> {
-        let file = OpenOptions::new().read(true).write(true).open(path)?;
-        let actual = file.metadata()?.len();
-        if actual < len as u64 {
+    /// Map the arena a node passed as a descriptor (an attached engine process): accepted only
+    /// when it is a regular file owned by `owner` (the node's uid, from `SO_PEERCRED`), holding
+    /// at least `len` bytes, and open for reading and writing. No path is opened.
+    pub(crate) fn from_fd(fd: OwnedFd, len: usize, owner: u32) -> io::Result<Self> {
+        let file = File::from(fd);
+        let m = file.metadata()?;
+        let bad = |why: String| io::Error::new(io::ErrorKind::PermissionDenied, why);
+        if !m.file_type().is_file() {
+            return Err(bad("the arena passed is not a regular file".into()));
+        }
+        if m.uid() != owner {
+            return Err(bad(format!(
+                "the arena passed is owned by uid {}, not the node's uid {owner}",
+                m.uid()
+            )));
+        }
+        if len == 0 || m.len() < len as u64 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
-                format!(
-                    "arena {} holds {actual} bytes, {len} announced",
-                    path.display()
-                ),
+                format!("the arena passed holds {} bytes, {len} announced", m.len()),
+            ));
+        }
+        // SAFETY: F_GETFL on a valid open descriptor; no memory is passed.
+        let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+        if flags < 0 || flags & libc::O_ACCMODE != libc::O_RDWR {
+            return Err(bad(
+                "the arena passed is not open for reading and writing".into()
             ));
         }
         Self::map(file, len)
+    }
+
+    /// The arena file's descriptor (the node passes it to each client with `SCM_RIGHTS`).
+    pub(crate) fn fd(&self) -> RawFd {
+        self._file.as_raw_fd()
     }
 
     fn map(file: File, len: usize) -> io::Result<Self> {
@@ -192,36 +217,6 @@ pub(crate) fn flock(file: &File, op: libc::c_int) -> io::Result<()> {
     Ok(())
 }
 
-/// The user id of the process at the other end of a Unix socket (`SO_PEERCRED`).
-pub(crate) fn peer_uid(sock: &impl AsRawFd) -> io::Result<u32> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: `cred` and `len` are live locals of the sizes passed; the descriptor is valid.
-    let rc = unsafe {
-        libc::getsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(cred.uid)
-}
-
-/// This process's effective user id.
-pub(crate) fn current_uid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -232,17 +227,33 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("arena");
         let a = Arena::create(&path, 8192, true).unwrap();
-        let b = Arena::open(&path, 8192).unwrap();
+        let open = |len| {
+            let f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .unwrap();
+            Arena::from_fd(f.into(), len, super::super::sock::current_uid())
+        };
+        let b = open(8192).unwrap();
         a.write(4000, b"shared bytes").unwrap();
         let mut out = [0u8; 12];
         b.read(4000, &mut out).unwrap();
         assert_eq!(&out, b"shared bytes");
         assert!(a.write(8190, b"xyz").is_err());
         assert!(b.read(u64::MAX, &mut out).is_err());
-        assert!(
-            Arena::open(&path, 1 << 20).is_err(),
-            "announced size beyond the file"
-        );
+        assert!(open(1 << 20).is_err(), "announced size beyond the file");
+        let other = super::super::sock::current_uid().wrapping_add(1);
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        let e = Arena::from_fd(f.into(), 8192, other).unwrap_err();
+        assert!(e.to_string().contains("owned by"), "{e}");
+        let ro = File::open(&path).unwrap();
+        let uid = super::super::sock::current_uid();
+        assert!(Arena::from_fd(ro.into(), 8192, uid).is_err(), "read-only");
         assert!(
             Arena::create(&path, 8192, true).is_err(),
             "never clobbers an arena"

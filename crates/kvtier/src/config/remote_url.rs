@@ -8,7 +8,9 @@
 //!   `redis` crate's own `db`, `user`, `pass` options apply);
 //! - `dir:///absolute/path`: one file per block under a (shared) directory;
 //! - `node:///absolute/socket`: this machine's node tier (`kvtier node`), one host cache shared
-//!   by every engine process here (options `io_timeout_ms`, default 2000, and `pool`, default 4).
+//!   by every engine process here (options `io_timeout_ms`, default 2000, `pool`, default 4, and
+//!   `node_uid`, a uid whose node this engine attaches to besides its own; repeatable, or
+//!   comma-separated).
 //!
 //! kvtier's options go in the query string: `connect_timeout_ms`, `io_timeout_ms`, `pool`,
 //! `ttl_s`, `backoff_ms`, `cluster` (Redis) and `fsync` (dir); the `redis` crate's `protocol` and
@@ -52,6 +54,10 @@ pub enum RemoteBackend {
         io_timeout: Duration,
         /// Connections kept open to the node (default 4).
         pool: usize,
+        /// Users besides the engine's own whose node it may attach to (`node_uid`; none by
+        /// default: only a node of the engine's own uid).
+        #[serde(default)]
+        node_uids: Vec<u32>,
     },
 }
 
@@ -255,16 +261,26 @@ fn parse_node(url: &str) -> Result<RemoteBackend, String> {
     }
     let mut io_timeout = Duration::from_secs(2);
     let mut pool = 4usize;
+    let mut node_uids = Vec::new();
     for (k, v) in query_pairs(query)? {
         match k.as_str() {
             "io_timeout_ms" => io_timeout = Duration::from_millis(opt_num(&k, &v)?),
+            "node_uid" => {
+                for u in v.split(',') {
+                    node_uids.push(
+                        u.trim()
+                            .parse::<u32>()
+                            .map_err(|_| format!("option node_uid={v}: `{u}` is not a uid"))?,
+                    );
+                }
+            }
             "pool" => {
                 pool = usize::try_from(opt_num(&k, &v)?)
                     .map_err(|_| format!("option pool={v} is too large"))?
             }
             _ => {
                 return Err(format!(
-                    "unknown option `{k}` in `{url}` (node:// takes io_timeout_ms, pool)"
+                    "unknown option `{k}` in `{url}` (node:// takes io_timeout_ms, pool, node_uid)"
                 ))
             }
         }
@@ -276,6 +292,7 @@ fn parse_node(url: &str) -> Result<RemoteBackend, String> {
         socket: PathBuf::from(path),
         io_timeout,
         pool,
+        node_uids,
     })
 }
 
@@ -449,5 +466,17 @@ mod tests {
         assert!(err("dir://").contains("needs a path"));
         assert!(err("dir:///tmp/x?fsync=maybe").contains("fsync"));
         assert!(err("dir:///tmp/x?pool=1").contains("unknown option"));
+    }
+
+    #[test]
+    fn node_uids_are_parsed_and_checked() {
+        let t = RemoteTarget::parse("node:///run/k/node.sock?node_uid=0,1000&node_uid=7").unwrap();
+        let RemoteBackend::Node { node_uids, .. } = t.backend else {
+            panic!("not a node: {t:?}");
+        };
+        assert_eq!(node_uids, vec![0, 1000, 7]);
+        let t = RemoteTarget::parse("node:///run/k/node.sock").unwrap();
+        assert!(matches!(t.backend, RemoteBackend::Node { node_uids, .. } if node_uids.is_empty()));
+        assert!(err("node:///s?node_uid=root").contains("not a uid"));
     }
 }
