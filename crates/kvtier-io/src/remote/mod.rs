@@ -13,6 +13,7 @@ mod frame;
 mod key;
 mod open;
 mod redis_store;
+mod wire;
 
 pub use breaker::{BreakerState, BreakerStats};
 pub use dir_store::{DirOptions, DirStore};

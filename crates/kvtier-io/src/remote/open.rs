@@ -85,6 +85,7 @@ fn open_target(
                 backoff: r.backoff,
                 max_backoff: r.max_backoff,
                 lookup_timeout: r.lookup_timeout,
+                trip_after: r.trip_after,
                 cluster_seeds: r.cluster_seeds.clone(),
             };
             // The redis crate reads the URL's address and its own options, ignoring kvtier's.
