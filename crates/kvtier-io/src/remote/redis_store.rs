@@ -334,6 +334,12 @@ impl RedisStore {
         })
     }
 
+    /// Seals values with a keyed MAC under `secret` (see [`frame::FrameSeal::keyed`]).
+    pub fn with_mac_key(mut self, secret: &[u8]) -> Result<Self, RemoteError> {
+        self.seal = frame::FrameSeal::keyed(self.ns.as_str(), secret)?;
+        Ok(self)
+    }
+
     /// The namespace this store reads and writes.
     pub fn namespace(&self) -> &Namespace {
         &self.ns
@@ -658,7 +664,7 @@ fn read_frame(
     }
     let mut head = [0u8; HEADER_LEN];
     conn.read_exact(&mut head, dl)?;
-    let checked = frame::check_header(key, &head, out.len());
+    let checked = frame::check_header(seal, key, &head, out.len());
     if got != expected {
         let e = match checked {
             Err(e) => e,

@@ -30,6 +30,10 @@ pub struct RemoteTarget {
     pub url: String,
     /// Which store, with kvtier's options parsed.
     pub backend: RemoteBackend,
+    /// `remote.mac_key_file`: a file holding the secret that makes each value's tag a keyed MAC
+    /// (Redis and directory stores). None: the tag is an unkeyed integrity check.
+    #[serde(default)]
+    pub mac_key_file: Option<PathBuf>,
 }
 
 /// The store behind a [`RemoteTarget`].
@@ -105,6 +109,7 @@ impl RemoteTarget {
         RemoteTarget {
             url: format!("dir://{}", path.display()),
             backend: RemoteBackend::Dir { path, fsync: false },
+            mac_key_file: None,
         }
     }
 
@@ -140,6 +145,7 @@ impl RemoteTarget {
         Ok(RemoteTarget {
             url: url.to_owned(),
             backend,
+            mac_key_file: None,
         })
     }
 
