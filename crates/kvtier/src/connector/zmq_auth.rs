@@ -10,10 +10,13 @@
 //!    the same user, read it. The directory must be owned by the user and mode 0700, the file
 //!    0600, or it is refused.
 //!
-//! Protocol: a worker's hello carries a fresh 16-byte nonce and
-//! `HMAC(secret, "kvtier-zmq-hello\0" || nonce || postcard(RankLayout))`; the leader refuses (and
-//! logs, naming the peer) a hello whose tag does not verify or whose nonce it saw before, answers it
-//! with `Reject(AUTH_FAILED)`, and never counts it as a rank. The leader's welcome to each rank
+//! Protocol: a worker first asks for a challenge (`Hi`); the leader answers that peer with a fresh
+//! 16-byte challenge, good for one hello. The worker's hello carries a fresh 16-byte nonce and
+//! `HMAC(secret, "kvtier-zmq-hello\0" || challenge || nonce || postcard(RankLayout))`; the leader
+//! refuses (and logs, rate-limited, naming the peer) a hello without a challenge it issued to that
+//! peer, or whose tag does not verify, answers it with `Reject(AUTH_FAILED)`, and never counts it as
+//! a rank. So a captured hello replayed to a later (restarted) leader is refused (#28): it answers
+//! another challenge. The leader's welcome to each rank
 //! carries `HMAC(secret, "kvtier-zmq-welcome\0" || that rank's nonce || postcard(ClusterLayout))`,
 //! so a rank only accepts the layout from a leader that knows the secret. After the handshake the
 //! leader only takes reports from the ranks it welcomed.
@@ -84,7 +87,7 @@ impl ChannelSecret {
         Some(Self::new(v.into_encoded_bytes()).map_err(|e| auth_err(format!("{SECRET_ENV}: {e}"))))
     }
 
-    fn tag(&self, domain: &[u8], nonce: &[u8; 16], body: &[u8]) -> [u8; 32] {
+    fn tag(&self, domain: &[u8], nonce: &[u8], body: &[u8]) -> [u8; 32] {
         // HMAC takes keys of any length; `new_from_slice` cannot fail for it.
         let mut m = match Hmac::<Sha256>::new_from_slice(&self.0) {
             Ok(m) => m,
@@ -96,7 +99,7 @@ impl ChannelSecret {
         m.finalize().into_bytes().into()
     }
 
-    fn verify(&self, domain: &[u8], nonce: &[u8; 16], body: &[u8], tag: &[u8; 32]) -> bool {
+    fn verify(&self, domain: &[u8], nonce: &[u8], body: &[u8], tag: &[u8; 32]) -> bool {
         let Ok(mut m) = Hmac::<Sha256>::new_from_slice(&self.0) else {
             return false;
         };
@@ -106,11 +109,27 @@ impl ChannelSecret {
         m.verify_slice(tag).is_ok()
     }
 
-    pub(crate) fn hello_tag(&self, nonce: &[u8; 16], layout: &[u8]) -> [u8; 32] {
-        self.tag(HELLO_DOMAIN, nonce, layout)
+    pub(crate) fn hello_tag(
+        &self,
+        challenge: &[u8; 16],
+        nonce: &[u8; 16],
+        layout: &[u8],
+    ) -> [u8; 32] {
+        self.tag(HELLO_DOMAIN, &[&challenge[..], &nonce[..]].concat(), layout)
     }
-    pub(crate) fn hello_ok(&self, nonce: &[u8; 16], layout: &[u8], tag: &[u8; 32]) -> bool {
-        self.verify(HELLO_DOMAIN, nonce, layout, tag)
+    pub(crate) fn hello_ok(
+        &self,
+        challenge: &[u8; 16],
+        nonce: &[u8; 16],
+        layout: &[u8],
+        tag: &[u8; 32],
+    ) -> bool {
+        self.verify(
+            HELLO_DOMAIN,
+            &[&challenge[..], &nonce[..]].concat(),
+            layout,
+            tag,
+        )
     }
     pub(crate) fn welcome_tag(&self, nonce: &[u8; 16], layout: &[u8]) -> [u8; 32] {
         self.tag(WELCOME_DOMAIN, nonce, layout)
@@ -265,11 +284,16 @@ mod tests {
         let s = ChannelSecret::new(vec![7u8; 32]).unwrap();
         let other = ChannelSecret::new(vec![8u8; 32]).unwrap();
         let n = [1u8; 16];
-        let t = s.hello_tag(&n, b"layout");
-        assert!(s.hello_ok(&n, b"layout", &t));
-        assert!(!other.hello_ok(&n, b"layout", &t));
-        assert!(!s.hello_ok(&[2u8; 16], b"layout", &t));
-        assert!(!s.hello_ok(&n, b"layoux", &t));
+        let c = [9u8; 16];
+        let t = s.hello_tag(&c, &n, b"layout");
+        assert!(s.hello_ok(&c, &n, b"layout", &t));
+        assert!(!other.hello_ok(&c, &n, b"layout", &t));
+        assert!(!s.hello_ok(&c, &[2u8; 16], b"layout", &t));
+        assert!(
+            !s.hello_ok(&[3u8; 16], &n, b"layout", &t),
+            "another challenge"
+        );
+        assert!(!s.hello_ok(&c, &n, b"layoux", &t));
         assert!(!s.welcome_ok(&n, b"layout", &t), "domains are separate");
         assert!(ChannelSecret::new(vec![0u8; 15]).is_err());
         assert_eq!(format!("{s:?}"), "ChannelSecret(<32 bytes>)");
