@@ -257,11 +257,14 @@ fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
                 match uid {
                     Ok(u) if u == me || shared.allowed.contains(&u) => {}
                     Ok(u) => {
-                        tracing::warn!(uid = u, "kvtier node: refused a client of another user");
+                        kvtier::warn_limited!(
+                            uid = u,
+                            "kvtier node: refused a client of another user"
+                        );
                         continue;
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, "kvtier node: refused a client without credentials");
+                        kvtier::warn_limited!(error = %e, "kvtier node: refused a client without credentials");
                         continue;
                     }
                 }
@@ -287,7 +290,7 @@ fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
                 std::thread::sleep(Duration::from_millis(20));
             }
             Err(e) => {
-                tracing::warn!(error = %e, "kvtier node: accept failed");
+                kvtier::warn_limited!(error = %e, "kvtier node: accept failed");
                 std::thread::sleep(Duration::from_millis(100));
             }
         }

@@ -178,7 +178,7 @@ impl Breaker {
         let window = self.window(g.streak);
         if matches!(g.state, Phase::Closed) {
             self.opened.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(error = %reason, ?window, "remote server marked down");
+            kvtier::warn_limited!(error = %reason, ?window, "remote server marked down");
         } else {
             tracing::debug!(error = %reason, ?window, "remote server probe failed");
         }
