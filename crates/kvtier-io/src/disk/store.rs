@@ -542,11 +542,16 @@ impl DiskStorage {
     }
 }
 
+/// The bytes one slot of a block of `block_bytes` takes in a cache file: the header page and the
+/// payload rounded up to the I/O alignment (what `disk.gb` is divided by).
+pub fn slot_bytes(block_bytes: usize) -> usize {
+    HEADER_BYTES + block_bytes.div_ceil(IO_ALIGN) * IO_ALIGN
+}
+
 /// The geometry of a store of `num_blocks` blocks of `block_bytes` (`blocks_per_file` 0: about
 /// 1 GiB per file).
 fn geometry(num_blocks: u32, block_bytes: usize, blocks_per_file: u32) -> Geometry {
-    let payload = block_bytes.div_ceil(IO_ALIGN) * IO_ALIGN;
-    let slot_bytes = HEADER_BYTES + payload;
+    let slot_bytes = slot_bytes(block_bytes);
     let blocks_per_file = if blocks_per_file == 0 {
         ((1usize << 30) / slot_bytes).clamp(1, u32::MAX as usize) as u32
     } else {
