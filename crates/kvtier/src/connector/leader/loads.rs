@@ -167,11 +167,6 @@ impl Leader {
             keys,
         } in per_tier
         {
-            match tier {
-                Tier::Host => self.stats.onboard_host_blocks += pairs.len() as u64,
-                Tier::Disk => self.stats.onboard_disk_blocks += pairs.len() as u64,
-                _ => self.stats.onboard_remote_blocks += pairs.len() as u64,
-            }
             let devices = pairs.iter().map(|p| DeviceBlockId(p.dst)).collect();
             let remote_hashes = if tier == Tier::Remote {
                 keys.clone()
@@ -242,6 +237,14 @@ impl Leader {
             }
         }
         self.stats.onboard_failed += failed.len() as u64;
+        // Only blocks that every rank loaded count as hits (#28: a failed load was counted in
+        // kvtier_hit_tokens_total, which is derived from these).
+        let loaded = devices.len().saturating_sub(failed.len()) as u64;
+        match src {
+            Tier::Host => self.stats.onboard_host_blocks += loaded,
+            Tier::Disk => self.stats.onboard_disk_blocks += loaded,
+            _ => self.stats.onboard_remote_blocks += loaded,
+        }
         self.job_done(&request, RequestJob::Load);
     }
 
