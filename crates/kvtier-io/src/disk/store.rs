@@ -117,7 +117,19 @@ impl DiskOptions {
 
 pub(super) struct CacheFile {
     pub path: PathBuf,
-    pub file: std::fs::File,
+    /// The open file. Replaced by a fresh one when its path was deleted (#28: the tier stayed
+    /// dead for the process); each operation holds its own `Arc` until it completed, so a
+    /// replaced descriptor is never closed under an operation in flight.
+    pub file: std::sync::RwLock<Arc<std::fs::File>>,
+    /// The file's length (its slots).
+    pub len: u64,
+}
+
+impl CacheFile {
+    /// The file operations use now.
+    pub(super) fn current(&self) -> Arc<std::fs::File> {
+        Arc::clone(&self.file.read().unwrap_or_else(|p| p.into_inner()))
+    }
 }
 
 /// What the store knows of one slot.
@@ -338,7 +350,7 @@ impl DiskStorage {
             Some(ix) => {
                 let mut data = Vec::with_capacity(nfiles);
                 for f in &opened.files {
-                    let dup = f.file.try_clone().map_err(|source| IoError::Disk {
+                    let dup = f.current().try_clone().map_err(|source| IoError::Disk {
                         path: f.path.clone(),
                         what: "duplicating a cache file's descriptor",
                         source,
@@ -655,7 +667,11 @@ fn open_set(sub: &Path, set: &str, opts: &DiskOptions, g: Geometry) -> Result<Op
                 }
             }
         }
-        out.push(CacheFile { path, file: o.file });
+        out.push(CacheFile {
+            path,
+            file: std::sync::RwLock::new(Arc::new(o.file)),
+            len,
+        });
     }
     dir::remove_data_files_from(sub, set, nfiles);
     if forgotten > 0 {
