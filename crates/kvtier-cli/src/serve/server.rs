@@ -127,6 +127,26 @@ impl Drop for InFlight {
     }
 }
 
+/// The status a non-streaming request is counted under in `kvtier_http_requests_total` when its
+/// client went away before the answer (nginx's "client closed request").
+const CLIENT_CLOSED: u16 = 499;
+
+/// Counts a non-streaming request whose handler is dropped before it answered (the client went
+/// away) as [`CLIENT_CLOSED`] (#28: such requests were missing from the HTTP counters).
+struct Unanswered<'a> {
+    st: &'a AppState,
+    endpoint: &'static str,
+    answered: bool,
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.st.exporter.http_request(self.endpoint, CLIENT_CLOSED);
+        }
+    }
+}
+
 /// Reads a request body within the server's body timeout and size limit (408 / 413 as OpenAI
 /// errors).
 async fn read_body(st: &AppState, body: axum::body::Body) -> Result<Bytes, ApiError> {
@@ -297,7 +317,13 @@ async fn respond(st: Arc<AppState>, v: Result<Validated, ApiError>, flavor: Flav
         st.exporter.http_request(flavor.endpoint(), 200);
         stream_response(st, v, flavor, rx, id, arrived, in_flight)
     } else {
+        let mut pending = Unanswered {
+            st: &st,
+            endpoint: flavor.endpoint(),
+            answered: false,
+        };
         let resp = full_response(&st, &v, flavor, rx, &id, arrived, in_flight).await;
+        pending.answered = true;
         st.exporter
             .http_request(flavor.endpoint(), resp.status().as_u16());
         resp

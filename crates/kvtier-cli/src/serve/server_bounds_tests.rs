@@ -105,6 +105,9 @@ async fn in_flight_returns_to_zero_when_clients_disconnect() {
             b.held.lock().map(|mut h| h.clear()).unwrap_or(());
         }
     }
+    // #28: the three non-streaming disconnects are counted (they were missing).
+    let closed = "kvtier_http_requests_total{endpoint=\"completions\",status=\"499\"}";
+    assert_eq!(gauge(&srv.url, closed).await, 3.0);
 }
 
 /// Regression (#13, unclear errors): 405 and 413 answers were plain text, not OpenAI JSON.
