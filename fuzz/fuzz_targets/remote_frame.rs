@@ -15,7 +15,11 @@ fuzz_target!(|data: &[u8]| {
     let mut out = vec![0u8; block];
     if decode_value("fuzz", key, value, &mut out).is_ok() {
         assert_eq!(value.len(), HEADER_LEN + block);
-        assert_eq!(encode_value("fuzz", key, &out), value, "accepted a value kvtier did not write");
+        assert_eq!(
+            encode_value("fuzz", key, &out),
+            value,
+            "accepted a value kvtier did not write"
+        );
     }
     // A value kvtier wrote always decodes, and never under another key.
     let mine = encode_value("fuzz", key, value);

@@ -87,7 +87,9 @@ keys, dotted or nested, e.g. ``{"host.num_blocks": 64}``), layered over defaults
 KVTIER_* / DYN_KVBM_* environment. Adapter keys:
 
 - ``block_size`` (int, required): tokens per block (TensorRT-LLM ``tokens_per_block``).
-- ``world_size`` (int, default 1), ``rank`` (int, Worker only, default 0).
+- ``world_size`` (int, default 1, at most 65536), ``rank`` (int, Worker only, default 0). Whole
+  numbers are refused (``KvtierError`` naming the key), never truncated, when out of range: e.g.
+  ``block_size`` must fit 32 bits.
 - ``async_loads`` (bool): loads complete through ``get_finished`` instead of before the forward
   pass. Unset: kvtier's ``connector.async_loads`` (TOML < ``KVTIER_ASYNC_LOADS`` < engine keys), else
   ``async_loads_default`` (bool, the adapter's default: vLLM True, TensorRT-LLM False), else False.
@@ -96,7 +98,8 @@ KVTIER_* / DYN_KVBM_* environment. Adapter keys:
 - ``bytes_per_block`` (int): one block summed over all ranks. Without it the Leader waits (up to
   ``connector.leader_worker_timeout_secs``) for an in-process Worker's layout and assumes equal shards.
 - ``num_device_blocks`` (int): the engine's G1 block count (checked against block ids).
-- ``link`` (Worker: "engine" (default) | "in_process" | "zmq"; Leader: "zmq" or unset):
+- ``link`` (Worker: "engine" (default) | "in_process" | "zmq"; Leader: "zmq" or unset; any other
+  value is refused):
   "engine" buffers job reports for ``take_reports()`` -> ``Leader.apply_reports(blob)`` through the
   engine's own channel; "in_process" hands them straight to the Leader of this process with the
   same ``channel`` key; "zmq" connects to the Leader over ZeroMQ (every rank says hello, the Leader

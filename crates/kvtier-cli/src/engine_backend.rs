@@ -222,6 +222,13 @@ pub fn samples_of(m: &EngineMetrics, block_size: usize, num_device_blocks: usize
             "kvtier_engine_requests_total",
             "Engine requests by outcome",
             SampleKind::Counter,
+            ("state", "aborted"),
+            m.requests_aborted as f64,
+        ),
+        labelled(
+            "kvtier_engine_requests_total",
+            "Engine requests by outcome",
+            SampleKind::Counter,
             ("state", "rejected"),
             m.requests_rejected as f64,
         ),

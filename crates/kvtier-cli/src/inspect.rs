@@ -106,7 +106,10 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     // f32 K and V, every layer.
     let bytes_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * 4;
     let bytes_per_block = bytes_per_token * args.engine.block_size;
-    let caps = cfg.resolve_capacity(bytes_per_block)?;
+    let caps = cfg.resolve_capacity_on_disk(
+        bytes_per_block,
+        kvtier_io::disk::slot_bytes(bytes_per_block),
+    )?;
     let device_gb = (args.engine.num_device_blocks * bytes_per_block) as f64 / 1e9;
     let gb = |blocks: usize| (blocks * bytes_per_block) as f64 / 1e9;
     let disk = summarize_dir(&cfg.disk.dir);

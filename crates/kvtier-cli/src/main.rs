@@ -49,7 +49,38 @@ enum BenchCommand {
     Transfer(TransferArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+/// Exit status of a configuration error (as clap's usage errors).
+const EXIT_CONFIG: u8 = 2;
+
+/// Runs the command; an error is printed as one message (its causes joined, never a backtrace,
+/// whatever `RUST_BACKTRACE` says) and exits 1, or 2 for a configuration error.
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            let (what, code) = if is_config_error(&e) {
+                ("configuration error", EXIT_CONFIG)
+            } else {
+                ("error", 1)
+            };
+            eprintln!("kvtier: {what}: {e:#}");
+            std::process::ExitCode::from(code)
+        }
+    }
+}
+
+/// Whether `e` is (caused by) an invalid setting.
+fn is_config_error(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.is::<kvtier::config::ConfigError>()
+            || matches!(
+                c.downcast_ref::<kvtier_io::compose::ComposeError>(),
+                Some(kvtier_io::compose::ComposeError::Config(_))
+            )
+    })
+}
+
+fn run() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -269,13 +269,20 @@ impl EngineArgs {
 /// Builds the engine's connector setup from the kvtier configuration — what the original's
 /// `--connector kvbm` flag does for TensorRT-LLM's `KvCacheConnectorConfig`.
 pub fn connector_setup(cfg: &KvtierConfig) -> anyhow::Result<ConnectorSetup> {
-    if cfg.disk.size.is_some() {
-        std::fs::create_dir_all(&cfg.disk.dir).with_context(|| {
-            format!(
-                "creating the disk tier directory {}",
-                cfg.disk.dir.display()
-            )
-        })?;
+    if cfg.disk.size.is_some() && std::fs::symlink_metadata(&cfg.disk.dir).is_err() {
+        // Private, as docs/CONFIG.md says (#28: create_dir_all made it 0755); an existing
+        // directory is left as it is.
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&cfg.disk.dir)
+            .with_context(|| {
+                format!(
+                    "creating the disk tier directory {}",
+                    cfg.disk.dir.display()
+                )
+            })?;
     }
     Ok(ConnectorSetup::new(cfg.clone()))
 }
@@ -283,6 +290,28 @@ pub fn connector_setup(cfg: &KvtierConfig) -> anyhow::Result<ConnectorSetup> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression (#28): `disk.dir` was created 0755 while docs/CONFIG.md says 0700.
+    #[test]
+    fn missing_disk_dir_is_created_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("a").join("b");
+        let env: HashMap<String, String> = [
+            ("KVTIER_HOST_NUM_BLOCKS", "4"),
+            ("KVTIER_DISK_NUM_BLOCKS", "4"),
+            ("KVTIER_DISK_DIR", dir.to_str().unwrap()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let cfg = KvtierConfig::build(None, &env, None).unwrap();
+        connector_setup(&cfg).unwrap();
+        for d in [&dir, &tmp.path().join("a")] {
+            let mode = std::fs::metadata(d).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o700, "{}", d.display());
+        }
+    }
     use kvtier::config::{RemoteTarget, TierSize};
 
     #[test]

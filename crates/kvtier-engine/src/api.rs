@@ -134,6 +134,19 @@ pub enum FinishReason {
     /// Prefill role: the first token is computed and the prompt's KV is published to the shared
     /// tier; a decode engine continues the request.
     Prefilled,
+    /// The client went away mid-generation: the request ended early, counted in
+    /// `EngineMetrics::requests_aborted`, not as finished (#28).
+    Aborted,
+}
+
+impl EngineMetrics {
+    /// Counts a request that ended (not failed) with `reason`: finished, or aborted.
+    pub(crate) fn count_end(&mut self, reason: FinishReason) {
+        match reason {
+            FinishReason::Aborted => self.requests_aborted += 1,
+            _ => self.requests_finished += 1,
+        }
+    }
 }
 
 impl FinishReason {
@@ -143,6 +156,7 @@ impl FinishReason {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Prefilled => "prefilled",
+            FinishReason::Aborted => "abort",
         }
     }
 
@@ -152,6 +166,7 @@ impl FinishReason {
             "stop" => Some(FinishReason::Stop),
             "length" => Some(FinishReason::Length),
             "prefilled" => Some(FinishReason::Prefilled),
+            "abort" => Some(FinishReason::Aborted),
             _ => None,
         }
     }
@@ -191,6 +206,8 @@ pub struct EngineMetrics {
     pub requests_submitted: u64,
     /// Requests that finished.
     pub requests_finished: u64,
+    /// Requests whose client went away before they finished.
+    pub requests_aborted: u64,
     /// Requests that ended with an error.
     pub requests_failed: u64,
     /// Requests refused (overloaded or invalid).

@@ -411,7 +411,7 @@ impl EngineCore {
                 r.generated += 1;
                 self.metrics.generated_tokens += 1;
                 if !r.send(&mut self.outbox, GenerateEvent::Token(tok)) {
-                    r.finish = Some(FinishReason::Stop);
+                    r.finish = Some(FinishReason::Aborted);
                     continue;
                 }
                 let user_max = r.max_total_len - r.prompt_len;
@@ -451,7 +451,7 @@ impl EngineCore {
                 None => false,
             };
             if !failed {
-                self.metrics.requests_finished += 1;
+                self.metrics.count_end(reason);
             }
             let defer_done = keep && reason == FinishReason::Prefilled;
             if !failed && !defer_done {

@@ -219,3 +219,30 @@ fn connector_matched_tokens_are_subtracted_from_the_first_computed_position() {
         assert_eq!(r.iter().filter(|x| x.is_new).count(), 1);
     }
 }
+
+/// Regression (#28): a request whose client went away was counted as finished. It ends at the
+/// next token and is counted as aborted.
+#[test]
+fn a_request_whose_client_left_is_counted_as_aborted() {
+    let cfg = EngineConfig::builtin(0);
+    let mut core =
+        EngineCore::new(&cfg, Model::builtin(0), "m", Arc::new(AtomicUsize::new(1))).unwrap();
+    let (tx, rx) = unbounded_channel();
+    let mut req = GenerateRequest::new((0..40u32).collect(), 50);
+    req.ignore_eos = true;
+    core.add_request(RequestId::from("gone"), req, tx);
+    core.step();
+    core.flush_events();
+    drop(rx);
+    for _ in 0..20 {
+        core.step();
+        core.flush_events();
+    }
+    assert_eq!(
+        (
+            core.metrics.requests_aborted,
+            core.metrics.requests_finished
+        ),
+        (1, 0)
+    );
+}

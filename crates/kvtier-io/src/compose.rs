@@ -251,7 +251,16 @@ impl Composition {
                 setting: "bytes per block".into(),
                 reason: "does not fit this machine".into(),
             })?;
-        let caps = config.resolve_capacity(total)?;
+        let on_disk = cluster
+            .bytes_per_block
+            .iter()
+            .map(|&b| usize::try_from(b).map(crate::disk::slot_bytes))
+            .sum::<Result<usize, _>>()
+            .map_err(|_| ConfigError::Invalid {
+                setting: "bytes per block".into(),
+                reason: "does not fit this machine".into(),
+            })?;
+        let caps = config.resolve_capacity_on_disk(total, on_disk)?;
         let salt = HashSalt::new(&identity.key(), None, config.hashing.salt.as_deref());
         let namespace = identity.namespace();
         Ok(Composition {

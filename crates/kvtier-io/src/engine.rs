@@ -603,7 +603,7 @@ impl TransferEngine {
             "transfer job done"
         );
         if let TransferOutcome::Failed(f) = &outcome {
-            tracing::warn!(
+            kvtier::warn_limited!(
                 job = job.id.0,
                 src = job.src.label(),
                 dst = job.dst.label(),

@@ -267,6 +267,9 @@ fn rows(tmp: &Path) -> Vec<Row> {
     let other_dir = tmp.join("elsewhere");
     let other = other_dir.display().to_string();
     let remote_dir = tmp.join("remote");
+    let mac_dir = tmp.join("remote-keyed");
+    let mac_key = tmp.join("mac.key");
+    std::fs::write(&mac_key, b"a cluster secret of this test\n").unwrap();
     let with_disk = base(&[("disk.num_blocks", "4")]);
     let default_salt = {
         let b = build(Source::Toml, "host.num_blocks", "8", &base(&[])).unwrap();
@@ -286,11 +289,13 @@ fn rows(tmp: &Path) -> Vec<Row> {
             base: base(&[]),
             check: host_blocks(5),
         },
+        // 40000 bytes / (4 KiB header page + 512 bytes rounded up to 4 KiB) per slot (#28: the
+        // header page was left out, 78 blocks).
         Row {
             key: "disk.gb",
-            value: "0.000003".into(),
+            value: "0.00004".into(),
             base: base(&[]),
-            check: disk_blocks(5),
+            check: disk_blocks(4),
         },
         Row {
             key: "disk.num_blocks",
@@ -375,6 +380,23 @@ fn rows(tmp: &Path) -> Vec<Row> {
                 )
             }),
         },
+        // The key file makes each value's tag a keyed MAC: the stored frame's flags say so.
+        Row {
+            key: "remote.mac_key_file",
+            value: mac_key.display().to_string(),
+            base: base(&[("remote.url", &format!("dir://{}", mac_dir.display()))]),
+            check: Box::new(move |b| {
+                let b = ok(b)?;
+                let r = b.remote.as_ref().ok_or("no remote store")?;
+                r.put(0xabc, b"block").map_err(|e| e.to_string())?;
+                let file = walk_files(&mac_dir).pop().ok_or("no value file")?;
+                let v = std::fs::read(&file).map_err(|e| e.to_string())?;
+                expect(
+                    v.get(6) == Some(&1),
+                    format!("{file:?} is not keyed: {:?}", v.get(..8)),
+                )
+            }),
+        },
         Row {
             key: "policy.disk_filter.enabled",
             value: "false".into(),
@@ -434,6 +456,15 @@ fn rows(tmp: &Path) -> Vec<Row> {
             }),
         },
     ]
+}
+
+fn walk_files(root: &Path) -> Vec<std::path::PathBuf> {
+    walk_dirs(root)
+        .into_iter()
+        .flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten())
+        .map(|e| e.path())
+        .filter(|p| p.is_file())
+        .collect()
 }
 
 fn walk_dirs(root: &Path) -> Vec<std::path::PathBuf> {

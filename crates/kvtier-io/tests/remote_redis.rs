@@ -504,3 +504,37 @@ fn stalled_server_costs_one_deadline_per_window_not_per_caller() -> Result<()> {
     assert_eq!(store.breaker_stats().state, BreakerState::Closed);
     Ok(())
 }
+
+/// Regression (#28): a 1 GB value under a block's key was read whole (54 s, 3.2 GB). A value
+/// larger than one frame is refused from the reply's length prefix with a typed error, having
+/// read at most its header, and the store goes on working (the connection holding the rest of
+/// the reply was dropped).
+#[test]
+fn oversized_value_is_refused_without_reading_it() -> Result<()> {
+    let Some(srv) = RedisServer::start() else {
+        return Ok(());
+    };
+    let store = from_url(&srv.url(), "big")?;
+    let big = encode_value("big", 5, &vec![1u8; 64 << 20]);
+    let mut raw = srv.raw()?;
+    let _: () = redis::cmd("SET")
+        .arg(format!("kvtier:v1:big:{:032x}", 5u128))
+        .arg(&big)
+        .query(&mut raw)?;
+    drop(big);
+    let mut out = vec![0u8; 4096];
+    let (r, t) = timed(|| store.get(5, &mut out));
+    assert_eq!(
+        remote_err(r),
+        RemoteError::SizeMismatch {
+            key: 5,
+            expected: 4096,
+            stored: 64 << 20
+        }
+    );
+    assert!(t < Duration::from_secs(2), "took {t:?}");
+    store.put(6, &block(6, 4096))?;
+    store.get(6, &mut out)?;
+    assert_eq!(out, block(6, 4096));
+    Ok(())
+}

@@ -453,11 +453,11 @@ impl PyLeader {
         let world_size = settings.world_size()?;
         let async_loads = settings.async_loads()?;
         let total = settings.usize("bytes_per_block")?;
-        let num_device_blocks = settings.usize("num_device_blocks")?;
+        let num_device_blocks = settings.u32("num_device_blocks")?;
         let timeout = settings.timeout();
         let channel = settings.channel()?;
         // ZeroMQ only when the adapter asks for it (ranks in other processes).
-        let zmq_endpoint = if settings.string("link")?.as_deref() == Some("zmq") {
+        let zmq_endpoint = if settings.link()?.as_deref() == Some("zmq") {
             Some(settings.zmq_endpoint_or_default()?)
         } else {
             None
@@ -503,9 +503,7 @@ impl PyLeader {
                 let per_rank = (total as u64) / u64::from(world_size);
                 let layout = ClusterLayout {
                     block_size: block_size as u32,
-                    num_device_blocks: num_device_blocks
-                        .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
-                        .unwrap_or(u32::MAX),
+                    num_device_blocks: num_device_blocks.unwrap_or(u32::MAX),
                     bytes_per_block: vec![per_rank; world_size as usize],
                 };
                 inner.reports = rv.take_receiver();

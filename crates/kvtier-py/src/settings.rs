@@ -37,6 +37,12 @@ pub fn default_zmq_endpoint(channel: &str) -> BridgeResult<String> {
 }
 
 /// Keys the adapters pass that are not kvtier configuration keys.
+/// The largest `world_size` accepted.
+pub const MAX_WORLD_SIZE: u32 = 1 << 16;
+
+/// The values of the `link` setting.
+pub const LINKS: &[&str] = &["engine", "in_process", "zmq"];
+
 const ADAPTER_KEYS: &[&str] = &[
     "block_size",
     "world_size",
@@ -213,19 +219,58 @@ impl Settings {
                     "required (tokens per block; TensorRT-LLM tokens_per_block, vLLM block_size)",
                 )
             })?;
-        if b == 0 {
-            return Err(bad("block_size", "must be > 0"));
+        // Refused, never truncated (#28: 2**32 + 16 became 16).
+        if b == 0 || u32::try_from(b).is_err() {
+            return Err(bad(
+                "block_size",
+                format!(
+                    "{b} is out of range: tokens per block must be 1..={}",
+                    u32::MAX
+                ),
+            ));
         }
         Ok(b)
     }
 
-    /// The engine's tensor-parallel world size (`world_size`, default 1; must be > 0).
+    /// The engine's tensor-parallel world size (`world_size`, default 1; 1..=[`MAX_WORLD_SIZE`]).
     pub fn world_size(&self) -> BridgeResult<u32> {
         let w = self.usize("world_size")?.unwrap_or(1);
         u32::try_from(w)
             .ok()
-            .filter(|w| *w > 0)
-            .ok_or_else(|| bad("world_size", format!("{w} is not a valid world size")))
+            .filter(|w| (1..=MAX_WORLD_SIZE).contains(w))
+            .ok_or_else(|| {
+                bad(
+                    "world_size",
+                    format!(
+                        "{w} is out of range: the tensor-parallel world size must be \
+                         1..={MAX_WORLD_SIZE}"
+                    ),
+                )
+            })
+    }
+
+    /// The adapter setting `key` as a whole number that fits a `u32` (refused, never
+    /// truncated, when it does not); `None` if absent or null.
+    pub fn u32(&self, key: &str) -> BridgeResult<Option<u32>> {
+        match self.usize(key)? {
+            None => Ok(None),
+            Some(v) => u32::try_from(v)
+                .map(Some)
+                .map_err(|_| bad(key, format!("{v} is out of range: at most {}", u32::MAX))),
+        }
+    }
+
+    /// The `link` setting: `None` (unset) or one of [`LINKS`]; anything else is refused naming
+    /// the values accepted (#28: `link="bogus"` was taken as the default).
+    pub fn link(&self) -> BridgeResult<Option<String>> {
+        match self.string("link")? {
+            None => Ok(None),
+            Some(l) if LINKS.contains(&l.as_str()) => Ok(Some(l)),
+            Some(l) => Err(bad(
+                "link",
+                format!("{l:?} is not one of {}", LINKS.join(", ")),
+            )),
+        }
     }
 
     /// The ZeroMQ endpoint of the leader <-> worker channel: the `zmq_endpoint` setting, else
@@ -256,5 +301,51 @@ impl Settings {
         Ok(self
             .string("channel")?
             .unwrap_or_else(|| "default".to_string()))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn settings(pairs: &[(&str, Bound<'_, PyAny>)]) -> BridgeResult<Settings> {
+        let py = pairs[0].1.py();
+        let d = PyDict::new(py);
+        d.set_item("host.num_blocks", 4).unwrap();
+        for (k, v) in pairs {
+            d.set_item(k, v).unwrap();
+        }
+        Settings::from_py(Some(&d))
+    }
+
+    /// Regression (#28): `block_size = 2**32 + 16` became 16 (silent truncation to 32 bits),
+    /// `link = "bogus"` was accepted, and `world_size = 10**6` gave an error that did not name
+    /// the problem. Each is refused with an error naming the key and the range.
+    #[test]
+    fn out_of_range_settings_are_refused_by_name() {
+        Python::initialize();
+        Python::attach(|py| {
+            let int = |v: u64| v.into_pyobject(py).unwrap().into_any();
+            let s = settings(&[("block_size", int((1 << 32) + 16))]).unwrap();
+            let e = s.block_size().unwrap_err().to_string();
+            assert!(
+                e.contains("block_size") && e.contains("out of range"),
+                "{e}"
+            );
+            let s = settings(&[("world_size", int(1_000_000))]).unwrap();
+            let e = s.world_size().unwrap_err().to_string();
+            assert!(e.contains("world_size") && e.contains("1..=65536"), "{e}");
+            let s = settings(&[("num_device_blocks", int(1 << 33))]).unwrap();
+            let e = s.u32("num_device_blocks").unwrap_err().to_string();
+            assert!(e.contains("num_device_blocks"), "{e}");
+            let s = settings(&[("link", "bogus".into_pyobject(py).unwrap().into_any())]).unwrap();
+            let e = s.link().unwrap_err().to_string();
+            assert!(e.contains("link") && e.contains("zmq"), "{e}");
+            let s = settings(&[("link", "zmq".into_pyobject(py).unwrap().into_any())]).unwrap();
+            assert_eq!(s.link().unwrap().as_deref(), Some("zmq"));
+            let s = settings(&[("block_size", int(16))]).unwrap();
+            assert_eq!(s.block_size().unwrap(), 16);
+        });
     }
 }

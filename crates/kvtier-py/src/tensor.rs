@@ -126,6 +126,13 @@ impl TensorDesc {
         if self.data_ptr == 0 && self.shape.iter().product::<usize>() > 0 {
             return bad("data pointer is null".into());
         }
+        // #28: a bogus pointer reached the transfer engine; an unaligned one is refused here.
+        if !self.data_ptr.is_multiple_of(self.itemsize as u64) {
+            return bad(format!(
+                "data pointer 0x{:x} is not aligned to the element size {}",
+                self.data_ptr, self.itemsize
+            ));
+        }
         Ok(())
     }
 
@@ -345,6 +352,16 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("kv_factor"));
+        let mut d = pool(vec![10, 4, 2, 256], 2);
+        d.data_ptr = 0x1001;
+        assert!(d
+            .to_core("t")
+            .unwrap_err()
+            .to_string()
+            .contains("not aligned"));
+        let mut d = pool(vec![10, 4, 2, 256], 2);
+        d.data_ptr = 0;
+        assert!(d.to_core("t").unwrap_err().to_string().contains("null"));
         let mut d = pool(vec![10, 4, 2, 256], 2);
         d.dtype = "complex64".into();
         assert!(d

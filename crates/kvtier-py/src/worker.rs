@@ -212,9 +212,7 @@ impl PyWorker {
         }
         let memory = EngineMemory::from_tensors(dl, owned)
             .map_err(|e| BridgeError::local(Family::Layout, e.to_string()))?;
-        let link_name = settings
-            .string("link")?
-            .unwrap_or_else(|| "engine".to_string());
+        let link_name = settings.link()?.unwrap_or_else(|| "engine".to_string());
         let me = RankLayout {
             rank,
             world_size,

@@ -312,10 +312,23 @@ impl KvtierConfig {
     }
 
     /// Turn the requested sizes into block counts: `blocks = floor(GB * 1e9 / bytes_per_block)`,
-    /// where `bytes_per_block_all_ranks` is one block's bytes summed over all TP ranks.
+    /// where `bytes_per_block_all_ranks` is one block's bytes summed over all TP ranks. The disk
+    /// tier is sized by the same bytes here; [`Self::resolve_capacity_on_disk`] counts what a
+    /// disk slot really takes (its header page, alignment).
     pub fn resolve_capacity(
         &self,
         bytes_per_block_all_ranks: usize,
+    ) -> Result<TierCapacities, ConfigError> {
+        self.resolve_capacity_on_disk(bytes_per_block_all_ranks, bytes_per_block_all_ranks)
+    }
+
+    /// As [`Self::resolve_capacity`], with `disk.gb` divided by `disk_bytes_per_block_all_ranks`,
+    /// the bytes one block's disk slots take on all ranks (payload rounded up to the I/O
+    /// alignment plus the header page: #28, the files were 1.25x `disk.gb` at 16 KiB blocks).
+    pub fn resolve_capacity_on_disk(
+        &self,
+        bytes_per_block_all_ranks: usize,
+        disk_bytes_per_block_all_ranks: usize,
     ) -> Result<TierCapacities, ConfigError> {
         if bytes_per_block_all_ranks == 0 {
             return Err(ConfigError::Invalid {
@@ -323,7 +336,10 @@ impl KvtierConfig {
                 reason: "is 0; the KV layout was not registered".into(),
             });
         }
-        let blocks = |size: Option<TierSize>, setting: &str| -> Result<usize, ConfigError> {
+        let blocks = |size: Option<TierSize>,
+                      setting: &str,
+                      bytes_per_block_all_ranks: usize|
+         -> Result<usize, ConfigError> {
             match size {
                 None => Ok(0),
                 Some(TierSize::Blocks(n)) => usize::try_from(n).map_err(|_| ConfigError::Invalid {
@@ -354,10 +370,12 @@ impl KvtierConfig {
             host_blocks: blocks(
                 self.host.size,
                 "host.gb (KVTIER_HOST_GB, DYN_KVBM_CPU_CACHE_GB)",
+                bytes_per_block_all_ranks,
             )?,
             disk_blocks: blocks(
                 self.disk.size,
                 "disk.gb (KVTIER_DISK_GB, DYN_KVBM_DISK_CACHE_GB)",
+                disk_bytes_per_block_all_ranks.max(1),
             )?,
             remote: self.remote.is_some(),
         })

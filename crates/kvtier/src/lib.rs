@@ -19,6 +19,7 @@ pub mod layout;
 pub mod metrics;
 pub mod policy;
 pub mod pool;
+pub mod ratelimit;
 pub mod tokens;
 pub mod transfer;
 

@@ -499,3 +499,70 @@ fn ipc_endpoint_works_is_private_and_others_are_refused() {
         assert!(matches!(e, ConnectorError::Channel(_)), "{bad}: {e}");
     }
 }
+
+/// Regression (#28, security): with a fixed KVTIER_ZMQ_SECRET, a captured worker hello replayed
+/// to a restarted leader was accepted as rank 0 and locked the real worker out (the hello had no
+/// challenge from the leader). The hello now answers a challenge the leader issued to that peer:
+/// the replay is refused (with or without asking for a challenge first), and the real rank joins.
+#[test]
+fn replayed_hello_is_refused_by_a_restarted_leader() {
+    use kvtier::connector::zmq::{decode, encode, hello};
+    use kvtier::connector::zmq_auth::ChannelSecret;
+    use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+    let secret = ChannelSecret::new(b"fixed deployment secret of this test".to_vec()).unwrap();
+    let single = RankLayout {
+        world_size: 1,
+        ..layout(0, BS)
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    async fn ask(s: &mut DealerSocket, w: &Wire) -> Wire {
+        s.send(ZmqMessage::from(encode(w).unwrap())).await.unwrap();
+        let m = tokio::time::timeout(Duration::from_secs(10), s.recv())
+            .await
+            .expect("no answer from the leader")
+            .unwrap();
+        decode(&m.into_vec().pop().unwrap()).unwrap()
+    }
+    // The real worker's hello to the first leader, captured on the wire.
+    let first = LeaderChannel::bind_with("tcp://127.0.0.1:0", Some(secret.clone())).unwrap();
+    let ep = first.endpoint().to_owned();
+    let captured = rt.block_on(async {
+        let mut s = DealerSocket::new();
+        s.connect(&ep).await.unwrap();
+        let Wire::Challenge(c) = ask(&mut s, &Wire::Hi).await else {
+            panic!("no challenge")
+        };
+        hello(&secret, &c, single.clone()).unwrap()
+    });
+    first.shutdown();
+    // The leader restarts on the same endpoint; the attacker replays the hello.
+    let leader = LeaderChannel::bind_with(&ep, Some(secret.clone())).unwrap();
+    let answers = rt.block_on(async {
+        let mut s = DealerSocket::new();
+        s.connect(&ep).await.unwrap();
+        let direct = ask(&mut s, &captured).await;
+        let Wire::Challenge(_) = ask(&mut s, &Wire::Hi).await else {
+            panic!("no challenge")
+        };
+        let after_challenge = ask(&mut s, &captured).await;
+        (direct, after_challenge)
+    });
+    for a in [answers.0, answers.1] {
+        assert!(
+            matches!(&a, Wire::Reject(r) if r.contains("authentication failed")),
+            "a replayed hello was not refused: {a:?}"
+        );
+    }
+    let w = {
+        let ep = ep.clone();
+        std::thread::spawn(move || {
+            WorkerChannel::connect_with(&ep, single, Duration::from_secs(20), Some(secret))
+                .map(|c| c.layout().clone())
+        })
+    };
+    let agreed = leader.handshake(1, BS, Duration::from_secs(20)).unwrap();
+    assert_eq!(w.join().unwrap().unwrap(), agreed);
+}

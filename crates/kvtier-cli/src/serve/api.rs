@@ -150,6 +150,65 @@ pub struct Sampling {
     /// Non-standard (vLLM): include the generated token ids in each choice.
     #[serde(default)]
     pub return_token_ids: bool,
+    /// OpenAI fields that would change the result and are not implemented: refused unless
+    /// absent or neutral (see [`UNIMPLEMENTED`]).
+    pub echo: Option<Value>,
+    /// See `echo`.
+    pub suffix: Option<Value>,
+    /// See `echo`.
+    pub logit_bias: Option<Value>,
+    /// See `echo`.
+    pub presence_penalty: Option<Value>,
+    /// See `echo`.
+    pub frequency_penalty: Option<Value>,
+    /// See `echo`.
+    pub seed: Option<Value>,
+    /// See `echo`.
+    pub best_of: Option<Value>,
+    /// See `echo`.
+    pub tools: Option<Value>,
+}
+
+/// The OpenAI fields that change results and that this server does not implement, with the
+/// values that leave the result unchanged (#28: they were accepted and ignored while their
+/// siblings were refused).
+pub const UNIMPLEMENTED: &[&str] = &[
+    "echo",
+    "suffix",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "best_of",
+    "tools",
+];
+
+/// The first unimplemented field of `s` set to a value that would change the result.
+fn unimplemented_field(s: &Sampling) -> Option<&'static str> {
+    let neutral = |v: &Option<Value>, ok: &dyn Fn(&Value) -> bool| match v {
+        None | Some(Value::Null) => true,
+        Some(v) => ok(v),
+    };
+    let zero = |v: &Value| v.as_f64() == Some(0.0);
+    let checks: [(&'static str, bool); 8] = [
+        ("echo", neutral(&s.echo, &|v| v == &Value::Bool(false))),
+        ("suffix", neutral(&s.suffix, &|v| v.as_str() == Some(""))),
+        (
+            "logit_bias",
+            neutral(&s.logit_bias, &|v| {
+                v.as_object().is_some_and(|o| o.is_empty())
+            }),
+        ),
+        ("presence_penalty", neutral(&s.presence_penalty, &zero)),
+        ("frequency_penalty", neutral(&s.frequency_penalty, &zero)),
+        ("seed", neutral(&s.seed, &|_| false)),
+        ("best_of", neutral(&s.best_of, &|v| v.as_f64() == Some(1.0))),
+        (
+            "tools",
+            neutral(&s.tools, &|v| v.as_array().is_some_and(|a| a.is_empty())),
+        ),
+    ];
+    checks.into_iter().find(|(_, ok)| !ok).map(|(f, _)| f)
 }
 
 /// `POST /v1/completions` body.
@@ -247,6 +306,15 @@ fn finish(
         if m != &model {
             return Err(ApiError::model_not_found(m));
         }
+    }
+    if let Some(field) = unimplemented_field(s) {
+        return Err(ApiError::invalid(
+            format!(
+                "`{field}` is not supported by this server: it would change the result (greedy \
+                 decoding of the prompt as given only); omit it"
+            ),
+            Some(field),
+        ));
     }
     if let Some(t) = s.temperature {
         if t != 0.0 {
@@ -481,6 +549,42 @@ mod tests {
         assert_eq!(e.param, Some("messages"));
         let e = parse_chat(&b, br#"{"messages":[{"role":"wizard","content":"x"}]}"#).unwrap_err();
         assert_eq!(e.param, Some("messages"));
+    }
+
+    /// Regression (#28): OpenAI fields that change results were accepted and ignored. Each is
+    /// refused with 400 naming it; its neutral value is accepted.
+    #[test]
+    fn result_changing_fields_are_refused_by_name() {
+        let b = FakeBackend::new();
+        for (field, bad, neutral) in [
+            ("echo", "true", "false"),
+            ("suffix", "\"x\"", "\"\""),
+            ("logit_bias", "{\"5\":100}", "{}"),
+            ("presence_penalty", "0.5", "0"),
+            ("frequency_penalty", "-1", "0.0"),
+            ("seed", "7", "null"),
+            ("best_of", "2", "1"),
+            ("tools", "[{\"type\":\"function\"}]", "[]"),
+        ] {
+            let body = format!(r#"{{"prompt":"hi","max_tokens":2,"{field}":{bad}}}"#);
+            let e = parse_completion(&b, body.as_bytes()).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{field}");
+            assert_eq!(e.param, Some(field), "{field}");
+            assert!(e.message.contains(field), "{}", e.message);
+            let chat = format!(
+                r#"{{"messages":[{{"role":"user","content":"hi"}}],"max_tokens":2,"{field}":{bad}}}"#
+            );
+            assert_eq!(
+                parse_chat(&b, chat.as_bytes()).unwrap_err().param,
+                Some(field)
+            );
+            let ok = format!(r#"{{"prompt":"hi","max_tokens":2,"{field}":{neutral}}}"#);
+            assert!(
+                parse_completion(&b, ok.as_bytes()).is_ok(),
+                "{field}={neutral}"
+            );
+        }
+        assert_eq!(UNIMPLEMENTED.len(), 8);
     }
 
     #[test]

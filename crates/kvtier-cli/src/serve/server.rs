@@ -101,7 +101,9 @@ pub async fn serve(
     on_bound: impl FnOnce(SocketAddr),
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("binding {addr}: {e}"))?;
     on_bound(listener.local_addr()?);
     let limits = state.limits;
     crate::serve::listener::run(listener, router(state), limits, shutdown).await
@@ -122,6 +124,26 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.exporter.in_flight(-1.0);
+    }
+}
+
+/// The status a non-streaming request is counted under in `kvtier_http_requests_total` when its
+/// client went away before the answer (nginx's "client closed request").
+const CLIENT_CLOSED: u16 = 499;
+
+/// Counts a non-streaming request whose handler is dropped before it answered (the client went
+/// away) as [`CLIENT_CLOSED`] (#28: such requests were missing from the HTTP counters).
+struct Unanswered<'a> {
+    st: &'a AppState,
+    endpoint: &'static str,
+    answered: bool,
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.st.exporter.http_request(self.endpoint, CLIENT_CLOSED);
+        }
     }
 }
 
@@ -295,7 +317,13 @@ async fn respond(st: Arc<AppState>, v: Result<Validated, ApiError>, flavor: Flav
         st.exporter.http_request(flavor.endpoint(), 200);
         stream_response(st, v, flavor, rx, id, arrived, in_flight)
     } else {
+        let mut pending = Unanswered {
+            st: &st,
+            endpoint: flavor.endpoint(),
+            answered: false,
+        };
         let resp = full_response(&st, &v, flavor, rx, &id, arrived, in_flight).await;
+        pending.answered = true;
         st.exporter
             .http_request(flavor.endpoint(), resp.status().as_u16());
         resp

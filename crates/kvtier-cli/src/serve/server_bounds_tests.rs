@@ -105,6 +105,9 @@ async fn in_flight_returns_to_zero_when_clients_disconnect() {
             b.held.lock().map(|mut h| h.clear()).unwrap_or(());
         }
     }
+    // #28: the three non-streaming disconnects are counted (they were missing).
+    let closed = "kvtier_http_requests_total{endpoint=\"completions\",status=\"499\"}";
+    assert_eq!(gauge(&srv.url, closed).await, 3.0);
 }
 
 /// Regression (#13, unclear errors): 405 and 413 answers were plain text, not OpenAI JSON.
@@ -200,4 +203,34 @@ async fn shutdown_completes_within_the_grace_period_despite_a_half_sent_request(
         .expect("serve did not return after the shutdown signal")
         .expect("serve task");
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+}
+
+/// Regression (#28): the default body limit was 16 MiB (a 15 MB chat body peaked the server at
+/// 511 MB before it was refused); a 2 MiB body is now refused with 413 under the defaults.
+#[tokio::test]
+async fn default_body_limit_refuses_two_megabytes() {
+    assert_eq!(ServeOptions::default().max_body_bytes, 1 << 20);
+    let srv = start(Arc::new(FakeBackend::new()), ServeOptions::default()).await;
+    let big = json!({"prompt": "x".repeat(2 << 20)});
+    let (status, _) = http_client::call(&srv.url, "POST", "/v1/completions", Some(&big), T)
+        .await
+        .expect("call");
+    assert_eq!(status, 413);
+}
+
+/// Regression (#28): `Address already in use` named no address.
+#[tokio::test]
+async fn bind_error_names_the_address() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = taken.local_addr().expect("addr");
+    let state = AppState::with_limits(
+        Arc::new(FakeBackend::new()),
+        Generator::Local,
+        "agg",
+        ServeOptions::default(),
+    );
+    let e = serve(state, addr, |_| {}, async {})
+        .await
+        .expect_err("bound a taken port");
+    assert!(e.to_string().contains(&addr.to_string()), "{e}");
 }

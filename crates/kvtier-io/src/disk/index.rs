@@ -18,7 +18,7 @@
 //! - `live` is the table the durable journal describes; compaction rewrites the journal as one
 //!   record per live slot (temporary file, fsync, rename, fsync of the directory).
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -166,32 +166,75 @@ fn open_rw(path: &Path, truncate: bool) -> std::io::Result<File> {
         .open(path)
 }
 
-/// Apply the whole, valid records of `body` to `live` (highest generation per slot wins),
-/// stopping at the first torn or failing one; returns how many were applied.
-fn apply_records(body: &[u8], set_id: u64, num_blocks: u32, live: &mut [Record]) -> usize {
+/// Bytes of the journal read at a time during replay (a whole number of records).
+const REPLAY_CHUNK: usize = 1024 * REC_BYTES;
+
+/// Apply the whole, valid records of `file` after the superblock to `live` (highest generation
+/// per slot wins), stopping at the first torn or failing one; returns how many were applied.
+/// Streams the journal a chunk at a time (#28: it was read whole, 310 MB of memory for a
+/// 300 MB journal).
+fn apply_records(
+    file: &File,
+    set_id: u64,
+    num_blocks: u32,
+    live: &mut [Record],
+) -> std::io::Result<usize> {
     let mut good = 0usize;
-    for chunk in body.chunks(REC_BYTES) {
-        let rec = (chunk.len() == REC_BYTES)
-            .then(|| decode_record(chunk, set_id, num_blocks))
-            .flatten();
-        let Some(r) = rec else { break };
-        let cur = &mut live[r.slot as usize];
-        if r.generation > cur.generation {
-            *cur = r;
+    let mut buf = vec![0u8; REPLAY_CHUNK];
+    let mut at = SUPER_BYTES as u64;
+    loop {
+        // Fill the chunk (a short read is not the end of the file).
+        let mut n = 0;
+        while n < buf.len() {
+            match file.read_at(&mut buf[n..], at + n as u64) {
+                Ok(0) => break,
+                Ok(k) => n += k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
         }
-        good += 1;
+        for chunk in buf[..n].chunks(REC_BYTES) {
+            let rec = (chunk.len() == REC_BYTES)
+                .then(|| decode_record(chunk, set_id, num_blocks))
+                .flatten();
+            let Some(r) = rec else { return Ok(good) };
+            let cur = &mut live[r.slot as usize];
+            if r.generation > cur.generation {
+                *cur = r;
+            }
+            good += 1;
+        }
+        if n < buf.len() {
+            return Ok(good);
+        }
+        at += n as u64;
     }
-    good
+}
+
+/// The superblock of `file`, if it has a whole one.
+fn read_super(file: &File) -> std::io::Result<Vec<u8>> {
+    let mut b = vec![0u8; SUPER_BYTES];
+    let mut n = 0;
+    while n < SUPER_BYTES {
+        match file.read_at(&mut b[n..], n as u64) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    b.truncate(n);
+    Ok(b)
 }
 
 /// The live table of the journal at `path`, read without changing it (no lock needed: a torn
 /// tail is ignored, compaction replaces the file atomically). `None` if it does not exist or
 /// was not written for `g`.
 pub(crate) fn read_live(path: &Path, g: Geometry) -> Option<Vec<Record>> {
-    let bytes = std::fs::read(path).ok()?;
-    let set_id = decode_super(&bytes, &g)?;
+    let file = File::open(path).ok()?;
+    let set_id = decode_super(&read_super(&file).ok()?, &g)?;
     let mut live = vec![Record::default(); g.num_blocks as usize];
-    apply_records(&bytes[SUPER_BYTES..], set_id, g.num_blocks, &mut live);
+    apply_records(&file, set_id, g.num_blocks, &mut live).ok()?;
     Some(live.into_iter().filter(|r| r.generation != 0).collect())
 }
 
@@ -203,21 +246,21 @@ impl Index {
         g: Geometry,
         warm_ok: bool,
     ) -> std::io::Result<(Index, Replay)> {
-        let mut file = open_rw(path, !warm_ok)?;
-        let mut bytes = Vec::new();
-        if warm_ok {
-            file.read_to_end(&mut bytes)?;
-        }
+        let file = open_rw(path, !warm_ok)?;
+        let head = if warm_ok {
+            read_super(&file)?
+        } else {
+            Vec::new()
+        };
         let mut live = vec![Record::default(); g.num_blocks as usize];
         let mut replay = Replay::default();
-        let set_id = match warm_ok.then(|| decode_super(&bytes, &g)).flatten() {
+        let set_id = match warm_ok.then(|| decode_super(&head, &g)).flatten() {
             Some(id) => id,
             None => {
                 let id = new_set_id();
                 file.set_len(0)?;
                 file.write_all_at(&encode_super(&g, id), 0)?;
                 file.sync_data()?;
-                bytes.clear();
                 let ix = Index {
                     path: path.to_owned(),
                     file,
@@ -231,12 +274,13 @@ impl Index {
             }
         };
         replay.warm = true;
-        let good = apply_records(&bytes[SUPER_BYTES..], set_id, g.num_blocks, &mut live);
-        let body = &bytes[SUPER_BYTES..];
-        let whole = good * REC_BYTES;
-        replay.torn_tail = body.len().saturating_sub(whole).div_ceil(REC_BYTES) as u64;
-        let end = (SUPER_BYTES + whole) as u64;
-        if end < bytes.len() as u64 {
+        let good = apply_records(&file, set_id, g.num_blocks, &mut live)?;
+        let len = file.metadata()?.len();
+        let body = len.saturating_sub(SUPER_BYTES as u64);
+        let whole = (good * REC_BYTES) as u64;
+        replay.torn_tail = body.saturating_sub(whole).div_ceil(REC_BYTES as u64);
+        let end = SUPER_BYTES as u64 + whole;
+        if end < len {
             file.set_len(end)?;
             file.sync_data()?;
         }
@@ -355,6 +399,33 @@ mod tests {
             key: (slot as u128) << 64 | generation as u128,
             payload_hash: generation * 3,
         }
+    }
+
+    /// Regression (#28): the journal was read whole at start (a 300 MB index took 310 MB of
+    /// memory). Replay streams it: a 12.8 MB journal replays within a bounded buffer.
+    #[test]
+    fn replay_streams_the_journal() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("big.index");
+        let (ix, _) = Index::open(&p, G, true).unwrap();
+        let set_id = ix.set_id;
+        drop(ix);
+        let n = 200_000usize;
+        let mut body = vec![0u8; n * REC_BYTES];
+        for (i, out) in body.chunks_mut(REC_BYTES).enumerate() {
+            encode_record(&rec((i % 8) as u32, i as u64 + 1), set_id, out);
+        }
+        body.extend_from_slice(&[7u8; 10]); // a torn tail
+        let mut f = std::fs::OpenOptions::new().append(true).open(&p).unwrap();
+        f.write_all(&body).unwrap();
+        drop((f, body));
+        let ((ix, r), peak) =
+            crate::sys::count_alloc::peak_during(|| Index::open(&p, G, true).unwrap());
+        assert!(r.warm);
+        assert_eq!((ix.records, r.torn_tail), (n as u64, 1));
+        assert_eq!(ix.max_generation(), n as u64);
+        assert_eq!(ix.live().count(), 8);
+        assert!(peak < 1 << 20, "replay held {peak} bytes at once");
     }
 
     #[test]

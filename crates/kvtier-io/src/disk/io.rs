@@ -27,6 +27,8 @@ struct Op {
     header: AlignedBuf,
     staging: Option<AlignedBuf>,
     req: IoReq,
+    /// Keeps `req.fd` open until the operation completed, even if its file is recreated.
+    _file: std::sync::Arc<std::fs::File>,
     /// Bytes the operation must move to succeed (before any injected shortening).
     full_len: usize,
     fault: Option<Fault>,
@@ -123,6 +125,47 @@ impl DiskStorage {
             .collect()
     }
 
+    /// Replaces data file `i`, whose path was deleted (or replaced), by a fresh empty file and
+    /// forgets the slots it held; true once the file in use is linked again (another thread may
+    /// have done it). The old descriptor closes when the last operation holding it completes.
+    fn recreate(&self, i: usize) -> bool {
+        let cf = &self.files[i];
+        let mut g = cf.file.write().unwrap_or_else(|p| p.into_inner());
+        if g.metadata().is_ok_and(|m| m.nlink() > 0) {
+            return true;
+        }
+        let mode = if self.direct {
+            super::DirectMode::Require
+        } else {
+            super::DirectMode::Off
+        };
+        match super::files::open_data_file(&cf.path, cf.len, self.direct, mode, true) {
+            Ok(o) => {
+                *g = std::sync::Arc::new(o.file);
+                drop(g);
+                let first = i * self.blocks_per_file as usize;
+                let mut meta = self.meta();
+                let end = (first + self.blocks_per_file as usize).min(meta.len());
+                for m in meta.get_mut(first..end).into_iter().flatten() {
+                    *m = SlotMeta::default();
+                }
+                kvtier::warn_limited!(
+                    path = %cf.path.display(),
+                    "disk tier: a cache file was deleted; recreated it empty (its blocks are lost)"
+                );
+                true
+            }
+            Err(e) => {
+                kvtier::warn_limited!(
+                    path = %cf.path.display(),
+                    error = %e,
+                    "disk tier: a cache file was deleted and could not be recreated"
+                );
+                false
+            }
+        }
+    }
+
     /// Build the request for one slot (header page + payload, or one staging buffer).
     fn prepare(
         &self,
@@ -136,17 +179,29 @@ impl DiskStorage {
             .slot_position(slot)
             .ok_or(BlockIoError::OutOfRange(slot))?;
         let cf = &self.files[file_idx];
-        let gone = *deleted[file_idx]
-            .get_or_insert_with(|| cf.file.metadata().map(|m| m.nlink() == 0).unwrap_or(true));
+        let gone = *deleted[file_idx].get_or_insert_with(|| {
+            cf.current()
+                .metadata()
+                .map(|m| m.nlink() == 0)
+                .unwrap_or(true)
+        });
         if gone {
             if dir == IoOp::Write {
                 self.meta()[slot as usize] = SlotMeta::default();
             }
-            return Err(BlockIoError::FileDeleted {
-                slot,
-                path: cf.path.clone(),
-            });
+            // A new file takes its place (the blocks it held are lost): later operations work.
+            let recreated = self.recreate(file_idx);
+            if recreated {
+                deleted[file_idx] = Some(false);
+            }
+            if dir == IoOp::Read || !recreated {
+                return Err(BlockIoError::FileDeleted {
+                    slot,
+                    path: cf.path.clone(),
+                });
+            }
         }
+        let file = cf.current();
         let fault = self
             .faults
             .as_ref()
@@ -162,11 +217,12 @@ impl DiskStorage {
             header,
             staging: None,
             req: IoReq {
-                fd: cf.file.as_raw_fd(),
+                fd: file.as_raw_fd(),
                 offset,
                 segs: Vec::new(),
                 op: dir,
             },
+            _file: file,
             full_len: 0,
             fault,
         };

@@ -13,5 +13,6 @@ pub use dir::SUBDIR;
 pub use fault::{Fault, FaultInjector, FaultOp};
 pub use format::KEY_OFFSET as HEADER_KEY_OFFSET;
 pub use store::{
-    recoverable_blocks, DirectMode, DiskIoMode, DiskOptions, DiskStorage, FLUSH_AGE, FLUSH_RECORDS,
+    recoverable_blocks, slot_bytes, DirectMode, DiskIoMode, DiskOptions, DiskStorage, FLUSH_AGE,
+    FLUSH_RECORDS,
 };

@@ -117,7 +117,19 @@ impl DiskOptions {
 
 pub(super) struct CacheFile {
     pub path: PathBuf,
-    pub file: std::fs::File,
+    /// The open file. Replaced by a fresh one when its path was deleted (#28: the tier stayed
+    /// dead for the process); each operation holds its own `Arc` until it completed, so a
+    /// replaced descriptor is never closed under an operation in flight.
+    pub file: std::sync::RwLock<Arc<std::fs::File>>,
+    /// The file's length (its slots).
+    pub len: u64,
+}
+
+impl CacheFile {
+    /// The file operations use now.
+    pub(super) fn current(&self) -> Arc<std::fs::File> {
+        Arc::clone(&self.file.read().unwrap_or_else(|p| p.into_inner()))
+    }
 }
 
 /// What the store knows of one slot.
@@ -338,7 +350,7 @@ impl DiskStorage {
             Some(ix) => {
                 let mut data = Vec::with_capacity(nfiles);
                 for f in &opened.files {
-                    let dup = f.file.try_clone().map_err(|source| IoError::Disk {
+                    let dup = f.current().try_clone().map_err(|source| IoError::Disk {
                         path: f.path.clone(),
                         what: "duplicating a cache file's descriptor",
                         source,
@@ -542,11 +554,16 @@ impl DiskStorage {
     }
 }
 
+/// The bytes one slot of a block of `block_bytes` takes in a cache file: the header page and the
+/// payload rounded up to the I/O alignment (what `disk.gb` is divided by).
+pub fn slot_bytes(block_bytes: usize) -> usize {
+    HEADER_BYTES + block_bytes.div_ceil(IO_ALIGN) * IO_ALIGN
+}
+
 /// The geometry of a store of `num_blocks` blocks of `block_bytes` (`blocks_per_file` 0: about
 /// 1 GiB per file).
 fn geometry(num_blocks: u32, block_bytes: usize, blocks_per_file: u32) -> Geometry {
-    let payload = block_bytes.div_ceil(IO_ALIGN) * IO_ALIGN;
-    let slot_bytes = HEADER_BYTES + payload;
+    let slot_bytes = slot_bytes(block_bytes);
     let blocks_per_file = if blocks_per_file == 0 {
         ((1usize << 30) / slot_bytes).clamp(1, u32::MAX as usize) as u32
     } else {
@@ -650,7 +667,11 @@ fn open_set(sub: &Path, set: &str, opts: &DiskOptions, g: Geometry) -> Result<Op
                 }
             }
         }
-        out.push(CacheFile { path, file: o.file });
+        out.push(CacheFile {
+            path,
+            file: std::sync::RwLock::new(Arc::new(o.file)),
+            len,
+        });
     }
     dir::remove_data_files_from(sub, set, nfiles);
     if forgotten > 0 {

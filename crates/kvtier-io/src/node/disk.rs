@@ -189,7 +189,7 @@ impl NodeDisk {
                 self.spilled += 1;
             }
             Err(e) => {
-                tracing::warn!(error = %e, "kvtier node: spilling a block to disk failed");
+                kvtier::warn_limited!(error = %e, "kvtier node: spilling a block to disk failed");
                 self.free.push(slot);
             }
         }
@@ -207,7 +207,7 @@ impl NodeDisk {
                 true
             }
             Err(e) => {
-                tracing::warn!(error = %e, "kvtier node: a disk block failed its check; dropped");
+                kvtier::warn_limited!(error = %e, "kvtier node: a disk block failed its check; dropped");
                 self.forget(dkey);
                 false
             }

@@ -15,8 +15,6 @@ use std::io;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
 
 use crate::sys::{shm, sock};
 
@@ -124,32 +122,6 @@ pub(super) fn reclaim_stale_arenas(dir: &Path) {
         if shm::flock(&f, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
             tracing::info!(path = %e.path().display(), "removing the arena of a node that is gone");
             let _ = std::fs::remove_file(e.path());
-        }
-    }
-}
-
-/// At most one log line a second for one kind of event; the lines skipped are counted in the
-/// next one.
-#[derive(Debug, Default)]
-pub(super) struct Throttle {
-    state: Mutex<(Option<Instant>, u64)>,
-}
-
-impl Throttle {
-    /// `Some(skipped since the last line)` when a line may be logged now.
-    pub(super) fn allow(&self) -> Option<u64> {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let now = Instant::now();
-        match s.0 {
-            Some(t) if now.duration_since(t) < Duration::from_secs(1) => {
-                s.1 += 1;
-                None
-            }
-            _ => {
-                let skipped = s.1;
-                *s = (Some(now), 0);
-                Some(skipped)
-            }
         }
     }
 }

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use super::books::{BlockCopy, Books, ClientId, NodeStats, PutRefused, SlotGrant, MAX_NAMESPACES};
 use super::disk::{disk_key, NodeDisk};
-use super::listen::{self, Throttle};
+use super::listen;
 use super::protocol::{block_checksum, read_frame, read_frame_max, write_frame};
 use super::protocol::{Reply, Request, MAX_HELLO_FRAME, NODE_PROTOCOL_VERSION};
 use super::share::SharePolicy;
@@ -115,10 +115,6 @@ struct Shared {
     max_namespace_len: usize,
     /// Connection threads and a handle on their sockets (shut down to end them).
     conns: Mutex<Vec<(JoinHandle<()>, UnixStream)>>,
-    /// Rate limits of the log lines a hostile or broken client can cause.
-    log_refused: Throttle,
-    log_full: Throttle,
-    log_damaged: Throttle,
 }
 
 /// A running node service (see the module docs).
@@ -195,9 +191,6 @@ impl NodeServer {
             max_connections: opts.max_connections.max(1),
             max_namespace_len: opts.max_namespace_len,
             conns: Mutex::new(Vec::new()),
-            log_refused: Throttle::default(),
-            log_full: Throttle::default(),
-            log_damaged: Throttle::default(),
         });
         let s = Arc::clone(&shared);
         let accept = std::thread::Builder::new()
@@ -275,20 +268,15 @@ fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
                 let uid = match sock::peer_uid(&stream) {
                     Ok(u) if u == me || shared.allowed.contains(&u) => u,
                     Ok(u) => {
-                        if let Some(skipped) = shared.log_refused.allow() {
-                            tracing::warn!(
-                                uid = u,
-                                skipped,
-                                "kvtier node: refused a client of another user"
-                            );
-                        }
+                        kvtier::warn_limited!(
+                            uid = u,
+                            "kvtier node: refused a client of another user"
+                        );
                         let _ = stream.shutdown(Shutdown::Both);
                         continue;
                     }
                     Err(e) => {
-                        if let Some(skipped) = shared.log_refused.allow() {
-                            tracing::warn!(error = %e, skipped, "kvtier node: refused a client without credentials");
-                        }
+                        kvtier::warn_limited!(error = %e, "kvtier node: refused a client without credentials");
                         let _ = stream.shutdown(Shutdown::Both);
                         continue;
                     }
@@ -297,13 +285,10 @@ fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
                 conns.retain(|(h, _)| !h.is_finished());
                 if conns.len() >= shared.max_connections {
                     drop(conns);
-                    if let Some(skipped) = shared.log_full.allow() {
-                        tracing::warn!(
-                            max = shared.max_connections,
-                            skipped,
-                            "kvtier node: too many connections; closed a new one"
-                        );
-                    }
+                    kvtier::warn_limited!(
+                        max = shared.max_connections,
+                        "kvtier node: too many connections; closed a new one"
+                    );
                     let _ = stream.shutdown(Shutdown::Both);
                     continue;
                 }
@@ -326,7 +311,7 @@ fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
                 std::thread::sleep(Duration::from_millis(20));
             }
             Err(e) => {
-                tracing::warn!(error = %e, "kvtier node: accept failed");
+                kvtier::warn_limited!(error = %e, "kvtier node: accept failed");
                 std::thread::sleep(Duration::from_millis(100));
             }
         }
@@ -487,13 +472,10 @@ fn handle(shared: &Shared, uid: u32, client: &mut Option<ClientId>, req: Request
         }
         Request::Damaged(lease) => {
             if books.drop_block(id, lease) {
-                if let Some(skipped) = shared.log_damaged.allow() {
-                    tracing::warn!(
-                        lease,
-                        skipped,
-                        "kvtier node: a client found a damaged block; dropped"
-                    );
-                }
+                kvtier::warn_limited!(
+                    lease,
+                    "kvtier node: a client found a damaged block; dropped"
+                );
             }
             Reply::Done
         }
@@ -514,13 +496,10 @@ fn commit(shared: &Shared, client: ClientId, put: u64, checksum: u64) -> Reply {
     let mut books = lock(&shared.books);
     if actual != Some(checksum) {
         books.abort_put(client, put);
-        if let Some(skipped) = shared.log_damaged.allow() {
-            tracing::warn!(
-                put,
-                skipped,
-                "kvtier node: a slot's bytes do not match the checksum committed; dropped"
-            );
-        }
+        kvtier::warn_limited!(
+            put,
+            "kvtier node: a slot's bytes do not match the checksum committed; dropped"
+        );
         return Reply::Refused(format!(
             "the bytes of write {put} do not match the checksum committed"
         ));

@@ -1,10 +1,15 @@
-//! The circuit breaker in front of a remote server: after a connection-level failure (refused,
-//! reset, timeout) it opens, and operations fail at once instead of each waiting for its own
-//! timeout; when the window ends exactly one operation probes the server (all others keep failing
-//! fast while it is in flight); a probe that fails reopens the breaker for twice the window (up to
-//! `max_backoff`), one that succeeds closes it.
+//! The circuit breaker in front of a remote server: it opens at once when the server refuses the
+//! connection (nothing listens: [`Failure::Refused`]), and after `trip_after` consecutive other
+//! connection-level failures (a missed deadline, a reset, a protocol error: [`Failure::Failed`]),
+//! so one slow reply from a busy but alive server does not declare it down; while open,
+//! operations fail at once instead of each waiting for its own timeout; when the window ends
+//! exactly one operation probes the server (all others keep failing fast while it is in flight);
+//! a probe that fails reopens the breaker for twice the window (up to `max_backoff`), one that
+//! succeeds closes it.
 //!
 //! Invariants:
+//! - while closed, any success (a reply, even an error reply) resets the count of consecutive
+//!   failures: only an unbroken run of `trip_after` failures (or one refusal) opens the breaker;
 //! - at most one operation is admitted while the breaker is not closed (the probe), so a stalled
 //!   server costs one timeout per window, not one per caller; operations admitted just before
 //!   it opened re-check with [`Ticket::still_admitted`] once they hold a connection, so at most
@@ -49,6 +54,8 @@ pub struct BreakerStats {
 #[derive(Debug)]
 struct Inner {
     state: Phase,
+    /// Consecutive `Failed` operations while closed.
+    fails: u32,
     /// Consecutive windows opened without a successful operation in between.
     streak: u32,
     reason: String,
@@ -65,6 +72,7 @@ enum Phase {
 #[derive(Debug)]
 pub(crate) struct Breaker {
     backoff: Duration,
+    trip_after: u32,
     max_backoff: Duration,
     inner: Mutex<Inner>,
     attempted: AtomicU64,
@@ -72,6 +80,16 @@ pub(crate) struct Breaker {
     short_circuited: AtomicU64,
     opened: AtomicU64,
     probes: AtomicU64,
+}
+
+/// How an admitted operation failed at the connection level.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Failure {
+    /// Nothing accepted the connection: the server is down; opens the breaker at once.
+    Refused,
+    /// A missed deadline, a reset or a protocol error: the server may only be slow or busy;
+    /// opens the breaker after `trip_after` of these in a row.
+    Failed,
 }
 
 /// Why an operation was not admitted.
@@ -86,12 +104,15 @@ pub(crate) struct Ticket<'a> {
 }
 
 impl Breaker {
-    pub(crate) fn new(backoff: Duration, max_backoff: Duration) -> Self {
+    /// A breaker that opens after `trip_after` (at least 1) consecutive failures.
+    pub(crate) fn new(backoff: Duration, max_backoff: Duration, trip_after: u32) -> Self {
         Breaker {
             backoff,
+            trip_after: trip_after.max(1),
             max_backoff: max_backoff.max(backoff),
             inner: Mutex::new(Inner {
                 state: Phase::Closed,
+                fails: 0,
                 streak: 0,
                 reason: String::new(),
             }),
@@ -135,11 +156,19 @@ impl Breaker {
         self.backoff.saturating_mul(factor).min(self.max_backoff)
     }
 
-    fn open(&self, g: &mut Inner, reason: String, was_probe: bool) {
+    fn open(&self, g: &mut Inner, reason: String, was_probe: bool, how: Failure) {
         if self.backoff.is_zero() {
             g.state = Phase::Closed;
             return;
         }
+        if !was_probe && matches!(g.state, Phase::Closed) && how == Failure::Failed {
+            g.fails = g.fails.saturating_add(1);
+            if g.fails < self.trip_after {
+                tracing::debug!(error = %reason, fails = g.fails, "remote operation failed");
+                return;
+            }
+        }
+        g.fails = 0;
         // Another operation admitted while closed may fail after the breaker already opened:
         // it does not extend the window.
         if !was_probe && !matches!(g.state, Phase::Closed) {
@@ -149,7 +178,7 @@ impl Breaker {
         let window = self.window(g.streak);
         if matches!(g.state, Phase::Closed) {
             self.opened.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(error = %reason, ?window, "remote server marked down");
+            kvtier::warn_limited!(error = %reason, ?window, "remote server marked down");
         } else {
             tracing::debug!(error = %reason, ?window, "remote server probe failed");
         }
@@ -186,8 +215,12 @@ impl Ticket<'_> {
                 tracing::info!("remote server reachable again");
                 g.state = Phase::Closed;
                 g.streak = 0;
+                g.fails = 0;
             }
-            (false, Phase::Closed) => g.streak = 0,
+            (false, Phase::Closed) => {
+                g.streak = 0;
+                g.fails = 0;
+            }
             // Opened by another operation meanwhile: only a probe closes it.
             (false, _) => {}
         }
@@ -208,12 +241,13 @@ impl Ticket<'_> {
         self.breaker.short_circuited.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// The operation failed at the connection level: open (or reopen) the breaker.
-    pub(crate) fn failure(mut self, reason: String) {
+    /// The operation failed at the connection level: open (or reopen) the breaker, at once for a
+    /// refusal or a failed probe, after `trip_after` in a row otherwise.
+    pub(crate) fn failure(mut self, reason: String, how: Failure) {
         self.settled = true;
         self.breaker.failed.fetch_add(1, Ordering::Relaxed);
         let mut g = self.breaker.lock();
-        self.breaker.open(&mut g, reason, self.probe);
+        self.breaker.open(&mut g, reason, self.probe, how);
     }
 }
 
@@ -221,7 +255,8 @@ impl Drop for Ticket<'_> {
     fn drop(&mut self) {
         if !self.settled && self.probe {
             let mut g = self.breaker.lock();
-            self.breaker.open(&mut g, "probe abandoned".into(), true);
+            self.breaker
+                .open(&mut g, "probe abandoned".into(), true, Failure::Refused);
         }
     }
 }
@@ -237,15 +272,18 @@ mod tests {
 
     #[test]
     fn opens_on_failure_probes_once_and_doubles_the_window() {
-        let b = Breaker::new(ms(40), ms(100));
-        b.admit().ok().unwrap().failure("reset".into());
+        let b = Breaker::new(ms(40), ms(100), 3);
+        b.admit()
+            .ok()
+            .unwrap()
+            .failure("reset".into(), Failure::Refused);
         assert_eq!(b.stats().state, BreakerState::Open);
         assert!(b.admit().is_err(), "open: fails fast");
         std::thread::sleep(ms(45));
         let probe = b.admit().ok().unwrap();
         assert_eq!(b.stats().state, BreakerState::Probing);
         assert!(b.admit().is_err(), "only one probe at a time");
-        probe.failure("timeout".into());
+        probe.failure("timeout".into(), Failure::Failed);
         // Second window is 80 ms: still open after 45 ms.
         std::thread::sleep(ms(45));
         assert!(b.admit().is_err());
@@ -262,8 +300,11 @@ mod tests {
 
     #[test]
     fn abandoned_probe_reopens() {
-        let b = Breaker::new(ms(10), ms(10));
-        b.admit().ok().unwrap().failure("x".into());
+        let b = Breaker::new(ms(10), ms(10), 3);
+        b.admit()
+            .ok()
+            .unwrap()
+            .failure("x".into(), Failure::Refused);
         std::thread::sleep(ms(15));
         drop(b.admit().ok().unwrap());
         assert_eq!(b.stats().state, BreakerState::Open);
@@ -271,9 +312,56 @@ mod tests {
 
     #[test]
     fn zero_backoff_never_opens() {
-        let b = Breaker::new(Duration::ZERO, Duration::ZERO);
-        b.admit().ok().unwrap().failure("x".into());
+        let b = Breaker::new(Duration::ZERO, Duration::ZERO, 1);
+        b.admit()
+            .ok()
+            .unwrap()
+            .failure("x".into(), Failure::Refused);
         assert_eq!(b.stats().state, BreakerState::Closed);
         assert!(b.admit().is_ok());
+    }
+
+    /// Regression (#28): a healthy store on a busy machine was declared down by one GET that
+    /// missed its deadline. Timeouts trip the breaker only `trip_after` in a row; any reply in
+    /// between starts the count again; a refused connection still opens it at once.
+    #[test]
+    fn slow_replies_trip_only_after_a_run_of_failures() {
+        let b = Breaker::new(ms(1000), ms(1000), 3);
+        for _ in 0..2 {
+            b.admit()
+                .ok()
+                .unwrap()
+                .failure("deadline".into(), Failure::Failed);
+            assert_eq!(b.stats().state, BreakerState::Closed);
+        }
+        b.admit().ok().unwrap().success();
+        for _ in 0..2 {
+            b.admit()
+                .ok()
+                .unwrap()
+                .failure("deadline".into(), Failure::Failed);
+        }
+        assert_eq!(
+            b.stats().state,
+            BreakerState::Closed,
+            "count restarts after a reply"
+        );
+        b.admit()
+            .ok()
+            .unwrap()
+            .failure("deadline".into(), Failure::Failed);
+        assert_eq!(b.stats().state, BreakerState::Open, "third in a row");
+        assert_eq!(b.stats().opened, 1);
+
+        let b = Breaker::new(ms(1000), ms(1000), 3);
+        b.admit()
+            .ok()
+            .unwrap()
+            .failure("refused".into(), Failure::Refused);
+        assert_eq!(
+            b.stats().state,
+            BreakerState::Open,
+            "a refusal opens at once"
+        );
     }
 }

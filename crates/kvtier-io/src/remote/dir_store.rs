@@ -90,6 +90,12 @@ impl DirStore {
         })
     }
 
+    /// Seals values with a keyed MAC under `secret` (see [`frame::FrameSeal::keyed`]).
+    pub fn with_mac_key(mut self, secret: &[u8]) -> Result<Self, RemoteError> {
+        self.seal = frame::FrameSeal::keyed(self.ns.as_str(), secret)?;
+        Ok(self)
+    }
+
     /// The namespace this store reads and writes.
     pub fn namespace(&self) -> &Namespace {
         &self.ns
@@ -150,7 +156,7 @@ impl DirStore {
         if got < HEADER_LEN {
             return Err(RemoteError::Short { key, expected, got });
         }
-        let header = frame::check_header(key, &head, out.len())?;
+        let header = frame::check_header(&self.seal, key, &head, out.len())?;
         let got = read_full(&mut f, out).map_err(io_err)?;
         if got < out.len() {
             return Err(RemoteError::Short {

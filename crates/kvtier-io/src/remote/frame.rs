@@ -5,10 +5,12 @@
 //! offset size field
 //!      0    4 magic        b"KVT4"
 //!      4    2 version      2 (little-endian)
-//!      6    2 flags        0 (reserved; a value with unknown flags is rejected)
+//!      6    2 flags        0, or 1 = keyed (the tag is a MAC); other bits are rejected
 //!      8    8 payload_len  bytes of payload (little-endian)
 //!     16   16 key          the 128-bit sequence hash the value was stored under (little-endian)
-//!     32    8 tag          xxh3-64, seeded by the namespace, of bytes 0..32 || payload
+//!     32    8 tag          xxh3-64, seeded by the namespace, of bytes 0..32 || payload;
+//!                          keyed: the first 8 bytes of HMAC-SHA256(key, domain || namespace ||
+//!                          bytes 0..32 || payload)
 //!     40    n payload
 //! ```
 //!
@@ -22,10 +24,15 @@
 //!   or from another namespace (another model or tenant), fails verification. Format version 1
 //!   checksummed the payload only, which accepted exactly that forgery; version-1 values are
 //!   therefore never trusted and read as a clean miss (they are overwritten by the next store).
-//! - The tag is an integrity check, not a MAC: a writer that can store arbitrary values in the
-//!   remote store can compute it. The store must only be writable by kvtier deployments that share
-//!   the namespace (docs/arch/remote.md, "Trust").
+//! - Unkeyed, the tag is an integrity check, not a MAC: a writer that can store arbitrary values in
+//!   the remote store can compute it. Keyed ([`FrameSeal::keyed`], `remote.mac_key_file`), the tag
+//!   is a MAC under a secret the cluster's engines share, and the flags say so: a keyed store
+//!   serves only values whose MAC verifies under its key; a value without the keyed flag (written
+//!   by an unkeyed writer, or forged with a recomputed unkeyed tag) reads as a clean miss, never
+//!   bytes; a keyed value whose MAC fails (another key, forged) is `Corrupt`.
+use hmac::{Hmac, Mac};
 use kvtier::transfer::RemoteError;
+use sha2::Sha256;
 use xxhash_rust::xxh3::Xxh3;
 
 pub(crate) const MAGIC: [u8; 4] = *b"KVT4";
@@ -34,11 +41,26 @@ pub(crate) const FORMAT_VERSION: u16 = 2;
 pub const HEADER_LEN: usize = 40;
 /// Bytes of the header covered by the tag (everything before it).
 const SEALED_LEN: usize = 32;
+/// The flag of a value whose tag is a keyed MAC.
+pub(crate) const FLAG_KEYED: u16 = 1;
+/// The shortest MAC key accepted.
+pub const MIN_MAC_KEY_LEN: usize = 16;
 
-/// What a value's tag is bound to besides its key: the namespace it is stored in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What a value's tag is bound to besides its key: the namespace it is stored in, and, keyed, a
+/// secret.
+#[derive(Clone)]
 pub struct FrameSeal {
     seed: u64,
+    /// HMAC-SHA256 state after the domain and the namespace (keyed seals only).
+    mac: Option<Hmac<Sha256>>,
+}
+
+impl std::fmt::Debug for FrameSeal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FrameSeal")
+            .field("keyed", &self.mac.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl FrameSeal {
@@ -47,10 +69,55 @@ impl FrameSeal {
         let mut h = Xxh3::new();
         h.update(b"kvtier remote frame v2\0");
         h.update(namespace.as_bytes());
-        FrameSeal { seed: h.digest() }
+        FrameSeal {
+            seed: h.digest(),
+            mac: None,
+        }
+    }
+
+    /// The seal of values stored in `namespace` whose tag is a MAC under `secret` (at least
+    /// [`MIN_MAC_KEY_LEN`] bytes).
+    pub fn keyed(namespace: &str, secret: &[u8]) -> Result<Self, RemoteError> {
+        if secret.len() < MIN_MAC_KEY_LEN {
+            return Err(RemoteError::Config(format!(
+                "the remote MAC key has {} bytes, at least {MIN_MAC_KEY_LEN} are needed",
+                secret.len()
+            )));
+        }
+        let mut mac = Hmac::<Sha256>::new_from_slice(secret)
+            .map_err(|e| RemoteError::Config(format!("remote MAC key: {e}")))?;
+        mac.update(b"kvtier remote frame v2 keyed\0");
+        mac.update(namespace.as_bytes());
+        mac.update(b"\0");
+        Ok(FrameSeal {
+            mac: Some(mac),
+            ..Self::for_namespace(namespace)
+        })
+    }
+
+    /// Whether the tag is a keyed MAC.
+    pub fn is_keyed(&self) -> bool {
+        self.mac.is_some()
+    }
+
+    fn flags(&self) -> u16 {
+        if self.is_keyed() {
+            FLAG_KEYED
+        } else {
+            0
+        }
     }
 
     fn tag(&self, sealed: &[u8], payload: &[u8]) -> u64 {
+        if let Some(mac) = &self.mac {
+            let mut m = mac.clone();
+            m.update(sealed);
+            m.update(payload);
+            let out = m.finalize().into_bytes();
+            let mut t = [0u8; 8];
+            t.copy_from_slice(&out[..8]);
+            return u64::from_le_bytes(t);
+        }
         let mut h = Xxh3::with_seed(self.seed);
         h.update(sealed);
         h.update(payload);
@@ -63,7 +130,7 @@ pub(crate) fn encode_header(seal: &FrameSeal, key: u128, payload: &[u8]) -> [u8;
     let mut h = [0u8; HEADER_LEN];
     h[0..4].copy_from_slice(&MAGIC);
     h[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
-    h[6..8].copy_from_slice(&0u16.to_le_bytes());
+    h[6..8].copy_from_slice(&seal.flags().to_le_bytes());
     h[8..16].copy_from_slice(&(payload.len() as u64).to_le_bytes());
     h[16..32].copy_from_slice(&key.to_le_bytes());
     let tag = seal.tag(&h[..SEALED_LEN], payload);
@@ -84,8 +151,10 @@ fn field<const N: usize>(h: &[u8; HEADER_LEN], at: usize) -> [u8; N] {
     b
 }
 
-/// Validates a header read for `key` when the caller expects a payload of `expected_len` bytes.
+/// Validates a header read for `key` when the caller expects a payload of `expected_len` bytes,
+/// for a store sealed with `seal`.
 pub(crate) fn check_header(
+    seal: &FrameSeal,
     key: u128,
     h: &[u8; HEADER_LEN],
     expected_len: usize,
@@ -107,8 +176,19 @@ pub(crate) fn check_header(
         return Err(corrupt(format!("unknown format version {version}")));
     }
     let flags = u16::from_le_bytes(field(h, 6));
-    if flags != 0 {
+    if flags & !FLAG_KEYED != 0 {
         return Err(corrupt(format!("unknown flags {flags:#06x}")));
+    }
+    if flags != seal.flags() {
+        // Keyed store, unkeyed value (an unkeyed writer, or a forgery with a recomputed unkeyed
+        // tag): never trusted. Unkeyed store, keyed value: it cannot be verified here. Either way
+        // a miss, overwritten by the next put.
+        tracing::debug!(
+            key = format_args!("{key:032x}"),
+            flags,
+            "remote value sealed otherwise (keyed or not) ignored"
+        );
+        return Err(RemoteError::Missing { key });
     }
     let stored_key = u128::from_le_bytes(field(h, 16));
     if stored_key != key {
@@ -164,7 +244,7 @@ pub(crate) fn decode_into(
             got: value.len(),
         });
     };
-    let header = check_header(key, head, out.len())?;
+    let header = check_header(seal, key, head, out.len())?;
     if payload.len() < out.len() {
         return Err(RemoteError::Short {
             key,
@@ -343,5 +423,60 @@ mod tests {
             Err(RemoteError::Missing { key: KEY })
         );
         assert_eq!(out, vec![0u8; 48]);
+    }
+
+    const SECRET: &[u8] = b"0123456789abcdef-cluster-secret";
+
+    fn keyed() -> FrameSeal {
+        FrameSeal::keyed(NS, SECRET).unwrap()
+    }
+
+    fn encode_with(seal: &FrameSeal, key: u128, p: &[u8]) -> Vec<u8> {
+        let mut v = encode_header(seal, key, p).to_vec();
+        v.extend_from_slice(p);
+        v
+    }
+
+    /// Regression (#28): whoever could write to the store could forge a block by recomputing the
+    /// unkeyed tag (16/16 tokens changed). Keyed, a frame with a recomputed unkeyed tag reads as
+    /// a miss, one with the keyed flag but a tag not made with the key is corrupt, and a frame
+    /// of another key is corrupt; the genuine frame round-trips.
+    #[test]
+    fn keyed_seal_refuses_frames_made_without_the_key() {
+        let seal = keyed();
+        let p = payload(512);
+        let good = encode_with(&seal, KEY, &p);
+        let mut out = vec![0u8; 512];
+        decode_into(&seal, KEY, &good, &mut out).unwrap();
+        assert_eq!(out, p);
+
+        let mut evil = p.clone();
+        evil[0] ^= 0xff;
+        let forged = encode_value(NS, KEY, &evil);
+        assert_eq!(
+            decode_into(&seal, KEY, &forged, &mut out),
+            Err(RemoteError::Missing { key: KEY })
+        );
+        let mut flagged = forged.clone();
+        flagged[6..8].copy_from_slice(&FLAG_KEYED.to_le_bytes());
+        let unkeyed = FrameSeal::for_namespace(NS);
+        let tag = unkeyed.tag(&flagged[..SEALED_LEN], &evil);
+        flagged[32..40].copy_from_slice(&tag.to_le_bytes());
+        assert!(matches!(
+            decode_into(&seal, KEY, &flagged, &mut out),
+            Err(RemoteError::Corrupt { .. })
+        ));
+        let other = FrameSeal::keyed(NS, b"another-secret-of-the-same-length").unwrap();
+        assert!(matches!(
+            decode_into(&seal, KEY, &encode_with(&other, KEY, &evil), &mut out),
+            Err(RemoteError::Corrupt { .. })
+        ));
+        // An unkeyed store cannot verify a keyed value: a miss.
+        assert_eq!(
+            decode_into(&unkeyed, KEY, &good, &mut out),
+            Err(RemoteError::Missing { key: KEY })
+        );
+        assert!(FrameSeal::keyed(NS, b"short").is_err());
+        assert!(!format!("{seal:?}").contains("cluster-secret"));
     }
 }

@@ -13,10 +13,11 @@ mod frame;
 mod key;
 mod open;
 mod redis_store;
+mod wire;
 
 pub use breaker::{BreakerState, BreakerStats};
 pub use dir_store::{DirOptions, DirStore};
-pub use frame::{decode_value, encode_value, FrameSeal, HEADER_LEN};
+pub use frame::{decode_value, encode_value, FrameSeal, HEADER_LEN, MIN_MAC_KEY_LEN};
 pub use key::Namespace;
 pub use open::{from_url, open, redact_url};
 pub use redis_store::{RedisOptions, RedisStore};

@@ -5,12 +5,15 @@
 //! Invariant: a URL either yields a fully configured store or a `RemoteError::Config` naming what
 //! was wrong; unknown kvtier options are rejected rather than ignored (a typo must not silently
 //! disable a timeout).
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
 use std::sync::Arc;
 
 use kvtier::config::{RemoteBackend, RemoteTarget};
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
 
 use super::dir_store::{DirOptions, DirStore};
+use super::frame::MIN_MAC_KEY_LEN;
 use super::redis_store::{RedisOptions, RedisStore};
 use crate::node::{NodeClientOptions, NodeStore};
 
@@ -62,6 +65,29 @@ pub fn open(target: &RemoteTarget, namespace: &str) -> Result<Arc<dyn RemoteStor
 
 pub use kvtier::config::redact_url;
 
+/// The secret of `remote.mac_key_file`: the file's bytes less trailing whitespace (a final
+/// newline). The error names the file, never its contents.
+fn read_mac_key(path: &Path) -> Result<Vec<u8>, RemoteError> {
+    let bad =
+        |why: String| RemoteError::Config(format!("remote.mac_key_file {}: {why}", path.display()));
+    let mut key = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+    while key.last().is_some_and(u8::is_ascii_whitespace) {
+        key.pop();
+    }
+    if key.len() < MIN_MAC_KEY_LEN {
+        return Err(bad(format!(
+            "holds {} bytes, at least {MIN_MAC_KEY_LEN} are needed (e.g. `head -c 32 /dev/urandom | base64`)",
+            key.len()
+        )));
+    }
+    if let Ok(m) = std::fs::metadata(path) {
+        if m.permissions().mode() & 0o077 != 0 {
+            tracing::warn!(file = %path.display(), "remote.mac_key_file is readable by other users: chmod 600 it");
+        }
+    }
+    Ok(key)
+}
+
 fn open_url(url: &str, namespace: &str) -> Result<Arc<dyn RemoteStore>, RemoteError> {
     let target = RemoteTarget::parse(url).map_err(RemoteError::Config)?;
     open_target(&target, namespace)
@@ -74,7 +100,11 @@ fn open_target(
     match &target.backend {
         RemoteBackend::Dir { path, fsync } => {
             let opts = DirOptions { fsync: *fsync };
-            Ok(Arc::new(DirStore::open(path, namespace, opts)?))
+            let mut store = DirStore::open(path, namespace, opts)?;
+            if let Some(f) = &target.mac_key_file {
+                store = store.with_mac_key(&read_mac_key(f)?)?;
+            }
+            Ok(Arc::new(store))
         }
         RemoteBackend::Redis(r) => {
             let opts = RedisOptions {
@@ -85,10 +115,15 @@ fn open_target(
                 backoff: r.backoff,
                 max_backoff: r.max_backoff,
                 lookup_timeout: r.lookup_timeout,
+                trip_after: r.trip_after,
                 cluster_seeds: r.cluster_seeds.clone(),
             };
             // The redis crate reads the URL's address and its own options, ignoring kvtier's.
-            Ok(Arc::new(RedisStore::open(&target.url, namespace, opts)?))
+            let mut store = RedisStore::open(&target.url, namespace, opts)?;
+            if let Some(f) = &target.mac_key_file {
+                store = store.with_mac_key(&read_mac_key(f)?)?;
+            }
+            Ok(Arc::new(store))
         }
         RemoteBackend::Node {
             socket,

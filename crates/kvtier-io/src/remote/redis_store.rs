@@ -1,19 +1,26 @@
-//! [`RedisStore`]: the remote store on a Redis-protocol server (Redis, Valkey) or cluster, through
-//! the `redis` crate's synchronous connections (`ClusterConnection` in cluster mode, which routes
-//! each key to the node owning its slot and follows MOVED/ASK).
+//! [`RedisStore`]: the remote store on a Redis-protocol server (Redis, Valkey), through kvtier's own
+//! RESP client ([`super::wire`]), or on a cluster, through the `redis` crate's synchronous
+//! `ClusterConnection` (which routes each key to the node owning its slot and follows MOVED/ASK).
 //!
 //! Invariants:
 //! - every operation has a deadline `t`: `lookup_timeout` for `contains` (it runs on the
 //!   engine's scheduling step) and `io_timeout` for `get`/`put`. Connecting waits at most
-//!   `min(connect_timeout, t)` and each socket read and write at most `t`; the one retry (on a
-//!   pooled connection the server closed) happens only after an immediate error, never after a
-//!   timeout. So a dead or stalled server turns an operation into `RemoteError::Unavailable`
-//!   after at most `min(connect_timeout, t) + 2t` (in practice `t`: a stopped server accepts the
-//!   connection and the request, then never answers), never a hang;
+//!   `min(connect_timeout, t)`, and the whole exchange on the connection (handshake, request, every
+//!   reply of a pipeline) at most `t` from its start, however the server drips bytes; the one
+//!   retry (on a pooled connection the server closed) happens only after an error that is not a
+//!   timeout. So a dead, stalled or dripping server turns an operation into
+//!   `RemoteError::Unavailable` after at most `min(connect_timeout, t) + 2t`, never a hang (cluster
+//!   mode: the crate's per-read timeout, see docs/arch/remote.md);
+//! - `get` reads the reply's length prefix first: a value that is not exactly one frame of the
+//!   caller's block size is refused (`SizeMismatch`, `Short`, `Corrupt`) after reading at most its
+//!   40-byte header, and a value of the right size is read straight into the caller's buffer; no
+//!   reply makes the store allocate;
 //! - a connection that saw any error is dropped, never reused (it may hold an unread reply), and
 //!   the next operation on that slot reconnects;
-//! - a circuit breaker ([`super::breaker`]) opens after a connection-level failure (refused,
-//!   reset, timeout): operations fail at once with `Unavailable` for `backoff`, then one probe is
+//! - a circuit breaker ([`super::breaker`]) opens after a refused connection, or after
+//!   `trip_after` consecutive missed deadlines, resets or protocol errors (a busy server that
+//!   answers some operations late is not down): operations fail at once with `Unavailable` for
+//!   `backoff`, then one probe is
 //!   let through (the rest keep failing fast); each failed probe doubles the window up to
 //!   `max_backoff`. While a server stays down, the store therefore spends at most one deadline
 //!   per window, whatever the number of callers, blocks or pool connections;
@@ -21,19 +28,20 @@
 //!   and the namespace).
 //!
 //! Locking: `slots[i]` guards pooled connection `i` (`None` = not connected). An operation holds one
-//! slot's lock for its whole round trip; `next` only spreads waiting threads over the slots. `down` guards
-//! the outage record and is never held across network I/O.
+//! slot's lock for its whole round trip; `next` only spreads waiting threads over the slots. The
+//! breaker's lock is never held across network I/O.
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvtier::transfer::{RemoteError, RemoteHealth, RemoteStore, TransferError};
 use redis::cluster::{ClusterClient, ClusterConnection};
-use redis::{Connection, ConnectionLike, RedisResult, RedisWrite, ToRedisArgs};
+use redis::{ConnectionAddr, RedisWrite, ToRedisArgs};
 
-use super::breaker::{Breaker, BreakerState, BreakerStats, Ticket};
-use super::frame;
+use super::breaker::{Breaker, BreakerState, BreakerStats, Failure, Ticket};
+use super::frame::{self, HEADER_LEN};
 use super::key::Namespace;
+use super::wire::{push_bulk, push_cmd, Addr, Deadline, WireConn, WireError};
 
 /// Tunables of a [`RedisStore`]; the defaults suit a server on the same network.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -54,6 +62,9 @@ pub struct RedisOptions {
     pub backoff: Duration,
     /// The longest window the breaker's doubling reaches. Default 30 s.
     pub max_backoff: Duration,
+    /// Consecutive missed deadlines, resets or protocol errors that open the breaker (a refused
+    /// connection opens it at once). Default 3.
+    pub trip_after: u32,
     /// The seed nodes of a Redis/Valkey Cluster (`redis://[userinfo@]host:port` each), as the
     /// one remote URL parser (`kvtier::config::RemoteTarget::parse`) splits them from
     /// `redis://h1:p1,h2:p2?cluster=1`. Empty (the default): the URL names one server.
@@ -70,6 +81,7 @@ impl Default for RedisOptions {
             lookup_timeout: Duration::from_millis(250),
             backoff: Duration::from_secs(1),
             max_backoff: Duration::from_secs(30),
+            trip_after: 3,
             cluster_seeds: Vec::new(),
         }
     }
@@ -88,18 +100,25 @@ pub struct RedisStore {
     deadline_expired: AtomicU64,
 }
 
+/// One server: where it listens and the handshake of each new connection.
+struct Server {
+    addr: Addr,
+    /// `AUTH [user] password`.
+    auth: Option<(Option<String>, String)>,
+    db: i64,
+}
+
 enum Client {
-    Single(redis::Client),
+    Single(Server),
     Cluster(ClusterClient),
 }
 
-/// One pooled connection: to a single server (with a reusable buffer for packed `SET`s), or to
+/// One pooled connection: to a single server (with a reusable buffer for packed commands), or to
 /// every node of a cluster.
 enum Conn {
     Single {
-        conn: Connection,
+        conn: WireConn,
         buf: Vec<u8>,
-        timeout: Duration,
     },
     Cluster {
         conn: Box<ClusterConnection>,
@@ -107,43 +126,71 @@ enum Conn {
     },
 }
 
-impl Conn {
-    /// Sets the socket read/write timeout to `t` (a no-op when it already is).
-    fn set_deadline(&mut self, t: Duration) -> RedisResult<()> {
-        match self {
-            Conn::Single { conn, timeout, .. } if *timeout != t => {
-                conn.set_read_timeout(Some(t))?;
-                conn.set_write_timeout(Some(t))?;
-                *timeout = t;
-            }
-            Conn::Cluster { conn, timeout } if *timeout != t => {
-                conn.set_read_timeout(Some(t))?;
-                conn.set_write_timeout(Some(t))?;
-                *timeout = t;
-            }
-            _ => {}
-        }
-        Ok(())
-    }
+/// Why one attempt failed.
+enum OpError {
+    /// On kvtier's own connection.
+    Wire(WireError),
+    /// On the cluster connection.
+    Redis(redis::RedisError),
+    /// The server answered, with a value that is not the frame asked for (the connection may
+    /// hold the rest of it).
+    Value(RemoteError),
+}
 
-    fn as_dyn(&mut self) -> &mut dyn ConnectionLike {
-        match self {
-            Conn::Single { conn, .. } => conn,
-            Conn::Cluster { conn, .. } => conn.as_mut(),
-        }
+impl From<WireError> for OpError {
+    fn from(e: WireError) -> Self {
+        OpError::Wire(e)
     }
 }
 
-/// Appends one RESP bulk string made of `parts` to `out`.
-fn push_bulk(out: &mut Vec<u8>, parts: &[&[u8]]) {
-    let len: usize = parts.iter().map(|p| p.len()).sum();
-    out.push(b'$');
-    out.extend_from_slice(len.to_string().as_bytes());
-    out.extend_from_slice(b"\r\n");
-    for p in parts {
-        out.extend_from_slice(p);
+impl From<redis::RedisError> for OpError {
+    fn from(e: redis::RedisError) -> Self {
+        OpError::Redis(e)
     }
-    out.extend_from_slice(b"\r\n");
+}
+
+impl OpError {
+    fn is_timeout(&self) -> bool {
+        match self {
+            OpError::Wire(e) => e.is_timeout(),
+            OpError::Redis(e) => e.is_timeout(),
+            OpError::Value(_) => false,
+        }
+    }
+
+    /// A broken connection (not a timeout): the one case worth a retry on a fresh connection.
+    fn is_broken(&self) -> bool {
+        match self {
+            OpError::Wire(e) => matches!(e, WireError::Io(_)),
+            OpError::Redis(e) => !e.is_timeout() && (e.is_io_error() || e.is_connection_dropped()),
+            OpError::Value(_) => false,
+        }
+    }
+
+    /// What the failure says about the server.
+    fn verdict(&self) -> Verdict {
+        match self {
+            OpError::Wire(WireError::Refused(_)) => Verdict::Down(Failure::Refused),
+            OpError::Wire(WireError::Server(_)) | OpError::Value(_) => Verdict::Answered,
+            OpError::Wire(_) => Verdict::Down(Failure::Failed),
+            OpError::Redis(e) if e.is_connection_refusal() => Verdict::Down(Failure::Refused),
+            OpError::Redis(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
+                Verdict::Down(Failure::Failed)
+            }
+            OpError::Redis(_) => Verdict::Answered,
+        }
+    }
+
+    fn into_remote(self, op: &'static str) -> RemoteError {
+        match self {
+            OpError::Value(e) => e,
+            OpError::Wire(e) => RemoteError::Unavailable {
+                op,
+                reason: e.to_string(),
+            },
+            OpError::Redis(e) => unavailable(op, &e),
+        }
+    }
 }
 
 /// `SET name (header || payload) [PX ttl_ms]` as one RESP command in `out` (cleared first): the
@@ -171,7 +218,7 @@ impl std::fmt::Debug for RedisStore {
             .field(
                 "addr",
                 &match &self.client {
-                    Client::Single(c) => c.get_connection_info().addr().to_string(),
+                    Client::Single(s) => format!("{:?}", s.addr),
                     Client::Cluster(_) => "cluster".to_string(),
                 },
             )
@@ -183,8 +230,8 @@ impl std::fmt::Debug for RedisStore {
 
 /// What a failed operation says about the server, for the circuit breaker.
 enum Verdict {
-    /// A connection-level failure (refused, reset, timeout).
-    Down,
+    /// A connection-level failure (refused, reset, timeout, protocol error).
+    Down(Failure),
     /// The server answered (an error reply).
     Answered,
     /// Not tried: the breaker opened while the operation waited for a connection.
@@ -251,7 +298,28 @@ impl RedisStore {
                 .map_err(bad_url)?;
             Client::Cluster(c)
         } else {
-            Client::Single(redis::Client::open(url).map_err(bad_url)?)
+            // The crate parses the URL (address, credentials, database); kvtier's client talks.
+            let info = redis::Client::open(url)
+                .map_err(bad_url)?
+                .get_connection_info()
+                .clone();
+            let addr = match info.addr() {
+                ConnectionAddr::Tcp(host, port) => Addr::Tcp(host.clone(), *port),
+                ConnectionAddr::Unix(path) => Addr::Unix(path.clone()),
+                _ => {
+                    return Err(RemoteError::Config(format!(
+                        "redis url {shown:?}: TLS is not compiled in"
+                    )))
+                }
+            };
+            let r = info.redis_settings();
+            Client::Single(Server {
+                addr,
+                auth: r
+                    .password()
+                    .map(|p| (r.username().map(str::to_string), p.to_string())),
+                db: r.db(),
+            })
         };
         let slots = (0..opts.pool_size).map(|_| Mutex::new(None)).collect();
         Ok(RedisStore {
@@ -260,10 +328,16 @@ impl RedisStore {
             ns,
             slots,
             next: AtomicUsize::new(0),
-            breaker: Breaker::new(opts.backoff, opts.max_backoff),
+            breaker: Breaker::new(opts.backoff, opts.max_backoff, opts.trip_after),
             deadline_expired: AtomicU64::new(0),
             opts,
         })
+    }
+
+    /// Seals values with a keyed MAC under `secret` (see [`frame::FrameSeal::keyed`]).
+    pub fn with_mac_key(mut self, secret: &[u8]) -> Result<Self, RemoteError> {
+        self.seal = frame::FrameSeal::keyed(self.ns.as_str(), secret)?;
+        Ok(self)
     }
 
     /// The namespace this store reads and writes.
@@ -282,8 +356,16 @@ impl RedisStore {
 
     /// One round trip to the server (connecting if needed).
     pub fn ping(&self) -> Result<(), RemoteError> {
-        self.with_conn("ping", self.lookup_deadline(), |c| {
-            redis::cmd("PING").query::<String>(c.as_dyn()).map(drop)
+        self.with_conn("ping", self.lookup_deadline(), |c, dl| match c {
+            Conn::Single { conn, buf } => {
+                buf.clear();
+                push_cmd(buf, &[b"PING"]);
+                conn.send(buf, dl)?;
+                Ok(conn.read_status(dl)?)
+            }
+            Conn::Cluster { conn, .. } => Ok(redis::cmd("PING")
+                .query::<String>(conn.as_mut())
+                .map(drop)?),
         })
     }
 
@@ -311,17 +393,19 @@ impl RedisStore {
         })
     }
 
-    fn connect(&self, t: Duration) -> RedisResult<Conn> {
-        let connect_timeout = self.opts.connect_timeout.min(t);
+    /// A new connection, within `min(connect_timeout, t)`; its handshake runs under the first
+    /// operation's deadline.
+    fn connect(&self, t: Duration) -> Result<Conn, OpError> {
         match &self.client {
-            Client::Single(client) => {
-                let c = client.get_connection_with_timeout(connect_timeout)?;
-                c.set_read_timeout(Some(t))?;
-                c.set_write_timeout(Some(t))?;
+            Client::Single(server) => {
+                let conn = WireConn::connect(
+                    &server.addr,
+                    self.opts.connect_timeout,
+                    &Deadline::after(t),
+                )?;
                 Ok(Conn::Single {
-                    conn: c,
+                    conn,
                     buf: Vec::new(),
-                    timeout: t,
                 })
             }
             Client::Cluster(client) => {
@@ -336,12 +420,40 @@ impl RedisStore {
         }
     }
 
+    /// The handshake of a new single-server connection (`AUTH`, `SELECT`), under `dl`.
+    fn handshake(&self, conn: &mut WireConn, dl: &Deadline) -> Result<(), OpError> {
+        let Client::Single(server) = &self.client else {
+            return Ok(());
+        };
+        let mut cmd = Vec::new();
+        if let Some((user, pass)) = &server.auth {
+            match user {
+                Some(u) => push_cmd(&mut cmd, &[b"AUTH", u.as_bytes(), pass.as_bytes()]),
+                None => push_cmd(&mut cmd, &[b"AUTH", pass.as_bytes()]),
+            }
+        }
+        if server.db != 0 {
+            push_cmd(&mut cmd, &[b"SELECT", server.db.to_string().as_bytes()]);
+        }
+        if cmd.is_empty() {
+            return Ok(());
+        }
+        conn.send(&cmd, dl)?;
+        if server.auth.is_some() {
+            conn.read_status(dl)?;
+        }
+        if server.db != 0 {
+            conn.read_status(dl)?;
+        }
+        Ok(())
+    }
+
     /// Runs `f` on a pooled connection with deadline `t`, through the circuit breaker.
     fn with_conn<T>(
         &self,
         op: &'static str,
         t: Duration,
-        f: impl FnMut(&mut Conn) -> RedisResult<T>,
+        f: impl FnMut(&mut Conn, &Deadline) -> Result<T, OpError>,
     ) -> Result<T, RemoteError> {
         let ticket = self
             .breaker
@@ -352,8 +464,8 @@ impl RedisStore {
                 ticket.success();
                 Ok(v)
             }
-            Err((e, Verdict::Down)) => {
-                ticket.failure(e.to_string());
+            Err((e, Verdict::Down(how))) => {
+                ticket.failure(e.to_string(), how);
                 Err(e)
             }
             Err((e, Verdict::Answered)) => {
@@ -375,7 +487,7 @@ impl RedisStore {
         op: &'static str,
         t: Duration,
         ticket: &Ticket<'_>,
-        mut f: impl FnMut(&mut Conn) -> RedisResult<T>,
+        mut f: impl FnMut(&mut Conn, &Deadline) -> Result<T, OpError>,
     ) -> Result<T, (RemoteError, Verdict)> {
         let mut slot = self.lock_slot();
         if !ticket.still_admitted() {
@@ -387,45 +499,47 @@ impl RedisStore {
                 Verdict::Withdrawn,
             ));
         }
+        let fail = |e: OpError| {
+            if e.is_timeout() {
+                self.deadline_expired.fetch_add(1, Ordering::Relaxed);
+            }
+            let verdict = e.verdict();
+            (e.into_remote(op), verdict)
+        };
         for attempt in 0..2 {
             let reused = slot.is_some();
-            let conn = match slot.as_mut() {
-                Some(c) => c,
-                None => slot.insert(self.connect(t).map_err(|e| {
-                    if e.is_timeout() {
-                        self.deadline_expired.fetch_add(1, Ordering::Relaxed);
+            // One deadline for the whole exchange on this connection, handshake included; it
+            // starts once connected (connecting has its own bound, `min(connect_timeout, t)`).
+            let mut run = |slot: &mut Option<Conn>| -> Result<T, OpError> {
+                let fresh = slot.is_none();
+                let conn = match slot {
+                    Some(c) => c,
+                    None => slot.insert(self.connect(t)?),
+                };
+                let dl = Deadline::after(t);
+                match conn {
+                    Conn::Single { conn, .. } if fresh => self.handshake(conn, &dl)?,
+                    Conn::Single { .. } => {}
+                    Conn::Cluster { conn, timeout } if *timeout != t => {
+                        conn.set_read_timeout(Some(t))?;
+                        conn.set_write_timeout(Some(t))?;
+                        *timeout = t;
                     }
-                    (unavailable(op, &e), Verdict::Down)
-                })?),
+                    Conn::Cluster { .. } => {}
+                }
+                f(conn, &dl)
             };
-            match conn.set_deadline(t).and_then(|()| f(conn)) {
+            match run(&mut slot) {
                 Ok(v) => return Ok(v),
                 Err(e) => {
                     *slot = None;
                     // A pooled connection may have been closed by the server (restart, idle
-                    // timeout) since its last use: one retry on a fresh connection. Timeouts and
-                    // server replies are not retried.
-                    let stale = reused
-                        && attempt == 0
-                        && !e.is_timeout()
-                        && (e.is_io_error() || e.is_connection_dropped());
-                    if !stale {
-                        tracing::debug!(op, error = %e, "remote redis operation failed");
-                        if e.is_timeout() {
-                            self.deadline_expired.fetch_add(1, Ordering::Relaxed);
-                        }
-                        let connection_level = e.is_io_error()
-                            || e.is_timeout()
-                            || e.is_connection_dropped()
-                            || e.is_connection_refusal();
-                        let verdict = if connection_level {
-                            Verdict::Down
-                        } else {
-                            Verdict::Answered
-                        };
-                        return Err((unavailable(op, &e), verdict));
+                    // timeout) since its last use: one retry on a fresh connection. Timeouts,
+                    // protocol errors and server replies are not retried.
+                    if !(reused && attempt == 0 && e.is_broken()) {
+                        return Err(fail(e));
                     }
-                    tracing::debug!(op, error = %e, "stale redis connection, reconnecting");
+                    tracing::debug!(op, "stale redis connection, reconnecting");
                 }
             }
         }
@@ -434,7 +548,7 @@ impl RedisStore {
                 op,
                 reason: "retry exhausted".into(),
             },
-            Verdict::Down,
+            Verdict::Down(Failure::Failed),
         ))
     }
 
@@ -445,11 +559,11 @@ impl RedisStore {
             .opts
             .ttl
             .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX));
-        self.with_conn("put", self.opts.io_timeout, |c| match c {
-            Conn::Single { conn, buf, .. } => {
+        self.with_conn("put", self.opts.io_timeout, |c, dl| match c {
+            Conn::Single { conn, buf } => {
                 pack_set(buf, &rkey, &header, data, ttl_ms);
-                let reply = conn.req_packed_command(buf)?;
-                redis::from_redis_value::<()>(reply.extract_error()?).map_err(Into::into)
+                conn.send(buf, dl)?;
+                Ok(conn.read_status(dl)?)
             }
             Conn::Cluster { conn: c, .. } => {
                 // The cluster connection routes by parsing the command: give it a `Cmd`.
@@ -462,20 +576,33 @@ impl RedisStore {
                 if let Some(ms) = ttl_ms {
                     cmd.arg("PX").arg(ms);
                 }
-                cmd.query::<()>(c.as_mut())
+                Ok(cmd.query::<()>(c.as_mut())?)
             }
         })
     }
 
     fn get_inner(&self, key: u128, out: &mut [u8]) -> Result<(), RemoteError> {
         let rkey = self.ns.redis_key(key);
-        let value: Option<Vec<u8>> = self.with_conn("get", self.opts.io_timeout, |c| {
-            redis::cmd("GET").arg(&rkey).query(c.as_dyn())
-        })?;
-        match value {
-            None => Err(RemoteError::Missing { key }),
-            Some(v) => frame::decode_into(&self.seal, key, &v, out),
-        }
+        let found: Result<(), RemoteError> =
+            self.with_conn("get", self.opts.io_timeout, |c, dl| match c {
+                Conn::Single { conn, buf } => {
+                    buf.clear();
+                    push_cmd(buf, &[b"GET", rkey.as_bytes()]);
+                    conn.send(buf, dl)?;
+                    match conn.read_bulk_len(dl)? {
+                        None => Ok(Err(RemoteError::Missing { key })),
+                        Some(len) => read_frame(&self.seal, conn, dl, key, len, out),
+                    }
+                }
+                Conn::Cluster { conn: c, .. } => {
+                    let v: Option<Vec<u8>> = redis::cmd("GET").arg(&rkey).query(c.as_mut())?;
+                    Ok(match v {
+                        None => Err(RemoteError::Missing { key }),
+                        Some(v) => frame::decode_into(&self.seal, key, &v, out),
+                    })
+                }
+            })?;
+        found
     }
 
     fn contains_inner(&self, keys: &[u128]) -> Result<Vec<bool>, RemoteError> {
@@ -483,23 +610,30 @@ impl RedisStore {
             return Ok(Vec::new());
         }
         let names: Vec<String> = keys.iter().map(|&k| self.ns.redis_key(k)).collect();
-        let found: Vec<bool> = self.with_conn("contains", self.lookup_deadline(), |c| match c {
-            Conn::Single { conn, .. } => {
-                let mut pipe = redis::pipe();
-                for n in &names {
-                    pipe.cmd("EXISTS").arg(n);
+        let found: Vec<bool> =
+            self.with_conn("contains", self.lookup_deadline(), |c, dl| match c {
+                Conn::Single { conn, buf } => {
+                    // One pipeline; every reply is read under the one deadline.
+                    buf.clear();
+                    for n in &names {
+                        push_cmd(buf, &[b"EXISTS", n.as_bytes()]);
+                    }
+                    conn.send(buf, dl)?;
+                    let mut found = Vec::with_capacity(names.len());
+                    for _ in &names {
+                        found.push(conn.read_int(dl)? > 0);
+                    }
+                    Ok(found)
                 }
-                pipe.query(conn)
-            }
-            Conn::Cluster { conn: c, .. } => {
-                // Keys live on different nodes: the cluster pipeline groups them per node.
-                let mut pipe = redis::cluster::cluster_pipe();
-                for n in &names {
-                    pipe.cmd("EXISTS").arg(n);
+                Conn::Cluster { conn: c, .. } => {
+                    // Keys live on different nodes: the cluster pipeline groups them per node.
+                    let mut pipe = redis::cluster::cluster_pipe();
+                    for n in &names {
+                        pipe.cmd("EXISTS").arg(n);
+                    }
+                    Ok(pipe.query(c)?)
                 }
-                pipe.query(c)
-            }
-        })?;
+            })?;
         if found.len() != keys.len() {
             return Err(RemoteError::Unavailable {
                 op: "contains",
@@ -508,6 +642,44 @@ impl RedisStore {
         }
         Ok(found)
     }
+}
+
+/// Reads a `GET` reply of `len` bytes for `key` into `out`, checking `len` against the one frame
+/// expected (header + `out.len()`) before reading more than its header: a value of another size
+/// is refused without reading (or allocating) it, and the connection, which still holds the
+/// rest, is then dropped by the caller (`OpError::Value`). A frame that was read whole but fails
+/// its tag leaves the connection clean (`Ok(Err)`).
+fn read_frame(
+    seal: &frame::FrameSeal,
+    conn: &mut WireConn,
+    dl: &Deadline,
+    key: u128,
+    len: u64,
+    out: &mut [u8],
+) -> Result<Result<(), RemoteError>, OpError> {
+    let expected = HEADER_LEN + out.len();
+    let got = usize::try_from(len).unwrap_or(usize::MAX);
+    if got < HEADER_LEN {
+        return Err(OpError::Value(RemoteError::Short { key, expected, got }));
+    }
+    let mut head = [0u8; HEADER_LEN];
+    conn.read_exact(&mut head, dl)?;
+    let checked = frame::check_header(seal, key, &head, out.len());
+    if got != expected {
+        let e = match checked {
+            Err(e) => e,
+            Ok(_) if got < expected => RemoteError::Short { key, expected, got },
+            Ok(_) => RemoteError::Corrupt {
+                key,
+                reason: format!("{} trailing bytes", got - expected),
+            },
+        };
+        return Err(OpError::Value(e));
+    }
+    let checked = checked.map_err(OpError::Value)?;
+    conn.read_exact(out, dl)?;
+    conn.read_crlf(dl)?;
+    Ok(frame::verify_payload(seal, key, checked, out))
 }
 
 impl RemoteStore for RedisStore {

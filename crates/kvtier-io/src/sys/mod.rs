@@ -6,6 +6,8 @@
 //! Invariant: every function here either takes plain safe arguments or is an `unsafe fn` whose
 //! `# Safety` section names what the caller must guarantee; every `unsafe` block has a
 //! `// SAFETY:` note. Code outside `sys` never dereferences a raw pointer.
+#[cfg(test)]
+pub(crate) mod count_alloc;
 #[cfg(feature = "transfer-bench")]
 pub(crate) mod cublas;
 pub(crate) mod cuda;

@@ -286,6 +286,29 @@ impl ConfigBuilder {
         if let Some(g) = merged.get("remote.url") {
             c.remote = parse_remote(g)?;
         }
+        if let Some(g) = merged.get("remote.mac_key_file") {
+            let f = parse_str(g)?;
+            if !f.trim().is_empty() {
+                match &mut c.remote {
+                    Some(t) if !matches!(t.backend, RemoteBackend::Node { .. }) => {
+                        t.mac_key_file = Some(PathBuf::from(f));
+                    }
+                    Some(_) => {
+                        return Err(invalid(
+                            g,
+                            "the node tier (node://) is local shared memory and takes no MAC key"
+                                .into(),
+                        ))
+                    }
+                    None => {
+                        return Err(invalid(
+                            g,
+                            "set remote.url (a Redis or directory store)".into(),
+                        ))
+                    }
+                }
+            }
+        }
         if let Some(g) = merged.get("policy.disk_filter.enabled") {
             c.policy.disk_filter.enabled = parse_bool(&g.value).map_err(|r| invalid(g, r))?;
         }

@@ -32,6 +32,10 @@ pub struct RemoteTarget {
     pub url: String,
     /// Which store, with kvtier's options parsed.
     pub backend: RemoteBackend,
+    /// `remote.mac_key_file`: a file holding the secret that makes each value's tag a keyed MAC
+    /// (Redis and directory stores). None: the tag is an unkeyed integrity check.
+    #[serde(default)]
+    pub mac_key_file: Option<PathBuf>,
 }
 
 /// The store behind a [`RemoteTarget`].
@@ -82,6 +86,9 @@ pub struct RedisTarget {
     pub max_backoff: Duration,
     /// Deadline of a lookup (`contains`, which runs on the engine's step). Default 250 ms.
     pub lookup_timeout: Duration,
+    /// Consecutive missed deadlines, resets or protocol errors that mark the server down (a
+    /// refused connection does at once). Default 3.
+    pub trip_after: u32,
 }
 
 impl Default for RedisTarget {
@@ -96,6 +103,7 @@ impl Default for RedisTarget {
             backoff: Duration::from_secs(1),
             max_backoff: Duration::from_secs(30),
             lookup_timeout: Duration::from_millis(250),
+            trip_after: 3,
         }
     }
 }
@@ -107,6 +115,7 @@ impl RemoteTarget {
         RemoteTarget {
             url: format!("dir://{}", path.display()),
             backend: RemoteBackend::Dir { path, fsync: false },
+            mac_key_file: None,
         }
     }
 
@@ -142,6 +151,7 @@ impl RemoteTarget {
         Ok(RemoteTarget {
             url: url.to_owned(),
             backend,
+            mac_key_file: None,
         })
     }
 
@@ -313,6 +323,12 @@ fn redis_options(url: &str, query: &str, unix_extra: bool) -> Result<(RedisTarge
             "backoff_ms" => t.backoff = Duration::from_millis(opt_num(&k, &v)?),
             "max_backoff_ms" => t.max_backoff = Duration::from_millis(opt_num(&k, &v)?),
             "lookup_timeout_ms" => t.lookup_timeout = Duration::from_millis(opt_num(&k, &v)?),
+            "trip_after" => {
+                t.trip_after = u32::try_from(opt_num(&k, &v)?)
+                    .ok()
+                    .filter(|&n| n >= 1)
+                    .ok_or_else(|| format!("option trip_after={v} must be 1..=4294967295"))?
+            }
             "cluster" => cluster = opt_bool(&k, &v)?,
             "protocol" => {
                 if !matches!(v.as_str(), "2" | "3" | "resp2" | "resp3") {
@@ -323,7 +339,8 @@ fn redis_options(url: &str, query: &str, unix_extra: bool) -> Result<(RedisTarge
             _ => {
                 return Err(format!(
                     "unknown option `{k}` in `{url}` (connect_timeout_ms, io_timeout_ms, pool, \
-                     ttl_s, backoff_ms, max_backoff_ms, lookup_timeout_ms, cluster, protocol)"
+                     ttl_s, backoff_ms, max_backoff_ms, lookup_timeout_ms, trip_after, cluster, \
+                     protocol)"
                 ))
             }
         }

@@ -42,6 +42,7 @@ pub const SETTINGS: &[Setting] = &[
     s("disk.io_backend", "KVTIER_DISK_IO_BACKEND", &[]),
     s("disk.persist", "KVTIER_DISK_PERSIST", &[]),
     s("remote.url", "KVTIER_REMOTE_URL", &[]),
+    s("remote.mac_key_file", "KVTIER_REMOTE_MAC_KEY_FILE", &[]),
     Setting {
         key: "policy.disk_filter.enabled",
         env: "KVTIER_DISK_FILTER",

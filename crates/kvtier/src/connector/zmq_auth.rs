@@ -5,15 +5,19 @@
 //! 1. `KVTIER_ZMQ_SECRET` (at least 16 bytes), the same in the leader's and every rank's
 //!    environment: the way for ranks on other hosts;
 //! 2. otherwise a key file the leader generates at bind (32 random bytes), readable only by its
-//!    user: `$XDG_RUNTIME_DIR/kvtier/` or `<tmp>/kvtier-<uid>/`, named after the endpoint's port
+//!    user: `$XDG_RUNTIME_DIR/kvtier/` or `<tmp>/kvtier-<uid>/` (or, when another user made
+//!    that one first or made it public, `$HOME/.cache/kvtier-<uid>/`), named after the endpoint's port
 //!    (`zmq-tcp-<port>.key`) or socket path (`zmq-ipc-<hash>.key`). Ranks on the same host, under
 //!    the same user, read it. The directory must be owned by the user and mode 0700, the file
 //!    0600, or it is refused.
 //!
-//! Protocol: a worker's hello carries a fresh 16-byte nonce and
-//! `HMAC(secret, "kvtier-zmq-hello\0" || nonce || postcard(RankLayout))`; the leader refuses (and
-//! logs, naming the peer) a hello whose tag does not verify or whose nonce it saw before, answers it
-//! with `Reject(AUTH_FAILED)`, and never counts it as a rank. The leader's welcome to each rank
+//! Protocol: a worker first asks for a challenge (`Hi`); the leader answers that peer with a fresh
+//! 16-byte challenge, good for one hello. The worker's hello carries a fresh 16-byte nonce and
+//! `HMAC(secret, "kvtier-zmq-hello\0" || challenge || nonce || postcard(RankLayout))`; the leader
+//! refuses (and logs, rate-limited, naming the peer) a hello without a challenge it issued to that
+//! peer, or whose tag does not verify, answers it with `Reject(AUTH_FAILED)`, and never counts it as
+//! a rank. So a captured hello replayed to a later (restarted) leader is refused (#28): it answers
+//! another challenge. The leader's welcome to each rank
 //! carries `HMAC(secret, "kvtier-zmq-welcome\0" || that rank's nonce || postcard(ClusterLayout))`,
 //! so a rank only accepts the layout from a leader that knows the secret. After the handshake the
 //! leader only takes reports from the ranks it welcomed.
@@ -84,7 +88,7 @@ impl ChannelSecret {
         Some(Self::new(v.into_encoded_bytes()).map_err(|e| auth_err(format!("{SECRET_ENV}: {e}"))))
     }
 
-    fn tag(&self, domain: &[u8], nonce: &[u8; 16], body: &[u8]) -> [u8; 32] {
+    fn tag(&self, domain: &[u8], nonce: &[u8], body: &[u8]) -> [u8; 32] {
         // HMAC takes keys of any length; `new_from_slice` cannot fail for it.
         let mut m = match Hmac::<Sha256>::new_from_slice(&self.0) {
             Ok(m) => m,
@@ -96,7 +100,7 @@ impl ChannelSecret {
         m.finalize().into_bytes().into()
     }
 
-    fn verify(&self, domain: &[u8], nonce: &[u8; 16], body: &[u8], tag: &[u8; 32]) -> bool {
+    fn verify(&self, domain: &[u8], nonce: &[u8], body: &[u8], tag: &[u8; 32]) -> bool {
         let Ok(mut m) = Hmac::<Sha256>::new_from_slice(&self.0) else {
             return false;
         };
@@ -106,11 +110,27 @@ impl ChannelSecret {
         m.verify_slice(tag).is_ok()
     }
 
-    pub(crate) fn hello_tag(&self, nonce: &[u8; 16], layout: &[u8]) -> [u8; 32] {
-        self.tag(HELLO_DOMAIN, nonce, layout)
+    pub(crate) fn hello_tag(
+        &self,
+        challenge: &[u8; 16],
+        nonce: &[u8; 16],
+        layout: &[u8],
+    ) -> [u8; 32] {
+        self.tag(HELLO_DOMAIN, &[&challenge[..], &nonce[..]].concat(), layout)
     }
-    pub(crate) fn hello_ok(&self, nonce: &[u8; 16], layout: &[u8], tag: &[u8; 32]) -> bool {
-        self.verify(HELLO_DOMAIN, nonce, layout, tag)
+    pub(crate) fn hello_ok(
+        &self,
+        challenge: &[u8; 16],
+        nonce: &[u8; 16],
+        layout: &[u8],
+        tag: &[u8; 32],
+    ) -> bool {
+        self.verify(
+            HELLO_DOMAIN,
+            &[&challenge[..], &nonce[..]].concat(),
+            layout,
+            tag,
+        )
     }
     pub(crate) fn welcome_tag(&self, nonce: &[u8; 16], layout: &[u8]) -> [u8; 32] {
         self.tag(WELCOME_DOMAIN, nonce, layout)
@@ -136,26 +156,82 @@ impl ChannelSecret {
     }
 }
 
-/// The private directory of key files (created mode 0700; refused unless ours and private).
+/// Creates `dir` (mode 0700) if missing and checks it is a directory owned by `uid` that no one
+/// else can enter; the reason if not.
+fn private_or_why(dir: &Path, uid: u32) -> Result<(), String> {
+    let _ = std::fs::DirBuilder::new().mode(0o700).create(dir);
+    let m = std::fs::symlink_metadata(dir).map_err(|e| e.to_string())?;
+    if !m.is_dir() || m.uid() != uid || m.permissions().mode() & 0o077 != 0 {
+        return Err(format!(
+            "it must be a directory owned by uid {uid} with mode 0700"
+        ));
+    }
+    Ok(())
+}
+
+/// The private directory of key files: `$XDG_RUNTIME_DIR/kvtier`, else `<tmp>/kvtier-<uid>`;
+/// when another user made the latter first (or made it public), `$HOME/.cache/kvtier-<uid>`
+/// instead of failing (#28: any local user could stop a leader from starting). The fallback is
+/// fixed, not a fresh `mkdtemp` directory, because the ranks must find the leader's key file
+/// (and the bindings' default socket) by name. Each is created 0700 and refused unless owned
+/// by this user and private.
+fn key_dir_in(
+    uid: u32,
+    xdg: Option<PathBuf>,
+    tmp: PathBuf,
+    home: Option<PathBuf>,
+) -> Result<PathBuf, ConnectorError> {
+    let refuse = |dir: &Path, why: String| {
+        auth_err(format!(
+            "refusing key directory {}: {why} (or set {SECRET_ENV})",
+            dir.display()
+        ))
+    };
+    if let Some(x) = xdg.filter(|x| !x.as_os_str().is_empty()) {
+        let dir = x.join("kvtier");
+        return private_or_why(&dir, uid)
+            .map(|()| dir.clone())
+            .map_err(|w| refuse(&dir, w));
+    }
+    let dir = tmp.join(format!("kvtier-{uid}"));
+    let why = match private_or_why(&dir, uid) {
+        Ok(()) => return Ok(dir),
+        Err(why) => why,
+    };
+    let Some(home) = home.filter(|h| h.is_absolute()) else {
+        return Err(refuse(&dir, why));
+    };
+    let cache = home.join(".cache");
+    let _ = std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&cache);
+    let alt = cache.join(format!("kvtier-{uid}"));
+    match private_or_why(&alt, uid) {
+        Ok(()) => {
+            crate::warn_limited!(
+                hostile = %dir.display(),
+                using = %alt.display(),
+                reason = %why,
+                "kvtier: the temporary key directory is not private; using the home directory"
+            );
+            Ok(alt)
+        }
+        Err(w) => Err(refuse(&dir, format!("{why}; and {}: {w}", alt.display()))),
+    }
+}
+
+/// [`key_dir_in`] for this process.
 fn key_dir() -> Result<PathBuf, ConnectorError> {
     let uid = std::fs::metadata("/proc/self")
         .map(|m| m.uid())
         .map_err(|e| auth_err(format!("finding this process's uid: {e}")))?;
-    let dir = match std::env::var_os("XDG_RUNTIME_DIR") {
-        Some(d) if !d.is_empty() => PathBuf::from(d).join("kvtier"),
-        _ => std::env::temp_dir().join(format!("kvtier-{uid}")),
-    };
-    let _ = std::fs::DirBuilder::new().mode(0o700).create(&dir);
-    let m = std::fs::symlink_metadata(&dir)
-        .map_err(|e| auth_err(format!("key directory {}: {e}", dir.display())))?;
-    if !m.is_dir() || m.uid() != uid || m.permissions().mode() & 0o077 != 0 {
-        return Err(auth_err(format!(
-            "refusing key directory {}: it must be a directory owned by uid {uid} with mode 0700 \
-             (or set {SECRET_ENV})",
-            dir.display()
-        )));
-    }
-    Ok(dir)
+    key_dir_in(
+        uid,
+        std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from),
+        std::env::temp_dir(),
+        std::env::var_os("HOME").map(PathBuf::from),
+    )
 }
 
 /// The user's private kvtier directory (`$XDG_RUNTIME_DIR/kvtier/` or `<tmp>/kvtier-<uid>/`,
@@ -265,14 +341,50 @@ mod tests {
         let s = ChannelSecret::new(vec![7u8; 32]).unwrap();
         let other = ChannelSecret::new(vec![8u8; 32]).unwrap();
         let n = [1u8; 16];
-        let t = s.hello_tag(&n, b"layout");
-        assert!(s.hello_ok(&n, b"layout", &t));
-        assert!(!other.hello_ok(&n, b"layout", &t));
-        assert!(!s.hello_ok(&[2u8; 16], b"layout", &t));
-        assert!(!s.hello_ok(&n, b"layoux", &t));
+        let c = [9u8; 16];
+        let t = s.hello_tag(&c, &n, b"layout");
+        assert!(s.hello_ok(&c, &n, b"layout", &t));
+        assert!(!other.hello_ok(&c, &n, b"layout", &t));
+        assert!(!s.hello_ok(&c, &[2u8; 16], b"layout", &t));
+        assert!(
+            !s.hello_ok(&[3u8; 16], &n, b"layout", &t),
+            "another challenge"
+        );
+        assert!(!s.hello_ok(&c, &n, b"layoux", &t));
         assert!(!s.welcome_ok(&n, b"layout", &t), "domains are separate");
         assert!(ChannelSecret::new(vec![0u8; 15]).is_err());
         assert_eq!(format!("{s:?}"), "ChannelSecret(<32 bytes>)");
+    }
+
+    /// Regression (#28): any local user could stop another user's leader from starting by
+    /// creating `<tmp>/kvtier-<uid>` first when XDG_RUNTIME_DIR is unset. A hostile directory
+    /// (public, or not a directory) is passed over for `$HOME/.cache/kvtier-<uid>`, 0700.
+    #[test]
+    fn hostile_tmp_key_dir_falls_back_to_home() {
+        let uid = std::fs::metadata("/proc/self").unwrap().uid();
+        let tmp = tempfile::tempdir().unwrap();
+        let home = tempfile::tempdir().unwrap();
+        let taken = tmp.path().join(format!("kvtier-{uid}"));
+        std::fs::create_dir(&taken).unwrap();
+        std::fs::set_permissions(&taken, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let got = key_dir_in(uid, None, tmp.path().into(), Some(home.path().into())).unwrap();
+        assert_eq!(
+            got,
+            home.path().join(".cache").join(format!("kvtier-{uid}"))
+        );
+        let m = std::fs::metadata(&got).unwrap();
+        assert_eq!(m.permissions().mode() & 0o777, 0o700);
+        // A file in its place, too; a private directory of ours is used as it is.
+        std::fs::remove_dir(&taken).unwrap();
+        std::fs::write(&taken, b"x").unwrap();
+        assert!(key_dir_in(uid, None, tmp.path().into(), Some(home.path().into())).is_ok());
+        std::fs::remove_file(&taken).unwrap();
+        let ok = key_dir_in(uid, None, tmp.path().into(), Some(home.path().into())).unwrap();
+        assert_eq!(ok, taken);
+        // Without a home to fall back to, the error says why.
+        std::fs::set_permissions(&taken, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let e = key_dir_in(uid, None, tmp.path().into(), None).unwrap_err();
+        assert!(e.to_string().contains("mode 0700"), "{e}");
     }
 
     #[test]

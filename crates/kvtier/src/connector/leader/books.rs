@@ -164,7 +164,7 @@ impl Leader {
         job.waiting = job.waiting.saturating_sub(1);
         if let TransferOutcome::Failed(f) = &r.outcome {
             for b in f {
-                tracing::warn!(job = r.job.0, rank = r.rank, pair = b.pair_index, reason = %b.reason, "transfer pair failed");
+                crate::warn_limited!(job = r.job.0, rank = r.rank, pair = b.pair_index, reason = %b.reason, "transfer pair failed");
                 job.failed.insert(b.pair_index);
             }
         }

@@ -91,7 +91,10 @@ impl Leader {
         // A reuse of the prefix is a sighting for the disk filter whichever tier serves it: the
         // engine's own cache (its hit) or kvtier (the blocks it loads). Without this, a prefix the
         // engine keeps hitting in G1 is never "seen twice" in G2 and never reaches the disk.
-        let reused = e.slot.last_match().map_or(0, |m| m.device_tokens / self.block_size)
+        let reused = e
+            .slot
+            .last_match()
+            .map_or(0, |m| m.device_tokens / self.block_size)
             + onboard.len();
         if reused > 0 {
             let hashes: Vec<SequenceHash> = e.slot.hashes().iter().take(reused).copied().collect();
@@ -176,11 +179,6 @@ impl Leader {
             keys,
         } in per_tier
         {
-            match tier {
-                Tier::Host => self.stats.onboard_host_blocks += pairs.len() as u64,
-                Tier::Disk => self.stats.onboard_disk_blocks += pairs.len() as u64,
-                _ => self.stats.onboard_remote_blocks += pairs.len() as u64,
-            }
             let devices = pairs.iter().map(|p| DeviceBlockId(p.dst)).collect();
             let remote_hashes = if tier == Tier::Remote {
                 keys.clone()
@@ -251,6 +249,14 @@ impl Leader {
             }
         }
         self.stats.onboard_failed += failed.len() as u64;
+        // Only blocks that every rank loaded count as hits (#28: a failed load was counted in
+        // kvtier_hit_tokens_total, which is derived from these).
+        let loaded = devices.len().saturating_sub(failed.len()) as u64;
+        match src {
+            Tier::Host => self.stats.onboard_host_blocks += loaded,
+            Tier::Disk => self.stats.onboard_disk_blocks += loaded,
+            _ => self.stats.onboard_remote_blocks += loaded,
+        }
         self.job_done(&request, RequestJob::Load);
     }
 

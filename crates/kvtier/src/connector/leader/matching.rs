@@ -31,7 +31,7 @@ impl Leader {
                 .map(|c| c.iter().all(|&b| b))
                 .collect(),
             Ok(found) => {
-                tracing::warn!(
+                crate::warn_limited!(
                     asked = keys.len(),
                     answered = found.len(),
                     "remote contains answered the wrong count"
@@ -39,7 +39,7 @@ impl Leader {
                 vec![false; hashes.len()]
             }
             Err(e) => {
-                tracing::warn!(error = %e, "remote contains failed; treating as a miss");
+                crate::warn_limited!(error = %e, "remote contains failed; treating as a miss");
                 vec![false; hashes.len()]
             }
         }

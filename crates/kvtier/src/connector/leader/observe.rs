@@ -36,11 +36,11 @@ pub struct LeaderStats {
     pub offload_deduplicated: u64,
     /// Offload candidates dropped because the tier had no free or evictable block.
     pub offload_dropped: u64,
-    /// Blocks loaded from the host tier.
+    /// Blocks loaded from the host tier (counted when the load completed, failed pairs left out).
     pub onboard_host_blocks: u64,
-    /// Blocks loaded from the disk tier.
+    /// Blocks loaded from the disk tier (completed, failed pairs left out).
     pub onboard_disk_blocks: u64,
-    /// Blocks loaded from the remote tier.
+    /// Blocks loaded from the remote tier (completed, failed pairs left out).
     pub onboard_remote_blocks: u64,
     /// Blocks whose load failed (on any rank) or whose source had vanished.
     pub onboard_failed: u64,

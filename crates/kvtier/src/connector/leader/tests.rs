@@ -348,3 +348,43 @@ fn disk_stores_carry_keys() {
         assert_eq!(j.remote_keys, vec![h.0]);
     }
 }
+
+/// Regression (#28): a failed load was still counted in `kvtier_hit_tokens_total` (derived from
+/// `onboard_<tier>_blocks`, counted when the load was sent). Only pairs every rank loaded count,
+/// once the load completed.
+#[test]
+fn failed_loads_are_not_counted_as_hits() {
+    let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), 16)).unwrap();
+    let prompt: Vec<u32> = (0..12).collect();
+    let m = l
+        .build_step(&SchedulerStep {
+            records: vec![new_record("fill", prompt.clone(), 0)],
+            finished: vec!["fill".into()],
+        })
+        .unwrap();
+    confirm_all(&mut l, &m);
+    let r: RequestId = "r".into();
+    assert_eq!(l.get_num_new_matched_tokens(&r, &prompt, 0).unwrap(), 8);
+    let devs: Vec<DeviceBlockId> = (20..23).map(DeviceBlockId).collect();
+    l.update_state_after_alloc(&r, &devs, Some(8)).unwrap();
+    let mut rec = new_record("r", prompt.clone(), 20);
+    rec.num_scheduled_tokens = 4;
+    let m = run_step(&mut l, rec);
+    let job = m.loads[0].jobs[0].id;
+    assert_eq!(m.loads[0].jobs[0].pairs.len(), 2);
+    assert_eq!(
+        l.stats().onboard_host_blocks,
+        0,
+        "not counted while in flight"
+    );
+    l.apply_report(WorkerReport {
+        rank: 0,
+        job,
+        outcome: TransferOutcome::Failed(vec![crate::transfer::BlockFailure {
+            pair_index: 1,
+            reason: "checksum".into(),
+        }]),
+    });
+    let s = l.stats();
+    assert_eq!((s.onboard_host_blocks, s.onboard_failed), (1, 1), "{s:?}");
+}

@@ -129,6 +129,45 @@ impl Drop for LeaderChannel {
     }
 }
 
+/// Challenges outstanding at once (one per peer that said `Hi` and has not said hello yet).
+const MAX_CHALLENGES: usize = 1024;
+/// Refusals remembered by reason; the rest are only counted.
+const MAX_REFUSED: usize = 16;
+
+/// Why peers were refused, for the handshake's timeout message: the first [`MAX_REFUSED`]
+/// reasons and a count of the rest (#28: a record of every refused frame grew without bound).
+#[derive(Default)]
+struct Refusals {
+    first: Vec<String>,
+    more: u64,
+}
+
+impl Refusals {
+    fn push(&mut self, why: String) {
+        if self.first.len() < MAX_REFUSED {
+            self.first.push(why);
+        } else {
+            self.more = self.more.saturating_add(1);
+        }
+    }
+
+    fn describe(&self) -> Option<String> {
+        if self.first.is_empty() {
+            return None;
+        }
+        let mut s = self.first.join("; ");
+        if self.more > 0 {
+            s.push_str(&format!("; and {} more", self.more));
+        }
+        Some(s)
+    }
+
+    #[cfg(test)]
+    fn held(&self) -> usize {
+        self.first.len()
+    }
+}
+
 struct PendingHandshake {
     world_size: u32,
     block_size: u32,
@@ -171,9 +210,12 @@ async fn leader_loop(
     let (mut tx, mut rx) = socket.split();
     // identity -> (rank layout, its hello's nonce)
     let mut hellos: HashMap<Vec<u8>, (RankLayout, [u8; 16])> = HashMap::new();
-    let mut nonces_seen: std::collections::HashSet<[u8; 16]> = Default::default();
-    // Why peers were refused (named in a handshake timeout).
-    let mut refused: Vec<String> = Vec::new();
+    // Challenges issued and not yet answered, by peer identity (at most MAX_CHALLENGES, the
+    // oldest forgotten first).
+    let mut challenges: HashMap<Vec<u8>, [u8; 16]> = HashMap::new();
+    let mut challenge_order: std::collections::VecDeque<Vec<u8>> = Default::default();
+    // Why peers were refused (named in a handshake timeout): the first MAX_REFUSED, then a count.
+    let mut refused = Refusals::default();
     let mut peers: Vec<Vec<u8>> = Vec::new();
     let mut pending: Option<PendingHandshake> = None;
     let mut reports: Option<std_mpsc::Sender<WorkerReport>> = None;
@@ -222,13 +264,34 @@ async fn leader_loop(
                 let Some((Some(id), payload)) = frame_payload(msg) else { continue };
                 let peer = hex_id(&id);
                 match decode(&payload) {
+                    Ok(Wire::Hi) => {
+                        let Ok(c) = zmq_auth::random_bytes::<16>() else { continue };
+                        if challenges.insert(id.clone(), c).is_none() {
+                            challenge_order.push_back(id.clone());
+                        }
+                        while challenges.len() > MAX_CHALLENGES {
+                            match challenge_order.pop_front() {
+                                Some(old) => {
+                                    challenges.remove(&old);
+                                }
+                                None => challenges.clear(),
+                            }
+                        }
+                        if let Ok(b) = encode(&Wire::Challenge(c)) {
+                            let _ = send_to(&mut tx, &id, &b).await;
+                        }
+                    }
                     Ok(Wire::Hello { layout, nonce, tag }) => {
-                        let authentic = layout_bytes(&layout)
-                            .is_ok_and(|b| secret.hello_ok(&nonce, &b, &tag));
+                        // A challenge answers one hello.
+                        let challenge = challenges.remove(&id);
+                        let authentic = challenge.is_some_and(|c| {
+                            layout_bytes(&layout)
+                                .is_ok_and(|b| secret.hello_ok(&c, &nonce, &b, &tag))
+                        });
                         let why = if !authentic {
                             Some(AUTH_FAILED.to_string())
-                        } else if peers.contains(&id) || !nonces_seen.insert(nonce) {
-                            Some("replayed or repeated hello".to_string())
+                        } else if peers.contains(&id) {
+                            Some("repeated hello".to_string())
                         } else {
                             None
                         };
@@ -237,7 +300,7 @@ async fn leader_loop(
                                 hellos.insert(id, (layout, nonce));
                             }
                             Some(why) => {
-                                tracing::warn!(%peer, claimed_rank = layout.rank, reason = %why, "refused a peer on the leader channel");
+                                crate::warn_limited!(%peer, claimed_rank = layout.rank, reason = %why, "refused a peer on the leader channel");
                                 refused.push(format!("peer {peer}: {why}"));
                                 if let Ok(b) = encode(&Wire::Reject(why)) {
                                     let _ = send_to(&mut tx, &id, &b).await;
@@ -252,11 +315,11 @@ async fn leader_loop(
                         None => backlog.push(r),
                     },
                     Ok(Wire::Report(_)) => {
-                        tracing::warn!(%peer, "refused a report from a peer that is not a welcomed rank");
+                        crate::warn_limited!(%peer, "refused a report from a peer that is not a welcomed rank");
                     }
-                    Ok(other) => tracing::warn!(%peer, ?other, "unexpected message from a worker"),
+                    Ok(other) => crate::warn_limited!(%peer, ?other, "unexpected message from a worker"),
                     Err(e) => {
-                        tracing::warn!(%peer, error = %e, "undecodable frame on the leader channel");
+                        crate::warn_limited!(%peer, error = %e, "undecodable frame on the leader channel");
                         if !peers.contains(&id) {
                             refused.push(format!("peer {peer}: {e}"));
                             if let Ok(b) = encode(&Wire::Reject(e.to_string())) {
@@ -273,8 +336,8 @@ async fn leader_loop(
                         hellos.len(),
                         p.world_size
                     );
-                    if !refused.is_empty() {
-                        msg.push_str(&format!("; refused {}", refused.join("; ")));
+                    if let Some(r) = refused.describe() {
+                        msg.push_str(&format!("; refused {r}"));
                     }
                     let _ = p.reply.send(Err(ConnectorError::Handshake(msg)));
                 }
@@ -340,4 +403,26 @@ async fn send_to(
     tx.send(m)
         .await
         .map_err(|e| ConnectorError::Channel(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regression (#28): the leader kept a record of every refused frame (300,000 garbage frames:
+    /// +74 MB, never freed). It keeps the first MAX_REFUSED reasons and counts the rest.
+    #[test]
+    fn refusals_are_bounded_and_counted() {
+        let mut r = Refusals::default();
+        for i in 0..100_000 {
+            r.push(format!("peer {i}: garbage"));
+        }
+        assert_eq!(r.held(), MAX_REFUSED);
+        let d = r.describe().unwrap_or_default();
+        assert!(d.starts_with("peer 0: garbage"), "{d}");
+        assert!(
+            d.ends_with(&format!("and {} more", 100_000 - MAX_REFUSED)),
+            "{d}"
+        );
+    }
 }

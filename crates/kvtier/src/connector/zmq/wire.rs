@@ -8,19 +8,24 @@ use crate::connector::messages::{ClusterLayout, RankLayout, StepMetadata, Worker
 use crate::connector::zmq_auth::{self, ChannelSecret};
 use crate::connector::ConnectorError;
 
-/// Version of the channel's frames (2: authenticated hello and welcome).
-pub const WIRE_VERSION: u32 = 2;
+/// Version of the channel's frames (2: authenticated hello and welcome; 3: the hello answers the
+/// leader's challenge).
+pub const WIRE_VERSION: u32 = 3;
 
 /// Everything that crosses the wire.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Wire {
+    /// A worker asks the leader for a challenge (the first frame of a handshake).
+    Hi,
+    /// The leader's fresh challenge to the peer that said `Hi`, good for one hello.
+    Challenge([u8; 16]),
     /// A worker introduces its rank, authenticated.
     Hello {
         /// The rank's layout.
         layout: RankLayout,
-        /// Fresh per hello (a repeated nonce is refused).
+        /// Fresh per hello; binds the leader's welcome to this hello.
         nonce: [u8; 16],
-        /// The secret's tag over nonce and layout.
+        /// The secret's tag over the leader's challenge, nonce and layout.
         tag: [u8; 32],
     },
     /// The leader accepts: the agreed layout.
@@ -49,10 +54,15 @@ pub(super) fn layout_bytes<T: Serialize>(l: &T) -> Result<Vec<u8>, ConnectorErro
     postcard::to_stdvec(l).map_err(|e| ConnectorError::Codec(e.to_string()))
 }
 
-/// A hello for `layout`, authenticated with `secret` under a fresh nonce.
-pub fn hello(secret: &ChannelSecret, layout: RankLayout) -> Result<Wire, ConnectorError> {
+/// A hello for `layout` answering the leader's `challenge`, authenticated with `secret` under a
+/// fresh nonce.
+pub fn hello(
+    secret: &ChannelSecret,
+    challenge: &[u8; 16],
+    layout: RankLayout,
+) -> Result<Wire, ConnectorError> {
     let nonce = zmq_auth::random_bytes::<16>()?;
-    let tag = secret.hello_tag(&nonce, &layout_bytes(&layout)?);
+    let tag = secret.hello_tag(challenge, &nonce, &layout_bytes(&layout)?);
     Ok(Wire::Hello { layout, nonce, tag })
 }
 

@@ -162,11 +162,34 @@ async fn worker_loop(
             .map_err(|e| ConnectorError::Channel(format!("connect {endpoint}: {e}")))?;
         'hello: loop {
             let secret = wait_secret(&endpoint, &given).await?;
+            // The leader's challenge first: the hello answers it, so it cannot be replayed.
+            socket
+                .send(ZmqMessage::from(encode(&Wire::Hi)?))
+                .await
+                .map_err(|e| ConnectorError::Channel(e.to_string()))?;
+            let challenge = loop {
+                let m = socket
+                    .recv()
+                    .await
+                    .map_err(|e| ConnectorError::Channel(e.to_string()))?;
+                let Some((_, payload)) = frame_payload(m) else {
+                    continue;
+                };
+                match decode(&payload)? {
+                    Wire::Challenge(c) => break c,
+                    Wire::Reject(reason) => {
+                        return Err(ConnectorError::Handshake(format!(
+                            "leader rejected this rank: {reason}"
+                        )))
+                    }
+                    other => tracing::warn!(?other, "unexpected message during the handshake"),
+                }
+            };
             let nonce = zmq_auth::random_bytes::<16>()?;
             let msg = Wire::Hello {
                 layout: me.clone(),
                 nonce,
-                tag: secret.hello_tag(&nonce, &layout_bytes(&me)?),
+                tag: secret.hello_tag(&challenge, &nonce, &layout_bytes(&me)?),
             };
             socket
                 .send(ZmqMessage::from(encode(&msg)?))

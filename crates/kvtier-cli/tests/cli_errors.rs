@@ -1,0 +1,25 @@
+//! Regression (#28): a configuration error printed a 50-frame backtrace under `RUST_BACKTRACE=1`
+//! and exited 1 like any failure. It is now one message naming the setting, no backtrace, exit
+//! status 2.
+#![allow(clippy::unwrap_used)]
+
+use std::process::Command;
+
+#[test]
+fn configuration_error_is_one_message_and_exit_2() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .arg("inspect")
+        .env("RUST_BACKTRACE", "1")
+        .env("KVTIER_HOST_GB", "lots")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("configuration error"), "{err}");
+    assert!(err.contains("KVTIER_HOST_GB"), "{err}");
+    assert!(
+        !err.contains("Stack backtrace") && !err.contains("stack backtrace"),
+        "{err}"
+    );
+    assert!(err.lines().count() <= 3, "{err}");
+}
