@@ -17,7 +17,7 @@ if command -v cargo-fuzz >/dev/null 2>&1 && rustup toolchain list 2>/dev/null | 
     trap 'rm -rf "$work"' EXIT
     cd fuzz
     for t in $(cargo +nightly fuzz list); do
-        cp -r "corpus/$t" "$work/$t"
+        mkdir -p "$work/$t"; cp seeds/$t/* "$work/$t/"; [ -d "corpus/$t" ] && cp corpus/$t/* "$work/$t/" 2>/dev/null || true
         cargo +nightly fuzz run "$t" "$work/$t" -- -max_total_time="$secs"
     done
 else

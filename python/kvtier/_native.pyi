@@ -245,6 +245,10 @@ class Worker:
         when time ran out (threads still running end on their own). A negative or NaN timeout is a
         ``ConnectorError``."""
 
+def default_node_socket() -> str:
+    """The per-user node socket used when none is named."""
+    ...
+
 class NodeServer:
     """The node tier (``kvtier node``): one host cache in shared memory for every engine process of this
     machine, served on a Unix socket (mode 0600, peers checked with SO_PEERCRED). Engines attach with

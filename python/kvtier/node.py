@@ -8,7 +8,8 @@ and point every engine at it through kvtier's configuration: ``"remote.url": "no
 (vLLM ``kv_connector_extra_config``, TensorRT-LLM ``KVTIER_REMOTE_URL``, ``kvtier serve``'s configuration). Blocks
 one engine stores are hits for every other engine with the same model identity; an engine that crashes mid-transfer
 leaves no half-written block and no lease behind; a full node turns stores into skips and lookups into misses.
-Only this user (and ``--allow-uid``) may attach: the socket is mode 0600 and peers are checked with SO_PEERCRED.
+Only this user (and ``--allow-uid``) may attach: the socket is mode 0600 in a private 0700 directory (0666 in a 0711
+directory with ``--allow-uid``) and every peer is checked with SO_PEERCRED.
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ import sys
 import threading
 from typing import Optional, Sequence
 
-from ._native import NodeServer
+from ._native import NodeServer, default_node_socket
 
 __all__ = ["NodeServer", "main"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvtier.node", description=__doc__.splitlines()[0])
-    p.add_argument("--socket", default="/tmp/kvtier-node/node.sock", help="Unix socket engines attach to")
+    p.add_argument("--socket", default=default_node_socket(),
+                   help="Unix socket engines attach to (default: per user, as `kvtier node`'s)")
     p.add_argument("--capacity-gb", type=float, default=4.0, help="shared host memory for blocks (decimal GB)")
     p.add_argument("--shm-dir", default=None, help="tmpfs directory of the shared arena (default /dev/shm)")
     p.add_argument("--allow-uid", type=int, action="append", default=[], help="another user id allowed to attach")

@@ -1,5 +1,9 @@
-//! kvtier-io: host memory, disk, CUDA and the transfer engine. All `unsafe` of kvtier lives here
-//! (in [`sys`](crate) modules, each block with a `// SAFETY:` note).
+//! kvtier-io: host memory, disk, CUDA and the transfer engine. All `unsafe` of kvtier lives in
+//! this crate: every raw operation (syscalls, FFI, pointer copies) is an `unsafe fn` or a safe
+//! wrapper in the private `sys` modules; the callers that must uphold such a function's
+//! precondition (the transfer engine, the host, disk and CUDA copies, `EngineMemory`, the copy
+//! benchmarks and GPU tests) call it in an `unsafe` block with a `// SAFETY:` note saying why it
+//! holds. The other crates forbid `unsafe` code.
 //!
 //! A worker builds one [`TransferEngine`] from the engine's registered KV memory (an
 //! [`EngineMemory`]: a [`BlockChunks`] layout, CUDA or CPU, registered through the `unsafe fn`

@@ -1,5 +1,5 @@
-//! The cargo-fuzz targets of `fuzz/` run as plain tests over their committed corpus (#28: one
-//! target no longer compiled and nothing built them in CI). Each target file is compiled here
+//! The cargo-fuzz targets of `fuzz/` run as plain tests over their seeds and mutations of them
+//! (fuzz/replay.rs; #28: one target no longer compiled and nothing built them in CI). Each target file is compiled here
 //! as a module, its `fuzz_target!` turned into a function by the shim below, and run on every
 //! corpus input: a target that stops compiling, or an input that makes one panic, fails
 //! `cargo test`. (The ZeroMQ target needs kvtier's `zmq` feature; `scripts/fuzz-smoke.sh`
@@ -28,22 +28,9 @@ mod remote_frame;
 #[path = "../../../fuzz/fuzz_targets/step_metadata.rs"]
 mod step_metadata;
 
-/// Runs `target` on every input of `fuzz/corpus/<name>`; the count of inputs.
-fn replay(name: &str, target: fn(&[u8])) -> usize {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fuzz/corpus")
-        .join(name);
-    let mut n = 0;
-    for e in std::fs::read_dir(&dir).unwrap() {
-        let path = e.unwrap().path();
-        let bytes = std::fs::read(&path).unwrap();
-        let r = std::panic::catch_unwind(|| target(&bytes));
-        assert!(r.is_ok(), "{name}: input {} panics", path.display());
-        n += 1;
-    }
-    assert!(n > 0, "{name}: empty corpus {}", dir.display());
-    n
-}
+#[path = "../../../fuzz/replay.rs"]
+mod replay;
+use replay::replay;
 
 #[test]
 fn pool_ops_corpus() {

@@ -114,3 +114,10 @@ impl PyNodeServer {
         Ok(())
     }
 }
+
+/// The node socket a user's `kvtier node` and engines use when none is named: per user
+/// (`$XDG_RUNTIME_DIR/kvtier-node/node.sock`, else `/tmp/kvtier-node-<uid>/node.sock`).
+#[pyfunction]
+pub fn default_node_socket() -> String {
+    kvtier_io::node::default_socket().display().to_string()
+}

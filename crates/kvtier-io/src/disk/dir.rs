@@ -48,8 +48,7 @@ pub(crate) fn own_dir(base: &Path) -> Result<PathBuf, IoError> {
     }
     let m = std::fs::symlink_metadata(&sub)
         .map_err(disk_err(&sub, "reading kvtier's cache subdirectory"))?;
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let me = unsafe { libc::geteuid() };
+    let me = crate::sys::sock::current_uid();
     let refuse = |why: String| IoError::Disk {
         path: sub.clone(),
         what: "refusing kvtier's cache subdirectory",
