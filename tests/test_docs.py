@@ -36,7 +36,7 @@ def _exists(token: str, base: Path) -> bool:
     token = re.sub(r"(:\d+(-\d+)?|#.*)$", "", token).rstrip("/.,;")
     if "<" in token:  # a placeholder, e.g. docs/bench/<part>.md
         return True
-    roots = [REPO if token.startswith(TOP) else base]
+    roots = [REPO if token.startswith(TOP) or f"{token}/" in TOP else base]
     if token.startswith(("tests/", "src/", "benches/")):  # crate-relative, as a crate's own docs write it
         roots += sorted((REPO / "crates").iterdir())
     for root in roots:
