@@ -8,6 +8,16 @@
 
 use std::path::{Path, PathBuf};
 
+/// `fuzz_target!(|data: &[u8]| { .. })` as `pub(crate) fn run(data: &[u8]) { .. }` (the includer
+/// writes `extern crate self as libfuzzer_sys;`, so the targets' `use libfuzzer_sys::fuzz_target;`
+/// finds this).
+#[macro_export]
+macro_rules! fuzz_target {
+    (|$data:ident: &[u8]| $body:block) => {
+        pub(crate) fn run($data: &[u8]) $body
+    };
+}
+
 /// Mutations of the seeds run per target.
 pub(crate) const MUTATIONS: usize = 4096;
 

@@ -11,14 +11,6 @@
 // `use libfuzzer_sys::fuzz_target;` in the targets resolves to this crate's shim.
 extern crate self as libfuzzer_sys;
 
-/// `fuzz_target!(|data: &[u8]| { .. })` as `pub fn run(data: &[u8]) { .. }`.
-#[macro_export]
-macro_rules! fuzz_target {
-    (|$data:ident: &[u8]| $body:block) => {
-        pub(crate) fn run($data: &[u8]) $body
-    };
-}
-
 #[path = "../../../fuzz/fuzz_targets/config_toml.rs"]
 mod config_toml;
 #[path = "../../../fuzz/fuzz_targets/pool_ops.rs"]

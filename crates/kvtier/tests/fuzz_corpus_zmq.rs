@@ -7,14 +7,6 @@
 
 extern crate self as libfuzzer_sys;
 
-/// `fuzz_target!(|data: &[u8]| { .. })` as `pub(crate) fn run(data: &[u8]) { .. }`.
-#[macro_export]
-macro_rules! fuzz_target {
-    (|$data:ident: &[u8]| $body:block) => {
-        pub(crate) fn run($data: &[u8]) $body
-    };
-}
-
 #[path = "../../../fuzz/fuzz_targets/zmq_wire.rs"]
 mod zmq_wire;
 
