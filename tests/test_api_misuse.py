@@ -138,3 +138,12 @@ def test_default_zmq_endpoint_is_a_private_unix_socket_not_a_fixed_port(kvtier_e
             other.shutdown()
     finally:
         ld.shutdown()
+
+
+def test_default_node_socket_is_per_user(monkeypatch):
+    """Issue 26: the node socket used when none is named is the user's own, never the shared /tmp/kvtier-node that
+    any local user can create first; ``python -m kvtier.node`` and ``kvtier node`` agree on it."""
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    assert _native.default_node_socket() == f"/tmp/kvtier-node-{os.geteuid()}/node.sock"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/4242")
+    assert _native.default_node_socket() == "/run/user/4242/kvtier-node/node.sock"
