@@ -13,10 +13,14 @@ extern crate self as libfuzzer_sys;
 
 #[path = "../../../fuzz/fuzz_targets/config_toml.rs"]
 mod config_toml;
+#[path = "../../../fuzz/fuzz_targets/node_frames.rs"]
+mod node_frames;
 #[path = "../../../fuzz/fuzz_targets/pool_ops.rs"]
 mod pool_ops;
 #[path = "../../../fuzz/fuzz_targets/remote_frame.rs"]
 mod remote_frame;
+#[path = "../../../fuzz/fuzz_targets/settings_maps.rs"]
+mod settings_maps;
 #[path = "../../../fuzz/fuzz_targets/step_metadata.rs"]
 mod step_metadata;
 
@@ -42,4 +46,20 @@ fn remote_frame_corpus() {
 #[test]
 fn step_metadata_corpus() {
     replay("step_metadata", step_metadata::run);
+}
+
+#[test]
+fn node_frames_corpus() {
+    replay("node_frames", node_frames::run);
+    // The seeds reach past the Hello: the target checks real requests, not only refusals.
+    let seed = std::fs::read(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/node_frames/put"),
+    )
+    .unwrap();
+    assert_eq!(kvtier_io::node::decode_request_stream(&seed).len(), 3);
+}
+
+#[test]
+fn settings_maps_corpus() {
+    replay("settings_maps", settings_maps::run);
 }

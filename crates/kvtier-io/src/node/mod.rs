@@ -27,7 +27,8 @@ pub use books::{
 pub use client::{NodeClientOptions, NodeStore};
 pub use listen::default_socket;
 pub use protocol::{
-    block_checksum, Reply, Request, MAX_FRAME, MAX_HELLO_FRAME, NODE_PROTOCOL_VERSION,
+    block_checksum, decode_request_stream, encode_request, Reply, Request, MAX_FRAME,
+    MAX_HELLO_FRAME, NODE_PROTOCOL_VERSION,
 };
 pub use server::{NodeOptions, NodeServer, HELLO_TIMEOUT, MAX_CONNECTIONS, MAX_NAMESPACE_LEN};
 pub use share::SharePolicy;

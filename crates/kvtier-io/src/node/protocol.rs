@@ -182,6 +182,35 @@ pub(super) fn read_frame_max<T: for<'de> Deserialize<'de>>(
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("node frame: {e}")))
 }
 
+/// The requests a node reads from `bytes`, frame by frame as its connection does (the first
+/// frame under [`MAX_HELLO_FRAME`], the others under [`MAX_FRAME`]), up to the end of the bytes
+/// or the first frame refused; each request decoded re-encodes to a frame that decodes to it.
+/// For the fuzz target `node_frames` (fuzz/fuzz_targets/node_frames.rs).
+#[doc(hidden)]
+pub fn decode_request_stream(bytes: &[u8]) -> Vec<Request> {
+    let mut r = bytes;
+    let mut out = Vec::new();
+    loop {
+        let max = if out.is_empty() {
+            MAX_HELLO_FRAME
+        } else {
+            MAX_FRAME
+        };
+        match read_frame_max::<Request>(&mut r, max) {
+            Ok(Some(req)) => out.push(req),
+            Ok(None) | Err(_) => return out,
+        }
+    }
+}
+
+/// `msg` as one frame's bytes (for the fuzz target's round trip).
+#[doc(hidden)]
+pub fn encode_request(msg: &Request) -> io::Result<Vec<u8>> {
+    let mut v = Vec::new();
+    write_frame(&mut v, msg)?;
+    Ok(v)
+}
+
 /// The checksum of a block in the arena, bound to its key: a block copied into another key's
 /// slot does not verify.
 pub fn block_checksum(key: u128, bytes: &[u8]) -> u64 {
