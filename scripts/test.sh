@@ -3,6 +3,7 @@
 # starts the services they use, then runs fmt, clippy, the Rust suites and the Python suites (including the
 # real-engine vLLM tests).
 #   KVTIER_SKIP_PYTHON=1   Rust only
+#   KVTIER_SKIP_CONCURRENCY=1  no Miri / loom (scripts/check-concurrency.sh, which needs a nightly toolchain)
 #   KVTIER_FULL=1          also the slow real-engine tests (marker `slow`)
 # CI has no GPU: tests/test_vllm_gpu.py skips here; on a machine with an NVIDIA GPU and vLLM's CUDA build,
 # `bash scripts/gpu-vllm.sh` runs the GPU real-engine tests (and `--bench` the replay benchmark).
@@ -38,6 +39,16 @@ KVTIER_PROPS_CASES=1024 cargo test -q -p kvtier --release --test connector_props
 kill "${hogs[@]}" 2>/dev/null || true
 wait "${hogs[@]}" 2>/dev/null || true
 [ "$props_rc" = 0 ] || { echo "connector_props failed under contention"; exit "$props_rc"; }
+echo "== rustdoc, warnings denied"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps -q
+# Miri on kvtier-io's unsafe memory paths and loom on the bindings' rendezvous and the worker's task queue
+# (issue 28); KVTIER_SKIP_CONCURRENCY=1 leaves them out.
+if [ "${KVTIER_SKIP_CONCURRENCY:-0}" != 1 ]; then
+  echo "== Miri and loom (scripts/check-concurrency.sh)"
+  rustup toolchain install nightly --profile minimal --component miri,rust-src >/dev/null
+  bash scripts/check-concurrency.sh
+  rm -rf target/miri target/loom
+fi
 disk
 # The test executables (a few GB, statically linked) are not needed again; the libraries stay for the wheel build.
 find target/debug/deps -maxdepth 1 -type f -perm -u+x ! -name '*.*' -delete

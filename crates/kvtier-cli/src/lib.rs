@@ -1,8 +1,8 @@
 //! kvtier-cli: the `kvtier` binary's library — an OpenAI-compatible server over the reference engine
-//! ([`serve`]), workload and transfer benchmarks ([`bench`]), [`inspect`] and the [`node`] tier.
+//! ([`serve`]), workload and transfer benchmarks ([`mod@bench`]), [`inspect`] and the [`node`] tier.
 //!
 //! Layering: [`settings`] and [`backend`] (the one seam to the engine, implemented by
-//! [`engine_backend`]) are used by [`serve`] and [`bench`]; neither of those uses the other, and
+//! [`engine_backend`]) are used by [`serve`] and [`mod@bench`]; neither of those uses the other, and
 //! no module imports one that imports it back.
 
 #![forbid(unsafe_code)]

@@ -20,7 +20,7 @@ pub struct NodeArgs {
     /// The Unix socket engines attach to (`remote.url = "node://SOCKET"`). Created mode 0600
     /// (0666 with --allow-uid) in a directory of this user that no one else may write (created
     /// 0700, 0711 with --allow-uid; refused otherwise). Default: $XDG_RUNTIME_DIR/kvtier-node/
-    /// node.sock, else /tmp/kvtier-node-<uid>/node.sock.
+    /// node.sock, else /tmp/kvtier-node-UID/node.sock.
     #[arg(long)]
     pub socket: Option<PathBuf>,
     /// Shared host memory for blocks, in GB (decimal).

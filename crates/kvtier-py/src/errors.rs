@@ -157,7 +157,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// `?` converts the Rust families into it; `PyErr::from` turns it into the matching exception.
 #[derive(Debug, thiserror::Error)]
 pub enum BridgeError {
-    /// An error of the core crates, mapped to its family by [`kvtier_family`].
+    /// An error of the core crates, mapped to its family by `kvtier_family`.
     #[error(transparent)]
     Kvtier(#[from] kvtier::Error),
     /// An error this crate detects itself (argument shapes, call order), with its family.

@@ -19,7 +19,7 @@
 //! - `VllmPaged`: vLLM >= 0.32's per-layer 4-D views `[num_blocks, num_kv_heads, block_size,
 //!   content]` of one backing buffer in any `KVCacheLayout` (LBHNC, LBNHC, LHBNC, BLHNC, BLNHC,
 //!   BHLNC), MLA and FP8 included: every (layer, block) region is placed from the strides, as
-//!   one or several strided pieces (module [`paged`]).
+//!   one or several strided pieces (module `paged`).
 //!
 //! The dimensions inside a chunk may have any stride order (vLLM can permute them, e.g. HND) as
 //! long as they cover a dense range: a chunk is always one contiguous range of bytes.
@@ -329,7 +329,7 @@ impl DeviceLayout {
         Self::new(EngineLayoutKind::detect_vllm_cuda(first)?, layers, dtype)
     }
 
-    /// vLLM >= 0.32's per-layer 4-D views in any `KVCacheLayout` (see [`paged`]).
+    /// vLLM >= 0.32's per-layer 4-D views in any `KVCacheLayout` (see `paged`).
     pub fn vllm_paged(
         layers: &[TensorDesc],
         kernel_blocks: usize,

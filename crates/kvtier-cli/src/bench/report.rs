@@ -6,16 +6,8 @@
 use serde::Serialize;
 
 use crate::backend::TierCounts;
+pub use crate::bench::runner::percentile;
 use crate::bench::runner::RunResult;
-
-/// Nearest-rank percentile of an ascending slice (`None` when empty).
-pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    Some(sorted[rank.clamp(1, sorted.len()) - 1])
-}
 
 /// Fraction of prompt tokens served per tier.
 #[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]

@@ -52,6 +52,15 @@ pub struct RunResult {
     pub counters: CacheCounters,
 }
 
+/// Nearest-rank percentile of an ascending slice (`None` when empty).
+pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    Some(sorted[rank.clamp(1, sorted.len()) - 1])
+}
+
 /// Progress reporting to stderr (plain lines, at most one every `every`).
 pub struct Progress {
     label: String,
@@ -87,7 +96,7 @@ impl Progress {
         self.last = Some(now);
         let mut sorted = ttfts.to_vec();
         sorted.sort_by(f64::total_cmp);
-        let p50 = crate::bench::report::percentile(&sorted, 50.0).unwrap_or(0.0);
+        let p50 = percentile(&sorted, 50.0).unwrap_or(0.0);
         eprintln!(
             "  [{}] {done}/{} requests, {:.1}s, TTFT p50 so far {:.1} ms",
             self.label,

@@ -17,7 +17,7 @@
 //! and its descriptors are reused only after the event closing their previous use completed (on
 //! the CPU; for an ordered load, by a stream wait on the device, with every round's descriptors
 //! in one buffer written before the first round and reused only by a later job); with an
-//! [`Order`] (a synchronous load), the engine's stream waits for the job's completion event
+//! `Order` (a synchronous load), the engine's stream waits for the job's completion event
 //! before the caller is told to go on; per-direction state is guarded by its own mutex, so
 //! offload and onboard run concurrently.
 use std::sync::{Arc, Mutex};

@@ -263,7 +263,7 @@ pub(crate) fn decode_into(
     Ok(())
 }
 
-/// Decodes `value` as [`decode_into`] does, for a store in `namespace`; for tests and fuzzing.
+/// Decodes `value` as `decode_into` does, for a store in `namespace`; for tests and fuzzing.
 pub fn decode_value(
     namespace: &str,
     key: u128,

@@ -8,7 +8,7 @@
 //!    identity, answered `Reject(reason)`, never counted as a rank and never failing the
 //!    handshake of the real ranks;
 //! 2. when all `world_size` ranks said hello, the leader checks layouts
-//!    ([`ClusterLayout::agree`]) and answers every rank `Welcome { layout, tag }` (tagged with
+//!    (`ClusterLayout::agree`) and answers every rank `Welcome { layout, tag }` (tagged with
 //!    that rank's nonce), or `Reject(reason)` to every rank and fails its own handshake with the
 //!    same reason;
 //! 3. workers send `Report`s; the leader may broadcast `Step` metadata (for engines that do not

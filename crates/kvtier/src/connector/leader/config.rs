@@ -131,7 +131,7 @@ impl LeaderConfig {
 }
 
 /// What, besides its token ids, decides which blocks a request may share (see
-/// [`Leader::get_num_new_matched_tokens_for`]).
+/// `Leader::get_num_new_matched_tokens_for`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RequestKey {
     /// The request's own identity (LoRA adapter, tenant cache salt, multimodal inputs, prompt
