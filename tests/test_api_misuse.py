@@ -147,3 +147,16 @@ def test_default_node_socket_is_per_user(monkeypatch):
     assert _native.default_node_socket() == f"/tmp/kvtier-node-{os.geteuid()}/node.sock"
     monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/4242")
     assert _native.default_node_socket() == "/run/user/4242/kvtier-node/node.sock"
+
+
+def test_a_bogus_cpu_pointer_is_refused_not_a_segfault(kvtier_env):
+    """Issue 28: a TensorDesc whose data_ptr names no memory of this process (aligned, non-null: past the checks of
+    the descriptor itself) crashed the interpreter on the first store. The worker now checks a CPU tensor's bytes
+    against the process's mappings when it registers them, and refuses with an exception naming the range."""
+    pool = np.zeros((8, 2, 2, BS * 2 * 8), np.float16)
+    good = describe(pool)
+    bogus = kvtier.TensorDesc(0x1000, list(pool.shape), [s for s in pool.strides], pool.itemsize, "float16")
+    s = {"block_size": BS, "host.num_blocks": 4, "link": "engine"}
+    with pytest.raises(kvtier.KvtierError, match="not mapped readable and writable"):
+        _native.Worker(s, bogus)
+    _native.Worker(s, good).shutdown()

@@ -94,6 +94,17 @@ pub enum MemoryError {
     /// A tensor or pool that spans no bytes, or whose end overflows.
     #[error("engine memory: {0}")]
     Invalid(String),
+    /// A CPU tensor's bytes are not mapped readable and writable in this process (a bogus data
+    /// pointer: kvtier's copies would fault inside the engine's process).
+    #[error(
+        "engine memory: CPU tensor {start:#x}..+{len} is not mapped readable and writable in this process"
+    )]
+    Unmapped {
+        /// The tensor's first byte.
+        start: u64,
+        /// Its length in bytes.
+        len: u64,
+    },
     /// The CPU pool could not be allocated.
     #[error("CPU KV pool: cannot allocate {bytes} bytes")]
     Alloc {
@@ -227,6 +238,19 @@ impl EngineMemory {
         tensors: Vec<TensorMemory>,
     ) -> Result<Self, MemoryError> {
         check_regions(&layout, &tensors)?;
+        // #28: a bogus CPU pointer is refused here rather than faulting in a copy thread. (A
+        // CUDA pointer is checked by the driver when its first copy runs; that fails the job.)
+        for t in tensors
+            .iter()
+            .filter(|t| t.kind == DeviceKind::Cpu && t.len > 0)
+        {
+            if crate::sys::mem::mapped_rw(t.start.get(), t.len) == Some(false) {
+                return Err(MemoryError::Unmapped {
+                    start: t.start.get(),
+                    len: t.len,
+                });
+            }
+        }
         let kind = layout.device();
         Ok(EngineMemory {
             layout: Arc::new(layout),

@@ -18,6 +18,24 @@ fn pool_layout(ptr: u64, blocks: usize) -> DeviceLayout {
     DeviceLayout::trtllm(&pool_desc(ptr, blocks, DeviceKind::Cpu), 4, DType::F32).unwrap()
 }
 
+/// Real memory of this process for the bounds tests (registration also checks that a CPU
+/// tensor's bytes are mapped): 4 MiB and its 64 KiB-aligned base.
+fn heap() -> (Vec<u8>, u64) {
+    let v = vec![0u8; 4 << 20];
+    let base = (v.as_ptr() as u64).next_multiple_of(64 << 10);
+    (v, base)
+}
+
+#[test]
+fn an_unmapped_cpu_tensor_is_refused() {
+    let base = 0x1000u64;
+    let t = TensorMemory::of(&pool_desc(base, 4, DeviceKind::Cpu), None).unwrap();
+    assert!(matches!(
+        EngineMemory::from_tensors(pool_layout(base, 4), vec![t]),
+        Err(MemoryError::Unmapped { start: 0x1000, .. })
+    ));
+}
+
 #[test]
 fn device_ptr_is_never_null() {
     assert_eq!(DevicePtr::new(0), None);
@@ -76,7 +94,7 @@ fn tensor_extent_follows_shape_and_strides() {
 
 #[test]
 fn a_region_past_the_tensor_is_refused() {
-    let base = 0x10_0000u64;
+    let (_mem, base) = heap();
     // The layout claims 4 blocks, the tensor that owns the memory has 3.
     let layout = pool_layout(base, 4);
     let owner = TensorMemory::of(&pool_desc(base, 3, DeviceKind::Cpu), None).unwrap();
@@ -104,10 +122,11 @@ fn a_region_past_the_tensor_is_refused() {
 #[test]
 fn every_per_layer_region_needs_its_own_tensor() {
     // vLLM CPU-style per-layer tensors [blocks, heads, tokens, 2 * head]: one region per layer.
+    let (_mem, base) = heap();
     let desc = |i: u64| {
         TensorDesc::contiguous(
             "layer",
-            0x10_0000 * (i + 1),
+            base + 0x10_0000 * i,
             vec![3, 1, 4, 16],
             4,
             DeviceKind::Cpu,
@@ -141,7 +160,7 @@ fn a_region_in_memory_of_another_device_is_refused() {
 
 #[test]
 fn tensor_owners_are_held_while_the_memory_lives() {
-    let base = 0x10_0000u64;
+    let (_mem, base) = heap();
     let owner = Arc::new(String::from("the engine's tensor"));
     let t = TensorMemory::of(
         &pool_desc(base, 4, DeviceKind::Cpu),

@@ -10,6 +10,42 @@ use std::ptr::NonNull;
 /// Alignment of direct I/O buffers and of disk slots.
 pub(crate) const IO_ALIGN: usize = 4096;
 
+/// Whether `len` bytes at `start` are mapped readable and writable in this process, from
+/// `/proc/self/maps` (adjacent mappings may share the range). `None` when the table cannot be
+/// read (not Linux, no procfs, under Miri): the caller cannot tell and does not refuse.
+pub(crate) fn mapped_rw(start: u64, len: u64) -> Option<bool> {
+    if cfg!(miri) {
+        return None; // Miri's addresses are not the host process's mappings.
+    }
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    let Some(end) = start.checked_add(len) else {
+        return Some(false);
+    };
+    let mut spans: Vec<(u64, u64)> = maps
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (a, b) = f.next()?.split_once('-')?;
+            let perms = f.next()?;
+            let rw = perms.starts_with("rw");
+            let a = u64::from_str_radix(a, 16).ok()?;
+            let b = u64::from_str_radix(b, 16).ok()?;
+            rw.then_some((a, b))
+        })
+        .collect();
+    spans.sort_unstable();
+    let mut at = start;
+    for (a, b) in spans {
+        if at >= end {
+            break;
+        }
+        if a <= at && at < b {
+            at = b;
+        }
+    }
+    Some(at >= end)
+}
+
 /// `MemAvailable` of `/proc/meminfo` in bytes (memory the kernel can hand out without swapping),
 /// if readable.
 pub(crate) fn available_bytes() -> Option<usize> {
@@ -324,6 +360,18 @@ pub(crate) unsafe fn slice_mut<'a>(addr: usize, len: usize) -> &'a mut [u8] {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn mapped_rw_tells_heap_from_unmapped_and_read_only() {
+        let v = vec![0u8; 1 << 20];
+        assert_eq!(mapped_rw(v.as_ptr() as u64, v.len() as u64), Some(true));
+        // The first page is never mapped; code and constants are not writable.
+        assert_eq!(mapped_rw(0x1000, 64), Some(false));
+        static RO: [u8; 16] = [7; 16];
+        assert_eq!(mapped_rw(RO.as_ptr() as u64, 16), Some(false));
+        assert_eq!(mapped_rw(v.as_ptr() as u64, u64::MAX), Some(false));
+    }
+
     use super::*;
 
     #[test]
