@@ -612,3 +612,7 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+#[path = "api_fuzz_tests.rs"]
+mod fuzz_tests;
