@@ -11,6 +11,7 @@ project's folders (``vllm/...``, ``tensorrt_llm/...``) and are not checked here.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -64,10 +65,13 @@ def test_cited_paths_exist():
     assert not missing, "docs cite paths that do not exist:\n" + "\n".join(sorted(set(missing)))
 
 
-def _defined(crate: str, name: str, _cache: dict[str, str] = {}) -> bool:
-    if crate not in _cache:
-        _cache[crate] = "\n".join(p.read_text() for p in (REPO / "crates" / crate).rglob("*.rs"))
-    src = _cache[crate]
+@functools.lru_cache(maxsize=None)
+def _crate_source(crate: str) -> str:
+    return "\n".join(p.read_text() for p in (REPO / "crates" / crate).rglob("*.rs"))
+
+
+def _defined(crate: str, name: str) -> bool:
+    src = _crate_source(crate)
     n = re.escape(name)
     return bool(re.search(rf"\b(fn|struct|enum|trait|type|const|static|mod|macro_rules!)\s+{n}\b", src)
                 or re.search(rf"^\s*{n}\s*(\{{|\(|,|=)", src, re.M)

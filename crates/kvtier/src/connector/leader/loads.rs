@@ -97,8 +97,7 @@ impl Leader {
             .map_or(0, |m| m.device_tokens / self.block_size)
             + onboard.len();
         if reused > 0 {
-            let hashes: Vec<SequenceHash> = e.slot.hashes().iter().take(reused).copied().collect();
-            self.reuse_seen(&hashes);
+            self.reuse_seen(req, reused);
         }
         if onboard.is_empty() {
             return Ok(());

@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use crate::connector::leader::books::JobBooks;
 use crate::connector::leader::{DiskPolicy, Leader};
 use crate::hash::SequenceHash;
-use crate::ids::{BlockId, Tier};
+use crate::ids::{BlockId, RequestId, Tier};
 use crate::pool::Pinned;
 use crate::transfer::{BlockPair, TransferJob};
 
@@ -42,15 +42,22 @@ impl Leader {
         }
     }
 
-    /// Blocks of a prefix a request reuses (the engine's hit and kvtier's loads): each one
-    /// G2 holds counts as a sighting for the disk filter.
-    pub(super) fn reuse_seen(&mut self, hashes: &[SequenceHash]) {
+    /// The first `blocks` blocks of `req`'s prefix were reused (the engine's hit and kvtier's
+    /// loads): each one G2 holds counts as a sighting for the disk filter. Nothing is looked up
+    /// unless a filtered disk tier is configured.
+    pub(super) fn reuse_seen(&mut self, req: &RequestId, blocks: usize) {
         if self.tiers.disk.is_none() || !matches!(self.disk_policy, DiskPolicy::Filter(_)) {
             return;
         }
-        let seen: Vec<(BlockId, SequenceHash)> = hashes
+        let (Some(e), Some(host)) = (self.slots.get(req), self.tiers.host.as_ref()) else {
+            return;
+        };
+        let seen: Vec<(BlockId, SequenceHash)> = e
+            .slot
+            .hashes()
             .iter()
-            .filter_map(|&h| Some((self.tiers.host.as_ref()?.lookup(h)?, h)))
+            .take(blocks)
+            .filter_map(|&h| Some((host.lookup(h)?, h)))
             .collect();
         self.spill_seen_again(&seen);
     }
