@@ -1,6 +1,8 @@
 //! Remote store throughput for 2 MiB blocks: kvtier's Redis backend vs raw redis-crate SET/GET of
 //! the same bytes (no header, no checksum; the baseline) vs the shared-directory backend, all in one
-//! run against one private local redis-server.
+//! run against one private local redis-server; and the keyed MAC's cost (`remote.mac_key_file`):
+//! the tag pass alone (xxh3 vs keyed BLAKE3 over one block) and a keyed store's put/get beside the
+//! unkeyed one.
 //!
 //! After the criterion groups, an interleaved A/B pass times the same operations round-robin
 //! (baseline, kvtier redis, kvtier dir, repeated) and prints medians and the median per-round ratio:
@@ -17,7 +19,8 @@ mod remote_support;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
-use kvtier_io::remote::from_url;
+use kvtier::transfer::RemoteStore;
+use kvtier_io::remote::{from_url, FrameSeal, RedisOptions, RedisStore};
 use remote_support::{block, RedisServer};
 
 const BLOCK: usize = 2 << 20;
@@ -93,6 +96,53 @@ fn bench(c: &mut Criterion) {
         b.iter(|| {
             k = (k + 1) % KEYS;
             dir_store.get(k, &mut out).unwrap();
+        })
+    });
+    g.finish();
+
+    // The keyed MAC: the tag pass alone, then a keyed store beside the unkeyed one.
+    let plain = FrameSeal::for_namespace("bench");
+    let keyed = FrameSeal::keyed("bench", b"0123456789abcdef-bench-secret").unwrap();
+    let mut g = c.benchmark_group("frame_tag_2MiB");
+    g.throughput(Throughput::Bytes(BLOCK as u64));
+    g.bench_function(BenchmarkId::new("xxh3", "unkeyed"), |b| {
+        b.iter(|| plain.header(7, &data))
+    });
+    g.bench_function(BenchmarkId::new("blake3", "keyed"), |b| {
+        b.iter(|| keyed.header(7, &data))
+    });
+    g.finish();
+    let mac_store = RedisStore::open(&srv.url(), "bench-mac", RedisOptions::default())
+        .unwrap()
+        .with_mac_key(b"0123456789abcdef-bench-secret")
+        .unwrap();
+    for k in 0..KEYS {
+        mac_store.put(k, &data).unwrap();
+    }
+    let mut g = c.benchmark_group("remote_mac_2MiB");
+    g.throughput(Throughput::Bytes(BLOCK as u64));
+    g.bench_function(BenchmarkId::new("kvtier_redis", "put"), |b| {
+        b.iter(|| {
+            k = (k + 1) % KEYS;
+            redis_store.put(k, &data).unwrap();
+        })
+    });
+    g.bench_function(BenchmarkId::new("kvtier_redis_mac", "put"), |b| {
+        b.iter(|| {
+            k = (k + 1) % KEYS;
+            mac_store.put(k, &data).unwrap();
+        })
+    });
+    g.bench_function(BenchmarkId::new("kvtier_redis", "get"), |b| {
+        b.iter(|| {
+            k = (k + 1) % KEYS;
+            redis_store.get(k, &mut out).unwrap();
+        })
+    });
+    g.bench_function(BenchmarkId::new("kvtier_redis_mac", "get"), |b| {
+        b.iter(|| {
+            k = (k + 1) % KEYS;
+            mac_store.get(k, &mut out).unwrap();
         })
     });
     g.finish();

@@ -65,7 +65,7 @@ fn keyed_directory_store_refuses_forged_frames() -> Result<()> {
     );
     // The same forgery claiming the keyed flag: corrupt.
     let mut flagged = encode_value("mac", 1, &block(2, 4096));
-    flagged[6] = 1;
+    flagged[6] = 2; // FLAG_KEYED
     std::fs::write(&path, &flagged)?;
     assert!(matches!(
         remote_err(store.get(1, &mut out)),

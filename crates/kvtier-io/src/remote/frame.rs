@@ -5,12 +5,13 @@
 //! offset size field
 //!      0    4 magic        b"KVT4"
 //!      4    2 version      2 (little-endian)
-//!      6    2 flags        0, or 1 = keyed (the tag is a MAC); other bits are rejected
+//!      6    2 flags        0; 2 = keyed (the tag is a MAC); 1 = keyed with HMAC-SHA256 (written
+//!                          by kvtier before BLAKE3, read as a miss); other bits are rejected
 //!      8    8 payload_len  bytes of payload (little-endian)
 //!     16   16 key          the 128-bit sequence hash the value was stored under (little-endian)
 //!     32    8 tag          xxh3-64, seeded by the namespace, of bytes 0..32 || payload;
-//!                          keyed: the first 8 bytes of HMAC-SHA256(key, domain || namespace ||
-//!                          bytes 0..32 || payload)
+//!                          keyed: the first 8 bytes of keyed BLAKE3 (key derived from the secret
+//!                          with BLAKE3's KDF) of namespace || bytes 0..32 || payload
 //!     40    n payload
 //! ```
 //!
@@ -30,9 +31,7 @@
 //!   serves only values whose MAC verifies under its key; a value without the keyed flag (written
 //!   by an unkeyed writer, or forged with a recomputed unkeyed tag) reads as a clean miss, never
 //!   bytes; a keyed value whose MAC fails (another key, forged) is `Corrupt`.
-use hmac::{Hmac, Mac};
 use kvtier::transfer::RemoteError;
-use sha2::Sha256;
 use xxhash_rust::xxh3::Xxh3;
 
 pub(crate) const MAGIC: [u8; 4] = *b"KVT4";
@@ -41,8 +40,13 @@ pub(crate) const FORMAT_VERSION: u16 = 2;
 pub const HEADER_LEN: usize = 40;
 /// Bytes of the header covered by the tag (everything before it).
 const SEALED_LEN: usize = 32;
-/// The flag of a value whose tag is a keyed MAC.
-pub(crate) const FLAG_KEYED: u16 = 1;
+/// The flag of a value whose tag is a keyed MAC (keyed BLAKE3).
+pub(crate) const FLAG_KEYED: u16 = 2;
+/// The flag of a value keyed with HMAC-SHA256 by an earlier kvtier (3x slower: docs/bench/remote.md):
+/// no longer verified, read as a miss and overwritten by the next put.
+pub(crate) const FLAG_KEYED_HMAC: u16 = 1;
+/// BLAKE3's key-derivation context of the MAC key (its documentation: a hard-coded, unique string).
+const MAC_KEY_CONTEXT: &str = "kvtier 2026-12 remote frame v2 MAC key";
 /// The shortest MAC key accepted.
 pub const MIN_MAC_KEY_LEN: usize = 16;
 
@@ -51,8 +55,8 @@ pub const MIN_MAC_KEY_LEN: usize = 16;
 #[derive(Clone)]
 pub struct FrameSeal {
     seed: u64,
-    /// HMAC-SHA256 state after the domain and the namespace (keyed seals only).
-    mac: Option<Hmac<Sha256>>,
+    /// Keyed BLAKE3 state after the namespace (keyed seals only).
+    mac: Option<blake3::Hasher>,
 }
 
 impl std::fmt::Debug for FrameSeal {
@@ -84,9 +88,7 @@ impl FrameSeal {
                 secret.len()
             )));
         }
-        let mut mac = Hmac::<Sha256>::new_from_slice(secret)
-            .map_err(|e| RemoteError::Config(format!("remote MAC key: {e}")))?;
-        mac.update(b"kvtier remote frame v2 keyed\0");
+        let mut mac = blake3::Hasher::new_keyed(&blake3::derive_key(MAC_KEY_CONTEXT, secret));
         mac.update(namespace.as_bytes());
         mac.update(b"\0");
         Ok(FrameSeal {
@@ -98,6 +100,12 @@ impl FrameSeal {
     /// Whether the tag is a keyed MAC.
     pub fn is_keyed(&self) -> bool {
         self.mac.is_some()
+    }
+
+    /// The header a store writes before `payload` under `key` (the tag pass over the payload
+    /// included): what a put costs beyond the copy, measured by `benches/remote.rs`.
+    pub fn header(&self, key: u128, payload: &[u8]) -> [u8; HEADER_LEN] {
+        encode_header(self, key, payload)
     }
 
     fn flags(&self) -> u16 {
@@ -113,9 +121,8 @@ impl FrameSeal {
             let mut m = mac.clone();
             m.update(sealed);
             m.update(payload);
-            let out = m.finalize().into_bytes();
             let mut t = [0u8; 8];
-            t.copy_from_slice(&out[..8]);
+            t.copy_from_slice(&m.finalize().as_bytes()[..8]);
             return u64::from_le_bytes(t);
         }
         let mut h = Xxh3::with_seed(self.seed);
@@ -176,13 +183,13 @@ pub(crate) fn check_header(
         return Err(corrupt(format!("unknown format version {version}")));
     }
     let flags = u16::from_le_bytes(field(h, 6));
-    if flags & !FLAG_KEYED != 0 {
+    if flags & !(FLAG_KEYED | FLAG_KEYED_HMAC) != 0 || flags == FLAG_KEYED | FLAG_KEYED_HMAC {
         return Err(corrupt(format!("unknown flags {flags:#06x}")));
     }
     if flags != seal.flags() {
         // Keyed store, unkeyed value (an unkeyed writer, or a forgery with a recomputed unkeyed
-        // tag): never trusted. Unkeyed store, keyed value: it cannot be verified here. Either way
-        // a miss, overwritten by the next put.
+        // tag): never trusted. Unkeyed store, keyed value, or a value keyed with the retired
+        // HMAC: it cannot be verified here. Either way a miss, overwritten by the next put.
         tracing::debug!(
             key = format_args!("{key:032x}"),
             flags,
@@ -476,6 +483,18 @@ mod tests {
             decode_into(&unkeyed, KEY, &good, &mut out),
             Err(RemoteError::Missing { key: KEY })
         );
+        // A value of the retired HMAC-SHA256 seal: a miss, not bytes and not damage.
+        let mut legacy = good.clone();
+        legacy[6..8].copy_from_slice(&FLAG_KEYED_HMAC.to_le_bytes());
+        assert_eq!(
+            decode_into(&seal, KEY, &legacy, &mut out),
+            Err(RemoteError::Missing { key: KEY })
+        );
+        legacy[6..8].copy_from_slice(&3u16.to_le_bytes());
+        assert!(matches!(
+            decode_into(&seal, KEY, &legacy, &mut out),
+            Err(RemoteError::Corrupt { .. })
+        ));
         assert!(FrameSeal::keyed(NS, b"short").is_err());
         assert!(!format!("{seal:?}").contains("cluster-secret"));
     }

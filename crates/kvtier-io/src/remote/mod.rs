@@ -8,6 +8,7 @@
 //! only with bytes whose header and tag verified for the key and namespace asked for; anything else is a typed [`kvtier::transfer::RemoteError`]. Every network operation is
 //! bounded by timeouts, so an outage produces errors (the connector then recomputes), never a hang.
 mod breaker;
+mod cluster;
 mod dir_store;
 mod frame;
 mod key;

@@ -1,6 +1,6 @@
-//! [`RedisStore`]: the remote store on a Redis-protocol server (Redis, Valkey), through kvtier's own
-//! RESP client ([`super::wire`]), or on a cluster, through the `redis` crate's synchronous
-//! `ClusterConnection` (which routes each key to the node owning its slot and follows MOVED/ASK).
+//! [`RedisStore`]: the remote store on a Redis-protocol server (Redis, Valkey) or a Redis/Valkey
+//! Cluster, through kvtier's own RESP client ([`super::wire`]; cluster routing, MOVED and ASK in
+//! [`super::cluster`]). The `redis` crate only parses URLs.
 //!
 //! Invariants:
 //! - every operation has a deadline `t`: `lookup_timeout` for `contains` (it runs on the
@@ -9,8 +9,9 @@
 //!   reply of a pipeline) at most `t` from its start, however the server drips bytes; the one
 //!   retry (on a pooled connection the server closed) happens only after an error that is not a
 //!   timeout. So a dead, stalled or dripping server turns an operation into
-//!   `RemoteError::Unavailable` after at most `min(connect_timeout, t) + 2t`, never a hang (cluster
-//!   mode: the crate's per-read timeout, see docs/arch/remote.md);
+//!   `RemoteError::Unavailable` after at most `min(connect_timeout, t) + 2t`, never a hang (in
+//!   cluster mode the one deadline also covers the slot-map refresh, every node's connect and
+//!   every redirect);
 //! - `get` reads the reply's length prefix first: a value that is not exactly one frame of the
 //!   caller's block size is refused (`SizeMismatch`, `Short`, `Corrupt`) after reading at most its
 //!   40-byte header, and a value of the right size is read straight into the caller's buffer; no
@@ -35,10 +36,10 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvtier::transfer::{RemoteError, RemoteHealth, RemoteStore, TransferError};
-use redis::cluster::{ClusterClient, ClusterConnection};
-use redis::{ConnectionAddr, RedisWrite, ToRedisArgs};
+use redis::ConnectionAddr;
 
 use super::breaker::{Breaker, BreakerState, BreakerStats, Failure, Ticket};
+use super::cluster::{key_slot, ClusterConn, Redirect, Router};
 use super::frame::{self, HEADER_LEN};
 use super::key::Namespace;
 use super::wire::{push_bulk, push_cmd, Addr, Deadline, WireConn, WireError};
@@ -110,28 +111,20 @@ struct Server {
 
 enum Client {
     Single(Server),
-    Cluster(ClusterClient),
+    Cluster(Router),
 }
 
 /// One pooled connection: to a single server (with a reusable buffer for packed commands), or to
 /// every node of a cluster.
 enum Conn {
-    Single {
-        conn: WireConn,
-        buf: Vec<u8>,
-    },
-    Cluster {
-        conn: Box<ClusterConnection>,
-        timeout: Duration,
-    },
+    Single { conn: WireConn, buf: Vec<u8> },
+    Cluster(ClusterConn),
 }
 
 /// Why one attempt failed.
 enum OpError {
-    /// On kvtier's own connection.
+    /// On the connection (to the server, or to one node of the cluster).
     Wire(WireError),
-    /// On the cluster connection.
-    Redis(redis::RedisError),
     /// The server answered, with a value that is not the frame asked for (the connection may
     /// hold the rest of it).
     Value(RemoteError),
@@ -143,17 +136,10 @@ impl From<WireError> for OpError {
     }
 }
 
-impl From<redis::RedisError> for OpError {
-    fn from(e: redis::RedisError) -> Self {
-        OpError::Redis(e)
-    }
-}
-
 impl OpError {
     fn is_timeout(&self) -> bool {
         match self {
             OpError::Wire(e) => e.is_timeout(),
-            OpError::Redis(e) => e.is_timeout(),
             OpError::Value(_) => false,
         }
     }
@@ -162,7 +148,6 @@ impl OpError {
     fn is_broken(&self) -> bool {
         match self {
             OpError::Wire(e) => matches!(e, WireError::Io(_)),
-            OpError::Redis(e) => !e.is_timeout() && (e.is_io_error() || e.is_connection_dropped()),
             OpError::Value(_) => false,
         }
     }
@@ -173,11 +158,6 @@ impl OpError {
             OpError::Wire(WireError::Refused(_)) => Verdict::Down(Failure::Refused),
             OpError::Wire(WireError::Server(_)) | OpError::Value(_) => Verdict::Answered,
             OpError::Wire(_) => Verdict::Down(Failure::Failed),
-            OpError::Redis(e) if e.is_connection_refusal() => Verdict::Down(Failure::Refused),
-            OpError::Redis(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
-                Verdict::Down(Failure::Failed)
-            }
-            OpError::Redis(_) => Verdict::Answered,
         }
     }
 
@@ -188,7 +168,14 @@ impl OpError {
                 op,
                 reason: e.to_string(),
             },
-            OpError::Redis(e) => unavailable(op, &e),
+        }
+    }
+
+    /// The cluster redirect this error is, if it is one.
+    fn redirect(&self) -> Option<Redirect> {
+        match self {
+            OpError::Wire(WireError::Server(m)) => Redirect::parse(m),
+            _ => None,
         }
     }
 }
@@ -238,32 +225,6 @@ enum Verdict {
     Withdrawn,
 }
 
-/// `header || payload` as one Redis argument, written straight into the command buffer.
-struct FramedValue<'a> {
-    header: [u8; frame::HEADER_LEN],
-    payload: &'a [u8],
-}
-
-impl ToRedisArgs for FramedValue<'_> {
-    fn write_redis_args<W>(&self, out: &mut W)
-    where
-        W: ?Sized + RedisWrite,
-    {
-        use std::io::Write;
-        let mut w = out.writer_for_next_arg();
-        // The writer appends to an in-memory Vec and cannot fail.
-        let _ = w.write_all(&self.header);
-        let _ = w.write_all(self.payload);
-    }
-}
-
-fn unavailable(op: &'static str, e: &redis::RedisError) -> RemoteError {
-    RemoteError::Unavailable {
-        op,
-        reason: e.to_string(),
-    }
-}
-
 impl RedisStore {
     /// A store on the server at `url` (`redis://[user:pass@]host:port[/db]`, `valkey://…`,
     /// `redis+unix:///path`), or, with `opts.cluster_seeds`, on the cluster they seed (`url` then
@@ -289,16 +250,8 @@ impl RedisStore {
             let msg = e.to_string().replace(url, &shown);
             RemoteError::Config(format!("redis url {shown:?}: {msg}"))
         };
-        let client = if !opts.cluster_seeds.is_empty() {
-            let c = ClusterClient::builder(opts.cluster_seeds.clone())
-                .connection_timeout(opts.connect_timeout)
-                .response_timeout(opts.io_timeout)
-                .retries(1)
-                .build()
-                .map_err(bad_url)?;
-            Client::Cluster(c)
-        } else {
-            // The crate parses the URL (address, credentials, database); kvtier's client talks.
+        // The crate parses the URL (address, credentials, database); kvtier's client talks.
+        let parse = |url: &str| -> Result<Server, RemoteError> {
             let info = redis::Client::open(url)
                 .map_err(bad_url)?
                 .get_connection_info()
@@ -313,13 +266,33 @@ impl RedisStore {
                 }
             };
             let r = info.redis_settings();
-            Client::Single(Server {
+            Ok(Server {
                 addr,
                 auth: r
                     .password()
                     .map(|p| (r.username().map(str::to_string), p.to_string())),
                 db: r.db(),
             })
+        };
+        let client = if !opts.cluster_seeds.is_empty() {
+            let seeds = opts
+                .cluster_seeds
+                .iter()
+                .map(|s| parse(s))
+                .collect::<Result<Vec<_>, _>>()?;
+            if seeds.iter().any(|s| s.db != 0) {
+                return Err(RemoteError::Config(format!(
+                    "redis url {shown:?}: a cluster has only database 0"
+                )));
+            }
+            let auth = seeds.iter().find_map(|s| s.auth.clone());
+            Client::Cluster(Router::new(
+                seeds.into_iter().map(|s| s.addr).collect(),
+                auth,
+                opts.connect_timeout,
+            ))
+        } else {
+            Client::Single(parse(url)?)
         };
         let slots = (0..opts.pool_size).map(|_| Mutex::new(None)).collect();
         Ok(RedisStore {
@@ -350,6 +323,13 @@ impl RedisStore {
         self.breaker.stats()
     }
 
+    fn router(&self) -> Result<&Router, OpError> {
+        match &self.client {
+            Client::Cluster(r) => Ok(r),
+            Client::Single(_) => Err(OpError::Wire(WireError::Protocol("not a cluster".into()))),
+        }
+    }
+
     fn lookup_deadline(&self) -> Duration {
         self.opts.lookup_timeout.min(self.opts.io_timeout)
     }
@@ -363,9 +343,18 @@ impl RedisStore {
                 conn.send(buf, dl)?;
                 Ok(conn.read_status(dl)?)
             }
-            Conn::Cluster { conn, .. } => Ok(redis::cmd("PING")
-                .query::<String>(conn.as_mut())
-                .map(drop)?),
+            Conn::Cluster(c) => c.single(
+                self.router()?,
+                0,
+                dl,
+                |conn, buf, dl| {
+                    buf.clear();
+                    push_cmd(buf, &[b"PING"]);
+                    conn.send(buf, dl)?;
+                    Ok(conn.read_status(dl)?)
+                },
+                OpError::redirect,
+            ),
         })
     }
 
@@ -408,15 +397,8 @@ impl RedisStore {
                     buf: Vec::new(),
                 })
             }
-            Client::Cluster(client) => {
-                let c = client.get_connection()?;
-                c.set_read_timeout(Some(t))?;
-                c.set_write_timeout(Some(t))?;
-                Ok(Conn::Cluster {
-                    conn: Box::new(c),
-                    timeout: t,
-                })
-            }
+            // Nodes are connected on first use, under the operation's deadline.
+            Client::Cluster(_) => Ok(Conn::Cluster(ClusterConn::default())),
         }
     }
 
@@ -517,15 +499,8 @@ impl RedisStore {
                     None => slot.insert(self.connect(t)?),
                 };
                 let dl = Deadline::after(t);
-                match conn {
-                    Conn::Single { conn, .. } if fresh => self.handshake(conn, &dl)?,
-                    Conn::Single { .. } => {}
-                    Conn::Cluster { conn, timeout } if *timeout != t => {
-                        conn.set_read_timeout(Some(t))?;
-                        conn.set_write_timeout(Some(t))?;
-                        *timeout = t;
-                    }
-                    Conn::Cluster { .. } => {}
+                if let (Conn::Single { conn, .. }, true) = (&mut *conn, fresh) {
+                    self.handshake(conn, &dl)?;
                 }
                 f(conn, &dl)
             };
@@ -565,19 +540,17 @@ impl RedisStore {
                 conn.send(buf, dl)?;
                 Ok(conn.read_status(dl)?)
             }
-            Conn::Cluster { conn: c, .. } => {
-                // The cluster connection routes by parsing the command: give it a `Cmd`.
-                let value = FramedValue {
-                    header,
-                    payload: data,
-                };
-                let mut cmd = redis::cmd("SET");
-                cmd.arg(&rkey).arg(&value);
-                if let Some(ms) = ttl_ms {
-                    cmd.arg("PX").arg(ms);
-                }
-                Ok(cmd.query::<()>(c.as_mut())?)
-            }
+            Conn::Cluster(c) => c.single(
+                self.router()?,
+                key_slot(rkey.as_bytes()),
+                dl,
+                |conn, buf, dl| {
+                    pack_set(buf, &rkey, &header, data, ttl_ms);
+                    conn.send(buf, dl)?;
+                    Ok(conn.read_status(dl)?)
+                },
+                OpError::redirect,
+            ),
         })
     }
 
@@ -594,13 +567,21 @@ impl RedisStore {
                         Some(len) => read_frame(&self.seal, conn, dl, key, len, out),
                     }
                 }
-                Conn::Cluster { conn: c, .. } => {
-                    let v: Option<Vec<u8>> = redis::cmd("GET").arg(&rkey).query(c.as_mut())?;
-                    Ok(match v {
-                        None => Err(RemoteError::Missing { key }),
-                        Some(v) => frame::decode_into(&self.seal, key, &v, out),
-                    })
-                }
+                Conn::Cluster(c) => c.single(
+                    self.router()?,
+                    key_slot(rkey.as_bytes()),
+                    dl,
+                    |conn, buf, dl| {
+                        buf.clear();
+                        push_cmd(buf, &[b"GET", rkey.as_bytes()]);
+                        conn.send(buf, dl)?;
+                        match conn.read_bulk_len(dl)? {
+                            None => Ok(Err(RemoteError::Missing { key })),
+                            Some(len) => read_frame(&self.seal, conn, dl, key, len, out),
+                        }
+                    },
+                    OpError::redirect,
+                ),
             })?;
         found
     }
@@ -625,14 +606,8 @@ impl RedisStore {
                     }
                     Ok(found)
                 }
-                Conn::Cluster { conn: c, .. } => {
-                    // Keys live on different nodes: the cluster pipeline groups them per node.
-                    let mut pipe = redis::cluster::cluster_pipe();
-                    for n in &names {
-                        pipe.cmd("EXISTS").arg(n);
-                    }
-                    Ok(pipe.query(c)?)
-                }
+                // Keys live on different nodes: one pipeline per node.
+                Conn::Cluster(c) => Ok(c.exists(self.router()?, &names, dl)?),
             })?;
         if found.len() != keys.len() {
             return Err(RemoteError::Unavailable {

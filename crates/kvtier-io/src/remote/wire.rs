@@ -1,7 +1,12 @@
-//! A minimal RESP2 client over a std TCP or Unix stream, for the few commands the single-server
-//! Redis store sends (`AUTH`, `SELECT`, `PING`, `GET`, `SET`, `EXISTS`).
+//! A minimal RESP2 client over a std TCP or Unix stream, for the few commands the Redis store
+//! sends (`AUTH`, `SELECT`, `PING`, `GET`, `SET`, `EXISTS`, and in cluster mode `CLUSTER SLOTS`,
+//! `ASKING`).
 //!
 //! Invariants:
+//! - connecting takes at most its budget, name resolution included: a host name is resolved on a
+//!   helper thread the caller waits for only until the budget ends (at most [`MAX_RESOLVERS`]
+//!   lookups outstanding, so a hung resolver cannot pile up threads), and a Unix socket whose
+//!   listener's backlog is full is retried without blocking until the budget ends;
 //! - every exchange runs under one [`Deadline`]: before each read and each write the socket's
 //!   timeout is set to the time left, so a server that hangs, drips a byte at a time or sends half
 //!   a reply fails the exchange with [`WireError::Timeout`] once the deadline has passed (plus one
@@ -12,15 +17,25 @@
 //!   own buffer, so no reply makes this module allocate more than its fixed read buffer;
 //! - after any error the connection may hold an unread (part of a) reply: callers drop it.
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 /// Bytes read from the socket at a time (replies to `EXISTS`, `SET`, the bulk prefix).
 const READ_BUF: usize = 16 << 10;
 /// The longest status, error or integer line accepted.
 const MAX_LINE: usize = 4096;
+/// Name lookups running at once on helper threads; past this, connecting to a host name fails at
+/// once (a resolver that hangs holds each of its threads until it answers).
+pub(crate) const MAX_RESOLVERS: usize = 4;
+static RESOLVERS: AtomicUsize = AtomicUsize::new(0);
+/// Limits of [`WireConn::read_value`] (small structured replies such as `CLUSTER SLOTS`).
+const MAX_ARRAY: usize = 1 << 16;
+const MAX_DEPTH: usize = 4;
+const MAX_SMALL_BULK: usize = 4096;
 
 /// Why an exchange failed.
 #[derive(Debug, thiserror::Error)]
@@ -75,7 +90,7 @@ impl Deadline {
 }
 
 /// Where the server listens.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Addr {
     Tcp(String, u16),
     Unix(PathBuf),
@@ -154,20 +169,19 @@ pub(crate) fn push_cmd(out: &mut Vec<u8>, args: &[&[u8]]) {
 }
 
 impl WireConn {
-    /// Connects within `min(connect_timeout, time left of dl)`.
+    /// Connects within `min(connect_timeout, time left of dl)`, name resolution included.
     pub(crate) fn connect(
         addr: &Addr,
         connect_timeout: Duration,
         dl: &Deadline,
     ) -> Result<Self, WireError> {
         let budget = connect_timeout.min(dl.left()?);
+        let until = Instant::now() + budget;
         let stream = match addr {
             Addr::Tcp(host, port) => {
-                let until = Instant::now() + budget;
-                let addrs: Vec<SocketAddr> = (host.as_str(), *port)
-                    .to_socket_addrs()
-                    .map_err(WireError::Refused)?
-                    .collect();
+                let addrs = resolve(host, *port, budget, |h, p| {
+                    (h, p).to_socket_addrs().map(Iterator::collect)
+                })?;
                 let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
                 let mut found = None;
                 for a in addrs {
@@ -190,9 +204,7 @@ impl WireConn {
                 s.set_nodelay(true).map_err(WireError::Io)?;
                 Stream::Tcp(s)
             }
-            Addr::Unix(path) => {
-                Stream::Unix(UnixStream::connect(path).map_err(WireError::Refused)?)
-            }
+            Addr::Unix(path) => Stream::Unix(connect_unix(path, until, budget)?),
         };
         Ok(WireConn {
             stream,
@@ -348,6 +360,125 @@ impl WireConn {
             (k, _) => Err(unexpected(k, "a bulk string")),
         }
     }
+
+    /// A small reply of nested arrays, integers, status lines and bulk strings of at most
+    /// `MAX_SMALL_BULK` bytes, at most `MAX_DEPTH` deep with at most `MAX_ARRAY` elements per
+    /// array (a `CLUSTER SLOTS` answer); anything larger is a protocol error.
+    pub(crate) fn read_value(&mut self, dl: &Deadline) -> Result<Value, WireError> {
+        self.read_value_at(dl, 0)
+    }
+
+    fn read_value_at(&mut self, dl: &Deadline, depth: usize) -> Result<Value, WireError> {
+        match self.reply_line(dl)? {
+            (b'+', s) => Ok(Value::Bytes(s)),
+            (b':', n) => parse_num(&n).map(Value::Int),
+            (b'_', _) => Ok(Value::Nil),
+            (b'$', n) if n == b"-1" => Ok(Value::Nil),
+            (b'*', n) if n == b"-1" => Ok(Value::Nil),
+            (b'$', n) => {
+                let len = usize::try_from(parse_num(&n)?)
+                    .ok()
+                    .filter(|&l| l <= MAX_SMALL_BULK)
+                    .ok_or_else(|| WireError::Protocol("bulk string too long".into()))?;
+                let mut v = vec![0u8; len];
+                self.read_exact(&mut v, dl)?;
+                self.read_crlf(dl)?;
+                Ok(Value::Bytes(v))
+            }
+            (b'*', n) => {
+                let len = usize::try_from(parse_num(&n)?)
+                    .ok()
+                    .filter(|&l| l <= MAX_ARRAY && depth < MAX_DEPTH)
+                    .ok_or_else(|| WireError::Protocol("array too long or too deep".into()))?;
+                let mut items = Vec::with_capacity(len.min(1024));
+                for _ in 0..len {
+                    items.push(self.read_value_at(dl, depth + 1)?);
+                }
+                Ok(Value::Array(items))
+            }
+            (k, _) => Err(unexpected(k, "a value")),
+        }
+    }
+}
+
+/// The addresses of `host:port` within `budget`: an IP literal at once, a name through `lookup`
+/// on a helper thread (see the module invariants). A lookup still running when the budget ends is
+/// left to finish on its thread; its answer is dropped.
+pub(crate) fn resolve<F>(
+    host: &str,
+    port: u16,
+    budget: Duration,
+    lookup: F,
+) -> Result<Vec<SocketAddr>, WireError>
+where
+    F: FnOnce(&str, u16) -> io::Result<Vec<SocketAddr>> + Send + 'static,
+{
+    let literal = host.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = literal.parse::<IpAddr>() {
+        return Ok(vec![SocketAddr::new(ip, port)]);
+    }
+    if RESOLVERS.fetch_add(1, Ordering::AcqRel) >= MAX_RESOLVERS {
+        RESOLVERS.fetch_sub(1, Ordering::AcqRel);
+        return Err(WireError::Timeout(budget));
+    }
+    let (tx, rx) = mpsc::sync_channel(1);
+    let name = host.to_string();
+    let spawned = std::thread::Builder::new()
+        .name("kvtier-resolve".into())
+        .spawn(move || {
+            let r = lookup(&name, port);
+            RESOLVERS.fetch_sub(1, Ordering::AcqRel);
+            // The caller may have given up: then nobody receives.
+            let _ = tx.send(r);
+        });
+    if let Err(e) = spawned {
+        RESOLVERS.fetch_sub(1, Ordering::AcqRel);
+        return Err(WireError::Refused(e));
+    }
+    match rx.recv_timeout(budget) {
+        Ok(r) => r.map_err(WireError::Refused),
+        Err(_) => Err(WireError::Timeout(budget)),
+    }
+}
+
+/// Connects to the Unix socket `path` before `until`: the socket is non-blocking while
+/// connecting, so a listener whose backlog is full (Linux answers `EAGAIN`) is retried, never
+/// waited on without a bound.
+fn connect_unix(path: &Path, until: Instant, budget: Duration) -> Result<UnixStream, WireError> {
+    use socket2::{Domain, SockAddr, Socket, Type};
+    let sock = Socket::new(Domain::UNIX, Type::STREAM, None).map_err(WireError::Refused)?;
+    sock.set_nonblocking(true).map_err(WireError::Refused)?;
+    let to = SockAddr::unix(path).map_err(WireError::Refused)?;
+    let mut pause = Duration::from_micros(200);
+    loop {
+        match sock.connect(&to) {
+            Ok(()) => break,
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock
+                    || e.raw_os_error() == Some(libc::EAGAIN) =>
+            {
+                let left = until.saturating_duration_since(Instant::now());
+                if left < Duration::from_micros(100) {
+                    return Err(WireError::Timeout(budget));
+                }
+                std::thread::sleep(pause.min(left));
+                pause = (pause * 2).min(Duration::from_millis(20));
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(WireError::Refused(e)),
+        }
+    }
+    sock.set_nonblocking(false).map_err(WireError::Io)?;
+    Ok(UnixStream::from(sock))
+}
+
+/// A small structured reply (see [`WireConn::read_value`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Value {
+    Nil,
+    Int(i64),
+    Bytes(Vec<u8>),
+    Array(Vec<Value>),
 }
 
 fn unexpected(kind: u8, wanted: &str) -> WireError {
@@ -429,5 +560,88 @@ mod tests {
             "{:?}",
             t.elapsed()
         );
+    }
+
+    /// Regression (#28): the name was resolved inline, outside every deadline; a resolver that
+    /// hangs now costs the connect budget, no more.
+    #[test]
+    fn a_hung_name_lookup_ends_with_the_budget() {
+        let t = Instant::now();
+        let r = resolve(
+            "kvtier.invalid",
+            6379,
+            Duration::from_millis(200),
+            |_, _| {
+                std::thread::sleep(Duration::from_secs(3));
+                Ok(Vec::new())
+            },
+        );
+        assert!(matches!(r, Err(WireError::Timeout(_))), "{r:?}");
+        assert!(
+            t.elapsed() < Duration::from_millis(1500),
+            "{:?}",
+            t.elapsed()
+        );
+        // An IP literal needs no lookup.
+        let r = resolve("[::1]", 7, Duration::from_millis(1), |_, _| unreachable!());
+        assert_eq!(r.unwrap(), vec!["[::1]:7".parse().unwrap()]);
+    }
+
+    /// Regression (#28): `UnixStream::connect` blocks while the listener's backlog is full (a
+    /// stalled server that stopped accepting); connecting now ends with its budget.
+    #[test]
+    fn a_full_unix_backlog_ends_with_the_budget() {
+        use socket2::{Domain, SockAddr, Socket, Type};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("redis.sock");
+        let to = SockAddr::unix(&path).unwrap();
+        let l = Socket::new(Domain::UNIX, Type::STREAM, None).unwrap();
+        l.bind(&to).unwrap();
+        l.listen(0).unwrap();
+        let mut held = Vec::new();
+        for _ in 0..16 {
+            let c = Socket::new(Domain::UNIX, Type::STREAM, None).unwrap();
+            c.set_nonblocking(true).unwrap();
+            if c.connect(&to).is_err() {
+                break;
+            }
+            held.push(c);
+        }
+        assert!(held.len() < 16, "the backlog never filled");
+        let dl = Deadline::after(Duration::from_millis(300));
+        let t = Instant::now();
+        let r = WireConn::connect(&Addr::Unix(path), Duration::from_secs(1), &dl);
+        assert!(matches!(r, Err(WireError::Timeout(_))), "{:?}", r.err());
+        let took = t.elapsed();
+        assert!(
+            took >= Duration::from_millis(250) && took < Duration::from_millis(1500),
+            "{took:?}"
+        );
+        drop(l);
+    }
+
+    #[test]
+    fn small_values_parse_and_large_ones_are_refused() {
+        let a = serve(
+            b"*2\r\n*3\r\n:0\r\n:5460\r\n*2\r\n$9\r\n127.0.0.1\r\n:7000\r\n$-1\r\n$5000\r\n"
+                .to_vec(),
+            7,
+            Duration::ZERO,
+            Duration::from_millis(200),
+        );
+        let dl = Deadline::after(Duration::from_secs(2));
+        let mut c = WireConn::connect(&a, Duration::from_secs(1), &dl).unwrap();
+        assert_eq!(
+            c.read_value(&dl).unwrap(),
+            Value::Array(vec![
+                Value::Array(vec![
+                    Value::Int(0),
+                    Value::Int(5460),
+                    Value::Array(vec![Value::Bytes(b"127.0.0.1".to_vec()), Value::Int(7000)]),
+                ]),
+                Value::Nil,
+            ])
+        );
+        assert!(matches!(c.read_value(&dl), Err(WireError::Protocol(_))));
     }
 }
