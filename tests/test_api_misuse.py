@@ -160,3 +160,20 @@ def test_a_bogus_cpu_pointer_is_refused_not_a_segfault(kvtier_env):
     with pytest.raises(kvtier.KvtierError, match="not mapped readable and writable"):
         _native.Worker(s, bogus)
     _native.Worker(s, good).shutdown()
+
+
+def test_a_bogus_cuda_pointer_is_refused_not_a_poisoned_context(kvtier_env):
+    """Issue 28: a CUDA TensorDesc was trusted until its first copy, where a bogus pointer faults kvtier's copy
+    kernel and poisons the engine's CUDA context. The worker now asks the CUDA driver (cuPointerGetAttribute)
+    whether the tensor's bytes are memory of its device when it registers them. Needs a GPU (skips in CI)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pool = torch.zeros((8, 2, 2, BS * 2 * 8), dtype=torch.float16, device="cuda")
+    s = {"block_size": BS, "host.num_blocks": 4, "link": "engine"}
+    shape, strides = list(pool.shape), [x * pool.element_size() for x in pool.stride()]
+    for ptr in (0x1000, pool.data_ptr() + (1 << 40)):
+        bogus = kvtier.TensorDesc(ptr, shape, strides, pool.element_size(), "float16", device="cuda")
+        with pytest.raises(kvtier.KvtierError, match="not its device's memory"):
+            _native.Worker(s, bogus)
+    _native.Worker(s, describe(pool)).shutdown()

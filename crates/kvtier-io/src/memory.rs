@@ -105,6 +105,20 @@ pub enum MemoryError {
         /// Its length in bytes.
         len: u64,
     },
+    /// A CUDA tensor's bytes are not memory of its device, as the CUDA driver knows it (a
+    /// bogus, freed or host data pointer: a copy kernel would fault and poison the engine's CUDA
+    /// context).
+    #[error("engine memory: CUDA tensor {start:#x}..+{len} on device {device} is not its device's memory: {reason}")]
+    NotDeviceMemory {
+        /// The tensor's first byte.
+        start: u64,
+        /// Its length in bytes.
+        len: u64,
+        /// The device the tensor claims.
+        device: u32,
+        /// What the driver said.
+        reason: String,
+    },
     /// The CPU pool could not be allocated.
     #[error("CPU KV pool: cannot allocate {bytes} bytes")]
     Alloc {
@@ -238,17 +252,29 @@ impl EngineMemory {
         tensors: Vec<TensorMemory>,
     ) -> Result<Self, MemoryError> {
         check_regions(&layout, &tensors)?;
-        // #28: a bogus CPU pointer is refused here rather than faulting in a copy thread. (A
-        // CUDA pointer is checked by the driver when its first copy runs; that fails the job.)
-        for t in tensors
-            .iter()
-            .filter(|t| t.kind == DeviceKind::Cpu && t.len > 0)
-        {
-            if crate::sys::mem::mapped_rw(t.start.get(), t.len) == Some(false) {
-                return Err(MemoryError::Unmapped {
-                    start: t.start.get(),
-                    len: t.len,
-                });
+        // #28: a bogus pointer is refused here rather than faulting in a copy thread (CPU) or
+        // in a copy kernel that would poison the engine's CUDA context (CUDA, checked with the
+        // driver).
+        for t in tensors.iter().filter(|t| t.len > 0) {
+            let start = t.start.get();
+            match t.kind {
+                DeviceKind::Cpu => {
+                    if crate::sys::mem::mapped_rw(start, t.len) == Some(false) {
+                        return Err(MemoryError::Unmapped { start, len: t.len });
+                    }
+                }
+                DeviceKind::Cuda(device) => {
+                    if let Some(Err(reason)) =
+                        crate::sys::cuda::device_range_ok(device, start, t.len)
+                    {
+                        return Err(MemoryError::NotDeviceMemory {
+                            start,
+                            len: t.len,
+                            device,
+                            reason,
+                        });
+                    }
+                }
             }
         }
         let kind = layout.device();

@@ -428,7 +428,7 @@ mod tests {
             0x31C3
         );
         assert_eq!(key_slot(b"123456789"), 0x31C3); // below 16384 already
-        // Hash tags: only the first non-empty `{...}` counts.
+                                                    // Hash tags: only the first non-empty `{...}` counts.
         assert_eq!(key_slot(b"{user1000}.following"), key_slot(b"user1000"));
         assert_eq!(key_slot(b"foo{}{bar}"), key_slot(b"foo{}{bar}"));
         assert_ne!(key_slot(b"foo{}{bar}"), key_slot(b"bar"));

@@ -23,6 +23,22 @@ pub(crate) fn check(r: sys::CUresult, what: &str) -> CuResult<()> {
     }
 }
 
+/// Whether `len` bytes at device address `start` are memory of CUDA device `ordinal`
+/// ([`Driver::check_device_range`]); `None` when libcuda is not installed (the caller cannot
+/// tell, and no copy to that device can run either).
+pub(crate) fn device_range_ok(ordinal: u32, start: u64, len: u64) -> Option<CuResult<()>> {
+    if !library_present() {
+        return None;
+    }
+    let ordinal =
+        i32::try_from(ordinal).map_err(|_| format!("CUDA device {ordinal} does not exist"));
+    Some(
+        ordinal
+            .and_then(Driver::open)
+            .and_then(|d| d.check_device_range(start, len)),
+    )
+}
+
 /// True if libcuda can be loaded on this machine.
 pub(crate) fn library_present() -> bool {
     // SAFETY: only tries to dlopen the library by name.
@@ -101,6 +117,69 @@ impl Driver {
                 "cuMemHostRegister",
             )
         }
+    }
+
+    /// Checks that the `len` bytes from device address `start` are memory the driver knows on
+    /// this device: each byte inside an allocation (or adjacent mappings, as expandable
+    /// segments make) whose device ordinal is this one. Refuses a host address, a freed or
+    /// invented one, and memory of another device.
+    pub(crate) fn check_device_range(&self, start: u64, len: u64) -> CuResult<()> {
+        use sys::CUpointer_attribute as A;
+        self.make_current()?;
+        let end = start
+            .checked_add(len)
+            .ok_or_else(|| format!("{start:#x}+{len} overflows"))?;
+        let mut at = start;
+        // At most one query per mapping; a KV cache of hundreds of GB in 2 MiB mappings stays
+        // far below this bound.
+        for _ in 0..(1u32 << 20) {
+            if at >= end {
+                return Ok(());
+            }
+            let mut base: sys::CUdeviceptr = 0;
+            let mut size: usize = 0;
+            let mut ordinal: i32 = -1;
+            // SAFETY: each out-pointer is a local of the type the attribute's documentation
+            // names (CUdeviceptr, size_t, int); the driver only reads `at` as an address.
+            unsafe {
+                check(
+                    sys::cuPointerGetAttribute(
+                        (&mut base as *mut sys::CUdeviceptr).cast(),
+                        A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                        at,
+                    ),
+                    "cuPointerGetAttribute(RANGE_START_ADDR)",
+                )?;
+                check(
+                    sys::cuPointerGetAttribute(
+                        (&mut size as *mut usize).cast(),
+                        A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                        at,
+                    ),
+                    "cuPointerGetAttribute(RANGE_SIZE)",
+                )?;
+                check(
+                    sys::cuPointerGetAttribute(
+                        (&mut ordinal as *mut i32).cast(),
+                        A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                        at,
+                    ),
+                    "cuPointerGetAttribute(DEVICE_ORDINAL)",
+                )?;
+            }
+            if ordinal != self.ordinal {
+                return Err(format!(
+                    "address {at:#x} is memory of device {ordinal}, not of device {}",
+                    self.ordinal
+                ));
+            }
+            let next = base.saturating_add(size as u64);
+            if next <= at {
+                return Err(format!("the driver gave address {at:#x} an empty range"));
+            }
+            at = next;
+        }
+        Err(format!("{start:#x}+{len} spans too many mappings"))
     }
 
     /// Undo [`Driver::host_register`].
