@@ -13,6 +13,12 @@ extern crate self as libfuzzer_sys;
 
 #[path = "../../../fuzz/fuzz_targets/config_toml.rs"]
 mod config_toml;
+#[path = "../../../fuzz/fuzz_targets/disk_header.rs"]
+mod disk_header;
+#[path = "../../../fuzz/fuzz_targets/disk_journal.rs"]
+mod disk_journal;
+#[path = "../../../fuzz/fuzz_targets/node_books.rs"]
+mod node_books;
 #[path = "../../../fuzz/fuzz_targets/node_frames.rs"]
 mod node_frames;
 #[path = "../../../fuzz/fuzz_targets/pool_ops.rs"]
@@ -62,4 +68,19 @@ fn node_frames_corpus() {
 #[test]
 fn settings_maps_corpus() {
     replay("settings_maps", settings_maps::run);
+}
+
+#[test]
+fn node_books_corpus() {
+    replay("node_books", node_books::run);
+}
+
+#[test]
+fn disk_journal_corpus() {
+    replay("disk_journal", disk_journal::run);
+}
+
+#[test]
+fn disk_header_corpus() {
+    replay("disk_header", disk_header::run);
 }

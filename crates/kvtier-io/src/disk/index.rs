@@ -179,6 +179,17 @@ fn apply_records(
     num_blocks: u32,
     live: &mut [Record],
 ) -> std::io::Result<usize> {
+    apply_records_from(|buf, at| file.read_at(buf, at), set_id, num_blocks, live)
+}
+
+/// [`apply_records`] over any positional reader (`read(buf, offset)`, `Ok(0)` at the end): the
+/// file, or a journal in memory (the `disk_journal` fuzz target).
+fn apply_records_from(
+    mut read: impl FnMut(&mut [u8], u64) -> std::io::Result<usize>,
+    set_id: u64,
+    num_blocks: u32,
+    live: &mut [Record],
+) -> std::io::Result<usize> {
     let mut good = 0usize;
     let mut buf = vec![0u8; REPLAY_CHUNK];
     let mut at = SUPER_BYTES as u64;
@@ -186,7 +197,7 @@ fn apply_records(
         // Fill the chunk (a short read is not the end of the file).
         let mut n = 0;
         while n < buf.len() {
-            match file.read_at(&mut buf[n..], at + n as u64) {
+            match read(&mut buf[n..], at + n as u64) {
                 Ok(0) => break,
                 Ok(k) => n += k,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -236,6 +247,34 @@ pub(crate) fn read_live(path: &Path, g: Geometry) -> Option<Vec<Record>> {
     let mut live = vec![Record::default(); g.num_blocks as usize];
     apply_records(&file, set_id, g.num_blocks, &mut live).ok()?;
     Some(live.into_iter().filter(|r| r.generation != 0).collect())
+}
+
+/// The live table (slot, generation, key, payload hash) that replaying `journal` (a whole
+/// journal file's bytes) gives for geometry `g`, through the same superblock check and record
+/// loop as [`Index::open`]; `None` when the superblock is not valid for `g`.
+pub(crate) fn replay_bytes(journal: &[u8], g: Geometry) -> Option<Vec<Record>> {
+    let set_id = decode_super(journal.get(..SUPER_BYTES)?, &g)?;
+    let mut live = vec![Record::default(); g.num_blocks as usize];
+    let read = |buf: &mut [u8], at: u64| -> std::io::Result<usize> {
+        let from = usize::try_from(at).unwrap_or(usize::MAX).min(journal.len());
+        let n = buf.len().min(journal.len() - from);
+        buf[..n].copy_from_slice(&journal[from..from + n]);
+        Ok(n)
+    };
+    apply_records_from(read, set_id, g.num_blocks, &mut live).ok()?;
+    Some(live.into_iter().filter(|r| r.generation != 0).collect())
+}
+
+/// A journal's bytes as [`Index`] writes them: the superblock for `g` and `set_id`, then one
+/// record per entry of `records` (the `disk_journal` fuzz target builds its inputs with this).
+pub(crate) fn journal_bytes(g: &Geometry, set_id: u64, records: &[Record]) -> Vec<u8> {
+    let mut out = encode_super(g, set_id);
+    let at = out.len();
+    out.resize(at + records.len() * REC_BYTES, 0);
+    for (r, dst) in records.iter().zip(out[at..].chunks_mut(REC_BYTES)) {
+        encode_record(r, set_id, dst);
+    }
+    out
 }
 
 impl Index {

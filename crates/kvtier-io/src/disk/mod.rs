@@ -5,6 +5,8 @@ mod dir;
 mod fault;
 mod files;
 mod format;
+#[doc(hidden)]
+pub mod fuzz;
 mod index;
 mod io;
 mod store;

@@ -71,8 +71,7 @@ impl Extents {
         self.insert(start, end - start);
     }
 
-    /// The free extents, in offset order (tests).
-    #[cfg(test)]
+    /// The free extents, in offset order (tests, `Books::check`).
     pub(super) fn extents(&self) -> Vec<(u64, u64)> {
         self.by_offset.iter().map(|(o, l)| (*o, *l)).collect()
     }

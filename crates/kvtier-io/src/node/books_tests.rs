@@ -173,6 +173,9 @@ proptest! {
                     b.end_get(c, id);
                 },
             }
+            if let Err(e) = b.check() {
+                prop_assert!(false, "books inconsistent: {e}");
+            }
             // Leased blocks are still indexed.
             for (c, id, _) in &leases {
                 prop_assert!(b.blocks.contains_key(id), "leased block {id} of {c} evicted");

@@ -1,0 +1,110 @@
+//! The node tier's books (`kvtier_io::node::Books`, the state machine `kvtier node` runs for
+//! every client request) under arbitrary sequences of attach, detach, put (begin, commit,
+//! abort), get (begin, end), damage reports and lookups, from any clients and users, with
+//! block sizes that differ and do not fit: never panics, and after every operation
+//! `Books::check` holds (each arena byte free or owned exactly once, index, LRU, leases,
+//! namespaces and counters consistent); a committed block is visible to its namespace at once
+//! and to no other user's namespace; a reserved key is never visible.
+#![no_main]
+use kvtier_io::node::{Books, ClientId};
+use libfuzzer_sys::fuzz_target;
+
+const CAPACITY: u64 = 256;
+
+fuzz_target!(|data: &[u8]| {
+    let mut b = Books::new(CAPACITY);
+    b.set_max_namespaces(3);
+    b.set_keep_evicted(data.first().is_some_and(|x| x & 1 == 1));
+    // (client, owner uid, namespace)
+    let mut clients: Vec<(ClientId, u32, u8)> = Vec::new();
+    let mut puts: Vec<(ClientId, u64, u128)> = Vec::new();
+    let mut leases: Vec<(ClientId, u64)> = Vec::new();
+    // Every (owner, namespace, key) ever committed.
+    let mut committed: Vec<(u32, u8, u128)> = Vec::new();
+    for op in data.chunks_exact(4) {
+        let (a, x, y) = (op[1], op[2], op[3]);
+        let pick = |n: usize| (a as usize) % n.max(1);
+        match op[0] % 10 {
+            0 => {
+                let (owner, ns) = (u32::from(x % 2), y % 4);
+                let name = ["m", "n", "o", ""][ns as usize];
+                if let Ok(c) = b.attach(owner, name) {
+                    clients.push((c, owner, ns));
+                }
+            }
+            1 if !clients.is_empty() => {
+                let (c, _, _) = clients.remove(pick(clients.len()));
+                b.detach(c);
+                puts.retain(|p| p.0 != c);
+                leases.retain(|l| l.0 != c);
+            }
+            2 if !clients.is_empty() => {
+                let (c, _, _) = clients[pick(clients.len())];
+                let bytes = [8u64, 16, 24, 64, 0, CAPACITY, CAPACITY + 1, 40][y as usize % 8];
+                let key = u128::from(x % 16);
+                if let Ok(g) = b.begin_put(c, key, bytes) {
+                    assert!(g.offset + g.bytes <= CAPACITY);
+                    assert!(!b.contains(c, &[key])[0], "a reserved key is visible");
+                    puts.push((c, g.id, key));
+                }
+            }
+            3 if !puts.is_empty() => {
+                let (c, id, key) = puts.remove(pick(puts.len()));
+                assert!(b.commit_put(c, id, u64::from(y)));
+                assert!(b.contains(c, &[key])[0], "a committed block is not visible");
+                let (_, owner, ns) = *clients.iter().find(|x| x.0 == c).expect("live writer");
+                committed.push((owner, ns, key));
+                // Another user's namespace of the same name sees the key only if it stored it too.
+                for (o, own, n) in &clients {
+                    if *own != owner && *n == ns && !committed.contains(&(*own, *n, key)) {
+                        assert!(!b.contains(*o, &[key])[0], "a block crossed users");
+                    }
+                }
+            }
+            4 if !puts.is_empty() => {
+                let (c, id, _) = puts.remove(pick(puts.len()));
+                b.abort_put(c, id);
+            }
+            5 if !clients.is_empty() => {
+                let (c, _, _) = clients[pick(clients.len())];
+                if let Some(g) = b.begin_get(c, u128::from(x % 16)) {
+                    assert!(g.offset + g.bytes <= CAPACITY);
+                    leases.push((c, g.id));
+                }
+            }
+            6 if !leases.is_empty() => {
+                let (c, id) = leases.remove(pick(leases.len()));
+                b.end_get(c, id);
+            }
+            7 if !leases.is_empty() => {
+                let (c, id) = leases.remove(pick(leases.len()));
+                assert!(b.drop_block(c, id));
+            }
+            8 => {
+                // Foreign ids: another client's reservation, a lease nobody holds.
+                let c = clients.get(pick(clients.len())).map_or(9999, |c| c.0);
+                let id = u64::from(x) | (u64::from(y) << 8);
+                let theirs = puts.iter().any(|p| p.1 == id && p.0 != c);
+                if !puts.iter().any(|p| p.1 == id) || theirs {
+                    assert!(!b.commit_put(c, id, 0));
+                    b.abort_put(c, id);
+                }
+                if !leases.iter().any(|l| l.0 == c && l.1 == id) {
+                    assert!(!b.drop_block(c, id));
+                    b.end_get(c, id);
+                }
+            }
+            _ => {
+                let _ = b.take_evicted();
+            }
+        }
+        if let Err(e) = b.check() {
+            panic!("books inconsistent after {op:?}: {e}");
+        }
+    }
+    for (c, _, _) in clients {
+        b.detach(c);
+    }
+    b.check().expect("books consistent after every client left");
+    assert_eq!(b.stats().clients, 0);
+});
