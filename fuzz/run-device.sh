@@ -24,19 +24,35 @@ if [ ${#targets[@]} -eq 0 ]; then
   exit 2
 fi
 
+# PARTS processes per target (default 1), each RUNS/PARTS executions with its own seed, sharing the
+# corpus directory: 10^7 executions of a slow target within one device call.
+parts=${PARTS:-1}
 for t in "${targets[@]}"; do
   mkdir -p "$work/$t/corpus" "$work/$t/artifacts"
   if [ -d "$here/corpus/$t" ]; then
     cp -r "$here/corpus/$t/." "$work/$t/corpus/"
+  elif [ -d "$here/seeds/$t" ]; then
+    cp -r "$here/seeds/$t/." "$work/$t/corpus/"
   fi
-  (
-    cd "$work/$t" || exit 2
-    "$bin/$t" "$work/$t/corpus" -runs="$runs" -rss_limit_mb=2048 -timeout=20 \
-      -print_final_stats=1 -artifact_prefix="$work/$t/artifacts/" >"$work/$t/log" 2>&1
-    echo $? >"$work/$t/rc"
-  ) &
+  for p in $(seq 1 "$parts"); do
+    (
+      cd "$work/$t" || exit 2
+      "$bin/$t" "$work/$t/corpus" -runs=$((runs / parts)) -seed="$p" -max_total_time="${MAX_TIME:-0}" -rss_limit_mb=2048 -timeout=20 \
+        -print_final_stats=1 -artifact_prefix="$work/$t/artifacts/" >"$work/$t/log.$p" 2>&1
+      echo $? >"$work/$t/rc.$p"
+    ) &
+  done
 done
 wait
+for t in "${targets[@]}"; do
+  rc=0
+  for p in $(seq 1 "$parts"); do
+    r=$(cat "$work/$t/rc.$p" 2>/dev/null || echo 99)
+    [ "$r" = 0 ] || rc=$r
+  done
+  echo "$rc" >"$work/$t/rc"
+  cat "$work/$t"/log.* >"$work/$t/log"
+done
 
 status=0
 printf '%-16s %5s %14s %8s %s\n' target rc executions crashes last >"$out/summary.txt"
@@ -49,7 +65,7 @@ for t in "${targets[@]}"; do
     mkdir -p "$out/crashes/$t"
     cp "$work/$t/artifacts/"* "$out/crashes/$t/"
   fi
-  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$work/$t/log" | tail -n 1)
+  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$work/$t/log" | awk '{s += $1} END {print s}')
   last=$(grep -E '^(#[0-9]+|Done)' "$work/$t/log" | tail -n 1)
   printf '%-16s %5s %14s %8s %s\n' "$t" "$rc" "${execs:-?}" "$n" "$last" >>"$out/summary.txt"
   if [ "$rc" != 0 ] || [ "$n" -gt 0 ]; then

@@ -105,6 +105,9 @@ class _RecordingLeader:
             return 0
         return 64
 
+    def load_is_async(self, rid):
+        return True
+
     def update_state_after_alloc(self, rid, block_ids, n):
         self.calls.append(("alloc", rid, n))
         self.allocated.add(rid)

@@ -72,7 +72,8 @@ def _idle(e: Engine) -> dict:
 def test_abort_while_the_load_is_in_flight(model, reference, tmp_path, delay_ms):
     """Half the requests are aborted while vLLM waits for their asynchronous load (slowed down so the abort lands
     inside it); the rest finish with vLLM alone's tokens and the engine serves the whole phase again after."""
-    settings = {"host.num_blocks": 256, "async_loads": True, "test_load_delay_ms": delay_ms}
+    # Host hits load in the step by default (sync_host_loads): this test needs them asynchronous.
+    settings = {"host.num_blocks": 256, "async_loads": True, "sync_host_loads": False, "test_load_delay_ms": delay_ms}
     with Engine(model, tmp_path / "abort_loading.log", kv_cache_blocks=G1_BLOCKS,
                 kv_transfer_config=connector_config(settings=settings)) as e:
         _warm(e, reference)

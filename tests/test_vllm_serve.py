@@ -80,7 +80,8 @@ def test_clients_that_disconnect_never_kill_the_server(tmp_path_factory, tmp_pat
     finally:
         ref.close()
     metrics_port = free_port()
-    settings = {"host.num_blocks": 256, "async_loads": True, "test_load_delay_ms": 30,
+    # Asynchronous host loads (not the default: sync_host_loads) so that clients leave while loads are in flight.
+    settings = {"host.num_blocks": 256, "async_loads": True, "sync_host_loads": False, "test_load_delay_ms": 30,
                 "metrics.enabled": True, "metrics.port": metrics_port}
     srv = Server(model, tmp_path / "kvtier.log", connector_config(settings=settings), G1_BLOCKS * BYTES_PER_BLOCK)
     try:

@@ -8,9 +8,10 @@ Configure vLLM with::
 
 ``kv_connector_extra_config`` takes kvtier's configuration keys (docs/CONFIG.md, nested or dotted); ``async_loads``
 (kvtier's ``connector.async_loads``, default true here) may also be given at its top. With asynchronous loads a
-matched request waits in ``WAITING_FOR_REMOTE_KVS`` while kvtier loads it; ``false`` loads it in the step that first
-computes it; with ``"ordered_sync_loads": true`` as well (GPU only, opt-in, not yet measured on a GPU) such a load is
-ordered ahead of the forward pass on the GPU (vLLM's stream waits on kvtier's copies) instead of on the CPU.
+matched request waits in ``WAITING_FOR_REMOTE_KVS`` while kvtier loads it, except a hit held wholly by the host tier
+(``connector.sync_host_loads``, default true here), which loads in the step that first computes it, as every hit does
+with ``false``; with ``"ordered_sync_loads"`` (default true here; GPU only) such a load is ordered ahead of the
+forward pass on the GPU (vLLM's stream waits on kvtier's copies) instead of on the CPU. The leader decides per request.
 Settings not given there come from ``KVTIER_*`` environment variables (then the ``DYN_KVBM_*`` aliases). Roles: ``kv_both``
 (aggregated), ``kv_producer`` (prefill) and ``kv_consumer`` (decode); with ``remote.url`` set (``dir:///shared`` or
 ``redis://...``) every full block goes through to the shared tier and every process matches from it, which is how
@@ -110,7 +111,7 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     # kvtier's workers report every finished request once its stores are done; vLLM must only hear of these.
     delayed_frees: list[str] = field(default_factory=list)
     failed_loads: dict[str, list[int]] = field(default_factory=dict)
-    failed_loads_async: bool = False
+    failed_loads_async: set[str] = field(default_factory=set)
     # Finished requests whose device blocks vLLM freed at once (request_finished said False) while kvtier's stores
     # still read them, and which this step hands to other requests: the workers wait for their jobs in
     # handle_preemptions, before vLLM writes any block of the step.
@@ -172,6 +173,11 @@ def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None"
     if extra.get("async_loads") is None:
         extra.pop("async_loads", None)
     extra["async_loads_default"] = True
+    # A hit held wholly by the host tier loads inside the step, ordered ahead of the forward pass on the GPU
+    # (kvtier's `connector.sync_host_loads`, Leader::set_sync_host_loads; issue 27: an asynchronous load costs vLLM
+    # extra scheduler steps). Disk and remote hits stay asynchronous.
+    extra["sync_host_loads_default"] = True
+    extra.setdefault("ordered_sync_loads", True)
     # The salt separates caches of different models and KV dtypes sharing a tier (disk, remote): every process
     # of one model (producer and consumer alike) must compute the same hashes.
     # Every vLLM release's tensors, detected by kvtier (4-D views in any KVCacheLayout, 5-D, MLA); never the
@@ -325,7 +331,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
         n = self._sched.lookup(request, num_computed_tokens)
-        return n, n > 0 and self._sched.async_loads
+        return n, n > 0 and self._sched.load_is_async(request.request_id)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         assert self._sched is not None
@@ -466,6 +472,7 @@ class _SchedulerSide:
         # it after a failed load) is the leader's to recognise: it then offers it nothing external.
         self._scheduled: set[str] = set()
         self._failed_loads: dict[str, list[int]] = {}
+        self._failed_async: set[str] = set()
         # vLLM expects exactly one finished_recving for each request it let load asynchronously (the scheduler
         # asserts the request is still known: vllm/v1/core/sched/scheduler.py `_update_from_kv_xfer_finished`).
         # Planned: promised in update_state_after_alloc, not yet sent to the workers (a finish withdraws it, no
@@ -562,7 +569,8 @@ class _SchedulerSide:
         if num_external_tokens <= 0:
             self._call_alloc(rid, block_ids, 0)
             return
-        if not self.async_loads:
+        is_async = self.load_is_async(rid)
+        if not is_async:
             self._sync_loads_pending = True
         else:
             self._recv_planned.add(rid)
@@ -577,6 +585,17 @@ class _SchedulerSide:
             first = self._local_computed.get(rid, 0) // self._block_size
             count = num_external_tokens // self._block_size
             self._failed_loads[rid] = block_ids[first:first + count]
+            if is_async:
+                self._failed_async.add(rid)
+
+    def load_is_async(self, rid: str) -> bool:
+        """Whether the leader loads this request's last match asynchronously (per request: a host-tier hit loads
+        in the step with sync_host_loads)."""
+        try:
+            return bool(self._leader.load_is_async(rid))
+        except Exception as e:
+            self._error("load_is_async", e)
+            return self.async_loads
 
     def _onboard_counts(self) -> dict[str, int]:
         """The leader's planned-load counters per tier (it counts a load when it plans it, in on_alloc)."""
@@ -648,15 +667,15 @@ class _SchedulerSide:
             self._fence_all = True
         fence_all, self._fence_all = self._fence_all, False
         failed, self._failed_loads = self._failed_loads, {}
-        if self.async_loads:
-            # Loads the leader refused are failed by the workers themselves: reported in finished_recving too.
-            self._recv_expected.update(failed)
-            self._recv_planned.difference_update(failed)
+        failed_async, self._failed_async = self._failed_async, set()
+        # Asynchronous loads the leader refused are failed by the workers themselves: reported in finished_recving.
+        self._recv_expected.update(failed_async)
+        self._recv_planned.difference_update(failed_async)
         sync, self._sync_loads_pending = self._sync_loads_pending, False
         delayed, self._delayed_frees = self._delayed_frees, []
         _trace("meta", "", [len(records), len(plan)])
         return KvtierConnectorMetadata(plan=plan, sync_loads=sync, preempted=preempted, delayed_frees=delayed,
-                                       failed_loads=failed, failed_loads_async=self.async_loads, fence=fence,
+                                       failed_loads=failed, failed_loads_async=failed_async, fence=fence,
                                        fence_all=fence_all)
 
     def update_output(self, out: "KVConnectorOutput") -> None:
@@ -805,7 +824,7 @@ class _WorkerSide:
     def start_step(self, meta: KvtierConnectorMetadata) -> None:
         self._awaiting_save.update(meta.delayed_frees)
         for rid, blocks in meta.failed_loads.items():
-            if meta.failed_loads_async:
+            if rid in meta.failed_loads_async:
                 # vLLM waits for the request in finished_recving; a sync load is only failed by its blocks.
                 self._failed_recv.add(rid)
             self._failed_blocks.update(blocks)

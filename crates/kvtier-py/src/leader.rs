@@ -274,9 +274,10 @@ impl Inner {
     fn build(&mut self, layout: ClusterLayout) -> BridgeResult<()> {
         let plan = crate::vllm_support::composition(&self.settings, layout)?;
         let remote = plan.remote_store().map_err(crate::vllm_support::bridge)?;
-        let leader = plan
+        let mut leader = plan
             .leader(remote, self.async_loads)
             .map_err(crate::vllm_support::bridge)?;
+        leader.set_sync_host_loads(self.settings.sync_host_loads()?);
         if self.metrics.is_none() {
             self.metrics = plan.metrics().map_err(crate::vllm_support::bridge)?;
         }
@@ -531,6 +532,14 @@ impl PyLeader {
     #[getter]
     fn block_size(&self) -> usize {
         self.block_size
+    }
+
+    /// Whether the load of `request_id`'s last match is asynchronous (a host-tier hit loads in
+    /// the step with `sync_host_loads`; see `Leader::set_sync_host_loads`).
+    fn load_is_async(&self, py: Python<'_>, request_id: String) -> PyResult<bool> {
+        let mut g = self.lock();
+        let leader = g.ready(py)?;
+        Ok(leader.load_is_async(&RequestId::from(request_id)))
     }
 
     // Each argument is a Python keyword of the binding's signature.

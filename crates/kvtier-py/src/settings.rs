@@ -49,6 +49,8 @@ const ADAPTER_KEYS: &[&str] = &[
     "rank",
     "async_loads",
     "async_loads_default",
+    "sync_host_loads",
+    "sync_host_loads_default",
     "salt",
     "bytes_per_block",
     "num_device_blocks",
@@ -205,6 +207,18 @@ impl Settings {
             .bool("async_loads")?
             .or(self.config.connector.async_loads)
             .or(self.bool("async_loads_default")?)
+            .unwrap_or(false))
+    }
+
+    /// Whether a hit held wholly by the host tier loads inside the step although loads are
+    /// asynchronous (`kvtier::connector::Leader::set_sync_host_loads`): the `sync_host_loads`
+    /// setting, else `connector.sync_host_loads` (TOML < `KVTIER_SYNC_HOST_LOADS` < engine keys),
+    /// else the adapter's `sync_host_loads_default`, else false.
+    pub fn sync_host_loads(&self) -> BridgeResult<bool> {
+        Ok(self
+            .bool("sync_host_loads")?
+            .or(self.config.connector.sync_host_loads)
+            .or(self.bool("sync_host_loads_default")?)
             .unwrap_or(false))
     }
 

@@ -164,6 +164,9 @@ pub struct ConnectorConfig {
     /// reported finished) instead of before the forward pass that first computes it. None = the
     /// engine adapter's default (vLLM: true, TensorRT-LLM: false).
     pub async_loads: Option<bool>,
+    /// With asynchronous loads, load a hit held wholly by the host tier inside the step
+    /// (`KVTIER_SYNC_HOST_LOADS`; unset: the adapter's default, on under vLLM).
+    pub sync_host_loads: Option<bool>,
 }
 
 /// The Prometheus endpoint.
@@ -239,6 +242,7 @@ impl Default for KvtierConfig {
                 leader_worker_timeout_secs: 120,
                 zmq_endpoint: None,
                 async_loads: None,
+                sync_host_loads: None,
             },
             metrics: MetricsConfig {
                 enabled: false,

@@ -611,3 +611,60 @@ fn request_without_saves_in_flight_is_never_reported_saved() {
         .get_finished(std::slice::from_ref(&a), None);
     assert_eq!(f.saved, vec![a]);
 }
+
+/// Issue 27: with asynchronous loads and `sync_host_loads`, a hit held wholly by the host tier is
+/// loaded inside the step (the engine is told "not async" at the match and the load is planned
+/// sync), while a hit that needs the disk stays asynchronous; without the flag every load is
+/// asynchronous. The engine's answer and the plan agree in each case.
+#[test]
+fn host_hits_load_in_the_step_disk_hits_asynchronously() {
+    for flag in [false, true] {
+        let mut cfg = LeaderConfig::new(BS, SALT, 6);
+        cfg.async_loads = true;
+        cfg.disk = Capacity::Blocks(32);
+        cfg.disk_policy = DiskPolicy::WriteThrough;
+        let mut rig = Rig::new(cfg, &[BPB], None);
+        rig.leader.set_sync_host_loads(flag);
+        let p1: Vec<u32> = (0..100).collect();
+        prefill(&mut rig, "a", &p1, 0);
+        rig.settle();
+        rig.run(&step(vec![]), &[]);
+        rig.settle();
+        // A host hit: p1's blocks are in the 6-block host tier.
+        let h: RequestId = "h".into();
+        assert_eq!(
+            rig.leader.get_num_new_matched_tokens(&h, &p1, 0).unwrap(),
+            96
+        );
+        assert_eq!(rig.leader.load_is_async(&h), !flag, "host hit, flag {flag}");
+        rig.leader
+            .update_state_after_alloc(&h, &ids(20..27), None)
+            .unwrap();
+        let meta = rig.run(&step(vec![new_rec("h", &p1, ids(20..27), 0, 4)]), &[]);
+        assert_eq!(meta.loads[0].jobs[0].src, Tier::Host);
+        assert_eq!(meta.loads[0].sync, flag, "planned as answered");
+        rig.settle();
+        rig.assert_device_kv(20, &p1, 6, "onboarded from host");
+        // A disk hit: p1 evicted from the host tier by p2.
+        let p2: Vec<u32> = (7000..7100).collect();
+        prefill(&mut rig, "b", &p2, 10);
+        rig.settle();
+        let c: RequestId = "c".into();
+        assert_eq!(
+            rig.leader.get_num_new_matched_tokens(&c, &p1, 0).unwrap(),
+            96
+        );
+        assert!(
+            rig.leader.load_is_async(&c),
+            "a disk hit stays asynchronous"
+        );
+        rig.leader
+            .update_state_after_alloc(&c, &ids(40..47), None)
+            .unwrap();
+        let meta = rig.run(&step(vec![new_rec("c", &p1, ids(40..47), 0, 4)]), &[]);
+        assert_eq!(meta.loads[0].jobs[0].src, Tier::Disk);
+        assert!(!meta.loads[0].sync);
+        rig.settle();
+        rig.assert_device_kv(40, &p1, 6, "onboarded from disk");
+    }
+}

@@ -337,6 +337,9 @@ impl ConfigBuilder {
         if let Some(g) = merged.get("connector.async_loads") {
             c.connector.async_loads = Some(parse_bool(&g.value).map_err(|r| invalid(g, r))?);
         }
+        if let Some(g) = merged.get("connector.sync_host_loads") {
+            c.connector.sync_host_loads = Some(parse_bool(&g.value).map_err(|r| invalid(g, r))?);
+        }
         if let Some(g) = merged.get("metrics.enabled") {
             c.metrics.enabled = parse_bool(&g.value).map_err(|r| invalid(g, r))?;
         }

@@ -67,6 +67,7 @@ pub const SETTINGS: &[Setting] = &[
     ),
     s("connector.zmq_endpoint", "KVTIER_ZMQ_ENDPOINT", &[]),
     s("connector.async_loads", "KVTIER_ASYNC_LOADS", &[]),
+    s("connector.sync_host_loads", "KVTIER_SYNC_HOST_LOADS", &[]),
     s("metrics.enabled", "KVTIER_METRICS", &["DYN_KVBM_METRICS"]),
     s(
         "metrics.port",

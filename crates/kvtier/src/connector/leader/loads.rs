@@ -199,12 +199,16 @@ impl Leader {
                 remote_keys: keys,
             });
         }
+        let mut sync = !self.async_loads;
         if let Some(e) = self.slots.get_mut(req) {
             e.loads_in_flight += jobs.len();
+            // As the engine was told at the match (a host hit whose block moved to disk since
+            // loads as the engine scheduled it: synchronously, a failure reported in the step).
+            sync = e.load_sync.unwrap_or(sync);
         }
         self.outbox.loads.push(RequestLoad {
             request: req.clone(),
-            sync: !self.async_loads,
+            sync,
             jobs,
             failed_devices,
         });

@@ -160,20 +160,24 @@ impl Leader {
         self.stats.match_queries += 1;
         let device_blocks = num_computed_tokens / bs;
         let mut external = 0;
+        let mut host_only = false;
         if num_computed_tokens.is_multiple_of(bs) && !refused && key.read {
             let hashes = match self.slots.get(req) {
                 Some(e) => e.slot.hashes(),
                 None => &[],
             };
             let first = device_blocks.min(hashes.len());
-            let found = self.find_sources(&hashes[first..]).len();
-            let mut end = first + found;
+            let sources = self.find_sources(&hashes[first..]);
+            let mut end = first + sources.len();
             if end > first && end * bs >= all_tokens.len() {
                 end -= 1;
             }
             external = (end - first) * bs;
+            host_only = sources[..end - first].iter().all(|(t, _)| *t == Tier::Host);
         }
+        let load_sync = !self.async_loads || (self.sync_host_loads && host_only);
         if let Some(e) = self.slots.get_mut(req) {
+            e.load_sync = (external > 0).then_some(load_sync);
             e.slot.record_match(MatchRecord {
                 device_tokens: device_blocks * bs,
                 external_tokens: external,

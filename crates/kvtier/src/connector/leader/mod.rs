@@ -80,6 +80,10 @@ struct SlotEntry {
     slot: Slot,
     stores_in_flight: usize,
     loads_in_flight: usize,
+    /// Whether the load of the last match runs inside the engine's step (synchronous), decided
+    /// at the match from where the hit lies (see [`Leader::set_sync_host_loads`]); `None`
+    /// before any match with a hit.
+    load_sync: Option<bool>,
 }
 
 impl SlotEntry {
@@ -88,6 +92,7 @@ impl SlotEntry {
             slot,
             stores_in_flight: 0,
             loads_in_flight: 0,
+            load_sync: None,
         }
     }
 }
@@ -109,6 +114,8 @@ pub struct Leader {
     /// Whether the engine's blocks are stored at all (`LeaderConfig::stores`).
     stores: bool,
     async_loads: bool,
+    /// With asynchronous loads: load a hit held wholly by the host tier synchronously.
+    sync_host_loads: bool,
     priority: Priority,
     /// Engine-supplied retention priority of device blocks (TensorRT-LLM `RequestData.priorities`),
     /// set when a block is reported and used when it is stored; absent = `priority`.
@@ -183,6 +190,7 @@ impl Leader {
             remote_put: cfg.remote_put,
             stores: cfg.stores,
             async_loads: cfg.async_loads,
+            sync_host_loads: false,
             priority: cfg.priority,
             block_priorities: HashMap::new(),
             slots: SlotTable::default(),
@@ -211,6 +219,26 @@ impl Leader {
     /// Whether loads are asynchronous (TensorRT-LLM / vLLM: the second value of the match answer).
     pub fn loads_are_async(&self) -> bool {
         self.async_loads
+    }
+
+    /// With asynchronous loads, load a hit that lies wholly in the host tier (G2) inside the
+    /// engine's step instead (synchronous: the engine schedules the request at once, and a GPU
+    /// worker orders the copies ahead of the forward pass on the engine's stream), leaving hits
+    /// that touch the disk or remote tier asynchronous. A host-to-device copy cannot fail for a
+    /// reason a retry would fix, and the engine skips the steps an asynchronous load costs
+    /// (waiting in its queue, then being picked up again; #27). Off by default; the vLLM
+    /// adapter turns it on (`connector.sync_host_loads`).
+    pub fn set_sync_host_loads(&mut self, on: bool) {
+        self.sync_host_loads = on;
+    }
+
+    /// Whether the load of `req`'s last match is asynchronous (the second value of the match
+    /// answer for engines that take one per request: vLLM).
+    pub fn load_is_async(&self, req: &RequestId) -> bool {
+        match self.slots.get(req).and_then(|e| e.load_sync) {
+            Some(sync) => !sync,
+            None => self.async_loads,
+        }
     }
 
     /// Tokens per block.
