@@ -587,6 +587,30 @@ mod tests {
         assert_eq!(r.unwrap(), vec!["[::1]:7".parse().unwrap()]);
     }
 
+    /// A resolver that hangs holds at most `MAX_RESOLVERS` threads: past them, connecting to a
+    /// host name fails at once instead of starting another thread.
+    #[test]
+    fn hung_lookups_hold_a_bounded_number_of_threads() {
+        let budget = Duration::from_millis(20);
+        let mut waited = 0;
+        for _ in 0..=MAX_RESOLVERS {
+            let t = Instant::now();
+            let r = resolve("kvtier.invalid", 1, budget, |_, _| {
+                std::thread::sleep(Duration::from_secs(2));
+                Ok(Vec::new())
+            });
+            assert!(matches!(r, Err(WireError::Timeout(_))), "{r:?}");
+            if t.elapsed() >= budget {
+                waited += 1;
+            } else {
+                // Refused without waiting: the cap was reached (other tests may hold slots too).
+                assert!(waited <= MAX_RESOLVERS, "{waited} lookups started");
+                return;
+            }
+        }
+        panic!("{} hung lookups all started threads", MAX_RESOLVERS + 1);
+    }
+
     /// Regression (#28): `UnixStream::connect` blocks while the listener's backlog is full (a
     /// stalled server that stopped accepting); connecting now ends with its budget.
     #[test]
