@@ -31,6 +31,7 @@ ENV = {
                                              "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS"),
     "connector.zmq_endpoint": ("KVTIER_ZMQ_ENDPOINT", None),
     "connector.async_loads": ("KVTIER_ASYNC_LOADS", None),
+    "connector.sync_host_loads": ("KVTIER_SYNC_HOST_LOADS", None),
 }
 
 
@@ -109,6 +110,22 @@ def test_async_loads(kvtier_env, tmp_path, source):
     ld = make_leader(kvtier_env, tmp_path, source, "connector.async_loads", True, bytes_per_block=4096,
                      async_loads_default=False)
     assert ld.loads_are_async is True
+
+
+@pytest.mark.parametrize("source", [s for s in SOURCES if s != "alias"])
+def test_sync_host_loads(kvtier_env, tmp_path, source):
+    """Issue 27: whether host-tier hits load in the step, from every source over the adapter's default (its effect
+    per request is tested in Rust: connector_flow.rs `host_hits_load_in_the_step_disk_hits_asynchronously`)."""
+    ld = make_leader(kvtier_env, tmp_path, source, "connector.sync_host_loads", False, bytes_per_block=4096,
+                     sync_host_loads_default=True)
+    assert ld.sync_host_loads is False
+    ld.shutdown()
+
+
+def test_sync_host_loads_default_is_the_adapters(kvtier_env, tmp_path):
+    assert make_leader(kvtier_env, tmp_path, "toml", "host.num_blocks", 4, bytes_per_block=4096).sync_host_loads is False
+    assert make_leader(kvtier_env, tmp_path, "toml", "host.num_blocks", 4, bytes_per_block=4096,
+                       sync_host_loads_default=True).sync_host_loads is True
 
 
 def test_stats_keys_are_the_counter_table(kvtier_env, tmp_path):

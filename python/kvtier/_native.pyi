@@ -127,7 +127,12 @@ class Leader:
     @property
     def loads_are_async(self) -> bool: ...
     @property
+    def sync_host_loads(self) -> bool:
+        """With asynchronous loads, whether a hit held wholly by the host tier loads in the step instead."""
+    @property
     def block_size(self) -> int: ...
+    def load_is_async(self, request_id: str) -> bool:
+        """Whether the load of this request's last match is asynchronous (per request with ``sync_host_loads``)."""
     def get_num_new_matched_tokens(
         self,
         request_id: str,
@@ -138,7 +143,7 @@ class Leader:
         read: bool = True,
     ) -> int:
         """Tokens kvtier can load beyond the device prefix (block aligned, 0 if none); side-effect free
-        on the pools. Whether the load is async: ``loads_are_async``.
+        on the pools. Whether the load is async: ``load_is_async(request_id)``.
 
         ``identity``: everything besides the token ids that changes the request's KV (LoRA adapter,
         tenant cache salt, multimodal inputs, prompt embeddings) as one canonical string; the request's

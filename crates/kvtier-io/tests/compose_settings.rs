@@ -6,7 +6,7 @@
 //! filter under vLLM/TensorRT-LLM, `metrics.*`), and wiring that differed between engines.
 //!
 //! The adapter-level settings (`connector.leader_worker_timeout_secs`, `connector.zmq_endpoint`,
-//! `connector.async_loads`) act in the Python bindings and are observed in
+//! `connector.async_loads`, `connector.sync_host_loads`) act in the Python bindings and are observed in
 //! `tests/test_settings_sources.py`; [`every_documented_key_is_covered`] keeps the two lists whole.
 #![allow(clippy::unwrap_used)]
 use std::collections::{BTreeMap, HashMap};
@@ -35,6 +35,7 @@ const PY_ONLY: &[&str] = &[
     "connector.leader_worker_timeout_secs",
     "connector.zmq_endpoint",
     "connector.async_loads",
+    "connector.sync_host_loads",
 ];
 
 #[derive(Clone, Copy, Debug)]
@@ -392,7 +393,7 @@ fn rows(tmp: &Path) -> Vec<Row> {
                 let file = walk_files(&mac_dir).pop().ok_or("no value file")?;
                 let v = std::fs::read(&file).map_err(|e| e.to_string())?;
                 expect(
-                    v.get(6) == Some(&1),
+                    v.get(6) == Some(&2),
                     format!("{file:?} is not keyed: {:?}", v.get(..8)),
                 )
             }),

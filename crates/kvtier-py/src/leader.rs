@@ -251,6 +251,7 @@ struct Inner {
     block_size: usize,
     world_size: u32,
     async_loads: bool,
+    sync_host_loads: bool,
     settings: Settings,
     pending: Option<Pending>,
     leader: Option<Leader>,
@@ -267,6 +268,7 @@ pub struct PyLeader {
     inner: Mutex<Inner>,
     block_size: usize,
     async_loads: bool,
+    sync_host_loads: bool,
 }
 
 impl Inner {
@@ -277,7 +279,7 @@ impl Inner {
         let mut leader = plan
             .leader(remote, self.async_loads)
             .map_err(crate::vllm_support::bridge)?;
-        leader.set_sync_host_loads(self.settings.sync_host_loads()?);
+        leader.set_sync_host_loads(self.sync_host_loads);
         if self.metrics.is_none() {
             self.metrics = plan.metrics().map_err(crate::vllm_support::bridge)?;
         }
@@ -453,6 +455,7 @@ impl PyLeader {
         let block_size = settings.block_size()?;
         let world_size = settings.world_size()?;
         let async_loads = settings.async_loads()?;
+        let sync_host_loads = settings.sync_host_loads()?;
         let total = settings.usize("bytes_per_block")?;
         let num_device_blocks = settings.u32("num_device_blocks")?;
         let timeout = settings.timeout();
@@ -467,6 +470,7 @@ impl PyLeader {
             block_size,
             world_size,
             async_loads,
+            sync_host_loads,
             settings,
             pending: None,
             leader: None,
@@ -497,6 +501,7 @@ impl PyLeader {
                 inner: Mutex::new(inner),
                 block_size,
                 async_loads,
+                sync_host_loads,
             });
         }
         match total {
@@ -521,12 +526,20 @@ impl PyLeader {
             inner: Mutex::new(inner),
             block_size,
             async_loads,
+            sync_host_loads,
         })
     }
 
     #[getter]
     fn loads_are_async(&self) -> bool {
         self.async_loads
+    }
+
+    /// Whether host-tier hits load inside the step although loads are asynchronous (the resolved
+    /// `connector.sync_host_loads`).
+    #[getter]
+    fn sync_host_loads(&self) -> bool {
+        self.sync_host_loads
     }
 
     #[getter]
