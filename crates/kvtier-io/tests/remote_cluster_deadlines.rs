@@ -5,12 +5,14 @@
 //! `ClusterConnection`, whose timeout applied to each read (a dripping node held an operation as
 //! long as it kept sending) and which read values whole, of any size.
 #![allow(clippy::unwrap_used)]
+mod deadline_support;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use deadline_support::{assert_unavailable_within, timed};
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
 use kvtier_io::remote::{encode_value, RedisOptions, RedisStore, HEADER_LEN};
 
@@ -131,20 +133,7 @@ fn assert_unavailable_in_bound<V: std::fmt::Debug>(
     r: Result<V, TransferError>,
     took: Duration,
 ) {
-    assert!(
-        matches!(
-            r,
-            Err(TransferError::Remote(RemoteError::Unavailable { .. }))
-        ),
-        "{what}: {r:?}"
-    );
-    assert!(took < BOUND, "{what} took {took:?} (bound {BOUND:?})");
-}
-
-fn timed<V>(f: impl FnOnce() -> V) -> (V, Duration) {
-    let t = Instant::now();
-    let r = f();
-    (r, t.elapsed())
+    assert_unavailable_within(what, r, took, Duration::ZERO, BOUND);
 }
 
 /// The `GET` reply holding key `k`'s frame of `BLOCK` bytes of `fill`.

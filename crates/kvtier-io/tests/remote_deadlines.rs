@@ -5,6 +5,7 @@
 //! many blocks, one reply per block) held an operation for as long as it kept sending; and a
 //! value far larger than one frame was read (and allocated) whole before it was refused.
 #![allow(clippy::unwrap_used)]
+mod deadline_support;
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -12,6 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use deadline_support::{assert_unavailable_within, timed};
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
 use kvtier_io::remote::{encode_value, RedisOptions, RedisStore, HEADER_LEN};
 
@@ -126,26 +128,12 @@ fn store(f: &Fake) -> RedisStore {
     RedisStore::open(&format!("redis://127.0.0.1:{}", f.port), "dl", opts).unwrap()
 }
 
-fn timed<T>(f: impl FnOnce() -> T) -> (T, Duration) {
-    let t = Instant::now();
-    let r = f();
-    (r, t.elapsed())
-}
-
 fn assert_unavailable_in_bound<V: std::fmt::Debug>(
     what: &str,
     r: Result<V, TransferError>,
     took: Duration,
 ) {
-    assert!(
-        matches!(
-            r,
-            Err(TransferError::Remote(RemoteError::Unavailable { .. }))
-        ),
-        "{what}: {r:?}"
-    );
-    assert!(took < BOUND, "{what} took {took:?} (bound {BOUND:?})");
-    assert!(took >= T - Duration::from_millis(50), "{what}: {took:?}");
+    assert_unavailable_within(what, r, took, T - Duration::from_millis(50), BOUND);
 }
 
 const BLOCK: usize = 4096;

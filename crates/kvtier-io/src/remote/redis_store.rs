@@ -336,25 +336,14 @@ impl RedisStore {
 
     /// One round trip to the server (connecting if needed).
     pub fn ping(&self) -> Result<(), RemoteError> {
-        self.with_conn("ping", self.lookup_deadline(), |c, dl| match c {
-            Conn::Single { conn, buf } => {
+        // In cluster mode: the node serving the empty key's slot (0).
+        self.with_conn("ping", self.lookup_deadline(), |c, dl| {
+            self.on_key(c, "", dl, |conn, buf, dl| {
                 buf.clear();
                 push_cmd(buf, &[b"PING"]);
                 conn.send(buf, dl)?;
                 Ok(conn.read_status(dl)?)
-            }
-            Conn::Cluster(c) => c.single(
-                self.router()?,
-                0,
-                dl,
-                |conn, buf, dl| {
-                    buf.clear();
-                    push_cmd(buf, &[b"PING"]);
-                    conn.send(buf, dl)?;
-                    Ok(conn.read_status(dl)?)
-                },
-                OpError::redirect,
-            ),
+            })
         })
     }
 
@@ -534,31 +523,42 @@ impl RedisStore {
             .opts
             .ttl
             .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX));
-        self.with_conn("put", self.opts.io_timeout, |c, dl| match c {
-            Conn::Single { conn, buf } => {
+        self.with_conn("put", self.opts.io_timeout, |c, dl| {
+            self.on_key(c, &rkey, dl, |conn, buf, dl| {
                 pack_set(buf, &rkey, &header, data, ttl_ms);
                 conn.send(buf, dl)?;
                 Ok(conn.read_status(dl)?)
-            }
+            })
+        })
+    }
+
+    /// One exchange about `rkey`: on the single server's connection, or on the connection to the
+    /// cluster node owning its slot (following redirects).
+    fn on_key<T>(
+        &self,
+        c: &mut Conn,
+        rkey: &str,
+        dl: &Deadline,
+        exchange: impl FnMut(&mut WireConn, &mut Vec<u8>, &Deadline) -> Result<T, OpError>,
+    ) -> Result<T, OpError> {
+        let mut exchange = exchange;
+        match c {
+            Conn::Single { conn, buf } => exchange(conn, buf, dl),
             Conn::Cluster(c) => c.single(
                 self.router()?,
                 key_slot(rkey.as_bytes()),
                 dl,
-                |conn, buf, dl| {
-                    pack_set(buf, &rkey, &header, data, ttl_ms);
-                    conn.send(buf, dl)?;
-                    Ok(conn.read_status(dl)?)
-                },
+                exchange,
                 OpError::redirect,
             ),
-        })
+        }
     }
 
     fn get_inner(&self, key: u128, out: &mut [u8]) -> Result<(), RemoteError> {
         let rkey = self.ns.redis_key(key);
         let found: Result<(), RemoteError> =
-            self.with_conn("get", self.opts.io_timeout, |c, dl| match c {
-                Conn::Single { conn, buf } => {
+            self.with_conn("get", self.opts.io_timeout, |c, dl| {
+                self.on_key(c, &rkey, dl, |conn, buf, dl| {
                     buf.clear();
                     push_cmd(buf, &[b"GET", rkey.as_bytes()]);
                     conn.send(buf, dl)?;
@@ -566,22 +566,7 @@ impl RedisStore {
                         None => Ok(Err(RemoteError::Missing { key })),
                         Some(len) => read_frame(&self.seal, conn, dl, key, len, out),
                     }
-                }
-                Conn::Cluster(c) => c.single(
-                    self.router()?,
-                    key_slot(rkey.as_bytes()),
-                    dl,
-                    |conn, buf, dl| {
-                        buf.clear();
-                        push_cmd(buf, &[b"GET", rkey.as_bytes()]);
-                        conn.send(buf, dl)?;
-                        match conn.read_bulk_len(dl)? {
-                            None => Ok(Err(RemoteError::Missing { key })),
-                            Some(len) => read_frame(&self.seal, conn, dl, key, len, out),
-                        }
-                    },
-                    OpError::redirect,
-                ),
+                })
             })?;
         found
     }
