@@ -115,3 +115,51 @@ fn dead_cluster_node_gives_bounded_errors_never_wrong_bytes() -> Result<()> {
     assert!(errors > 0, "no key lived on the killed node");
     Ok(())
 }
+
+/// Regression: one breaker for the whole cluster meant that once a dead master's keys tripped it,
+/// every key of the healthy masters failed too for the breaker's window. Each node now has its
+/// own: the dead node's keys fail (fast once its breaker is open), the others' keep round-tripping.
+#[test]
+fn a_dead_node_trips_only_its_own_breaker() -> Result<()> {
+    let Some(mut cluster) = RedisCluster::start(3) else {
+        return Ok(());
+    };
+    let url = format!(
+        "{}&connect_timeout_ms=300&io_timeout_ms=500&backoff_ms=5000&trip_after=1",
+        cluster.url()
+    );
+    let store = from_url(&url, "trip")?;
+    let keys: Vec<u128> = (0..24u128).map(|i| i * 0x2545_f491_4f6c_dd1d).collect();
+    for (i, &k) in keys.iter().enumerate() {
+        store.put(k, &block(i as u64, 4096))?;
+    }
+    let dead_port = cluster.nodes[1].port;
+    let on_dead = |k: u128| cluster.owner_of(&format!("kvtier:v1:trip:{k:032x}")).port == dead_port;
+    let dead: Vec<bool> = keys.iter().map(|&k| on_dead(k)).collect();
+    assert!(
+        dead.iter().any(|d| *d) && dead.iter().any(|d| !*d),
+        "{dead:?}"
+    );
+    cluster.nodes[1].kill();
+    for round in 0..2 {
+        for (i, &k) in keys.iter().enumerate() {
+            let mut out = vec![0u8; 4096];
+            let t = Instant::now();
+            let r = store.get(k, &mut out);
+            if dead[i] {
+                assert!(
+                    matches!(
+                        r,
+                        Err(TransferError::Remote(RemoteError::Unavailable { .. }))
+                    ),
+                    "round {round} key {i}: {r:?}"
+                );
+            } else {
+                assert!(r.is_ok(), "round {round} key {i} on a live node: {r:?}");
+                assert!(out == block(i as u64, 4096));
+            }
+            assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+        }
+    }
+    Ok(())
+}

@@ -14,11 +14,15 @@
 //!   before the next operation (the node may have failed over);
 //! - replies are read with the same bounds as a single server's (a `GET` reply's length is
 //!   checked before its bytes are read; `CLUSTER SLOTS` through the bounded `read_value`);
-//! - the map lock is never held across network I/O.
+//! - each node has its own circuit breaker ([`super::breaker`], the store's settings): a dead
+//!   master fails the operations on its slots fast while the other nodes' keys keep working (one
+//!   breaker for the whole cluster stopped every key once one node was down);
+//! - the map lock and the breaker table's lock are never held across network I/O.
 use std::collections::HashMap;
-use std::sync::RwLock;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use super::breaker::{Breaker, BreakerState, BreakerStats, Failure};
 use super::wire::{push_cmd, Addr, Deadline, Value, WireConn, WireError};
 
 /// Hash slots of a Redis Cluster.
@@ -154,14 +158,33 @@ impl Redirect {
     }
 }
 
-/// The cluster a store talks to: its seed nodes, the credentials every node takes, and the slot
-/// map its connections share.
+/// The per-node breakers' settings: `(backoff, max_backoff, trip_after)` as in
+/// [`super::RedisOptions`].
+pub(crate) type BreakerSettings = (Duration, Duration, u32);
+
+/// The cluster a store talks to: its seed nodes, the credentials every node takes, the slot map
+/// its connections share, and one breaker per node.
 pub(crate) struct Router {
     seeds: Vec<Addr>,
     auth: Option<(Option<String>, String)>,
     connect_timeout: Duration,
     /// `None`: unknown or stale, refreshed by the next operation.
     map: RwLock<Option<SlotMap>>,
+    breaker_settings: BreakerSettings,
+    breakers: Mutex<HashMap<Addr, Arc<Breaker>>>,
+}
+
+/// How a failed exchange with a node counts for its breaker: `None` when the node answered
+/// (an error reply, a value of the wrong size), else the failure and its text.
+pub(crate) type NodeFailure = Option<(Failure, String)>;
+
+/// [`NodeFailure`] of a wire error.
+pub(crate) fn wire_failure(e: &WireError) -> NodeFailure {
+    match e {
+        WireError::Server(_) | WireError::NodeDown(_) => None,
+        WireError::Refused(_) => Some((Failure::Refused, e.to_string())),
+        _ => Some((Failure::Failed, e.to_string())),
+    }
 }
 
 impl std::fmt::Debug for Router {
@@ -177,13 +200,51 @@ impl Router {
         seeds: Vec<Addr>,
         auth: Option<(Option<String>, String)>,
         connect_timeout: Duration,
+        breaker_settings: BreakerSettings,
     ) -> Self {
         Router {
             seeds,
             auth,
             connect_timeout,
             map: RwLock::new(None),
+            breaker_settings,
+            breakers: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The breaker of node `addr`.
+    fn breaker(&self, addr: &Addr) -> Arc<Breaker> {
+        let mut g = self.breakers.lock().unwrap_or_else(|p| p.into_inner());
+        let (backoff, max_backoff, trip_after) = self.breaker_settings;
+        Arc::clone(
+            g.entry(addr.clone())
+                .or_insert_with(|| Arc::new(Breaker::new(backoff, max_backoff, trip_after))),
+        )
+    }
+
+    /// The nodes' breakers as one: open when any node's is not closed, counters summed.
+    pub(crate) fn breaker_stats(&self) -> BreakerStats {
+        let g = self.breakers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out = BreakerStats {
+            state: BreakerState::Closed,
+            attempted: 0,
+            failed: 0,
+            short_circuited: 0,
+            opened: 0,
+            probes: 0,
+        };
+        for b in g.values() {
+            let s = b.stats();
+            if s.state != BreakerState::Closed && out.state != BreakerState::Open {
+                out.state = s.state;
+            }
+            out.attempted += s.attempted;
+            out.failed += s.failed;
+            out.short_circuited += s.short_circuited;
+            out.opened += s.opened;
+            out.probes += s.probes;
+        }
+        out
     }
 
     fn invalidate(&self) {
@@ -305,6 +366,7 @@ impl ClusterConn {
     /// `ASKING` when asked to) and reads the reply; a redirect in the reply is followed (see the
     /// module invariants). Any error is returned as `exchange` produced it, after the failed
     /// node's connection was dropped.
+    #[allow(clippy::too_many_arguments)] // each closure is one question about the reply
     pub(crate) fn single<T, E>(
         &mut self,
         router: &Router,
@@ -312,6 +374,7 @@ impl ClusterConn {
         dl: &Deadline,
         mut exchange: impl FnMut(&mut WireConn, &mut Vec<u8>, &Deadline) -> Result<T, E>,
         redirect_of: impl Fn(&E) -> Option<Redirect>,
+        failure_of: impl Fn(&E) -> NodeFailure,
     ) -> Result<T, E>
     where
         E: From<WireError>,
@@ -319,6 +382,10 @@ impl ClusterConn {
         let mut to = self.owner_of(router, slot, dl)?;
         let mut asking = false;
         for _ in 0..=MAX_REDIRECTS {
+            let breaker = router.breaker(&to);
+            let ticket = breaker
+                .admit()
+                .map_err(|r| E::from(WireError::NodeDown(r.0)))?;
             let mut buf = std::mem::take(&mut self.buf);
             let r = self.node(router, &to, dl).map_err(E::from).and_then(|c| {
                 if asking {
@@ -330,6 +397,10 @@ impl ClusterConn {
                 exchange(c, &mut buf, dl)
             });
             self.buf = buf;
+            match r.as_ref().err().map(|e| (redirect_of(e), failure_of(e))) {
+                None | Some((Some(_), _)) | Some((None, None)) => ticket.success(),
+                Some((None, Some((how, reason)))) => ticket.failure(reason, how),
+            }
             match r {
                 Ok(v) => return Ok(v),
                 Err(e) => match redirect_of(&e) {
@@ -373,6 +444,8 @@ impl ClusterConn {
         let mut found = vec![false; names.len()];
         let mut again = Vec::new();
         for (addr, idx) in by_node {
+            let breaker = router.breaker(&addr);
+            let ticket = breaker.admit().map_err(|r| WireError::NodeDown(r.0))?;
             let r = self.node(router, &addr, dl).and_then(|c| {
                 let mut cmd = Vec::new();
                 for &i in &idx {
@@ -389,6 +462,10 @@ impl ClusterConn {
                 }
                 Ok(())
             });
+            match r.as_ref().err().and_then(wire_failure) {
+                None => ticket.success(),
+                Some((how, reason)) => ticket.failure(reason, how),
+            }
             if let Err(e) = r {
                 self.failed(router, &addr);
                 return Err(e);
@@ -409,6 +486,7 @@ impl ClusterConn {
                     WireError::Server(m) => Redirect::parse(m),
                     _ => None,
                 },
+                wire_failure,
             )? > 0;
         }
         Ok(found)

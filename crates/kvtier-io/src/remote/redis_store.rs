@@ -39,7 +39,7 @@ use kvtier::transfer::{RemoteError, RemoteHealth, RemoteStore, TransferError};
 use redis::ConnectionAddr;
 
 use super::breaker::{Breaker, BreakerState, BreakerStats, Failure, Ticket};
-use super::cluster::{key_slot, ClusterConn, Redirect, Router};
+use super::cluster::{key_slot, ClusterConn, NodeFailure, Redirect, Router};
 use super::frame::{self, HEADER_LEN};
 use super::key::Namespace;
 use super::wire::{push_bulk, push_cmd, Addr, Deadline, WireConn, WireError};
@@ -156,7 +156,9 @@ impl OpError {
     fn verdict(&self) -> Verdict {
         match self {
             OpError::Wire(WireError::Refused(_)) => Verdict::Down(Failure::Refused),
-            OpError::Wire(WireError::Server(_)) | OpError::Value(_) => Verdict::Answered,
+            OpError::Wire(WireError::Server(_) | WireError::NodeDown(_)) | OpError::Value(_) => {
+                Verdict::Answered
+            }
             OpError::Wire(_) => Verdict::Down(Failure::Failed),
         }
     }
@@ -168,6 +170,14 @@ impl OpError {
                 op,
                 reason: e.to_string(),
             },
+        }
+    }
+
+    /// How this error counts for a cluster node's breaker.
+    fn node_failure(&self) -> NodeFailure {
+        match self {
+            OpError::Wire(e) => super::cluster::wire_failure(e),
+            OpError::Value(_) => None,
         }
     }
 
@@ -290,18 +300,24 @@ impl RedisStore {
                 seeds.into_iter().map(|s| s.addr).collect(),
                 auth,
                 opts.connect_timeout,
+                (opts.backoff, opts.max_backoff, opts.trip_after),
             ))
         } else {
             Client::Single(parse(url)?)
         };
         let slots = (0..opts.pool_size).map(|_| Mutex::new(None)).collect();
+        // A cluster's nodes have a breaker each (`cluster::Router`): the store-wide one is off.
+        let breaker = match client {
+            Client::Cluster(_) => Breaker::new(Duration::ZERO, Duration::ZERO, 1),
+            Client::Single(_) => Breaker::new(opts.backoff, opts.max_backoff, opts.trip_after),
+        };
         Ok(RedisStore {
             client,
             seal: frame::FrameSeal::for_namespace(ns.as_str()),
             ns,
             slots,
             next: AtomicUsize::new(0),
-            breaker: Breaker::new(opts.backoff, opts.max_backoff, opts.trip_after),
+            breaker,
             deadline_expired: AtomicU64::new(0),
             opts,
         })
@@ -318,9 +334,13 @@ impl RedisStore {
         &self.ns
     }
 
-    /// The circuit breaker's state and counters.
+    /// The circuit breaker's state and counters (a cluster's: its nodes' breakers as one, open
+    /// when any node's is).
     pub fn breaker_stats(&self) -> BreakerStats {
-        self.breaker.stats()
+        match &self.client {
+            Client::Cluster(r) => r.breaker_stats(),
+            Client::Single(_) => self.breaker.stats(),
+        }
     }
 
     fn router(&self) -> Result<&Router, OpError> {
@@ -550,6 +570,7 @@ impl RedisStore {
                 dl,
                 exchange,
                 OpError::redirect,
+                OpError::node_failure,
             ),
         }
     }
@@ -656,7 +677,7 @@ impl RemoteStore for RedisStore {
     }
 
     fn health(&self) -> RemoteHealth {
-        let b = self.breaker.stats();
+        let b = self.breaker_stats();
         RemoteHealth {
             breaker_open: b.state != BreakerState::Closed,
             breaker_opened: b.opened,

@@ -55,6 +55,9 @@ pub(crate) enum WireError {
     /// The server answered with an error reply (`-ERR ...`).
     #[error("server error: {0}")]
     Server(String),
+    /// Not sent: the node's circuit breaker is open (cluster mode).
+    #[error("{0}")]
+    NodeDown(String),
 }
 
 impl WireError {
