@@ -284,3 +284,45 @@ fn redirect_loop_ends() {
     let hops = a.seen.lock().unwrap().len() + b.seen.lock().unwrap().len();
     assert!(hops <= 8, "{hops} commands for one get");
 }
+
+/// A seed that accepts and never answers, listed first, must not take every operation's deadline:
+/// it gets half the time left, the next seed answers, and once it failed it is asked last.
+#[test]
+fn a_hung_seed_does_not_stop_the_cluster() {
+    // The good node's slot map names itself: its port is known once it listens.
+    let own = Arc::new(Mutex::new(0u16));
+    let me = Arc::clone(&own);
+    let good = node(Arc::new(move |c: &[Vec<u8>]| {
+        if is(c, "CLUSTER") {
+            Act::Reply(slots_on(*me.lock().unwrap()))
+        } else if is(c, "GET") {
+            Act::Reply(b"$-1\r\n".to_vec())
+        } else {
+            Act::Reply(b"+OK\r\n".to_vec())
+        }
+    }));
+    *own.lock().unwrap() = good.port;
+    let hung = node(Arc::new(|_: &[Vec<u8>]| Act::Hang));
+    let opts = RedisOptions {
+        connect_timeout: CONNECT,
+        io_timeout: T,
+        lookup_timeout: T,
+        pool_size: 2,
+        cluster_seeds: vec![
+            format!("redis://127.0.0.1:{}", hung.port),
+            format!("redis://127.0.0.1:{}", good.port),
+        ],
+        ..RedisOptions::default()
+    };
+    let s = RedisStore::open("redis://cluster", NS, opts).unwrap();
+    let mut out = vec![0u8; BLOCK];
+    let (r, t) = timed(|| s.get(1, &mut out));
+    assert!(
+        matches!(
+            r,
+            Err(TransferError::Remote(RemoteError::Missing { key: 1 }))
+        ),
+        "{r:?} after {t:?}"
+    );
+    assert!(t < BOUND, "{t:?}");
+}

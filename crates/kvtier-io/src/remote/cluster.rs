@@ -170,6 +170,8 @@ pub(crate) struct Router {
     connect_timeout: Duration,
     /// `None`: unknown or stale, refreshed by the next operation.
     map: RwLock<Option<SlotMap>>,
+    /// The nodes of the last map learnt (asked first when the map is refreshed).
+    known: RwLock<Vec<Addr>>,
     breaker_settings: BreakerSettings,
     breakers: Mutex<HashMap<Addr, Arc<Breaker>>>,
 }
@@ -207,6 +209,7 @@ impl Router {
             auth,
             connect_timeout,
             map: RwLock::new(None),
+            known: RwLock::new(Vec::new()),
             breaker_settings,
             breakers: Mutex::new(HashMap::new()),
         }
@@ -258,19 +261,21 @@ impl Router {
         m.as_ref().map(|m| m.owner(slot).cloned())
     }
 
-    /// Nodes to ask for the map: the ones the stale map knew, then the seeds.
+    /// Nodes to ask for the map: the ones the last map knew, then the seeds; nodes whose breaker
+    /// is open last (a dead host must not eat the refresh's deadline first).
     fn candidates(&self) -> Vec<Addr> {
-        let mut out: Vec<Addr> = Vec::new();
-        if let Ok(m) = self.map.read() {
-            if let Some(m) = m.as_ref() {
-                out.extend(m.nodes.iter().cloned());
-            }
-        }
+        let mut out: Vec<Addr> = self.known.read().map(|k| k.clone()).unwrap_or_default();
         for s in &self.seeds {
             if !out.contains(s) {
                 out.push(s.clone());
             }
         }
+        let down = |a: &Addr| {
+            let g = self.breakers.lock().unwrap_or_else(|p| p.into_inner());
+            g.get(a)
+                .is_some_and(|b| b.stats().state != BreakerState::Closed)
+        };
+        out.sort_by_key(|a| down(a));
         out
     }
 
@@ -323,28 +328,48 @@ impl ClusterConn {
     }
 
     /// Learns the slot map from the first node that answers, under `dl`.
+    /// Each node asked gets at most half the time left while others remain to be asked (a hung
+    /// node must not take the whole deadline), and a node that failed counts against its
+    /// breaker, so the next refresh asks it last.
     fn refresh(&mut self, router: &Router, dl: &Deadline) -> Result<(), WireError> {
         let mut last = WireError::Protocol("no seed node".into());
-        for addr in router.candidates() {
-            let got = self.node(router, &addr, dl).and_then(|c| {
+        let candidates = router.candidates();
+        for (i, addr) in candidates.iter().enumerate() {
+            let addr = addr.clone();
+            let share = if i + 1 < candidates.len() {
+                dl.half()
+            } else {
+                *dl
+            };
+            let got = self.node(router, &addr, &share).and_then(|c| {
                 let mut cmd = Vec::new();
                 push_cmd(&mut cmd, &[b"CLUSTER", b"SLOTS"]);
-                c.send(&cmd, dl)?;
-                c.read_value(dl)
+                c.send(&cmd, &share)?;
+                c.read_value(&share)
             });
+            if let Some((how, reason)) = got.as_ref().err().and_then(wire_failure) {
+                if let Ok(t) = router.breaker(&addr).admit() {
+                    t.failure(reason, how);
+                }
+            }
             match got.and_then(|v| SlotMap::parse(&v, &addr)) {
                 Ok(map) => {
+                    if let Ok(mut k) = router.known.write() {
+                        k.clone_from(&map.nodes);
+                    }
                     if let Ok(mut m) = router.map.write() {
                         *m = Some(map);
                     }
                     return Ok(());
                 }
                 Err(e) => {
+                    // The next node, while the operation's deadline leaves time.
                     self.conns.remove(&addr);
-                    if e.is_timeout() {
-                        return Err(e);
-                    }
+                    let timed_out = e.is_timeout();
                     last = e;
+                    if timed_out && dl.expired() {
+                        break;
+                    }
                 }
             }
         }

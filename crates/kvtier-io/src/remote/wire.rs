@@ -81,6 +81,20 @@ impl Deadline {
         }
     }
 
+    /// A deadline at half of the time left (the same budget reported on expiry).
+    pub(crate) fn half(&self) -> Deadline {
+        let left = self.at.saturating_duration_since(Instant::now());
+        Deadline {
+            at: Instant::now() + left / 2,
+            budget: self.budget,
+        }
+    }
+
+    /// Whether no usable time is left.
+    pub(crate) fn expired(&self) -> bool {
+        self.left().is_err()
+    }
+
     /// Time left, or `Timeout` when none is.
     fn left(&self) -> Result<Duration, WireError> {
         let left = self.at.saturating_duration_since(Instant::now());
