@@ -59,7 +59,7 @@ mod tiers;
 
 use books::PendingJob;
 pub use config::{Capacity, DiskPolicy, LeaderConfig, RequestKey};
-pub use loads::MAX_REMOTE_FAILED;
+pub use loads::{promised_blocks, Allocation, MAX_REMOTE_FAILED};
 pub use observe::{KvEvent, LeaderStats, MAX_EVENTS};
 pub use stores::BlockReuse;
 use tiers::Tiers;
@@ -80,6 +80,9 @@ struct SlotEntry {
     slot: Slot,
     stores_in_flight: usize,
     loads_in_flight: usize,
+    /// Blocks the last allocation planned to load from host, disk and remote (the request's
+    /// hit sources, [`Leader::take_hit_sources`]).
+    hit_blocks: [usize; 3],
 }
 
 impl SlotEntry {
@@ -88,6 +91,7 @@ impl SlotEntry {
             slot,
             stores_in_flight: 0,
             loads_in_flight: 0,
+            hit_blocks: [0; 3],
         }
     }
 }
