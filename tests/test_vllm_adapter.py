@@ -108,12 +108,14 @@ class _RecordingLeader:
     def load_is_async(self, rid):
         return True
 
-    def update_state_after_alloc(self, rid, block_ids, n):
+    def allocate(self, rid, block_ids, n):
         self.calls.append(("alloc", rid, n))
         self.allocated.add(rid)
+        return [], None
 
-    def request_preempted(self, rid):
+    def request_preempted_if_running(self, rid):
         self.calls.append(("preempted", rid))
+        return False
 
     def request_finished(self, rid, fence_reuse=False):
         self.calls.append(("finished", rid, fence_reuse))
@@ -250,8 +252,8 @@ class _FailingLeader:
             raise ValueError("planted")
         return False
 
-    def update_state_after_alloc(self, rid, block_ids, n):
-        pass
+    def allocate(self, rid, block_ids, n):
+        return [], None
 
 
 def _empty_step(finished=()):
@@ -299,13 +301,13 @@ def test_leader_stats_are_read_at_most_every_interval_and_none_is_lost(monkeypat
     clock = [100.0]
     monkeypatch.setattr(kv.time, "monotonic", lambda: clock[0])
     side = kv._SchedulerSide({}, 16)
-    side._leader.stats = lambda: {}
-    side._preempted = 2
+    leader = {"preempted_requests": 2}
+    side._leader.stats = lambda: dict(leader)
     assert side.take_stats_delta() == {"preempted_requests": 2}
-    side._preempted = 5
+    leader["preempted_requests"] = 5
     clock[0] += kv._STATS_EVERY / 2
     assert side.take_stats_delta() == {}
-    side._preempted = 6
+    leader["preempted_requests"] = 6
     clock[0] += kv._STATS_EVERY
     assert side.take_stats_delta() == {"preempted_requests": 4}
 

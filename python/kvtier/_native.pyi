@@ -185,6 +185,18 @@ class Leader:
         read them; the steps that reuse one carry the request as a fence
         (``build_step_with_fences``)."""
     def request_preempted(self, request_id: str) -> None: ...
+    def request_preempted_if_running(self, request_id: str) -> bool:
+        """The engine named the request among a step's preempted ones: preempted if it ran since it was last
+        matched (unknown or already preempted: left alone). Returns whether it was preempted now."""
+    def allocate(
+        self, request_id: str, block_ids: Sequence[int], num_external_tokens: int
+    ) -> tuple[list[int], Optional[str]]:
+        """``update_state_after_alloc`` that never raises for a refusal: ``(failed_block_ids, refusal)``, the
+        promised device blocks the engine must treat as failed loads and the refusal as text (both empty when
+        accepted)."""
+    def take_hit_sources(self, request_id: str, num_external_tokens: int) -> list[tuple[str, int]]:
+        """The tokens of the last allocation per source tier (``"host"``, ``"disk"``, ``"remote"``, in that order),
+        clipped to ``num_external_tokens``; asked once per allocation."""
     def clear_tiers(self) -> int:
         """Forget every host and disk block (the engine's prefix-cache reset); returns how many."""
     def apply_reports(self, blob: bytes) -> None:

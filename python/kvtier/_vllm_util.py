@@ -156,8 +156,8 @@ def _record(rid: str, new_tokens: list[int], new_block_ids: list[int], num_compu
 _MEDIA = {"host": "CPU", "disk": "STORAGE", "remote": "STORAGE"}
 
 # Counters (monotonic) are summed across vLLM's stats intervals; gauges are not. The leader's come from kvtier's one
-# counter table (kvtier::metrics::METRICS); the adapter adds its own two.
-_ADAPTER_COUNTERS = frozenset(("adapter_errors", "preempted_requests"))
+# counter table (kvtier::metrics::METRICS, preempted_requests included); the adapter adds its own errors.
+_ADAPTER_COUNTERS = frozenset(("adapter_errors",))
 
 
 def _table_counters() -> frozenset:

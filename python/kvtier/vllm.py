@@ -467,10 +467,8 @@ class _SchedulerSide:
         self.async_loads = bool(getattr(self._leader, "loads_are_async", False))
         self._requests: dict[str, "Request"] = {}
         self._tokens_sent: dict[str, int] = {}
-        # Requests vLLM has scheduled: matched again, one was preempted (vLLM tells the connector no other way
-        # before it matches it). A request matched again after its allocation but before it ran (vLLM restarted
-        # it after a failed load) is the leader's to recognise: it then offers it nothing external.
-        self._scheduled: set[str] = set()
+        # A request matched again after it ran was preempted, one matched again after its allocation but before it
+        # ran was restarted after a failed load: both are the leader's to recognise (it counts them).
         self._failed_loads: dict[str, list[int]] = {}
         self._failed_async: set[str] = set()
         # vLLM expects exactly one finished_recving for each request it let load asynchronously (the scheduler
@@ -479,18 +477,16 @@ class _SchedulerSide:
         # report follows). Expected: sent in a step's metadata; cleared when vLLM is told (update_connector_output).
         self._recv_planned: set[str] = set()
         self._recv_expected: set[str] = set()
-        self._local_computed: dict[str, int] = {}
+        self._matched: set[str] = set()
         self._sync_loads_pending = False
         self._delayed_frees: list[str] = []
         # An adapter error lost track of blocks that stores still read: the next metadata fences every job.
         self._fence_all = False
         self._last_stats: dict[str, float] = {}
         self._stats_at = float("-inf")
-        self._preempted = 0
         self._errors = 0
-        # Per request: its identity (built once: vLLM matches a request repeatedly) and its planned load sources.
+        # Per request: its identity (built once: vLLM matches a request repeatedly).
         self._identities: dict[str, tuple[str | None, bool]] = {}
-        self._sources: dict[str, dict[str, int]] = {}
         self._uncacheable_logged: set[str] = set()
 
     def _error(self, what: str, e: BaseException) -> None:
@@ -510,19 +506,21 @@ class _SchedulerSide:
         return key
 
     def hit_sources(self, rid: str, num_external_tokens: int) -> dict:
-        planned = self._sources.pop(rid, None)
-        if not planned or num_external_tokens <= 0:
+        if num_external_tokens <= 0:
+            return {}
+        try:
+            split = self._leader.take_hit_sources(rid, int(num_external_tokens))
+        except Exception as e:
+            self._error("take_hit_sources", e)
             return {}
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+        members = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
+                   "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
         out: dict = {}
-        left = num_external_tokens
-        for name, member in (("host", CacheHitSource.HOST), ("disk", CacheHitSource.DISK),
-                             ("remote", CacheHitSource.EXTERNAL_UNSPECIFIED)):
-            n = min(planned.get(name, 0) * self._block_size, left)
-            if n > 0:
-                out[member] = out.get(member, 0) + n
-                left -= n
+        for tier, n in split:
+            member = members[tier]
+            out[member] = out.get(member, 0) + int(n)
         return out
 
     def reset(self) -> bool:
@@ -536,13 +534,8 @@ class _SchedulerSide:
 
     def lookup(self, request: "Request", num_computed_tokens: int) -> int:
         rid = request.request_id
-        self._local_computed[rid] = int(num_computed_tokens)
+        self._matched.add(rid)
         try:
-            if rid in self._scheduled:
-                # Matched again after running: vLLM preempted it and freed its device blocks.
-                self._scheduled.discard(rid)
-                self._preempted += 1
-                self._leader.request_preempted(rid)
             identity, cacheable = self._key(request)
             kw: dict[str, Any] = {}
             if identity is not None or not cacheable:
@@ -556,35 +549,35 @@ class _SchedulerSide:
         except Exception as e:
             self._error("get_num_new_matched_tokens", e)
             return 0
-        # Never offer a partial block or tokens beyond the request: vLLM would wait for them.
-        n = max(0, n - n % self._block_size)
+        # Whole blocks within the prompt, at least one token left to compute: the leader's rule.
         _trace("match", rid, n)
-        return min(n, max(0, request.num_tokens - int(num_computed_tokens)))
+        return n
 
     def on_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         rid = request.request_id
         self._requests[rid] = request
         block_ids = _first_group(blocks.get_block_ids())
         # vLLM calls this again with 0 once an async load finished; kvtier recognises ids it already has.
-        if num_external_tokens <= 0:
-            self._call_alloc(rid, block_ids, 0)
+        n = max(0, int(num_external_tokens))
+        is_async = n > 0 and self.load_is_async(rid)
+        if n > 0:
+            if not is_async:
+                self._sync_loads_pending = True
+            else:
+                self._recv_planned.add(rid)
+            _trace("alloc", rid, n)
+        try:
+            # A refused allocation names the promised blocks vLLM must recompute (the leader offers this request
+            # no external tokens again: a refusal would repeat).
+            failed, refusal = self._leader.allocate(rid, block_ids, n)
+        except Exception as e:
+            self._error("update_state_after_alloc", e)
             return
-        is_async = self.load_is_async(rid)
-        if not is_async:
-            self._sync_loads_pending = True
-        else:
-            self._recv_planned.add(rid)
-        _trace("alloc", rid, int(num_external_tokens))
-        before = self._onboard_counts()
-        ok = self._call_alloc(rid, block_ids, int(num_external_tokens))
-        after = self._onboard_counts()
-        self._sources[rid] = {k: after[k] - before.get(k, 0) for k in after}
-        if not ok:
-            # vLLM now waits for these tokens: fail the load so that it recomputes them (the leader offers this
-            # request no external tokens again: a refusal would repeat).
-            first = self._local_computed.get(rid, 0) // self._block_size
-            count = num_external_tokens // self._block_size
-            self._failed_loads[rid] = block_ids[first:first + count]
+        if refusal is not None:
+            self._errors += 1
+            logger.error("kvtier: update_state_after_alloc failed: %s", refusal)
+        if failed:
+            self._failed_loads[rid] = [int(b) for b in failed]
             if is_async:
                 self._failed_async.add(rid)
 
@@ -597,32 +590,13 @@ class _SchedulerSide:
             self._error("load_is_async", e)
             return self.async_loads
 
-    def _onboard_counts(self) -> dict[str, int]:
-        """The leader's planned-load counters per tier (it counts a load when it plans it, in on_alloc)."""
-        try:
-            st = self._leader.stats()
-        except Exception:
-            return {}
-        return {t: int(st.get(f"onboard_{t}_blocks", 0)) for t in ("host", "disk", "remote")}
-
-    def _call_alloc(self, rid: str, block_ids: list[int], num_external_tokens: int) -> bool:
-        try:
-            self._leader.update_state_after_alloc(rid, block_ids, num_external_tokens)
-            return True
-        except Exception as e:
-            self._error("update_state_after_alloc", e)
-            return False
-
     def build_meta(self, so: "SchedulerOutput") -> KvtierConnectorMetadata:
         # Preemptions first: a request's device table is gone before any record of this step could rebuild it.
         preempted = sorted(so.preempted_req_ids or ())
         for rid in preempted:
-            if rid not in self._scheduled:
-                continue  # already handled when it was matched again
-            self._scheduled.discard(rid)
-            self._preempted += 1
             try:
-                self._leader.request_preempted(rid)
+                # Left alone by the leader if it was found preempted when matched again.
+                self._leader.request_preempted_if_running(rid)
             except Exception as e:
                 self._error("request_preempted", e)
         records: list[dict[str, Any]] = []
@@ -632,7 +606,6 @@ class _SchedulerSide:
             req = self._requests.get(rid)
             tokens = list(req.all_token_ids) if req is not None else list(r.prompt_token_ids or [])
             self._tokens_sent[rid] = len(tokens)
-            self._scheduled.add(rid)
             records.append(_record(rid, tokens, _first_group(r.block_ids), r.num_computed_tokens,
                                    so.num_scheduled_tokens.get(rid, 0), len(spec.get(rid, ())), True, False))
         c = so.scheduled_cached_reqs
@@ -645,13 +618,11 @@ class _SchedulerSide:
                 sent = 0 if resumed else self._tokens_sent.get(rid, 0)
                 new_tokens = list(all_tokens[sent:])
                 self._tokens_sent[rid] = len(all_tokens)
-            self._scheduled.add(rid)
             records.append(_record(rid, new_tokens, _first_group(c.new_block_ids[i]), c.num_computed_tokens[i],
                                    so.num_scheduled_tokens.get(rid, 0), len(spec.get(rid, ())), False, resumed))
         finished = sorted(so.finished_req_ids)
         for rid in finished:
             self._tokens_sent.pop(rid, None)
-            self._scheduled.discard(rid)
         plan = b""
         fence: list[str] = []
         try:
@@ -693,12 +664,10 @@ class _SchedulerSide:
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         _trace("finished", rid)
-        known = rid in self._requests or rid in self._local_computed or rid in self._scheduled
+        known = rid in self._requests or rid in self._matched
         self._requests.pop(rid, None)
-        self._local_computed.pop(rid, None)
-        self._scheduled.discard(rid)
+        self._matched.discard(rid)
         self._identities.pop(rid, None)
-        self._sources.pop(rid, None)
         # A load promised but not yet sent is withdrawn by the leader (below): no worker will report it.
         self._recv_planned.discard(rid)
         self._failed_loads.pop(rid, None)
@@ -756,7 +725,6 @@ class _SchedulerSide:
         except Exception as e:
             self._error("stats", e)
         s["adapter_errors"] = s.get("adapter_errors", 0) + self._errors
-        s["preempted_requests"] = self._preempted
         return s
 
     def take_stats_delta(self) -> dict[str, float]:

@@ -11,7 +11,7 @@ use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use kvtier::connector::leader::{Leader, LeaderStats, RequestKey};
+use kvtier::connector::leader::{promised_blocks, Leader, LeaderStats, RequestKey};
 use kvtier::connector::messages::{ClusterLayout, WorkerReport, PROTOCOL_VERSION};
 use kvtier::connector::step::{SchedulerStep, StepRecord};
 use kvtier::connector::zmq::LeaderChannel;
@@ -452,16 +452,17 @@ impl PyLeader {
     #[pyo3(signature = (settings = None))]
     fn py_new(settings: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
         let settings = Settings::from_py(settings)?;
-        let block_size = settings.block_size()?;
-        let world_size = settings.world_size()?;
-        let async_loads = settings.async_loads()?;
-        let sync_host_loads = settings.sync_host_loads()?;
-        let total = settings.usize("bytes_per_block")?;
-        let num_device_blocks = settings.u32("num_device_blocks")?;
+        let block_size = settings.block_size().map_err(BridgeError::from)?;
+        let world_size = settings.world_size().map_err(BridgeError::from)?;
+        let async_loads = settings.async_loads().map_err(BridgeError::from)?;
+        let sync_host_loads = settings.sync_host_loads().map_err(BridgeError::from)?;
+        let total = settings.bytes_per_block().map_err(BridgeError::from)?;
+        let num_device_blocks = settings.num_device_blocks().map_err(BridgeError::from)?;
         let timeout = settings.timeout();
-        let channel = settings.channel()?;
+        let channel = settings.channel().map_err(BridgeError::from)?;
         // ZeroMQ only when the adapter asks for it (ranks in other processes).
-        let zmq_endpoint = if settings.link()?.as_deref() == Some("zmq") {
+        let zmq_endpoint = if settings.link().map_err(BridgeError::from)?.as_deref() == Some("zmq")
+        {
             Some(settings.zmq_endpoint_or_default()?)
         } else {
             None
@@ -610,6 +611,56 @@ impl PyLeader {
         Ok(())
     }
 
+    /// `update_state_after_alloc` for engines that must fail the promised loads of a refused
+    /// allocation: returns `(failed_block_ids, refusal)`, the device blocks to report as failed
+    /// loads and the leader's refusal as text (both empty when it accepted).
+    fn allocate(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        block_ids: &Bound<'_, PyAny>,
+        num_external_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<(Vec<u32>, Option<String>)> {
+        let c = Family::Connector;
+        let block_ids: Vec<u32> = extract_arg(c, "block_ids", block_ids)?;
+        let num_external_tokens: usize =
+            extract_arg(c, "num_external_tokens", num_external_tokens)?;
+        let ids: Vec<DeviceBlockId> = block_ids.into_iter().map(DeviceBlockId).collect();
+        let mut g = self.lock();
+        let leader = match g.ready(py) {
+            Ok(leader) => leader,
+            // No leader, no match: what the engine was promised (from its first block) fails.
+            Err(e) => {
+                let failed = promised_blocks(&ids, 0, num_external_tokens, self.block_size);
+                return Ok((
+                    failed.iter().map(|d| d.0).collect(),
+                    Some(PyErr::from(e).to_string()),
+                ));
+            }
+        };
+        let a = leader.allocate(&RequestId::from(request_id), &ids, num_external_tokens);
+        Ok((
+            a.failed_devices.iter().map(|d| d.0).collect(),
+            a.refused.map(|e| e.to_string()),
+        ))
+    }
+
+    /// The tokens of the request's last allocation per source tier: `[(tier, tokens)]`, host
+    /// before disk before remote, clipped to `num_external_tokens`; asked once.
+    fn take_hit_sources(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        num_external_tokens: usize,
+    ) -> PyResult<Vec<(&'static str, usize)>> {
+        let mut g = self.lock();
+        Ok(g.ready(py)?
+            .take_hit_sources(&RequestId::from(request_id), num_external_tokens)
+            .into_iter()
+            .map(|(t, n)| (tier_name(t), n))
+            .collect())
+    }
+
     #[pyo3(signature = (records, finished = Vec::new()))]
     fn build_step<'py>(
         &self,
@@ -662,6 +713,15 @@ impl PyLeader {
             .request_preempted(&RequestId::from(request_id))
             .map_err(BridgeError::from)?;
         Ok(())
+    }
+
+    /// The engine named the request among a step's preempted ones: it is preempted if it ran
+    /// since it was last matched (unknown or already preempted: left alone). Returns whether.
+    fn request_preempted_if_running(&self, py: Python<'_>, request_id: String) -> PyResult<bool> {
+        let mut g = self.lock();
+        Ok(g.ready(py)?
+            .request_preempted_if_running(&RequestId::from(request_id))
+            .map_err(BridgeError::from)?)
     }
 
     fn apply_reports(&self, py: Python<'_>, blob: &[u8]) -> PyResult<()> {

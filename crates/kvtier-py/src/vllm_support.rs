@@ -15,7 +15,10 @@ use crate::settings::Settings;
 /// TensorRT-LLM: its model identity), replaced by `hashing.model` when that is set.
 pub fn identity(settings: &Settings) -> BridgeResult<EngineIdentity> {
     Ok(EngineIdentity::new(
-        settings.string("salt")?.unwrap_or_default(),
+        settings
+            .salt()
+            .map_err(BridgeError::from)?
+            .unwrap_or_default(),
     ))
 }
 
@@ -33,7 +36,7 @@ pub fn composition(settings: &Settings, cluster: ClusterLayout) -> BridgeResult<
 /// The engine's serving role from the adapter's `role` setting (vLLM's `kv_role`: `kv_both`,
 /// `kv_producer`, `kv_consumer`, or their short forms); aggregated when unset.
 pub fn role(settings: &Settings) -> BridgeResult<ServingRole> {
-    match settings.string("role")? {
+    match settings.role().map_err(BridgeError::from)? {
         None => Ok(ServingRole::Aggregated),
         Some(r) => ServingRole::from_vllm(&r).ok_or_else(|| {
             BridgeError::local(

@@ -81,18 +81,20 @@ fn layout_kind(
     let first = tensors
         .first()
         .ok_or_else(|| BridgeError::local(Family::Layout, "no KV cache tensors were given"))?;
-    let name = match settings.string("layout")? {
+    let name = match settings.layout().map_err(BridgeError::from)? {
         Some(n) => n,
         None if tensors.len() == 1
             && first.shape.len() == 4
-            && settings.string("role")?.is_none() =>
+            && settings.role().map_err(BridgeError::from)?.is_none() =>
         {
             "trtllm_pool".into()
         }
         None => "vllm".into(),
     };
     // vLLM's logical block count tells kernel-block splitting apart (its views then have more rows).
-    let vllm_blocks = settings.usize("num_device_blocks")?;
+    let vllm_blocks = settings
+        .num_device_blocks_usize()
+        .map_err(BridgeError::from)?;
     Ok(match name.as_str() {
         "trtllm_pool" => EngineLayoutKind::TrtllmPool {
             tokens_per_block: block_size,
@@ -179,9 +181,9 @@ impl PyWorker {
         settings: &Settings,
         tensors: Vec<(String, TensorDesc)>,
     ) -> BridgeResult<Self> {
-        let block_size = settings.block_size()?;
-        let world_size = settings.world_size()?;
-        let rank = u32::try_from(settings.usize("rank")?.unwrap_or(0))
+        let block_size = settings.block_size().map_err(BridgeError::from)?;
+        let world_size = settings.world_size().map_err(BridgeError::from)?;
+        let rank = u32::try_from(settings.rank().map_err(BridgeError::from)?.unwrap_or(0))
             .map_err(|_| BridgeError::local(Family::Config, "rank: too large"))?;
         if rank >= world_size {
             return Err(BridgeError::local(
@@ -196,7 +198,9 @@ impl PyWorker {
         let first = tensors
             .first()
             .ok_or_else(|| BridgeError::local(Family::Layout, "no KV cache tensors were given"))?;
-        let dtype = first.1.dtype(settings.string("dtype")?.as_deref())?;
+        let dtype = first
+            .1
+            .dtype(settings.dtype().map_err(BridgeError::from)?.as_deref())?;
         let kind = layout_kind(settings, &core, block_size)?;
         let dl = DeviceLayout::new(kind, &core, dtype)?;
         let bpb = dl.bytes_per_block();
@@ -212,7 +216,10 @@ impl PyWorker {
         }
         let memory = EngineMemory::from_tensors(dl, owned)
             .map_err(|e| BridgeError::local(Family::Layout, e.to_string()))?;
-        let link_name = settings.link()?.unwrap_or_else(|| "engine".to_string());
+        let link_name = settings
+            .link()
+            .map_err(BridgeError::from)?
+            .unwrap_or_else(|| "engine".to_string());
         let me = RankLayout {
             rank,
             world_size,
@@ -239,7 +246,7 @@ impl PyWorker {
             layout
         } else {
             // Equal shards: the `bytes_per_block` setting is over all ranks, as the leader reads it.
-            let per_rank = match settings.usize("bytes_per_block")? {
+            let per_rank = match settings.bytes_per_block().map_err(BridgeError::from)? {
                 Some(t) if t > 0 => (t / world_size as usize) as u64,
                 _ => bpb as u64,
             };
@@ -264,7 +271,7 @@ impl PyWorker {
             .transfer(rank, memory, host, remote)
             .map_err(crate::vllm_support::bridge)?;
         let mut engine: Arc<dyn BlockTransfer> = Arc::new(tiers.engine);
-        if let Some(ms) = settings.usize("test_load_delay_ms")?.filter(|ms| *ms > 0) {
+        if let Some(ms) = settings.test_load_delay_ms().map_err(BridgeError::from)? {
             engine = Arc::new(DelayedLoads {
                 inner: engine,
                 delay: std::time::Duration::from_millis(ms as u64),
@@ -288,7 +295,8 @@ impl PyWorker {
                 }
             },
             "in_process" => {
-                let rv = Rendezvous::for_worker(&settings.channel()?, rank);
+                let rv =
+                    Rendezvous::for_worker(&settings.channel().map_err(BridgeError::from)?, rank);
                 rv.register(me);
                 (
                     WorkerLink::new(rank, world_size, Arc::new(rv.report_sender())),
@@ -315,11 +323,13 @@ impl PyWorker {
         let mut worker = Worker::new(engine, link);
         // TensorRT-LLM passes get_finished only the requests request_finished answered True for.
         worker.set_finished_ids_are_saving(
-            settings.bool("finished_ids_are_saving")?.unwrap_or(false),
+            settings
+                .finished_ids_are_saving()
+                .map_err(BridgeError::from)?,
         );
         // Opt-in (`ordered_sync_loads`, vLLM's extra config): sync loads ordered on the device
         // ahead of the engine's forward pass (kvtier::connector::Worker::set_ordered_sync_loads).
-        worker.set_ordered_sync_loads(settings.bool("ordered_sync_loads")?.unwrap_or(false));
+        worker.set_ordered_sync_loads(settings.ordered_sync_loads().map_err(BridgeError::from)?);
         Ok(PyWorker {
             inner: Mutex::new(Inner {
                 worker: Some(worker),
@@ -378,7 +388,10 @@ pub fn configured_tiers(
     d.set_item("host", nonzero(&settings.config.host.size))?;
     d.set_item("disk", nonzero(&settings.config.disk.size))?;
     d.set_item("remote", settings.config.remote.is_some())?;
-    d.set_item("async_loads", settings.async_loads()?)?;
+    d.set_item(
+        "async_loads",
+        settings.async_loads().map_err(BridgeError::from)?,
+    )?;
     Ok(d.unbind())
 }
 

@@ -43,11 +43,13 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 mod builder;
+mod engine;
 mod remote_url;
 mod settings;
 mod value;
 
 pub use builder::ConfigBuilder;
+pub use engine::{EngineSettings, ENGINE_KEYS, LINKS, MAX_WORLD_SIZE};
 pub use settings::{Setting, CONFIG_PATH_ENV, SETTINGS};
 
 pub use remote_url::{parse_http_endpoint, redact_url, RedisTarget, RemoteBackend, RemoteTarget};

@@ -281,6 +281,14 @@ pub const METRICS: &[Metric] = &[
         |s| s.load_restarts,
     ),
     m(
+        "preempted_requests",
+        "kvtier_preempted_requests_total",
+        "Requests the engine preempted after they ran (their device blocks freed)",
+        Counter,
+        &[],
+        |s| s.preempted_requests,
+    ),
+    m(
         "uncacheable_requests",
         "kvtier_uncacheable_requests_total",
         "Requests kvtier cannot key (adapter said so): never matched, never stored",

@@ -280,6 +280,11 @@ impl Slot {
         }
     }
 
+    /// True once the engine scheduled the request (a record ran) and until it is preempted or
+    /// finished.
+    pub fn is_running(&self) -> bool {
+        matches!(self.state, SlotState::Prefilling | SlotState::Decoding)
+    }
     /// True while matching may run: before the request is allocated, or after preemption.
     pub fn can_match(&self) -> bool {
         matches!(

@@ -35,6 +35,33 @@ pub(super) struct LoadBooks {
     remote_hashes: Vec<u128>,
 }
 
+/// What [`Leader::allocate`] did with an engine's allocation.
+#[derive(Debug, Default)]
+pub struct Allocation {
+    /// Why the leader refused the allocation (`None`: accepted).
+    pub refused: Option<ConnectorError>,
+    /// Device blocks the engine was promised external tokens in that kvtier will not load (the
+    /// allocation was refused): the engine must treat them as failed loads and recompute them.
+    pub failed_devices: Vec<DeviceBlockId>,
+}
+
+/// The device blocks of `block_ids` that `num_external_tokens` promised, from block
+/// `first_block` on (clipped to the table): what a refused allocation fails.
+pub fn promised_blocks(
+    block_ids: &[DeviceBlockId],
+    first_block: usize,
+    num_external_tokens: usize,
+    block_size: usize,
+) -> &[DeviceBlockId] {
+    let count = num_external_tokens / block_size.max(1);
+    let start = first_block.min(block_ids.len());
+    let end = first_block.saturating_add(count).min(block_ids.len());
+    &block_ids[start..end]
+}
+
+/// The tiers a request's hits come from, in the order they are offered.
+const HIT_TIERS: [Tier; 3] = [Tier::Host, Tier::Disk, Tier::Remote];
+
 /// One load job being planned for a source tier.
 struct TierLoad {
     tier: Tier,
@@ -60,6 +87,11 @@ impl Leader {
         // so the promised blocks are still there.
         self.check_device_ids(req, "block_ids", block_ids)?;
         let external = num_external_tokens.unwrap_or(0);
+        if external > 0 {
+            if let Some(e) = self.slots.get_mut(req) {
+                e.hit_blocks = [0; 3];
+            }
+        }
         let never_matched = !self.slots.contains_key(req);
         if never_matched {
             let slot = Slot::new(req.clone(), self.block_size, self.salt);
@@ -104,6 +136,61 @@ impl Leader {
         }
         self.plan_loads(req, &onboard);
         Ok(())
+    }
+
+    /// [`Leader::update_state_after_alloc`] for engines that must hear which promised blocks to
+    /// fail when the allocation is refused: the `num_external_tokens` the engine accepted,
+    /// starting at the first block its last match left to kvtier, are returned as failed
+    /// (never loaded, so recomputed), and the request is offered no external tokens again.
+    pub fn allocate(
+        &mut self,
+        req: &RequestId,
+        block_ids: &[DeviceBlockId],
+        num_external_tokens: usize,
+    ) -> Allocation {
+        let first = self
+            .slots
+            .get(req)
+            .and_then(|e| e.slot.last_match())
+            .map_or(0, |m| m.device_tokens / self.block_size);
+        match self.update_state_after_alloc(req, block_ids, Some(num_external_tokens)) {
+            Ok(()) => Allocation::default(),
+            Err(e) => Allocation {
+                refused: Some(e),
+                failed_devices: promised_blocks(
+                    block_ids,
+                    first,
+                    num_external_tokens,
+                    self.block_size,
+                )
+                .to_vec(),
+            },
+        }
+    }
+
+    /// Where the `num_external_tokens` the engine accepted for `req` come from, in tokens per
+    /// tier (host, then disk, then remote; tiers supplying none left out), as its last
+    /// allocation planned them; asked once per allocation (the answer is taken).
+    pub fn take_hit_sources(
+        &mut self,
+        req: &RequestId,
+        num_external_tokens: usize,
+    ) -> Vec<(Tier, usize)> {
+        let bs = self.block_size;
+        let Some(e) = self.slots.get_mut(req) else {
+            return Vec::new();
+        };
+        let blocks = std::mem::take(&mut e.hit_blocks);
+        let mut left = num_external_tokens;
+        let mut out = Vec::new();
+        for (tier, n) in HIT_TIERS.into_iter().zip(blocks) {
+            let tokens = (n * bs).min(left);
+            if tokens > 0 {
+                out.push((tier, tokens));
+                left -= tokens;
+            }
+        }
+        out
     }
 
     /// Pin the sources of `onboard` and queue their load jobs (one per source tier) in the outbox.
@@ -169,6 +256,13 @@ impl Leader {
         }
         if !failed_devices.is_empty() {
             tracing::warn!(request = %req, blocks = failed_devices.len(), "matched blocks vanished before allocation; reporting load errors");
+        }
+        if let Some(e) = self.slots.get_mut(req) {
+            for t in &per_tier {
+                if let Some(k) = HIT_TIERS.iter().position(|&h| h == t.tier) {
+                    e.hit_blocks[k] = t.pairs.len();
+                }
+            }
         }
         let mut jobs = Vec::new();
         for TierLoad {

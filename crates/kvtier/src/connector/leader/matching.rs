@@ -74,7 +74,8 @@ impl Leader {
     /// Tokens kvtier can supply beyond the engine's `num_computed_tokens` (block aligned; 0 if
     /// none). Side-effect free on the pools: engines may call it repeatedly. If the tiers would
     /// cover the whole prompt the last block is left out, so the engine computes at least one
-    /// token. Matching a running request is an error.
+    /// token. Matching a running request means the engine preempted it (counted in
+    /// `preempted_requests`); matching a finished one is an error.
     pub fn get_num_new_matched_tokens(
         &mut self,
         req: &RequestId,
@@ -129,6 +130,13 @@ impl Leader {
         let Some(entry) = self.slots.get_mut(req) else {
             return Err(ConnectorError::invalid(req, "request_id", "slot missing"));
         };
+        if entry.slot.is_running() {
+            // Matched again after it ran: the engine preempted it and freed its device blocks
+            // without saying so first (vLLM tells the connector no other way before matching).
+            entry.slot.preempt()?;
+            self.stats.preempted_requests += 1;
+            tracing::debug!(request = %req, "matched while running: preempted");
+        }
         if !entry.slot.can_match() {
             return Err(ConnectorError::invalid(
                 req,

@@ -59,7 +59,7 @@ mod tiers;
 
 use books::PendingJob;
 pub use config::{Capacity, DiskPolicy, LeaderConfig, RequestKey};
-pub use loads::MAX_REMOTE_FAILED;
+pub use loads::{promised_blocks, Allocation, MAX_REMOTE_FAILED};
 pub use observe::{KvEvent, LeaderStats, MAX_EVENTS};
 pub use stores::BlockReuse;
 use tiers::Tiers;
@@ -84,6 +84,9 @@ struct SlotEntry {
     /// at the match from where the hit lies (see [`Leader::set_sync_host_loads`]); `None`
     /// before any match with a hit.
     load_sync: Option<bool>,
+    /// Blocks the last allocation planned to load from host, disk and remote (the request's
+    /// hit sources, [`Leader::take_hit_sources`]).
+    hit_blocks: [usize; 3],
 }
 
 impl SlotEntry {
@@ -93,6 +96,7 @@ impl SlotEntry {
             stores_in_flight: 0,
             loads_in_flight: 0,
             load_sync: None,
+            hit_blocks: [0; 3],
         }
     }
 }

@@ -61,6 +61,9 @@ pub struct LeaderStats {
     /// Requests matched again after an allocation but before they ever ran (the engine freed
     /// their blocks to start them over, e.g. after a failed asynchronous load): recomputed.
     pub load_restarts: u64,
+    /// Requests the engine preempted after they ran (reported, or inferred from a new match of
+    /// a running request); each is counted once per preemption.
+    pub preempted_requests: u64,
     /// Requests the engine marked as not cacheable (kvtier cannot key their KV): never matched,
     /// never stored.
     pub uncacheable_requests: u64,

@@ -295,12 +295,32 @@ impl Leader {
     /// The engine preempted the request and freed its device blocks; it may be matched again.
     pub fn request_preempted(&mut self, req: &RequestId) -> Result<(), ConnectorError> {
         match self.slots.get_mut(req) {
-            Some(e) => e.slot.preempt(),
+            Some(e) => {
+                if e.slot.is_running() {
+                    self.stats.preempted_requests += 1;
+                }
+                e.slot.preempt()
+            }
             None => Err(ConnectorError::invalid(
                 req,
                 "request_id",
                 "unknown request",
             )),
+        }
+    }
+
+    /// The engine names `req` among the step's preempted requests (vLLM's
+    /// `preempted_req_ids`): it is preempted if it ran since it was last matched; a request
+    /// kvtier does not know, or one already found preempted by a new match
+    /// ([`Leader::get_num_new_matched_tokens_for`]), is left alone. Returns whether it was
+    /// preempted now.
+    pub fn request_preempted_if_running(
+        &mut self,
+        req: &RequestId,
+    ) -> Result<bool, ConnectorError> {
+        match self.slots.get(req) {
+            Some(e) if e.slot.is_running() => self.request_preempted(req).map(|()| true),
+            _ => Ok(false),
         }
     }
 

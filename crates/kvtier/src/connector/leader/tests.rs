@@ -388,3 +388,118 @@ fn failed_loads_are_not_counted_as_hits() {
     let s = l.stats();
     assert_eq!((s.onboard_host_blocks, s.onboard_failed), (1, 1), "{s:?}");
 }
+
+/// One request "fill" of three blocks (tokens 0..12), stored and confirmed in the host tier.
+fn filled_leader() -> (Leader, Vec<u32>) {
+    let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), 16)).unwrap();
+    let prompt: Vec<u32> = (0..12).collect();
+    let m = l
+        .build_step(&SchedulerStep {
+            records: vec![new_record("fill", prompt.clone(), 0)],
+            finished: vec!["fill".into()],
+        })
+        .unwrap();
+    confirm_all(&mut l, &m);
+    (l, prompt)
+}
+
+/// The engine waits for every token it is offered: a match is whole blocks, starts at a block
+/// boundary, and leaves at least one prompt token to compute (the adapters offer the leader's
+/// answer as it is; vLLM's adapter clipped it before issue 29).
+#[test]
+fn matches_are_whole_blocks_within_the_prompt() {
+    let (mut l, prompt) = filled_leader();
+    let mut k = 0;
+    for len in 1..=20usize {
+        let tokens: Vec<u32> = (0..len as u32).collect();
+        for computed in [0, 2, 4, 8] {
+            if computed > len {
+                continue;
+            }
+            k += 1;
+            let r: RequestId = format!("m{k}").into();
+            let n = l.get_num_new_matched_tokens(&r, &tokens, computed).unwrap();
+            assert_eq!(n % 4, 0, "len {len} computed {computed}: {n}");
+            assert!(
+                n == 0 || computed + n < len,
+                "len {len} computed {computed}: {n}"
+            );
+            if computed % 4 != 0 {
+                assert_eq!(n, 0, "a match starts at a block boundary");
+            }
+        }
+    }
+    let r: RequestId = "whole".into();
+    assert_eq!(l.get_num_new_matched_tokens(&r, &prompt, 0).unwrap(), 8);
+}
+
+/// vLLM preempts a request without telling the connector before it matches it again: a match
+/// of a running request is its preemption (counted once), and the step's `preempted_req_ids`
+/// then leave it alone; an unknown request is left alone too.
+#[test]
+fn a_running_request_matched_again_was_preempted() {
+    let (mut l, prompt) = filled_leader();
+    let r: RequestId = "r".into();
+    let s: RequestId = "s".into();
+    let mut rec = new_record("r", prompt.clone(), 20);
+    rec.num_scheduled_tokens = 12;
+    run_step(&mut l, rec);
+    let mut rec = new_record("s", prompt.clone(), 30);
+    rec.num_scheduled_tokens = 12;
+    run_step(&mut l, rec);
+    assert_eq!(l.get_num_new_matched_tokens(&r, &prompt, 0).unwrap(), 8);
+    assert_eq!(l.stats().preempted_requests, 1);
+    assert!(l.slot(&r).unwrap().device_table().is_empty());
+    assert!(!l.request_preempted_if_running(&r).unwrap());
+    assert!(l.request_preempted_if_running(&s).unwrap());
+    assert!(!l.request_preempted_if_running(&s).unwrap());
+    assert!(!l.request_preempted_if_running(&"unknown".into()).unwrap());
+    assert_eq!(l.stats().preempted_requests, 2);
+}
+
+/// An allocation the leader refuses after the engine accepted external tokens: exactly the
+/// promised blocks (from the first one the match left to kvtier) are failed loads.
+#[test]
+fn a_refused_allocation_fails_the_promised_blocks() {
+    let (mut l, prompt) = filled_leader();
+    let devs: Vec<DeviceBlockId> = (20..23).map(DeviceBlockId).collect();
+    let q: RequestId = "q".into();
+    assert_eq!(l.get_num_new_matched_tokens(&q, &prompt, 4).unwrap(), 4);
+    // 6 is not a whole number of blocks: refused; the block after the engine's prefix fails.
+    let a = l.allocate(&q, &devs, 6);
+    assert!(a.refused.is_some());
+    assert_eq!(a.failed_devices, vec![DeviceBlockId(21)]);
+    // Never matched: its two promised blocks fail, from its first block.
+    let u: RequestId = "u".into();
+    let a = l.allocate(&u, &devs, 8);
+    assert!(a.refused.is_some());
+    assert_eq!(a.failed_devices, devs[..2].to_vec());
+    // More promised than allocated: clipped to the table.
+    let w: RequestId = "w".into();
+    assert_eq!(
+        l.allocate(&w, &devs[..1], 8).failed_devices,
+        devs[..1].to_vec()
+    );
+    let ok: RequestId = "ok".into();
+    assert_eq!(l.get_num_new_matched_tokens(&ok, &prompt, 0).unwrap(), 8);
+    let a = l.allocate(&ok, &devs, 8);
+    assert!(a.refused.is_none() && a.failed_devices.is_empty());
+}
+
+/// The engine's per-source hit metrics: the tokens it accepted, split by the tiers the last
+/// allocation planned to load from, clipped to what it accepted, asked once.
+#[test]
+fn hit_sources_follow_the_planned_loads() {
+    let (mut l, prompt) = filled_leader();
+    let devs: Vec<DeviceBlockId> = (20..23).map(DeviceBlockId).collect();
+    let r: RequestId = "r".into();
+    assert_eq!(l.get_num_new_matched_tokens(&r, &prompt, 0).unwrap(), 8);
+    assert!(l.allocate(&r, &devs, 8).refused.is_none());
+    assert_eq!(l.take_hit_sources(&r, 4), vec![(Tier::Host, 4)]);
+    assert_eq!(l.take_hit_sources(&r, 8), vec![]);
+    let s: RequestId = "s".into();
+    assert_eq!(l.get_num_new_matched_tokens(&s, &prompt, 0).unwrap(), 8);
+    assert!(l.allocate(&s, &devs, 8).refused.is_none());
+    assert_eq!(l.take_hit_sources(&s, 8), vec![(Tier::Host, 8)]);
+    assert_eq!(l.take_hit_sources(&"unknown".into(), 8), vec![]);
+}

@@ -1,0 +1,356 @@
+//! Engine settings: the keys an engine adapter passes next to kvtier's configuration keys (block
+//! size, ranks, salt, link, ...), typed and validated here, and the configuration built from the
+//! rest, in one place ([`EngineSettings::load`]).
+//!
+//! Invariants: a key is either an engine key ([`ENGINE_KEYS`]) or a configuration key, never
+//! both; each engine key is read through one typed accessor that refuses (never truncates) an
+//! out-of-range value with a [`ConfigError`] naming the key; an engine key that has a
+//! configuration counterpart (`async_loads`, `block_size`, `zmq_endpoint`) wins over it.
+use std::collections::HashMap;
+
+use serde_json::Value;
+
+use super::{bool_reason, parse_bool_text, parse_u64_text, ConfigError, KvtierConfig};
+
+/// The largest `world_size` accepted.
+pub const MAX_WORLD_SIZE: u32 = 1 << 16;
+
+/// The values of the `link` setting.
+pub const LINKS: &[&str] = &["engine", "in_process", "zmq"];
+
+/// Keys the adapters pass that are not kvtier configuration keys.
+pub const ENGINE_KEYS: &[&str] = &[
+    "block_size",
+    "world_size",
+    "rank",
+    "async_loads",
+    "async_loads_default",
+    "sync_host_loads",
+    "sync_host_loads_default",
+    "salt",
+    "bytes_per_block",
+    "num_device_blocks",
+    "link",
+    "channel",
+    "layout",
+    "dtype",
+    "finished_ids_are_saving",
+    "ordered_sync_loads",
+    "zmq_endpoint",
+    "test_load_delay_ms",
+    "role",
+    // Informational keys some adapters pass along; accepted and ignored here.
+    "backend_module",
+];
+
+/// An engine's settings: its own keys and kvtier's configuration.
+#[derive(Debug)]
+pub struct EngineSettings {
+    keys: HashMap<String, Value>,
+    /// kvtier's own settings (defaults < TOML < environment < the engine's map).
+    pub config: KvtierConfig,
+}
+
+fn bad(key: &str, reason: impl std::fmt::Display) -> ConfigError {
+    ConfigError::Invalid {
+        setting: key.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+impl EngineSettings {
+    /// Split `map` (the engine's settings, JSON values) into engine keys and configuration keys
+    /// and build the configuration from the environment `env` and the latter.
+    pub fn load(
+        map: serde_json::Map<String, Value>,
+        env: &HashMap<String, String>,
+    ) -> Result<Self, ConfigError> {
+        let mut keys = HashMap::new();
+        let mut engine = serde_json::Map::new();
+        for (key, value) in map {
+            if ENGINE_KEYS.contains(&key.as_str()) {
+                keys.insert(key, value);
+            } else if !value.is_null() {
+                engine.insert(key, value);
+            }
+        }
+        let config = KvtierConfig::load(env, Some(&Value::Object(engine)))?;
+        Ok(EngineSettings { keys, config })
+    }
+
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.keys.get(key).filter(|v| !v.is_null())
+    }
+
+    /// `key` as a whole number >= 0 (a JSON number or its text); `None` if absent or null.
+    fn usize(&self, key: &str) -> Result<Option<usize>, ConfigError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Number(n)) => n
+                .as_u64()
+                .and_then(|v| usize::try_from(v).ok())
+                .map(Some)
+                .ok_or_else(|| bad(key, format!("{n} is not a non-negative integer"))),
+            Some(Value::String(s)) => parse_u64_text(s)
+                .and_then(|v| usize::try_from(v).ok())
+                .map(Some)
+                .ok_or_else(|| bad(key, format!("{s:?} is not a non-negative integer"))),
+            Some(v) => Err(bad(key, format!("{v} is not a non-negative integer"))),
+        }
+    }
+
+    /// `key` as a whole number that fits a `u32` (refused, never truncated, when it does not).
+    fn u32(&self, key: &str) -> Result<Option<u32>, ConfigError> {
+        match self.usize(key)? {
+            None => Ok(None),
+            Some(v) => u32::try_from(v)
+                .map(Some)
+                .map_err(|_| bad(key, format!("{v} is out of range: at most {}", u32::MAX))),
+        }
+    }
+
+    /// `key` as a boolean (JSON bool, 0/1, or the text kvtier's one boolean parser accepts).
+    fn bool(&self, key: &str) -> Result<Option<bool>, ConfigError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(Value::String(s)) => parse_bool_text(s)
+                .map(Some)
+                .ok_or_else(|| bad(key, bool_reason(s))),
+            Some(Value::Number(n)) if n.as_u64() == Some(0) => Ok(Some(false)),
+            Some(Value::Number(n)) if n.as_u64() == Some(1) => Ok(Some(true)),
+            Some(v) => Err(bad(key, format!("{v} is not a boolean"))),
+        }
+    }
+
+    /// `key` as a string; `None` if absent or null.
+    fn string(&self, key: &str) -> Result<Option<String>, ConfigError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(v) => Err(bad(key, format!("{v} is not a string"))),
+        }
+    }
+
+    /// Whether loads are asynchronous: the `async_loads` key (e.g. at the top of vLLM's
+    /// `kv_connector_extra_config`), else `connector.async_loads` (TOML < `KVTIER_ASYNC_LOADS`
+    /// < engine keys), else the adapter's `async_loads_default`, else false.
+    pub fn async_loads(&self) -> Result<bool, ConfigError> {
+        Ok(self
+            .bool("async_loads")?
+            .or(self.config.connector.async_loads)
+            .or(self.bool("async_loads_default")?)
+            .unwrap_or(false))
+    }
+
+    /// Whether a hit held wholly by the host tier loads inside the step although loads are
+    /// asynchronous (`crate::connector::Leader::set_sync_host_loads`): the `sync_host_loads`
+    /// key, else `connector.sync_host_loads` (TOML < `KVTIER_SYNC_HOST_LOADS` < engine keys),
+    /// else the adapter's `sync_host_loads_default`, else false.
+    pub fn sync_host_loads(&self) -> Result<bool, ConfigError> {
+        Ok(self
+            .bool("sync_host_loads")?
+            .or(self.config.connector.sync_host_loads)
+            .or(self.bool("sync_host_loads_default")?)
+            .unwrap_or(false))
+    }
+
+    /// Tokens per block: the `block_size` key, else the configuration's; 1..=`u32::MAX`.
+    pub fn block_size(&self) -> Result<usize, ConfigError> {
+        let b = self
+            .usize("block_size")?
+            .or(self.config.connector.block_size)
+            .ok_or_else(|| {
+                bad(
+                    "block_size",
+                    "required (tokens per block; TensorRT-LLM tokens_per_block, vLLM block_size)",
+                )
+            })?;
+        // Refused, never truncated (#28: 2**32 + 16 became 16).
+        if b == 0 || u32::try_from(b).is_err() {
+            return Err(bad(
+                "block_size",
+                format!(
+                    "{b} is out of range: tokens per block must be 1..={}",
+                    u32::MAX
+                ),
+            ));
+        }
+        Ok(b)
+    }
+
+    /// The engine's tensor-parallel world size (`world_size`, default 1; 1..=[`MAX_WORLD_SIZE`]).
+    pub fn world_size(&self) -> Result<u32, ConfigError> {
+        let w = self.usize("world_size")?.unwrap_or(1);
+        u32::try_from(w)
+            .ok()
+            .filter(|w| (1..=MAX_WORLD_SIZE).contains(w))
+            .ok_or_else(|| {
+                bad(
+                    "world_size",
+                    format!(
+                        "{w} is out of range: the tensor-parallel world size must be \
+                         1..={MAX_WORLD_SIZE}"
+                    ),
+                )
+            })
+    }
+
+    /// This process's rank (`rank`); `None` if not given.
+    pub fn rank(&self) -> Result<Option<usize>, ConfigError> {
+        self.usize("rank")
+    }
+
+    /// The engine's hash salt text (`salt`).
+    pub fn salt(&self) -> Result<Option<String>, ConfigError> {
+        self.string("salt")
+    }
+
+    /// Bytes of one block over every rank (`bytes_per_block`).
+    pub fn bytes_per_block(&self) -> Result<Option<usize>, ConfigError> {
+        self.usize("bytes_per_block")
+    }
+
+    /// The engine's device blocks (`num_device_blocks`), at most `u32::MAX`.
+    pub fn num_device_blocks(&self) -> Result<Option<u32>, ConfigError> {
+        self.u32("num_device_blocks")
+    }
+
+    /// The engine's device blocks (`num_device_blocks`) as a count.
+    pub fn num_device_blocks_usize(&self) -> Result<Option<usize>, ConfigError> {
+        self.usize("num_device_blocks")
+    }
+
+    /// The `link` key: `None` (unset) or one of [`LINKS`]; anything else is refused naming the
+    /// values accepted (#28: `link="bogus"` was taken as the default).
+    pub fn link(&self) -> Result<Option<String>, ConfigError> {
+        match self.string("link")? {
+            None => Ok(None),
+            Some(l) if LINKS.contains(&l.as_str()) => Ok(Some(l)),
+            Some(l) => Err(bad(
+                "link",
+                format!("{l:?} is not one of {}", LINKS.join(", ")),
+            )),
+        }
+    }
+
+    /// The in-process channel key pairing a Leader with its Workers (`channel`, default
+    /// "default").
+    pub fn channel(&self) -> Result<String, ConfigError> {
+        Ok(self
+            .string("channel")?
+            .unwrap_or_else(|| "default".to_string()))
+    }
+
+    /// The engine's tensor layout name (`layout`).
+    pub fn layout(&self) -> Result<Option<String>, ConfigError> {
+        self.string("layout")
+    }
+
+    /// The KV element type the engine names (`dtype`).
+    pub fn dtype(&self) -> Result<Option<String>, ConfigError> {
+        self.string("dtype")
+    }
+
+    /// The serving role (`role`: vLLM's `kv_role` or kvtier's names).
+    pub fn role(&self) -> Result<Option<String>, ConfigError> {
+        self.string("role")
+    }
+
+    /// Whether the engine's finished ids are the ones still saving (`finished_ids_are_saving`).
+    pub fn finished_ids_are_saving(&self) -> Result<bool, ConfigError> {
+        Ok(self.bool("finished_ids_are_saving")?.unwrap_or(false))
+    }
+
+    /// Whether synchronous loads are ordered on the engine's stream (`ordered_sync_loads`).
+    pub fn ordered_sync_loads(&self) -> Result<bool, ConfigError> {
+        Ok(self.bool("ordered_sync_loads")?.unwrap_or(false))
+    }
+
+    /// A delay added to every load, for tests (`test_load_delay_ms`; 0 = none).
+    pub fn test_load_delay_ms(&self) -> Result<Option<usize>, ConfigError> {
+        Ok(self.usize("test_load_delay_ms")?.filter(|ms| *ms > 0))
+    }
+
+    /// The ZeroMQ endpoint of the leader <-> worker channel: the `zmq_endpoint` key, else
+    /// `connector.zmq_endpoint` (`KVTIER_ZMQ_ENDPOINT`).
+    pub fn zmq_endpoint(&self) -> Result<Option<String>, ConfigError> {
+        Ok(self
+            .string("zmq_endpoint")?
+            .or_else(|| self.config.connector.zmq_endpoint.clone())
+            .filter(|e| !e.trim().is_empty()))
+    }
+
+    /// How long the leader and its workers wait for each other
+    /// (`connector.leader_worker_timeout_secs`).
+    pub fn timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.config.connector.leader_worker_timeout_secs)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn settings(pairs: &[(&str, Value)]) -> EngineSettings {
+        let mut map = serde_json::Map::new();
+        map.insert("host.num_blocks".into(), Value::from(4));
+        for (k, v) in pairs {
+            map.insert((*k).to_string(), v.clone());
+        }
+        EngineSettings::load(map, &HashMap::new()).unwrap()
+    }
+
+    /// Regression (#28): `block_size = 2**32 + 16` became 16 (silent truncation to 32 bits),
+    /// `link = "bogus"` was accepted, and `world_size = 10**6` gave an error that did not name
+    /// the problem. Each is refused with an error naming the key and the range.
+    #[test]
+    fn out_of_range_settings_are_refused_by_name() {
+        let s = settings(&[("block_size", Value::from((1u64 << 32) + 16))]);
+        let e = s.block_size().unwrap_err().to_string();
+        assert!(
+            e.contains("block_size") && e.contains("out of range"),
+            "{e}"
+        );
+        let s = settings(&[("world_size", Value::from(1_000_000))]);
+        let e = s.world_size().unwrap_err().to_string();
+        assert!(e.contains("world_size") && e.contains("1..=65536"), "{e}");
+        let s = settings(&[("num_device_blocks", Value::from(1u64 << 33))]);
+        let e = s.num_device_blocks().unwrap_err().to_string();
+        assert!(e.contains("num_device_blocks"), "{e}");
+        let s = settings(&[("link", Value::from("bogus"))]);
+        let e = s.link().unwrap_err().to_string();
+        assert!(e.contains("link") && e.contains("zmq"), "{e}");
+        let s = settings(&[("link", Value::from("zmq"))]);
+        assert_eq!(s.link().unwrap().as_deref(), Some("zmq"));
+        let s = settings(&[("block_size", Value::from(16))]);
+        assert_eq!(s.block_size().unwrap(), 16);
+    }
+
+    /// The engine's `async_loads` wins over the configuration's, which wins over the
+    /// adapter's default; engine keys never reach the configuration and vice versa.
+    #[test]
+    fn engine_keys_and_configuration_keys_are_split_and_layered() {
+        let s = settings(&[("async_loads_default", Value::from(true))]);
+        assert!(s.async_loads().unwrap());
+        let s = settings(&[
+            ("async_loads_default", Value::from(true)),
+            ("connector.async_loads", Value::from(false)),
+        ]);
+        assert!(!s.async_loads().unwrap());
+        let s = settings(&[
+            ("async_loads", Value::from("yes")),
+            ("connector.async_loads", Value::from(false)),
+        ]);
+        assert!(s.async_loads().unwrap());
+        assert!(!settings(&[]).async_loads().unwrap());
+        assert_eq!(settings(&[]).channel().unwrap(), "default");
+        assert_eq!(
+            settings(&[("test_load_delay_ms", Value::from(0))])
+                .test_load_delay_ms()
+                .unwrap(),
+            None
+        );
+    }
+}
