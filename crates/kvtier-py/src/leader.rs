@@ -766,7 +766,10 @@ impl PyLeader {
 
     fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         let mut g = self.lock();
-        let s = g.ready(py)?.stats();
+        let leader = g.ready(py)?;
+        // Reports that arrived since the last step count (ranks over ZeroMQ report asynchronously).
+        leader.poll_reports();
+        let s = leader.stats();
         stats_dict(py, &s)
     }
 
