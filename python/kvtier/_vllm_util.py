@@ -9,6 +9,7 @@ keys a request's KV, how a block is laid out, and the translation of step record
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import time
@@ -218,3 +219,14 @@ def _trace_dump() -> None:
         for t, ev, rid, detail in _TRACE:
             f.write(json.dumps({"t": t, "ev": ev, "rid": rid, "d": detail}) + "\n")
     _TRACE.clear()
+
+
+def _backend(settings: dict[str, Any]) -> Any:
+    """The module providing ``Leader`` and ``Worker``: kvtier's native core, or (for developing this adapter
+    only) the module named by ``KVTIER_VLLM_BACKEND_MODULE``."""
+    name = os.environ.get("KVTIER_VLLM_BACKEND_MODULE")
+    if name:
+        return importlib.import_module(name)
+    from kvtier import _native
+
+    return _native
