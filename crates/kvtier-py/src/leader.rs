@@ -623,6 +623,40 @@ impl PyLeader {
         ))
     }
 
+    /// The engine will not consume tokens `[start, end)` of the request's last offer
+    /// (TensorRT-LLM's `cancel_load`); applied at its allocation (`allocate_offer`).
+    fn cancel_load(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        start: &Bound<'_, PyAny>,
+        end: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let c = Family::Connector;
+        let start: usize = extract_arg(c, "start", start)?;
+        let end: usize = extract_arg(c, "end", end)?;
+        let mut g = self.lock();
+        g.ready(py)?
+            .cancel_load(&RequestId::from(request_id), start, end);
+        Ok(())
+    }
+
+    /// `update_state_after_alloc` taking the last offer less the engine's cut: returns the
+    /// first token of the request's asynchronous load, or None when none was offered.
+    fn allocate_offer(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        block_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<usize>> {
+        let block_ids: Vec<u32> = extract_arg(Family::Connector, "block_ids", block_ids)?;
+        let ids: Vec<DeviceBlockId> = block_ids.into_iter().map(DeviceBlockId).collect();
+        let mut g = self.lock();
+        Ok(g.ready(py)?
+            .allocate_offer(&RequestId::from(request_id), &ids)
+            .map_err(BridgeError::from)?)
+    }
+
     /// The tokens of the request's last allocation per source tier: `[(tier, tokens)]`, host
     /// before disk before remote, clipped to `num_external_tokens`; asked once.
     fn take_hit_sources(
