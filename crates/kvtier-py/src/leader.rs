@@ -30,9 +30,9 @@ use crate::settings::Settings;
 /// One scheduled request in one step (see `_native.pyi`).
 #[pyclass(name = "StepRecord", module = "kvtier._native")]
 #[derive(Clone, Debug)]
-pub struct PyStepRecord {
+pub(crate) struct PyStepRecord {
     /// The record the leader consumes.
-    pub inner: StepRecord,
+    pub(crate) inner: StepRecord,
 }
 
 #[pymethods]
@@ -214,7 +214,7 @@ fn record_from_py(obj: &Bound<'_, PyAny>) -> PyResult<StepRecord> {
 }
 
 /// Encodes job reports for the engine's own worker -> scheduler channel (`link = "engine"`).
-pub fn encode_reports(reports: &[WorkerReport]) -> BridgeResult<Vec<u8>> {
+pub(crate) fn encode_reports(reports: &[WorkerReport]) -> BridgeResult<Vec<u8>> {
     postcard::to_stdvec(&(PROTOCOL_VERSION, reports))
         .map_err(|e| BridgeError::local(Family::Connector, format!("encoding job reports: {e}")))
 }
@@ -263,7 +263,7 @@ struct Inner {
 
 /// The scheduler-side connector (see `_native.pyi`).
 #[pyclass(name = "Leader", module = "kvtier._native")]
-pub struct PyLeader {
+pub(crate) struct PyLeader {
     inner: Mutex<Inner>,
     block_size: usize,
     async_loads: bool,
