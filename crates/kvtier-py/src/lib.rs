@@ -31,6 +31,7 @@ use pyo3::prelude::*;
 pub mod errors;
 pub(crate) mod leader;
 pub(crate) mod node;
+pub(crate) mod records;
 pub(crate) mod rendezvous;
 pub(crate) mod settings;
 pub mod tensor;
@@ -77,7 +78,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
     m.add_class::<tensor::TensorDesc>()?;
-    m.add_class::<leader::PyStepRecord>()?;
+    m.add_class::<records::PyStepRecord>()?;
     m.add_class::<leader::PyLeader>()?;
     m.add_class::<worker::PyWorker>()?;
     m.add_class::<node::PyNodeServer>()?;

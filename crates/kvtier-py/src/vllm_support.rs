@@ -23,7 +23,10 @@ pub(crate) fn identity(settings: &Settings) -> BridgeResult<EngineIdentity> {
 }
 
 /// The composition for this engine over `cluster`.
-pub(crate) fn composition(settings: &Settings, cluster: ClusterLayout) -> BridgeResult<Composition> {
+pub(crate) fn composition(
+    settings: &Settings,
+    cluster: ClusterLayout,
+) -> BridgeResult<Composition> {
     Composition::new(
         &settings.config,
         identity(settings)?,
