@@ -194,6 +194,12 @@ class Leader:
         """``update_state_after_alloc`` that never raises for a refusal: ``(failed_block_ids, refusal)``, the
         promised device blocks the engine must treat as failed loads and the refusal as text (both empty when
         accepted)."""
+    def cancel_load(self, request_id: str, start: int, end: int) -> None:
+        """The engine will not consume tokens ``[start, end)`` of the request's last offer (TensorRT-LLM's
+        KVCacheManagerV2); applied by the next ``allocate_offer``."""
+    def allocate_offer(self, request_id: str, block_ids: Sequence[int]) -> Optional[int]:
+        """``update_state_after_alloc`` with the last offer less the engine's cut (a head cut is matched again
+        from its end): the first token of the request's asynchronous load, or None when none was offered."""
     def take_hit_sources(self, request_id: str, num_external_tokens: int) -> list[tuple[str, int]]:
         """The tokens of the last allocation per source tier (``"host"``, ``"disk"``, ``"remote"``, in that order),
         clipped to ``num_external_tokens``; asked once per allocation."""

@@ -377,10 +377,7 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
             self._engine.endpoint = endpoint
         self._leader = _native.Leader(settings)
         self._engine.endpoint_set.set()
-        self._matched: dict[str, tuple[Any, int]] = {}  # answered (n, True), not yet allocated
-        self._cancelled: dict[str, tuple[int, int]] = {}
         self._excluded: set[str] = set()
-        self._keys: dict[str, tuple[Optional[str], bool]] = {}
 
     @property
     def leader(self) -> Any:
@@ -400,21 +397,15 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
                 rid, request.get_tokens(0), int(num_computed_tokens), identity=identity, cacheable=cacheable
             )
         )
-        self._cancelled.pop(rid, None)
-        self._keys[rid] = (identity, cacheable)
-        if n > 0 and self._leader.loads_are_async:
-            self._matched[rid] = (request, int(num_computed_tokens))
-            return n, True
-        self._matched.pop(rid, None)
-        return (n, False) if n > 0 else (0, False)
+        return n, n > 0 and bool(self._leader.loads_are_async)
 
     def cancel_load(self, request: Any, start: int, end: int) -> None:
         """KVCacheManagerV2: the engine will not consume tokens ``[start, end)`` of the offer
         (``kv_cache_manager_v2.py``; matching and allocation can be iterations apart). kvtier then
         loads nothing for the request (the engine recomputes), which is always correct for a tail
         cut; a head cut leaves a suffix the engine counts as loaded, so the request is matched again
-        from ``end`` at allocation."""
-        self._cancelled[str(request.request_id)] = (int(start), int(end))
+        from ``end`` at allocation (the leader's rule: ``Leader.allocate_offer``)."""
+        self._leader.cancel_load(str(request.request_id), int(start), int(end))
 
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int]) -> None:
         rid = str(request.request_id)
@@ -426,25 +417,11 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
         if any(b < 0 for b in ids):
             self._exclude(rid, "a -1 page id before valid pages (a sliding window passed a block)")
             ids = ids[: ids.index(next(b for b in ids if b < 0))]
-        external = None
-        cut = self._cancelled.pop(rid, None)
-        if cut is not None:
-            matched = self._matched.get(rid)
-            start_tok = matched[1] if matched else None
-            if start_tok is not None and cut[0] <= start_tok:
-                # Head cut: the engine's own cache covers [start, end); load the rest from `end`.
-                identity, cacheable = self._keys.get(rid, (None, True))
-                n = int(self._leader.get_num_new_matched_tokens(
-                    rid, request.get_tokens(0), cut[1], identity=identity, cacheable=cacheable))
-                self._matched[rid] = (request, cut[1])
-                external = n
-            else:
-                external = max(0, cut[0] - (start_tok or 0))
-        self._leader.update_state_after_alloc(rid, ids, external)
-        entry = self._matched.pop(rid, None)
-        if entry is not None:
+        # The last offer less the engine's cut; an asynchronous load parks the request from its first loaded token.
+        start = self._leader.allocate_offer(rid, ids)
+        if start is not None:
             with self._engine.lock:
-                self._engine.loads[rid] = (entry[0], ids, entry[1])
+                self._engine.loads[rid] = (request, ids, int(start))
 
     def _exclude(self, rid: str, why: str) -> None:
         _warn_once("exclude:" + why, "kvtier: request %s stops being cached: %s", rid, why)
@@ -480,10 +457,7 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
         # True keeps the request's device blocks until every rank reports it (stores, and loads
         # still in flight for a cancelled request: a late copy must not land in reused blocks).
         rid = str(request.request_id)
-        self._matched.pop(rid, None)
-        self._cancelled.pop(rid, None)
         self._excluded.discard(rid)
-        self._keys.pop(rid, None)
         with self._engine.lock:
             # Parked for an async load not yet reported loaded: the workers report it saved once
             # their copies into its blocks are done (older TensorRT-LLM frees blocks at once).
@@ -493,8 +467,6 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
     def request_reset(self, request: Any) -> None:
         """KVCacheManagerV2 reset a request to run it again from scratch: its device table is gone."""
         rid = str(request.request_id)
-        self._matched.pop(rid, None)
-        self._cancelled.pop(rid, None)
         with self._engine.lock:
             self._engine.loads.pop(rid, None)
         try:

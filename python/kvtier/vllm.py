@@ -387,7 +387,8 @@ def _recompute_failed_loads(vllm_config: "VllmConfig") -> None:
 class _SchedulerSide:
     """Translation of the scheduler's calls into kvtier's leader. Keeps only what vLLM does not hand back later:
     the live Request objects (their token lists grow in place), how many of each request's tokens kvtier has
-    seen, and the device-prefix length of each request's last match."""
+    seen, and which requests it has matched. Preemptions, refused loads, whole-block matches and hit sources are
+    the leader's rules (docs/arch/vllm.md)."""
 
     def __init__(self, settings: dict[str, Any], block_size: int, fence_reuse: bool = True,
                  publish_events: bool = True) -> None:

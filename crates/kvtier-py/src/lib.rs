@@ -29,13 +29,14 @@
 use pyo3::prelude::*;
 
 pub mod errors;
-pub mod leader;
-pub mod node;
-pub mod rendezvous;
-pub mod settings;
+pub(crate) mod leader;
+pub(crate) mod node;
+pub(crate) mod records;
+pub(crate) mod rendezvous;
+pub(crate) mod settings;
 pub mod tensor;
-pub mod vllm_support;
-pub mod worker;
+pub(crate) mod vllm_support;
+pub(crate) mod worker;
 
 /// Installs a `tracing` subscriber that writes kvtier's logs to stderr, filtered by `filter` (an
 /// `EnvFilter` directive such as "kvtier=debug") or else `KVTIER_LOG`. Returns False if a
@@ -77,7 +78,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
     m.add_class::<tensor::TensorDesc>()?;
-    m.add_class::<leader::PyStepRecord>()?;
+    m.add_class::<records::PyStepRecord>()?;
     m.add_class::<leader::PyLeader>()?;
     m.add_class::<worker::PyWorker>()?;
     m.add_class::<node::PyNodeServer>()?;

@@ -15,7 +15,7 @@ use crate::errors::{extract_arg, timeout_arg, BridgeError, Family};
 
 /// A running node service (see `_native.pyi`).
 #[pyclass(name = "NodeServer", module = "kvtier._native")]
-pub struct PyNodeServer {
+pub(crate) struct PyNodeServer {
     inner: Mutex<Option<NodeServer>>,
     socket: PathBuf,
 }
@@ -118,6 +118,6 @@ impl PyNodeServer {
 /// The node socket a user's `kvtier node` and engines use when none is named: per user
 /// (`$XDG_RUNTIME_DIR/kvtier-node/node.sock`, else `/tmp/kvtier-node-<uid>/node.sock`).
 #[pyfunction]
-pub fn default_node_socket() -> String {
+pub(crate) fn default_node_socket() -> String {
     kvtier_io::node::default_socket().display().to_string()
 }

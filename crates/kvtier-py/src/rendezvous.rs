@@ -30,7 +30,7 @@ struct State {
 }
 
 /// See the module documentation.
-pub struct Rendezvous {
+pub(crate) struct Rendezvous {
     state: Mutex<State>,
     cv: Condvar,
     reports_tx: Mutex<Sender<WorkerReport>>,
@@ -70,7 +70,7 @@ impl Rendezvous {
     }
 
     /// The rendezvous a new Leader on `key` uses.
-    pub fn for_leader(key: &str) -> Arc<Self> {
+    pub(crate) fn for_leader(key: &str) -> Arc<Self> {
         let mut reg = registry().lock().unwrap_or_else(|p| p.into_inner());
         let list = reg.entry(key.to_string()).or_default();
         // Drop rendezvous nobody else holds any more.
@@ -86,7 +86,7 @@ impl Rendezvous {
     }
 
     /// The rendezvous a new Worker of `rank` on `key` joins.
-    pub fn for_worker(key: &str, rank: u32) -> Arc<Self> {
+    pub(crate) fn for_worker(key: &str, rank: u32) -> Arc<Self> {
         let mut reg = registry().lock().unwrap_or_else(|p| p.into_inner());
         let list = reg.entry(key.to_string()).or_default();
         list.retain(|r| Arc::strong_count(r) > 1);
@@ -101,7 +101,7 @@ impl Rendezvous {
     }
 
     /// Where a Worker's reports go.
-    pub fn report_sender(&self) -> Sender<WorkerReport> {
+    pub(crate) fn report_sender(&self) -> Sender<WorkerReport> {
         self.reports_tx
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -109,7 +109,7 @@ impl Rendezvous {
     }
 
     /// The receiving end, taken once by the Leader.
-    pub fn take_receiver(&self) -> Option<Receiver<WorkerReport>> {
+    pub(crate) fn take_receiver(&self) -> Option<Receiver<WorkerReport>> {
         self.reports_rx
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -117,13 +117,13 @@ impl Rendezvous {
     }
 
     /// A worker's layout for its rank (a later one replaces it); wakes a waiting leader.
-    pub fn register(&self, layout: RankLayout) {
+    pub(crate) fn register(&self, layout: RankLayout) {
         self.lock().layouts.insert(layout.rank, layout);
         self.cv.notify_all();
     }
 
     /// The layouts registered so far, waiting up to `timeout` until `rank` is among them.
-    pub fn wait_for(&self, rank: u32, timeout: Duration) -> Option<Vec<RankLayout>> {
+    pub(crate) fn wait_for(&self, rank: u32, timeout: Duration) -> Option<Vec<RankLayout>> {
         let deadline = Instant::now() + timeout;
         let mut st = self.lock();
         while !st.layouts.contains_key(&rank) {

@@ -17,7 +17,7 @@ use crate::errors::{BridgeError, BridgeResult, Family};
 /// named after the `channel` setting. No fixed TCP port (#13: any local user could take a
 /// well-known one first); another user cannot reach the socket; a second live leader on the same
 /// channel fails to bind ("address in use") instead of taking the first one's ranks.
-pub fn default_zmq_endpoint(channel: &str) -> BridgeResult<String> {
+pub(crate) fn default_zmq_endpoint(channel: &str) -> BridgeResult<String> {
     let dir = kvtier::connector::zmq_auth::private_dir().map_err(BridgeError::from)?;
     let plain = !channel.is_empty()
         && channel.len() <= 40
@@ -39,7 +39,7 @@ pub fn default_zmq_endpoint(channel: &str) -> BridgeResult<String> {
 /// The settings as the bindings use them: kvtier's [`EngineSettings`] (engine keys and the
 /// configuration, split and typed in the core), read from a Python dict.
 #[derive(Debug)]
-pub struct Settings(EngineSettings);
+pub(crate) struct Settings(EngineSettings);
 
 impl std::ops::Deref for Settings {
     type Target = EngineSettings;
@@ -53,7 +53,7 @@ fn bad(key: &str, reason: impl std::fmt::Display) -> BridgeError {
 }
 
 /// Converts a Python value (None, bool, int, float, str, list/tuple, dict) to JSON.
-pub fn to_json(key: &str, v: &Bound<'_, PyAny>) -> BridgeResult<serde_json::Value> {
+pub(crate) fn to_json(key: &str, v: &Bound<'_, PyAny>) -> BridgeResult<serde_json::Value> {
     use serde_json::Value;
     if v.is_none() {
         return Ok(Value::Null);
@@ -105,7 +105,7 @@ pub fn to_json(key: &str, v: &Bound<'_, PyAny>) -> BridgeResult<serde_json::Valu
 impl Settings {
     /// The dict's values as JSON, split and built by [`EngineSettings::load`] with the process
     /// environment.
-    pub fn from_py(dict: Option<&Bound<'_, PyDict>>) -> BridgeResult<Self> {
+    pub(crate) fn from_py(dict: Option<&Bound<'_, PyDict>>) -> BridgeResult<Self> {
         let mut map = serde_json::Map::new();
         if let Some(d) = dict {
             for (k, v) in d.iter() {
@@ -121,7 +121,7 @@ impl Settings {
     }
 
     /// [`EngineSettings::zmq_endpoint`], else [`default_zmq_endpoint`] of the channel.
-    pub fn zmq_endpoint_or_default(&self) -> BridgeResult<String> {
+    pub(crate) fn zmq_endpoint_or_default(&self) -> BridgeResult<String> {
         match self.zmq_endpoint()? {
             Some(e) => Ok(e),
             None => default_zmq_endpoint(&self.channel()?),

@@ -13,7 +13,7 @@ use crate::settings::Settings;
 
 /// The engine's identity: the adapter's `salt` setting (vLLM: `vllm|model|cache dtype|dtype|revision`;
 /// TensorRT-LLM: its model identity), replaced by `hashing.model` when that is set.
-pub fn identity(settings: &Settings) -> BridgeResult<EngineIdentity> {
+pub(crate) fn identity(settings: &Settings) -> BridgeResult<EngineIdentity> {
     Ok(EngineIdentity::new(
         settings
             .salt()
@@ -23,7 +23,10 @@ pub fn identity(settings: &Settings) -> BridgeResult<EngineIdentity> {
 }
 
 /// The composition for this engine over `cluster`.
-pub fn composition(settings: &Settings, cluster: ClusterLayout) -> BridgeResult<Composition> {
+pub(crate) fn composition(
+    settings: &Settings,
+    cluster: ClusterLayout,
+) -> BridgeResult<Composition> {
     Composition::new(
         &settings.config,
         identity(settings)?,
@@ -35,7 +38,7 @@ pub fn composition(settings: &Settings, cluster: ClusterLayout) -> BridgeResult<
 
 /// The engine's serving role from the adapter's `role` setting (vLLM's `kv_role`: `kv_both`,
 /// `kv_producer`, `kv_consumer`, or their short forms); aggregated when unset.
-pub fn role(settings: &Settings) -> BridgeResult<ServingRole> {
+pub(crate) fn role(settings: &Settings) -> BridgeResult<ServingRole> {
     match settings.role().map_err(BridgeError::from)? {
         None => Ok(ServingRole::Aggregated),
         Some(r) => ServingRole::from_vllm(&r).ok_or_else(|| {
@@ -48,7 +51,7 @@ pub fn role(settings: &Settings) -> BridgeResult<ServingRole> {
 }
 
 /// A composition error as the matching Python exception.
-pub fn bridge(e: ComposeError) -> BridgeError {
+pub(crate) fn bridge(e: ComposeError) -> BridgeError {
     match e {
         ComposeError::Config(c) => c.into(),
         ComposeError::Leader(c) => c.into(),

@@ -162,7 +162,7 @@ struct Inner {
 
 /// One rank's worker (see `_native.pyi`).
 #[pyclass(name = "Worker", module = "kvtier._native")]
-pub struct PyWorker {
+pub(crate) struct PyWorker {
     inner: Mutex<Inner>,
     rank: u32,
     bytes_per_block: usize,
@@ -373,7 +373,7 @@ fn shut(py: Python<'_>, inner: &mut Inner, timeout: Duration) -> bool {
 /// Keys: `disk` and `remote` (configured at a non-zero size / with a URL), `async_loads`.
 #[pyfunction]
 #[pyo3(signature = (settings = None))]
-pub fn configured_tiers(
+pub(crate) fn configured_tiers(
     py: Python<'_>,
     settings: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<Py<PyDict>> {

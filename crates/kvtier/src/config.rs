@@ -49,7 +49,7 @@ mod settings;
 mod value;
 
 pub use builder::ConfigBuilder;
-pub use engine::{EngineSettings, ENGINE_KEYS, LINKS, MAX_WORLD_SIZE};
+pub use engine::EngineSettings;
 pub use settings::{Setting, CONFIG_PATH_ENV, SETTINGS};
 
 pub use remote_url::{parse_http_endpoint, redact_url, RedisTarget, RemoteBackend, RemoteTarget};

@@ -420,7 +420,7 @@ impl DiskStorage {
         self.num_blocks
     }
     /// Bytes of one block.
-    pub fn block_bytes(&self) -> usize {
+    pub(crate) fn block_bytes(&self) -> usize {
         self.block_bytes
     }
     /// True if the files are opened with O_DIRECT.

@@ -2,7 +2,7 @@
 //! size, ranks, salt, link, ...), typed and validated here, and the configuration built from the
 //! rest, in one place ([`EngineSettings::load`]).
 //!
-//! Invariants: a key is either an engine key ([`ENGINE_KEYS`]) or a configuration key, never
+//! Invariants: a key is either an engine key (`ENGINE_KEYS`) or a configuration key, never
 //! both; each engine key is read through one typed accessor that refuses (never truncates) an
 //! out-of-range value with a [`ConfigError`] naming the key; an engine key that has a
 //! configuration counterpart (`async_loads`, `block_size`, `zmq_endpoint`) wins over it.
@@ -13,13 +13,13 @@ use serde_json::Value;
 use super::{bool_reason, parse_bool_text, parse_u64_text, ConfigError, KvtierConfig};
 
 /// The largest `world_size` accepted.
-pub const MAX_WORLD_SIZE: u32 = 1 << 16;
+pub(crate) const MAX_WORLD_SIZE: u32 = 1 << 16;
 
 /// The values of the `link` setting.
-pub const LINKS: &[&str] = &["engine", "in_process", "zmq"];
+pub(crate) const LINKS: &[&str] = &["engine", "in_process", "zmq"];
 
 /// Keys the adapters pass that are not kvtier configuration keys.
-pub const ENGINE_KEYS: &[&str] = &[
+pub(crate) const ENGINE_KEYS: &[&str] = &[
     "block_size",
     "world_size",
     "rank",
@@ -179,7 +179,7 @@ impl EngineSettings {
         Ok(b)
     }
 
-    /// The engine's tensor-parallel world size (`world_size`, default 1; 1..=[`MAX_WORLD_SIZE`]).
+    /// The engine's tensor-parallel world size (`world_size`, default 1; 1..=65536).
     pub fn world_size(&self) -> Result<u32, ConfigError> {
         let w = self.usize("world_size")?.unwrap_or(1);
         u32::try_from(w)
@@ -221,7 +221,7 @@ impl EngineSettings {
         self.usize("num_device_blocks")
     }
 
-    /// The `link` key: `None` (unset) or one of [`LINKS`]; anything else is refused naming the
+    /// The `link` key: `None` (unset) or one of `engine`, `in_process`, `zmq`; anything else is refused naming the
     /// values accepted (#28: `link="bogus"` was taken as the default).
     pub fn link(&self) -> Result<Option<String>, ConfigError> {
         match self.string("link")? {

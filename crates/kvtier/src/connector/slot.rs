@@ -280,6 +280,10 @@ impl Slot {
         }
     }
 
+    /// The known tokens from `token_base` on: the whole list after a match (matching keeps it).
+    pub fn known_tokens(&self) -> &[u32] {
+        &self.tokens
+    }
     /// True once the engine scheduled the request (a record ran) and until it is preempted or
     /// finished.
     pub fn is_running(&self) -> bool {

@@ -641,7 +641,7 @@ impl Worker {
 pub const WAIT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How long dropping a [`Worker`] waits for its executor threads (see [`Worker::shutdown`]).
-pub const DROP_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const DROP_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Executor threads that had not stopped when [`Worker::shutdown`]'s time ran out (each still
 /// runs a transfer; it stops on its own when that returns, and nothing waits for it).

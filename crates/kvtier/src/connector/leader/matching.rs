@@ -165,6 +165,9 @@ impl Leader {
             ));
         }
         entry.slot.set_all_tokens(all_tokens);
+        // A new match is a new offer: a cut of the previous one no longer applies.
+        entry.cut = None;
+        entry.key = Some(key.clone());
         self.stats.match_queries += 1;
         let device_blocks = num_computed_tokens / bs;
         let mut external = 0;
@@ -186,6 +189,7 @@ impl Leader {
         let load_sync = !self.async_loads || (self.sync_host_loads && host_only);
         if let Some(e) = self.slots.get_mut(req) {
             e.load_sync = (external > 0).then_some(load_sync);
+            e.offer = (!load_sync && external > 0).then_some(device_blocks * bs);
             e.slot.record_match(MatchRecord {
                 device_tokens: device_blocks * bs,
                 external_tokens: external,

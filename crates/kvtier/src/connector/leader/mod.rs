@@ -51,6 +51,7 @@ mod fences;
 mod loads;
 mod matching;
 pub mod observe;
+mod offers;
 mod spills;
 mod stores;
 #[cfg(test)]
@@ -87,6 +88,13 @@ struct SlotEntry {
     /// Blocks the last allocation planned to load from host, disk and remote (the request's
     /// hit sources, [`Leader::take_hit_sources`]).
     hit_blocks: [usize; 3],
+    /// Tokens `[start, end)` of the last offer the engine will not consume (`offers.rs`).
+    cut: Option<(usize, usize)>,
+    /// The request's key as its last match gave it (a head cut is matched again with it).
+    key: Option<RequestKey>,
+    /// The engine's computed tokens at the last match when it offered an asynchronous load not
+    /// yet allocated (`offers.rs`).
+    offer: Option<usize>,
 }
 
 impl SlotEntry {
@@ -97,6 +105,9 @@ impl SlotEntry {
             loads_in_flight: 0,
             load_sync: None,
             hit_blocks: [0; 3],
+            cut: None,
+            key: None,
+            offer: None,
         }
     }
 }

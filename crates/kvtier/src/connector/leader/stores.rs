@@ -299,6 +299,8 @@ impl Leader {
                 if e.slot.is_running() {
                     self.stats.preempted_requests += 1;
                 }
+                e.cut = None;
+                e.offer = None;
                 e.slot.preempt()
             }
             None => Err(ConnectorError::invalid(

@@ -503,3 +503,44 @@ fn hit_sources_follow_the_planned_loads() {
     assert_eq!(l.take_hit_sources(&s, 8), vec![(Tier::Host, 8)]);
     assert_eq!(l.take_hit_sources(&"unknown".into(), 8), vec![]);
 }
+
+/// TensorRT-LLM's KVCacheManagerV2 cuts an offer between matching and allocation
+/// (`cancel_load`; trtllm.py kept this rule before issue 29): a tail cut loads the offer up to
+/// the cut, a head cut is matched again from its end, a new match forgets the cut, and only an
+/// asynchronous offer has a load start.
+#[test]
+fn cuts_of_an_offer_are_applied_at_allocation() {
+    let (mut l, _) = filled_leader();
+    l.async_loads = true;
+    let prompt: Vec<u32> = (0..16).collect();
+    let devs: Vec<DeviceBlockId> = (20..24).map(DeviceBlockId).collect();
+    let offer = |l: &mut Leader, id: &str| {
+        let r: RequestId = id.into();
+        assert_eq!(l.get_num_new_matched_tokens(&r, &prompt, 0).unwrap(), 12);
+        r
+    };
+    let plain = offer(&mut l, "plain");
+    assert_eq!(l.allocate_offer(&plain, &devs).unwrap(), Some(0));
+    assert_eq!(l.take_hit_sources(&plain, 100), vec![(Tier::Host, 12)]);
+
+    let tail = offer(&mut l, "tail");
+    l.cancel_load(&tail, 8, 12);
+    assert_eq!(l.allocate_offer(&tail, &devs).unwrap(), Some(0));
+    assert_eq!(l.take_hit_sources(&tail, 100), vec![(Tier::Host, 8)]);
+
+    let head = offer(&mut l, "head");
+    l.cancel_load(&head, 0, 4);
+    assert_eq!(l.allocate_offer(&head, &devs).unwrap(), Some(4));
+    assert_eq!(l.take_hit_sources(&head, 100), vec![(Tier::Host, 8)]);
+
+    let again = offer(&mut l, "again");
+    l.cancel_load(&again, 8, 12);
+    offer(&mut l, "again");
+    assert_eq!(l.allocate_offer(&again, &devs).unwrap(), Some(0));
+    assert_eq!(l.take_hit_sources(&again, 100), vec![(Tier::Host, 12)]);
+
+    l.async_loads = false;
+    let sync = offer(&mut l, "sync");
+    assert_eq!(l.allocate_offer(&sync, &devs).unwrap(), None);
+    l.cancel_load(&"unknown".into(), 0, 4);
+}
