@@ -261,6 +261,27 @@ impl Router {
         m.as_ref().map(|m| m.owner(slot).cloned())
     }
 
+    /// The positions of `slots` grouped by the node serving them, under one read of the map;
+    /// `Err(slot)` for the first slot no node serves (or when the map is unknown).
+    fn group_by_owner(&self, slots: &[u16]) -> Result<Vec<(Addr, Vec<usize>)>, u16> {
+        let first = slots.first().copied().unwrap_or(0);
+        let m = self.map.read().map_err(|_| first)?;
+        let m = m.as_ref().ok_or(first)?;
+        let mut groups: Vec<Vec<usize>> = vec![Vec::new(); m.nodes.len()];
+        for (i, &slot) in slots.iter().enumerate() {
+            match m.owner.get(usize::from(slot)).map(|&k| usize::from(k)) {
+                Some(k) if k < groups.len() => groups[k].push(i),
+                _ => return Err(slot),
+            }
+        }
+        Ok(m.nodes
+            .iter()
+            .cloned()
+            .zip(groups)
+            .filter(|(_, g)| !g.is_empty())
+            .collect())
+    }
+
     /// Nodes to ask for the map: the ones the last map knew, then the seeds; nodes whose breaker
     /// is open last (a dead host must not eat the refresh's deadline first).
     fn candidates(&self) -> Vec<Addr> {
@@ -459,13 +480,12 @@ impl ClusterConn {
         dl: &Deadline,
     ) -> Result<Vec<bool>, WireError> {
         let slots: Vec<u16> = names.iter().map(|n| key_slot(n.as_bytes())).collect();
-        let mut by_node: HashMap<Addr, Vec<usize>> = HashMap::new();
-        for (i, &slot) in slots.iter().enumerate() {
-            by_node
-                .entry(self.owner_of(router, slot, dl)?)
-                .or_default()
-                .push(i);
+        if let Some(&slot) = slots.first() {
+            self.owner_of(router, slot, dl)?; // refreshes an unknown map
         }
+        let by_node = router.group_by_owner(&slots).map_err(|slot| {
+            WireError::Server(format!("CLUSTERDOWN hash slot {slot} is not served"))
+        })?;
         let mut found = vec![false; names.len()];
         let mut again = Vec::new();
         for (addr, idx) in by_node {
