@@ -137,6 +137,25 @@ def test_sync_loads_are_complete_before_the_forward_whatever_hooks_run(host_only
         assert e.stats.hook_free_forwards > 0
 
 
+def test_sync_host_loads_per_request(tiers):
+    """With `connector.sync_host_loads`, a host-tier hit loads in the step (answered `(n, False)`) while a hit that
+    needs the disk stays asynchronous, in one run: the adapter passes the leader's per-request answer through (it
+    answered the global `loads_are_async` before, and the leader's sync plans were then never awaited)."""
+    tiers.setenv("KVTIER_SYNC_HOST_LOADS", "true")
+    prompts = workload()
+    want = reference_tokens(prompts, 6)
+    e = engine(geo=GEO1, num_device_blocks=40)
+    [e.add_request(p, 6) for p in prompts]
+    e.run()
+    flush(e)
+    again = [e.add_request(p, 6) for p in prompts]
+    e.run()
+    assert tokens(again) == want
+    st = stats(e)
+    assert e.stats.sync_matches > 0 and e.stats.async_matches > 0, e.stats
+    assert st["onboard_failed"] == 0 and st["onboard_host_blocks"] > 0 and st["onboard_disk_blocks"] > 0, st
+
+
 def test_never_returns_zero_true(host_only):
     e = engine(num_device_blocks=40)
     req = LlmRequest(12345, list(range(100)), 2, chunk_size=32)

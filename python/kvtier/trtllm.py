@@ -397,7 +397,10 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
                 rid, request.get_tokens(0), int(num_computed_tokens), identity=identity, cacheable=cacheable
             )
         )
-        return n, n > 0 and bool(self._leader.loads_are_async)
+        # Per request, as the leader decided at the match (asynchronous unless `connector.sync_host_loads` loads a
+        # host-tier hit in the step): TensorRT-LLM takes the flag per request (kv_cache_connector.py
+        # `get_num_new_matched_tokens -> (num_tokens, load_kv_async)`).
+        return n, n > 0 and bool(self._leader.load_is_async(rid))
 
     def cancel_load(self, request: Any, start: int, end: int) -> None:
         """KVCacheManagerV2: the engine will not consume tokens ``[start, end)`` of the offer
