@@ -255,6 +255,7 @@ impl EngineMemory {
         // #28: a bogus pointer is refused here rather than faulting in a copy thread (CPU) or
         // in a copy kernel that would poison the engine's CUDA context (CUDA, checked with the
         // driver).
+        let mut cuda: std::collections::BTreeMap<u32, Vec<(u64, u64)>> = Default::default();
         for t in tensors.iter().filter(|t| t.len > 0) {
             let start = t.start.get();
             match t.kind {
@@ -263,18 +264,19 @@ impl EngineMemory {
                         return Err(MemoryError::Unmapped { start, len: t.len });
                     }
                 }
-                DeviceKind::Cuda(device) => {
-                    if let Some(Err(reason)) =
-                        crate::sys::cuda::device_range_ok(device, start, t.len)
-                    {
-                        return Err(MemoryError::NotDeviceMemory {
-                            start,
-                            len: t.len,
-                            device,
-                            reason,
-                        });
-                    }
-                }
+                DeviceKind::Cuda(device) => cuda.entry(device).or_default().push((start, t.len)),
+            }
+        }
+        for (device, ranges) in cuda {
+            if let Some(Err(((start, len), reason))) =
+                crate::sys::cuda::device_ranges_ok(device, &ranges)
+            {
+                return Err(MemoryError::NotDeviceMemory {
+                    start,
+                    len,
+                    device,
+                    reason,
+                });
             }
         }
         let kind = layout.device();

@@ -156,16 +156,15 @@ fn device_pointers_are_checked_with_the_driver() {
     let _driver = Driver::open(0).unwrap();
     let len = 8usize << 20;
     let mem = DeviceAlloc::new(len).unwrap();
-    assert_eq!(cu::device_range_ok(0, mem.addr(), len as u64), Some(Ok(())));
     assert_eq!(
-        cu::device_range_ok(0, mem.addr() + 4096, 4096),
+        cu::device_ranges_ok(0, &[(mem.addr(), len as u64), (mem.addr() + 4096, 4096)]),
         Some(Ok(()))
     );
     for (what, addr) in [
         ("invented", 0x1000u64),
         ("host", Box::into_raw(Box::new([0u8; 64])) as u64),
     ] {
-        let r = cu::device_range_ok(0, addr, 64);
+        let r = cu::device_ranges_ok(0, &[(addr, 64)]);
         assert!(matches!(r, Some(Err(_))), "{what}: {r:?}");
     }
     let freed = {
@@ -173,12 +172,12 @@ fn device_pointers_are_checked_with_the_driver() {
         m.addr()
     };
     if freed != mem.addr() {
-        let r = cu::device_range_ok(0, freed, 64);
+        let r = cu::device_ranges_ok(0, &[(freed, 64)]);
         assert!(matches!(r, Some(Err(_))), "freed: {r:?}");
     }
     // A device that does not exist.
     assert!(matches!(
-        cu::device_range_ok(4096, mem.addr(), 64),
+        cu::device_ranges_ok(4096, &[(mem.addr(), 64)]),
         Some(Err(_))
     ));
     println!("device pointer check: device memory passes, invented/host/freed refused");

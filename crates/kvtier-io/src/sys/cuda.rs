@@ -23,20 +23,28 @@ pub(crate) fn check(r: sys::CUresult, what: &str) -> CuResult<()> {
     }
 }
 
-/// Whether `len` bytes at device address `start` are memory of CUDA device `ordinal`
-/// ([`Driver::check_device_range`]); `None` when libcuda is not installed (the caller cannot
-/// tell, and no copy to that device can run either).
-pub(crate) fn device_range_ok(ordinal: u32, start: u64, len: u64) -> Option<CuResult<()>> {
+/// [`device_ranges_ok`]'s answer: `Err` names the first range refused and the driver's reason.
+pub(crate) type RangeCheck = Result<(), ((u64, u64), String)>;
+
+/// Whether each `(start, len)` of `ranges` is memory of CUDA device `ordinal`
+/// ([`Driver::check_device_range`], one driver handle for all of them): the first range that is
+/// not, with the driver's reason; `None` when libcuda is not installed (the caller cannot tell,
+/// and no copy to that device can run either).
+pub(crate) fn device_ranges_ok(ordinal: u32, ranges: &[(u64, u64)]) -> Option<RangeCheck> {
     if !library_present() {
         return None;
     }
-    let ordinal =
-        i32::try_from(ordinal).map_err(|_| format!("CUDA device {ordinal} does not exist"));
-    Some(
-        ordinal
-            .and_then(Driver::open)
-            .and_then(|d| d.check_device_range(start, len)),
-    )
+    let first = ranges.first().copied().unwrap_or((0, 0));
+    let driver = i32::try_from(ordinal)
+        .map_err(|_| format!("CUDA device {ordinal} does not exist"))
+        .and_then(Driver::open);
+    Some(match driver {
+        Err(reason) => Err((first, reason)),
+        Ok(d) => ranges.iter().try_for_each(|&(start, len)| {
+            d.check_device_range(start, len)
+                .map_err(|reason| ((start, len), reason))
+        }),
+    })
 }
 
 /// True if libcuda can be loaded on this machine.
