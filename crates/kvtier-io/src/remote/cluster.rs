@@ -10,8 +10,9 @@
 //! - a key goes to the node the map names for its slot; `MOVED` updates that slot's entry and is
 //!   followed at most [`MAX_REDIRECTS`] times per key; `ASK` sends `ASKING` first and changes no
 //!   entry;
-//! - after a failed exchange with a node, its connection is dropped and the map is refreshed
-//!   before the next operation (the node may have failed over);
+//! - after a failed exchange with a node, its connection is dropped; when the node itself failed
+//!   (not an error reply), the map is refreshed before the next operation (it may have failed
+//!   over);
 //! - replies are read with the same bounds as a single server's (a `GET` reply's length is
 //!   checked before its bytes are read; `CLUSTER SLOTS` through the bounded `read_value`);
 //! - each node has its own circuit breaker ([`super::breaker`], the store's settings): a dead
@@ -22,7 +23,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use super::breaker::{Breaker, BreakerState, BreakerStats, Failure};
+use super::breaker::{Breaker, BreakerState, BreakerStats, Failure, Ticket};
 use super::wire::{push_cmd, Addr, Deadline, Value, WireConn, WireError};
 
 /// Hash slots of a Redis Cluster.
@@ -342,10 +343,29 @@ impl ClusterConn {
             .ok_or_else(|| WireError::Protocol("connection vanished".into()))
     }
 
-    /// Forgets `addr`'s connection (it may hold an unread reply) and the map (the node may be gone).
-    fn failed(&mut self, router: &Router, addr: &Addr) {
-        self.conns.remove(addr);
-        router.invalidate();
+    /// Settles an exchange with `addr`: `Ok` (a reply or a redirect, which is one whole line)
+    /// keeps the connection; an error drops it (it may hold an unread reply), and when the node
+    /// itself failed (`Some` failure) also the map (the node may be gone), counting against its
+    /// breaker.
+    fn settle(
+        &mut self,
+        router: &Router,
+        addr: &Addr,
+        ticket: Ticket<'_>,
+        outcome: Result<(), NodeFailure>,
+    ) {
+        match outcome {
+            Ok(()) => ticket.success(),
+            Err(None) => {
+                self.conns.remove(addr);
+                ticket.success();
+            }
+            Err(Some((how, reason))) => {
+                self.conns.remove(addr);
+                router.invalidate();
+                ticket.failure(reason, how);
+            }
+        }
     }
 
     /// Learns the slot map from the first node that answers, under `dl`.
@@ -443,10 +463,11 @@ impl ClusterConn {
                 exchange(c, &mut buf, dl)
             });
             self.buf = buf;
-            match r.as_ref().err().map(|e| (redirect_of(e), failure_of(e))) {
-                None | Some((Some(_), _)) | Some((None, None)) => ticket.success(),
-                Some((None, Some((how, reason)))) => ticket.failure(reason, how),
-            }
+            let outcome = match r.as_ref().err() {
+                Some(e) if redirect_of(e).is_none() => Err(failure_of(e)),
+                _ => Ok(()),
+            };
+            self.settle(router, &to, ticket, outcome);
             match r {
                 Ok(v) => return Ok(v),
                 Err(e) => match redirect_of(&e) {
@@ -459,10 +480,7 @@ impl ClusterConn {
                         to = next;
                         asking = true;
                     }
-                    None => {
-                        self.failed(router, &to);
-                        return Err(e);
-                    }
+                    None => return Err(e),
                 },
             }
         }
@@ -507,14 +525,9 @@ impl ClusterConn {
                 }
                 Ok(())
             });
-            match r.as_ref().err().and_then(wire_failure) {
-                None => ticket.success(),
-                Some((how, reason)) => ticket.failure(reason, how),
-            }
-            if let Err(e) = r {
-                self.failed(router, &addr);
-                return Err(e);
-            }
+            let outcome = r.as_ref().map(|_| ()).map_err(wire_failure);
+            self.settle(router, &addr, ticket, outcome);
+            r?;
         }
         for i in again {
             found[i] = self.single(
