@@ -72,6 +72,15 @@ def open_engine(spec: dict, model: Path, log: Path, env: dict[str, str] | None =
                   **spec)
 
 
+def evict_and_replay(e, ps: list, **kw) -> dict:
+    """Replays ``ps`` after they left vLLM's device cache: the engine drained (its connector's stores done), vLLM's
+    prefix cache reset without the connector's, half a second for stores still landing; the ``ttft`` answer."""
+    e.drain(120)
+    e.reset_prefix_cache()
+    time.sleep(0.5)
+    return e.call("ttft", prompts=ps, **kw)
+
+
 def qa(e, users: int, rounds: int, system: int, question: int, answer: int, vocab: int) -> dict:
     """Multi-round QA (the shape of LMCache's multi-round-qa benchmark): ``users`` users share a ``system``-token
     system prompt; in each round every user asks a ``question``-token question over their whole history at once
@@ -117,10 +126,7 @@ def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: i
                 # +90 ms on the first 2K replay, in native and kvtier alike; vLLM alone never runs that shape).
                 w = prompts(1, n, seed=n + 101, vocab=vocab)
                 e.call("ttft", prompts=w)
-                e.drain(120)
-                e.reset_prefix_cache()
-                time.sleep(0.5)
-                e.call("ttft", prompts=w)
+                evict_and_replay(e, w)
             if miss_drain:  # each miss starts once the previous prompt's stores are done (nothing overlaps it)
                 miss = {"seconds": [], "first_tokens": []}
                 for p1 in ps:
@@ -133,10 +139,7 @@ def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: i
             if profile_miss:
                 # Two more fresh prompts back to back, the second under torch.profiler: <name>-miss-<n>.json.
                 e.call("ttft", prompts=prompts(2, n, seed=n + 13, vocab=vocab), profile=str(logdir / f"{name}-miss-{n}.json"))
-            e.drain(120)
-            e.reset_prefix_cache()
-            time.sleep(0.5)  # let stores finish before the replays
-            hit = e.call("ttft", prompts=ps)
+            hit = evict_and_replay(e, ps)
             out["lengths"][n] = {"miss_ms": [1000 * s for s in miss["seconds"]],
                                  "replay_ms": [1000 * s for s in hit["seconds"]],
                                  "first_tokens": hit["first_tokens"], "miss_first_tokens": miss["first_tokens"]}
@@ -144,10 +147,7 @@ def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: i
                 # One more replay of fresh prompts under torch.profiler (CPU + CUDA, every stream): <name>-<n>.json.
                 pp = prompts(2, n, seed=n + 7, vocab=vocab)
                 e.call("ttft", prompts=pp)
-                e.drain(120)
-                e.reset_prefix_cache()
-                time.sleep(0.5)
-                e.call("ttft", prompts=pp, profile=str(logdir / f"{name}-{n}.json"))
+                evict_and_replay(e, pp, profile=str(logdir / f"{name}-{n}.json"))
         if chat_shape is not None:
             e.reset_prefix_cache(connector=True)  # the chat starts from empty tiers
             out["chat"] = chat(e, *chat_shape, vocab=vocab)
