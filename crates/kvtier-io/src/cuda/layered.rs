@@ -6,8 +6,9 @@
 //! pass of earlier ones (vLLM's `wait_for_layer_load`).
 //!
 //! Invariants: a layered load is used only when kernels may read the host tier at its host
-//! addresses (pinned, registered, `CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`) and every piece is
-//! 16-byte aligned, else the job goes the whole-job ordered way; the kernels run after the job's
+//! addresses (pinned, registered, `CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`), every piece is
+//! 16-byte aligned and the job is at most [`LAYERED_MAX_BYTES`], else the job goes the whole-job
+//! ordered way (the gate handed to the engine is then `None`); the kernels run after the job's
 //! fence (a stream wait, not a CPU wait); layer `l`'s event is recorded after the launch that
 //! writes every byte of layer `l` and of no later layer; each job has its own events, so a gate
 //! handed to the engine is never re-recorded; the descriptors stay untouched until the job's
@@ -20,6 +21,14 @@ use super::{CudaFence, CudaMover, THREADS};
 use crate::device::Ordering;
 use crate::layout::Chunk;
 use crate::sys::cuda::{CuResult, Driver, Event, PinnedAlloc};
+
+/// Loads larger than this go the whole-job ordered way (copy engine, link rate) instead. The
+/// kernel's reads of host memory run below the copy engine's rate (H200, PCIe Gen5: 43.7 GB/s for
+/// a 1 GiB layered load, against 53-55 GB/s), which costs more than the overlap gains on long
+/// prompts: vLLM 0.33, Llama-3.1-8B shape, eager, replay TTFT layered / whole: 23.7 / 29.5 ms at
+/// 2K (256 MiB), 35.0 / 43.4 ms at 8K (1 GiB), 121.5 / 116.2 ms at 32K (4 GiB)
+/// (docs/bench/vllm.md); the crossover lies near 2 GiB.
+pub(crate) const LAYERED_MAX_BYTES: usize = 2 << 30;
 
 /// At most this many thread blocks per layer's launch: enough reads in flight to fill the link
 /// from host memory, few enough to leave the SMs to the forward pass.
@@ -116,6 +125,7 @@ impl CudaMover {
             .kernel
             .as_ref()
             .filter(|_| self.host_readable)
+            .filter(|_| items.len().saturating_mul(self.bytes_per_block) <= LAYERED_MAX_BYTES)
             .and_then(|_| layer_descriptors(items, self.bytes_per_block, layers));
         let Some(descs) = descs else {
             return self.copy(
