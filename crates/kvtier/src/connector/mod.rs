@@ -24,7 +24,7 @@ pub use leader::{
     BlockReuse, Capacity, DiskPolicy, KvEvent, Leader, LeaderConfig, LeaderStats, RequestKey,
 };
 pub use messages::{
-    ClusterLayout, RankLayout, RequestLoad, RequestStore, StepMetadata, WorkerReport,
+    ClusterLayout, LoadVerdict, LoadVerdicts, RankLayout, RequestLoad, RequestStore, StepMetadata, WorkerReport,
     PROTOCOL_VERSION,
 };
 pub use slot::{MatchRecord, OffloadBlock, OnboardBlock, Slot, SlotState};
