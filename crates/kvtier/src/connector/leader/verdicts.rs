@@ -103,3 +103,126 @@ fn min_opt(a: Option<usize>, b: Option<usize>) -> Option<usize> {
         (None, y) => y,
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use crate::connector::leader::{Leader, LeaderConfig};
+    use crate::connector::messages::{ClusterLayout, LoadVerdict, StepMetadata, WorkerReport};
+    use crate::connector::step::{SchedulerStep, StepRecord};
+    use crate::hash::HashSalt;
+    use crate::ids::{DeviceBlockId, RequestId};
+    use crate::transfer::{BlockFailure, TransferOutcome};
+
+    fn record(id: &str, tokens: Vec<u32>, first_block: u32, is_new: bool) -> StepRecord {
+        let blocks = (tokens.len() / 4) as u32;
+        StepRecord {
+            request_id: id.into(),
+            num_scheduled_tokens: tokens.len(),
+            new_tokens: tokens,
+            new_block_ids: (first_block..first_block + blocks)
+                .map(DeviceBlockId)
+                .collect(),
+            is_new,
+            ..Default::default()
+        }
+    }
+
+    fn report(l: &mut Leader, rank: u32, m: &StepMetadata, failed_pairs: &[usize]) {
+        for job in m.loads.iter().flat_map(|x| &x.jobs).map(|j| j.id) {
+            let outcome = if failed_pairs.is_empty() {
+                TransferOutcome::Ok
+            } else {
+                TransferOutcome::Failed(
+                    failed_pairs
+                        .iter()
+                        .map(|&pair_index| BlockFailure {
+                            pair_index,
+                            reason: "checksum".into(),
+                        })
+                        .collect(),
+                )
+            };
+            l.apply_report(WorkerReport { rank, job, outcome });
+        }
+    }
+
+    /// A TP=2 leader holding blocks of tokens 0..20 in its host tier, and request "r" of those
+    /// tokens matched (16 tokens, blocks 0..4), allocated at device blocks 20.. and stepped: the
+    /// metadata carries its asynchronous load.
+    fn parked(verdicts: bool, async_loads: bool) -> (Leader, StepMetadata) {
+        let mut cfg = LeaderConfig::new(4, HashSalt(3), 16);
+        cfg.async_loads = async_loads;
+        cfg.layout = Some(ClusterLayout {
+            block_size: 4,
+            num_device_blocks: 64,
+            bytes_per_block: vec![64, 64],
+        });
+        let mut l = Leader::new(cfg).unwrap();
+        l.set_load_verdicts(verdicts);
+        let prompt: Vec<u32> = (0..20).collect();
+        let m = l
+            .build_step(&SchedulerStep {
+                records: vec![record("fill", prompt.clone(), 0, true)],
+                finished: vec!["fill".into()],
+            })
+            .unwrap();
+        for job in m.stores.iter().map(|s| s.job.id).collect::<Vec<_>>() {
+            for rank in 0..2 {
+                let outcome = TransferOutcome::Ok;
+                l.apply_report(WorkerReport { rank, job, outcome });
+            }
+        }
+        let r: RequestId = "r".into();
+        assert_eq!(l.get_num_new_matched_tokens(&r, &prompt, 0).unwrap(), 16);
+        let devs: Vec<DeviceBlockId> = (20..25).map(DeviceBlockId).collect();
+        l.update_state_after_alloc(&r, &devs, Some(16)).unwrap();
+        let mut rec = record("r", prompt, 20, true);
+        rec.num_scheduled_tokens = 4;
+        let m = l
+            .build_step(&SchedulerStep {
+                records: vec![rec],
+                finished: vec![],
+            })
+            .unwrap();
+        assert_eq!(m.loads.len(), 1);
+        assert_eq!(m.loads[0].jobs[0].pairs.len(), 4);
+        (l, m)
+    }
+
+    #[test]
+    fn the_verdict_waits_for_every_rank_and_takes_the_lowest_failed_block() {
+        let (mut l, m) = parked(true, true);
+        report(&mut l, 0, &m, &[3]);
+        assert!(l.take_load_verdicts().is_empty(), "rank 1 has not reported");
+        report(&mut l, 1, &m, &[1, 2]);
+        let v = l.take_load_verdicts();
+        // Block 1 (tokens 4..8) failed on rank 1: every rank recomputes from token 4.
+        let want = LoadVerdict {
+            request: "r".into(),
+            recompute_from: Some(4),
+        };
+        assert_eq!(v, vec![want]);
+        assert!(l.take_load_verdicts().is_empty(), "one verdict per load");
+    }
+
+    #[test]
+    fn a_load_every_rank_filled_is_loaded() {
+        let (mut l, m) = parked(true, true);
+        report(&mut l, 1, &m, &[]);
+        report(&mut l, 0, &m, &[]);
+        let v = l.take_load_verdicts();
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].recompute_from, None);
+    }
+
+    #[test]
+    fn no_verdicts_when_off_or_for_synchronous_loads() {
+        for (on, async_loads) in [(false, true), (true, false)] {
+            let (mut l, m) = parked(on, async_loads);
+            report(&mut l, 0, &m, &[0]);
+            report(&mut l, 1, &m, &[]);
+            assert!(l.take_load_verdicts().is_empty(), "{on} {async_loads}");
+        }
+    }
+}
