@@ -43,7 +43,10 @@ impl Leader {
     /// oldest first (empty when verdicts are off).
     pub fn take_load_verdicts(&mut self) -> Vec<LoadVerdict> {
         self.poll_reports();
-        self.verdicts.as_mut().map(std::mem::take).unwrap_or_default()
+        self.verdicts
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// An asynchronous load of `req` was planned with `jobs` jobs; `vanished` is the first block
