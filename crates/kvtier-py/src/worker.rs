@@ -401,6 +401,9 @@ fn gone() -> PyErr {
     crate::errors::new_err(Family::Connector, "the worker was shut down")
 }
 
+/// `(saved, loaded, [(request, recompute_from)])` of `get_finished_by_verdict`.
+type ByVerdict = (Vec<String>, Vec<String>, Vec<(String, u64)>);
+
 fn ids(v: Vec<RequestId>) -> Vec<String> {
     v.into_iter().map(|r| r.to_string()).collect()
 }
@@ -520,7 +523,7 @@ impl PyWorker {
         &self,
         finished: Vec<String>,
         started_loading: Option<Vec<String>>,
-    ) -> PyResult<(Vec<String>, Vec<String>, Vec<(String, u64)>)> {
+    ) -> PyResult<ByVerdict> {
         let finished: Vec<RequestId> = finished.into_iter().map(RequestId::from).collect();
         let started: Option<Vec<RequestId>> =
             started_loading.map(|v| v.into_iter().map(RequestId::from).collect());
