@@ -113,3 +113,23 @@ def test_a_multi_group_kv_cache_layout_names_its_windows(host_only):
     w = trtllm.KvtierConnectorWorker(LlmArgs(16, 1, 0))
     with pytest.raises(kvtier.ConfigError, match=r"2 layer groups \(window_size per group: \[64, None\]"):
         w.register_kv_cache_layout(Layout())
+
+
+def test_a_hub_model_is_read_from_the_hugging_face_cache_offline(host_only, tmp_path):
+    pytest.importorskip("huggingface_hub")
+    snap = tmp_path / "hub" / "models--org--swa-model" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(GEMMA2_LIKE))
+    (tmp_path / "hub" / "models--org--swa-model" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--swa-model" / "refs" / "main").write_text("abc123")
+    host_only.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    host_only.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    host_only.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    def configure(a):
+        a.model = "org/swa-model"
+
+    with pytest.raises(kvtier.ConfigError, match="org/swa-model has sliding-window attention layers"):
+        engine(geo=GEO1, configure=configure)

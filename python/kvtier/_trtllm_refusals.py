@@ -29,14 +29,32 @@ def _mapping(llm_args: Any) -> Any:
     return to_mapping() if callable(to_mapping) else None
 
 
-def _model_config(llm_args: Any) -> dict:
-    """The model's ``config.json`` where ``llm_args.model`` is a local checkpoint directory (a hub
-    name or an unreadable file: ``{}``; TensorRT-LLM reads the same file to build the model)."""
+def _config_path(llm_args: Any) -> Optional[str]:
+    """Where the model's ``config.json`` is on this machine: in ``llm_args.model`` if that is a
+    checkpoint directory, else in the Hugging Face cache for a hub name (read offline, never
+    fetched: ``huggingface_hub.try_to_load_from_cache``), else None."""
     model = getattr(llm_args, "model", None)
-    if not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model):
+    if not isinstance(model, (str, os.PathLike)):
+        return None
+    if os.path.isdir(model):
+        return os.path.join(model, "config.json")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(str(model), "config.json", revision=getattr(llm_args, "revision", None))
+    except Exception:  # not a repo id, or no huggingface_hub: nothing to read
+        return None
+    return found if isinstance(found, str) else None
+
+
+def _model_config(llm_args: Any) -> dict:
+    """The model's ``config.json`` (TensorRT-LLM builds the model from the same file); ``{}`` where it
+    is not on this machine or unreadable."""
+    path = _config_path(llm_args)
+    if path is None:
         return {}
     try:
-        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
     except (OSError, ValueError):
         return {}
