@@ -8,7 +8,7 @@ intersection); a request one rank never reports stays parked on every rank for g
 ``get_finished`` or ``py_executor.py`` times it out), so withholding a failed load would leave it
 stuck. Each rank holds its own ``LlmRequest`` objects in ``pending_async_requests``.
 
-Faults: rank 1's disk files only are corrupted (every block's checksum fails on that rank), so
+Faults: one rank's disk files only are corrupted (every block's checksum fails on that rank), so
 rank 0 loads every block and rank 1 none; the driver checks every position each rank's forward
 reads against the model, so a rank computing on a block its load failed to fill fails the run.
 """
@@ -97,3 +97,32 @@ def test_tp2_disk_loads_without_faults_are_served(tiers):
     s = stats(e)
     assert s["onboard_disk_blocks"] > 0 and s["onboard_failed"] == 0, s
     assert all(w.recomputed_loads == 0 for w in e.workers.values())
+
+
+def test_tp2_remote_tier_with_corrupt_values_on_either_rank(kvtier_env, tmp_path):
+    """The remote tier under TP=2 (``dir://``, one value per block and rank): every other stored
+    value corrupted, so each rank fails some blocks and loads others; every rank resumes from the
+    lowest block any rank failed."""
+    kvtier_env.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "2")
+    kvtier_env.setenv("KVTIER_REMOTE_URL", f"dir://{tmp_path / 'remote'}")
+    prompts = workload(seed=31, n_docs=3, per_doc=2)
+    want = reference_tokens(prompts, 4)
+    e = engine(geo=Geometry(world_size=2), num_device_blocks=40)
+    first = [e.add_request(p, 4) for p in prompts]
+    e.run()
+    flush(e)
+    for w in e.workers.values():
+        w.native.wait_idle()
+    files = sorted(p for p in (tmp_path / "remote").rglob("*") if p.is_file())
+    assert len(files) >= 4
+    for f in files[::2]:
+        data = bytearray(f.read_bytes())
+        for off in range(0, len(data), 64):
+            data[off] ^= 0x5A
+        f.write_bytes(bytes(data))
+    again = [e.add_request(p, 4) for p in prompts]
+    e.run()
+    assert tokens(first) == want and tokens(again) == want
+    s = stats(e)
+    assert s["onboard_failed"] > 0, s
+    assert len({w.recomputed_loads for w in e.workers.values()}) == 1 and e.workers[0].recomputed_loads > 0
