@@ -126,3 +126,28 @@ def test_tp2_remote_tier_with_corrupt_values_on_either_rank(kvtier_env, tmp_path
     s = stats(e)
     assert s["onboard_failed"] > 0, s
     assert len({w.recomputed_loads for w in e.workers.values()}) == 1 and e.workers[0].recomputed_loads > 0
+
+
+def test_tp2_requests_cancelled_while_a_failing_load_waits_for_its_verdict(tiers, tmp_path):
+    """Loads start late (the worker's test delay), rank 1's disk is corrupted, and two of the
+    requests are cancelled right after their loads started: their blocks stay held until every
+    rank's copies ended (the driver fails the run otherwise), nothing is left parked, and the
+    others' tokens are exact."""
+    tiers.setenv("TRTLLM_KVTIER_TEST_LOAD_DELAY_MS", "20")
+    prompts = workload(seed=31, n_docs=3, per_doc=2)
+    e = engine(geo=Geometry(world_size=2), num_device_blocks=40)
+    first = [e.add_request(p, 3) for p in prompts]
+    e.run()
+    flush(e)
+    for w in e.workers.values():
+        w.native.wait_idle()
+    e.relay_reports()
+    corrupt_rank_disk(tmp_path / "disk", 1)
+    victims = [e.add_request(p, 3) for p in prompts]
+    e.abort_requested = {r.request_id for r in victims[:2]}
+    e.step()
+    assert e.stats.async_matches >= 2 and not e.abort_requested
+    e.run()
+    assert not e.tables and not e.saving and not e.loading
+    assert tokens(first) == reference_tokens(prompts, 3)
+    assert tokens(victims[2:]) == reference_tokens(prompts[2:], 3)
