@@ -4,9 +4,10 @@ is decided alike on every rank before any rank computes on it.
 Modelled (tests/trtllm_driver.py, tests/trtllm_model.py ``_RankManager``, from
 ``connectors/kv_cache_connector.py`` ``KvCacheConnectorManager.get_finished``): each rank's worker
 is asked every iteration; a parked request resumes only when every rank reported it (allgather +
-intersection); a request one rank never reports stays parked on every rank for good (nothing in
-``get_finished`` or ``py_executor.py`` times it out), so withholding a failed load would leave it
-stuck. Each rank holds its own ``LlmRequest`` objects in ``pending_async_requests``.
+intersection); a request one rank never reports stays parked on every rank for good (it stays in
+``local_finished_async_requests`` on the others; ``py_executor.py`` ``_check_kv_transfer_timeout``
+times out only the cache transceiver's transfers, those with a ``py_kv_transfer_start_time``), so
+withholding a failed load would leave it stuck. Each rank holds its own ``LlmRequest`` objects in ``pending_async_requests``.
 
 Faults: one rank's disk files only are corrupted (every block's checksum fails on that rank), so
 rank 0 loads every block and rank 1 none; the driver checks every position each rank's forward
