@@ -61,3 +61,101 @@ impl Worker {
         true
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::collections::HashSet;
+    use std::sync::mpsc::channel;
+    use std::sync::Arc;
+
+    use crate::connector::messages::{LoadVerdict, RequestLoad, StepMetadata, PROTOCOL_VERSION};
+    use crate::connector::testing::{FaultRules, FaultyTransfer, MemoryTransfer};
+    use crate::connector::worker::{Worker, WorkerLink};
+    use crate::ids::{JobId, RequestId, Tier};
+    use crate::transfer::{BlockPair, TransferJob};
+
+    /// A rank-1 worker with verdicts on that ran one async host -> device load of request "r"
+    /// (host blocks 0 and 1 into device blocks 2 and 3), failing `fail` host blocks.
+    fn loaded(fail: &[u32]) -> Worker {
+        let faulty = Arc::new(FaultyTransfer::new(Arc::new(MemoryTransfer::new(
+            8, 4, 4, 0,
+        ))));
+        faulty.set_rules(FaultRules {
+            fail_src: fail
+                .iter()
+                .map(|&b| (Tier::Host, b))
+                .collect::<HashSet<_>>(),
+            ..Default::default()
+        });
+        let (tx, _rx) = channel();
+        let mut w = Worker::new(faulty, WorkerLink::in_process(1, 2, tx));
+        w.set_load_verdicts(true);
+        w.bind(&StepMetadata {
+            version: PROTOCOL_VERSION,
+            step: 1,
+            loads: vec![RequestLoad {
+                request: "r".into(),
+                sync: false,
+                jobs: vec![TransferJob {
+                    id: JobId(7),
+                    src: Tier::Host,
+                    dst: Tier::Device,
+                    pairs: vec![BlockPair { src: 0, dst: 2 }, BlockPair { src: 1, dst: 3 }],
+                    remote_keys: vec![],
+                }],
+                failed_devices: vec![],
+            }],
+            ..Default::default()
+        });
+        w.start_load(None);
+        w.wait_idle();
+        w
+    }
+
+    fn verdict(token: Option<u64>) -> LoadVerdict {
+        LoadVerdict {
+            request: "r".into(),
+            recompute_from: token,
+        }
+    }
+
+    #[test]
+    fn a_finished_load_waits_for_its_verdict() {
+        let mut w = loaded(&[]);
+        let started: Vec<RequestId> = vec!["r".into()];
+        let f = w.get_finished(&[], Some(&started));
+        assert!(f.loaded.is_empty() && f.recompute.is_empty() && f.load_failed.is_empty());
+        w.apply_load_verdicts(&[verdict(None)]);
+        let f = w.get_finished(&[], None);
+        assert_eq!(f.loaded, vec![RequestId::from("r")]);
+        assert!(w.get_finished(&[], None).loaded.is_empty(), "reported once");
+    }
+
+    #[test]
+    fn a_load_another_rank_failed_is_recomputed_from_the_verdicts_token() {
+        let mut w = loaded(&[]);
+        w.apply_load_verdicts(&[verdict(Some(16))]);
+        let f = w.get_finished(&[], Some(&["r".into()]));
+        assert_eq!(f.recompute, vec![(RequestId::from("r"), 16)]);
+        assert!(f.loaded.is_empty());
+    }
+
+    #[test]
+    fn a_load_this_rank_failed_is_never_reported_loaded() {
+        let mut w = loaded(&[1]);
+        w.apply_load_verdicts(&[verdict(None)]);
+        let f = w.get_finished(&[], Some(&["r".into()]));
+        assert!(f.loaded.is_empty() && f.recompute.is_empty(), "{f:?}");
+    }
+
+    #[test]
+    fn verdicts_for_loads_this_worker_does_not_hold_are_dropped() {
+        let mut w = loaded(&[]);
+        w.apply_load_verdicts(&[LoadVerdict {
+            request: "other".into(),
+            recompute_from: None,
+        }]);
+        assert_eq!(w.verdicts.as_ref().map(|m| m.len()), Some(0));
+    }
+}
