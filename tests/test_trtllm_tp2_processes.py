@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
+from typing import Optional
 
 import pytest
 
@@ -21,9 +22,11 @@ import kvtier
 pytestmark = pytest.mark.skipif(not hasattr(kvtier._native, "Worker"), reason="native connector not built")
 
 
-def _rank_main(rank: int, conn, env: dict, out, fault_rank: int = -1, disk_dir: str = "") -> None:
+def _rank_main(rank: int, conn, env: dict, out, fault_rank: int = -1, disk_dir: str = "",
+               rank_env: Optional[dict] = None) -> None:
     try:
         os.environ.update(env)
+        os.environ.update((rank_env or {}).get(rank, {}))
         sys.path.insert(0, os.path.dirname(__file__))
         import pathlib
 
@@ -58,11 +61,11 @@ def _rank_main(rank: int, conn, env: dict, out, fault_rank: int = -1, disk_dir: 
         out.put((rank, "error", traceback.format_exc(), None, None, None, None))
 
 
-def _run_two_ranks(env: dict, fault_rank: int = -1, disk_dir: str = "") -> dict:
+def _run_two_ranks(env: dict, fault_rank: int = -1, disk_dir: str = "", rank_env: Optional[dict] = None) -> dict:
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, c, env, out, fault_rank, disk_dir)) for r, c in ((0, a), (1, b))]
+    procs = [ctx.Process(target=_rank_main, args=(r, c, env, out, fault_rank, disk_dir, rank_env)) for r, c in ((0, a), (1, b))]
     for p in procs:
         p.start()
     results = {}
@@ -104,7 +107,10 @@ def test_tp2_disk_fault_on_rank_1_only_in_two_processes(kvtier_env, tmp_path):
     env = {k: v for k, v in os.environ.items() if k.startswith(("KVTIER_", "DYN_KVBM_"))}
     env.update({"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "2", "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": "512",
                 "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true", "KVTIER_LEADER_WORKER_TIMEOUT_SECS": "30"})
-    results = _run_two_ranks(env, fault_rank=1, disk_dir=str(tmp_path / "disk"))
+    # Rank 1's loads start late: rank 0's own loads are long done when the verdict comes, so a rank
+    # 0 that reported them by its own outcome would resume from another token than rank 1.
+    results = _run_two_ranks(env, fault_rank=1, disk_dir=str(tmp_path / "disk"),
+                             rank_env={1: {"TRTLLM_KVTIER_TEST_LOAD_DELAY_MS": "30"}})
     want = reference_tokens(workload(seed=13, n_docs=4, per_doc=2), 6)
     for rank in (0, 1):
         assert results[rank][1][0] == want and results[rank][1][1] == want
