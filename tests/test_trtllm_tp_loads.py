@@ -47,10 +47,10 @@ def corrupt_rank_disk(disk_dir, rank: int) -> int:
     return len(files)
 
 
-def run_with_faults(world: int, bad_rank: int, tmp_path, loop: str = "overlap") -> tuple:
+def run_with_faults(world: int, bad_rank: int, tmp_path, loop: str = "overlap", **kw) -> tuple:
     prompts = workload(seed=31, n_docs=3, per_doc=2)
     want = reference_tokens(prompts, 4)
-    e = engine(geo=Geometry(world_size=world, kv_heads=2 * world), num_device_blocks=40, loop=loop)
+    e = engine(geo=Geometry(world_size=world, kv_heads=2 * world), num_device_blocks=40, loop=loop, **kw)
     first = [e.add_request(p, 4) for p in prompts]
     e.run()
     assert tokens(first) == want
@@ -67,9 +67,9 @@ def run_with_faults(world: int, bad_rank: int, tmp_path, loop: str = "overlap") 
     return e, stats(e)
 
 
-@pytest.mark.parametrize("loop", ["overlap", "plain"])
-def test_tp2_disk_fault_on_one_rank_is_recomputed_on_every_rank(tiers, tmp_path, loop):
-    e, s = run_with_faults(2, 1, tmp_path, loop)
+@pytest.mark.parametrize("loop, kw", [("overlap", {}), ("plain", {}), ("overlap", {"manager": "v2", "alloc_delay": 1})])
+def test_tp2_disk_fault_on_one_rank_is_recomputed_on_every_rank(tiers, tmp_path, loop, kw):
+    e, s = run_with_faults(2, 1, tmp_path, loop, **kw)
     assert e.stats.async_matches > 0 and s["onboard_failed"] > 0, s
     # Every rank rewound its own request to the leader's token, rank 0 whose loads all succeeded too.
     assert all(w.recomputed_loads > 0 for w in e.workers.values()), [w.recomputed_loads for w in e.workers.values()]
