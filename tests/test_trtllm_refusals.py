@@ -133,3 +133,32 @@ def test_a_hub_model_is_read_from_the_hugging_face_cache_offline(host_only, tmp_
 
     with pytest.raises(kvtier.ConfigError, match="org/swa-model has sliding-window attention layers"):
         engine(geo=GEO1, configure=configure)
+
+
+@pytest.mark.parametrize("cfg, fragment", [
+    ({"layer_types": ["linear_attention", "linear_attention", "full_attention"]}, "2 linear_attention"),
+    ({"hybrid_override_pattern": "M-M*-M-"}, "3 Mamba layers (hybrid_override_pattern=M-M*-M-)"),
+    ({"layers_block_type": ["mamba", "attention", "mamba"]}, "2 Mamba layers (layers_block_type)"),
+    ({"model_type": "mamba2"}, "Mamba layers (model_type=mamba2)"),
+    ({"text_config": {"attention_chunk_size": 1024}}, "chunked local attention (attention_chunk_size=1024"),
+])
+def test_stateful_or_chunked_layers_are_refused_at_start_by_kind(host_only, tmp_path, cfg, fragment):
+    """Recurrent (Mamba, linear-attention) layers keep a per-request state outside the KV blocks, so a
+    prefix hit would skip building it; chunked local attention frees blocks as a window does."""
+    model = checkpoint(tmp_path, **cfg)
+
+    def configure(a):
+        a.model = model
+
+    with pytest.raises(kvtier.ConfigError, match="has layers kvtier cannot serve") as e:
+        engine(geo=GEO1, configure=configure)
+    assert fragment in str(e.value), str(e.value)
+
+
+def test_chunked_attention_longer_than_max_seq_len_runs(host_only, tmp_path):
+    model = checkpoint(tmp_path, attention_chunk_size=8192)
+
+    def configure(a):
+        a.model = model
+
+    engine(geo=GEO1, configure=configure)

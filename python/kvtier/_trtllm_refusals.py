@@ -93,6 +93,43 @@ def _windowed_layers(llm_args: Any) -> Optional[str]:
     return f"sliding-window attention on every layer; sliding_window={window}"
 
 
+#: ``layer_types`` entries kvtier serves (everything else names a layer kind it refuses).
+_ATTENTION_KINDS = ("full_attention", "sliding_attention")
+
+
+def _stateful_or_chunked_layers(llm_args: Any) -> Optional[str]:
+    """Layers whose state is not whole-prefix KV blocks, as ``config.json`` names them: recurrent /
+    linear-attention layers (``layer_types`` other than full or sliding attention, Nemotron-H's
+    ``hybrid_override_pattern`` with ``M``, Jamba's ``layers_block_type`` with ``mamba``, Mamba's
+    ``model_type``) keep a per-request state kvtier never stores, so a prefix hit would skip building
+    it; chunked local attention (Llama 4's ``attention_chunk_size`` below ``max_seq_len``) frees the
+    blocks a chunk passed, as a window does. None when there are none (or the file is not here)."""
+    cfg = _model_config(llm_args)
+    kinds = cfg.get("layer_types")
+    if isinstance(kinds, list):
+        other: dict = {}
+        for k in kinds:
+            if str(k) not in _ATTENTION_KINDS:
+                other[str(k)] = other.get(str(k), 0) + 1
+        if other:
+            return "layer_types: " + ", ".join(f"{n} {k}" for k, n in sorted(other.items()))
+    pattern = cfg.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and "M" in pattern:
+        return f"{pattern.count('M')} Mamba layers (hybrid_override_pattern={pattern})"
+    blocks = cfg.get("layers_block_type")
+    if isinstance(blocks, list) and any("mamba" in str(b).lower() for b in blocks):
+        n = sum(1 for b in blocks if "mamba" in str(b).lower())
+        return f"{n} Mamba layers (layers_block_type)"
+    model_type = str(cfg.get("model_type", ""))
+    if "mamba" in model_type.lower():
+        return f"Mamba layers (model_type={model_type})"
+    chunk = cfg.get("attention_chunk_size")
+    seq = getattr(llm_args, "max_seq_len", None)
+    if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0 and (seq is None or chunk < int(seq)):
+        return f"chunked local attention (attention_chunk_size={chunk}, max_seq_len={seq})"
+    return None
+
+
 def _refusals(llm_args: Any, tiers: dict) -> list[str]:
     """Configurations kvtier cannot serve correctly, each named by its setting."""
     out = []
@@ -118,6 +155,12 @@ def _refusals(llm_args: Any, tiers: dict) -> list[str]:
                    "config.json): TensorRT-LLM frees the blocks their window passed (-1 page ids, one layer group "
                    "per window), and kvtier stores and loads whole prefixes of full-attention layers only; set max_seq_len "
                    "at most the window (it then never passes a block), or run without kvtier")
+    other = _stateful_or_chunked_layers(llm_args)
+    if other is not None:
+        out.append(f"the model {getattr(llm_args, 'model', '')} has layers kvtier cannot serve ({other}; "
+                   "config.json): kvtier stores and loads whole-prefix KV blocks of attention layers only, so a "
+                   "prefix hit would skip building their state or read blocks TensorRT-LLM freed; run this model "
+                   "without kvtier")
     if int(getattr(llm_args, "max_beam_width", 1) or 1) > 1:
         out.append("max_beam_width > 1: beams share and fork blocks the connector API does not report")
     if getattr(llm_args, "speculative_config", None) is not None:
