@@ -32,6 +32,9 @@ class _WorkerSide:
         self._last_stats: dict[str, float] = {}
         # The engine's current CUDA stream, as a raw handle (set in register when the KV cache is on a GPU).
         self._current_stream: Any = None
+        # Layer name -> index in the registered layout (vLLM's kv_caches order); a step's layered loads.
+        self._layer_index: dict[str, int] = {}
+        self.layered_step = False
 
     def _error(self, what: str, e: BaseException) -> None:
         self._errors += 1
@@ -49,6 +52,7 @@ class _WorkerSide:
         if describe is None:
             from kvtier import describe
         tensors = [(name, describe(t)) for name, t in kv_caches.items()]
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self._worker = core.Worker(self._settings, tensors)
         # Decided once: asking torch whether CUDA is there costs more than the rest of a decode step's hooks.
         cuda = [t for t in kv_caches.values() if getattr(t, "is_cuda", False)]
@@ -59,7 +63,7 @@ class _WorkerSide:
             self._current_stream = (lambda: raw(dev)) if raw is not None else \
                 (lambda: torch.cuda.current_stream(dev).cuda_stream)
 
-    def start_step(self, meta: KvtierConnectorMetadata) -> None:
+    def start_step(self, meta: KvtierConnectorMetadata, layer_hooks: bool = False) -> None:
         self._awaiting_save.update(meta.delayed_frees)
         for rid, blocks in meta.failed_loads.items():
             if rid in meta.failed_loads_async:
@@ -71,11 +75,14 @@ class _WorkerSide:
         _trace("start_load")
         try:
             self._worker.bind(meta.plan)
-            self._worker.start_load(self._stream())
+            # Layered only where vLLM calls wait_for_layer_load before every attention layer (layer_hooks);
+            # the worker decides whether the step has loads to layer (its `layered_sync_loads` setting).
+            self._worker.start_load(self._stream(), bool(meta.sync_loads and layer_hooks))
+            self.layered_step = bool(self._worker.has_layered_loads())
         except Exception as e:
             self._error("start_load", e)
             return
-        if meta.sync_loads:
+        if meta.sync_loads and not self.layered_step:
             # vLLM calls start_load_kv before the forward pass only when the step has sync loads: complete them
             # here, every layer at once. A failed load raises TransferError; its blocks are then reported by
             # get_block_ids_with_load_errors and vLLM recomputes them, so it is not an adapter error.
@@ -87,7 +94,18 @@ class _WorkerSide:
                 else:
                     self._error("wait_for_layer_load", e)
 
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Before layer ``layer_name``'s attention: the engine's stream waits for that layer's copies (a name the
+        registered layout does not know waits for every layer)."""
+        if self._worker is None:
+            return
+        try:
+            self._worker.wait_for_layer_load(self._layer_index.get(layer_name), self._stream())
+        except Exception as e:
+            self._error("wait_for_layer_load", e)
+
     def forward_done(self) -> None:
+        self.layered_step = False
         if self._worker is None:
             return
         try:

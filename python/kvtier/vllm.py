@@ -96,6 +96,16 @@ def process_stats() -> dict[str, float]:
     return total
 
 
+def _runs_layer_hooks(forward_context: Any) -> bool:
+    """Whether vLLM runs its per-layer hooks (``wait_for_layer_load``) in this step: not in a step replayed as one
+    full CUDA graph, which skips them ("cannot be captured in CUDA graphs and will be skipped during replay",
+    ``requires_piecewise_for_cudagraph`` in vllm/distributed/kv_transfer/kv_connector/v1/base.py); eager and
+    piecewise steps run attention, and its hooks, outside the graphs. The mode is the forward context's
+    ``cudagraph_runtime_mode`` (set before ``start_load_kv``: vllm/v1/worker/gpu_model_runner.py)."""
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    return mode is not None and getattr(mode, "name", str(mode)) in ("NONE", "PIECEWISE")
+
+
 def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> dict[str, Any]:
     """kvtier's settings for this engine: ``kv_connector_extra_config`` (kvtier configuration keys, nested or
     dotted, e.g. ``{"host.num_blocks": 4096, "disk.dir": "/nvme/kvtier"}``) plus what vLLM itself fixes: block
@@ -122,6 +132,9 @@ def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None"
     # extra scheduler steps). Disk and remote hits stay asynchronous.
     extra["sync_host_loads_default"] = True
     extra.setdefault("ordered_sync_loads", True)
+    # ... and layer by layer where vLLM calls its per-layer hooks (eager and piecewise CUDA-graph steps): the forward
+    # pass of layer l runs while layer l + 1 is copied (Worker::set_layered_sync_loads; issue 27).
+    extra.setdefault("layered_sync_loads", True)
     # The salt separates caches of different models and KV dtypes sharing a tier (disk, remote): every process
     # of one model (producer and consumer alike) must compute the same hashes.
     # Every vLLM release's tensors, detected by kvtier (4-D views in any KVCacheLayout, 5-D, MLA); never the
@@ -206,17 +219,20 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self._worker is not None
         meta = self._connector_metadata
         if isinstance(meta, KvtierConnectorMetadata):
-            self._worker.start_step(meta)
+            self._worker.start_step(meta, _runs_layer_hooks(forward_context))
 
     def has_connector_metadata(self) -> bool:
         # vLLM asks this only to guard its per-layer hooks (`maybe_transfer_kv_layer` around every attention layer,
-        # vllm/model_executor/layers/attention/kv_transfer_utils.py). kvtier needs none of them (below): saying
-        # "nothing bound" skips two calls per layer per step. kvtier's own hooks read the bound metadata directly.
-        return False
+        # vllm/model_executor/layers/attention/kv_transfer_utils.py). kvtier needs them only in a step with layered
+        # loads; saying "nothing bound" otherwise skips two calls per layer per step. kvtier's own hooks read the
+        # bound metadata directly.
+        return self._worker is not None and self._worker.layered_step
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Sync loads are complete when start_load_kv returns; async ones are never read before get_finished.
-        return
+        # Layered sync loads: the engine's stream waits for this layer's copies. Otherwise sync loads are ordered
+        # (or complete) when start_load_kv returns, and async ones are never read before get_finished.
+        if self._worker is not None and self._worker.layered_step:
+            self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
