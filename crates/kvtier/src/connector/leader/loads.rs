@@ -322,6 +322,7 @@ impl Leader {
             remote_hashes,
         } = b;
         let mut first_failed = None;
+        let mut load_start = None;
         if let Some(e) = self.slots.get_mut(&request) {
             first_failed = failed
                 .iter()
@@ -331,10 +332,12 @@ impl Leader {
             if let Some(i) = first_failed {
                 e.slot.load_failed(i);
             }
+            load_start = devices.iter().filter_map(|d| e.slot.index_of(*d)).min();
         }
         if !failed.is_empty() && first_failed.is_none() {
-            // A failed block outside the request's table (unreachable): recompute it all.
-            first_failed = Some(0);
+            // A failed block outside the request's table (unreachable): recompute all this job
+            // loaded, never blocks before it (the engine's own, possibly shared with others).
+            first_failed = Some(load_start.unwrap_or(0));
         }
         self.load_job_verdict(&request, first_failed);
         for (i, pin) in pinned.into_iter().enumerate() {
