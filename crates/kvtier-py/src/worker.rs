@@ -13,7 +13,9 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kvtier::connector::messages::{ClusterLayout, RankLayout, StepMetadata, WorkerReport};
+use kvtier::connector::messages::{
+    ClusterLayout, LoadVerdicts, RankLayout, StepMetadata, WorkerReport,
+};
 use kvtier::connector::worker::{ReportSink, Worker, WorkerLink};
 use kvtier::connector::zmq::WorkerChannel;
 use kvtier::connector::ConnectorError;
@@ -402,6 +404,9 @@ fn gone() -> PyErr {
     crate::errors::new_err(Family::Connector, "the worker was shut down")
 }
 
+/// `(saved, loaded, [(request, recompute_from)])` of `get_finished_by_verdict`.
+type ByVerdict = (Vec<String>, Vec<String>, Vec<(String, u64)>);
+
 fn ids(v: Vec<RequestId>) -> Vec<String> {
     v.into_iter().map(|r| r.to_string()).collect()
 }
@@ -504,6 +509,52 @@ impl PyWorker {
             .ok_or_else(gone)?
             .get_finished(&finished, started.as_deref());
         Ok((ids(r.saved), ids(r.loaded), ids(r.load_failed)))
+    }
+
+    /// Report asynchronous loads only by the leader's verdicts (TensorRT-LLM, TP > 1;
+    /// `Worker::set_load_verdicts`).
+    fn enable_load_verdicts(&self) -> PyResult<()> {
+        let mut g = self.lock();
+        g.worker.as_mut().ok_or_else(gone)?.set_load_verdicts(true);
+        Ok(())
+    }
+
+    /// Apply the leader's verdicts (`Leader.take_load_verdicts` bytes; empty bytes: none).
+    fn apply_load_verdicts(&self, blob: &[u8]) -> PyResult<()> {
+        if blob.is_empty() {
+            return Ok(());
+        }
+        let v = LoadVerdicts::from_bytes(blob).map_err(BridgeError::from)?;
+        let mut g = self.lock();
+        g.worker
+            .as_mut()
+            .ok_or_else(gone)?
+            .apply_load_verdicts(&v.verdicts);
+        Ok(())
+    }
+
+    /// `get_finished` with load verdicts on: `(saved, loaded, [(request, recompute_from)])`.
+    #[pyo3(signature = (finished, started_loading = None))]
+    fn get_finished_by_verdict(
+        &self,
+        finished: Vec<String>,
+        started_loading: Option<Vec<String>>,
+    ) -> PyResult<ByVerdict> {
+        let finished: Vec<RequestId> = finished.into_iter().map(RequestId::from).collect();
+        let started: Option<Vec<RequestId>> =
+            started_loading.map(|v| v.into_iter().map(RequestId::from).collect());
+        let mut g = self.lock();
+        let r = g
+            .worker
+            .as_mut()
+            .ok_or_else(gone)?
+            .get_finished(&finished, started.as_deref());
+        let recompute = r
+            .recompute
+            .into_iter()
+            .map(|(q, t)| (q.to_string(), t))
+            .collect();
+        Ok((ids(r.saved), ids(r.loaded), recompute))
     }
 
     fn take_load_errors(&self) -> PyResult<Vec<u32>> {
