@@ -13,7 +13,8 @@ export MIRIFLAGS="${MIRIFLAGS:--Zmiri-permissive-provenance -Zmiri-disable-isola
 
 echo "== miri: kvtier-io unit tests (aligned buffers, streaming copies, host tier mapping)"
 CARGO_TARGET_DIR=$target/miri cargo +nightly miri test -p kvtier-io --lib -- \
-  sys::mem host::tests::blocks_round_trip host::tests::impossible_size layout::
+  sys::mem storage::host::tests::blocks_round_trip storage::host::tests::impossible_size \
+  transfer::layout::
 
 echo "== miri: kvtier-io transfer engine, device <-> host <-> remote on CPU memory"
 CARGO_TARGET_DIR=$target/miri cargo +nightly miri test -p kvtier-io \

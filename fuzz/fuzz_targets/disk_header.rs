@@ -4,7 +4,7 @@
 //! expected field changed, or the bytes cut short. Never panics; accepts exactly the unchanged
 //! slot for exactly the fields it was written with.
 #![no_main]
-use kvtier_io::disk::fuzz::{block, verify};
+use kvtier_io::storage::disk::fuzz::{block, verify};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -6,7 +6,7 @@
 //! for an undamaged journal it is exactly the model's: records apply in order until the first
 //! invalid one, and the highest generation per slot wins (the first of equal ones).
 #![no_main]
-use kvtier_io::disk::fuzz::{journal, replay, JournalRecord, NUM_BLOCKS};
+use kvtier_io::storage::disk::fuzz::{journal, replay, JournalRecord, NUM_BLOCKS};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -1,4 +1,4 @@
-//! The node tier's books (`kvtier_io::node::Books`, the state machine `kvtier node` runs for
+//! The node tier's books (`kvtier_io::storage::node::Books`, the state machine `kvtier node` runs for
 //! every client request) under arbitrary sequences of attach, detach, put (begin, commit,
 //! abort), get (begin, end), damage reports and lookups, from any clients and users, with
 //! block sizes that differ and do not fit: never panics, and after every operation
@@ -6,7 +6,7 @@
 //! namespaces and counters consistent); a committed block is visible to its namespace at once
 //! and to no other user's namespace; a reserved key is never visible.
 #![no_main]
-use kvtier_io::node::{Books, ClientId};
+use kvtier_io::storage::node::{Books, ClientId};
 use libfuzzer_sys::fuzz_target;
 
 const CAPACITY: u64 = 256;

@@ -3,7 +3,7 @@
 //! `MAX_HELLO_FRAME` or a later one over `MAX_FRAME`, and every request it decodes re-encodes to
 //! a frame that decodes to the same request.
 #![no_main]
-use kvtier_io::node::{decode_request_stream, encode_request};
+use kvtier_io::storage::node::{decode_request_stream, encode_request};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

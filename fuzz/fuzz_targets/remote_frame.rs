@@ -2,7 +2,7 @@
 //! is exactly the frame kvtier writes for that key, namespace and payload (so forged or damaged
 //! values never count as a hit).
 #![no_main]
-use kvtier_io::remote::{decode_value, encode_value, HEADER_LEN};
+use kvtier_io::storage::remote::{decode_value, encode_value, HEADER_LEN};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

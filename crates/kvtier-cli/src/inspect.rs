@@ -76,10 +76,10 @@ pub fn summarize_dir(dir: &Path) -> DirSummary {
 pub fn redacted(cfg: &KvtierConfig) -> KvtierConfig {
     let mut c = cfg.clone();
     if let Some(t) = &mut c.remote {
-        t.url = kvtier_io::remote::redact_url(&t.url);
+        t.url = kvtier_io::storage::remote::redact_url(&t.url);
         if let RemoteBackend::Redis(r) = &mut t.backend {
             for seed in &mut r.cluster_seeds {
-                *seed = kvtier_io::remote::redact_url(seed);
+                *seed = kvtier_io::storage::remote::redact_url(seed);
             }
         }
     }
@@ -108,7 +108,7 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     let bytes_per_block = bytes_per_token * args.engine.block_size;
     let caps = cfg.resolve_capacity_on_disk(
         bytes_per_block,
-        kvtier_io::disk::slot_bytes(bytes_per_block),
+        kvtier_io::storage::disk::slot_bytes(bytes_per_block),
     )?;
     let device_gb = (args.engine.num_device_blocks * bytes_per_block) as f64 / 1e9;
     let gb = |blocks: usize| (blocks * bytes_per_block) as f64 / 1e9;

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use kvtier_io::node::{default_socket, NodeOptions, NodeServer, SharePolicy};
+use kvtier_io::storage::node::{default_socket, NodeOptions, NodeServer, SharePolicy};
 
 /// `kvtier node` flags.
 #[derive(Debug, Clone, Args)]

@@ -12,7 +12,7 @@ use std::time::Duration;
 use common::{prompts, reference, request, run_all};
 use kvtier::config::{KvtierConfig, RemoteTarget, TierSize};
 use kvtier_engine::{ConnectorSetup, EngineConfig, EngineHandle};
-use kvtier_io::node::{NodeOptions, NodeServer};
+use kvtier_io::storage::node::{NodeOptions, NodeServer};
 
 const IDLE: Duration = Duration::from_secs(60);
 

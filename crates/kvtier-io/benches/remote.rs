@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use kvtier::transfer::RemoteStore;
-use kvtier_io::remote::{from_url, FrameSeal, RedisOptions, RedisStore};
+use kvtier_io::storage::remote::{from_url, FrameSeal, RedisOptions, RedisStore};
 use remote_support::{block, RedisServer};
 
 const BLOCK: usize = 2 << 20;

@@ -14,16 +14,16 @@ use std::time::{Duration, Instant};
 use kvtier::transfer::{BlockPair, BlockTransfer, TransferJob};
 use kvtier::{JobId, Tier};
 
-use crate::cuda::CudaCopyMethod;
-use crate::device::DeviceKind;
-use crate::disk::{DiskOptions, DiskStorage};
-use crate::engine::TransferEngine;
-use crate::host::{HostOptions, HostStorage, PinMode};
-use crate::layout::{BlockChunks, StridedLayout};
-use crate::memory::{DevicePtr, EngineMemory};
+use crate::storage::disk::{DiskOptions, DiskStorage};
+use crate::storage::host::{HostOptions, HostStorage, PinMode};
 use crate::sys::cublas::Gemm;
 use crate::sys::cuda::{self as cu, DeviceAlloc, Driver, Event, PinnedAlloc, Stream};
 use crate::sys::mem::{self, Mapping};
+use crate::transfer::cuda::CudaCopyMethod;
+use crate::transfer::device::DeviceKind;
+use crate::transfer::engine::TransferEngine;
+use crate::transfer::layout::{BlockChunks, StridedLayout};
+use crate::transfer::memory::{DevicePtr, EngineMemory};
 
 mod gpu;
 mod host;

@@ -254,7 +254,7 @@ impl Composition {
         let on_disk = cluster
             .bytes_per_block
             .iter()
-            .map(|&b| usize::try_from(b).map(crate::disk::slot_bytes))
+            .map(|&b| usize::try_from(b).map(crate::storage::disk::slot_bytes))
             .sum::<Result<usize, _>>()
             .map_err(|_| ConfigError::Invalid {
                 setting: "bytes per block".into(),
@@ -332,7 +332,7 @@ impl Composition {
         let Some(target) = &self.config.remote else {
             return Ok(None);
         };
-        crate::remote::open(target, &self.namespace)
+        crate::storage::remote::open(target, &self.namespace)
             .map(Some)
             .map_err(|source| ComposeError::Remote {
                 url: target.url.clone(),
@@ -386,7 +386,7 @@ impl Composition {
                 .map(|(n, b)| (n.as_str(), *b as usize))
                 .collect();
             let kept = u32::try_from(self.caps.disk_blocks)
-                .map(|n| crate::disk::recoverable_blocks(&d.dir, n, 0, &sets))
+                .map(|n| crate::storage::disk::recoverable_blocks(&d.dir, n, 0, &sets))
                 .unwrap_or_default();
             let adopted = leader.adopt_disk_blocks(&kept);
             if adopted > 0 {
@@ -456,7 +456,7 @@ mod tests {
         let a = EngineIdentity::new("meta-llama/Llama-3.1-8B");
         let ns = a.namespace();
         assert!(ns.starts_with("Llama-3.1-8B-"), "{ns}");
-        assert!(crate::remote::Namespace::new(&ns).is_ok(), "{ns}");
+        assert!(crate::storage::remote::Namespace::new(&ns).is_ok(), "{ns}");
         let mut b = a.clone();
         b.dtype = Some("fp8".into());
         assert_ne!(a.namespace(), b.namespace());
@@ -464,7 +464,7 @@ mod tests {
         for odd in ["", ".hidden", "x/", &"é".repeat(100)] {
             let ns = EngineIdentity::new(odd).namespace();
             assert!(
-                crate::remote::Namespace::new(&ns).is_ok(),
+                crate::storage::remote::Namespace::new(&ns).is_ok(),
                 "{odd:?} -> {ns}"
             );
         }

@@ -47,7 +47,7 @@ pub enum IoError {
     /// Engine memory that a safe constructor of `EngineMemory` refused (out of its owners'
     /// bounds, another device, no bytes).
     #[error(transparent)]
-    Memory(#[from] crate::memory::MemoryError),
+    Memory(#[from] crate::transfer::memory::MemoryError),
 }
 
 /// Why one block could not be read or written. Turned into `BlockFailure::reason` strings.

@@ -1,13 +1,22 @@
-//! kvtier-io: host memory, disk, CUDA and the transfer engine. All `unsafe` of kvtier lives in
-//! this crate: every raw operation (syscalls, FFI, pointer copies) is an `unsafe fn` or a safe
-//! wrapper in the private `sys` modules; the callers that must uphold such a function's
-//! precondition (the transfer engine, the host, disk and CUDA copies, `EngineMemory`, the copy
-//! benchmarks and GPU tests) call it in an `unsafe` block with a `// SAFETY:` note saying why it
-//! holds. The other crates forbid `unsafe` code.
+//! kvtier-io: host memory, disk, remote and node tiers, CUDA copies and the transfer engine, in
+//! three rooms:
+//! - [`storage`]: the tiers below the engine's memory (host, [`storage::disk`],
+//!   [`storage::remote`], [`storage::node`]);
+//! - [`transfer`]: the engine's registered memory ([`transfer::memory`], [`transfer::layout`]),
+//!   the [`TransferEngine`] and its CPU, staged and CUDA ([`transfer::cuda`]) copy paths;
+//! - `sys` (private): every `unsafe` of kvtier. Each raw operation (syscalls, FFI, pointer
+//!   copies) is a safe wrapper there, or an `unsafe fn` whose `# Safety` section names the
+//!   caller's contract and whose callers are in `sys` too; each `unsafe` block has a
+//!   `// SAFETY:` note. The one exception by design is the public `unsafe fn`
+//!   [`EngineMemory::new`], declared in [`transfer::memory`] for callers that register memory
+//!   kvtier cannot check. The other crates forbid `unsafe` code.
+//!
+//! [`compose`] builds a worker's engine from kvtier's configuration, [`error`] holds the typed
+//! errors of the crate's seams and [`metrics_http`] serves the stats.
 //!
 //! A worker builds one [`TransferEngine`] from the engine's registered KV memory (an
 //! [`EngineMemory`]: a [`BlockChunks`] layout, CUDA or CPU, registered through the `unsafe fn`
-//! [`EngineMemory::new`] or a checked safe constructor, module [`memory`]), an optional [`HostStorage`], an optional
+//! [`EngineMemory::new`] or a checked safe constructor, module [`transfer::memory`]), an optional [`HostStorage`], an optional
 //! [`DiskStorage`] and an optional remote store, and hands it to the connector as its
 //! `kvtier::transfer::BlockTransfer`. Every job completes with `Ok` or with the exact pairs that
 //! failed.
@@ -50,27 +59,20 @@
 #[doc(hidden)]
 pub mod bench;
 pub mod compose;
-pub mod cuda;
-mod device;
-pub mod disk;
-mod engine;
 pub mod error;
-mod host;
-pub mod layout;
-pub mod memory;
 pub mod metrics_http;
-pub mod node;
-pub mod remote;
+pub mod storage;
 mod sys;
+pub mod transfer;
 
-pub use cuda::CudaCopyMethod;
-pub use device::DeviceKind;
-pub use disk::{
+pub use error::{BlockIoError, IoError};
+pub use storage::disk::{
     DirectMode, DiskIoMode, DiskOptions, DiskStorage, Fault, FaultInjector, FaultOp,
     HEADER_KEY_OFFSET, SUBDIR,
 };
-pub use engine::{TransferEngine, TransferEngineBuilder};
-pub use error::{BlockIoError, IoError};
-pub use host::{HostOptions, HostStorage, PinMode};
-pub use layout::{BlockChunks, Chunk, DeviceLayout, Region, StridedLayout};
-pub use memory::{CpuKvPool, DevicePtr, EngineMemory, MemoryError, TensorMemory};
+pub use storage::host::{HostOptions, HostStorage, PinMode};
+pub use transfer::cuda::CudaCopyMethod;
+pub use transfer::device::DeviceKind;
+pub use transfer::engine::{TransferEngine, TransferEngineBuilder};
+pub use transfer::layout::{BlockChunks, Chunk, DeviceLayout, Region, StridedLayout};
+pub use transfer::memory::{CpuKvPool, DevicePtr, EngineMemory, MemoryError, TensorMemory};

@@ -241,7 +241,7 @@ fn remote_round_trip(bounce: u32) {
                 // SAFETY: the cache outlives the engine; the test touches it only between jobs.
                 unsafe { EngineMemory::new(Arc::new(producer.layout()), DeviceKind::Cpu) },
             )
-            .remote(kvtier_io::remote::from_url(&url, "bounce-test").unwrap())
+            .remote(kvtier_io::storage::remote::from_url(&url, "bounce-test").unwrap())
             .bounce_blocks(bounce)
             .build()
             .unwrap();
@@ -262,7 +262,7 @@ fn remote_round_trip(bounce: u32) {
             // SAFETY: the cache outlives the engine; the test touches it only between jobs.
             unsafe { EngineMemory::new(Arc::new(consumer.layout()), DeviceKind::Cpu) },
         )
-        .remote(kvtier_io::remote::from_url(&url, "bounce-test").unwrap())
+        .remote(kvtier_io::storage::remote::from_url(&url, "bounce-test").unwrap())
         .bounce_blocks(bounce)
         .build()
         .unwrap();

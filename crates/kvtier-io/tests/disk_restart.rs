@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use common::pattern;
 use kvtier::hash::SequenceHash;
 use kvtier::ids::BlockId;
-use kvtier_io::disk::{recoverable_blocks, FLUSH_AGE};
+use kvtier_io::storage::disk::{recoverable_blocks, FLUSH_AGE};
 use kvtier_io::*;
 
 const BPB: usize = 2 * 4096;

@@ -62,7 +62,10 @@ fn node_frames_corpus() {
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/node_frames/put"),
     )
     .unwrap();
-    assert_eq!(kvtier_io::node::decode_request_stream(&seed).len(), 3);
+    assert_eq!(
+        kvtier_io::storage::node::decode_request_stream(&seed).len(),
+        3
+    );
 }
 
 #[test]

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use common::{pattern, PerLayerCache};
 use kvtier::transfer::{BlockPair, BlockTransfer, RemoteStore, TransferJob, TransferOutcome};
 use kvtier::{JobId, Tier};
-use kvtier_io::node::{NodeClientOptions, NodeOptions, NodeServer, NodeStore};
+use kvtier_io::storage::node::{NodeClientOptions, NodeOptions, NodeServer, NodeStore};
 use kvtier_io::*;
 
 const LAYERS: usize = 2;
@@ -212,7 +212,7 @@ fn a_full_node_fails_the_stores_it_cannot_take_and_the_rest_succeed() {
     let first: Vec<u128> = (0..3).map(key).collect();
     assert!(run(&e, &job(Tier::Device, Tier::Remote, &[0, 1, 2], &first)).is_ok());
     let mut raw = std::os::unix::net::UnixStream::connect(n.socket()).unwrap();
-    use kvtier_io::node::{Reply, Request, NODE_PROTOCOL_VERSION};
+    use kvtier_io::storage::node::{Reply, Request, NODE_PROTOCOL_VERSION};
     let mut call = |r: &Request| -> Reply {
         use std::io::{Read, Write};
         let body = postcard::to_stdvec(r).unwrap();

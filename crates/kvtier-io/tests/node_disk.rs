@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use kvtier::transfer::RemoteStore;
-use kvtier_io::node::{NodeClientOptions, NodeOptions, NodeServer, NodeStore};
+use kvtier_io::storage::node::{NodeClientOptions, NodeOptions, NodeServer, NodeStore};
 
 const BLOCK: usize = 8192;
 
@@ -76,7 +76,7 @@ fn a_damaged_disk_block_is_a_miss_never_bytes() {
     }
     assert_eq!(n.stats().disk_spills, 4);
     // Flip one byte in every data file of the node's disk set: each spilled block's payload.
-    let sub = dir.path().join("g3").join(kvtier_io::disk::SUBDIR);
+    let sub = dir.path().join("g3").join(kvtier_io::storage::disk::SUBDIR);
     for e in std::fs::read_dir(&sub).unwrap().flatten() {
         let p = e.path();
         if p.extension().is_some_and(|x| x == "kvblk") {

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
-use kvtier_io::node::{
+use kvtier_io::storage::node::{
     block_checksum, NodeClientOptions, NodeOptions, NodeServer, NodeStore, Reply, Request,
     NODE_PROTOCOL_VERSION,
 };

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kvtier::transfer::RemoteStore;
-use kvtier_io::node::{
+use kvtier_io::storage::node::{
     block_checksum, default_socket, NodeClientOptions, NodeOptions, NodeServer, NodeStore, Reply,
     Request, NODE_PROTOCOL_VERSION,
 };

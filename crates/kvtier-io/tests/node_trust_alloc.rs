@@ -8,7 +8,9 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use kvtier_io::node::{NodeOptions, NodeServer, Reply, Request, MAX_FRAME, NODE_PROTOCOL_VERSION};
+use kvtier_io::storage::node::{
+    NodeOptions, NodeServer, Reply, Request, MAX_FRAME, NODE_PROTOCOL_VERSION,
+};
 
 struct Watch;
 

@@ -15,7 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use kvtier::transfer::RemoteStore;
-use kvtier_io::node::{NodeClientOptions, NodeOptions, NodeServer, NodeStore};
+use kvtier_io::storage::node::{NodeClientOptions, NodeOptions, NodeServer, NodeStore};
 
 const BLOCK: usize = 4096;
 const NOBODY: u32 = 65534;

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use kvtier::transfer::{RemoteError, TransferError};
-use kvtier_io::remote::{encode_value, from_url};
+use kvtier_io::storage::remote::{encode_value, from_url};
 use remote_support::{block, RedisCluster};
 
 const LEN: usize = 256 << 10;

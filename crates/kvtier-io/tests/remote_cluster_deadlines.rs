@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use deadline_support::{assert_unavailable_within, timed};
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
-use kvtier_io::remote::{encode_value, RedisOptions, RedisStore, HEADER_LEN};
+use kvtier_io::storage::remote::{encode_value, RedisOptions, RedisStore, HEADER_LEN};
 
 const CONNECT: Duration = Duration::from_millis(200);
 const T: Duration = Duration::from_millis(300);

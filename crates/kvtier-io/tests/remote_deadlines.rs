@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use deadline_support::{assert_unavailable_within, timed};
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
-use kvtier_io::remote::{encode_value, RedisOptions, RedisStore, HEADER_LEN};
+use kvtier_io::storage::remote::{encode_value, RedisOptions, RedisStore, HEADER_LEN};
 
 const CONNECT: Duration = Duration::from_millis(200);
 const T: Duration = Duration::from_millis(300);
@@ -277,7 +277,7 @@ fn credentials_and_database_are_sent_on_connect() {
 /// (3) consecutive failures; only then does the breaker open.
 #[test]
 fn one_missed_deadline_does_not_mark_the_server_down() {
-    use kvtier_io::remote::BreakerState;
+    use kvtier_io::storage::remote::BreakerState;
     let f = fake(Shape::Hang);
     let opts = RedisOptions {
         connect_timeout: CONNECT,

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
-use kvtier_io::remote::{encode_value, from_url, DirOptions, DirStore, HEADER_LEN};
+use kvtier_io::storage::remote::{encode_value, from_url, DirOptions, DirStore, HEADER_LEN};
 use remote_support::block;
 
 const MIB2: usize = 2 << 20;

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use anyhow::Result;
 use kvtier::config::KvtierConfig;
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
-use kvtier_io::remote::{encode_value, open, RedisStore};
+use kvtier_io::storage::remote::{encode_value, open, RedisStore};
 use remote_support::{block, RedisServer};
 
 const SECRET: &[u8] = b"kvtier-test-cluster-secret-0123456789\n";

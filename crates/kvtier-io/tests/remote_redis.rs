@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
-use kvtier_io::remote::{encode_value, from_url, HEADER_LEN};
+use kvtier_io::storage::remote::{encode_value, from_url, HEADER_LEN};
 use remote_support::{block, RedisServer};
 
 const MIB2: usize = 2 << 20;
@@ -419,7 +419,7 @@ fn forged_value_with_patched_key_is_rejected_and_old_frames_miss() -> Result<()>
 /// through per window and fails everything else at once, and the counters say so.
 #[test]
 fn stalled_server_costs_one_deadline_per_window_not_per_caller() -> Result<()> {
-    use kvtier_io::remote::{BreakerState, RedisOptions, RedisStore};
+    use kvtier_io::storage::remote::{BreakerState, RedisOptions, RedisStore};
     let Some(srv) = RedisServer::start() else {
         return Ok(());
     };

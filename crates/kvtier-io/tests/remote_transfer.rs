@@ -13,7 +13,7 @@ use anyhow::Result;
 use kvtier::hash::{sequence_hashes, HashSalt};
 use kvtier::transfer::{BlockPair, BlockTransfer, RemoteStore, TransferJob, TransferOutcome};
 use kvtier::{JobId, Tier};
-use kvtier_io::remote::from_url;
+use kvtier_io::storage::remote::from_url;
 use kvtier_io::{
     DeviceKind, DevicePtr, EngineMemory, HostOptions, HostStorage, PinMode, StridedLayout,
     TransferEngine,

@@ -6,7 +6,7 @@ mod remote_support;
 
 use anyhow::Result;
 use kvtier::config::KvtierConfig;
-use kvtier_io::remote::open;
+use kvtier_io::storage::remote::open;
 use remote_support::{block, RedisServer};
 
 #[test]

@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use kvtier_io::node::{NodeOptions, NodeServer, SharePolicy};
+use kvtier_io::storage::node::{NodeOptions, NodeServer, SharePolicy};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -119,5 +119,7 @@ impl PyNodeServer {
 /// (`$XDG_RUNTIME_DIR/kvtier-node/node.sock`, else `/tmp/kvtier-node-<uid>/node.sock`).
 #[pyfunction]
 pub(crate) fn default_node_socket() -> String {
-    kvtier_io::node::default_socket().display().to_string()
+    kvtier_io::storage::node::default_socket()
+        .display()
+        .to_string()
 }

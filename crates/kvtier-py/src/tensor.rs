@@ -56,7 +56,7 @@ impl Owner {
         Owner(Arc::new(obj))
     }
     /// The keep-alive kvtier-io's `TensorMemory` holds.
-    pub fn keep_alive(&self) -> kvtier_io::memory::KeepAlive {
+    pub fn keep_alive(&self) -> kvtier_io::transfer::memory::KeepAlive {
         self.0.clone()
     }
 }

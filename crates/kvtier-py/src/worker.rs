@@ -23,7 +23,7 @@ use kvtier::ids::RequestId;
 use kvtier::layout::{self, DeviceLayout, EngineLayoutKind};
 use kvtier::transfer::BlockTransfer;
 use kvtier_io::compose::HostMemory;
-use kvtier_io::memory::{EngineMemory, TensorMemory};
+use kvtier_io::transfer::memory::{EngineMemory, TensorMemory};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 

@@ -2,12 +2,12 @@
 //! points `disk.dir` at a `/tmp`-like directory (sticky, world-writable, holding another
 //! program's files) inside a private tree, snapshots that tree (every entry's path, type, mode,
 //! length and content) before the engine starts and compares after it shut down. Only kvtier's
-//! own subdirectory of `disk.dir` (`kvtier-g3/`, see `kvtier_io::disk::dir`) may differ.
+//! own subdirectory of `disk.dir` (`kvtier-g3/`, see `kvtier_io::storage::disk::dir`) may differ.
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-/// kvtier's own file set under `disk.dir` (`kvtier_io::disk::dir::SUBDIR`).
+/// kvtier's own file set under `disk.dir` (`kvtier_io::storage::disk::dir::SUBDIR`).
 const KVTIER_SUBDIR: &str = "kvtier-g3";
 
 #[derive(Debug, PartialEq, Eq)]

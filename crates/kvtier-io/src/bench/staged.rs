@@ -42,9 +42,11 @@ pub(super) fn gpu_staged(
         DiskStorage::create(&DiskOptions::new(dir.join("disk"), n, BPB))
             .map_err(|e| e.to_string())?,
     );
-    let remote =
-        crate::remote::from_url(&format!("dir://{}", dir.join("remote").display()), "bench")
-            .map_err(|e| e.to_string())?;
+    let remote = crate::storage::remote::from_url(
+        &format!("dir://{}", dir.join("remote").display()),
+        "bench",
+    )
+    .map_err(|e| e.to_string())?;
     let kind = DeviceKind::Cuda(opts.cuda_device as u32);
     let staged = TransferEngine::builder()
         .device(

@@ -271,7 +271,7 @@ mod tests {
         let a = Arena::create(&dir.path().join("arena"), 300_000, false).unwrap();
         let data: Vec<u8> = (0..200_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
         a.write(1000, &data).unwrap();
-        let want = crate::node::block_checksum(9 << 70, &data);
+        let want = crate::storage::node::block_checksum(9 << 70, &data);
         assert_eq!(a.checksum(9 << 70, 1000, data.len()).unwrap(), want);
         assert_ne!(a.checksum(9 << 70, 1001, data.len()).unwrap(), want);
         assert!(a.checksum(1, 200_000, 200_000).is_err());

@@ -13,13 +13,13 @@ use std::sync::Arc;
 use kvtier::transfer::{BlockPair, BlockTransfer, TransferJob};
 use kvtier::{JobId, Tier};
 
-use crate::device::DeviceKind;
-use crate::engine::TransferEngine;
-use crate::host::{HostOptions, HostStorage, PinMode};
-use crate::layout::{BlockChunks, StridedLayout};
-use crate::memory::{DevicePtr, EngineMemory};
-use crate::node::gpu_tests::{block, BPB, CHUNK, LAYERS};
+use crate::storage::host::{HostOptions, HostStorage, PinMode};
+use crate::storage::node::gpu_tests::{block, BPB, CHUNK, LAYERS};
 use crate::sys::cuda::{self as cu, DeviceAlloc, Driver, Stream};
+use crate::transfer::device::DeviceKind;
+use crate::transfer::engine::TransferEngine;
+use crate::transfer::layout::{BlockChunks, StridedLayout};
+use crate::transfer::memory::{DevicePtr, EngineMemory};
 
 /// Blocks per load: 6 staging rounds of 8 on the kernel path.
 const N: u32 = 48;

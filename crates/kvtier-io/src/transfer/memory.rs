@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use kvtier::layout::{DeviceKind, DeviceLayout, TensorDesc};
 
-use crate::layout::BlockChunks;
+use crate::transfer::layout::BlockChunks;
 
 /// An address in the engine's KV memory: a CUDA device pointer (`CUdeviceptr`, an integer in the
 /// driver API) or a CPU address. Never null.

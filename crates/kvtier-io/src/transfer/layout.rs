@@ -4,12 +4,12 @@
 //! Invariants: every block of a layout has the same chunks lengths in the same order, summing to
 //! `bytes_per_block`; chunks of different blocks never overlap; addresses are borrowed from the
 //! engine (kvtier never frees them) and reach a `TransferEngine` only inside an
-//! [`EngineMemory`](crate::EngineMemory) (the `unsafe` boundary, module [`crate::memory`]).
+//! [`EngineMemory`](crate::EngineMemory) (the `unsafe` boundary, module [`crate::transfer::memory`]).
 use kvtier::ids::DeviceBlockId;
 pub use kvtier::layout::{Chunk, DeviceLayout};
 
 use crate::error::IoError;
-use crate::memory::DevicePtr;
+use crate::transfer::memory::DevicePtr;
 
 /// The mapping from a device block id to its chunks. Implemented by the core crate's
 /// [`DeviceLayout`] (what engines register) and by [`StridedLayout`] (tests and benchmarks).

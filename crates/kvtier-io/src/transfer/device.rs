@@ -1,6 +1,6 @@
 //! The engine's side (G1): copies between a device block's chunks and a contiguous host block.
 //! CPU engines (vLLM's CPU build, kvtier's reference engine) register CPU memory: then a copy is
-//! a memcpy per chunk. CUDA engines register GPU memory: then copies go through [`crate::cuda`].
+//! a memcpy per chunk. CUDA engines register GPU memory: then copies go through [`crate::transfer::cuda`].
 //!
 //! Invariant: device memory is borrowed from the engine, never freed here, and only touched
 //! after the job's fence; the side holds the [`EngineMemory`] it was opened over (its owners
@@ -10,17 +10,17 @@ use std::sync::Arc;
 use kvtier::transfer::{Fence, LayerGate, TransferError};
 
 use crate::error::IoError;
-use crate::host::HostStorage;
-use crate::layout::{BlockChunks, Chunk};
-use crate::memory::EngineMemory;
+use crate::storage::host::HostStorage;
 use crate::sys::mem;
+use crate::transfer::layout::{BlockChunks, Chunk};
+use crate::transfer::memory::EngineMemory;
 
 /// What kind of memory the engine's KV cache is (CPU, or CUDA device by ordinal).
 pub use kvtier::layout::DeviceKind;
 
 enum Mover {
     Cpu,
-    Cuda(Box<crate::cuda::CudaMover>),
+    Cuda(Box<crate::transfer::cuda::CudaMover>),
 }
 
 /// Which way a device copy moves bytes.
@@ -72,7 +72,7 @@ impl DeviceSide {
     pub(crate) fn open(
         memory: EngineMemory,
         host: Option<&HostStorage>,
-        method: crate::cuda::CudaCopyMethod,
+        method: crate::transfer::cuda::CudaCopyMethod,
     ) -> Result<Self, IoError> {
         let layout = Arc::clone(memory.layout());
         let kind = memory.kind();
@@ -81,7 +81,7 @@ impl DeviceSide {
             DeviceKind::Cuda(ordinal) => {
                 let ordinal = i32::try_from(ordinal)
                     .map_err(|_| IoError::Config(format!("CUDA device {ordinal}")))?;
-                Mover::Cuda(Box::new(crate::cuda::CudaMover::new(
+                Mover::Cuda(Box::new(crate::transfer::cuda::CudaMover::new(
                     ordinal,
                     layout.as_ref(),
                     host,

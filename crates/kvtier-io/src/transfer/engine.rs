@@ -26,14 +26,14 @@ use kvtier::transfer::{
 };
 use kvtier::Tier;
 
-use crate::cuda::CudaCopyMethod;
-use crate::device::{CopyDir, DeviceKind, DeviceSide, Order, Ordering};
-use crate::disk::{DiskOptions, DiskStorage};
 use crate::error::IoError;
-use crate::host::{HostOptions, HostStorage};
-use crate::memory::EngineMemory;
-use crate::node::NodeStore;
+use crate::storage::disk::{DiskOptions, DiskStorage};
+use crate::storage::host::{HostOptions, HostStorage};
+use crate::storage::node::NodeStore;
 use crate::sys::mem;
+use crate::transfer::cuda::CudaCopyMethod;
+use crate::transfer::device::{CopyDir, DeviceKind, DeviceSide, Order, Ordering};
+use crate::transfer::memory::EngineMemory;
 
 mod staged;
 use staged::{Bounce, Bounces};
@@ -375,7 +375,7 @@ impl TransferEngine {
         let (Some(dev), Some(node)) = (&self.device, self.node_store()) else {
             return false;
         };
-        match crate::node::direct::run(
+        match crate::storage::node::direct::run(
             dev,
             node,
             job,

@@ -9,9 +9,9 @@ use std::sync::Mutex;
 use kvtier::transfer::{Fence, TransferJob};
 
 use super::{Results, TransferEngine};
-use crate::device::{CopyDir, DeviceKind};
 use crate::error::IoError;
-use crate::host::{HostOptions, HostStorage, PinMode};
+use crate::storage::host::{HostOptions, HostStorage, PinMode};
+use crate::transfer::device::{CopyDir, DeviceKind};
 
 /// A bounce buffer: a few host blocks, used by one slice of one job at a time.
 pub(super) struct Bounce {

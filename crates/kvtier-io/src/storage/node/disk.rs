@@ -1,5 +1,5 @@
 //! The node's own disk tier (G3 behind the arena): blocks evicted from the arena are written to
-//! a locked, journaled file set of the disk tier (`crate::disk`, set `node-<block bytes>` under
+//! a locked, journaled file set of the disk tier (`crate::storage::disk`, set `node-<block bytes>` under
 //! `<dir>/kvtier-g3/`), and a lookup or read that misses the arena is served from it (the node
 //! promotes the block into an arena slot, then leases it as usual). The set is kept across
 //! restarts (`persist`): a node started again on the same directory serves what its journal
@@ -17,8 +17,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use crate::disk::{DiskOptions, DiskStorage, SUBDIR};
 use crate::error::IoError;
+use crate::storage::disk::{DiskOptions, DiskStorage, SUBDIR};
 
 /// The node's disk tier (see the module docs).
 #[derive(Debug)]

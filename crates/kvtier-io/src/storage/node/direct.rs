@@ -11,7 +11,7 @@
 use kvtier::transfer::{Fence, TransferJob};
 
 use super::client::NodeStore;
-use crate::device::{CopyDir, DeviceKind, DeviceSide};
+use crate::transfer::device::{CopyDir, DeviceKind, DeviceSide};
 
 /// Run `job` (device -> remote for `DeviceToHost`, else remote -> device) on the node's arena.
 /// Returns the failed pairs, or `None` when the job must be staged instead.

@@ -24,15 +24,15 @@ use std::sync::{Arc, Mutex};
 
 use kvtier::transfer::{Fence, TransferError};
 
-use crate::device::{CopyDir, Order};
+use crate::transfer::device::{CopyDir, Order};
 
 mod layered;
 use crate::error::IoError;
-use crate::host::HostStorage;
-use crate::layout::{BlockChunks, Chunk};
+use crate::storage::host::HostStorage;
 use crate::sys::cuda::{
     self as cu, CuResult, DeviceAlloc, Driver, Event, Kernel, PinnedAlloc, Stream,
 };
+use crate::transfer::layout::{BlockChunks, Chunk};
 
 /// How scattered chunks are moved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

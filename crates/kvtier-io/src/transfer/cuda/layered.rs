@@ -18,9 +18,9 @@ use std::sync::Arc;
 use kvtier::transfer::{Fence, LayerGate, TransferError};
 
 use super::{CudaFence, CudaMover, THREADS};
-use crate::device::Ordering;
-use crate::layout::Chunk;
 use crate::sys::cuda::{CuResult, Driver, Event, PinnedAlloc};
+use crate::transfer::device::Ordering;
+use crate::transfer::layout::Chunk;
 
 /// Loads larger than this go the whole-job ordered way (copy engine, link rate) instead. The
 /// kernel's reads of host memory run below the copy engine's rate (H200, PCIe Gen5: 43.7 GB/s for
@@ -130,7 +130,7 @@ impl CudaMover {
         let Some(descs) = descs else {
             return self.copy(
                 items,
-                crate::device::CopyDir::HostToDevice,
+                crate::transfer::device::CopyDir::HostToDevice,
                 fence,
                 Some(order),
             );

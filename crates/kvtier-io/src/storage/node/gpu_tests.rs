@@ -15,12 +15,12 @@ use kvtier::transfer::{BlockPair, BlockTransfer, TransferJob};
 use kvtier::{JobId, Tier};
 
 use super::{NodeClientOptions, NodeOptions, NodeServer, NodeStore};
-use crate::device::DeviceKind;
-use crate::engine::TransferEngine;
-use crate::host::{HostOptions, HostStorage, PinMode};
-use crate::layout::{BlockChunks, StridedLayout};
-use crate::memory::{DevicePtr, EngineMemory};
+use crate::storage::host::{HostOptions, HostStorage, PinMode};
 use crate::sys::cuda::{self as cu, DeviceAlloc, Driver};
+use crate::transfer::device::DeviceKind;
+use crate::transfer::engine::TransferEngine;
+use crate::transfer::layout::{BlockChunks, StridedLayout};
+use crate::transfer::memory::{DevicePtr, EngineMemory};
 
 pub(crate) const LAYERS: usize = 32;
 pub(crate) const CHUNK: usize = 32 << 10;

@@ -15,7 +15,7 @@ use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
 use super::dir_store::{DirOptions, DirStore};
 use super::frame::MIN_MAC_KEY_LEN;
 use super::redis_store::{RedisOptions, RedisStore};
-use crate::node::{NodeClientOptions, NodeStore};
+use crate::storage::node::{NodeClientOptions, NodeStore};
 
 /// Opens the remote store named by `url`, with its keys in `namespace`.
 ///
@@ -45,7 +45,7 @@ use crate::node::{NodeClientOptions, NodeStore};
 /// ```
 /// # fn main() -> Result<(), kvtier::transfer::TransferError> {
 /// let dir = std::env::temp_dir().join(format!("kvtier-doctest-{}", std::process::id()));
-/// let store = kvtier_io::remote::from_url(&format!("dir://{}", dir.display()), "docs")?;
+/// let store = kvtier_io::storage::remote::from_url(&format!("dir://{}", dir.display()), "docs")?;
 /// store.put(7, b"block bytes")?;
 /// let mut out = [0u8; 11];
 /// store.get(7, &mut out)?;
