@@ -52,7 +52,10 @@ pub use builder::ConfigBuilder;
 pub use engine::EngineSettings;
 pub use settings::{Setting, CONFIG_PATH_ENV, SETTINGS};
 
-pub use remote_url::{parse_http_endpoint, redact_url, RedisTarget, RemoteBackend, RemoteTarget};
+pub use remote_url::{
+    parse_http_endpoint, redact_url, HttpEndpointError, RedisTarget, RemoteBackend, RemoteTarget,
+    RemoteUrlError,
+};
 pub use value::{bool_reason, parse_bool as parse_bool_text, parse_u64 as parse_u64_text};
 
 /// Why a configuration could not be built; each names the setting as it was given.

@@ -433,5 +433,5 @@ fn parse_remote(g: &Given) -> Result<Option<RemoteTarget>, ConfigError> {
     }
     RemoteTarget::parse(&url)
         .map(Some)
-        .map_err(|reason| invalid(g, reason))
+        .map_err(|reason| invalid(g, reason.to_string()))
 }

@@ -121,8 +121,8 @@ impl RemoteTarget {
 
     /// Parse a remote URL; the error says what is wrong (without the setting's name) and never
     /// contains the URL's password.
-    pub fn parse(url: &str) -> Result<Self, String> {
-        Self::parse_raw(url.trim()).map_err(|e| redact_message(&e, url.trim()))
+    pub fn parse(url: &str) -> Result<Self, RemoteUrlError> {
+        Self::parse_raw(url.trim()).map_err(|e| RemoteUrlError(redact_message(&e, url.trim())))
     }
 
     fn parse_raw(url: &str) -> Result<Self, String> {
@@ -161,19 +161,32 @@ impl RemoteTarget {
     }
 }
 
+/// Why a remote URL was refused: the reason, naming the bad part, with the URL's password
+/// redacted (the text `kvtier inspect` and the configuration errors show).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct RemoteUrlError(pub String);
+
+/// Why an `http://` endpoint was refused (the URL and the reason).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct HttpEndpointError(pub String);
+
 /// An `http://host[:port][/base]` endpoint (the CLI's prefill server): `(authority, base
 /// path)`, the authority always `host:port` (port 80 by default), the base path without a
 /// trailing `/`. Parsed with the same `url` crate as the remote URL; anything but plain `http://`
 /// with a host is refused.
-pub fn parse_http_endpoint(url: &str) -> Result<(String, String), String> {
-    let u = url::Url::parse(url).map_err(|e| format!("`{url}`: {e}"))?;
+pub fn parse_http_endpoint(url: &str) -> Result<(String, String), HttpEndpointError> {
+    let u = url::Url::parse(url).map_err(|e| HttpEndpointError(format!("`{url}`: {e}")))?;
     if u.scheme() != "http" {
-        return Err(format!("`{url}`: only http:// is supported"));
+        return Err(HttpEndpointError(format!(
+            "`{url}`: only http:// is supported"
+        )));
     }
     let host = match u.host() {
         Some(url::Host::Ipv6(a)) => format!("[{a}]"),
         Some(h) => h.to_string(),
-        None => return Err(format!("`{url}`: no host")),
+        None => return Err(HttpEndpointError(format!("`{url}`: no host"))),
     };
     let port = u.port_or_known_default().unwrap_or(80);
     Ok((
@@ -424,7 +437,7 @@ mod tests {
     use super::*;
 
     fn err(url: &str) -> String {
-        RemoteTarget::parse(url).unwrap_err()
+        RemoteTarget::parse(url).unwrap_err().to_string()
     }
 
     #[test]

@@ -31,4 +31,4 @@ pub use protocol::{
     MAX_HELLO_FRAME, NODE_PROTOCOL_VERSION,
 };
 pub use server::{NodeOptions, NodeServer, HELLO_TIMEOUT, MAX_CONNECTIONS, MAX_NAMESPACE_LEN};
-pub use share::SharePolicy;
+pub use share::{SharePolicy, SharePolicyError};

@@ -14,6 +14,29 @@
 //! Invariant: parsing either yields a policy or an error naming the bad part; weights are >= 1,
 //! so every attached namespace has a positive share.
 
+/// Why a `--share` policy text was refused; each names the bad part.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SharePolicyError {
+    /// Neither `equal` nor `weighted:...`.
+    #[error("`{0}`: a share policy is `equal` or `weighted:NAME=W,...`")]
+    Kind(String),
+    /// An entry without `=`.
+    #[error("`{0}`: expected NAME=WEIGHT")]
+    Entry(String),
+    /// An entry with an empty name.
+    #[error("`{0}`: empty namespace name")]
+    EmptyName(String),
+    /// A weight that is not an integer.
+    #[error("`{0}`: the weight must be an integer")]
+    NotInteger(String),
+    /// A weight outside 1..=1000000.
+    #[error("`{0}`: the weight must be 1..={MAX_WEIGHT}")]
+    Range(String),
+    /// `weighted:` with no entry.
+    #[error("`{0}`: no NAME=WEIGHT given")]
+    Empty(String),
+}
+
 /// The capacity policy of a node (see the module docs).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum SharePolicy {
@@ -28,36 +51,34 @@ const MAX_WEIGHT: u32 = 1_000_000;
 
 impl SharePolicy {
     /// Parse `equal` or `weighted:NAME=W,...`.
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(text: &str) -> Result<Self, SharePolicyError> {
         let t = text.trim();
         if t == "equal" {
             return Ok(SharePolicy::Equal);
         }
         let Some(list) = t.strip_prefix("weighted:") else {
-            return Err(format!(
-                "`{t}`: a share policy is `equal` or `weighted:NAME=W,...`"
-            ));
+            return Err(SharePolicyError::Kind(t.to_owned()));
         };
         let mut out = Vec::new();
         for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let Some((name, w)) = part.rsplit_once('=') else {
-                return Err(format!("`{part}`: expected NAME=WEIGHT"));
+                return Err(SharePolicyError::Entry(part.to_owned()));
             };
             let name = name.trim();
             if name.is_empty() {
-                return Err(format!("`{part}`: empty namespace name"));
+                return Err(SharePolicyError::EmptyName(part.to_owned()));
             }
             let w: u32 = w
                 .trim()
                 .parse()
-                .map_err(|_| format!("`{part}`: the weight must be an integer"))?;
+                .map_err(|_| SharePolicyError::NotInteger(part.to_owned()))?;
             if !(1..=MAX_WEIGHT).contains(&w) {
-                return Err(format!("`{part}`: the weight must be 1..={MAX_WEIGHT}"));
+                return Err(SharePolicyError::Range(part.to_owned()));
             }
             out.push((name.to_owned(), w));
         }
         if out.is_empty() {
-            return Err(format!("`{t}`: no NAME=WEIGHT given"));
+            return Err(SharePolicyError::Empty(t.to_owned()));
         }
         Ok(SharePolicy::Weighted(out))
     }

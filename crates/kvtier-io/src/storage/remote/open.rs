@@ -89,7 +89,7 @@ fn read_mac_key(path: &Path) -> Result<Vec<u8>, RemoteError> {
 }
 
 fn open_url(url: &str, namespace: &str) -> Result<Arc<dyn RemoteStore>, RemoteError> {
-    let target = RemoteTarget::parse(url).map_err(RemoteError::Config)?;
+    let target = RemoteTarget::parse(url).map_err(|e| RemoteError::Config(e.to_string()))?;
     open_target(&target, namespace)
 }
 
