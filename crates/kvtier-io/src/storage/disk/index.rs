@@ -252,6 +252,7 @@ pub(crate) fn read_live(path: &Path, g: Geometry) -> Option<Vec<Record>> {
 /// The live table (slot, generation, key, payload hash) that replaying `journal` (a whole
 /// journal file's bytes) gives for geometry `g`, through the same superblock check and record
 /// loop as [`Index::open`]; `None` when the superblock is not valid for `g`.
+#[cfg(any(test, feature = "testing"))]
 pub(crate) fn replay_bytes(journal: &[u8], g: Geometry) -> Option<Vec<Record>> {
     let set_id = decode_super(journal.get(..SUPER_BYTES)?, &g)?;
     let mut live = vec![Record::default(); g.num_blocks as usize];
@@ -267,6 +268,7 @@ pub(crate) fn replay_bytes(journal: &[u8], g: Geometry) -> Option<Vec<Record>> {
 
 /// A journal's bytes as [`Index`] writes them: the superblock for `g` and `set_id`, then one
 /// record per entry of `records` (the `disk_journal` fuzz target builds its inputs with this).
+#[cfg(any(test, feature = "testing"))]
 pub(crate) fn journal_bytes(g: &Geometry, set_id: u64, records: &[Record]) -> Vec<u8> {
     let mut out = encode_super(g, set_id);
     let at = out.len();

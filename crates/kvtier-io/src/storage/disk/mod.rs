@@ -5,7 +5,8 @@ mod dir;
 mod fault;
 mod files;
 mod format;
-#[doc(hidden)]
+/// The crate-private decoders, for the fuzz targets and tests (feature `testing`).
+#[cfg(any(test, feature = "testing"))]
 pub mod fuzz;
 mod index;
 mod io;

@@ -72,6 +72,7 @@ impl Extents {
     }
 
     /// The free extents, in offset order (tests, `Books::check`).
+    #[cfg(any(test, feature = "testing"))]
     pub(super) fn extents(&self) -> Vec<(u64, u64)> {
         self.by_offset.iter().map(|(o, l)| (*o, *l)).collect()
     }

@@ -557,7 +557,8 @@ impl Books {
     /// free, a block's or a reservation's, exactly once; the index, the LRU, the per-namespace
     /// byte counts, the leases and the counters agree with the blocks; no namespace is held
     /// unused and at most `max_namespaces` are. For tests and the `node_books` fuzz target
-    /// (linear in the books' size).
+    /// (linear in the books' size). Feature `testing`.
+    #[cfg(any(test, feature = "testing"))]
     pub fn check(&self) -> Result<(), String> {
         let mut ranges: Vec<(u64, u64, &str)> = self
             .space

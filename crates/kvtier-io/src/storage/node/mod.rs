@@ -27,8 +27,9 @@ pub use books::{
 pub use client::{NodeClientOptions, NodeStore};
 pub use listen::default_socket;
 pub use protocol::{
-    block_checksum, decode_request_stream, encode_request, Reply, Request, MAX_FRAME,
-    MAX_HELLO_FRAME, NODE_PROTOCOL_VERSION,
+    block_checksum, Reply, Request, MAX_FRAME, MAX_HELLO_FRAME, NODE_PROTOCOL_VERSION,
 };
+#[cfg(any(test, feature = "testing"))]
+pub use protocol::{decode_request_stream, encode_request};
 pub use server::{NodeOptions, NodeServer, HELLO_TIMEOUT, MAX_CONNECTIONS, MAX_NAMESPACE_LEN};
 pub use share::{SharePolicy, SharePolicyError};

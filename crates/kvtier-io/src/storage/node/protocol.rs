@@ -186,7 +186,8 @@ pub(super) fn read_frame_max<T: for<'de> Deserialize<'de>>(
 /// frame under [`MAX_HELLO_FRAME`], the others under [`MAX_FRAME`]), up to the end of the bytes
 /// or the first frame refused; each request decoded re-encodes to a frame that decodes to it.
 /// For the fuzz target `node_frames` (fuzz/fuzz_targets/node_frames.rs).
-#[doc(hidden)]
+/// Feature `testing`.
+#[cfg(any(test, feature = "testing"))]
 pub fn decode_request_stream(bytes: &[u8]) -> Vec<Request> {
     let mut r = bytes;
     let mut out = Vec::new();
@@ -204,7 +205,8 @@ pub fn decode_request_stream(bytes: &[u8]) -> Vec<Request> {
 }
 
 /// `msg` as one frame's bytes (for the fuzz target's round trip).
-#[doc(hidden)]
+/// Feature `testing`.
+#[cfg(any(test, feature = "testing"))]
 pub fn encode_request(msg: &Request) -> io::Result<Vec<u8>> {
     let mut v = Vec::new();
     write_frame(&mut v, msg)?;
