@@ -18,12 +18,13 @@ use crate::storage::disk::{DiskOptions, DiskStorage};
 use crate::storage::host::{HostOptions, HostStorage, PinMode};
 use crate::sys::cublas::Gemm;
 use crate::sys::cuda::{self as cu, DeviceAlloc, Driver, Event, PinnedAlloc, Stream};
+use crate::sys::job;
 use crate::sys::mem::{self, Mapping};
 use crate::transfer::cuda::CudaCopyMethod;
 use crate::transfer::device::DeviceKind;
 use crate::transfer::engine::TransferEngine;
 use crate::transfer::layout::{BlockChunks, StridedLayout};
-use crate::transfer::memory::{DevicePtr, EngineMemory};
+use crate::transfer::memory::DevicePtr;
 
 mod gpu;
 mod host;

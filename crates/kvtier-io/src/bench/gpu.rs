@@ -73,23 +73,19 @@ pub(super) fn gpu(opts: &BenchOptions, r: &mut BenchReport) -> Result<(), String
         );
         let mut best = [0f64; 3];
         for _ in 0..3 {
-            // SAFETY: our own allocations of 1 GiB each, synchronised before reuse.
-            unsafe {
-                e0.record(&s1)?;
-                cu::memcpy_async(h1.addr() as u64, d1.addr(), 1 << 30, &s1)?;
-                e1.record(&s1)?;
-                cu::memcpy_async(d2.addr(), h2.addr() as u64, 1 << 30, &s1)?;
-                e2.record(&s1)?;
-            }
+            // Our own allocations of 1 GiB each, synchronised before reuse.
+            e0.record(&s1)?;
+            job::memcpy_async(h1.addr() as u64, d1.addr(), 1 << 30, &s1)?;
+            e1.record(&s1)?;
+            job::memcpy_async(d2.addr(), h2.addr() as u64, 1 << 30, &s1)?;
+            e2.record(&s1)?;
             e2.synchronize()?;
             let d2h = (1u64 << 30) as f64 / (Event::elapsed_ms(&e0, &e1)? as f64 / 1e3) / 1e9;
             let h2d = (1u64 << 30) as f64 / (Event::elapsed_ms(&e1, &e2)? as f64 / 1e3) / 1e9;
             let t = Instant::now();
-            // SAFETY: as above; two streams, opposite directions, disjoint buffers.
-            unsafe {
-                cu::memcpy_async(h1.addr() as u64, d1.addr(), 1 << 30, &s1)?;
-                cu::memcpy_async(d2.addr(), h2.addr() as u64, 1 << 30, &s2)?;
-            }
+            // As above; two streams, opposite directions, disjoint buffers.
+            job::memcpy_async(h1.addr() as u64, d1.addr(), 1 << 30, &s1)?;
+            job::memcpy_async(d2.addr(), h2.addr() as u64, 1 << 30, &s2)?;
             e3.record(&s1)?;
             s2.synchronize()?;
             e3.synchronize()?;
@@ -135,13 +131,11 @@ pub(super) fn gpu(opts: &BenchOptions, r: &mut BenchReport) -> Result<(), String
         ] {
             let e = match TransferEngine::builder()
                 .device(
-                    // SAFETY: `cache` outlives every engine here; only their jobs touch it meanwhile.
-                    unsafe {
-                        EngineMemory::new(
-                            Arc::new(layout.clone()),
-                            DeviceKind::Cuda(opts.cuda_device as u32),
-                        )
-                    },
+                    // `cache` outlives every engine here; only their jobs touch it meanwhile.
+                    job::register_own_memory(
+                        Arc::new(layout.clone()),
+                        DeviceKind::Cuda(opts.cuda_device as u32),
+                    ),
                 )
                 .host(host.clone())
                 .cuda_copy_method(method)
@@ -197,10 +191,11 @@ pub(super) fn gpu(opts: &BenchOptions, r: &mut BenchReport) -> Result<(), String
     let e = Arc::new(
         TransferEngine::builder()
             .device(
-                // SAFETY: `cache` outlives every engine here; only their jobs touch it meanwhile.
-                unsafe {
-                    EngineMemory::new(per_layer.clone(), DeviceKind::Cuda(opts.cuda_device as u32))
-                },
+                // `cache` outlives every engine here; only their jobs touch it meanwhile.
+                job::register_own_memory(
+                    per_layer.clone(),
+                    DeviceKind::Cuda(opts.cuda_device as u32),
+                ),
             )
             .host(host.clone())
             .build()

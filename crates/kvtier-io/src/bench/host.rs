@@ -13,8 +13,8 @@ pub(super) fn cpu_host(opts: &BenchOptions, r: &mut BenchReport) -> Result<(), S
     b.touch_parallel(4);
     let memcpy = best_of(3, || {
         let t = Instant::now();
-        // SAFETY: two distinct live mappings of `bytes` bytes, used by this thread only.
-        unsafe { mem::copy(a.addr(), b.addr(), bytes) };
+        // Two distinct live mappings of `bytes` bytes, used by this thread only.
+        job::copy(a.addr(), b.addr(), bytes);
         Ok(t.elapsed())
     })?;
     let base = ("one large memcpy".to_string(), gbps(bytes, memcpy));
@@ -34,8 +34,8 @@ pub(super) fn cpu_host(opts: &BenchOptions, r: &mut BenchReport) -> Result<(), S
         StridedLayout::kv_per_layer(&bases, opts.blocks, CHUNK).map_err(|e| e.to_string())?;
     let e = TransferEngine::builder()
         .device(
-            // SAFETY: the mapping outlives the engine (declared first); only its jobs touch it.
-            unsafe { EngineMemory::new(Arc::new(per_layer), DeviceKind::Cpu) },
+            // the mapping outlives the engine (declared first); only its jobs touch it.
+            job::register_own_memory(Arc::new(per_layer), DeviceKind::Cpu),
         )
         .host(host.clone())
         .build()
@@ -168,16 +168,16 @@ pub(super) fn disk_cpu_device(
         Arc::new(StridedLayout::kv_per_layer(&bases, n, CHUNK).map_err(|e| e.to_string())?);
     let staged = TransferEngine::builder()
         .device(
-            // SAFETY: the mapping outlives the engine (declared first); only its jobs touch it.
-            unsafe { EngineMemory::new(layout.clone(), DeviceKind::Cpu) },
+            // the mapping outlives the engine (declared first); only its jobs touch it.
+            job::register_own_memory(layout.clone(), DeviceKind::Cpu),
         )
         .disk(d.clone())
         .build()
         .map_err(|e| e.to_string())?;
     let two_hop = TransferEngine::builder()
         .device(
-            // SAFETY: the mapping outlives the engine (declared first); only its jobs touch it.
-            unsafe { EngineMemory::new(layout, DeviceKind::Cpu) },
+            // the mapping outlives the engine (declared first); only its jobs touch it.
+            job::register_own_memory(layout, DeviceKind::Cpu),
         )
         .host(host.clone())
         .disk(d.clone())

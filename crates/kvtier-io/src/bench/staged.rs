@@ -50,8 +50,8 @@ pub(super) fn gpu_staged(
     let kind = DeviceKind::Cuda(opts.cuda_device as u32);
     let staged = TransferEngine::builder()
         .device(
-            // SAFETY: the benchmark's device cache outlives these engines; only their jobs touch it.
-            unsafe { EngineMemory::new(Arc::new(layout.clone()), kind) },
+            // the benchmark's device cache outlives these engines; only their jobs touch it.
+            job::register_own_memory(Arc::new(layout.clone()), kind),
         )
         .disk(disk.clone())
         .remote(remote.clone())
@@ -70,8 +70,8 @@ pub(super) fn gpu_staged(
     let host = Arc::new(HostStorage::new(&ho).map_err(|e| e.to_string())?);
     let two_hop = TransferEngine::builder()
         .device(
-            // SAFETY: the benchmark's device cache outlives these engines; only their jobs touch it.
-            unsafe { EngineMemory::new(Arc::new(layout.clone()), kind) },
+            // the benchmark's device cache outlives these engines; only their jobs touch it.
+            job::register_own_memory(Arc::new(layout.clone()), kind),
         )
         .host(host)
         .disk(disk.clone())
@@ -213,8 +213,8 @@ pub(super) fn gpu_staged(
     // A larger bounce buffer (64 blocks: two halves of 32, the job size): disk rows only.
     let big = TransferEngine::builder()
         .device(
-            // SAFETY: the benchmark's device cache outlives these engines; only their jobs touch it.
-            unsafe { EngineMemory::new(Arc::new(layout.clone()), kind) },
+            // the benchmark's device cache outlives these engines; only their jobs touch it.
+            job::register_own_memory(Arc::new(layout.clone()), kind),
         )
         .disk(disk.clone())
         .bounce_blocks(64)

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{BlockIoError, IoError};
 use crate::sys::cuda::Driver;
+use crate::sys::job;
 use crate::sys::mem::{self, Mapping};
 
 /// The hint of a host tier that does not fit: names the settings that size it.
@@ -189,9 +190,9 @@ impl HostStorage {
     pub fn write_block(&self, id: u32, data: &[u8]) -> Result<(), BlockIoError> {
         self.check_len(data.len())?;
         let dst = self.block_addr(id)?;
-        // SAFETY: `dst` is block `id` inside our mapping, `data` is a distinct caller slice of
-        // the same length, and the pool gives the caller exclusive use of block `id`.
-        unsafe { mem::copy(data.as_ptr() as usize, dst, data.len()) };
+        // `dst` is block `id` inside our mapping, `data` a distinct caller slice of the same
+        // length, and the pool gives the caller exclusive use of block `id`.
+        job::write_from_slice(dst, data);
         Ok(())
     }
 
@@ -199,8 +200,8 @@ impl HostStorage {
     pub fn read_block(&self, id: u32, out: &mut [u8]) -> Result<(), BlockIoError> {
         self.check_len(out.len())?;
         let src = self.block_addr(id)?;
-        // SAFETY: as in `write_block`, with the roles swapped; `out` is exclusively borrowed.
-        unsafe { mem::copy(src, out.as_mut_ptr() as usize, out.len()) };
+        // As in `write_block`, with the roles swapped; `out` is exclusively borrowed.
+        job::read_into_slice(src, out);
         Ok(())
     }
 

@@ -9,6 +9,8 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
+use super::mem::{AlignedBuf, IO_ALIGN};
+
 /// One piece of memory taking part in a vectored read or write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct IoSeg {
@@ -178,6 +180,32 @@ pub(crate) fn advance(segs: &mut Vec<IoSeg>, mut n: usize) {
             n = 0;
         }
     }
+}
+
+/// Read the first page with O_DIRECT and write the same bytes back.
+pub(crate) fn probe_direct(f: &File) -> io::Result<()> {
+    let buf = AlignedBuf::new(IO_ALIGN)?;
+    let r = IoReq {
+        fd: f.as_raw_fd(),
+        offset: 0,
+        segs: vec![IoSeg {
+            addr: buf.addr(),
+            len: IO_ALIGN,
+        }],
+        op: IoOp::Read,
+    };
+    // SAFETY: `buf` is ours and lives across both calls; `f` is an open file.
+    let n = unsafe { run_sync(&r) }?;
+    if n < IO_ALIGN {
+        return Err(io::Error::other("short O_DIRECT probe read"));
+    }
+    let w = IoReq {
+        op: IoOp::Write,
+        ..r
+    };
+    // SAFETY: as above.
+    unsafe { run_sync(&w) }?;
+    Ok(())
 }
 
 #[cfg(test)]

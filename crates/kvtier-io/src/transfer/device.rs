@@ -11,7 +11,7 @@ use kvtier::transfer::{Fence, LayerGate, TransferError};
 
 use crate::error::IoError;
 use crate::storage::host::HostStorage;
-use crate::sys::mem;
+use crate::sys::{job, mem};
 use crate::transfer::layout::{BlockChunks, Chunk};
 use crate::transfer::memory::EngineMemory;
 
@@ -148,12 +148,12 @@ impl DeviceSide {
                         } else {
                             (host + off, c.addr as usize)
                         };
-                        // SAFETY: `c` is a chunk of a device block of the `EngineMemory` this
+                        // `c` is a chunk of a device block of the `EngineMemory` this
                         // side holds (CPU memory, allocated while it lives: its `# Safety`, or its
                         // safe constructor's bound check and owners), `host + off` lies inside one host
                         // block (chunks sum to the block size, checked at build); the job owns
                         // the destination and holds the source read-only.
-                        unsafe { mem::copy_stream(src, dst, c.len) };
+                        job::copy_stream(src, dst, c.len);
                         off += c.len;
                     }
                 }

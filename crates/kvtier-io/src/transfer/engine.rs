@@ -30,7 +30,7 @@ use crate::error::IoError;
 use crate::storage::disk::{DiskOptions, DiskStorage};
 use crate::storage::host::{HostOptions, HostStorage};
 use crate::storage::node::NodeStore;
-use crate::sys::mem;
+use crate::sys::{job, mem};
 use crate::transfer::cuda::CudaCopyMethod;
 use crate::transfer::device::{CopyDir, DeviceKind, DeviceSide, Order, Ordering};
 use crate::transfer::memory::EngineMemory;
@@ -412,9 +412,9 @@ impl TransferEngine {
                 continue;
             }
             debug_assert!(i < job.pairs.len());
-            // SAFETY: both are distinct whole blocks of the host mapping; the job owns the
-            // destination exclusively and the source is pinned read-only (pool invariants).
-            unsafe { mem::copy_stream(s, d, self.bytes_per_block) };
+            // Both are distinct whole blocks of the host mapping; the job owns the destination
+            // exclusively and the source is pinned read-only (pool invariants).
+            job::copy_stream(s, d, self.bytes_per_block);
         }
         mem::store_fence();
     }
@@ -509,11 +509,11 @@ impl TransferEngine {
                         continue;
                     };
                     let r = if to_far {
-                        // SAFETY: `h` is a whole host block that the job holds read-only.
-                        remote.put(key, unsafe { mem::slice(h, self.bytes_per_block) })
+                        // `h` is a whole host block that the job holds read-only.
+                        job::with_bytes(h, self.bytes_per_block, |b| remote.put(key, b))
                     } else {
-                        // SAFETY: `h` is a whole host block that the job owns exclusively.
-                        remote.get(key, unsafe { mem::slice_mut(h, self.bytes_per_block) })
+                        // `h` is a whole host block that the job owns exclusively.
+                        job::with_bytes_mut(h, self.bytes_per_block, |b| remote.get(key, b))
                     };
                     match r {
                         Ok(()) => ok[k] = true,

@@ -3,13 +3,11 @@
 //! Invariant: a file opened warm (`truncate == false`) keeps its bytes: preallocation only
 //! extends it and the O_DIRECT probe writes back the very page it read.
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::path::Path;
 
 use super::store::DirectMode;
 use crate::error::IoError;
-use crate::sys::file::{self, IoOp, IoReq, IoSeg};
-use crate::sys::mem::{AlignedBuf, IO_ALIGN};
+use crate::sys::file;
 
 /// One open data file.
 #[derive(Debug)]
@@ -33,7 +31,7 @@ pub(crate) fn open_data_file(
             Ok(f) => {
                 let old_len = current_len(&f, path)?;
                 preallocate(&f, path, len)?;
-                match probe_direct(&f) {
+                match file::probe_direct(&f) {
                     Ok(()) => {
                         return Ok(Opened {
                             file: f,
@@ -112,30 +110,4 @@ fn preallocate(f: &File, path: &Path, len: u64) -> Result<(), IoError> {
             source,
         }),
     }
-}
-
-/// Read the first page with O_DIRECT and write the same bytes back.
-fn probe_direct(f: &File) -> std::io::Result<()> {
-    let buf = AlignedBuf::new(IO_ALIGN)?;
-    let r = IoReq {
-        fd: f.as_raw_fd(),
-        offset: 0,
-        segs: vec![IoSeg {
-            addr: buf.addr(),
-            len: IO_ALIGN,
-        }],
-        op: IoOp::Read,
-    };
-    // SAFETY: `buf` is ours and lives across both calls.
-    let n = unsafe { file::run_sync(&r) }?;
-    if n < IO_ALIGN {
-        return Err(std::io::Error::other("short O_DIRECT probe read"));
-    }
-    let w = IoReq {
-        op: IoOp::Write,
-        ..r
-    };
-    // SAFETY: as above.
-    unsafe { file::run_sync(&w) }?;
-    Ok(())
 }

@@ -13,8 +13,9 @@ use super::fault::{Fault, FaultOp};
 use super::format::{self, Expect, Header, HEADER_BYTES};
 use super::store::{DiskStorage, SlotMeta};
 use crate::error::BlockIoError;
-use crate::sys::file::{self, IoOp, IoReq, IoSeg};
-use crate::sys::mem::{self, AlignedBuf, IO_ALIGN};
+use crate::sys::file::{IoOp, IoReq, IoSeg};
+use crate::sys::job;
+use crate::sys::mem::{AlignedBuf, IO_ALIGN};
 use crate::sys::uring::Ring;
 
 /// One block operation prepared for submission.
@@ -231,10 +232,11 @@ impl DiskStorage {
         if dir == IoOp::Write {
             self.meta()[slot as usize] = SlotMeta::default();
             op.generation = self.next_gen();
-            // SAFETY: the caller guarantees `addr..addr+block_bytes` is valid and unwritten
-            // until this call returns.
-            let payload = unsafe { mem::slice(addr, self.block_bytes) };
-            op.payload_hash = format::payload_hash(payload, op.generation);
+            // The caller guarantees `addr..addr+block_bytes` is valid and unwritten until this
+            // call returns.
+            op.payload_hash = job::with_bytes(addr, self.block_bytes, |payload| {
+                format::payload_hash(payload, op.generation)
+            });
             let h = Header {
                 slot,
                 generation: op.generation,
@@ -250,7 +252,7 @@ impl DiskStorage {
                     .map_err(|e| BlockIoError::Other(e.to_string()))?;
                 let s = st.as_mut_slice();
                 h.encode(&mut s[..HEADER_BYTES]);
-                s[HEADER_BYTES..HEADER_BYTES + self.block_bytes].copy_from_slice(payload);
+                job::read_into_slice(addr, &mut s[HEADER_BYTES..HEADER_BYTES + self.block_bytes]);
                 op.staging = Some(st);
             }
         } else {
@@ -322,13 +324,10 @@ impl DiskStorage {
         };
         if let Some(Fault::FlipByte(k)) = op.fault {
             let k = k.min(self.block_bytes - 1);
-            // SAFETY: `payload_addr` is either our staging buffer or the caller's block, both
-            // valid and exclusively ours until this call returns.
-            let p = unsafe { mem::slice_mut(payload_addr, self.block_bytes) };
-            p[k] ^= 0x01;
+            // `payload_addr` is either our staging buffer or the caller's block, both valid and
+            // exclusively ours until this call returns.
+            job::with_bytes_mut(payload_addr, self.block_bytes, |p| p[k] ^= 0x01);
         }
-        // SAFETY: as above; the slice is dropped before the caller regains the memory.
-        let payload = unsafe { mem::slice(payload_addr, self.block_bytes) };
         let want = Expect {
             slot: op.slot,
             generation: op.generation,
@@ -336,14 +335,18 @@ impl DiskStorage {
             key: op.key,
             len: self.block_bytes as u64,
         };
-        format::verify(&hdr, payload, &want).map_err(|what| BlockIoError::Corrupt {
+        // As above; the slice is dropped before the caller regains the memory.
+        job::with_bytes(payload_addr, self.block_bytes, |payload| {
+            format::verify(&hdr, payload, &want)
+        })
+        .map_err(|what| BlockIoError::Corrupt {
             slot: op.slot,
             what,
         })?;
         if op.staging.is_some() {
-            // SAFETY: `dst` is the caller's block (valid, exclusive for this call), the staging
-            // buffer is ours; they do not overlap.
-            unsafe { mem::copy(payload_addr, dst, self.block_bytes) };
+            // `dst` is the caller's block (valid, exclusive for this call), the staging buffer
+            // is ours; they do not overlap.
+            job::copy(payload_addr, dst, self.block_bytes);
         }
         Ok(())
     }
@@ -359,17 +362,16 @@ impl DiskStorage {
                 None => Ring::new(self.queue_depth),
             };
             if let Ok(mut ring) = ring {
-                // SAFETY: every segment is a header/staging buffer owned by an `Op` that lives
-                // until the caller has consumed the results, or a caller block valid for the
-                // whole operation (see `write_from`/`read_into`).
-                let out = unsafe { ring.run(reqs) };
+                // Every segment is a header/staging buffer owned by an `Op` that lives until the
+                // caller has consumed the results, or a caller block valid for the whole
+                // operation (see `write_from`/`read_into`).
+                let out = job::run_requests(Some(&mut ring), reqs);
                 if let Ok(mut r) = self.rings.lock() {
                     r.push(ring);
                 }
                 return out;
             }
         }
-        // SAFETY: as above.
-        reqs.iter().map(|r| unsafe { file::run_sync(r) }).collect()
+        job::run_requests(None, reqs)
     }
 }

@@ -17,10 +17,11 @@ use kvtier::{JobId, Tier};
 use super::{NodeClientOptions, NodeOptions, NodeServer, NodeStore};
 use crate::storage::host::{HostOptions, HostStorage, PinMode};
 use crate::sys::cuda::{self as cu, DeviceAlloc, Driver};
+use crate::sys::job;
 use crate::transfer::device::DeviceKind;
 use crate::transfer::engine::TransferEngine;
 use crate::transfer::layout::{BlockChunks, StridedLayout};
-use crate::transfer::memory::{DevicePtr, EngineMemory};
+use crate::transfer::memory::DevicePtr;
 
 pub(crate) const LAYERS: usize = 32;
 pub(crate) const CHUNK: usize = 32 << 10;
@@ -140,8 +141,8 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
     );
     let e = TransferEngine::builder()
         .device(
-            // SAFETY: the test's device allocation outlives the engine; only its jobs touch it.
-            unsafe { EngineMemory::new(Arc::new(layout.clone()), kind) },
+            // The test's device allocation outlives the engine; only its jobs touch it.
+            job::register_own_memory(Arc::new(layout.clone()), kind),
         )
         .remote(store.clone())
         .build()
@@ -184,8 +185,8 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
     let host = Arc::new(HostStorage::new(&ho).unwrap());
     let h = TransferEngine::builder()
         .device(
-            // SAFETY: the test's device allocation outlives the engine; only its jobs touch it.
-            unsafe { EngineMemory::new(Arc::new(layout.clone()), kind) },
+            // The test's device allocation outlives the engine; only its jobs touch it.
+            job::register_own_memory(Arc::new(layout.clone()), kind),
         )
         .host(host)
         .build()

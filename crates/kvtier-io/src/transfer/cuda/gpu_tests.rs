@@ -16,10 +16,11 @@ use kvtier::{JobId, Tier};
 use crate::storage::host::{HostOptions, HostStorage, PinMode};
 use crate::storage::node::gpu_tests::{block, BPB, CHUNK, LAYERS};
 use crate::sys::cuda::{self as cu, DeviceAlloc, Driver, Stream};
+use crate::sys::job;
 use crate::transfer::device::DeviceKind;
 use crate::transfer::engine::TransferEngine;
 use crate::transfer::layout::{BlockChunks, StridedLayout};
-use crate::transfer::memory::{DevicePtr, EngineMemory};
+use crate::transfer::memory::DevicePtr;
 
 /// Blocks per load: 6 staging rounds of 8 on the kernel path.
 const N: u32 = 48;
@@ -57,8 +58,8 @@ fn check(name: &str, layout: StridedLayout, mem: &DeviceAlloc) {
     };
     let e = TransferEngine::builder()
         .device(
-            // SAFETY: the test's device allocation outlives the engine; only its jobs touch it.
-            unsafe { EngineMemory::new(Arc::new(layout.clone()), DeviceKind::Cuda(0)) },
+            // The test's device allocation outlives the engine; only its jobs touch it.
+            job::register_own_memory(Arc::new(layout.clone()), DeviceKind::Cuda(0)),
         )
         .host(host)
         .build()
@@ -80,8 +81,8 @@ fn check(name: &str, layout: StridedLayout, mem: &DeviceAlloc) {
             let mut chunks = Vec::new();
             layout.chunks(2 * N - 1 - i, &mut chunks).unwrap();
             for c in chunks {
-                // SAFETY: both ranges are live device allocations of this test.
-                unsafe { cu::memcpy_async(seen.addr() + at, c.addr, c.len, &engine).unwrap() };
+                // Both ranges are live device allocations of this test.
+                job::memcpy_async(seen.addr() + at, c.addr, c.len, &engine).unwrap();
                 at += c.len as u64;
             }
         }
@@ -211,8 +212,8 @@ fn layered_loads_are_seen_layer_by_layer() {
     };
     let e = TransferEngine::builder()
         .device(
-            // SAFETY: the test's device allocation outlives the engine; only its jobs touch it.
-            unsafe { EngineMemory::new(Arc::new(layout.clone()), DeviceKind::Cuda(0)) },
+            // The test's device allocation outlives the engine; only its jobs touch it.
+            job::register_own_memory(Arc::new(layout.clone()), DeviceKind::Cuda(0)),
         )
         .host(host)
         .build()
@@ -238,8 +239,8 @@ fn layered_loads_are_seen_layer_by_layer() {
                 layout.chunks(2 * n - 1 - i, &mut chunks).unwrap();
                 let mut at = (i as usize * BPB + l * layer_bytes) as u64;
                 for c in &chunks[2 * l..2 * l + 2] {
-                    // SAFETY: both ranges are live device allocations of this test.
-                    unsafe { cu::memcpy_async(seen.addr() + at, c.addr, c.len, &engine).unwrap() };
+                    // Both ranges are live device allocations of this test.
+                    job::memcpy_async(seen.addr() + at, c.addr, c.len, &engine).unwrap();
                     at += c.len as u64;
                 }
             }

@@ -19,6 +19,7 @@ use kvtier::transfer::{Fence, LayerGate, TransferError};
 
 use super::{CudaFence, CudaMover, THREADS};
 use crate::sys::cuda::{CuResult, Driver, Event, PinnedAlloc};
+use crate::sys::job;
 use crate::transfer::device::Ordering;
 use crate::transfer::layout::Chunk;
 
@@ -53,9 +54,9 @@ impl LayerGate for CudaLayerGate {
             ))
         })?;
         self.driver.make_current().map_err(TransferError::Cuda)?;
-        // SAFETY: the engine passes the stream its forward pass runs on, a live stream of this
-        // device's primary context, or 0 (`BlockTransfer::execute_layered`).
-        unsafe { ev.make_raw_stream_wait(engine_stream) }.map_err(TransferError::Cuda)
+        // The engine passes the stream its forward pass runs on, a live stream of this device's
+        // primary context, or 0 (`BlockTransfer::execute_layered`).
+        job::engine_stream_wait(ev, engine_stream).map_err(TransferError::Cuda)
     }
 }
 
@@ -172,9 +173,9 @@ impl CudaMover {
             .iter()
             .flat_map(|d| d.iter().flat_map(|v| v.to_le_bytes()))
             .collect();
-        // SAFETY: `buf` is our pinned buffer of at least `all.len()` bytes, and no kernel reads
-        // it: the job that used it last completed (its `done` was waited for under this lock).
-        unsafe { crate::sys::mem::copy(all.as_ptr() as usize, buf.addr(), all.len()) };
+        // `buf` is our pinned buffer of at least `all.len()` bytes, and no kernel reads it: the
+        // job that used it last completed (its `done` was waited for under this lock).
+        job::fill_pinned(buf, &all)?;
         let base = buf.addr() as u64;
         let mut events = Vec::with_capacity(descs.len());
         let mut first = 0u64;
@@ -183,11 +184,18 @@ impl CudaMover {
             if n > 0 {
                 let grid = u32::try_from(n.min(MAX_GRID)).unwrap_or(1);
                 let count = u32::try_from(n).map_err(|e| e.to_string())?;
-                // SAFETY: the descriptors name whole pieces of host tier blocks held by this job
+                // The descriptors name whole pieces of host tier blocks held by this job
                 // (pinned and registered, readable by kernels at their host addresses: checked
                 // at construction) and chunks of the engine's registered blocks; the descriptor
                 // buffer is pinned and device-mapped.
-                unsafe { kernel.launch(grid, THREADS, &dir.kernel, base + first * 24, count)? };
+                job::launch_copy_kernel(
+                    kernel,
+                    grid,
+                    THREADS,
+                    &dir.kernel,
+                    base + first * 24,
+                    count,
+                )?;
             }
             first += n as u64;
             let ev = Event::new(false)?;

@@ -32,6 +32,7 @@ use crate::storage::host::HostStorage;
 use crate::sys::cuda::{
     self as cu, CuResult, DeviceAlloc, Driver, Event, Kernel, PinnedAlloc, Stream,
 };
+use crate::sys::job;
 use crate::transfer::layout::{BlockChunks, Chunk};
 
 /// How scattered chunks are moved.
@@ -221,9 +222,9 @@ impl CudaMover {
         };
         self.driver.make_current().map_err(TransferError::Cuda)?;
         let ev = Event::new(false).map_err(TransferError::Cuda)?;
-        // SAFETY: the engine hands its current stream of this device's primary context (or 0,
-        // the legacy default stream), live while it issues the job.
-        unsafe { ev.record_raw(s) }.map_err(TransferError::Cuda)?;
+        // The engine hands its current stream of this device's primary context (or 0, the
+        // legacy default stream), live while it issues the job.
+        job::record_on_engine_stream(&ev, s).map_err(TransferError::Cuda)?;
         Ok(Fence(Some(Box::new(CudaFence(ev)))))
     }
 
@@ -342,24 +343,15 @@ impl CudaMover {
                         .zip(s.chunks_mut(4096))
                         .zip(z.chunks_mut(4096))
                     {
-                        // SAFETY: device chunks come from the engine's registered layout and
-                        // host addresses are whole blocks of the host tier owned by this job;
+                        // Device chunks come from the engine's registered layout and host
+                        // addresses are whole blocks of the host tier owned by this job;
                         // `done.wait()` below waits for completion before returning.
-                        unsafe {
-                            cu::memcpy_batch_async(
-                                d,
-                                s,
-                                z,
-                                to_host,
-                                self.driver.ordinal,
-                                &dir.copy,
-                            )?
-                        };
+                        job::memcpy_batch_async(d, s, z, to_host, self.driver.ordinal, &dir.copy)?;
                     }
                 } else {
                     for c in &copies {
-                        // SAFETY: as above.
-                        unsafe { cu::memcpy_async(c.dst, c.src, c.len, &dir.copy)? };
+                        // As above.
+                        job::memcpy_async(c.dst, c.src, c.len, &dir.copy)?;
                     }
                 }
                 &dir.copy
@@ -367,9 +359,9 @@ impl CudaMover {
         };
         dir.done.record(last)?;
         if let Some(o) = order {
-            // SAFETY: the engine passed the stream its next work (the forward pass) runs on,
-            // a live stream of this device's primary context, or 0 (`execute_ordered`).
-            unsafe { dir.done.make_raw_stream_wait(o.stream)? };
+            // The engine passed the stream its next work (the forward pass) runs on, a live
+            // stream of this device's primary context, or 0 (`execute_ordered`).
+            job::engine_stream_wait(&dir.done, o.stream)?;
             (o.enqueued)(None);
         }
         // The host blocks stay held by the job until the copies completed.
@@ -417,10 +409,10 @@ impl CudaMover {
                 .iter()
                 .flat_map(|(d, _)| d.iter().flat_map(|v| v.to_le_bytes()))
                 .collect();
-            // SAFETY: `buf` is our pinned buffer of at least `all.len()` bytes, and no kernel
-            // reads it: the job that used it last completed (`copy_inner` waits for `done`
-            // before it unlocks `dir`).
-            unsafe { crate::sys::mem::copy(all.as_ptr() as usize, buf.addr(), all.len()) };
+            // `buf` is our pinned buffer of at least `all.len()` bytes, and no kernel reads it:
+            // the job that used it last completed (`copy_inner` waits for `done` before it
+            // unlocks `dir`).
+            job::fill_pinned(buf, &all)?;
         }
         let (Some((_, descs)), dir) = (&dir.staging, &*dir) else {
             return Err("kernel path not set up".into());
@@ -439,11 +431,9 @@ impl CudaMover {
                     return Err("descriptor buffer too small".into());
                 }
                 let dbytes: Vec<u8> = d.iter().flat_map(|v| v.to_le_bytes()).collect();
-                // SAFETY: `dbuf` is our pinned buffer of at least `dbytes.len()` bytes and the
-                // GPU is done with it (`half_done[h]` synchronised above).
-                unsafe {
-                    crate::sys::mem::copy(dbytes.as_ptr() as usize, dbuf.addr(), dbytes.len())
-                };
+                // `dbuf` is our pinned buffer of at least `dbytes.len()` bytes and the GPU is
+                // done with it (`half_done[h]` synchronised above).
+                job::fill_pinned(dbuf, &dbytes)?;
                 dbuf.addr() as u64
             } else {
                 // The half's previous round finished with it before this round refills it: its
@@ -461,25 +451,25 @@ impl CudaMover {
             let grid = u32::try_from(nd.min(65535)).unwrap_or(65535);
             let n = u32::try_from(nd).map_err(|e| e.to_string())?;
             if to_host {
-                // SAFETY: descriptors name engine chunks (registered) and our staging half;
-                // the pinned descriptor buffer is device-mapped (unified addressing).
-                unsafe { kernel.launch(grid, THREADS, &dir.kernel, dptr, n)? };
+                // Descriptors name engine chunks (registered) and our staging half; the pinned
+                // descriptor buffer is device-mapped (unified addressing).
+                job::launch_copy_kernel(kernel, grid, THREADS, &dir.kernel, dptr, n)?;
                 dir.handoff[h].record(&dir.kernel)?;
                 dir.copy.wait(&dir.handoff[h])?;
                 for c in copies {
-                    // SAFETY: staging half (ours) to whole host blocks owned by this job.
-                    unsafe { cu::memcpy_async(c.dst, c.src, c.len, &dir.copy)? };
+                    // Staging half (ours) to whole host blocks owned by this job.
+                    job::memcpy_async(c.dst, c.src, c.len, &dir.copy)?;
                 }
                 dir.half_done[h].record(&dir.copy)?;
             } else {
                 for c in copies {
-                    // SAFETY: whole host blocks held by this job to our staging half.
-                    unsafe { cu::memcpy_async(c.dst, c.src, c.len, &dir.copy)? };
+                    // Whole host blocks held by this job to our staging half.
+                    job::memcpy_async(c.dst, c.src, c.len, &dir.copy)?;
                 }
                 dir.handoff[h].record(&dir.copy)?;
                 dir.kernel.wait(&dir.handoff[h])?;
-                // SAFETY: as for the gather, with the direction reversed.
-                unsafe { kernel.launch(grid, THREADS, &dir.kernel, dptr, n)? };
+                // As for the gather, with the direction reversed.
+                job::launch_copy_kernel(kernel, grid, THREADS, &dir.kernel, dptr, n)?;
                 dir.half_done[h].record(&dir.kernel)?;
             }
             last[h] = true;
