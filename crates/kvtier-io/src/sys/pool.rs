@@ -51,8 +51,9 @@ impl Drop for PoolAlloc {
 
 /// A CPU KV cache that kvtier-io allocates (zeroed, 64-byte aligned) so that an engine which
 /// forbids `unsafe` (the reference engine) can register it without one
-/// ([`EngineMemory::from_cpu_pool`]). The engine reads and writes it through this handle, one
-/// element range at a time (`pool[a..b]`, panicking like slice indexing when out of range);
+/// ([`EngineMemory::from_cpu_pool`](crate::EngineMemory::from_cpu_pool)). The engine reads and
+/// writes it through this handle, one element range at a time (`pool[a..b]`, panicking like
+/// slice indexing when out of range);
 /// the allocation lives until this handle and every engine registered over it dropped.
 pub struct CpuKvPool<T: KvElem> {
     alloc: Arc<PoolAlloc>,
