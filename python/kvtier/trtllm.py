@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from . import _native
 from ._native import ConfigError, ConnectorError
 from ._tensors import describe, stream_handle
+from ._trtllm_refusals import _get
 
 __all__ = [
     "KvtierConnectorScheduler",
@@ -128,14 +129,6 @@ def _import_rank_settings() -> None:
 
 # --------------------------------------------------------------------------------------------
 # Reading llm_args
-
-
-def _get(obj: Any, *path: str, default: Any = None) -> Any:
-    for p in path:
-        obj = getattr(obj, p, None)
-        if obj is None:
-            return default
-    return obj
 
 
 def _tokens_per_block(llm_args: Any) -> int:

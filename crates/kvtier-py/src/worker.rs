@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use kvtier::connector::messages::{
     ClusterLayout, LoadVerdicts, RankLayout, StepMetadata, WorkerReport,
 };
-use kvtier::connector::worker::{ReportSink, Worker, WorkerLink};
+use kvtier::connector::worker::{FinishedReport, ReportSink, Worker, WorkerLink};
 use kvtier::connector::zmq::WorkerChannel;
 use kvtier::connector::ConnectorError;
 use kvtier::ids::RequestId;
@@ -176,6 +176,22 @@ pub(crate) struct PyWorker {
 impl PyWorker {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The worker's `get_finished` over the engine's string ids.
+    fn finished_report(
+        &self,
+        finished: Vec<String>,
+        started_loading: Option<Vec<String>>,
+    ) -> PyResult<FinishedReport> {
+        let finished: Vec<RequestId> = finished.into_iter().map(RequestId::from).collect();
+        let started: Option<Vec<RequestId>> =
+            started_loading.map(|v| v.into_iter().map(RequestId::from).collect());
+        let mut g = self.lock();
+        Ok(g.worker
+            .as_mut()
+            .ok_or_else(gone)?
+            .get_finished(&finished, started.as_deref()))
     }
 
     fn build(
@@ -499,15 +515,7 @@ impl PyWorker {
         finished: Vec<String>,
         started_loading: Option<Vec<String>>,
     ) -> PyResult<(Vec<String>, Vec<String>, Vec<String>)> {
-        let finished: Vec<RequestId> = finished.into_iter().map(RequestId::from).collect();
-        let started: Option<Vec<RequestId>> =
-            started_loading.map(|v| v.into_iter().map(RequestId::from).collect());
-        let mut g = self.lock();
-        let r = g
-            .worker
-            .as_mut()
-            .ok_or_else(gone)?
-            .get_finished(&finished, started.as_deref());
+        let r = self.finished_report(finished, started_loading)?;
         Ok((ids(r.saved), ids(r.loaded), ids(r.load_failed)))
     }
 
@@ -540,15 +548,7 @@ impl PyWorker {
         finished: Vec<String>,
         started_loading: Option<Vec<String>>,
     ) -> PyResult<ByVerdict> {
-        let finished: Vec<RequestId> = finished.into_iter().map(RequestId::from).collect();
-        let started: Option<Vec<RequestId>> =
-            started_loading.map(|v| v.into_iter().map(RequestId::from).collect());
-        let mut g = self.lock();
-        let r = g
-            .worker
-            .as_mut()
-            .ok_or_else(gone)?
-            .get_finished(&finished, started.as_deref());
+        let r = self.finished_report(finished, started_loading)?;
         let recompute = r
             .recompute
             .into_iter()
