@@ -56,4 +56,9 @@ def test_a_gemma3_shaped_model_replays_exactly(tmp_path_factory, tmp_path):
         assert e.generate(PHASE, MAX_TOKENS) == want
         s = e.stats()
     assert s["kvtier_errors"] == [], s["kvtier_errors"]
-    assert s["stats"]["onboard_host_blocks"] > 0, s["stats"]
+    st = s["stats"]
+    assert st["onboard_host_blocks"] > 0, st
+    # Bytes loaded (issue 25's per-tier counter): one merged full-attention block holds every layer's KV, window
+    # layers' whole prefix included (what the hybrid manager off costs).
+    assert st["onboard_host_bytes"] == st["onboard_host_blocks"] * SPEC["bytes_per_block"], st
+    assert st["onboard_disk_bytes"] == st["onboard_remote_bytes"] == 0, st

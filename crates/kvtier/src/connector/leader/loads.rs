@@ -349,11 +349,14 @@ impl Leader {
         // Only blocks that every rank loaded count as hits (#28: a failed load was counted in
         // kvtier_hit_tokens_total, which is derived from these).
         let loaded = devices.len().saturating_sub(failed.len()) as u64;
-        match src {
-            Tier::Host => self.stats.onboard_host_blocks += loaded,
-            Tier::Disk => self.stats.onboard_disk_blocks += loaded,
-            _ => self.stats.onboard_remote_blocks += loaded,
-        }
+        let s = &mut self.stats;
+        let (blocks, bytes) = match src {
+            Tier::Host => (&mut s.onboard_host_blocks, &mut s.onboard_host_bytes),
+            Tier::Disk => (&mut s.onboard_disk_blocks, &mut s.onboard_disk_bytes),
+            _ => (&mut s.onboard_remote_blocks, &mut s.onboard_remote_bytes),
+        };
+        *blocks += loaded;
+        *bytes += loaded * self.block_bytes;
         self.job_done(&request, RequestJob::Load);
     }
 

@@ -118,6 +118,9 @@ pub struct Leader {
     salt: HashSalt,
     world: u32,
     num_device_blocks: Option<u32>,
+    /// One block's bytes over every rank (the layout's; 0 without one): what a loaded block
+    /// adds to the `onboard_*_bytes` counters.
+    block_bytes: u64,
     /// The G2 (host) and G3 (disk) pools.
     tiers: Tiers,
     disk_policy: DiskPolicy,
@@ -194,6 +197,7 @@ impl Leader {
             salt: cfg.salt,
             world,
             num_device_blocks: cfg.layout.as_ref().map(|l| l.num_device_blocks),
+            block_bytes: cfg.layout.as_ref().map_or(0, |l| l.total_bytes_per_block()),
             tiers,
             disk_policy: cfg.disk_policy,
             disk_filter: match cfg.disk_policy {
