@@ -212,6 +212,8 @@ pub struct Composition {
     caps: TierCapacities,
     salt: HashSalt,
     namespace: String,
+    /// This engine's KV cache group when it has several (`for_group`): its index.
+    group: Option<usize>,
 }
 
 impl Composition {
@@ -271,7 +273,25 @@ impl Composition {
             caps,
             salt,
             namespace,
+            group: None,
         })
+    }
+
+    /// The plan of KV cache group `index` of `count` (vLLM's hybrid KV cache manager: one leader
+    /// and one worker per rank for each group; `count` <= 1 changes nothing). The group's keys
+    /// carry `descriptor` (its index and layer kind: a block is never served to another group),
+    /// its remote namespace the index; it gets `1/count` of the host and disk capacity, and its
+    /// own disk files (`rank<N>-g<index>`).
+    pub fn for_group(mut self, index: usize, count: usize, descriptor: &str) -> Self {
+        if count <= 1 {
+            return self;
+        }
+        self.salt = self.salt.for_group(descriptor);
+        self.namespace = format!("{}-g{index}", self.namespace);
+        self.caps.host_blocks /= count;
+        self.caps.disk_blocks /= count;
+        self.group = Some(index);
+        self
     }
 
     /// The configuration it was built from.
@@ -427,7 +447,10 @@ impl Composition {
             // the directory gets its own (`rank0.1`, ...), a dead one's set is taken over.
             let mut o =
                 DiskOptions::new(d.dir.clone(), n32(self.caps.disk_blocks, "disk.gb")?, bpb);
-            o.name = format!("rank{rank}");
+            o.name = match self.group {
+                Some(g) => format!("rank{rank}-g{g}"),
+                None => format!("rank{rank}"),
+            };
             o.persist = d.persist;
             if !d.use_o_direct {
                 o.direct = DirectMode::Off;

@@ -57,6 +57,9 @@ mod stores;
 #[cfg(test)]
 mod tests;
 mod tiers;
+mod window;
+#[cfg(test)]
+mod window_tests;
 
 use books::PendingJob;
 pub use config::{Capacity, DiskPolicy, LeaderConfig, RequestKey};
@@ -64,6 +67,7 @@ pub use loads::{promised_blocks, Allocation, MAX_REMOTE_FAILED};
 pub use observe::{KvEvent, LeaderStats, MAX_EVENTS};
 pub use stores::BlockReuse;
 use tiers::Tiers;
+pub use window::window_first;
 
 /// Reused buffers of the per-record store path.
 #[derive(Debug, Default)]
@@ -155,6 +159,10 @@ pub struct Leader {
     events: std::collections::VecDeque<KvEvent>,
     /// Device blocks given back while stores still read them (`request_finished_fenced`).
     fences: fences::ReuseFences,
+    /// The attention window of a sliding-window group, in tokens (`window`); `None`: full.
+    window: Option<usize>,
+    /// The engine's id for a position without a block (vLLM's null block), mapped to a hole.
+    null_block: Option<DeviceBlockId>,
 }
 
 impl Leader {
@@ -227,6 +235,8 @@ impl Leader {
             stats: LeaderStats::default(),
             events: std::collections::VecDeque::new(),
             fences: fences::ReuseFences::default(),
+            window: None,
+            null_block: None,
         })
     }
 
