@@ -43,6 +43,12 @@ class _WorkerSide:
         # The engine's current CUDA stream, as a raw handle (set in register when the KV cache is on a GPU).
         self._current_stream: Any = None
 
+    def _all(self) -> list[Any]:
+        """The kvtier workers, one per KV cache group (``_worker`` is group 0's)."""
+        if len(self._workers) > 1:
+            return self._workers
+        return [self._worker] if self._worker is not None else []
+
     def _error(self, what: str, e: BaseException) -> None:
         self._errors += 1
         logger.error("kvtier: %s failed: %s", what, e, exc_info=True)
@@ -91,7 +97,7 @@ class _WorkerSide:
                     self._failed_recv.add(rid)
             self._failed_blocks.update(blocks)
         plans = [meta.plan, *getattr(meta, "group_plans", [])]
-        for worker, plan in zip(self._workers, plans):
+        for worker, plan in zip(self._all(), plans):
             if plan:
                 self._start(worker, plan, meta.sync_loads)
 
@@ -116,7 +122,7 @@ class _WorkerSide:
                     self._error("wait_for_layer_load", e)
 
     def forward_done(self) -> None:
-        for worker in self._workers:
+        for worker in self._all():
             try:
                 worker.forward_done(self._stream())
             except Exception as e:
@@ -126,7 +132,7 @@ class _WorkerSide:
         """Wait for the jobs of the preempted and the fenced requests only: their device blocks are reused by this
         step; other requests' copies keep running."""
         # Every group's: a block one group's request gave back may be handed out in any group.
-        for worker in self._workers:
+        for worker in self._all():
             try:
                 wait = getattr(worker, "wait_for_requests", None)
                 if wait is not None:
@@ -138,7 +144,7 @@ class _WorkerSide:
 
     def drain_all(self) -> None:
         """Wait for every request's jobs (the scheduler side lost a step's fence): any device block may be reused."""
-        for worker in self._workers:
+        for worker in self._all():
             try:
                 worker.wait_for_all_requests()
             except Exception as e:
@@ -147,8 +153,8 @@ class _WorkerSide:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending: set[str] = set()
         recving: set[str] = set()
-        several = len(self._workers) > 1
-        for g, worker in enumerate(self._workers):
+        several = len(self._all()) > 1
+        for g, worker in enumerate(self._all()):
             try:
                 saved, loaded, load_failed = worker.get_finished(sorted(finished_req_ids))
             except Exception as e:
@@ -193,7 +199,7 @@ class _WorkerSide:
     def take_load_errors(self) -> set[int]:
         errs = set(self._failed_blocks)
         self._failed_blocks = set()
-        for worker in self._workers:
+        for worker in self._all():
             try:
                 errs.update(int(b) for b in worker.take_load_errors())
             except Exception as e:
@@ -203,7 +209,7 @@ class _WorkerSide:
     def take_reports(self) -> KvtierWorkerMetadata | None:
         reports: list[bytes] = []
         groups: list[int] = []
-        for g, worker in enumerate(self._workers):
+        for g, worker in enumerate(self._all()):
             try:
                 blob = bytes(worker.take_reports())
             except Exception as e:
@@ -216,7 +222,7 @@ class _WorkerSide:
 
     def cumulative_stats(self) -> dict[str, float]:
         s: dict[str, float] = {}
-        for worker in self._workers:
+        for worker in self._all():
             try:
                 for k, v in dict(worker.stats()).items():
                     s[f"worker_{k}"] = s.get(f"worker_{k}", 0) + v
@@ -232,7 +238,7 @@ class _WorkerSide:
         return {"adapter_errors": delta} if delta else {}
 
     def shutdown(self) -> None:
-        for worker in self._workers:
+        for worker in self._all():
             try:
                 worker.shutdown()
             except Exception as e:

@@ -72,6 +72,7 @@ if TYPE_CHECKING:
 from ._vllm_meta import KvtierConnectorMetadata, KvtierConnectorStats, KvtierWorkerMetadata
 from ._vllm_util import (_COUNTERS, _backend, _embeds_digest, _group_ids, _identity, _kv_groups, _record,
                          _required_layout, _resolved_layout, _trace, _trace_dump, _vllm_events)
+from ._vllm_util import _first_group  # noqa: F401  (tests reach it here)
 from ._vllm_worker import _WorkerSide
 
 logger = logging.getLogger("kvtier.vllm")
@@ -315,13 +316,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
-        return self._sched.request_finished(request)
+        return self._sched.request_finished(request, block_ids)
 
     def request_finished_all_groups(self, request: "Request",
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         # vLLM calls this instead of request_finished for a SupportsHMA connector (scheduler.py `_connector_finished`).
         assert self._sched is not None
-        return self._sched.request_finished(request)
+        return self._sched.request_finished(request, block_ids)
 
     def take_events(self) -> Iterable["KVCacheEvent"]:
         assert self._sched is not None
@@ -684,7 +685,7 @@ class _SchedulerSide:
                 except Exception as e:
                     self._error("apply_reports", e)
 
-    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: "Request", block_ids: Any = None) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         _trace("finished", rid)
         known = rid in self._requests or rid in self._matched

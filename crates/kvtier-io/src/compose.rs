@@ -18,7 +18,8 @@
 //!   `Consumer` stores nothing at all;
 //! - the metrics endpoint (`metrics.enabled`, `metrics.port`): [`Composition::metrics`];
 //! - the disk tier's files: `disk.dir`, `disk.use_o_direct`, `disk.io_backend`, one locked file
-//!   set per rank (`rank<N>` under `<disk.dir>/kvtier-g3/`), kept across restarts with
+//!   set per rank (`rank<N>` under `<disk.dir>/kvtier-g3/`; `rank<N>-g<G>` for KV cache group `G`
+//!   of an engine with several, [`Composition::for_group`]), kept across restarts with
 //!   `disk.persist`: the leader then adopts the blocks every rank's journal holds (warm restart).
 //!
 //! Invariants: a `Composition` only exists for a valid configuration whose tiers hold at least
@@ -473,6 +474,42 @@ impl Composition {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_kv_cache_group_gets_its_share_its_own_keys_and_namespace() {
+        let env = [("KVTIER_HOST_NUM_BLOCKS".to_string(), "12".to_string())].into();
+        let cfg = KvtierConfig::build(None, &env, None).unwrap();
+        let cluster = ClusterLayout {
+            block_size: 16,
+            num_device_blocks: 64,
+            bytes_per_block: vec![4096],
+        };
+        let plan = |g: Option<(usize, usize, &str)>| {
+            let c = Composition::new(
+                &cfg,
+                EngineIdentity::new("m"),
+                cluster.clone(),
+                ServingRole::Aggregated,
+            )
+            .unwrap();
+            match g {
+                Some((i, n, d)) => c.for_group(i, n, d),
+                None => c,
+            }
+        };
+        let whole = plan(None);
+        // One group of one: nothing changes (keys of engines without the hybrid manager stay).
+        let one = plan(Some((0, 1, "0|FullAttentionSpec:None")));
+        assert_eq!(one.salt(), whole.salt());
+        assert_eq!(one.capacities().host_blocks, 12);
+        let g0 = plan(Some((0, 3, "0|FullAttentionSpec:None")));
+        let g1 = plan(Some((1, 3, "1|SlidingWindowSpec:64")));
+        assert_eq!(g0.capacities().host_blocks, 4);
+        assert_ne!(g0.salt(), whole.salt());
+        assert_ne!(g0.salt(), g1.salt());
+        assert_ne!(g0.namespace(), g1.namespace());
+        assert!(crate::remote::Namespace::new(g1.namespace()).is_ok());
+    }
 
     #[test]
     fn namespace_is_valid_and_follows_the_identity() {
