@@ -85,6 +85,8 @@ def test_block_ids_of_the_single_group():
     assert kv._first_group([1, 2]) == [1, 2]
     assert kv._first_group(None) == []
     assert kv._first_group(()) == []
+    # vLLM's hybrid KV cache manager: one list per group.
+    assert kv._group_ids(([1], [2, 3]), 1) == [2, 3] and kv._group_ids([1, 2], 1) == []
 
 
 class _RecordingLeader:
@@ -351,3 +353,37 @@ def test_events_are_built_only_when_vllm_publishes_them(monkeypatch):
     loud = kv._SchedulerSide({}, 16, publish_events=True)
     events = loud.take_events()
     assert len(events) == 1 and events[0].block_hashes and loud._leader.taken == 1
+
+
+def _spec(kind: str, **fields):
+    """A stand-in for one of vLLM's layer specs (vllm/v1/kv_cache_interface.py): kvtier goes by the class name."""
+    return type(kind, (), dict({"block_size": 32, "page_size_bytes": 4096}, **fields))()
+
+
+def _config(*specs):
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s, layer_names=[f"l{i}"])
+                                            for i, s in enumerate(specs)])
+
+
+def test_kv_cache_groups_kvtier_serves_and_the_kinds_it_refuses_by_name():
+    # vLLM's hybrid KV cache manager: a full-attention group and a sliding-window group (its reach includes the
+    # tokens vLLM retains beyond the window, extra_retained_tokens).
+    groups = kv._kv_groups(_config(_spec("FullAttentionSpec"),
+                                   _spec("SlidingWindowSpec", sliding_window=64, extra_retained_tokens=2)), 32)
+    assert [(g["kind"], g["window"], g["layers"]) for g in groups] == [
+        ("FullAttentionSpec", None, ["l0"]), ("SlidingWindowSpec", 66, ["l1"])]
+    settings = kv._group_settings({"world_size": 2, "salt": "s"}, groups)
+    assert [s["bytes_per_block"] for s in settings] == [8192, 8192]
+    assert settings[1]["sliding_window"] == 66 and settings[1]["null_block"] == 0 and "sliding_window" not in settings[0]
+    assert [s["kv_cache_group"] for s in settings] == [0, 1] and settings[0]["sync_host_loads"] is False
+    # What stays refused, at engine start, naming the layer kind and what to do.
+    for kind, words in [("MambaSpec", ["MambaSpec", "without kvtier"]),
+                        ("ChunkedLocalAttentionSpec", ["ChunkedLocalAttentionSpec",
+                                                       "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE"]),
+                        ("RSWASpec", ["RSWASpec", "--disable-hybrid-kv-cache-manager"])]:
+        with pytest.raises(ValueError) as err:
+            kv._kv_groups(_config(_spec("FullAttentionSpec"), _spec(kind, sliding_window=64)), 32)
+        for w in words:
+            assert w in str(err.value), (kind, str(err.value))
+    with pytest.raises(ValueError, match="16 tokens per block"):
+        kv._kv_groups(_config(_spec("FullAttentionSpec"), _spec("SlidingWindowSpec", sliding_window=8, block_size=16)), 32)

@@ -147,6 +147,10 @@ def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None"
     return extra
 
 
+# Counters of requests and steps: with several KV cache groups each group's leader counts the same ones.
+_PER_REQUEST_COUNTERS = ("steps", "active_requests", "match_queries", "matched_tokens", "load_restarts",
+                         "preempted_requests", "uncacheable_requests")
+
 # vLLM's block id for a position without a block (a sliding-window group's blocks before the window): the block pool's
 # first block (vllm/v1/core/block_pool.py BlockPool.__init__: ``self.null_block = self.free_block_queue.popleft()``).
 _NULL_BLOCK = 0
@@ -756,13 +760,22 @@ class _SchedulerSide:
     def cumulative_stats(self) -> dict[str, float]:
         s: dict[str, float] = {}
         # Summed over the groups' leaders (each counts its own group's blocks and bytes).
-        for leader in self._leaders:
+        first: dict[str, float] = {}
+        for g, leader in enumerate(self._leaders):
             try:
-                for k, v in dict(leader.stats()).items():
-                    s[k] = s.get(k, 0) + v
+                st = dict(leader.stats())
             except Exception as e:
                 self._error("stats", e)
+                continue
+            if g == 0:
+                first = st
+            for k, v in st.items():
+                s[k] = s.get(k, 0) + v
         if len(self._leaders) > 1:
+            # Counters of requests and steps count once (every group's leader saw the same ones): group 0's.
+            for k in _PER_REQUEST_COUNTERS:
+                if k in s:
+                    s[k] = first.get(k, 0)
             # Per group too (``g<index>.<key>``, not aggregated by vLLM): what each group loaded, and its sliding
             # window (0: full attention).
             for g, window in enumerate(self._windows):

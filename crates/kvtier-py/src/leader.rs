@@ -97,7 +97,10 @@ impl Inner {
         leader.set_sync_host_loads(self.sync_host_loads);
         let (window, null_block) = self.settings.sliding_window().map_err(BridgeError::from)?;
         leader.set_window(window, null_block.map(DeviceBlockId));
-        if self.metrics.is_none() {
+        // One endpoint per process: with several KV cache groups, group 0's leader publishes (its
+        // requests' counters are the engine's; its blocks and bytes are group 0's).
+        let group = self.settings.kv_cache_group().map_err(BridgeError::from)?;
+        if self.metrics.is_none() && group.is_none_or(|(index, _, _)| index == 0) {
             self.metrics = plan.metrics().map_err(crate::vllm_support::bridge)?;
         }
         if let Some(p) = &self.metrics {
