@@ -189,6 +189,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         # Refused at start, naming the layer kind and the setting: a layer kind kvtier would not reproduce exactly
         # (issue 25: a sliding-window model served as if it were full attention generated other tokens).
         groups = _kv_groups(kv_cache_config, vllm_config.cache_config.block_size) if kv_cache_config else []
+        if any(g["window"] for g in groups) and getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
+            # A block a window left is fenced only in handle_preemptions, which the V2 model runner calls after it
+            # zeroes the step's new blocks: a store could read a zeroed block (vllm/v1/kv_cache_interface.py
+            # KVCacheConfig.needs_kv_cache_zeroing: Mamba layers or a mixed-precision KV cache).
+            raise ValueError("kvtier: this model's sliding-window layers share a KV cache that vLLM zeroes on "
+                             "allocation (a mixed-precision KV cache); kvtier does not serve sliding-window groups "
+                             "then. Start vLLM with --disable-hybrid-kv-cache-manager or one kv_cache_dtype")
         if getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False):
             # vLLM 0.33 asks supports_sleep_mode first; 0.32 has no such check, so refuse here too.
             raise ValueError("kvtier: sleep mode is not supported (a weight update while asleep would leave kvtier's "
