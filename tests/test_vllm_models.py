@@ -39,6 +39,8 @@ LAYER_BYTES = BYTES_PER_BLOCK // 2  # one layer's K and V of one block
 # A replay of a 224-token prompt (7 blocks) from kvtier alone: the hit ends at block 6 (the last block is computed);
 # a window of 64 tokens reads blocks 4 and 5 there ((6 * 32 + 1 - 64) // 32 = 4).
 HIT_BLOCKS, WINDOW_BLOCKS = 6, 2
+# 8 requests growing to 224 + 100 tokens: the device cache cannot hold them, vLLM preempts and resumes some.
+LONG_TOKENS = 100
 
 
 def _model(tmp_path_factory, name: str, pattern: str):
@@ -68,6 +70,7 @@ def test_a_gemma3_shaped_model_replays_exactly_with_the_hybrid_manager(tmp_path_
     with Engine(model, tmp_path / "reference.log", kv_cache_blocks=G1_BLOCKS, **SPEC) as ref:
         want = ref.generate(PHASE, MAX_TOKENS)
         want_other = ref.generate(OTHER, MAX_TOKENS)
+        want_long = ref.generate(PHASE, LONG_TOKENS)
     with _kvtier(model, tmp_path / "kvtier.log") as e:
         assert e.generate(PHASE, MAX_TOKENS) == want
         assert e.generate(OTHER, MAX_TOKENS) == want_other
@@ -76,6 +79,12 @@ def test_a_gemma3_shaped_model_replays_exactly_with_the_hybrid_manager(tmp_path_
         assert s["kvtier_errors"] == [], s["kvtier_errors"]
         assert s["stats"]["onboard_host_blocks"] > 0, s["stats"]
         d = _replay_from_tier(e, want)
+        # Decoding far past the window: the window groups' blocks are freed and handed out again mid-request (kvtier
+        # forgets them and fences their stores), and vLLM preempts requests, which are matched and loaded again.
+        assert e.generate(PHASE, LONG_TOKENS) == want_long
+        long = e.stats()
+        assert long["kvtier_errors"] == [], long["kvtier_errors"]
+        assert long["stats"]["preempted_requests"] > 0, "the workload no longer makes vLLM preempt"
     windows = [int(s["stats"][f"g{g}.window"]) for g in range(4)]
     assert sorted(windows) == [0, WINDOW, WINDOW, WINDOW], s["stats"]  # one group per layer: 1 full, 3 sliding
     for g, w in enumerate(windows):

@@ -110,7 +110,7 @@ impl Leader {
                 "external tokens for a request that was never matched",
             ))
         } else {
-            e.slot.allocate(&mapped, num_external_tokens)
+            e.slot.allocate(mapped, num_external_tokens)
         };
         let mut onboard = match allocated {
             Ok(onboard) => onboard,
