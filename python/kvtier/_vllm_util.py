@@ -168,6 +168,37 @@ def _refuse_inexact_layers(kv_cache_config: Any, vllm_config: Any = None) -> Non
     _kv_groups(kv_cache_config, bs)
 
 
+# Counters of requests and steps: with several KV cache groups each group's leader counts the same ones.
+_PER_REQUEST_COUNTERS = ("steps", "active_requests", "match_queries", "matched_tokens", "load_restarts",
+                         "preempted_requests", "uncacheable_requests")
+
+# vLLM's block id for a position without a block (a sliding-window group's blocks before the window): the block pool's
+# first block (vllm/v1/core/block_pool.py BlockPool.__init__: ``self.null_block = self.free_block_queue.popleft()``).
+_NULL_BLOCK = 0
+
+
+def _group_settings(base: dict[str, Any], groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One kvtier leader's (and worker's) settings per KV cache group (``_kv_groups``): the group's bytes per block,
+    its window and vLLM's null block; with several groups, the group's index and kind (kvtier keys its blocks by
+    them and gives it its share of the tiers: docs/arch/vllm.md "Hybrid models")."""
+    if not groups:
+        return [base]
+    world = int(base.get("world_size", 1))
+    out = []
+    for i, g in enumerate(groups):
+        s = dict(base)
+        if len(groups) > 1:
+            s["bytes_per_block"] = g["page_bytes"] * len(g["layers"]) * world
+            s.update(kv_cache_group=i, kv_cache_groups=len(groups), kv_cache_group_kind=f"{g['kind']}:{g['window']}")
+            # Every group's leader must answer vLLM alike whether a hit loads asynchronously: per request, a host-only
+            # hit in one group could load in the step while another group's disk hit loads asynchronously.
+            s["sync_host_loads"] = False
+        if g["window"]:
+            s.update(sliding_window=g["window"], null_block=_NULL_BLOCK)
+        out.append(s)
+    return out
+
+
 def _group_ids(block_ids: Any, group: int) -> list[int]:
     """Group ``group``'s block ids of vLLM's per-group tuple (one list per KV cache group; a bare list is group 0's;
     None or a missing group: none)."""
