@@ -4,9 +4,10 @@ kvtier with the manager off (every layer's whole prefix), one after the other in
 
 Model: dense Gemma-3-shaped (Llama-8B geometry: hidden 4096, 32 heads, 8 KV heads, head dim 128, bf16; 36 layers,
 five sliding-window layers of 1024 tokens to one full-attention layer, vLLM's Llama reading ``layer_types``), random
-weights (``load_format="dummy"``). Per prompt length: ``--reps`` distinct prompts are prefilled (the miss), vLLM's
-device prefix cache is reset (the tiers keep them), each prompt is replayed (max_tokens=1: TTFT), then replayed again
-generating ``--check-tokens`` tokens. The first tokens and the generated tokens of every engine must equal vLLM
+weights (``load_format="dummy"``). Per prompt length: ``--reps`` distinct prompts are prefilled (the miss: vLLM
+alone's recompute time), vLLM's device prefix cache is reset for the connectors (their tiers keep the prompts; vLLM
+alone replays from its own prefix cache, the reference for a hit), each prompt is replayed (max_tokens=1: TTFT),
+then replayed again generating ``--check-tokens`` tokens. The first tokens and the generated tokens of every engine must equal vLLM
 alone's (the script exits 1 otherwise). kvtier's bytes loaded per tier come from its counters
 (``onboard_<tier>_bytes``); native's are not exported, so its window share is computed from the model.
 
@@ -82,7 +83,7 @@ def evict(e: Engine) -> None:
 
 
 def run(name: str, spec: dict, model: Path, logdir: Path, lengths: list[int], reps: int, geo: dict,
-        check_tokens: int) -> dict:
+        check_tokens: int, reset: bool = True) -> dict:
     bpb = geo["layers"] * layer_bytes_per_token(geo) * geo["block"]
     spec = dict(spec)
     g1 = int(spec.pop("g1_gb") * (1 << 30)) // bpb if "g1_gb" in spec else 256
@@ -95,11 +96,16 @@ def run(name: str, spec: dict, model: Path, logdir: Path, lengths: list[int], re
         for n in lengths:
             ps = prompts(reps, n, seed=n, vocab=geo["vocab"])
             miss = e.call("ttft", prompts=ps)
-            evict(e)
+            # vLLM alone replays from its own prefix cache (G1 holds every prompt): the reference for a hit, whose
+            # tail is computed over cached KV in the same shapes as after a load (tests/test_vllm_gpu.py
+            # REFERENCE_G1_BLOCKS); the connectors replay after vLLM's cache was reset, from their tier.
+            if reset:
+                evict(e)
             before = e.stats().get("stats", {})
             hit = e.call("ttft", prompts=ps)
             after = e.stats().get("stats", {})
-            evict(e)
+            if reset:
+                evict(e)
             gen = e.generate(ps, check_tokens)
             loaded = {t: after.get(f"onboard_{t}_bytes", 0) - before.get(f"onboard_{t}_bytes", 0) for t in TIERS}
             replayed = reps * hit_tokens(n, geo["block"])
@@ -156,7 +162,8 @@ def main() -> int:
     names = a.engines.split(",")
     results = {}
     for name in names:
-        results[name] = run(name, engines[name], model, tmp, lengths, a.reps, geo, a.check_tokens)
+        results[name] = run(name, engines[name], model, tmp, lengths, a.reps, geo, a.check_tokens,
+                            reset=name != "vllm")
     ref = results.get("vllm")
     ok = True
     report: dict = {"graphs": a.graphs, "geometry": geo, "pattern": PATTERN, "engines": results, "checks": []}

@@ -278,6 +278,14 @@ impl Composition {
         })
     }
 
+    /// The name of rank `rank`'s disk file set (`rank<N>`, `rank<N>-g<G>` for a KV cache group).
+    fn disk_set_name(&self, rank: usize) -> String {
+        match self.group {
+            Some(g) => format!("rank{rank}-g{g}"),
+            None => format!("rank{rank}"),
+        }
+    }
+
     /// The plan of KV cache group `index` of `count` (vLLM's hybrid KV cache manager: one leader
     /// and one worker per rank for each group; `count` <= 1 changes nothing). The group's keys
     /// carry `descriptor` (its index and layer kind: a block is never served to another group),
@@ -399,7 +407,7 @@ impl Composition {
             // Warm restart: the blocks every rank's file set kept (each rank's store verifies
             // every block it loads; one that fails is a failed load, recomputed).
             let names: Vec<String> = (0..self.cluster.bytes_per_block.len())
-                .map(|r| format!("rank{r}"))
+                .map(|r| self.disk_set_name(r))
                 .collect();
             let sets: Vec<(&str, usize)> = names
                 .iter()
@@ -448,10 +456,7 @@ impl Composition {
             // the directory gets its own (`rank0.1`, ...), a dead one's set is taken over.
             let mut o =
                 DiskOptions::new(d.dir.clone(), n32(self.caps.disk_blocks, "disk.gb")?, bpb);
-            o.name = match self.group {
-                Some(g) => format!("rank{rank}-g{g}"),
-                None => format!("rank{rank}"),
-            };
+            o.name = self.disk_set_name(rank as usize);
             o.persist = d.persist;
             if !d.use_o_direct {
                 o.direct = DirectMode::Off;
