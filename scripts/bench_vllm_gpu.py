@@ -301,6 +301,8 @@ def main() -> None:
         "native": dict(base, kv_offloading_size=a.host_gb, kv_offloading_backend="native"),
         "kvtier": dict(base, kv_transfer_config=connector_config(settings=kt)),
         "kvtier-blnhc": dict(base, kv_transfer_config=connector_config(settings={**kt, "kv_cache_layout": "BLNHC"})),
+        # Host hits ordered ahead of the whole forward pass (the default before layered loads, issue 27 item 1).
+        "kvtier-whole": dict(base, kv_transfer_config=connector_config(settings={**kt, "layered_sync_loads": False})),
         # A connector that does nothing (tests/vllm_support/null_connector.py): what any connector costs vLLM.
         "null": dict(base, kv_transfer_config={"kv_connector": "NullConnector", "kv_role": "kv_both",
                                                "kv_connector_module_path": "vllm_support.null_connector"}),

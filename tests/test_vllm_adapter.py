@@ -360,7 +360,7 @@ def _spec(kind: str, **fields):
     return type(kind, (), dict({"block_size": 32, "page_size_bytes": 4096}, **fields))()
 
 
-def _config(*specs):
+def _groups_config(*specs):
     return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s, layer_names=[f"l{i}"])
                                             for i, s in enumerate(specs)])
 
@@ -368,7 +368,7 @@ def _config(*specs):
 def test_kv_cache_groups_kvtier_serves_and_the_kinds_it_refuses_by_name():
     # vLLM's hybrid KV cache manager: a full-attention group and a sliding-window group (its reach includes the
     # tokens vLLM retains beyond the window, extra_retained_tokens).
-    groups = kv._kv_groups(_config(_spec("FullAttentionSpec"),
+    groups = kv._kv_groups(_groups_config(_spec("FullAttentionSpec"),
                                    _spec("SlidingWindowSpec", sliding_window=64, extra_retained_tokens=2)), 32)
     assert [(g["kind"], g["window"], g["layers"]) for g in groups] == [
         ("FullAttentionSpec", None, ["l0"]), ("SlidingWindowSpec", 66, ["l1"])]
@@ -382,8 +382,8 @@ def test_kv_cache_groups_kvtier_serves_and_the_kinds_it_refuses_by_name():
                                                        "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE"]),
                         ("RSWASpec", ["RSWASpec", "--disable-hybrid-kv-cache-manager"])]:
         with pytest.raises(ValueError) as err:
-            kv._kv_groups(_config(_spec("FullAttentionSpec"), _spec(kind, sliding_window=64)), 32)
+            kv._kv_groups(_groups_config(_spec("FullAttentionSpec"), _spec(kind, sliding_window=64)), 32)
         for w in words:
             assert w in str(err.value), (kind, str(err.value))
     with pytest.raises(ValueError, match="16 tokens per block"):
-        kv._kv_groups(_config(_spec("FullAttentionSpec"), _spec("SlidingWindowSpec", sliding_window=8, block_size=16)), 32)
+        kv._kv_groups(_groups_config(_spec("FullAttentionSpec"), _spec("SlidingWindowSpec", sliding_window=8, block_size=16)), 32)

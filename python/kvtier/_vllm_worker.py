@@ -42,6 +42,9 @@ class _WorkerSide:
         self._last_stats: dict[str, float] = {}
         # The engine's current CUDA stream, as a raw handle (set in register when the KV cache is on a GPU).
         self._current_stream: Any = None
+        # Layer name -> (group, index among its group worker's registered layers); a step's layered loads.
+        self._layer_index: dict[str, tuple[int, int]] = {}
+        self.layered_step = False
 
     def _all(self) -> list[Any]:
         """The kvtier workers, one per KV cache group (``_worker`` is group 0's)."""
@@ -67,11 +70,14 @@ class _WorkerSide:
         if self._group_layers is None:
             tensors = [(name, describe(t)) for name, t in kv_caches.items()]
             self._workers = [core.Worker(self._settings, tensors)]
+            self._layer_index = {name: (0, i) for i, name in enumerate(kv_caches)}
         else:
             # A group's layers in vLLM's order (kv_cache_config.kv_cache_groups[g].layer_names); the groups' tensors
             # share memory (vLLM's kv_cache_tensors), each group addressing its own block ids in it.
             self._workers = [core.Worker(s, [(name, describe(kv_caches[name])) for name in layers])
                              for s, layers in zip(self._group_settings, self._group_layers)]
+            self._layer_index = {name: (g, i) for g, layers in enumerate(self._group_layers)
+                                 for i, name in enumerate(layers)}
         self._worker = self._workers[0]
         # Decided once: asking torch whether CUDA is there costs more than the rest of a decode step's hooks.
         cuda = [t for t in kv_caches.values() if getattr(t, "is_cuda", False)]
@@ -82,7 +88,7 @@ class _WorkerSide:
             self._current_stream = (lambda: raw(dev)) if raw is not None else \
                 (lambda: torch.cuda.current_stream(dev).cuda_stream)
 
-    def start_step(self, meta: KvtierConnectorMetadata) -> None:
+    def start_step(self, meta: KvtierConnectorMetadata, layer_hooks: bool = False) -> None:
         self._awaiting_save.update(meta.delayed_frees)
         for rid, groups in getattr(meta, "delayed_groups", {}).items():
             self._save_wait[rid] = set(groups)
@@ -97,19 +103,24 @@ class _WorkerSide:
                     self._failed_recv.add(rid)
             self._failed_blocks.update(blocks)
         plans = [meta.plan, *getattr(meta, "group_plans", [])]
+        self.layered_step = False
         for worker, plan in zip(self._all(), plans):
             if plan:
-                self._start(worker, plan, meta.sync_loads)
+                self._start(worker, plan, meta.sync_loads, layer_hooks)
 
-    def _start(self, worker: Any, plan: bytes, sync_loads: bool) -> None:
+    def _start(self, worker: Any, plan: bytes, sync_loads: bool, layer_hooks: bool) -> None:
         _trace("start_load")
         try:
             worker.bind(plan)
-            worker.start_load(self._stream())
+            # Layered only where vLLM calls wait_for_layer_load before every attention layer (layer_hooks);
+            # the worker decides whether the step has loads to layer (its `layered_sync_loads` setting).
+            worker.start_load(self._stream(), bool(sync_loads and layer_hooks))
+            layered = bool(worker.has_layered_loads())
+            self.layered_step = self.layered_step or layered
         except Exception as e:
             self._error("start_load", e)
             return
-        if sync_loads:
+        if sync_loads and not layered:
             # vLLM calls start_load_kv before the forward pass only when the step has sync loads: complete them
             # here, every layer at once. A failed load raises TransferError; its blocks are then reported by
             # get_block_ids_with_load_errors and vLLM recomputes them, so it is not an adapter error.
@@ -121,7 +132,21 @@ class _WorkerSide:
                 else:
                     self._error("wait_for_layer_load", e)
 
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Before layer ``layer_name``'s attention: the engine's stream waits for that layer's copies (a name the
+        registered layout does not know waits for every layer)."""
+        workers = self._all()
+        loc = self._layer_index.get(layer_name)
+        # The layer's group's worker, at the layer's index among its group's layers; unknown: every layer of all.
+        targets = [(w, None) for w in workers] if loc is None else [(workers[loc[0]], loc[1])]
+        for worker, index in targets:
+            try:
+                worker.wait_for_layer_load(index, self._stream())
+            except Exception as e:
+                self._error("wait_for_layer_load", e)
+
     def forward_done(self) -> None:
+        self.layered_step = False
         for worker in self._all():
             try:
                 worker.forward_done(self._stream())

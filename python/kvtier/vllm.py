@@ -99,6 +99,16 @@ def process_stats() -> dict[str, float]:
     return total
 
 
+def _runs_layer_hooks(forward_context: Any) -> bool:
+    """Whether vLLM runs its per-layer hooks (``wait_for_layer_load``) in this step: not in a step replayed as one
+    full CUDA graph, which skips them ("cannot be captured in CUDA graphs and will be skipped during replay",
+    ``requires_piecewise_for_cudagraph`` in vllm/distributed/kv_transfer/kv_connector/v1/base.py); eager and
+    piecewise steps run attention, and its hooks, outside the graphs. The mode is the forward context's
+    ``cudagraph_runtime_mode`` (set before ``start_load_kv``: vllm/v1/worker/gpu_model_runner.py)."""
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    return mode is not None and getattr(mode, "name", str(mode)) in ("NONE", "PIECEWISE")
+
+
 def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> dict[str, Any]:
     """kvtier's settings for this engine: ``kv_connector_extra_config`` (kvtier configuration keys, nested or
     dotted, e.g. ``{"host.num_blocks": 4096, "disk.dir": "/nvme/kvtier"}``) plus what vLLM itself fixes: block
@@ -125,6 +135,9 @@ def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None"
     # extra scheduler steps). Disk and remote hits stay asynchronous.
     extra["sync_host_loads_default"] = True
     extra.setdefault("ordered_sync_loads", True)
+    # ... and layer by layer where vLLM calls its per-layer hooks (eager and piecewise CUDA-graph steps): the forward
+    # pass of layer l runs while layer l + 1 is copied (Worker::set_layered_sync_loads; issue 27).
+    extra.setdefault("layered_sync_loads", True)
     # The salt separates caches of different models and KV dtypes sharing a tier (disk, remote): every process
     # of one model (producer and consumer alike) must compute the same hashes.
     # Every vLLM release's tensors, detected by kvtier (4-D views in any KVCacheLayout, 5-D, MLA); never the
@@ -223,17 +236,20 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         meta = self._connector_metadata
         if isinstance(meta, KvtierConnectorMetadata):
-            self._worker.start_step(meta)
+            self._worker.start_step(meta, _runs_layer_hooks(forward_context))
 
     def has_connector_metadata(self) -> bool:
         # vLLM asks this only to guard its per-layer hooks (`maybe_transfer_kv_layer` around every attention layer,
-        # vllm/model_executor/layers/attention/kv_transfer_utils.py). kvtier needs none of them (below): saying
-        # "nothing bound" skips two calls per layer per step. kvtier's own hooks read the bound metadata directly.
-        return False
+        # vllm/model_executor/layers/attention/kv_transfer_utils.py). kvtier needs them only in a step with layered
+        # loads; saying "nothing bound" otherwise skips two calls per layer per step. kvtier's own hooks read the
+        # bound metadata directly.
+        return self._worker is not None and self._worker.layered_step
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Sync loads are complete when start_load_kv returns; async ones are never read before get_finished.
-        return
+        # Layered sync loads: the engine's stream waits for this layer's copies. Otherwise sync loads are ordered
+        # (or complete) when start_load_kv returns, and async ones are never read before get_finished.
+        if self._worker is not None and self._worker.layered_step:
+            self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
@@ -550,8 +566,7 @@ class _SchedulerSide:
                 # request no external tokens again: a refusal would repeat).
                 f, refusal = leader.allocate(rid, _group_ids(group_ids, g), n)
                 if n > 0 and len(self._leaders) > 1:
-                    # Whether this group's leader planned a load (a group whose blocks all lie before the window
-                    # loads none); group 0's answer is kept for vLLM's hit-source metrics.
+                    # Whether this group's leader planned a load; group 0's answer is kept for vLLM's metrics.
                     split = list(leader.take_hit_sources(rid, n))
                     if g == 0:
                         self._hit_sources[rid] = split
@@ -593,7 +608,7 @@ class _SchedulerSide:
                     leader.request_preempted_if_running(rid)
             except Exception as e:
                 self._error("request_preempted", e)
-        # One list of records per KV cache group: the same requests and tokens, each group's own block ids.
+        # Per KV cache group: the same requests and tokens, each group's own block ids.
         records: list[list[tuple]] = [[] for _ in self._leaders]
         spec = so.scheduled_spec_decode_tokens or {}
         for r in so.scheduled_new_reqs:
@@ -737,33 +752,23 @@ class _SchedulerSide:
     def cumulative_stats(self) -> dict[str, float]:
         s: dict[str, float] = {}
         # Summed over the groups' leaders (each counts its own group's blocks and bytes).
-        first: dict[str, float] = {}
-        for g, leader in enumerate(self._leaders):
+        per_group: list[dict[str, float]] = []
+        for leader in self._leaders:
             try:
-                st = dict(leader.stats())
+                per_group.append(dict(leader.stats()))
             except Exception as e:
                 self._error("stats", e)
-                continue
-            if g == 0:
-                first = st
+                per_group.append({})
+        for st in per_group:
             for k, v in st.items():
                 s[k] = s.get(k, 0) + v
-        if len(self._leaders) > 1:
-            # Counters of requests and steps count once (every group's leader saw the same ones): group 0's.
-            for k in _PER_REQUEST_COUNTERS:
-                if k in s:
-                    s[k] = first.get(k, 0)
-            # Per group too (``g<index>.<key>``, not aggregated by vLLM): what each group loaded, and its sliding
-            # window (0: full attention).
-            for g, window in enumerate(self._windows):
-                s[f"g{g}.window"] = window
-            for g, leader in enumerate(self._leaders):
-                try:
-                    for k, v in dict(leader.stats()).items():
-                        if k.startswith("onboard_"):
-                            s[f"g{g}.{k}"] = v
-                except Exception as e:
-                    self._error("stats", e)
+        if len(per_group) > 1:
+            # Counters of requests and steps count once (every group saw the same ones): group 0's. Per group
+            # (``g<index>.<key>``, not aggregated by vLLM): what it loaded, and its window (0: full attention).
+            s.update({k: per_group[0].get(k, 0) for k in _PER_REQUEST_COUNTERS if k in s})
+            for g, st in enumerate(per_group):
+                s[f"g{g}.window"] = self._windows[g]
+                s.update({f"g{g}.{k}": v for k, v in st.items() if k.startswith("onboard_")})
         s["adapter_errors"] = s.get("adapter_errors", 0) + self._errors
         return s
 

@@ -7,7 +7,7 @@
 //! keep the memory allocated) for its whole life.
 use std::sync::Arc;
 
-use kvtier::transfer::{Fence, TransferError};
+use kvtier::transfer::{Fence, LayerGate, TransferError};
 
 use crate::error::IoError;
 use crate::host::HostStorage;
@@ -48,9 +48,17 @@ impl CopyDir {
     }
 }
 
-/// A synchronous load's ordering: the engine's stream (raw handle) and the call that lets the
-/// engine go on ([`kvtier::transfer::BlockTransfer::execute_ordered`]).
-pub(crate) type Order<'a> = Option<(u64, &'a mut dyn FnMut())>;
+/// A synchronous load's ordering ([`kvtier::transfer::BlockTransfer::execute_ordered`] and
+/// `execute_layered`): the engine's stream (raw handle), whether the load may go layer by layer,
+/// and the call that lets the engine go on (with the layer gate of a layered load).
+pub(crate) struct Ordering<'a> {
+    pub(crate) stream: u64,
+    pub(crate) layered: bool,
+    pub(crate) enqueued: &'a mut dyn FnMut(Option<Arc<dyn LayerGate>>),
+}
+
+/// An optional [`Ordering`].
+pub(crate) type Order<'a> = Option<Ordering<'a>>;
 
 pub(crate) struct DeviceSide {
     layout: Arc<dyn BlockChunks>,
@@ -150,13 +158,19 @@ impl DeviceSide {
                     }
                 }
                 mem::store_fence();
-                if let (Some((_, enqueued)), true) = (order, failed.is_empty()) {
-                    enqueued();
+                if let (Some(o), true) = (order, failed.is_empty()) {
+                    (o.enqueued)(None);
                 }
             }
             Mover::Cuda(c) => {
                 let order = order.filter(|_| failed.is_empty());
-                failed.extend(c.copy(&resolved, way, fence, order));
+                let layers = self.layout.layers();
+                match (order, layers) {
+                    (Some(o), Some(layers)) if o.layered && !to_host => {
+                        failed.extend(c.copy_layered(&resolved, layers, fence, o));
+                    }
+                    (order, _) => failed.extend(c.copy(&resolved, way, fence, order)),
+                }
             }
         }
         failed

@@ -21,12 +21,13 @@
 use std::sync::Arc;
 
 use kvtier::transfer::{
-    BlockFailure, BlockTransfer, Fence, RemoteStore, TransferError, TransferJob, TransferOutcome,
+    BlockFailure, BlockTransfer, Fence, LayerGate, RemoteStore, TransferError, TransferJob,
+    TransferOutcome,
 };
 use kvtier::Tier;
 
 use crate::cuda::CudaCopyMethod;
-use crate::device::{CopyDir, DeviceKind, DeviceSide, Order};
+use crate::device::{CopyDir, DeviceKind, DeviceSide, Order, Ordering};
 use crate::disk::{DiskOptions, DiskStorage};
 use crate::error::IoError;
 use crate::host::{HostOptions, HostStorage};
@@ -581,8 +582,28 @@ impl BlockTransfer for TransferEngine {
         engine_stream: u64,
         enqueued: &mut dyn FnMut(),
     ) -> TransferOutcome {
-        let order =
-            (job.src == Tier::Host && job.dst == Tier::Device).then_some((engine_stream, enqueued));
+        let mut whole = |_: Option<Arc<dyn LayerGate>>| enqueued();
+        let order = (job.src == Tier::Host && job.dst == Tier::Device).then_some(Ordering {
+            stream: engine_stream,
+            layered: false,
+            enqueued: &mut whole,
+        });
+        self.logged(job, || self.run(job, fence, order))
+    }
+
+    /// Host -> device loads go layer by layer where the device side can (see the trait).
+    fn execute_layered(
+        &self,
+        job: &TransferJob,
+        fence: &Fence,
+        engine_stream: u64,
+        enqueued: &mut dyn FnMut(Option<Arc<dyn LayerGate>>),
+    ) -> TransferOutcome {
+        let order = (job.src == Tier::Host && job.dst == Tier::Device).then_some(Ordering {
+            stream: engine_stream,
+            layered: true,
+            enqueued,
+        });
         self.logged(job, || self.run(job, fence, order))
     }
 }

@@ -20,6 +20,12 @@ pub trait BlockChunks: Send + Sync {
     fn num_blocks(&self) -> u32;
     /// Append the chunks of `block` to `out`, in canonical order. Errors for an unknown block.
     fn chunks(&self, block: u32, out: &mut Vec<Chunk>) -> Result<(), String>;
+    /// The number of layers when a block's canonical bytes are layer-major with every layer the
+    /// same size (layer `l` is bytes `[l * b / n, (l + 1) * b / n)` of the host block): layered
+    /// loads split the copies there. `None` (the default) when the layout does not say.
+    fn layers(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// A region of device memory holding one chunk of every block: block `b`'s chunk starts at
@@ -41,6 +47,8 @@ pub struct StridedLayout {
     regions: Vec<Region>,
     num_blocks: u32,
     bytes_per_block: usize,
+    /// Layers, for a layout built per layer ([`StridedLayout::kv_per_layer`]).
+    layers: Option<usize>,
 }
 
 impl StridedLayout {
@@ -76,6 +84,7 @@ impl StridedLayout {
             regions,
             num_blocks,
             bytes_per_block,
+            layers: None,
         })
     }
 
@@ -118,7 +127,9 @@ impl StridedLayout {
                 });
             }
         }
-        Self::new(num_blocks, regions)
+        let mut l = Self::new(num_blocks, regions)?;
+        l.layers = Some(layer_bases.len());
+        Ok(l)
     }
 
     /// The regions, in each block's canonical chunk order.
@@ -147,6 +158,9 @@ impl BlockChunks for StridedLayout {
         }));
         Ok(())
     }
+    fn layers(&self) -> Option<usize> {
+        self.layers
+    }
 }
 
 impl BlockChunks for DeviceLayout {
@@ -159,6 +173,9 @@ impl BlockChunks for DeviceLayout {
     fn chunks(&self, block: u32, out: &mut Vec<Chunk>) -> Result<(), String> {
         self.chunks_into(DeviceBlockId(block), out)
             .map_err(|e| e.to_string())
+    }
+    fn layers(&self) -> Option<usize> {
+        self.layers_in_canonical_order()
     }
 }
 

@@ -25,7 +25,7 @@ use kvtier_io::memory::{EngineMemory, TensorMemory};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
-use crate::errors::{extract_arg, extract_opt_arg, timeout_arg, BridgeError, BridgeResult, Family};
+use crate::errors::{extract_opt_arg, timeout_arg, BridgeError, BridgeResult, Family};
 use crate::leader::encode_reports;
 use crate::rendezvous::Rendezvous;
 use crate::settings::Settings;
@@ -330,6 +330,9 @@ impl PyWorker {
         // Opt-in (`ordered_sync_loads`, vLLM's extra config): sync loads ordered on the device
         // ahead of the engine's forward pass (kvtier::connector::Worker::set_ordered_sync_loads).
         worker.set_ordered_sync_loads(settings.ordered_sync_loads().map_err(BridgeError::from)?);
+        // Opt-in (`layered_sync_loads`, vLLM's extra config): ordered sync loads layer by layer
+        // in steps the adapter starts layered (kvtier::connector::Worker::set_layered_sync_loads).
+        worker.set_layered_sync_loads(settings.layered_sync_loads().map_err(BridgeError::from)?);
         Ok(PyWorker {
             inner: Mutex::new(Inner {
                 worker: Some(worker),
@@ -437,29 +440,42 @@ impl PyWorker {
         Ok(())
     }
 
-    #[pyo3(signature = (stream = None))]
-    fn start_load(&self, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    /// Start the bound step's loads; `layered`: the step's ordered sync loads may go layer by
+    /// layer (the engine then calls `wait_for_layer_load` before every layer's attention).
+    #[pyo3(signature = (stream = None, layered = false))]
+    fn start_load(&self, stream: Option<&Bound<'_, PyAny>>, layered: bool) -> PyResult<()> {
         let stream: Option<u64> = extract_opt_arg(Family::Connector, "stream", stream)?;
         let mut g = self.lock();
-        g.worker.as_mut().ok_or_else(gone)?.start_load(stream);
+        g.worker
+            .as_mut()
+            .ok_or_else(gone)?
+            .start_load_layered(stream, layered);
         Ok(())
     }
 
+    /// Whether the bound step has layered loads (the engine must call the per-layer hooks).
+    fn has_layered_loads(&self) -> PyResult<bool> {
+        let g = self.lock();
+        Ok(g.worker.as_ref().ok_or_else(gone)?.has_layered_loads())
+    }
+
+    /// Before the engine reads `layer` (`None`: every layer) on `stream`: see
+    /// `kvtier::connector::Worker::wait_for_layer`.
     #[pyo3(signature = (layer, stream = None))]
     fn wait_for_layer_load(
         &self,
         py: Python<'_>,
-        layer: &Bound<'_, PyAny>,
+        layer: Option<&Bound<'_, PyAny>>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let layer: usize = extract_arg(Family::Connector, "layer", layer)?;
-        let _: Option<u64> = extract_opt_arg(Family::Connector, "stream", stream)?;
+        let layer: Option<usize> = extract_opt_arg(Family::Connector, "layer", layer)?;
+        let stream: Option<u64> = extract_opt_arg(Family::Connector, "stream", stream)?;
         py.detach(|| {
             let mut g = self.lock();
             g.worker
                 .as_mut()
                 .ok_or_else(gone)?
-                .wait_for_layer_load(layer);
+                .wait_for_layer(layer, stream);
             Ok(())
         })
     }

@@ -338,6 +338,13 @@ impl DeviceLayout {
         paged::build(layers, kernel_blocks, dtype)
     }
 
+    /// The number of layers when a block's canonical bytes hold them one after the other, each
+    /// the same size (every layout but the paged ones whose blocks interleave the layers).
+    pub fn layers_in_canonical_order(&self) -> Option<usize> {
+        let n = self.geometry.num_layers;
+        (self.layer_major && n > 0 && self.bytes_per_block().is_multiple_of(n)).then_some(n)
+    }
+
     /// Whether a block's chunks are one contiguous range (the fastest copy: one range per block).
     pub fn block_is_contiguous(&self) -> bool {
         let mut v = Vec::new();

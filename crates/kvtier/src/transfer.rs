@@ -203,6 +203,33 @@ pub trait BlockTransfer: Send + Sync {
         let _ = (engine_stream, enqueued);
         self.execute(job, fence)
     }
+    /// [`Self::execute_ordered`], layer by layer: an implementation that can splits the copies
+    /// by layer of the engine's layout and, instead of making `engine_stream` wait for the whole
+    /// job, hands `enqueued` a [`LayerGate`] with which the engine's stream waits for one layer's
+    /// copies right before that layer's attention reads them (vLLM's `wait_for_layer_load`),
+    /// so the copy of layer `l + 1` runs beside the forward pass of layer `l`. `enqueued(None)`
+    /// means what `execute_ordered`'s `enqueued` means: the stream already waits for every copy.
+    /// The same rules as `execute_ordered` otherwise; the default is `execute_ordered`.
+    fn execute_layered(
+        &self,
+        job: &TransferJob,
+        fence: &Fence,
+        engine_stream: u64,
+        enqueued: &mut dyn FnMut(Option<std::sync::Arc<dyn LayerGate>>),
+    ) -> TransferOutcome {
+        self.execute_ordered(job, fence, engine_stream, &mut || enqueued(None))
+    }
+}
+
+/// The per-layer completion of a layered load ([`BlockTransfer::execute_layered`]): makes an
+/// engine stream wait for the copies of one layer. Layers are the engine layout's, in the order
+/// the engine registered its KV tensors.
+pub trait LayerGate: Send + Sync {
+    /// Number of layers the gate covers.
+    fn layers(&self) -> usize;
+    /// Make `engine_stream` wait for every copy of `layer` (cheap: a device-side wait, the CPU
+    /// does not block). A layer `>= layers()` is an error.
+    fn wait_layer(&self, layer: usize, engine_stream: u64) -> Result<(), TransferError>;
 }
 
 /// A shared, content-addressed remote store (G4): Redis/Valkey, or a shared directory.

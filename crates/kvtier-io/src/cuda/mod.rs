@@ -25,6 +25,8 @@ use std::sync::{Arc, Mutex};
 use kvtier::transfer::{Fence, TransferError};
 
 use crate::device::{CopyDir, Order};
+
+mod layered;
 use crate::error::IoError;
 use crate::host::HostStorage;
 use crate::layout::{BlockChunks, Chunk};
@@ -119,6 +121,8 @@ pub(crate) struct CudaMover {
     method: CudaCopyMethod,
     kernel: Option<Kernel>,
     batch_available: bool,
+    /// Kernels may read the (pinned, registered) host tier at its host addresses: layered loads.
+    host_readable: bool,
     d2h: Mutex<Dir>,
     h2d: Mutex<Dir>,
 }
@@ -198,12 +202,14 @@ impl CudaMover {
             batch = batch_available,
             "CUDA transfers ready"
         );
+        let host_readable = host.is_some_and(|h| h.is_pinned()) && driver.host_pointers_usable();
         Ok(CudaMover {
             driver,
             bytes_per_block,
             method,
             kernel,
             batch_available,
+            host_readable,
             d2h,
             h2d,
         })
@@ -360,11 +366,11 @@ impl CudaMover {
             }
         };
         dir.done.record(last)?;
-        if let Some((engine_stream, enqueued)) = order {
+        if let Some(o) = order {
             // SAFETY: the engine passed the stream its next work (the forward pass) runs on,
             // a live stream of this device's primary context, or 0 (`execute_ordered`).
-            unsafe { dir.done.make_raw_stream_wait(engine_stream)? };
-            enqueued();
+            unsafe { dir.done.make_raw_stream_wait(o.stream)? };
+            (o.enqueued)(None);
         }
         // The host blocks stay held by the job until the copies completed.
         dir.done.wait()

@@ -113,6 +113,22 @@ impl Driver {
         unsafe { check(sys::cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent") }
     }
 
+    /// Whether kernels on this device may read host memory registered with
+    /// [`Self::host_register`] at its host address (unified addressing and
+    /// `CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`): kvtier's layered loads read the host tier
+    /// from the scatter kernel only then.
+    pub(crate) fn host_pointers_usable(&self) -> bool {
+        use sys::CUdevice_attribute as A;
+        let attr = |a: A| {
+            let mut v = 0i32;
+            // SAFETY: `dev` is a valid device handle; local out-pointer.
+            let r = unsafe { sys::cuDeviceGetAttribute(&mut v, a, self.dev) };
+            r == sys::CUresult::CUDA_SUCCESS && v == 1
+        };
+        attr(A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)
+            && attr(A::CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM)
+    }
+
     /// Pin `len` bytes at `addr` (page-locked, mapped for the device).
     pub(crate) fn host_register(&self, addr: usize, len: usize) -> CuResult<()> {
         self.make_current()?;

@@ -36,6 +36,7 @@ pub(crate) const ENGINE_KEYS: &[&str] = &[
     "dtype",
     "finished_ids_are_saving",
     "ordered_sync_loads",
+    "layered_sync_loads",
     "zmq_endpoint",
     "test_load_delay_ms",
     "role",
@@ -295,6 +296,11 @@ impl EngineSettings {
     /// Whether synchronous loads are ordered on the engine's stream (`ordered_sync_loads`).
     pub fn ordered_sync_loads(&self) -> Result<bool, ConfigError> {
         Ok(self.bool("ordered_sync_loads")?.unwrap_or(false))
+    }
+
+    /// Whether ordered synchronous loads may go layer by layer (`layered_sync_loads`).
+    pub fn layered_sync_loads(&self) -> Result<bool, ConfigError> {
+        Ok(self.bool("layered_sync_loads")?.unwrap_or(false))
     }
 
     /// A delay added to every load, for tests (`test_load_delay_ms`; 0 = none).

@@ -8,8 +8,12 @@
 //!   step's forward pass);
 //! - sync loads of a step are complete before `wait_for_layer_load` returns, or, with ordered
 //!   sync loads (`set_ordered_sync_loads`), the engine's stream is made to wait for their copies
-//!   on the device first ([`BlockTransfer::execute_ordered`]); a sync load that the engine never
-//!   waited for before its forward pass ended is not run and is reported as failed;
+//!   on the device first ([`BlockTransfer::execute_ordered`]); with layered sync loads
+//!   (`set_layered_sync_loads`, a step started with `start_load_layered`) layer by layer instead
+//!   ([`BlockTransfer::execute_layered`]): `wait_for_layer` makes the stream wait for one
+//!   layer's copies; a sync load that the engine never waited for before its forward pass ended
+//!   is not run and is reported as failed, and a layered one with a layer never waited for is
+//!   reported failed (its blocks in `take_load_errors` at once) and its stores are dropped;
 //! - a load that failed on any pair puts those device blocks in `take_load_errors` and its
 //!   request in `load_failed`, never in `loaded`;
 //! - a finished request is reported saved only if the leader answered "saves in flight" for it
@@ -33,7 +37,9 @@ use crate::ids::{DeviceBlockId, JobId, RequestId};
 use crate::transfer::{BlockTransfer, Fence, TransferJob, TransferOutcome};
 
 mod executor;
-use executor::{executor, fail_all, Done, Note, Task};
+mod layered;
+use executor::{executor, fail_all, Done, Note, Order, Task};
+use layered::StepGate;
 
 /// Where a worker's reports go.
 pub trait ReportSink: Send + Sync {
@@ -121,6 +127,15 @@ pub struct Worker {
     /// Sync load jobs (still running) whose copies the engine's stream already waits for.
     sync_enqueued: HashSet<JobId>,
     ordered_sync_loads: bool,
+    layered_sync_loads: bool,
+    /// The bound step's layered sync loads whose copies are enqueued.
+    gates: Vec<StepGate>,
+    /// Device blocks of the bound step's layered sync load jobs (reported failed at once when a
+    /// layer was never waited for).
+    layered_dsts: HashMap<JobId, Vec<DeviceBlockId>>,
+    /// Jobs reported failed before they finished (a layer never waited for): their outcome is
+    /// a failure whatever the copies did.
+    failed_early: HashSet<JobId>,
     /// Finished requests passed in by the engine, with the bind count when they were passed.
     finished_waiting: HashMap<RequestId, u64>,
     /// Requests the leader declared saving (from the metadata).
@@ -180,6 +195,10 @@ impl Worker {
             sync_pending: 0,
             sync_enqueued: HashSet::new(),
             ordered_sync_loads: false,
+            layered_sync_loads: false,
+            gates: Vec::new(),
+            layered_dsts: HashMap::new(),
+            failed_early: HashSet::new(),
             finished_waiting: HashMap::new(),
             saving: HashSet::new(),
             finished_are_saving: false,
@@ -216,7 +235,7 @@ impl Worker {
         &self.transfer
     }
 
-    fn submit(&mut self, jobs: Vec<TransferJob>, fence: Fence, order: Option<u64>) {
+    fn submit(&mut self, jobs: Vec<TransferJob>, fence: Fence, order: Option<Order>) {
         if jobs.is_empty() {
             return;
         }
@@ -307,35 +326,62 @@ impl Worker {
 
     /// Start the bound step's loads (engine thread, before the forward pass).
     pub fn start_load(&mut self, engine_stream: Option<u64>) {
+        self.start_load_layered(engine_stream, false);
+    }
+
+    /// [`Self::start_load`]; with `layered` (and [`Self::set_layered_sync_loads`]) the step's
+    /// ordered sync loads go layer by layer: the engine then calls [`Self::wait_for_layer`] for
+    /// every layer before its forward pass reads it (an engine that may skip a layer's hook in
+    /// this step, e.g. a step replayed as one CUDA graph, must pass false).
+    pub fn start_load_layered(&mut self, engine_stream: Option<u64>, layered: bool) {
         if self.bound_loads.is_empty() {
             return;
         }
         let loads = std::mem::take(&mut self.bound_loads);
-        let order = engine_stream.filter(|_| self.ordered_sync_loads);
+        let order = engine_stream
+            .filter(|_| self.ordered_sync_loads)
+            .map(|stream| Order {
+                stream,
+                layered: layered && self.layered_sync_loads,
+            });
         let (ordered, plain): (Vec<RequestLoad>, Vec<RequestLoad>) =
             loads.into_iter().partition(|l| l.sync && order.is_some());
         let flat = |v: Vec<RequestLoad>| v.into_iter().flat_map(|l| l.jobs).collect::<Vec<_>>();
+        let ordered = flat(ordered);
+        if order.is_some_and(|o| o.layered) {
+            for j in &ordered {
+                let dsts = j.pairs.iter().map(|p| DeviceBlockId(p.dst)).collect();
+                self.layered_dsts.insert(j.id, dsts);
+            }
+        }
         self.submit_after_fence(flat(plain), engine_stream, "loads", None);
-        self.submit_after_fence(flat(ordered), engine_stream, "loads", order);
+        self.submit_after_fence(ordered, engine_stream, "loads", order);
     }
 
     /// Block until the step's sync loads are done, or (ordered sync loads) until the engine's
-    /// stream waits for their copies; all layers at once: correct first.
-    pub fn wait_for_layer_load(&mut self, _layer: usize) {
-        if !self.bound_loads.is_empty() {
-            self.start_load(None);
-        }
-        while self.sync_pending > self.sync_enqueued.len() {
-            match self.done_rx.recv() {
-                Ok(n) => self.on_note(n),
-                Err(_) => break,
-            }
-        }
+    /// stream waits for their copies; all layers at once (an engine without a stream to give).
+    pub fn wait_for_layer_load(&mut self, layer: usize) {
+        self.wait_for_layer(Some(layer), None);
     }
 
     /// The forward pass has been enqueued: capture its end and queue the step's stores.
     /// Sync loads nobody waited for are reported failed (the forward did not see their data).
     pub fn forward_done(&mut self, engine_stream: Option<u64>) {
+        self.drain();
+        let unawaited: Vec<JobId> = self
+            .gates
+            .iter()
+            .filter(|g| g.awaited.iter().any(|a| !a))
+            .map(|g| g.job)
+            .collect();
+        for job in unawaited {
+            layered::kvtier_warn_unawaited(job);
+            self.fail_layered_now(job);
+        }
+        // Jobs still in `layered_dsts` whose gate never came: they are sync jobs the engine
+        // never waited for (counted in `sync_pending`), failed by their outcome or below.
+        self.gates.clear();
+        self.layered_dsts.clear();
         let loads = std::mem::take(&mut self.bound_loads);
         for l in loads {
             if l.sync {
@@ -549,7 +595,7 @@ impl Worker {
         jobs: Vec<TransferJob>,
         engine_stream: Option<u64>,
         what: &str,
-        order: Option<u64>,
+        order: Option<Order>,
     ) {
         if jobs.is_empty() {
             return;
@@ -585,9 +631,22 @@ impl Worker {
 
     fn on_note(&mut self, n: Note) {
         match n {
-            Note::Enqueued(id) => {
-                if let Some(JobInfo::Load { sync: true, .. }) = self.jobs.get(&id) {
+            Note::Enqueued(id, gate) => {
+                if let Some(JobInfo::Load {
+                    sync: true,
+                    request,
+                }) = self.jobs.get(&id)
+                {
                     self.sync_enqueued.insert(id);
+                    if let Some(gate) = gate {
+                        let awaited = vec![false; gate.layers()];
+                        self.gates.push(StepGate {
+                            job: id,
+                            request: request.clone(),
+                            gate,
+                            awaited,
+                        });
+                    }
                 }
             }
             Note::Done(d) => self.on_done(d),
@@ -612,8 +671,14 @@ impl Worker {
                 }
             }
             JobInfo::Load { request, sync } => {
-                let failed = d.outcome.failed_pairs();
-                for &i in &failed {
+                let early = self.failed_early.remove(&d.job.id);
+                let failed = if early {
+                    // Already in `load_errors` (`fail_layered_now`).
+                    (0..d.job.pairs.len()).collect()
+                } else {
+                    d.outcome.failed_pairs()
+                };
+                for &i in failed.iter().filter(|_| !early) {
                     if let Some(p) = d.job.pairs.get(i) {
                         self.load_errors.push(DeviceBlockId(p.dst));
                     }
@@ -621,7 +686,7 @@ impl Worker {
                 if sync {
                     self.sync_enqueued.remove(&d.job.id);
                     self.sync_pending = self.sync_pending.saturating_sub(1);
-                    if !failed.is_empty() {
+                    if !failed.is_empty() && !early {
                         self.poisoned.insert(request.clone());
                     }
                 }
@@ -702,84 +767,4 @@ impl Drop for Worker {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-    use crate::connector::messages::{RequestStore, PROTOCOL_VERSION};
-    use crate::connector::testing::{FaultyTransfer, MemoryTransfer};
-    use crate::ids::Tier;
-    use crate::transfer::BlockPair;
-
-    /// A worker whose transfers are held, with `stores` (job id, request) bound and submitted.
-    fn worker_with_held_stores(stores: &[(u64, &str)]) -> (Worker, Arc<FaultyTransfer>) {
-        let faulty = Arc::new(FaultyTransfer::new(Arc::new(MemoryTransfer::new(
-            8, 4, 4, 0,
-        ))));
-        let (tx, _rx) = channel();
-        let mut w = Worker::new(faulty.clone(), WorkerLink::in_process(0, 1, tx));
-        let stores = stores
-            .iter()
-            .map(|&(id, request)| RequestStore {
-                request: request.into(),
-                job: TransferJob {
-                    id: JobId(id),
-                    src: Tier::Device,
-                    dst: Tier::Host,
-                    pairs: vec![BlockPair {
-                        src: id as u32,
-                        dst: id as u32,
-                    }],
-                    remote_keys: Vec::new(),
-                },
-            })
-            .collect();
-        faulty.hold();
-        w.bind(&StepMetadata {
-            version: PROTOCOL_VERSION,
-            step: 1,
-            stores,
-            ..Default::default()
-        });
-        w.forward_done(None);
-        (w, faulty)
-    }
-
-    /// Releases the held transfers after `after`.
-    fn release_after(faulty: Arc<FaultyTransfer>, after: Duration) -> std::thread::JoinHandle<()> {
-        std::thread::spawn(move || {
-            std::thread::sleep(after);
-            faulty.release();
-        })
-    }
-
-    #[test]
-    fn waiting_for_all_requests_waits_for_every_requests_store() {
-        let (mut w, faulty) = worker_with_held_stores(&[(1, "a"), (2, "b")]);
-        let releaser = release_after(faulty, Duration::from_millis(150));
-        let t = Instant::now();
-        w.wait_for_all_requests();
-        assert!(
-            t.elapsed() >= Duration::from_millis(120),
-            "returned after {:?}",
-            t.elapsed()
-        );
-        assert_eq!(w.jobs_in_flight(), 0, "a store is still running");
-        releaser.join().unwrap();
-    }
-
-    #[test]
-    fn waiting_for_requests_outlasts_its_log_interval() {
-        let (mut w, faulty) = worker_with_held_stores(&[(1, "r")]);
-        let releaser = release_after(faulty, Duration::from_millis(300));
-        let r: RequestId = "r".into();
-        let t = Instant::now();
-        w.wait_for_requests_logging(Some(std::slice::from_ref(&r)), Duration::from_millis(20));
-        assert!(
-            t.elapsed() >= Duration::from_millis(250),
-            "gave up after {:?}",
-            t.elapsed()
-        );
-        assert_eq!(w.jobs_in_flight(), 0);
-        releaser.join().unwrap();
-    }
-}
+mod tests;

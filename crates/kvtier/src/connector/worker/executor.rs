@@ -13,15 +13,26 @@ use std::sync::{Arc, Mutex};
 use super::WorkerLink;
 use crate::connector::messages::{remote_key_for_rank, WorkerReport};
 use crate::ids::{JobId, Tier};
-use crate::transfer::{BlockFailure, BlockTransfer, Fence, TransferJob, TransferOutcome};
+use crate::transfer::{
+    BlockFailure, BlockTransfer, Fence, LayerGate, TransferJob, TransferOutcome,
+};
 
 pub(super) struct Task {
     pub(super) jobs: Vec<TransferJob>,
     pub(super) fence: Fence,
     /// Ordered sync loads: the engine stream that must wait for these jobs' copies.
-    pub(super) order: Option<u64>,
+    pub(super) order: Option<Order>,
     /// When the task was handed to the executor (profiling: `KVTIER_LOG=kvtier_timing=debug`).
     pub(super) queued: std::time::Instant,
+}
+
+/// How an ordered task's copies are put ahead of the engine's stream.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Order {
+    /// The engine's stream (raw handle).
+    pub(super) stream: u64,
+    /// Layer by layer ([`BlockTransfer::execute_layered`]) rather than the whole job at once.
+    pub(super) layered: bool,
 }
 
 pub(super) struct Done {
@@ -31,8 +42,9 @@ pub(super) struct Done {
 
 /// What executors tell the worker.
 pub(super) enum Note {
-    /// An ordered job's copies are enqueued and the engine's stream waits for them.
-    Enqueued(JobId),
+    /// An ordered job's copies are enqueued and the engine's stream waits for them (`None`), or
+    /// can be made to wait for them layer by layer (the gate).
+    Enqueued(JobId, Option<Arc<dyn LayerGate>>),
     Done(Done),
 }
 
@@ -59,8 +71,9 @@ pub(super) trait TaskSource {
 /// Where executors put finished jobs; false once the worker is gone (the executor then ends).
 pub(super) trait DoneSink {
     fn job_done(&self, done: Done) -> bool;
-    /// An ordered job's copies are enqueued ahead of the engine's stream.
-    fn job_enqueued(&self, job: JobId);
+    /// An ordered job's copies are enqueued ahead of the engine's stream (or, with a gate, can
+    /// be put ahead of it layer by layer).
+    fn job_enqueued(&self, job: JobId, gate: Option<Arc<dyn LayerGate>>);
 }
 
 impl TaskSource for Arc<Mutex<Receiver<Task>>> {
@@ -74,8 +87,8 @@ impl DoneSink for Sender<Note> {
     fn job_done(&self, done: Done) -> bool {
         self.send(Note::Done(done)).is_ok()
     }
-    fn job_enqueued(&self, job: JobId) {
-        let _ = self.send(Note::Enqueued(job));
+    fn job_enqueued(&self, job: JobId, gate: Option<Arc<dyn LayerGate>>) {
+        let _ = self.send(Note::Enqueued(job, gate));
     }
 }
 
@@ -101,10 +114,23 @@ pub(super) fn executor(
                 }
             }
             let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| match task.order {
-                Some(stream) => {
+                Some(Order {
+                    stream,
+                    layered: false,
+                }) => {
                     let id = job.id;
-                    transfer
-                        .execute_ordered(&run, &task.fence, stream, &mut || done.job_enqueued(id))
+                    transfer.execute_ordered(&run, &task.fence, stream, &mut || {
+                        done.job_enqueued(id, None)
+                    })
+                }
+                Some(Order {
+                    stream,
+                    layered: true,
+                }) => {
+                    let id = job.id;
+                    transfer.execute_layered(&run, &task.fence, stream, &mut |gate| {
+                        done.job_enqueued(id, gate)
+                    })
                 }
                 None => transfer.execute(&run, &task.fence),
             }))

@@ -73,7 +73,12 @@ impl DoneSink for lmpsc::Sender<Done> {
     fn job_done(&self, done: Done) -> bool {
         self.send(done).is_ok()
     }
-    fn job_enqueued(&self, _job: JobId) {}
+    fn job_enqueued(
+        &self,
+        _job: JobId,
+        _gate: Option<std::sync::Arc<dyn crate::transfer::LayerGate>>,
+    ) {
+    }
 }
 
 struct Instant1;

@@ -1,0 +1,255 @@
+//! Layered loads (host tier -> the engine's blocks, one layer at a time): the scatter kernel reads
+//! each layer's bytes straight from the pinned host tier (unified addressing, no staging) and
+//! writes them into the engine's chunks, one launch per layer on the kvtier kernel stream, each
+//! followed by that layer's event. The engine's stream waits for one layer's event right before
+//! that layer's attention ([`CudaLayerGate`]), so copies of later layers run beside the forward
+//! pass of earlier ones (vLLM's `wait_for_layer_load`).
+//!
+//! Invariants: a layered load is used only when kernels may read the host tier at its host
+//! addresses (pinned, registered, `CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`), every piece is
+//! 16-byte aligned and the job is at most [`LAYERED_MAX_BYTES`], else the job goes the whole-job
+//! ordered way (the gate handed to the engine is then `None`); the kernels run after the job's
+//! fence (a stream wait, not a CPU wait); layer `l`'s event is recorded after the launch that
+//! writes every byte of layer `l` and of no later layer; each job has its own events, so a gate
+//! handed to the engine is never re-recorded; the descriptors stay untouched until the job's
+//! `done` event completed (the direction's lock is held until then).
+use std::sync::Arc;
+
+use kvtier::transfer::{Fence, LayerGate, TransferError};
+
+use super::{CudaFence, CudaMover, THREADS};
+use crate::device::Ordering;
+use crate::layout::Chunk;
+use crate::sys::cuda::{CuResult, Driver, Event, PinnedAlloc};
+
+/// Loads larger than this go the whole-job ordered way (copy engine, link rate) instead. The
+/// kernel's reads of host memory run below the copy engine's rate (H200, PCIe Gen5: 43.7 GB/s for
+/// a 1 GiB layered load, against 53-55 GB/s), which costs more than the overlap gains on long
+/// prompts: vLLM 0.33, Llama-3.1-8B shape, eager, replay TTFT layered / whole: 23.7 / 29.5 ms at
+/// 2K (256 MiB), 35.0 / 43.4 ms at 8K (1 GiB), 121.5 / 116.2 ms at 32K (4 GiB)
+/// (docs/bench/vllm.md); the crossover lies near 2 GiB.
+pub(crate) const LAYERED_MAX_BYTES: usize = 2 << 30;
+
+/// At most this many thread blocks per layer's launch: enough reads in flight to fill the link
+/// from host memory, few enough to leave the SMs to the forward pass.
+const MAX_GRID: usize = 512;
+
+/// The per-layer events of one layered load.
+pub(crate) struct CudaLayerGate {
+    driver: Arc<Driver>,
+    events: Vec<Event>,
+}
+
+impl LayerGate for CudaLayerGate {
+    fn layers(&self) -> usize {
+        self.events.len()
+    }
+
+    fn wait_layer(&self, layer: usize, engine_stream: u64) -> Result<(), TransferError> {
+        let ev = self.events.get(layer).ok_or_else(|| {
+            TransferError::Other(format!(
+                "layer {layer} is out of range ({} layers)",
+                self.events.len()
+            ))
+        })?;
+        self.driver.make_current().map_err(TransferError::Cuda)?;
+        // SAFETY: the engine passes the stream its forward pass runs on, a live stream of this
+        // device's primary context, or 0 (`BlockTransfer::execute_layered`).
+        unsafe { ev.make_raw_stream_wait(engine_stream) }.map_err(TransferError::Cuda)
+    }
+}
+
+/// The kernel descriptors `(src, dst, len)` of each layer of a load: `items[k] = (pair, chunks of
+/// the device block, host block address)`; layer `l` is bytes `[l * s, (l + 1) * s)` of every
+/// host block (`s = bytes_per_block / layers`, canonical layer-major order), a chunk spanning a
+/// layer boundary split there. `None` when the block does not split into equal 16-byte aligned
+/// layers.
+pub(crate) fn layer_descriptors(
+    items: &[(usize, Vec<Chunk>, usize)],
+    bytes_per_block: usize,
+    layers: usize,
+) -> Option<Vec<Vec<u64>>> {
+    if layers == 0 || !bytes_per_block.is_multiple_of(layers) {
+        return None;
+    }
+    let s = bytes_per_block / layers;
+    if !s.is_multiple_of(16) {
+        return None;
+    }
+    let mut out: Vec<Vec<u64>> = vec![Vec::with_capacity(items.len() * 6); layers];
+    for (_, chunks, host) in items {
+        if !host.is_multiple_of(16) {
+            return None;
+        }
+        let mut off = 0usize; // canonical offset of the chunk's first byte
+        for c in chunks {
+            if !c.addr.is_multiple_of(16) || !c.len.is_multiple_of(16) {
+                return None;
+            }
+            let mut done = 0usize;
+            while done < c.len {
+                let at = off + done;
+                let layer = at / s;
+                let piece = (c.len - done).min((layer + 1) * s - at);
+                out.get_mut(layer)?.extend_from_slice(&[
+                    (host + at) as u64,
+                    c.addr + done as u64,
+                    piece as u64,
+                ]);
+                done += piece;
+            }
+            off += c.len;
+        }
+        if off != bytes_per_block {
+            return None;
+        }
+    }
+    Some(out)
+}
+
+impl CudaMover {
+    /// A synchronous load layer by layer (see the module comment); returns the failed pairs
+    /// like `copy`. Falls back to the whole-job ordered copy when the job cannot be layered.
+    pub(crate) fn copy_layered(
+        &self,
+        items: &[(usize, Vec<Chunk>, usize)],
+        layers: usize,
+        fence: &Fence,
+        order: Ordering<'_>,
+    ) -> Vec<(usize, String)> {
+        if items.is_empty() {
+            (order.enqueued)(None);
+            return Vec::new();
+        }
+        let descs = self
+            .kernel
+            .as_ref()
+            .filter(|_| self.host_readable)
+            .filter(|_| items.len().saturating_mul(self.bytes_per_block) <= LAYERED_MAX_BYTES)
+            .and_then(|_| layer_descriptors(items, self.bytes_per_block, layers));
+        let Some(descs) = descs else {
+            return self.copy(
+                items,
+                crate::device::CopyDir::HostToDevice,
+                fence,
+                Some(order),
+            );
+        };
+        match self.layered_inner(&descs, fence, order) {
+            Ok(()) => Vec::new(),
+            Err(e) => items
+                .iter()
+                .map(|(i, _, _)| (*i, format!("CUDA: {e}")))
+                .collect(),
+        }
+    }
+
+    fn layered_inner(
+        &self,
+        descs: &[Vec<u64>],
+        fence: &Fence,
+        order: Ordering<'_>,
+    ) -> CuResult<()> {
+        self.driver.make_current()?;
+        let Some(kernel) = &self.kernel else {
+            return Err("kernel path not set up".into());
+        };
+        let mut dir = self
+            .h2d
+            .lock()
+            .map_err(|_| "transfer state poisoned by an earlier panic".to_string())?;
+        if let Some(f) = fence.0.as_ref().and_then(|b| b.downcast_ref::<CudaFence>()) {
+            dir.kernel.wait(&f.0)?;
+        }
+        let bytes: usize = descs.iter().map(|d| d.len() * 8).sum();
+        if dir.job_descs.as_ref().is_none_or(|b| b.len() < bytes) {
+            dir.job_descs = Some(PinnedAlloc::new(bytes.next_power_of_two())?);
+        }
+        let Some(buf) = dir.job_descs.as_ref() else {
+            return Err("descriptor buffer missing".into());
+        };
+        let all: Vec<u8> = descs
+            .iter()
+            .flat_map(|d| d.iter().flat_map(|v| v.to_le_bytes()))
+            .collect();
+        // SAFETY: `buf` is our pinned buffer of at least `all.len()` bytes, and no kernel reads
+        // it: the job that used it last completed (its `done` was waited for under this lock).
+        unsafe { crate::sys::mem::copy(all.as_ptr() as usize, buf.addr(), all.len()) };
+        let base = buf.addr() as u64;
+        let mut events = Vec::with_capacity(descs.len());
+        let mut first = 0u64;
+        for d in descs {
+            let n = d.len() / 3;
+            if n > 0 {
+                let grid = u32::try_from(n.min(MAX_GRID)).unwrap_or(1);
+                let count = u32::try_from(n).map_err(|e| e.to_string())?;
+                // SAFETY: the descriptors name whole pieces of host tier blocks held by this job
+                // (pinned and registered, readable by kernels at their host addresses: checked
+                // at construction) and chunks of the engine's registered blocks; the descriptor
+                // buffer is pinned and device-mapped.
+                unsafe { kernel.launch(grid, THREADS, &dir.kernel, base + first * 24, count)? };
+            }
+            first += n as u64;
+            let ev = Event::new(false)?;
+            ev.record(&dir.kernel)?;
+            events.push(ev);
+        }
+        dir.done.record(&dir.kernel)?;
+        (order.enqueued)(Some(Arc::new(CudaLayerGate {
+            driver: Arc::clone(&self.driver),
+            events,
+        })));
+        // The host blocks stay held by the job until the copies completed.
+        dir.done.wait()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn chunk(addr: u64, len: usize) -> Chunk {
+        Chunk { addr, len }
+    }
+
+    #[test]
+    fn descriptors_split_by_layer_at_canonical_offsets() {
+        // Two layers of 64 bytes (K, V of 32 each); block 0's K/V of layer 1 coalesced with
+        // layer 0's V into one 96-byte chunk: it is split at the layer boundary.
+        let items = vec![
+            (0, vec![chunk(0x1000, 32), chunk(0x2000, 96)], 0x9000usize),
+            (
+                1,
+                vec![chunk(0x3000, 32), chunk(0x4000, 32), chunk(0x5000, 64)],
+                0xA000,
+            ),
+        ];
+        let d = layer_descriptors(&items, 128, 2).unwrap();
+        assert_eq!(
+            d[0],
+            vec![0x9000, 0x1000, 32, 0x9020, 0x2000, 32, 0xA000, 0x3000, 32, 0xA020, 0x4000, 32]
+        );
+        assert_eq!(d[1], vec![0x9040, 0x2020, 64, 0xA040, 0x5000, 64]);
+    }
+
+    #[test]
+    fn unaligned_or_unequal_layers_are_not_layered() {
+        let items = vec![(0, vec![chunk(0x1000, 128)], 0x9000usize)];
+        assert!(
+            layer_descriptors(&items, 128, 3).is_none(),
+            "unequal layers"
+        );
+        assert!(
+            layer_descriptors(&items, 128, 16).is_none(),
+            "8-byte layers"
+        );
+        let odd = vec![(0, vec![chunk(0x1008, 128)], 0x9000usize)];
+        assert!(layer_descriptors(&odd, 128, 2).is_none(), "unaligned chunk");
+        let short = vec![(0, vec![chunk(0x1000, 64)], 0x9000usize)];
+        assert!(
+            layer_descriptors(&short, 128, 2).is_none(),
+            "chunks short of a block"
+        );
+    }
+}
