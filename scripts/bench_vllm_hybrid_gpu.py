@@ -127,7 +127,7 @@ def main() -> int:
     ap.add_argument("--out", default="bench-out/vllm-hybrid.json")
     ap.add_argument("--lengths", default="8192,32768")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--host-gb", type=float, default=40.0)
+    ap.add_argument("--host-gb", type=float, default=24.0)
     ap.add_argument("--g1-gb", type=float, default=8.0)
     ap.add_argument("--engines", default="vllm,native,kvtier,kvtier-nohma")
     ap.add_argument("--check-tokens", type=int, default=8)
