@@ -33,8 +33,11 @@ Invariants:
   other waiting request);
 - nothing raised inside kvtier escapes into vLLM: every failure becomes a logged error, a cache miss or a failed
   load, and is counted (``adapter_errors``);
-- each device block id enters kvtier's block table once per request: new requests bring their table, cached requests
-  append ``new_block_ids``, resumed requests replace it;
+- each device block id enters kvtier's block table once per request and KV cache group: new requests bring their
+  table, cached requests append ``new_block_ids``, resumed requests replace it (a sliding-window group's ids the
+  window left are forgotten by its leader, and vLLM's null block is a hole);
+- with vLLM's hybrid KV cache manager every group has its own leader and workers, keys and share of the tiers, and a
+  hit is offered only when every group supplies its part (``kvtier._native.match_groups``);
 - vLLM hears of a finished request in ``finished_sending`` only if ``request_finished`` kept its blocks.
 """
 
