@@ -158,3 +158,22 @@ def test_a_gemma3_shaped_model_replays_exactly_from_disk(tmp_path_factory, tmp_p
         loaded = d[f"g{g}.onboard_host_blocks"] + d[f"g{g}.onboard_disk_blocks"]
         if windows[g]:  # at most the window per replay (a store the small host tier dropped shortens a hit)
             assert 0 < loaded <= WINDOW_BLOCKS * len(PHASE), (g, d)
+
+
+def test_a_gemma3_shaped_model_replays_exactly_with_synchronous_loads(tmp_path_factory, tmp_path):
+    """Every group's load inside the step (``async_loads: false``): each group's worker completes its copies before
+    the forward pass (every load delayed 50 ms, ``test_load_delay_ms``, so a copy not waited for is seen)."""
+    model = _model(tmp_path_factory, "gemma3", "SSF")
+    with Engine(model, tmp_path / "reference.log", kv_cache_blocks=G1_BLOCKS, **SPEC) as ref:
+        want = ref.generate(PHASE, MAX_TOKENS)
+    with Engine(model, tmp_path / "kvtier.log", kv_cache_blocks=G1_BLOCKS,
+                kv_transfer_config=connector_config(settings={"host.num_blocks": 256, "async_loads": False,
+                                                            "test_load_delay_ms": 50}),
+                **SPEC) as e:
+        assert e.generate(PHASE, MAX_TOKENS) == want
+        d = _replay_from_tier(e, want)
+    for g in range(4):
+        if d[f"g{g}.window"]:
+            assert d[f"g{g}.onboard_host_blocks"] == WINDOW_BLOCKS * len(PHASE), (g, d)
+        else:
+            assert d[f"g{g}.onboard_host_blocks"] >= (HIT_BLOCKS - 2) * len(PHASE), (g, d)
