@@ -387,3 +387,36 @@ def test_kv_cache_groups_kvtier_serves_and_the_kinds_it_refuses_by_name():
             assert w in str(err.value), (kind, str(err.value))
     with pytest.raises(ValueError, match="16 tokens per block"):
         kv._kv_groups(_groups_config(_spec("FullAttentionSpec"), _spec("SlidingWindowSpec", sliding_window=8, block_size=16)), 32)
+
+
+class _GroupWorker:
+    """One KV cache group's kvtier worker: reports what the test queues for its next get_finished."""
+
+    def __init__(self):
+        self.next: tuple[list, list, list] = ([], [], [])
+        self.waited: list[list[str]] = []
+
+    def get_finished(self, finished):
+        out, self.next = self.next, ([], [], [])
+        return out
+
+    def wait_for_requests(self, rids):
+        self.waited.append(list(rids))
+
+
+def test_several_groups_report_a_request_once_every_group_has():
+    """vLLM's hybrid manager, one kvtier worker per KV cache group: vLLM hears of an asynchronous load in
+    finished_recving (and of a delayed free in finished_sending) only once every group that loads (stores) it
+    reported it, and a fence waits in every group's worker (a block one group gave back may be reused in another)."""
+    side = kv._WorkerSide([{}, {}], 16, [["a"], ["b"]])
+    side._workers = [_GroupWorker(), _GroupWorker()]
+    side._worker = side._workers[0]
+    side.start_step(kv.KvtierConnectorMetadata(recv_groups={"r": [0, 1]}, delayed_frees=["s"],
+                                               delayed_groups={"s": [0, 1]}))
+    side._workers[0].next = (["s"], ["r"], [])
+    assert side.get_finished(set()) == (None, None)
+    side._workers[1].next = (["s"], [], ["r"])  # a failed load is reported finished too
+    assert side.get_finished(set()) == ({"s"}, {"r"})
+    assert side.get_finished(set()) == (None, None)
+    side.drain(["f"])
+    assert [w.waited for w in side._workers] == [[["f"]], [["f"]]]
