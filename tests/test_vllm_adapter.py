@@ -420,3 +420,66 @@ def test_several_groups_report_a_request_once_every_group_has():
     assert side.get_finished(set()) == (None, None)
     side.drain(["f"])
     assert [w.waited for w in side._workers] == [[["f"]], [["f"]]]
+
+
+class _GroupLeader:
+    """One KV cache group's leader: records what it is given, delays the free of requests named in ``delay``."""
+
+    loads_are_async = True
+
+    def __init__(self, settings):
+        self.group = int(settings.get("kv_cache_group", 0))
+        self.allocated: list = []
+        self.records: list = []
+        self.delay: set[str] = set()
+
+    def allocate(self, rid, block_ids, n):
+        self.allocated.append((rid, list(block_ids), n))
+        return [], None
+
+    def take_hit_sources(self, rid, n):
+        return [("host", n)]
+
+    def load_is_async(self, rid):
+        return True
+
+    def build_step_with_fences(self, records, finished):
+        self.records.extend(records)
+        return f"plan{self.group}".encode(), [f"fence{self.group}"]
+
+    def request_finished(self, rid, fence_reuse=False):
+        return rid in self.delay
+
+    def stats(self):
+        return {"matched_tokens": 64, "onboard_host_blocks": 2 + self.group, "onboard_host_bytes": 100}
+
+
+def test_several_groups_get_their_own_block_ids_and_answer_as_one(monkeypatch):
+    """vLLM's hybrid manager hands the connector one block-id list per KV cache group (``KVCacheBlocks
+    .get_block_ids()``, ``NewRequestData.block_ids``, ``CachedRequestData.new_block_ids``): each group's leader gets
+    its own; the workers get every group's plan; a finished request's free waits for the groups that delay it; and
+    the request counters count once."""
+    monkeypatch.setattr(kv, "_backend", lambda settings: SimpleNamespace(Leader=_GroupLeader))
+    settings = kv._group_settings({"world_size": 1}, [
+        {"kind": "FullAttentionSpec", "window": None, "layers": ["a"], "page_bytes": 8},
+        {"kind": "SlidingWindowSpec", "window": 64, "layers": ["b"], "page_bytes": 8}])
+    side = kv._SchedulerSide(settings, 16, fence_reuse=False)
+    full, window = side._leaders
+    req = SimpleNamespace(request_id="r", all_token_ids=list(range(80)))
+    side.on_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5], [0, 0, 6, 7, 8])), 64)
+    assert [x.allocated for x in side._leaders] == [[("r", [1, 2, 3, 4, 5], 64)], [("r", [0, 0, 6, 7, 8], 64)]]
+    step = _empty_step()
+    step.scheduled_new_reqs = [SimpleNamespace(req_id="r", block_ids=([1, 2, 3, 4, 5], [0, 0, 6, 7, 8]),
+                                               num_computed_tokens=64, prompt_token_ids=None)]
+    step.num_scheduled_tokens = {"r": 16}
+    meta = side.build_meta(step)
+    assert (meta.plan, meta.group_plans, sorted(meta.fence)) == (b"plan0", [b"plan1"], ["fence0", "fence1"])
+    assert meta.recv_groups == {"r": [0, 1]}
+    assert [rec[2] for rec in full.records] == [[1, 2, 3, 4, 5]]
+    assert [rec[2] for rec in window.records] == [[0, 0, 6, 7, 8]]
+    side.update_output(SimpleNamespace(finished_recving={"r"}, kv_connector_worker_meta=None))  # loaded
+    window.delay.add("r")
+    assert side.request_finished(req) == (True, None)
+    assert side.build_meta(_empty_step()).delayed_groups == {"r": [1]}
+    s = side.cumulative_stats()
+    assert (s["matched_tokens"], s["onboard_host_blocks"], s["g1.onboard_host_blocks"], s["g1.window"]) == (64, 5, 3, 64)
