@@ -102,6 +102,28 @@ def scenario_failed_load(env, tmp, S, W):
     assert tokens(again) == reference_tokens(prompts, 4)
 
 
+def scenario_tp2_disk_fault_on_rank_1(env, tmp, S, W):
+    """TP=2 with a disk tier, rank 1's disk files corrupted (tests/test_trtllm_tp_loads.py)."""
+    from test_trtllm_tp_loads import corrupt_rank_disk
+    from trtllm_driver import Geometry
+
+    env.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "2")
+    env.setenv("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "512")
+    env.setenv("DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER", "true")
+    prompts = workload(seed=31, n_docs=3, per_doc=2)
+    e = engine(geo=Geometry(world_size=2), num_device_blocks=40, scheduler=S, worker=W)
+    [e.add_request(p, 4) for p in prompts]
+    e.run()
+    flush(e)
+    for w in e.workers.values():
+        w.native.wait_idle()
+    e.relay_reports()
+    corrupt_rank_disk(tmp / "disk", 1)
+    again = [e.add_request(p, 4) for p in prompts]
+    e.run(max_steps=400)
+    assert tokens(again) == reference_tokens(prompts, 4)
+
+
 def scenario_two_engines_ports(env, tmp, S, W):
     args = engine(geo=GEO1).args[0]
     env.setattr(trtllm, "RANKS_IN_PROCESSES", True)
@@ -147,6 +169,28 @@ class WorkerRaisesOnFailedLoad(trtllm.KvtierConnectorWorker):
         raise kvtier.TransferError(f"kvtier could not load the KV of request {rid}")
 
 
+class WorkerTakesAVerdictForSuccess(trtllm.KvtierConnectorWorker):
+    """TP > 1: reports a load some rank failed as loaded, without rewinding to the verdict's token."""
+
+    def _get_finished_by_verdict(self, finished, started, manager):
+        w = self._worker
+        for blob in self._share_verdicts():
+            w.apply_load_verdicts(blob)
+        saved, loaded, recompute = w.get_finished_by_verdict(trtllm._ids(finished), trtllm._ids(started))
+        return [int(x) for x in saved], [int(r) for r in loaded] + [int(r) for r, _ in recompute]
+
+
+class WorkerWithholdsFailedLoads(trtllm.KvtierConnectorWorker):
+    """TP > 1 as before issue 25: a load some rank failed is never reported loaded."""
+
+    def _get_finished_by_verdict(self, finished, started, manager):
+        w = self._worker
+        for blob in self._share_verdicts():
+            w.apply_load_verdicts(blob)
+        saved, loaded, _ = w.get_finished_by_verdict(trtllm._ids(finished), trtllm._ids(started))
+        return [int(x) for x in saved], [int(r) for r in loaded]
+
+
 def _no_cache_salt(request):
     return None, True, ""
 
@@ -169,6 +213,9 @@ MUTANTS = {
                                                {"_is_generation_only": _truthy_generation_only}, AssertionError),
     "blocks_let_go_while_loading": (scenario_cancel_while_loading, SchedulerFreesWhileLoading, W0, {}, AssertionError),
     "failed_load_raises_in_a_hook": (scenario_failed_load, S0, WorkerRaisesOnFailedLoad, {}, kvtier.TransferError),
+    "tp_failed_load_taken_for_success": (scenario_tp2_disk_fault_on_rank_1, S0, WorkerTakesAVerdictForSuccess, {},
+                                         AssertionError),
+    "tp_failed_load_withheld": (scenario_tp2_disk_fault_on_rank_1, S0, WorkerWithholdsFailedLoads, {}, AssertionError),
     "fixed_default_port": (scenario_two_engines_ports, S0, W0,
                            {"_free_endpoint": lambda: "tcp://127.0.0.1:56119"}, kvtier.KvtierError),
 }

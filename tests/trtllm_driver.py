@@ -33,7 +33,9 @@ Modelled (file: tensorrt_llm/_torch/pyexecutor/...):
   async-loading requests are parked; metadata broadcast (pickled) to every rank; ``get_finished``
   ids acted on only once every rank reported them (allgather + intersection); a worker may only
   return ids it was given; ``request_finished`` True keeps the blocks until saved;
-* ranks: all in this process (``Comm``) or one per process (``PipeComm``, ZeroMQ between them).
+* ranks: all in this process (``Comm``) or one per process (``PipeComm``, ZeroMQ between them), each
+  with its own ``LlmRequest`` objects then; every rank runs the same batch each step (checked across
+  processes: the forward's collectives pair the ranks' work up).
 
 Checks: before each layer's compute every position a scheduled request reads holds exactly what the
 model writes, on every rank; new blocks are filled with garbage; blocks are never freed while a load
@@ -501,6 +503,12 @@ class FakeTrtllmEngine:
             pos = len(req._tokens) - 1  # the newest token (overlap: sampled, not yet written back)
             self._ensure_blocks(req, pos + 1)
             work.append((req, pos, 1, req.request_id not in self._gen_checked))
+        if len(self.comm.local) < self.geo.world_size:
+            # Every rank runs one batch: the forward's collectives (all-reduce per layer) pair up
+            # the ranks' work, so ranks that scheduled different tokens would hang or mix data.
+            mine = [(req.request_id, start, n) for req, start, n, _ in work]
+            batches = self.comm.allgather({r: mine for r in self.comm.local})
+            assert all(b == batches[0] for b in batches), f"ranks scheduled different batches: {batches}"
         so = SchedulerOutput()
         for req, n in context:
             rd = self._request_data(req, n)
@@ -657,7 +665,7 @@ class FakeTrtllmEngine:
             return
         new_saving, new_loading = self.new_saving, self.new_loading
         self.new_saving, self.new_loading = [], []
-        local = {r: m.get_finished(new_saving, new_loading) for r, m in self.managers.items()}
+        local = {r: m.get_finished(new_saving, new_loading, self.loading) for r, m in self.managers.items()}
         results = self.comm.allgather(local)  # mpi_allgather
         saving = set.intersection(*[r[0] for r in results])
         loading = set.intersection(*[r[1] for r in results])

@@ -462,8 +462,19 @@ class PipeComm:
         return [mine, other] if self.rank == 0 else [other, mine]
 
 
+class _AsyncRequests:
+    """``AsyncRequests`` (``connectors/kv_cache_connector.py``): this rank's request objects by id."""
+
+    def __init__(self) -> None:
+        self.saving: dict = {}
+        self.loading: dict = {}
+
+
 class _RankManager:
-    """One rank's ``KvCacheConnectorManager`` async bookkeeping."""
+    """One rank's ``KvCacheConnectorManager`` async bookkeeping (``connectors/kv_cache_connector.py``).
+    Like upstream's ``get_finished``, it moves the new async loads (this rank's own request objects)
+    into ``pending_async_requests`` before calling ``worker.get_finished`` and takes the ones the
+    worker reported out of it afterwards (``extract_by_id``)."""
 
     def __init__(self, worker: Any):
         self.worker = worker
@@ -473,13 +484,19 @@ class _RankManager:
         self.local_loading: set = set()
         self.passed_saving: set = set()
         self.passed_loading: set = set()
+        self.pending_async_requests = _AsyncRequests()
 
-    def get_finished(self, new_saving: list, new_loading: list) -> tuple:
+    def get_finished(self, new_saving: list, new_loading: list, requests: Optional[dict] = None) -> tuple:
         self.pending_saving |= set(new_saving)
         self.pending_loading |= set(new_loading)
         self.passed_saving |= set(new_saving)
         self.passed_loading |= set(new_loading)
+        for rid in new_loading:  # pending_async_requests.add_from(new_async_requests)
+            if requests is not None and rid in requests:
+                self.pending_async_requests.loading[rid] = requests[rid]
         saved, loaded = self.worker.get_finished(list(new_saving), list(new_loading))
+        for rid in loaded:  # extract_by_id
+            self.pending_async_requests.loading.pop(rid, None)
         assert set(saved) <= self.passed_saving, f"worker reported saves it was never given: {set(saved) - self.passed_saving}"
         assert set(loaded) <= self.passed_loading, f"worker reported loads it was never given: {set(loaded) - self.passed_loading}"
         for r in saved:

@@ -214,6 +214,10 @@ class Leader:
         """Forget every host and disk block (the engine's prefix-cache reset); returns how many."""
     def apply_reports(self, blob: bytes) -> None:
         """Job reports from ``Worker.take_reports()`` (link "engine")."""
+    def enable_load_verdicts(self) -> None:
+        """Issue one verdict per asynchronous load once every rank reported it (TensorRT-LLM, TP > 1)."""
+    def take_load_verdicts(self) -> bytes:
+        """The verdicts issued since the last call, for ``Worker.apply_load_verdicts`` on every rank (empty: none)."""
     def take_events(self) -> list[dict[str, Any]]:
         """Tier changes since the last call: ``{"kind": "stored"|"removed", "tier": "host"|"disk"|"remote",
         "hashes": [int]}`` (128-bit sequence hashes)."""
@@ -258,6 +262,15 @@ class Worker:
     ) -> tuple[list[str], list[str], list[str]]:
         """(saved, loaded, load_failed) request ids. ``started_loading`` (TensorRT-LLM): only ids
         passed in here (accumulated) are reported loaded; None reports every finished load."""
+    def enable_load_verdicts(self) -> None:
+        """Report asynchronous loads only by the leader's verdicts (``get_finished_by_verdict``)."""
+    def apply_load_verdicts(self, blob: bytes) -> None:
+        """Verdicts from ``Leader.take_load_verdicts()`` (every rank gets the same bytes)."""
+    def get_finished_by_verdict(
+        self, finished: Sequence[str], started_loading: Optional[Sequence[str]] = None
+    ) -> tuple[list[str], list[str], list[tuple[str, int]]]:
+        """(saved, loaded, [(request, recompute_from)]): a load is reported once its verdict arrived,
+        loaded if every rank loaded every block, else with the token every rank recomputes from."""
     def take_load_errors(self) -> list[int]:
         """Device block ids whose load failed since the last call (never reported as loaded)."""
     def take_reports(self) -> bytes:

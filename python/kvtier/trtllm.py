@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from . import _native
 from ._native import ConfigError, ConnectorError
 from ._tensors import describe, stream_handle
+from ._trtllm_refusals import _get
 
 __all__ = [
     "KvtierConnectorScheduler",
@@ -128,14 +129,6 @@ def _import_rank_settings() -> None:
 
 # --------------------------------------------------------------------------------------------
 # Reading llm_args
-
-
-def _get(obj: Any, *path: str, default: Any = None) -> Any:
-    for p in path:
-        obj = getattr(obj, p, None)
-        if obj is None:
-            return default
-    return obj
 
 
 def _tokens_per_block(llm_args: Any) -> int:
@@ -236,52 +229,7 @@ def _is_generation_only(request: Any) -> bool:
     return bool(v() if callable(v) else v)
 
 
-def _refusals(llm_args: Any, tiers: dict) -> list[str]:
-    """Configurations kvtier cannot serve correctly, each named by its setting."""
-    out = []
-    kv = getattr(llm_args, "kv_cache_config", None)
-    if getattr(kv, "enable_partial_reuse", False):
-        out.append("kv_cache_config.enable_partial_reuse must be false (partial block reuse lets the engine "
-                   "write into blocks kvtier has stored)")
-    if int(getattr(kv, "host_cache_size", 0) or 0) > 0:
-        out.append("kv_cache_config.host_cache_size: TensorRT-LLM's native host tier moves blocks kvtier "
-                   "tracks; use kvtier's host tier instead (DYN_KVBM_CPU_CACHE_GB)")
-    window = getattr(kv, "max_attention_window", None)
-    if window:
-        seq = getattr(llm_args, "max_seq_len", None)
-        if len(set(window)) > 1 or seq is None or min(window) < int(seq):
-            out.append("kv_cache_config.max_attention_window: sliding-window / VSWA attention frees blocks "
-                       "(-1 page ids) kvtier would store or load stale")
-    if int(getattr(llm_args, "max_beam_width", 1) or 1) > 1:
-        out.append("max_beam_width > 1: beams share and fork blocks the connector API does not report")
-    if getattr(llm_args, "speculative_config", None) is not None:
-        out.append("speculative_config: rejected draft tokens shrink the page list without telling the "
-                   "connector, so kvtier could store KV of rejected drafts")
-    if getattr(llm_args, "enable_attention_dp", False):
-        out.append("enable_attention_dp: each attention-DP rank schedules its own requests; kvtier's "
-                   "classes do not set supports_attention_dp")
-    m = _mapping(llm_args)
-    if int(getattr(m, "pp_size", 1) or 1) > 1:
-        out.append("pipeline_parallel_size > 1: TensorRT-LLM's connector API does not support it")
-    policy = _get(llm_args, "scheduler_config", "capacity_scheduler_policy")
-    if policy is not None and not _name(policy).upper().endswith("GUARANTEED_NO_EVICT"):
-        out.append(f"scheduler_config.capacity_scheduler_policy={_name(policy)}: kvtier needs GUARANTEED_NO_EVICT "
-                   "(a request evicted mid-flight would lose blocks with copies in flight)")
-    fallible = [n for n in ("disk", "remote") if tiers.get(n)]
-    if fallible and _world_size(llm_args) > 1:
-        out.append(f"{' and '.join(fallible)} tier with tensor parallelism ({_world_size(llm_args)} ranks): a failed "
-                   "load can only be recomputed on a single-rank engine (each rank holds its own request), "
-                   "so TP > 1 uses kvtier's host tier only")
-    elif fallible and not tiers.get("async_loads"):
-        out.append(f"async_loads=false with a {' and '.join(fallible)} tier: a failed synchronous load cannot be "
-                   "recomputed once the batch is scheduled; leave KVTIER_ASYNC_LOADS unset (true)")
-    return out
-
-
-def _check(llm_args: Any, settings: dict) -> None:
-    problems = _refusals(llm_args, dict(_native.configured_tiers(settings)))
-    if problems:
-        raise ConfigError("kvtier cannot run with this TensorRT-LLM configuration: " + "; ".join(problems))
+from ._trtllm_refusals import _check, _refusals  # noqa: E402,F401  (engine-start refusals)
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,6 +248,13 @@ class _Engine:
         self.loads: dict[str, tuple[Any, list[int], int]] = {}  # rid -> (request, blocks, match start)
         self.endpoint: Optional[str] = None
         self.endpoint_set = threading.Event()
+        #: Rank 0's leader (TP > 1: the source of the load verdicts every rank acts on).
+        self.leader: Any = None
+        #: All ranks in this process (tests without TensorRT-LLM): rank 0's verdict blobs in order,
+        #: and how many each rank has applied (the in-process stand-in for the broadcast).
+        self.verdict_log: list[bytes] = []
+        self.verdict_base = 0
+        self.verdict_cursor: dict[int, int] = {}
 
     @classmethod
     def of(cls, channel: str) -> "_Engine":
@@ -376,6 +331,10 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
             settings.update(link="zmq", zmq_endpoint=endpoint)
             self._engine.endpoint = endpoint
         self._leader = _native.Leader(settings)
+        if _world_size(llm_args) > 1:
+            # Every rank reports an async load only by the leader's verdict (get_finished).
+            self._leader.enable_load_verdicts()
+        self._engine.leader = self._leader
         self._engine.endpoint_set.set()
         self._excluded: set[str] = set()
 
@@ -497,9 +456,10 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         self._rank = _rank(llm_args)
         self._tpb = _tokens_per_block(llm_args)
         _check(llm_args, _settings(llm_args))
-        # Failed async loads become recomputes where rank 0's worker shares the request objects
-        # with the scheduler and no other rank runs the request.
+        # Failed async loads become recomputes: on one rank from the scheduler's request objects;
+        # with TP > 1 by the leader's verdicts, every rank rewinding its own copy alike.
         self._can_recompute = _world_size(llm_args) == 1
+        self._by_verdict = _world_size(llm_args) > 1
         self._engine = _Engine.of(_channel())
         self._load_errors: set[int] = set()
         self._withheld: set[str] = set()
@@ -551,6 +511,8 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         if delay:
             settings["test_load_delay_ms"] = int(delay)  # tests: loads start late (see worker.rs)
         self._worker = _native.Worker(settings, tensors)
+        if self._by_verdict:
+            self._worker.enable_load_verdicts()
 
     def register_kv_caches(self, kv_cache_tensor: Any, secondary_kv_cache_tensor: Any = None) -> None:
         """V1 manager: the primary pool ``[num_blocks, num_layers, kv_factor, ...]``."""
@@ -561,11 +523,15 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         ``base + stride * i`` for ``size`` bytes. One full-attention layer group with shard-specific
         regions only; each region becomes a ``[num_slots, tokens_per_block, bytes]`` tensor."""
         groups = list(getattr(layout, "groups", ()))
+        windows = [getattr(g, "window_size", None) for g in groups]
         if len(groups) != 1:
-            raise ConfigError(f"KvCacheLayout has {len(groups)} layer groups: kvtier supports one (no VSWA/hybrid)")
+            raise ConfigError(f"KvCacheLayout has {len(groups)} layer groups (window_size per group: {windows}; "
+                              "variable sliding-window or hybrid attention): kvtier serves one full-attention "
+                              "layer group only (kv_cache_config.max_attention_window)")
         g = groups[0]
-        if getattr(g, "window_size", None) is not None:
-            raise ConfigError("KvCacheLayout layer group has a window_size: sliding-window attention is refused")
+        if windows[0] is not None:
+            raise ConfigError(f"KvCacheLayout's layer group is sliding-window attention (window_size={windows[0]}): "
+                              "kvtier serves full-attention layers only (kv_cache_config.max_attention_window)")
         if getattr(g, "replicated_regions", ()):
             raise ConfigError("KvCacheLayout has replicated regions (side caches): not supported by kvtier")
         tpb = int(getattr(layout, "tokens_per_block", self._tpb))
@@ -613,7 +579,11 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
 
     def _collect_errors(self) -> None:
         failed = {int(b) for b in self._worker.take_load_errors()}
-        if not failed:
+        if not failed or self._by_verdict:
+            # TP > 1: the leader's verdict names the recompute point of a failed async load; a
+            # failed sync load (host tier: a CUDA error) drops the request's stores in the core.
+            if failed:
+                logger.warning("kvtier: loads into device blocks %s failed on rank %d", sorted(failed), self._rank)
             return
         with self._engine.lock:
             parked = {b for _, ids, _ in self._engine.loads.values() for b in ids}
@@ -652,6 +622,11 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         w = self._worker
         if w is None:
             return [], []
+        if self._by_verdict:
+            # TensorRT-LLM's KvCacheConnectorManager.get_finished (connectors/kv_cache_connector.py)
+            # calls this right after moving the new async loads into pending_async_requests.
+            manager = sys._getframe(1).f_locals.get("self")
+            return self._get_finished_by_verdict(finished_gen_req_ids, started_loading_req_ids, manager)
         saved, loaded, load_failed = w.get_finished(_ids(finished_gen_req_ids), _ids(started_loading_req_ids))
         self._collect_errors()
         out = [str(r) for r in loaded]
@@ -662,6 +637,65 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
             for rid in out:
                 self._engine.loads.pop(rid, None)
         return [int(x) for x in saved], [int(x) for x in out]
+
+    def _share_verdicts(self) -> list[bytes]:
+        """Rank 0's leader's new load verdicts, on every rank in the same ``get_finished`` round:
+        every rank calls ``get_finished`` once per executor iteration (the manager allgathers the
+        answers right after: ``KvCacheConnectorManager.get_finished``), so a broadcast from here is
+        matched on every rank."""
+        eng = self._engine
+        mine = b""
+        if self._rank == 0 and eng.leader is not None:
+            mine = bytes(eng.leader.take_load_verdicts())
+        if _ranks_in_processes(self._llm_args):
+            got = _broadcast(mine if self._rank == 0 else None)
+            return [got] if got else []
+        with eng.lock:  # all ranks in this process (tests): rank 0's blobs in order, once each
+            if mine:
+                eng.verdict_log.append(mine)
+            start = eng.verdict_cursor.get(self._rank, eng.verdict_base)
+            end = eng.verdict_base + len(eng.verdict_log)
+            out = eng.verdict_log[start - eng.verdict_base:]
+            eng.verdict_cursor[self._rank] = end
+            done = min(eng.verdict_cursor.get(r, eng.verdict_base) for r in range(_world_size(self._llm_args)))
+            if done > eng.verdict_base:
+                del eng.verdict_log[: done - eng.verdict_base]
+                eng.verdict_base = done
+        return out
+
+    def _get_finished_by_verdict(self, finished: Sequence[int], started: Sequence[int],
+                                 manager: Any) -> tuple[list[int], list[int]]:
+        """TP > 1: a parked request is reported loaded only once the leader's verdict on its load
+        arrived, and the same verdict reaches every rank in the same round; a failed load is
+        rewound on this rank's own copy of the request to the verdict's token before it is
+        reported, so when TensorRT-LLM resumes it (once every rank reported it) every rank
+        recomputes from the same token, at or before any block any rank failed to fill."""
+        w = self._worker
+        for blob in self._share_verdicts():
+            w.apply_load_verdicts(blob)
+        saved, loaded, recompute = w.get_finished_by_verdict(_ids(finished), _ids(started))
+        self._collect_errors()
+        out = [int(r) for r in loaded]
+        parked = getattr(getattr(manager, "pending_async_requests", None), "loading", None)
+        for rid, pos in recompute:
+            if not isinstance(parked, dict):
+                # Not called by the connector manager this adapter was written against: this
+                # rank's request cannot be rewound, so it is never reported loaded (logged).
+                self.unrecoverable_loads += 1
+                logger.error("kvtier: the load of request %s failed and this rank's request object is not "
+                             "reachable (caller %r); it is never reported loaded", rid, type(manager).__name__)
+                continue
+            request = parked.get(int(rid))
+            if request is not None and int(pos) < int(request.context_current_position):
+                request.context_current_position = int(pos)
+            self.recomputed_loads += 1
+            logger.warning("kvtier: the load of request %s failed on some rank; every rank recomputes from token %d",
+                           rid, pos)
+            out.append(int(rid))
+        with self._engine.lock:
+            for rid in out:
+                self._engine.loads.pop(str(rid), None)
+        return [int(x) for x in saved], out
 
     def _recompute(self, rid: str) -> bool:
         """Rewind a failed async load to its first failed block so TensorRT-LLM computes the rest;

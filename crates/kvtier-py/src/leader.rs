@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvtier::connector::leader::{promised_blocks, Leader, LeaderStats, RequestKey};
-use kvtier::connector::messages::{ClusterLayout, WorkerReport, PROTOCOL_VERSION};
+use kvtier::connector::messages::{ClusterLayout, LoadVerdicts, WorkerReport, PROTOCOL_VERSION};
 use kvtier::connector::step::SchedulerStep;
 use kvtier::connector::zmq::LeaderChannel;
 use kvtier::connector::ConnectorError;
@@ -67,6 +67,8 @@ struct Inner {
     world_size: u32,
     async_loads: bool,
     sync_host_loads: bool,
+    /// `Leader::set_load_verdicts`, applied when the leader is built.
+    load_verdicts: bool,
     settings: Settings,
     pending: Option<Pending>,
     leader: Option<Leader>,
@@ -95,6 +97,7 @@ impl Inner {
             .leader(remote, self.async_loads)
             .map_err(crate::vllm_support::bridge)?;
         leader.set_sync_host_loads(self.sync_host_loads);
+        leader.set_load_verdicts(self.load_verdicts);
         let (window, null_block) = self.settings.sliding_window().map_err(BridgeError::from)?;
         leader.set_window(window, null_block.map(DeviceBlockId));
         // One endpoint per process: with several KV cache groups, group 0's leader publishes (its
@@ -292,6 +295,7 @@ impl PyLeader {
             world_size,
             async_loads,
             sync_host_loads,
+            load_verdicts: false,
             settings,
             pending: None,
             leader: None,
@@ -576,6 +580,35 @@ impl PyLeader {
         Ok(g.ready(py)?
             .request_preempted_if_running(&RequestId::from(request_id))
             .map_err(BridgeError::from)?)
+    }
+
+    /// Issue one verdict per asynchronous load, the same for every rank (TensorRT-LLM, TP > 1;
+    /// `Leader::set_load_verdicts`).
+    fn enable_load_verdicts(&self) {
+        let mut g = self.lock();
+        g.load_verdicts = true;
+        if let Some(l) = g.leader.as_mut() {
+            l.set_load_verdicts(true);
+        }
+    }
+
+    /// The load verdicts issued since the last call, encoded for `Worker.apply_load_verdicts`
+    /// on every rank (empty bytes: none).
+    fn take_load_verdicts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let verdicts = {
+            let mut g = self.lock();
+            g.ready(py)?.take_load_verdicts()
+        };
+        if verdicts.is_empty() {
+            return Ok(PyBytes::new(py, b""));
+        }
+        let blob = LoadVerdicts {
+            version: PROTOCOL_VERSION,
+            verdicts,
+        }
+        .to_bytes()
+        .map_err(BridgeError::from)?;
+        Ok(PyBytes::new(py, &blob))
     }
 
     fn apply_reports(&self, py: Python<'_>, blob: &[u8]) -> PyResult<()> {

@@ -13,8 +13,10 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kvtier::connector::messages::{ClusterLayout, RankLayout, StepMetadata, WorkerReport};
-use kvtier::connector::worker::{ReportSink, Worker, WorkerLink};
+use kvtier::connector::messages::{
+    ClusterLayout, LoadVerdicts, RankLayout, StepMetadata, WorkerReport,
+};
+use kvtier::connector::worker::{FinishedReport, ReportSink, Worker, WorkerLink};
 use kvtier::connector::zmq::WorkerChannel;
 use kvtier::connector::ConnectorError;
 use kvtier::ids::RequestId;
@@ -174,6 +176,22 @@ pub(crate) struct PyWorker {
 impl PyWorker {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The worker's `get_finished` over the engine's string ids.
+    fn finished_report(
+        &self,
+        finished: Vec<String>,
+        started_loading: Option<Vec<String>>,
+    ) -> PyResult<FinishedReport> {
+        let finished: Vec<RequestId> = finished.into_iter().map(RequestId::from).collect();
+        let started: Option<Vec<RequestId>> =
+            started_loading.map(|v| v.into_iter().map(RequestId::from).collect());
+        let mut g = self.lock();
+        Ok(g.worker
+            .as_mut()
+            .ok_or_else(gone)?
+            .get_finished(&finished, started.as_deref()))
     }
 
     fn build(
@@ -402,6 +420,9 @@ fn gone() -> PyErr {
     crate::errors::new_err(Family::Connector, "the worker was shut down")
 }
 
+/// `(saved, loaded, [(request, recompute_from)])` of `get_finished_by_verdict`.
+type ByVerdict = (Vec<String>, Vec<String>, Vec<(String, u64)>);
+
 fn ids(v: Vec<RequestId>) -> Vec<String> {
     v.into_iter().map(|r| r.to_string()).collect()
 }
@@ -494,16 +515,46 @@ impl PyWorker {
         finished: Vec<String>,
         started_loading: Option<Vec<String>>,
     ) -> PyResult<(Vec<String>, Vec<String>, Vec<String>)> {
-        let finished: Vec<RequestId> = finished.into_iter().map(RequestId::from).collect();
-        let started: Option<Vec<RequestId>> =
-            started_loading.map(|v| v.into_iter().map(RequestId::from).collect());
+        let r = self.finished_report(finished, started_loading)?;
+        Ok((ids(r.saved), ids(r.loaded), ids(r.load_failed)))
+    }
+
+    /// Report asynchronous loads only by the leader's verdicts (TensorRT-LLM, TP > 1;
+    /// `Worker::set_load_verdicts`).
+    fn enable_load_verdicts(&self) -> PyResult<()> {
         let mut g = self.lock();
-        let r = g
-            .worker
+        g.worker.as_mut().ok_or_else(gone)?.set_load_verdicts(true);
+        Ok(())
+    }
+
+    /// Apply the leader's verdicts (`Leader.take_load_verdicts` bytes; empty bytes: none).
+    fn apply_load_verdicts(&self, blob: &[u8]) -> PyResult<()> {
+        if blob.is_empty() {
+            return Ok(());
+        }
+        let v = LoadVerdicts::from_bytes(blob).map_err(BridgeError::from)?;
+        let mut g = self.lock();
+        g.worker
             .as_mut()
             .ok_or_else(gone)?
-            .get_finished(&finished, started.as_deref());
-        Ok((ids(r.saved), ids(r.loaded), ids(r.load_failed)))
+            .apply_load_verdicts(&v.verdicts);
+        Ok(())
+    }
+
+    /// `get_finished` with load verdicts on: `(saved, loaded, [(request, recompute_from)])`.
+    #[pyo3(signature = (finished, started_loading = None))]
+    fn get_finished_by_verdict(
+        &self,
+        finished: Vec<String>,
+        started_loading: Option<Vec<String>>,
+    ) -> PyResult<ByVerdict> {
+        let r = self.finished_report(finished, started_loading)?;
+        let recompute = r
+            .recompute
+            .into_iter()
+            .map(|(q, t)| (q.to_string(), t))
+            .collect();
+        Ok((ids(r.saved), ids(r.loaded), recompute))
     }
 
     fn take_load_errors(&self) -> PyResult<Vec<u32>> {

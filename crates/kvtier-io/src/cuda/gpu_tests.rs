@@ -49,20 +49,25 @@ fn job(src: Tier, dst: Tier, pairs: impl Iterator<Item = (u32, u32)>) -> Transfe
 /// Store device blocks 0..N to host 0..N, then load host i into device block 2N-1-i, ordered
 /// on `engine`: in `enqueued`, the engine copies every destination block to `seen` on its own
 /// stream. `seen` must then hold exactly the stored blocks.
-fn check(name: &str, layout: StridedLayout, mem: &DeviceAlloc) {
+/// A transfer engine over `layout` (device 0) with a pinned host tier of `host_blocks`.
+fn pinned_engine(layout: &StridedLayout, host_blocks: u32) -> TransferEngine {
     let host = {
-        let mut o = HostOptions::new(N, BPB);
+        let mut o = HostOptions::new(host_blocks, BPB);
         o.pin = PinMode::Require;
         Arc::new(HostStorage::new(&o).unwrap())
     };
-    let e = TransferEngine::builder()
+    TransferEngine::builder()
         .device(
             // SAFETY: the test's device allocation outlives the engine; only its jobs touch it.
             unsafe { EngineMemory::new(Arc::new(layout.clone()), DeviceKind::Cuda(0)) },
         )
         .host(host)
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+fn check(name: &str, layout: StridedLayout, mem: &DeviceAlloc) {
+    let e = pinned_engine(&layout, N);
     let f = e.fence(None).unwrap();
     let out = e.execute(&job(Tier::Device, Tier::Host, (0..N).map(|b| (b, b))), &f);
     assert!(out.is_ok(), "{name}: store {out:?}");
@@ -204,19 +209,7 @@ fn layered_loads_are_seen_layer_by_layer() {
         .map(|l| DevicePtr::new(mem.addr() + (l * lb) as u64).unwrap())
         .collect();
     let layout = StridedLayout::kv_per_layer(&bases, total, CHUNK).unwrap();
-    let host = {
-        let mut o = HostOptions::new(n, BPB);
-        o.pin = PinMode::Require;
-        Arc::new(HostStorage::new(&o).unwrap())
-    };
-    let e = TransferEngine::builder()
-        .device(
-            // SAFETY: the test's device allocation outlives the engine; only its jobs touch it.
-            unsafe { EngineMemory::new(Arc::new(layout.clone()), DeviceKind::Cuda(0)) },
-        )
-        .host(host)
-        .build()
-        .unwrap();
+    let e = pinned_engine(&layout, n);
     let f = e.fence(None).unwrap();
     assert!(e
         .execute(&job(Tier::Device, Tier::Host, (0..n).map(|b| (b, b))), &f)

@@ -92,6 +92,47 @@ impl StepMetadata {
     }
 }
 
+/// The one answer every rank gets about one asynchronous load (TensorRT-LLM with TP > 1,
+/// [`crate::connector::Leader::set_load_verdicts`]): issued by the leader once every rank
+/// reported every job of the load, so it is the same on every rank.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadVerdict {
+    /// The request the load filled.
+    pub request: RequestId,
+    /// `None`: every rank loaded every block. `Some(t)`: some rank failed a block (or its source
+    /// vanished) whose first token is `t`; every rank recomputes from token `t` on.
+    pub recompute_from: Option<u64>,
+}
+
+/// A batch of [`LoadVerdict`]s as it crosses from the leader's process to every rank.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadVerdicts {
+    /// [`PROTOCOL_VERSION`] of the leader that issued them.
+    pub version: u32,
+    /// The verdicts, in the order the leader issued them.
+    pub verdicts: Vec<LoadVerdict>,
+}
+
+impl LoadVerdicts {
+    /// Encode (postcard).
+    pub fn to_bytes(&self) -> Result<Vec<u8>, ConnectorError> {
+        postcard::to_stdvec(self).map_err(|e| ConnectorError::Codec(format!("load verdicts: {e}")))
+    }
+
+    /// Decode and check the version.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, ConnectorError> {
+        let m: LoadVerdicts = postcard::from_bytes(bytes)
+            .map_err(|e| ConnectorError::Codec(format!("load verdicts: {e}")))?;
+        if m.version != PROTOCOL_VERSION {
+            return Err(ConnectorError::Handshake(format!(
+                "load verdicts have protocol version {}, this build speaks {PROTOCOL_VERSION}",
+                m.version
+            )));
+        }
+        Ok(m)
+    }
+}
+
 /// A worker's report of one finished job.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerReport {

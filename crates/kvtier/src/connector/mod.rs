@@ -25,8 +25,8 @@ pub use leader::{
     BlockReuse, Capacity, DiskPolicy, KvEvent, Leader, LeaderConfig, LeaderStats, RequestKey,
 };
 pub use messages::{
-    ClusterLayout, RankLayout, RequestLoad, RequestStore, StepMetadata, WorkerReport,
-    PROTOCOL_VERSION,
+    ClusterLayout, LoadVerdict, LoadVerdicts, RankLayout, RequestLoad, RequestStore, StepMetadata,
+    WorkerReport, PROTOCOL_VERSION,
 };
 pub use slot::{MatchRecord, OffloadBlock, OnboardBlock, Slot, SlotState};
 pub use step::{SchedulerStep, StepRecord};

@@ -38,6 +38,7 @@ use crate::transfer::{BlockTransfer, Fence, TransferJob, TransferOutcome};
 
 mod executor;
 mod layered;
+mod verdicts;
 use executor::{executor, fail_all, Done, Note, Order, Task};
 use layered::StepGate;
 
@@ -94,6 +95,8 @@ pub struct FinishedReport {
     /// Requests whose async loads ended with at least one failed block (those device blocks
     /// are in `take_load_errors`); the engine must recompute them.
     pub load_failed: Vec<RequestId>,
+    /// Load verdicts on (`Worker::set_load_verdicts`): loads some rank failed, and their recompute token.
+    pub recompute: Vec<(RequestId, u64)>,
 }
 
 enum JobInfo {
@@ -148,6 +151,8 @@ pub struct Worker {
     /// Requests whose sync load failed in the bound step: their stores of this step read KV
     /// computed over bad blocks and are failed instead of run.
     poisoned: HashSet<RequestId>,
+    /// Load verdicts received and not yet acted on; `None`: verdicts are off (`verdicts.rs`).
+    verdicts: Option<HashMap<RequestId, Option<u64>>>,
 }
 
 impl Worker {
@@ -207,6 +212,7 @@ impl Worker {
             started_loading: HashSet::new(),
             load_errors: Vec::new(),
             poisoned: HashSet::new(),
+            verdicts: None,
         }
     }
 
@@ -460,6 +466,14 @@ impl Worker {
         for (r, failed) in std::mem::take(&mut self.loads_ready) {
             if gate && !self.started_loading.contains(&r) {
                 keep.push((r, failed));
+                continue;
+            }
+            if self.verdicts.is_some() {
+                if self.report_by_verdict(&r, failed, &mut out) {
+                    self.started_loading.remove(&r);
+                } else {
+                    keep.push((r, failed));
+                }
                 continue;
             }
             self.started_loading.remove(&r);

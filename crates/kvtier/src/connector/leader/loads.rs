@@ -314,6 +314,9 @@ impl Leader {
             // loads as the engine scheduled it: synchronously, a failure reported in the step).
             sync = e.load_sync.unwrap_or(sync);
         }
+        if !sync {
+            self.open_verdict(req, jobs.len(), onboard.get(planned).map(|b| b.index));
+        }
         self.outbox.loads.push(RequestLoad {
             request: req.clone(),
             sync,
@@ -332,8 +335,10 @@ impl Leader {
             devices,
             remote_hashes,
         } = b;
+        let mut first_failed = None;
+        let mut load_start = None;
         if let Some(e) = self.slots.get_mut(&request) {
-            let first_failed = failed
+            first_failed = failed
                 .iter()
                 .filter_map(|&k| devices.get(k))
                 .filter_map(|d| e.slot.index_of(*d))
@@ -341,7 +346,14 @@ impl Leader {
             if let Some(i) = first_failed {
                 e.slot.load_failed(i);
             }
+            load_start = devices.iter().filter_map(|d| e.slot.index_of(*d)).min();
         }
+        if !failed.is_empty() && first_failed.is_none() {
+            // A failed block outside the request's table (unreachable): recompute all this job
+            // loaded, never blocks before it (the engine's own, possibly shared with others).
+            first_failed = Some(load_start.unwrap_or(0));
+        }
+        self.load_job_verdict(&request, first_failed);
         for (i, pin) in pinned.into_iter().enumerate() {
             if failed.contains(&i) {
                 // Its bytes could not be read: never offer it again.

@@ -6,7 +6,8 @@
 //! One concept per file: [`config`] (how it is set up), `matching` (what the tiers can supply),
 //! `loads` (allocation, onboarding and load completion), `stores` (steps, offloads, finishing),
 //! `spills` (background host -> disk / remote copies), `books` (jobs in flight and worker
-//! reports), `tiers` (the host-or-disk choice), [`observe`] (stats and events).
+//! reports), `tiers` (the host-or-disk choice), [`observe`] (stats and events), `verdicts` (one
+//! answer per asynchronous load that every rank acts on alike: TensorRT-LLM with TP > 1).
 //!
 //! Invariants:
 //! - matching (`get_num_new_matched_tokens`) is side-effect free on the pools; pins are taken
@@ -57,6 +58,7 @@ mod stores;
 #[cfg(test)]
 mod tests;
 mod tiers;
+mod verdicts;
 mod window;
 #[cfg(test)]
 mod window_tests;
@@ -99,6 +101,8 @@ struct SlotEntry {
     /// The engine's computed tokens at the last match when it offered an asynchronous load not
     /// yet allocated (`offers.rs`).
     offer: Option<usize>,
+    /// With load verdicts: the asynchronous load awaiting its verdict (`verdicts.rs`).
+    verdict: Option<verdicts::Pending>,
 }
 
 impl SlotEntry {
@@ -112,6 +116,7 @@ impl SlotEntry {
             cut: None,
             key: None,
             offer: None,
+            verdict: None,
         }
     }
 }
@@ -159,6 +164,8 @@ pub struct Leader {
     events: std::collections::VecDeque<KvEvent>,
     /// Device blocks given back while stores still read them (`request_finished_fenced`).
     fences: fences::ReuseFences,
+    /// Load verdicts not yet taken; `None`: verdicts are off (`verdicts.rs`).
+    verdicts: Option<Vec<crate::connector::messages::LoadVerdict>>,
     /// The attention window of a sliding-window group, in tokens (`window`); `None`: full.
     window: Option<usize>,
     /// The engine's id for a position without a block (vLLM's null block), mapped to a hole.
@@ -235,6 +242,7 @@ impl Leader {
             stats: LeaderStats::default(),
             events: std::collections::VecDeque::new(),
             fences: fences::ReuseFences::default(),
+            verdicts: None,
             window: None,
             null_block: None,
         })
