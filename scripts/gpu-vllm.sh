@@ -4,6 +4,9 @@
 #                                       # host, host + disk, preemption, chunked prefill, producer/consumer via Redis)
 #   bash scripts/gpu-vllm.sh --bench    # also scripts/bench_vllm_gpu.py (replay TTFT: vLLM / native offload / kvtier)
 #   bash scripts/gpu-vllm.sh --graph-diag  # also scripts/gpu_graph_diag.py (where CUDA-graph runs part from vLLM alone)
+#   bash scripts/gpu-vllm.sh --hybrid   # also scripts/bench_vllm_hybrid_gpu.py, eager and CUDA graphs (issue 25: a
+#                                       # Gemma-3-shaped model, replay TTFT and bytes per replayed token: vLLM / native
+#                                       # offload / kvtier with and without vLLM's hybrid KV cache manager)
 #   bash scripts/gpu-vllm.sh --decode   # also decode throughput, vLLM alone and kvtier side by side in 8 rounds
 #                                       # (CUDA graphs; KVTIER_DECODE_ARGS replaces the arguments)
 # Environment: PYTHON (default python3) must import torch with CUDA and vllm (e.g. PYTHONPATH=/tmp/site from
@@ -25,7 +28,7 @@ fi
 "$py" -c "import torch, vllm, kvtier; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())"
 rc=0
 if [ "${KVTIER_GPU_TESTS:-1}" = 1 ]; then
-  (cd "$here/tests" && "$py" -m pytest -q -p no:cacheprovider -rs -s --basetemp="${KVTIER_BASETEMP:-$out/pytest}" test_vllm_gpu.py \
+  (cd "$here/tests" && "$py" -m pytest -q -p no:cacheprovider -rs -s --basetemp="${KVTIER_BASETEMP:-$out/pytest}" test_vllm_gpu.py test_vllm_gpu_hybrid.py \
      2>&1 | tee "$out/gpu-tests.log") || rc=$?
 fi
 if [ "${1:-}" = "--graph-diag" ]; then
@@ -33,6 +36,13 @@ if [ "${1:-}" = "--graph-diag" ]; then
 fi
 if [ "${1:-}" = "--bench" ]; then
   "$py" "$here/scripts/bench_vllm_gpu.py" --out "$out/bench.json" ${KVTIER_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" || rc=$?
+fi
+if [ "${1:-}" = "--hybrid" ]; then
+  for mode in eager graphs; do
+    flag=; [ "$mode" = graphs ] && flag=--graphs
+    "$py" "$here/scripts/bench_vllm_hybrid_gpu.py" --out "$out/hybrid-$mode.json" $flag ${KVTIER_HYBRID_ARGS:-} \
+      2>&1 | tee "$out/hybrid-$mode.log" || rc=$?
+  done
 fi
 if [ "${1:-}" = "--decode" ]; then
   "$py" "$here/scripts/bench_vllm_gpu.py" --out "$out/decode-rounds.json" \

@@ -85,6 +85,8 @@ def test_block_ids_of_the_single_group():
     assert kv._first_group([1, 2]) == [1, 2]
     assert kv._first_group(None) == []
     assert kv._first_group(()) == []
+    # vLLM's hybrid KV cache manager: one list per group.
+    assert kv._group_ids(([1], [2, 3]), 1) == [2, 3] and kv._group_ids([1, 2], 1) == []
 
 
 class _RecordingLeader:
@@ -351,3 +353,133 @@ def test_events_are_built_only_when_vllm_publishes_them(monkeypatch):
     loud = kv._SchedulerSide({}, 16, publish_events=True)
     events = loud.take_events()
     assert len(events) == 1 and events[0].block_hashes and loud._leader.taken == 1
+
+
+def _spec(kind: str, **fields):
+    """A stand-in for one of vLLM's layer specs (vllm/v1/kv_cache_interface.py): kvtier goes by the class name."""
+    return type(kind, (), dict({"block_size": 32, "page_size_bytes": 4096}, **fields))()
+
+
+def _groups_config(*specs):
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s, layer_names=[f"l{i}"])
+                                            for i, s in enumerate(specs)])
+
+
+def test_kv_cache_groups_kvtier_serves_and_the_kinds_it_refuses_by_name():
+    # vLLM's hybrid KV cache manager: a full-attention group and a sliding-window group (its reach includes the
+    # tokens vLLM retains beyond the window, extra_retained_tokens).
+    groups = kv._kv_groups(_groups_config(_spec("FullAttentionSpec"),
+                                   _spec("SlidingWindowSpec", sliding_window=64, extra_retained_tokens=2)), 32)
+    assert [(g["kind"], g["window"], g["layers"]) for g in groups] == [
+        ("FullAttentionSpec", None, ["l0"]), ("SlidingWindowSpec", 66, ["l1"])]
+    settings = kv._group_settings({"world_size": 2, "salt": "s"}, groups)
+    assert [s["bytes_per_block"] for s in settings] == [8192, 8192]
+    assert settings[1]["sliding_window"] == 66 and settings[1]["null_block"] == 0 and "sliding_window" not in settings[0]
+    assert [s["kv_cache_group"] for s in settings] == [0, 1] and settings[0]["sync_host_loads"] is False
+    # What stays refused, at engine start, naming the layer kind and what to do.
+    for kind, words in [("MambaSpec", ["MambaSpec", "without kvtier"]),
+                        ("ChunkedLocalAttentionSpec", ["ChunkedLocalAttentionSpec",
+                                                       "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE"]),
+                        ("RSWASpec", ["RSWASpec", "--disable-hybrid-kv-cache-manager"])]:
+        with pytest.raises(ValueError) as err:
+            kv._kv_groups(_groups_config(_spec("FullAttentionSpec"), _spec(kind, sliding_window=64)), 32)
+        for w in words:
+            assert w in str(err.value), (kind, str(err.value))
+    with pytest.raises(ValueError, match="16 tokens per block"):
+        kv._kv_groups(_groups_config(_spec("FullAttentionSpec"), _spec("SlidingWindowSpec", sliding_window=8, block_size=16)), 32)
+
+
+class _GroupWorker:
+    """One KV cache group's kvtier worker: reports what the test queues for its next get_finished."""
+
+    def __init__(self):
+        self.next: tuple[list, list, list] = ([], [], [])
+        self.waited: list[list[str]] = []
+
+    def get_finished(self, finished):
+        out, self.next = self.next, ([], [], [])
+        return out
+
+    def wait_for_requests(self, rids):
+        self.waited.append(list(rids))
+
+
+def test_several_groups_report_a_request_once_every_group_has():
+    """vLLM's hybrid manager, one kvtier worker per KV cache group: vLLM hears of an asynchronous load in
+    finished_recving (and of a delayed free in finished_sending) only once every group that loads (stores) it
+    reported it, and a fence waits in every group's worker (a block one group gave back may be reused in another)."""
+    side = kv._WorkerSide([{}, {}], 16, [["a"], ["b"]])
+    side._workers = [_GroupWorker(), _GroupWorker()]
+    side._worker = side._workers[0]
+    side.start_step(kv.KvtierConnectorMetadata(recv_groups={"r": [0, 1]}, delayed_frees=["s"],
+                                               delayed_groups={"s": [0, 1]}))
+    side._workers[0].next = (["s"], ["r"], [])
+    assert side.get_finished(set()) == (None, None)
+    side._workers[1].next = (["s"], [], ["r"])  # a failed load is reported finished too
+    assert side.get_finished(set()) == ({"s"}, {"r"})
+    assert side.get_finished(set()) == (None, None)
+    side.drain(["f"])
+    assert [w.waited for w in side._workers] == [[["f"]], [["f"]]]
+
+
+class _GroupLeader:
+    """One KV cache group's leader: records what it is given, delays the free of requests named in ``delay``."""
+
+    loads_are_async = True
+
+    def __init__(self, settings):
+        self.group = int(settings.get("kv_cache_group", 0))
+        self.allocated: list = []
+        self.records: list = []
+        self.delay: set[str] = set()
+
+    def allocate(self, rid, block_ids, n):
+        self.allocated.append((rid, list(block_ids), n))
+        return [], None
+
+    def take_hit_sources(self, rid, n):
+        return [("host", n)]
+
+    def load_is_async(self, rid):
+        return True
+
+    def build_step_with_fences(self, records, finished):
+        self.records.extend(records)
+        return f"plan{self.group}".encode(), [f"fence{self.group}"]
+
+    def request_finished(self, rid, fence_reuse=False):
+        return rid in self.delay
+
+    def stats(self):
+        return {"matched_tokens": 64, "onboard_host_blocks": 2 + self.group, "onboard_host_bytes": 100}
+
+
+def test_several_groups_get_their_own_block_ids_and_answer_as_one(monkeypatch):
+    """vLLM's hybrid manager hands the connector one block-id list per KV cache group (``KVCacheBlocks
+    .get_block_ids()``, ``NewRequestData.block_ids``, ``CachedRequestData.new_block_ids``): each group's leader gets
+    its own; the workers get every group's plan; a finished request's free waits for the groups that delay it; and
+    the request counters count once."""
+    monkeypatch.setattr(kv, "_backend", lambda settings: SimpleNamespace(Leader=_GroupLeader))
+    settings = kv._group_settings({"world_size": 1}, [
+        {"kind": "FullAttentionSpec", "window": None, "layers": ["a"], "page_bytes": 8},
+        {"kind": "SlidingWindowSpec", "window": 64, "layers": ["b"], "page_bytes": 8}])
+    side = kv._SchedulerSide(settings, 16, fence_reuse=False)
+    full, window = side._leaders
+    req = SimpleNamespace(request_id="r", all_token_ids=list(range(80)))
+    side.on_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5], [0, 0, 6, 7, 8])), 64)
+    assert [x.allocated for x in side._leaders] == [[("r", [1, 2, 3, 4, 5], 64)], [("r", [0, 0, 6, 7, 8], 64)]]
+    step = _empty_step()
+    step.scheduled_new_reqs = [SimpleNamespace(req_id="r", block_ids=([1, 2, 3, 4, 5], [0, 0, 6, 7, 8]),
+                                               num_computed_tokens=64, prompt_token_ids=None)]
+    step.num_scheduled_tokens = {"r": 16}
+    meta = side.build_meta(step)
+    assert (meta.plan, meta.group_plans, sorted(meta.fence)) == (b"plan0", [b"plan1"], ["fence0", "fence1"])
+    assert meta.recv_groups == {"r": [0, 1]}
+    assert [rec[2] for rec in full.records] == [[1, 2, 3, 4, 5]]
+    assert [rec[2] for rec in window.records] == [[0, 0, 6, 7, 8]]
+    side.update_output(SimpleNamespace(finished_recving={"r"}, kv_connector_worker_meta=None))  # loaded
+    window.delay.add("r")
+    assert side.request_finished(req) == (True, None)
+    assert side.build_meta(_empty_step()).delayed_groups == {"r": [1]}
+    s = side.cumulative_stats()
+    assert (s["matched_tokens"], s["onboard_host_blocks"], s["g1.onboard_host_blocks"], s["g1.window"]) == (64, 5, 3, 64)

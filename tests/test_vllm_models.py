@@ -1,11 +1,18 @@
 """Models with other layer kinds in the real vLLM engine (CPU build): what kvtier serves is exact, what it cannot serve
 exactly is refused at start with the layer kind named (issue 25).
 
-- A Mistral-shaped model whose every layer slides (one KV cache group of ``SlidingWindowSpec``): kvtier used to accept
-  it and 2 of 14 replayed prompts generated other tokens; now the engine refuses to start, naming the layer kind.
-- A Gemma-3-shaped model (sliding-window and full layers alternating): vLLM turns its hybrid KV cache manager off for a
-  connector without ``SupportsHMA`` and keeps every layer's whole prefix in one full-attention group (each layer still
-  attends only its window); kvtier's replays, under eviction pressure and chunked prefill, generate vLLM alone's tokens.
+kvtier supports vLLM's hybrid KV cache manager (``SupportsHMA``): one kvtier leader and worker per KV cache group, each
+keying its blocks by the group. A full-attention group stores and loads the whole prefix; a sliding-window group only
+the window of the hit's end (vllm/v1/core/single_type_kv_cache_manager.py ``SlidingWindowManager``: the blocks before
+it are vLLM's null block), and a hit is claimed only when every group holds its part.
+
+- A Gemma-3-shaped model (sliding-window and full layers alternating; one KV cache group per layer here): replays under
+  eviction pressure and chunked prefill generate vLLM alone's tokens, and a replay from kvtier's tier alone loads each
+  window group's window (two blocks), the full-attention group its whole prefix.
+- A Mistral-shaped model whose every layer slides (one group of ``SlidingWindowSpec``): exact, window-only loads (it
+  was accepted before issue 25 as full attention and 2 of 14 replays generated other tokens).
+- The Gemma-3-shaped model with ``--disable-hybrid-kv-cache-manager``: vLLM merges every layer into one full-attention
+  group; kvtier stores and loads every layer's whole prefix (the bytes counter shows it), exactly.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ _native = pytest.importorskip("kvtier._native", reason="kvtier is pip-installed 
 if not os.environ.get("KVTIER_VLLM_BACKEND_MODULE") and not hasattr(_native, "Leader"):
     pytest.skip("this build of kvtier._native has no Leader/Worker bindings", allow_module_level=True)
 
-from vllm_support import BYTES_PER_BLOCK, Engine, EngineError, connector_config, make_model, prompts  # noqa: E402
+from vllm_support import BLOCK_SIZE, BYTES_PER_BLOCK, Engine, connector_config, make_model, prompts  # noqa: E402
 
 G1_BLOCKS = 24
 MAX_TOKENS = 8
@@ -28,6 +35,12 @@ PHASE = prompts(8, 224, seed=27, shared_prefix=64)
 OTHER = prompts(8, 224, seed=28)
 # Chunked prefill (a 224-token prompt takes three steps); 4 layers: twice the default model's bytes per block.
 SPEC = {"max_num_batched_tokens": 96, "bytes_per_block": 2 * BYTES_PER_BLOCK}
+LAYER_BYTES = BYTES_PER_BLOCK // 2  # one layer's K and V of one block
+# A replay of a 224-token prompt (7 blocks) from kvtier alone: the hit ends at block 6 (the last block is computed);
+# a window of 64 tokens reads blocks 4 and 5 there ((6 * 32 + 1 - 64) // 32 = 4).
+HIT_BLOCKS, WINDOW_BLOCKS = 6, 2
+# 8 requests growing to 224 + 100 tokens: the device cache cannot hold them, vLLM preempts and resumes some.
+LONG_TOKENS = 100
 
 
 def _model(tmp_path_factory, name: str, pattern: str):
@@ -35,25 +48,132 @@ def _model(tmp_path_factory, name: str, pattern: str):
                       extra=["--layers", "4", "--sliding-window", str(WINDOW), "--layer-types", pattern])
 
 
-def test_an_all_sliding_window_model_is_refused_at_start(tmp_path_factory, tmp_path):
-    model = _model(tmp_path_factory, "mistral", "S")
-    with pytest.raises(EngineError) as err:
-        with Engine(model, tmp_path / "mistral.log", kv_cache_blocks=G1_BLOCKS,
-                    kv_transfer_config=connector_config(settings={"host.num_blocks": 256}), **SPEC):
-            pass
-    assert "SlidingWindowSpec" in str(err.value) and "kvtier" in str(err.value), str(err.value)[-2000:]
+def _kvtier(model, log, **kw):
+    return Engine(model, log, kv_cache_blocks=G1_BLOCKS,
+                  kv_transfer_config=connector_config(settings={"host.num_blocks": 256}), **SPEC, **kw)
 
 
-def test_a_gemma3_shaped_model_replays_exactly(tmp_path_factory, tmp_path):
+def _replay_from_tier(e, want: list) -> dict:
+    """Replay PHASE with vLLM's device cache emptied (the connector's tiers kept): the tokens must be vLLM alone's;
+    returns the counters' growth over the replay."""
+    e.drain(60)
+    before = e.stats()["stats"]
+    assert e.reset_prefix_cache()
+    assert e.generate(PHASE, MAX_TOKENS) == want
+    after = e.stats()
+    assert after["kvtier_errors"] == [], after["kvtier_errors"]
+    # Growth of the counters; a group's window (``g<G>.window``) as it is.
+    return {k: v if k.endswith(".window") else v - before.get(k, 0)
+            for k, v in after["stats"].items() if isinstance(v, (int, float))}
+
+
+def test_a_gemma3_shaped_model_replays_exactly_with_the_hybrid_manager(tmp_path_factory, tmp_path):
     model = _model(tmp_path_factory, "gemma3", "SSF")
     with Engine(model, tmp_path / "reference.log", kv_cache_blocks=G1_BLOCKS, **SPEC) as ref:
         want = ref.generate(PHASE, MAX_TOKENS)
         want_other = ref.generate(OTHER, MAX_TOKENS)
-    with Engine(model, tmp_path / "kvtier.log", kv_cache_blocks=G1_BLOCKS,
-                kv_transfer_config=connector_config(settings={"host.num_blocks": 256}), **SPEC) as e:
+        want_long = ref.generate(PHASE, LONG_TOKENS)
+    with _kvtier(model, tmp_path / "kvtier.log") as e:
         assert e.generate(PHASE, MAX_TOKENS) == want
         assert e.generate(OTHER, MAX_TOKENS) == want_other
         assert e.generate(PHASE, MAX_TOKENS) == want
         s = e.stats()
-    assert s["kvtier_errors"] == [], s["kvtier_errors"]
-    assert s["stats"]["onboard_host_blocks"] > 0, s["stats"]
+        assert s["kvtier_errors"] == [], s["kvtier_errors"]
+        assert s["stats"]["onboard_host_blocks"] > 0, s["stats"]
+        d = _replay_from_tier(e, want)
+        # Decoding far past the window: the window groups' blocks are freed and handed out again mid-request (kvtier
+        # forgets them and fences their stores), and vLLM preempts requests, which are matched and loaded again.
+        assert e.generate(PHASE, LONG_TOKENS) == want_long
+        long = e.stats()
+        assert long["kvtier_errors"] == [], long["kvtier_errors"]
+        assert long["stats"]["preempted_requests"] > 0, "the workload no longer makes vLLM preempt"
+    windows = [int(s["stats"][f"g{g}.window"]) for g in range(4)]
+    assert sorted(windows) == [0, WINDOW, WINDOW, WINDOW], s["stats"]  # one group per layer: 1 full, 3 sliding
+    for g, w in enumerate(windows):
+        blocks, nbytes = d[f"g{g}.onboard_host_blocks"], d[f"g{g}.onboard_host_bytes"]
+        # A group's block is its one layer's KV.
+        assert nbytes == blocks * LAYER_BYTES, d
+        if w:  # the window of each replay's hit end, nothing before it
+            assert blocks == WINDOW_BLOCKS * len(PHASE), (g, d)
+        else:  # the whole prefix, less what vLLM's device cache still had (the shared 64-token prefix)
+            assert blocks >= (HIT_BLOCKS - 2) * len(PHASE), (g, d)
+    replayed = HIT_BLOCKS * BLOCK_SIZE * len(PHASE)
+    # Bytes per replayed token: the full layer's whole prefix and the window layers' window, (1 * 6 + 3 * 2) of the
+    # 4 * 6 layer-blocks the whole prefix of every layer would be.
+    assert d["onboard_host_bytes"] / replayed <= 0.5 * SPEC["bytes_per_block"] / BLOCK_SIZE, d
+
+
+def test_a_mistral_shaped_model_loads_only_its_window(tmp_path_factory, tmp_path):
+    model = _model(tmp_path_factory, "mistral", "S")
+    with Engine(model, tmp_path / "reference.log", kv_cache_blocks=G1_BLOCKS, **SPEC) as ref:
+        want = ref.generate(PHASE, MAX_TOKENS)
+        want_other = ref.generate(OTHER, MAX_TOKENS)
+    with _kvtier(model, tmp_path / "kvtier.log") as e:
+        assert e.generate(PHASE, MAX_TOKENS) == want
+        assert e.generate(OTHER, MAX_TOKENS) == want_other
+        assert e.generate(PHASE, MAX_TOKENS) == want
+        d = _replay_from_tier(e, want)
+    # One group of every layer: a block is all 4 layers' KV; each replay loads the window's two blocks.
+    assert d["onboard_host_blocks"] == WINDOW_BLOCKS * len(PHASE), d
+    assert d["onboard_host_bytes"] == d["onboard_host_blocks"] * SPEC["bytes_per_block"], d
+
+
+def test_a_gemma3_shaped_model_replays_exactly_without_the_hybrid_manager(tmp_path_factory, tmp_path):
+    model = _model(tmp_path_factory, "gemma3", "SSF")
+    off = {"disable_hybrid_kv_cache_manager": True}
+    with Engine(model, tmp_path / "reference.log", kv_cache_blocks=G1_BLOCKS, **SPEC) as ref:
+        want = ref.generate(PHASE, MAX_TOKENS)
+        want_other = ref.generate(OTHER, MAX_TOKENS)
+    with _kvtier(model, tmp_path / "kvtier.log", **off) as e:
+        assert e.generate(PHASE, MAX_TOKENS) == want
+        assert e.generate(OTHER, MAX_TOKENS) == want_other
+        assert e.generate(PHASE, MAX_TOKENS) == want
+        st = e.stats()["stats"]
+        d = _replay_from_tier(e, want)
+    assert st["onboard_host_blocks"] > 0, st
+    # One merged full-attention block holds every layer's KV, the window layers' whole prefix included.
+    assert st["onboard_host_bytes"] == st["onboard_host_blocks"] * SPEC["bytes_per_block"], st
+    assert st["onboard_disk_bytes"] == st["onboard_remote_bytes"] == 0, st
+    assert d["onboard_host_blocks"] >= (HIT_BLOCKS - 2) * len(PHASE), d
+
+
+def test_a_gemma3_shaped_model_replays_exactly_from_disk(tmp_path_factory, tmp_path):
+    """Every group's blocks through the disk tier (each group its own file set, rank0-g<G>), the host tier nearly
+    none: the replay loads each group's part from disk, the window groups only their window."""
+    model = _model(tmp_path_factory, "gemma3", "SSF")
+    with Engine(model, tmp_path / "reference.log", kv_cache_blocks=G1_BLOCKS, **SPEC) as ref:
+        want = ref.generate(PHASE, MAX_TOKENS)
+    settings = {"host.num_blocks": 8, "disk.num_blocks": 1024, "disk.dir": str(tmp_path / "d"),
+                "policy.disk_filter.enabled": False}
+    with Engine(model, tmp_path / "kvtier.log", kv_cache_blocks=G1_BLOCKS,
+                kv_transfer_config=connector_config(settings=settings), **SPEC) as e:
+        assert e.generate(PHASE, MAX_TOKENS) == want
+        d = _replay_from_tier(e, want)
+    sets = sorted(p.name for p in (tmp_path / "d").rglob("rank0*") if p.is_dir() or p.is_file())
+    assert any("-g1" in s for s in sets), sets
+    assert d["onboard_disk_blocks"] > 0, d
+    windows = {g: int(d[f"g{g}.window"]) for g in range(4)}
+    assert sorted(windows.values()) == [0, WINDOW, WINDOW, WINDOW], d
+    for g in range(4):
+        loaded = d[f"g{g}.onboard_host_blocks"] + d[f"g{g}.onboard_disk_blocks"]
+        if windows[g]:  # at most the window per replay (a store the small host tier dropped shortens a hit)
+            assert 0 < loaded <= WINDOW_BLOCKS * len(PHASE), (g, d)
+
+
+def test_a_gemma3_shaped_model_replays_exactly_with_synchronous_loads(tmp_path_factory, tmp_path):
+    """Every group's load inside the step (``async_loads: false``): each group's worker completes its copies before
+    the forward pass (every load delayed 50 ms, ``test_load_delay_ms``, so a copy not waited for is seen)."""
+    model = _model(tmp_path_factory, "gemma3", "SSF")
+    with Engine(model, tmp_path / "reference.log", kv_cache_blocks=G1_BLOCKS, **SPEC) as ref:
+        want = ref.generate(PHASE, MAX_TOKENS)
+    with Engine(model, tmp_path / "kvtier.log", kv_cache_blocks=G1_BLOCKS,
+                kv_transfer_config=connector_config(settings={"host.num_blocks": 256, "async_loads": False,
+                                                            "test_load_delay_ms": 50}),
+                **SPEC) as e:
+        assert e.generate(PHASE, MAX_TOKENS) == want
+        d = _replay_from_tier(e, want)
+    for g in range(4):
+        if d[f"g{g}.window"]:
+            assert d[f"g{g}.onboard_host_blocks"] == WINDOW_BLOCKS * len(PHASE), (g, d)
+        else:
+            assert d[f"g{g}.onboard_host_blocks"] >= (HIT_BLOCKS - 2) * len(PHASE), (g, d)

@@ -20,6 +20,13 @@ class TransferError(KvtierError): ...
 def init_logging(filter: Optional[str] = None) -> bool:
     """Install a tracing subscriber on stderr (filter like "kvtier=debug", else $KVTIER_LOG, else "warn")."""
 
+def match_groups(leaders: list["Leader"], request_id: str, tokens: list[int], num_computed_tokens: int,
+                 identity: str | None = None, cacheable: bool = True, read: bool = True) -> int:
+    """Match one request in every KV cache group (one Leader per group, in group order): the external tokens every
+    group can supply (its whole prefix for full attention, the window of the hit's end for a sliding window),
+    recorded by each group's leader."""
+    ...
+
 def metrics_table() -> list[dict[str, Any]]:
     """kvtier's counter table: per series its stats ``key``, Prometheus ``name``, ``help``, ``kind``
     ("counter"/"gauge") and ``labels`` (the keys of ``Leader.stats()``)."""

@@ -32,6 +32,12 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     # The scheduler side lost track of which freed blocks stores still read (build_step or request_finished
     # failed): the workers wait for every request's jobs in handle_preemptions instead.
     fence_all: bool = False
+    # Several KV cache groups (vLLM's hybrid KV cache manager): the plans of groups 1.. (``plan`` is group 0's), the
+    # groups whose leader planned each asynchronous load (vLLM hears of the request once all of them reported) and
+    # the groups whose stores each delayed free waits for.
+    group_plans: list[bytes] = field(default_factory=list)
+    recv_groups: dict[str, list[int]] = field(default_factory=dict)
+    delayed_groups: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -39,10 +45,15 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
     """What workers send back to the scheduler side each step: kvtier's encoded job reports, one blob per rank."""
 
     reports: list[bytes] = field(default_factory=list)
+    # The KV cache group of each blob (missing: group 0).
+    groups: list[int] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KvtierWorkerMetadata):
+            self.groups.extend([0] * (len(self.reports) - len(self.groups)))
             self.reports.extend(other.reports)
+            self.groups.extend(other.groups)
+            self.groups.extend([0] * (len(self.reports) - len(self.groups)))
         return self
 
 

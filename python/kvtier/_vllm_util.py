@@ -101,49 +101,117 @@ def _embeds_digest(request: "Request") -> str | None:
         return None
 
 
-# Layer kinds whose KV kvtier stores and loads exactly: every token's K and V in full blocks, read by every later
-# token (vllm/v1/kv_cache_interface.py). Subclasses are not accepted by inheritance: RSWASpec and SinkFullAttentionSpec
-# derive from FullAttentionSpec but keep other rules.
-_EXACT_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+# Layer kinds whose KV kvtier stores and loads exactly (vllm/v1/kv_cache_interface.py): full attention (every token's K
+# and V, read by every later token: the whole prefix), MLA, and a sliding window under vLLM's hybrid KV cache manager
+# (the window of the hit's end; vllm/v1/core/single_type_kv_cache_manager.py SlidingWindowManager). Subclasses are not
+# accepted by inheritance: RSWASpec and SinkFullAttentionSpec derive from these but keep other rules.
+_FULL_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+_WINDOW_SPECS = ("SlidingWindowSpec",)
+
+# What to do about a layer kind kvtier refuses, by spec name.
+_REFUSAL_HINTS = {
+    "MambaSpec": "kvtier does not store Mamba / linear-attention state; run this model without kvtier "
+                 "(kv_transfer_config unset; vLLM needs its hybrid KV cache manager for these layers)",
+    "ChunkedLocalAttentionSpec": "kvtier does not serve chunked local attention by group; leave "
+                                 "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE unset or start vLLM with "
+                                 "--disable-hybrid-kv-cache-manager (vLLM then keeps every layer's whole prefix in one "
+                                 "full-attention group, which kvtier serves exactly), or run without kvtier",
+}
+_DEFAULT_HINT = ("kvtier would not reproduce this layer kind exactly; start vLLM with --disable-hybrid-kv-cache-manager "
+                 "(every layer then keeps its whole prefix, served exactly) or run this model without kvtier")
 
 
-def _refuse_inexact_layers(kv_cache_config: Any, vllm_config: Any = None) -> None:
-    """Raise ValueError at engine start for a model whose layers kvtier would not serve exactly: more than one KV
-    cache group (vLLM's hybrid manager), or one group of another kind than full attention (sliding window, chunked
-    local attention, Mamba/linear attention, ...). The message names the layer kind and the setting that helps."""
+def _spec_kind(spec: Any) -> tuple[str, int | None]:
+    """A layer spec's class name and its attention reach in tokens (sliding window plus the tokens vLLM retains
+    beyond it, ``extra_retained_tokens``; None for other kinds)."""
+    name = type(spec).__name__
+    if name in _WINDOW_SPECS:
+        return name, int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+    return name, None
+
+
+def _kv_groups(kv_cache_config: Any, block_size: int | None = None) -> list[dict[str, Any]]:
+    """The KV cache groups kvtier serves, one dict per group of ``kv_cache_config.kv_cache_groups`` (vLLM's order):
+    ``kind`` (spec class name), ``window`` (tokens a sliding-window group attends; None: full attention),
+    ``layers`` and ``page_bytes`` (one layer's bytes per block). Raises ValueError at engine start for a layer kind
+    kvtier would not serve exactly, naming it and the setting that helps (issue 25)."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    kinds: list[str] = []
+    out: list[dict[str, Any]] = []
     for g in groups:
         spec = g.kv_cache_spec
         inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one spec per layer
         specs = list(inner.values()) if isinstance(inner, dict) and inner else [spec]
-        for s in specs:
-            name = type(s).__name__
-            window = getattr(s, "sliding_window", None) or getattr(s, "attention_chunk_size", None)
-            kind = f"{name}(window={window})" if window else name
-            if kind not in kinds:
-                kinds.append(kind)
-    if len(groups) > 1:
-        raise ValueError(
-            f"kvtier: this model has {len(groups)} KV cache groups ({', '.join(kinds)}); kvtier serves one group of "
-            "full attention only. Start vLLM with --disable-hybrid-kv-cache-manager (every layer then keeps its "
-            "whole prefix, served exactly), or without kvtier")
-    bad = [k for k in kinds if k.split("(")[0] not in _EXACT_SPECS]
-    if bad:
-        raise ValueError(
-            f"kvtier: this model's layers are {', '.join(bad)}; kvtier stores and loads full-attention and MLA KV "
-            "only and would not reproduce this layer kind exactly. Run this model without kvtier (kv_transfer_config "
-            "unset); models that mix such layers with full attention run when vLLM turns its hybrid KV cache manager "
-            "off (it does so itself for kvtier)")
+        kinds = {_spec_kind(s) for s in specs}
+        names = sorted({k for k, _ in kinds})
+        bad = [n for n in names if n not in _FULL_SPECS + _WINDOW_SPECS]
+        described = ", ".join(f"{n}(window={w})" if w else n for n, w in sorted(kinds, key=str))
+        if bad:
+            hint = _REFUSAL_HINTS.get(bad[0], _DEFAULT_HINT)
+            raise ValueError(f"kvtier: this model's layers include {described} (KV cache group {len(out)} of "
+                             f"{len(groups)}); {hint}")
+        if len(kinds) > 1:
+            raise ValueError(f"kvtier: KV cache group {len(out)} mixes layer kinds ({described}); {_DEFAULT_HINT}")
+        (kind, window), = kinds
+        bs = int(getattr(spec, "block_size", 0) or 0)
+        if block_size is not None and bs and bs != int(block_size):
+            raise ValueError(f"kvtier: KV cache group {len(out)} ({described}) has {bs} tokens per block, the engine "
+                             f"{block_size}; kvtier serves groups of the engine's block size only. {_DEFAULT_HINT}")
+        out.append({"kind": kind, "window": window, "layers": list(g.layer_names),
+                    "page_bytes": int(spec.page_size_bytes)})
+    return out
 
 
-def _first_group(block_ids: Any) -> list[int]:
-    """vLLM passes one block-id list per KV cache group; kvtier supports exactly one group."""
+def _refuse_inexact_layers(kv_cache_config: Any, vllm_config: Any = None) -> None:
+    """Raise ValueError at engine start for a model whose layers kvtier would not serve exactly (see
+    :func:`_kv_groups`)."""
+    bs = getattr(getattr(vllm_config, "cache_config", None), "block_size", None)
+    _kv_groups(kv_cache_config, bs)
+
+
+# Counters of requests and steps: with several KV cache groups each group's leader counts the same ones.
+_PER_REQUEST_COUNTERS = ("steps", "active_requests", "match_queries", "matched_tokens", "load_restarts",
+                         "preempted_requests", "uncacheable_requests")
+
+# vLLM's block id for a position without a block (a sliding-window group's blocks before the window): the block pool's
+# first block (vllm/v1/core/block_pool.py BlockPool.__init__: ``self.null_block = self.free_block_queue.popleft()``).
+_NULL_BLOCK = 0
+
+
+def _group_settings(base: dict[str, Any], groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One kvtier leader's (and worker's) settings per KV cache group (``_kv_groups``): the group's bytes per block,
+    its window and vLLM's null block; with several groups, the group's index and kind (kvtier keys its blocks by
+    them and gives it its share of the tiers: docs/arch/vllm.md "Hybrid models")."""
+    if not groups:
+        return [base]
+    world = int(base.get("world_size", 1))
+    out = []
+    for i, g in enumerate(groups):
+        s = dict(base)
+        if len(groups) > 1:
+            s["bytes_per_block"] = g["page_bytes"] * len(g["layers"]) * world
+            s.update(kv_cache_group=i, kv_cache_groups=len(groups), kv_cache_group_kind=f"{g['kind']}:{g['window']}")
+            # Every group's leader must answer vLLM alike whether a hit loads asynchronously: per request, a host-only
+            # hit in one group could load in the step while another group's disk hit loads asynchronously.
+            s["sync_host_loads"] = False
+        if g["window"]:
+            s.update(sliding_window=g["window"], null_block=_NULL_BLOCK)
+        out.append(s)
+    return out
+
+
+def _group_ids(block_ids: Any, group: int) -> list[int]:
+    """Group ``group``'s block ids of vLLM's per-group tuple (one list per KV cache group; a bare list is group 0's;
+    None or a missing group: none)."""
     if block_ids is None:
         return []
     if isinstance(block_ids, tuple):
-        return [int(b) for b in block_ids[0]] if block_ids else []
-    return [int(b) for b in block_ids]
+        return [int(b) for b in block_ids[group]] if len(block_ids) > group else []
+    return [int(b) for b in block_ids] if group == 0 else []
+
+
+def _first_group(block_ids: Any) -> list[int]:
+    """Group 0's block ids (see :func:`_group_ids`)."""
+    return _group_ids(block_ids, 0)
 
 
 def _record(rid: str, new_tokens: list[int], new_block_ids: list[int], num_computed: int, num_scheduled: int,

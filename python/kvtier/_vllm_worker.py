@@ -21,10 +21,20 @@ class _WorkerSide:
     completions, and carries its job reports back to the scheduler side in the worker metadata. Requests whose
     load the scheduler side had to refuse are failed here, exactly like failed transfers."""
 
-    def __init__(self, settings: dict[str, Any], block_size: int) -> None:
-        self._settings = settings
+    def __init__(self, settings: "dict[str, Any] | list[dict[str, Any]]", block_size: int,
+                 group_layers: list[list[str]] | None = None) -> None:
+        # One kvtier worker per KV cache group (vLLM's hybrid KV cache manager), each over its group's layers.
+        self._group_settings = settings if isinstance(settings, list) else [settings]
+        self._settings = self._group_settings[0]
+        self._group_layers = group_layers if group_layers and len(group_layers) > 1 else None
         self._block_size = block_size
         self._worker: Any = None
+        self._workers: list[Any] = []
+        # Several groups: per asynchronous load, the groups still to report it; per delayed free, the groups whose
+        # stores are still to land (vLLM hears of the request once none is left).
+        self._recv_wait: dict[str, set[int]] = {}
+        self._recv_failed: set[str] = set()
+        self._save_wait: dict[str, set[int]] = {}
         self._errors = 0
         self._failed_recv: set[str] = set()
         self._failed_blocks: set[int] = set()
@@ -32,9 +42,15 @@ class _WorkerSide:
         self._last_stats: dict[str, float] = {}
         # The engine's current CUDA stream, as a raw handle (set in register when the KV cache is on a GPU).
         self._current_stream: Any = None
-        # Layer name -> index in the registered layout (vLLM's kv_caches order); a step's layered loads.
-        self._layer_index: dict[str, int] = {}
+        # Layer name -> (group, index among its group worker's registered layers); a step's layered loads.
+        self._layer_index: dict[str, tuple[int, int]] = {}
         self.layered_step = False
+
+    def _all(self) -> list[Any]:
+        """The kvtier workers, one per KV cache group (``_worker`` is group 0's)."""
+        if len(self._workers) > 1:
+            return self._workers
+        return [self._worker] if self._worker is not None else []
 
     def _error(self, what: str, e: BaseException) -> None:
         self._errors += 1
@@ -51,9 +67,18 @@ class _WorkerSide:
         describe = getattr(core, "describe", None)
         if describe is None:
             from kvtier import describe
-        tensors = [(name, describe(t)) for name, t in kv_caches.items()]
-        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
-        self._worker = core.Worker(self._settings, tensors)
+        if self._group_layers is None:
+            tensors = [(name, describe(t)) for name, t in kv_caches.items()]
+            self._workers = [core.Worker(self._settings, tensors)]
+            self._layer_index = {name: (0, i) for i, name in enumerate(kv_caches)}
+        else:
+            # A group's layers in vLLM's order (kv_cache_config.kv_cache_groups[g].layer_names); the groups' tensors
+            # share memory (vLLM's kv_cache_tensors), each group addressing its own block ids in it.
+            self._workers = [core.Worker(s, [(name, describe(kv_caches[name])) for name in layers])
+                             for s, layers in zip(self._group_settings, self._group_layers)]
+            self._layer_index = {name: (g, i) for g, layers in enumerate(self._group_layers)
+                                 for i, name in enumerate(layers)}
+        self._worker = self._workers[0]
         # Decided once: asking torch whether CUDA is there costs more than the rest of a decode step's hooks.
         cuda = [t for t in kv_caches.values() if getattr(t, "is_cuda", False)]
         if cuda:
@@ -65,29 +90,42 @@ class _WorkerSide:
 
     def start_step(self, meta: KvtierConnectorMetadata, layer_hooks: bool = False) -> None:
         self._awaiting_save.update(meta.delayed_frees)
+        for rid, groups in getattr(meta, "delayed_groups", {}).items():
+            self._save_wait[rid] = set(groups)
+        for rid, groups in getattr(meta, "recv_groups", {}).items():
+            self._recv_wait[rid] = set(groups)
         for rid, blocks in meta.failed_loads.items():
             if rid in meta.failed_loads_async:
                 # vLLM waits for the request in finished_recving; a sync load is only failed by its blocks.
-                self._failed_recv.add(rid)
+                if self._recv_wait.get(rid):
+                    self._recv_failed.add(rid)  # reported once the other groups' loads landed
+                else:
+                    self._failed_recv.add(rid)
             self._failed_blocks.update(blocks)
-        if self._worker is None or not meta.plan:
-            return
+        plans = [meta.plan, *getattr(meta, "group_plans", [])]
+        self.layered_step = False
+        for worker, plan in zip(self._all(), plans):
+            if plan:
+                self._start(worker, plan, meta.sync_loads, layer_hooks)
+
+    def _start(self, worker: Any, plan: bytes, sync_loads: bool, layer_hooks: bool) -> None:
         _trace("start_load")
         try:
-            self._worker.bind(meta.plan)
+            worker.bind(plan)
             # Layered only where vLLM calls wait_for_layer_load before every attention layer (layer_hooks);
             # the worker decides whether the step has loads to layer (its `layered_sync_loads` setting).
-            self._worker.start_load(self._stream(), bool(meta.sync_loads and layer_hooks))
-            self.layered_step = bool(self._worker.has_layered_loads())
+            worker.start_load(self._stream(), bool(sync_loads and layer_hooks))
+            layered = bool(worker.has_layered_loads())
+            self.layered_step = self.layered_step or layered
         except Exception as e:
             self._error("start_load", e)
             return
-        if meta.sync_loads and not self.layered_step:
+        if sync_loads and not layered:
             # vLLM calls start_load_kv before the forward pass only when the step has sync loads: complete them
             # here, every layer at once. A failed load raises TransferError; its blocks are then reported by
             # get_block_ids_with_load_errors and vLLM recomputes them, so it is not an adapter error.
             try:
-                self._worker.wait_for_layer_load(0, self._stream())
+                worker.wait_for_layer_load(0, self._stream())
             except Exception as e:
                 if type(e).__name__ == "TransferError":
                     logger.warning("kvtier: a load failed; vLLM recomputes its blocks: %s", e)
@@ -97,51 +135,59 @@ class _WorkerSide:
     def wait_for_layer(self, layer_name: str) -> None:
         """Before layer ``layer_name``'s attention: the engine's stream waits for that layer's copies (a name the
         registered layout does not know waits for every layer)."""
-        if self._worker is None:
-            return
-        try:
-            self._worker.wait_for_layer_load(self._layer_index.get(layer_name), self._stream())
-        except Exception as e:
-            self._error("wait_for_layer_load", e)
+        workers = self._all()
+        loc = self._layer_index.get(layer_name)
+        # The layer's group's worker, at the layer's index among its group's layers; unknown: every layer of all.
+        targets = [(w, None) for w in workers] if loc is None else [(workers[loc[0]], loc[1])]
+        for worker, index in targets:
+            try:
+                worker.wait_for_layer_load(index, self._stream())
+            except Exception as e:
+                self._error("wait_for_layer_load", e)
 
     def forward_done(self) -> None:
         self.layered_step = False
-        if self._worker is None:
-            return
-        try:
-            self._worker.forward_done(self._stream())
-        except Exception as e:
-            self._error("forward_done", e)
+        for worker in self._all():
+            try:
+                worker.forward_done(self._stream())
+            except Exception as e:
+                self._error("forward_done", e)
 
     def drain(self, request_ids: list[str]) -> None:
         """Wait for the jobs of the preempted and the fenced requests only: their device blocks are reused by this
         step; other requests' copies keep running."""
-        if self._worker is None:
-            return
-        try:
-            wait = getattr(self._worker, "wait_for_requests", None)
-            if wait is not None:
-                wait(list(request_ids))
-            else:  # a backend without per-request waits
-                self._worker.wait_idle()
-        except Exception as e:
-            self._error("wait_for_requests", e)
+        # Every group's: a block one group's request gave back may be handed out in any group.
+        for worker in self._all():
+            try:
+                wait = getattr(worker, "wait_for_requests", None)
+                if wait is not None:
+                    wait(list(request_ids))
+                else:  # a backend without per-request waits
+                    worker.wait_idle()
+            except Exception as e:
+                self._error("wait_for_requests", e)
 
     def drain_all(self) -> None:
         """Wait for every request's jobs (the scheduler side lost a step's fence): any device block may be reused."""
-        if self._worker is None:
-            return
-        try:
-            self._worker.wait_for_all_requests()
-        except Exception as e:
-            self._error("wait_for_all_requests", e)
+        for worker in self._all():
+            try:
+                worker.wait_for_all_requests()
+            except Exception as e:
+                self._error("wait_for_all_requests", e)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending: set[str] = set()
         recving: set[str] = set()
-        if self._worker is not None:
+        several = len(self._all()) > 1
+        for g, worker in enumerate(self._all()):
             try:
-                saved, loaded, load_failed = self._worker.get_finished(sorted(finished_req_ids))
+                saved, loaded, load_failed = worker.get_finished(sorted(finished_req_ids))
+            except Exception as e:
+                self._error("get_finished", e)
+                continue
+            for r in loaded:
+                _trace("loaded", r)
+            if not several:
                 # vLLM frees a request's blocks at once unless request_finished said True, and then must not
                 # hear of it again.
                 done = self._awaiting_save.intersection(saved)
@@ -150,10 +196,26 @@ class _WorkerSide:
                 # A failed load is reported finished too; its blocks are in get_block_ids_with_load_errors.
                 recving.update(loaded)
                 recving.update(load_failed)
-                for r in loaded:
-                    _trace("loaded", r)
-            except Exception as e:
-                self._error("get_finished", e)
+                continue
+            # Several groups: a request is saved (loaded) once every group that stores (loads) it reported it.
+            for r in saved:
+                left = self._save_wait.get(r)
+                if left is not None:
+                    left.discard(g)
+            for r in (*loaded, *load_failed):
+                left = self._recv_wait.get(r)
+                if left is not None:
+                    left.discard(g)
+        if several:
+            for r in [r for r, left in self._save_wait.items() if not left]:
+                del self._save_wait[r]
+                if r in self._awaiting_save:
+                    self._awaiting_save.discard(r)
+                    sending.add(r)
+            for r in [r for r, left in self._recv_wait.items() if not left]:
+                del self._recv_wait[r]
+                recving.add(r)
+                self._recv_failed.discard(r)
         if self._failed_recv:
             recving |= self._failed_recv
             self._failed_recv = set()
@@ -162,28 +224,33 @@ class _WorkerSide:
     def take_load_errors(self) -> set[int]:
         errs = set(self._failed_blocks)
         self._failed_blocks = set()
-        if self._worker is not None:
+        for worker in self._all():
             try:
-                errs.update(int(b) for b in self._worker.take_load_errors())
+                errs.update(int(b) for b in worker.take_load_errors())
             except Exception as e:
                 self._error("take_load_errors", e)
         return errs
 
     def take_reports(self) -> KvtierWorkerMetadata | None:
-        if self._worker is None:
-            return None
-        try:
-            blob = bytes(self._worker.take_reports())
-        except Exception as e:
-            self._error("take_reports", e)
-            return None
-        return KvtierWorkerMetadata(reports=[blob]) if blob else None
+        reports: list[bytes] = []
+        groups: list[int] = []
+        for g, worker in enumerate(self._all()):
+            try:
+                blob = bytes(worker.take_reports())
+            except Exception as e:
+                self._error("take_reports", e)
+                continue
+            if blob:
+                reports.append(blob)
+                groups.append(g)
+        return KvtierWorkerMetadata(reports=reports, groups=groups) if reports else None
 
     def cumulative_stats(self) -> dict[str, float]:
         s: dict[str, float] = {}
-        if self._worker is not None:
+        for worker in self._all():
             try:
-                s = {f"worker_{k}": v for k, v in dict(self._worker.stats()).items()}
+                for k, v in dict(worker.stats()).items():
+                    s[f"worker_{k}"] = s.get(f"worker_{k}", 0) + v
             except Exception as e:
                 self._error("stats", e)
         s["adapter_errors"] = s.get("adapter_errors", 0) + self._errors
@@ -196,8 +263,8 @@ class _WorkerSide:
         return {"adapter_errors": delta} if delta else {}
 
     def shutdown(self) -> None:
-        if self._worker is not None:
+        for worker in self._all():
             try:
-                self._worker.shutdown()
+                worker.shutdown()
             except Exception as e:
                 self._error("shutdown", e)

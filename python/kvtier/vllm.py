@@ -33,8 +33,11 @@ Invariants:
   other waiting request);
 - nothing raised inside kvtier escapes into vLLM: every failure becomes a logged error, a cache miss or a failed
   load, and is counted (``adapter_errors``);
-- each device block id enters kvtier's block table once per request: new requests bring their table, cached requests
-  append ``new_block_ids``, resumed requests replace it;
+- each device block id enters kvtier's block table once per request and KV cache group: new requests bring their
+  table, cached requests append ``new_block_ids``, resumed requests replace it (a sliding-window group's ids the
+  window left are forgotten by its leader, and vLLM's null block is a hole);
+- with vLLM's hybrid KV cache manager every group has its own leader and workers, keys and share of the tiers, and a
+  hit is offered only when every group supplies its part (``kvtier._native.match_groups``);
 - vLLM hears of a finished request in ``finished_sending`` only if ``request_finished`` kept its blocks.
 """
 
@@ -53,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -69,8 +73,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 from ._vllm_meta import KvtierConnectorMetadata, KvtierConnectorStats, KvtierWorkerMetadata
-from ._vllm_util import (_COUNTERS, _backend, _embeds_digest, _first_group, _identity, _record,
-                         _refuse_inexact_layers, _required_layout, _resolved_layout, _trace, _trace_dump, _vllm_events)
+from ._vllm_util import (_COUNTERS, _NULL_BLOCK, _PER_REQUEST_COUNTERS, _backend, _embeds_digest, _group_ids,
+                         _group_settings, _identity, _kv_groups, _record, _required_layout, _resolved_layout, _trace,
+                         _trace_dump, _vllm_events)
+from ._vllm_util import _first_group  # noqa: F401  (tests reach it here)
 from ._vllm_worker import _WorkerSide
 
 logger = logging.getLogger("kvtier.vllm")
@@ -158,32 +164,46 @@ def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None"
     return extra
 
 
-class KvtierConnector(KVConnectorBase_V1):
-    """kvtier's vLLM connector: the scheduler half (role SCHEDULER) or the worker half (role WORKER)."""
+class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvtier's vLLM connector: the scheduler half (role SCHEDULER) or the worker half (role WORKER). It supports
+    vLLM's hybrid KV cache manager (``SupportsHMA``): one kvtier leader per KV cache group (full attention, sliding
+    window), each group storing and loading what its attention reads."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        if kv_cache_config is not None:
-            # Refused at start, naming the layer kind: a sliding-window model served as if it were full attention
-            # generated other tokens than vLLM alone (issue 25).
-            _refuse_inexact_layers(kv_cache_config)
+        # Refused at start, naming the layer kind and the setting: a layer kind kvtier would not reproduce exactly
+        # (issue 25: a sliding-window model served as if it were full attention generated other tokens).
+        groups = _kv_groups(kv_cache_config, vllm_config.cache_config.block_size) if kv_cache_config else []
+        if any(g["window"] for g in groups) and getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
+            # A block a window left is fenced only in handle_preemptions, which the V2 model runner calls after it
+            # zeroes the step's new blocks: a store could read a zeroed block (vllm/v1/kv_cache_interface.py
+            # KVCacheConfig.needs_kv_cache_zeroing: Mamba layers or a mixed-precision KV cache).
+            raise ValueError("kvtier: this model's sliding-window layers share a KV cache that vLLM zeroes on "
+                             "allocation (a mixed-precision KV cache); kvtier does not serve sliding-window groups "
+                             "then. Start vLLM with --disable-hybrid-kv-cache-manager or one kv_cache_dtype")
         if getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False):
             # vLLM 0.33 asks supports_sleep_mode first; 0.32 has no such check, so refuse here too.
             raise ValueError("kvtier: sleep mode is not supported (a weight update while asleep would leave kvtier's "
                              "tiers holding KV of the old weights); start vLLM without enable_sleep_mode")
         _init_logging()
         self._settings = _settings(vllm_config, kv_cache_config)
+        group_settings = _group_settings(self._settings, groups)
         self._block_size = int(vllm_config.cache_config.block_size)
         self._sched: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             _recompute_failed_loads(vllm_config)
-            self._sched = _SchedulerSide(self._settings, self._block_size, _fence_reuse(kv_cache_config),
-                                         _publishes_kv_events(vllm_config))
+            # With several groups a finished request's blocks are held until its stores are done: a block one group
+            # gives back may be handed out in another group, which that group's fences would not see.
+            fence = _fence_reuse(kv_cache_config) and len(group_settings) == 1
+            self._sched = _SchedulerSide(group_settings, self._block_size, fence, _publishes_kv_events(vllm_config))
         else:
-            self._settings.setdefault("rank", _rank())
-            self._worker = _WorkerSide(self._settings, self._block_size)
+            rank = _rank()
+            for s in group_settings:
+                s.setdefault("rank", rank)
+            self._settings.setdefault("rank", rank)
+            self._worker = _WorkerSide(group_settings, self._block_size, [g["layers"] for g in groups])
         with _LIVE_LOCK:
             _LIVE.add(self)
 
@@ -298,6 +318,12 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
 
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM calls this instead of request_finished for a SupportsHMA connector (scheduler.py `_connector_finished`).
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids)
+
     def take_events(self) -> Iterable["KVCacheEvent"]:
         assert self._sched is not None
         return self._sched.take_events()
@@ -406,9 +432,19 @@ class _SchedulerSide:
     seen, and which requests it has matched. Preemptions, refused loads, whole-block matches and hit sources are
     the leader's rules (docs/arch/vllm.md)."""
 
-    def __init__(self, settings: dict[str, Any], block_size: int, fence_reuse: bool = True,
+    def __init__(self, settings: "dict[str, Any] | list[dict[str, Any]]", block_size: int, fence_reuse: bool = True,
                  publish_events: bool = True) -> None:
-        self._leader = _backend(settings).Leader(settings)
+        group_settings = settings if isinstance(settings, list) else [settings]
+        backend = _backend(group_settings[0])
+        # One leader per KV cache group (vLLM's hybrid KV cache manager), in vLLM's group order; group 0's answers
+        # (load mode, hit sources) stand for all: kvtier's match_groups makes every group record the same match.
+        self._leaders = [backend.Leader(s) for s in group_settings]
+        self._leader = self._leaders[0]
+        self._windows = [int(s.get("sliding_window") or 0) for s in group_settings]
+        self._match_groups = getattr(backend, "match_groups", None) if len(self._leaders) > 1 else None
+        # Per request: the groups whose leader planned its asynchronous load (several groups only).
+        self._recv_groups: dict[str, list[int]] = {}
+        self._hit_sources: dict[str, list] = {}
         self._block_size = block_size
         self._fence_reuse = fence_reuse
         # Without a publisher the leader's events are drained unbuilt (a backend without discard_events builds them).
@@ -430,6 +466,8 @@ class _SchedulerSide:
         self._matched: set[str] = set()
         self._sync_loads_pending = False
         self._delayed_frees: list[str] = []
+        # Several groups: per finished request whose blocks vLLM keeps, the groups whose stores it waits for.
+        self._delayed_groups: dict[str, list[int]] = {}
         # An adapter error lost track of blocks that stores still read: the next metadata fences every job.
         self._fence_all = False
         self._last_stats: dict[str, float] = {}
@@ -459,7 +497,9 @@ class _SchedulerSide:
         if num_external_tokens <= 0:
             return {}
         try:
-            split = self._leader.take_hit_sources(rid, int(num_external_tokens))
+            split = self._hit_sources.pop(rid, None)
+            if split is None:
+                split = self._leader.take_hit_sources(rid, int(num_external_tokens))
         except Exception as e:
             self._error("take_hit_sources", e)
             return {}
@@ -475,7 +515,7 @@ class _SchedulerSide:
 
     def reset(self) -> bool:
         try:
-            n = int(self._leader.clear_tiers())
+            n = sum(int(leader.clear_tiers()) for leader in self._leaders)
         except Exception as e:
             self._error("clear_tiers", e)
             return False
@@ -494,8 +534,13 @@ class _SchedulerSide:
             # OffloadingConnector does (offloading/scheduler.py `get_num_new_matched_tokens`); it is still stored.
             if getattr(request, "skip_reading_prefix_cache", False):
                 kw["read"] = False
-            n = int(self._leader.get_num_new_matched_tokens(rid, list(request.all_token_ids),
-                                                            int(num_computed_tokens), **kw))
+            if self._match_groups is not None:
+                # Every group must supply its part of a hit (kvtier::connector::groups::match_groups).
+                n = int(self._match_groups(self._leaders, rid, list(request.all_token_ids), int(num_computed_tokens),
+                                           **kw))
+            else:
+                n = int(self._leader.get_num_new_matched_tokens(rid, list(request.all_token_ids),
+                                                                int(num_computed_tokens), **kw))
         except Exception as e:
             self._error("get_num_new_matched_tokens", e)
             return 0
@@ -506,7 +551,7 @@ class _SchedulerSide:
     def on_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         rid = request.request_id
         self._requests[rid] = request
-        block_ids = _first_group(blocks.get_block_ids())
+        group_ids = blocks.get_block_ids()
         # vLLM calls this again with 0 once an async load finished; kvtier recognises ids it already has.
         n = max(0, int(num_external_tokens))
         is_async = n > 0 and self.load_is_async(rid)
@@ -516,16 +561,32 @@ class _SchedulerSide:
             else:
                 self._recv_planned.add(rid)
             _trace("alloc", rid, n)
-        try:
-            # A refused allocation names the promised blocks vLLM must recompute (the leader offers this request
-            # no external tokens again: a refusal would repeat).
-            failed, refusal = self._leader.allocate(rid, block_ids, n)
-        except Exception as e:
-            self._error("update_state_after_alloc", e)
-            return
-        if refusal is not None:
-            self._errors += 1
-            logger.error("kvtier: update_state_after_alloc failed: %s", refusal)
+        failed: list[int] = []
+        loading: list[int] = []
+        for g, leader in enumerate(self._leaders):
+            try:
+                # A refused allocation names the promised blocks vLLM must recompute (the leader offers this
+                # request no external tokens again: a refusal would repeat).
+                f, refusal = leader.allocate(rid, _group_ids(group_ids, g), n)
+                if n > 0 and len(self._leaders) > 1:
+                    # Whether this group's leader planned a load; group 0's answer is kept for vLLM's metrics.
+                    split = list(leader.take_hit_sources(rid, n))
+                    if g == 0:
+                        self._hit_sources[rid] = split
+                    if split:
+                        loading.append(g)
+            except Exception as e:
+                self._error("update_state_after_alloc", e)
+                if g == 0 or n == 0:
+                    return
+                # Another group already planned its load: vLLM must recompute this group's promised blocks.
+                f, refusal = [b for b in _group_ids(group_ids, g) if b != _NULL_BLOCK], None
+            if refusal is not None:
+                self._errors += 1
+                logger.error("kvtier: update_state_after_alloc failed: %s", refusal)
+            failed.extend(int(b) for b in f)
+        if is_async and len(self._leaders) > 1:
+            self._recv_groups[rid] = loading
         if failed:
             self._failed_loads[rid] = [int(b) for b in failed]
             if is_async:
@@ -546,18 +607,21 @@ class _SchedulerSide:
         for rid in preempted:
             try:
                 # Left alone by the leader if it was found preempted when matched again.
-                self._leader.request_preempted_if_running(rid)
+                for leader in self._leaders:
+                    leader.request_preempted_if_running(rid)
             except Exception as e:
                 self._error("request_preempted", e)
-        records: list[dict[str, Any]] = []
+        # Per KV cache group: the same requests and tokens, each group's own block ids.
+        records: list[list[tuple]] = [[] for _ in self._leaders]
         spec = so.scheduled_spec_decode_tokens or {}
         for r in so.scheduled_new_reqs:
             rid = r.req_id
             req = self._requests.get(rid)
             tokens = list(req.all_token_ids) if req is not None else list(r.prompt_token_ids or [])
             self._tokens_sent[rid] = len(tokens)
-            records.append(_record(rid, tokens, _first_group(r.block_ids), r.num_computed_tokens,
-                                   so.num_scheduled_tokens.get(rid, 0), len(spec.get(rid, ())), True, False))
+            for g, recs in enumerate(records):
+                recs.append(_record(rid, tokens, _group_ids(r.block_ids, g), r.num_computed_tokens,
+                                    so.num_scheduled_tokens.get(rid, 0), len(spec.get(rid, ())), True, False))
         c = so.scheduled_cached_reqs
         for i, rid in enumerate(c.req_ids):
             req = self._requests.get(rid)
@@ -568,16 +632,21 @@ class _SchedulerSide:
                 sent = 0 if resumed else self._tokens_sent.get(rid, 0)
                 new_tokens = list(all_tokens[sent:])
                 self._tokens_sent[rid] = len(all_tokens)
-            records.append(_record(rid, new_tokens, _first_group(c.new_block_ids[i]), c.num_computed_tokens[i],
-                                   so.num_scheduled_tokens.get(rid, 0), len(spec.get(rid, ())), False, resumed))
+            for g, recs in enumerate(records):
+                recs.append(_record(rid, new_tokens, _group_ids(c.new_block_ids[i], g), c.num_computed_tokens[i],
+                                    so.num_scheduled_tokens.get(rid, 0), len(spec.get(rid, ())), False, resumed))
         finished = sorted(so.finished_req_ids)
         for rid in finished:
             self._tokens_sent.pop(rid, None)
         plan = b""
+        plans: list[bytes] = []
         fence: list[str] = []
         try:
-            raw, fence = self._leader.build_step_with_fences(records, finished)
-            plan = bytes(raw)
+            for g, leader in enumerate(self._leaders):
+                raw, f = leader.build_step_with_fences(records[g], finished)
+                plans.append(bytes(raw))
+                fence.extend(r for r in f if r not in fence)
+            plan = plans[0]
             # The loads planned since the last step travel in this plan: each of their requests now gets one
             # finished_recving from every worker (loaded or failed). A failed build keeps them queued.
             self._recv_expected |= self._recv_planned
@@ -594,10 +663,13 @@ class _SchedulerSide:
         self._recv_planned.difference_update(failed_async)
         sync, self._sync_loads_pending = self._sync_loads_pending, False
         delayed, self._delayed_frees = self._delayed_frees, []
-        _trace("meta", "", [len(records), len(plan)])
+        recv_groups, self._recv_groups = self._recv_groups, {}
+        delayed_groups, self._delayed_groups = self._delayed_groups, {}
+        _trace("meta", "", [len(records[0]), len(plan)])
         return KvtierConnectorMetadata(plan=plan, sync_loads=sync, preempted=preempted, delayed_frees=delayed,
                                        failed_loads=failed, failed_loads_async=failed_async, fence=fence,
-                                       fence_all=fence_all)
+                                       fence_all=fence_all, group_plans=plans[1:], recv_groups=recv_groups,
+                                       delayed_groups=delayed_groups)
 
     def update_output(self, out: "KVConnectorOutput") -> None:
         # vLLM calls this just before it acts on the same output's finished sets.
@@ -605,13 +677,14 @@ class _SchedulerSide:
             self._recv_expected.discard(rid)
         meta = out.kv_connector_worker_meta
         if isinstance(meta, KvtierWorkerMetadata):
-            for blob in meta.reports:
+            for i, blob in enumerate(meta.reports):
+                g = meta.groups[i] if i < len(meta.groups) else 0
                 try:
-                    self._leader.apply_reports(blob)
+                    self._leaders[g].apply_reports(blob)
                 except Exception as e:
                     self._error("apply_reports", e)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: "Request", block_ids: Any = None) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         _trace("finished", rid)
         known = rid in self._requests or rid in self._matched
@@ -621,6 +694,8 @@ class _SchedulerSide:
         # A load promised but not yet sent is withdrawn by the leader (below): no worker will report it.
         self._recv_planned.discard(rid)
         self._failed_loads.pop(rid, None)
+        self._recv_groups.pop(rid, None)
+        self._hit_sources.pop(rid, None)
         # vLLM still waits for this request's finished_recving (an asynchronous load was sent; the client went away
         # meanwhile): that report is the one that frees its blocks, once every worker's load of it has landed.
         # vLLM must keep the request until then and hear of it only there, never in finished_sending as well: it
@@ -629,51 +704,74 @@ class _SchedulerSide:
         self._recv_expected.discard(rid)
         if not known:  # aborted before kvtier ever saw it: nothing of it is stored
             return awaiting_recv, None
-        try:
-            # True while copies still use the request's device blocks: vLLM keeps them until the workers report the
-            # request in finished_sending. With fenced reuse only in-flight loads keep them; blocks that stores still
-            # read are freed now and fenced in the step that reuses them.
-            delay = bool(self._leader.request_finished(rid, fence_reuse=self._fence_reuse))
-        except Exception as e:
-            self._error("request_finished", e)
-            # vLLM frees the blocks now and the leader cannot fence them: the next step waits for every job.
-            self._fence_all = True
+        delaying: list[int] = []
+        for g, leader in enumerate(self._leaders):
+            try:
+                # True while copies still use the request's device blocks: vLLM keeps them until the workers report
+                # the request in finished_sending. With fenced reuse only in-flight loads keep them; blocks that
+                # stores still read are freed now and fenced in the step that reuses them.
+                if leader.request_finished(rid, fence_reuse=self._fence_reuse):
+                    delaying.append(g)
+            except Exception as e:
+                self._error("request_finished", e)
+                # vLLM frees the blocks now and the leader cannot fence them: the next step waits for every job.
+                self._fence_all = True
+        if self._fence_all and not delaying:
             return awaiting_recv, None
+        delay = bool(delaying)
         if awaiting_recv:
             # The workers report it saved as well once its load lands (the leader declared it saving): they drop that
             # report, since only requests named in delayed_frees are reported in finished_sending.
             return True, None
         if delay:
             self._delayed_frees.append(rid)
+            if len(self._leaders) > 1:
+                self._delayed_groups[rid] = delaying
         return delay, None
 
     def take_events(self) -> list:
         if self._discard_events is not None:
+            for leader in self._leaders:
+                try:
+                    leader.discard_events()  # bounded in the leader either way; keeps it from counting them as dropped
+                except Exception as e:
+                    self._error("discard_events", e)
+            return []
+        raw: list = []
+        for leader in self._leaders:
             try:
-                self._discard_events()  # bounded in the leader either way; this keeps it from counting them as dropped
+                raw.extend(leader.take_events())
             except Exception as e:
-                self._error("discard_events", e)
-            return []
-        try:
-            raw = self._leader.take_events()
-        except Exception as e:
-            self._error("take_events", e)
-            return []
+                self._error("take_events", e)
         return _vllm_events(raw, self._block_size)
 
     def has_jobs_in_flight(self) -> bool:
         try:
-            return int(self._leader.stats().get("jobs_in_flight", 0)) > 0
+            return any(int(leader.stats().get("jobs_in_flight", 0)) > 0 for leader in self._leaders)
         except Exception as e:
             self._error("stats", e)
             return False
 
     def cumulative_stats(self) -> dict[str, float]:
         s: dict[str, float] = {}
-        try:
-            s = dict(self._leader.stats())
-        except Exception as e:
-            self._error("stats", e)
+        # Summed over the groups' leaders (each counts its own group's blocks and bytes).
+        per_group: list[dict[str, float]] = []
+        for leader in self._leaders:
+            try:
+                per_group.append(dict(leader.stats()))
+            except Exception as e:
+                self._error("stats", e)
+                per_group.append({})
+        for st in per_group:
+            for k, v in st.items():
+                s[k] = s.get(k, 0) + v
+        if len(per_group) > 1:
+            # Counters of requests and steps count once (every group saw the same ones): group 0's. Per group
+            # (``g<index>.<key>``, not aggregated by vLLM): what it loaded, and its window (0: full attention).
+            s.update({k: per_group[0].get(k, 0) for k in _PER_REQUEST_COUNTERS if k in s})
+            for g, st in enumerate(per_group):
+                s[f"g{g}.window"] = self._windows[g]
+                s.update({f"g{g}.{k}": v for k, v in st.items() if k.startswith("onboard_")})
         s["adapter_errors"] = s.get("adapter_errors", 0) + self._errors
         return s
 
@@ -690,7 +788,8 @@ class _SchedulerSide:
         return delta
 
     def shutdown(self) -> None:
-        try:
-            self._leader.shutdown()
-        except Exception as e:
-            self._error("shutdown", e)
+        for leader in self._leaders:
+            try:
+                leader.shutdown()
+            except Exception as e:
+                self._error("shutdown", e)

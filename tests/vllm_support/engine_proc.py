@@ -184,7 +184,7 @@ def main() -> None:
         kwargs["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
     # GPU runs (tests/test_vllm_gpu.py) pass a few engine arguments as they are.
     for k in ("gpu_memory_utilization", "async_scheduling", "enable_chunked_prefill", "dtype", "load_format",
-              "kv_offloading_size", "kv_offloading_backend", "compilation_config"):
+              "kv_offloading_size", "kv_offloading_backend", "compilation_config", "disable_hybrid_kv_cache_manager"):
         if spec.get(k) is not None:
             kwargs[k] = spec[k]
     if spec.get("kv_cache_memory_bytes"):

@@ -18,7 +18,8 @@
 //!   `Consumer` stores nothing at all;
 //! - the metrics endpoint (`metrics.enabled`, `metrics.port`): [`Composition::metrics`];
 //! - the disk tier's files: `disk.dir`, `disk.use_o_direct`, `disk.io_backend`, one locked file
-//!   set per rank (`rank<N>` under `<disk.dir>/kvtier-g3/`), kept across restarts with
+//!   set per rank (`rank<N>` under `<disk.dir>/kvtier-g3/`; `rank<N>-g<G>` for KV cache group `G`
+//!   of an engine with several, [`Composition::for_group`]), kept across restarts with
 //!   `disk.persist`: the leader then adopts the blocks every rank's journal holds (warm restart).
 //!
 //! Invariants: a `Composition` only exists for a valid configuration whose tiers hold at least
@@ -212,6 +213,8 @@ pub struct Composition {
     caps: TierCapacities,
     salt: HashSalt,
     namespace: String,
+    /// This engine's KV cache group when it has several (`for_group`): its index.
+    group: Option<usize>,
 }
 
 impl Composition {
@@ -271,7 +274,33 @@ impl Composition {
             caps,
             salt,
             namespace,
+            group: None,
         })
+    }
+
+    /// The name of rank `rank`'s disk file set (`rank<N>`, `rank<N>-g<G>` for a KV cache group).
+    fn disk_set_name(&self, rank: usize) -> String {
+        match self.group {
+            Some(g) => format!("rank{rank}-g{g}"),
+            None => format!("rank{rank}"),
+        }
+    }
+
+    /// The plan of KV cache group `index` of `count` (vLLM's hybrid KV cache manager: one leader
+    /// and one worker per rank for each group; `count` <= 1 changes nothing). The group's keys
+    /// carry `descriptor` (its index and layer kind: a block is never served to another group),
+    /// its remote namespace the index; it gets `1/count` of the host and disk capacity, and its
+    /// own disk files (`rank<N>-g<index>`).
+    pub fn for_group(mut self, index: usize, count: usize, descriptor: &str) -> Self {
+        if count <= 1 {
+            return self;
+        }
+        self.salt = self.salt.for_group(descriptor);
+        self.namespace = format!("{}-g{index}", self.namespace);
+        self.caps.host_blocks /= count;
+        self.caps.disk_blocks /= count;
+        self.group = Some(index);
+        self
     }
 
     /// The configuration it was built from.
@@ -378,7 +407,7 @@ impl Composition {
             // Warm restart: the blocks every rank's file set kept (each rank's store verifies
             // every block it loads; one that fails is a failed load, recomputed).
             let names: Vec<String> = (0..self.cluster.bytes_per_block.len())
-                .map(|r| format!("rank{r}"))
+                .map(|r| self.disk_set_name(r))
                 .collect();
             let sets: Vec<(&str, usize)> = names
                 .iter()
@@ -427,7 +456,7 @@ impl Composition {
             // the directory gets its own (`rank0.1`, ...), a dead one's set is taken over.
             let mut o =
                 DiskOptions::new(d.dir.clone(), n32(self.caps.disk_blocks, "disk.gb")?, bpb);
-            o.name = format!("rank{rank}");
+            o.name = self.disk_set_name(rank as usize);
             o.persist = d.persist;
             if !d.use_o_direct {
                 o.direct = DirectMode::Off;
@@ -450,6 +479,42 @@ impl Composition {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_kv_cache_group_gets_its_share_its_own_keys_and_namespace() {
+        let env = [("KVTIER_HOST_NUM_BLOCKS".to_string(), "12".to_string())].into();
+        let cfg = KvtierConfig::build(None, &env, None).unwrap();
+        let cluster = ClusterLayout {
+            block_size: 16,
+            num_device_blocks: 64,
+            bytes_per_block: vec![4096],
+        };
+        let plan = |g: Option<(usize, usize, &str)>| {
+            let c = Composition::new(
+                &cfg,
+                EngineIdentity::new("m"),
+                cluster.clone(),
+                ServingRole::Aggregated,
+            )
+            .unwrap();
+            match g {
+                Some((i, n, d)) => c.for_group(i, n, d),
+                None => c,
+            }
+        };
+        let whole = plan(None);
+        // One group of one: nothing changes (keys of engines without the hybrid manager stay).
+        let one = plan(Some((0, 1, "0|FullAttentionSpec:None")));
+        assert_eq!(one.salt(), whole.salt());
+        assert_eq!(one.capacities().host_blocks, 12);
+        let g0 = plan(Some((0, 3, "0|FullAttentionSpec:None")));
+        let g1 = plan(Some((1, 3, "1|SlidingWindowSpec:64")));
+        assert_eq!(g0.capacities().host_blocks, 4);
+        assert_ne!(g0.salt(), whole.salt());
+        assert_ne!(g0.salt(), g1.salt());
+        assert_ne!(g0.namespace(), g1.namespace());
+        assert!(crate::remote::Namespace::new(g1.namespace()).is_ok());
+    }
 
     #[test]
     fn namespace_is_valid_and_follows_the_identity() {

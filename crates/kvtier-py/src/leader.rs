@@ -98,7 +98,12 @@ impl Inner {
             .map_err(crate::vllm_support::bridge)?;
         leader.set_sync_host_loads(self.sync_host_loads);
         leader.set_load_verdicts(self.load_verdicts);
-        if self.metrics.is_none() {
+        let (window, null_block) = self.settings.sliding_window().map_err(BridgeError::from)?;
+        leader.set_window(window, null_block.map(DeviceBlockId));
+        // One endpoint per process: with several KV cache groups, group 0's leader publishes (its
+        // requests' counters are the engine's; its blocks and bytes are group 0's).
+        let group = self.settings.kv_cache_group().map_err(BridgeError::from)?;
+        if self.metrics.is_none() && group.is_none_or(|(index, _, _)| index == 0) {
             self.metrics = plan.metrics().map_err(crate::vllm_support::bridge)?;
         }
         if let Some(p) = &self.metrics {
@@ -669,4 +674,48 @@ impl PyLeader {
             }
         }
     }
+}
+
+/// `kvtier._native.match_groups`: match one request in every KV cache group of an engine with
+/// several (one `Leader` per group, in group order): the external tokens all groups can supply,
+/// recorded by each (`kvtier::connector::groups::match_groups`).
+#[pyfunction]
+#[pyo3(signature = (leaders, request_id, tokens, num_computed_tokens, identity = None, cacheable = true, read = true))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn match_groups(
+    py: Python<'_>,
+    leaders: Vec<PyRef<'_, PyLeader>>,
+    request_id: String,
+    tokens: &Bound<'_, PyAny>,
+    num_computed_tokens: &Bound<'_, PyAny>,
+    identity: Option<String>,
+    cacheable: bool,
+    read: bool,
+) -> PyResult<usize> {
+    let c = Family::Connector;
+    let tokens: Vec<u32> = extract_arg(c, "tokens", tokens)?;
+    let num_computed_tokens: usize = extract_arg(c, "num_computed_tokens", num_computed_tokens)?;
+    for (i, a) in leaders.iter().enumerate() {
+        if leaders[..i].iter().any(|b| std::ptr::eq(&**a, &**b)) {
+            return Err(BridgeError::local(c, "match_groups: a leader is listed twice").into());
+        }
+    }
+    let key = RequestKey {
+        identity,
+        cacheable,
+        read,
+    };
+    let mut guards: Vec<MutexGuard<'_, Inner>> = leaders.iter().map(|l| l.lock()).collect();
+    let mut ready: Vec<&mut Leader> = Vec::with_capacity(guards.len());
+    for g in guards.iter_mut() {
+        ready.push(g.ready(py)?);
+    }
+    Ok(kvtier::connector::groups::match_groups(
+        &mut ready,
+        &RequestId::from(request_id),
+        &tokens,
+        num_computed_tokens,
+        &key,
+    )
+    .map_err(BridgeError::from)?)
 }

@@ -86,6 +86,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     m.add_function(wrap_pyfunction!(node::default_node_socket, m)?)?;
     m.add_function(wrap_pyfunction!(metrics_table, m)?)?;
+    m.add_function(wrap_pyfunction!(leader::match_groups, m)?)?;
     m.add_function(wrap_pyfunction!(worker::configured_tiers, m)?)?;
     Ok(())
 }

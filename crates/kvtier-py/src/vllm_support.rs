@@ -27,13 +27,19 @@ pub(crate) fn composition(
     settings: &Settings,
     cluster: ClusterLayout,
 ) -> BridgeResult<Composition> {
-    Composition::new(
+    let plan = Composition::new(
         &settings.config,
         identity(settings)?,
         cluster,
         role(settings)?,
     )
-    .map_err(bridge)
+    .map_err(bridge)?;
+    Ok(
+        match settings.kv_cache_group().map_err(BridgeError::from)? {
+            Some((index, count, descriptor)) => plan.for_group(index, count, &descriptor),
+            None => plan,
+        },
+    )
 }
 
 /// The engine's serving role from the adapter's `role` setting (vLLM's `kv_role`: `kv_both`,

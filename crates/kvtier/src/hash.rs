@@ -48,6 +48,20 @@ impl HashSalt {
     }
 }
 
+impl HashSalt {
+    /// The salt of one KV cache group of an engine with several (vLLM's hybrid KV cache manager:
+    /// a group of full-attention layers, one of sliding-window layers, ...): this engine salt
+    /// combined with the group's `descriptor` (its index and layer kind). A group's blocks hold
+    /// other layers' KV than another group's for the same tokens: their keys never meet.
+    pub fn for_group(self, descriptor: &str) -> Self {
+        let mut buf = Vec::with_capacity(24 + descriptor.len());
+        buf.extend_from_slice(b"kvtier-group-v1\0");
+        buf.extend_from_slice(&self.0.to_le_bytes());
+        buf.extend_from_slice(descriptor.as_bytes());
+        HashSalt(xxh3_64(&buf))
+    }
+}
+
 /// Tokens per block hashed from a stack buffer; longer blocks use a heap buffer (same bytes).
 const STACK_TOKENS: usize = 64;
 

@@ -85,6 +85,9 @@ const PINNED: &str = "kvtier_pinned_blocks";
 const BLOCKS: &str = "kvtier_blocks_total";
 const BLOCKS_HELP: &str =
     "Blocks written into a tier (offload) or loaded from a tier into the engine (onboard)";
+const BYTES: &str = "kvtier_bytes_total";
+const BYTES_HELP: &str =
+    "Bytes loaded from a tier into the engine (onboard; one kvtier block's bytes over every rank per block)";
 const DISPATCHED: &str = "kvtier_dispatched_blocks_total";
 const DISPATCHED_HELP: &str = "Blocks handed to a transfer towards a tier (in flight or done)";
 const FAILED: &str = "kvtier_failed_blocks_total";
@@ -151,6 +154,30 @@ pub const METRICS: &[Metric] = &[
         Counter,
         &[("direction", "onboard"), ("tier", "remote")],
         |s| s.onboard_remote_blocks,
+    ),
+    m(
+        "onboard_host_bytes",
+        BYTES,
+        BYTES_HELP,
+        Counter,
+        &[("direction", "onboard"), ("tier", "host")],
+        |s| s.onboard_host_bytes,
+    ),
+    m(
+        "onboard_disk_bytes",
+        BYTES,
+        BYTES_HELP,
+        Counter,
+        &[("direction", "onboard"), ("tier", "disk")],
+        |s| s.onboard_disk_bytes,
+    ),
+    m(
+        "onboard_remote_bytes",
+        BYTES,
+        BYTES_HELP,
+        Counter,
+        &[("direction", "onboard"), ("tier", "remote")],
+        |s| s.onboard_remote_bytes,
     ),
     m(
         "offload_blocks",

@@ -40,6 +40,11 @@ pub(crate) const ENGINE_KEYS: &[&str] = &[
     "zmq_endpoint",
     "test_load_delay_ms",
     "role",
+    "kv_cache_group",
+    "kv_cache_groups",
+    "kv_cache_group_kind",
+    "sliding_window",
+    "null_block",
     // Informational keys some adapters pass along; accepted and ignored here.
     "backend_module",
 ];
@@ -220,6 +225,31 @@ impl EngineSettings {
     /// The engine's device blocks (`num_device_blocks`) as a count.
     pub fn num_device_blocks_usize(&self) -> Result<Option<usize>, ConfigError> {
         self.usize("num_device_blocks")
+    }
+
+    /// The engine's KV cache group this leader or worker serves, of how many, and the group's
+    /// layer kind (`kv_cache_group`, `kv_cache_groups`, `kv_cache_group_kind`; vLLM's hybrid KV
+    /// cache manager): `None` for an engine of one group.
+    pub fn kv_cache_group(&self) -> Result<Option<(usize, usize, String)>, ConfigError> {
+        let count = self.usize("kv_cache_groups")?.unwrap_or(1);
+        if count <= 1 {
+            return Ok(None);
+        }
+        let index = self.usize("kv_cache_group")?.unwrap_or(0);
+        if index >= count {
+            return Err(bad(
+                "kv_cache_group",
+                format!("{index} is not below kv_cache_groups ({count})"),
+            ));
+        }
+        let kind = self.string("kv_cache_group_kind")?.unwrap_or_default();
+        Ok(Some((index, count, format!("{index}|{kind}"))))
+    }
+
+    /// The attention window of a sliding-window group in tokens (`sliding_window`) and the
+    /// engine's id for a position without a block (`null_block`).
+    pub fn sliding_window(&self) -> Result<(Option<usize>, Option<u32>), ConfigError> {
+        Ok((self.usize("sliding_window")?, self.u32("null_block")?))
     }
 
     /// The `link` key: `None` (unset) or one of `engine`, `in_process`, `zmq`; anything else is refused naming the

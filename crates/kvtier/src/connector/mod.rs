@@ -6,6 +6,7 @@
 //! Invariant: nothing the engine passes in can panic this module; invalid input becomes a
 //! [`ConnectorError`] naming the request and the field, and leaves every other request untouched.
 pub(crate) mod fasthash;
+pub mod groups;
 pub(crate) mod jobs;
 pub mod leader;
 pub mod messages;

@@ -18,6 +18,9 @@
 //!   step never copies a prompt and a long generation never grows a token buffer.
 use crate::connector::fasthash::FastSet;
 
+pub use table::HOLE;
+use table::{scan, DeviceTable, IdFilter};
+
 use crate::connector::step::StepRecord;
 use crate::connector::ConnectorError;
 use crate::hash::{chain_block, extend_chain, HashSalt, SequenceHash};
@@ -69,91 +72,6 @@ pub struct MatchRecord {
     pub device_tokens: usize,
     /// Tokens kvtier's tiers can supply beyond them (block aligned).
     pub external_tokens: usize,
-}
-
-/// A request's device block table: the ids in request order, and a membership index that is
-/// built only once the table outgrows a linear scan (most requests never need it). Until then a
-/// 1024-bit filter of the ids answers most "not in the table" questions without a scan.
-#[derive(Clone, Debug, Default)]
-struct DeviceTable {
-    ids: Vec<DeviceBlockId>,
-    /// A bit per id of `ids` (`IdFilter`), while there is no `index`.
-    filter: IdFilter,
-    /// Every id of `ids`, once `ids` is longer than `LINEAR_MAX`; `None` before.
-    index: Option<FastSet<DeviceBlockId>>,
-}
-
-/// A 1024-bit set of id fingerprints: a clear bit proves an id absent; a set bit means "scan".
-/// (A table of up to `LINEAR_MAX` ids sets at most an eighth of the bits.)
-#[derive(Clone, Copy, Debug, Default)]
-struct IdFilter([u64; 16]);
-
-impl IdFilter {
-    #[inline]
-    fn bit(b: DeviceBlockId) -> (usize, u64) {
-        let h = (b.0.wrapping_mul(0x9E37_79B1) >> 22) as usize;
-        (h >> 6, 1u64 << (h & 63))
-    }
-
-    #[inline]
-    fn may_contain(&self, b: DeviceBlockId) -> bool {
-        let (w, m) = Self::bit(b);
-        self.0[w] & m != 0
-    }
-
-    #[inline]
-    fn insert(&mut self, b: DeviceBlockId) {
-        let (w, m) = Self::bit(b);
-        self.0[w] |= m;
-    }
-}
-
-impl DeviceTable {
-    /// Up to this many ids, membership is a scan of `ids` (a few cache lines, no hashing).
-    const LINEAR_MAX: usize = 128;
-
-    fn len(&self) -> usize {
-        self.ids.len()
-    }
-
-    fn contains(&self, b: DeviceBlockId) -> bool {
-        match &self.index {
-            Some(set) => set.contains(&b),
-            None => self.filter.may_contain(b) && scan(&self.ids, b),
-        }
-    }
-
-    fn push(&mut self, b: DeviceBlockId) {
-        self.ids.push(b);
-        match &mut self.index {
-            Some(set) => {
-                set.insert(b);
-            }
-            None if self.ids.len() > Self::LINEAR_MAX => {
-                self.index = Some(self.ids.iter().copied().collect());
-            }
-            None => self.filter.insert(b),
-        }
-    }
-
-    fn clear(&mut self) {
-        self.ids.clear();
-        self.filter = IdFilter::default();
-        self.index = None;
-    }
-}
-
-/// Whether `ids` holds `b`: a branch-free compare of 8 ids at a time (vectorised), which beats
-/// hashing for the short lists it is used on.
-#[inline]
-fn scan(ids: &[DeviceBlockId], b: DeviceBlockId) -> bool {
-    let mut chunks = ids.chunks_exact(8);
-    for c in &mut chunks {
-        if c.iter().fold(false, |hit, x| hit | (x.0 == b.0)) {
-            return true;
-        }
-    }
-    chunks.remainder().iter().any(|x| x.0 == b.0)
 }
 
 /// The per-request state machine. See the module documentation for its invariants.
@@ -246,6 +164,12 @@ impl Slot {
     /// The request's device block table, in block order.
     pub fn device_table(&self) -> &[DeviceBlockId] {
         &self.table.ids
+    }
+
+    /// The engine freed the device blocks of the positions before `block` (a sliding window
+    /// left them): they become holes, and an id among them handed out again is a new block.
+    pub fn forget_device_ids_before(&mut self, block: usize) -> usize {
+        self.table.forget_before(block)
     }
     /// Tokens whose KV is on the device after the last record's forward pass.
     pub fn position(&self) -> usize {
@@ -430,13 +354,15 @@ impl Slot {
                 continue;
             }
             // An earlier copy of `b` is not in the table either, so it was counted as fresh.
-            let dup = if long {
-                !seen.insert(b)
-            } else {
-                let maybe = earlier.may_contain(b);
-                earlier.insert(b);
-                maybe && scan(&ids[..k], b)
-            };
+            // Holes (positions without a block) repeat freely.
+            let dup = b != HOLE
+                && if long {
+                    !seen.insert(b)
+                } else {
+                    let maybe = earlier.may_contain(b);
+                    earlier.insert(b);
+                    maybe && scan(&ids[..k], b)
+                };
             if dup {
                 return Err(self.invalid(
                     "new_block_ids",
@@ -784,5 +710,6 @@ impl Slot {
     }
 }
 
+mod table;
 #[cfg(test)]
 mod tests;

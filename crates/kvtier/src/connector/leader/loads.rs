@@ -10,7 +10,7 @@
 use crate::connector::leader::books::{JobBooks, RequestJob};
 use crate::connector::leader::{Leader, SlotEntry};
 use crate::connector::messages::RequestLoad;
-use crate::connector::slot::{OnboardBlock, Slot};
+use crate::connector::slot::{OnboardBlock, Slot, HOLE};
 use crate::connector::ConnectorError;
 use crate::hash::SequenceHash;
 use crate::ids::{DeviceBlockId, RequestId, Tier};
@@ -92,6 +92,9 @@ impl Leader {
                 e.hit_blocks = [0; 3];
             }
         }
+        // A sliding-window group: the engine's null blocks (before the window) are holes.
+        let null_free = self.map_null(block_ids).into_owned();
+        let mapped = null_free.as_slice();
         let never_matched = !self.slots.contains_key(req);
         if never_matched {
             let slot = Slot::new(req.clone(), self.block_size, self.salt);
@@ -107,9 +110,9 @@ impl Leader {
                 "external tokens for a request that was never matched",
             ))
         } else {
-            e.slot.allocate(block_ids, num_external_tokens)
+            e.slot.allocate(mapped, num_external_tokens)
         };
-        let onboard = match allocated {
+        let mut onboard = match allocated {
             Ok(onboard) => onboard,
             Err(err) => {
                 // The engine now waits for tokens kvtier will not load: it must recompute them,
@@ -130,6 +133,12 @@ impl Leader {
             + onboard.len();
         if reused > 0 {
             self.reuse_seen(req, reused);
+        }
+        if self.window.is_some() {
+            // Only the blocks inside the window of the hit's end are loaded.
+            let end = onboard.last().map_or(0, |b| b.index + 1);
+            let from = self.hit_first_block(end);
+            onboard.retain(|b| b.index >= from && b.device != HOLE);
         }
         if onboard.is_empty() {
             return Ok(());
@@ -157,13 +166,18 @@ impl Leader {
             Ok(()) => Allocation::default(),
             Err(e) => Allocation {
                 refused: Some(e),
+                // Never the engine's null block (a sliding-window group's positions before the
+                // window): it holds nothing to recompute.
                 failed_devices: promised_blocks(
                     block_ids,
                     first,
                     num_external_tokens,
                     self.block_size,
                 )
-                .to_vec(),
+                .iter()
+                .copied()
+                .filter(|b| Some(*b) != self.null_block)
+                .collect(),
             },
         }
     }
@@ -361,11 +375,14 @@ impl Leader {
         // Only blocks that every rank loaded count as hits (#28: a failed load was counted in
         // kvtier_hit_tokens_total, which is derived from these).
         let loaded = devices.len().saturating_sub(failed.len()) as u64;
-        match src {
-            Tier::Host => self.stats.onboard_host_blocks += loaded,
-            Tier::Disk => self.stats.onboard_disk_blocks += loaded,
-            _ => self.stats.onboard_remote_blocks += loaded,
-        }
+        let s = &mut self.stats;
+        let (blocks, bytes) = match src {
+            Tier::Host => (&mut s.onboard_host_blocks, &mut s.onboard_host_bytes),
+            Tier::Disk => (&mut s.onboard_disk_blocks, &mut s.onboard_disk_bytes),
+            _ => (&mut s.onboard_remote_blocks, &mut s.onboard_remote_bytes),
+        };
+        *blocks += loaded;
+        *bytes += loaded * self.block_bytes;
         self.job_done(&request, RequestJob::Load);
     }
 

@@ -13,7 +13,7 @@ use crate::ids::{BlockId, RequestId, Tier};
 
 impl Leader {
     /// Which blocks of `hashes` the remote store holds for every rank (one round trip).
-    fn remote_contains(&self, hashes: &[SequenceHash]) -> Vec<bool> {
+    pub(super) fn remote_contains(&self, hashes: &[SequenceHash]) -> Vec<bool> {
         let Some(remote) = &self.remote else {
             return vec![false; hashes.len()];
         };
@@ -102,6 +102,23 @@ impl Leader {
         num_computed_tokens: usize,
         key: &RequestKey,
     ) -> Result<usize, ConnectorError> {
+        self.match_limited(req, all_tokens, num_computed_tokens, key, None, true)
+    }
+
+    /// [`Leader::get_num_new_matched_tokens_for`] with the hit's end (in tokens) at most `limit`
+    /// (one KV cache group of several: `groups::match_groups` lowers it until every group
+    /// agrees); `count`: whether this call counts in the match statistics (only the agreed one
+    /// does). With a sliding window ([`Leader::set_window`]) a hit needs only the blocks inside
+    /// the window of its end.
+    pub(crate) fn match_limited(
+        &mut self,
+        req: &RequestId,
+        all_tokens: &[u32],
+        num_computed_tokens: usize,
+        key: &RequestKey,
+        limit: Option<usize>,
+        count: bool,
+    ) -> Result<usize, ConnectorError> {
         self.poll_reports();
         let bs = self.block_size;
         let salt = match &key.identity {
@@ -168,7 +185,9 @@ impl Leader {
         // A new match is a new offer: a cut of the previous one no longer applies.
         entry.cut = None;
         entry.key = Some(key.clone());
-        self.stats.match_queries += 1;
+        if count {
+            self.stats.match_queries += 1;
+        }
         let device_blocks = num_computed_tokens / bs;
         let mut external = 0;
         let mut host_only = false;
@@ -178,13 +197,25 @@ impl Leader {
                 None => &[],
             };
             let first = device_blocks.min(hashes.len());
-            let sources = self.find_sources(&hashes[first..]);
-            let mut end = first + sources.len();
-            if end > first && end * bs >= all_tokens.len() {
-                end -= 1;
+            // The whole prompt is never offered (the engine computes at least one token).
+            let mut cap = hashes.len();
+            if cap * bs >= all_tokens.len() {
+                cap = cap.saturating_sub(1);
             }
-            external = (end - first) * bs;
-            host_only = sources[..end - first].iter().all(|(t, _)| *t == Tier::Host);
+            if let Some(l) = limit {
+                cap = cap.min(l / bs);
+            }
+            if cap > first {
+                let (end, sources) = match self.window {
+                    None => {
+                        let sources = self.find_sources(&hashes[first..cap]);
+                        (first + sources.len(), sources)
+                    }
+                    Some(_) => self.window_sources(hashes, first, cap),
+                };
+                external = (end - first) * bs;
+                host_only = sources.iter().all(|(t, _)| *t == Tier::Host);
+            }
         }
         let load_sync = !self.async_loads || (self.sync_host_loads && host_only);
         if let Some(e) = self.slots.get_mut(req) {
@@ -195,7 +226,9 @@ impl Leader {
                 external_tokens: external,
             });
         }
-        self.stats.matched_tokens += external as u64;
+        if count {
+            self.stats.matched_tokens += external as u64;
+        }
         tracing::debug!(request = %req, num_computed_tokens, external, "matched");
         Ok(external)
     }

@@ -59,6 +59,9 @@ mod stores;
 mod tests;
 mod tiers;
 mod verdicts;
+mod window;
+#[cfg(test)]
+mod window_tests;
 
 use books::PendingJob;
 pub use config::{Capacity, DiskPolicy, LeaderConfig, RequestKey};
@@ -66,6 +69,7 @@ pub use loads::{promised_blocks, Allocation, MAX_REMOTE_FAILED};
 pub use observe::{KvEvent, LeaderStats, MAX_EVENTS};
 pub use stores::BlockReuse;
 use tiers::Tiers;
+pub use window::window_first;
 
 /// Reused buffers of the per-record store path.
 #[derive(Debug, Default)]
@@ -123,6 +127,9 @@ pub struct Leader {
     salt: HashSalt,
     world: u32,
     num_device_blocks: Option<u32>,
+    /// One block's bytes over every rank (the layout's; 0 without one): what a loaded block
+    /// adds to the `onboard_*_bytes` counters.
+    block_bytes: u64,
     /// The G2 (host) and G3 (disk) pools.
     tiers: Tiers,
     disk_policy: DiskPolicy,
@@ -159,6 +166,10 @@ pub struct Leader {
     fences: fences::ReuseFences,
     /// Load verdicts not yet taken; `None`: verdicts are off (`verdicts.rs`).
     verdicts: Option<Vec<crate::connector::messages::LoadVerdict>>,
+    /// The attention window of a sliding-window group, in tokens (`window`); `None`: full.
+    window: Option<usize>,
+    /// The engine's id for a position without a block (vLLM's null block), mapped to a hole.
+    null_block: Option<DeviceBlockId>,
 }
 
 impl Leader {
@@ -201,6 +212,7 @@ impl Leader {
             salt: cfg.salt,
             world,
             num_device_blocks: cfg.layout.as_ref().map(|l| l.num_device_blocks),
+            block_bytes: cfg.layout.as_ref().map_or(0, |l| l.total_bytes_per_block()),
             tiers,
             disk_policy: cfg.disk_policy,
             disk_filter: match cfg.disk_policy {
@@ -231,6 +243,8 @@ impl Leader {
             events: std::collections::VecDeque::new(),
             fences: fences::ReuseFences::default(),
             verdicts: None,
+            window: None,
+            null_block: None,
         })
     }
 

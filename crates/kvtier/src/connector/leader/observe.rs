@@ -42,6 +42,15 @@ pub struct LeaderStats {
     pub onboard_disk_blocks: u64,
     /// Blocks loaded from the remote tier (completed, failed pairs left out).
     pub onboard_remote_blocks: u64,
+    /// Bytes loaded from the host tier into the engine: the loaded blocks (as
+    /// `onboard_host_blocks`) times one kvtier block's bytes over every rank (the layout's
+    /// `bytes_per_block`; a block holds the layers the leader was configured for, so with one
+    /// leader per KV cache group only that group's). 0 without a layout.
+    pub onboard_host_bytes: u64,
+    /// Bytes loaded from the disk tier into the engine (as `onboard_host_bytes`).
+    pub onboard_disk_bytes: u64,
+    /// Bytes loaded from the remote tier into the engine (as `onboard_host_bytes`).
+    pub onboard_remote_bytes: u64,
     /// Blocks whose load failed (on any rank) or whose source had vanished.
     pub onboard_failed: u64,
     /// Host -> disk copies dispatched / written and registered in G3 / failed.

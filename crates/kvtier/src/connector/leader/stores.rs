@@ -122,9 +122,30 @@ impl Leader {
     fn apply_record(&mut self, pos: usize, rec: &StepRecord) -> Result<(), ConnectorError> {
         let req = &rec.request_id;
         self.check_device_ids(req, "new_block_ids", &rec.new_block_ids)?;
+        // A sliding-window group: blocks the window left may be free; null blocks are holes.
+        let owned;
+        let rec = if self.window.is_some() {
+            self.window_advanced(req, rec.num_computed_tokens);
+            match self.map_null(&rec.new_block_ids) {
+                std::borrow::Cow::Borrowed(_) => rec,
+                std::borrow::Cow::Owned(ids) => {
+                    owned = StepRecord {
+                        new_block_ids: ids,
+                        ..rec.clone()
+                    };
+                    &owned
+                }
+            }
+        } else {
+            rec
+        };
         let mut offloads = std::mem::take(&mut self.scratch.offloads);
         offloads.clear();
         let applied = self.apply_to_slot(pos, rec, &mut offloads);
+        if applied.is_ok() && self.window.is_some() {
+            let computed = self.slots.get(req).map_or(0, |e| e.slot.position());
+            self.keep_window_offloads(&mut offloads, computed);
+        }
         if applied.is_ok() && !offloads.is_empty() {
             self.dispatch_stores(req, &offloads);
         }

@@ -354,7 +354,14 @@ fn disk_stores_carry_keys() {
 /// once the load completed.
 #[test]
 fn failed_loads_are_not_counted_as_hits() {
-    let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), 16)).unwrap();
+    // One rank of 96 bytes per block: the bytes loaded are counted per block actually loaded.
+    let mut cfg = LeaderConfig::new(4, HashSalt(3), 16);
+    cfg.layout = Some(crate::connector::messages::ClusterLayout {
+        block_size: 4,
+        num_device_blocks: 64,
+        bytes_per_block: vec![96],
+    });
+    let mut l = Leader::new(cfg).unwrap();
     let prompt: Vec<u32> = (0..12).collect();
     let m = l
         .build_step(&SchedulerStep {
@@ -387,6 +394,15 @@ fn failed_loads_are_not_counted_as_hits() {
     });
     let s = l.stats();
     assert_eq!((s.onboard_host_blocks, s.onboard_failed), (1, 1), "{s:?}");
+    assert_eq!(
+        (
+            s.onboard_host_bytes,
+            s.onboard_disk_bytes,
+            s.onboard_remote_bytes
+        ),
+        (96, 0, 0),
+        "{s:?}"
+    );
 }
 
 /// One request "fill" of three blocks (tokens 0..12), stored and confirmed in the host tier.
