@@ -513,7 +513,7 @@ mod tests {
         assert_ne!(g0.salt(), whole.salt());
         assert_ne!(g0.salt(), g1.salt());
         assert_ne!(g0.namespace(), g1.namespace());
-        assert!(crate::remote::Namespace::new(g1.namespace()).is_ok());
+        assert!(crate::storage::remote::Namespace::new(g1.namespace()).is_ok());
     }
 
     #[test]
