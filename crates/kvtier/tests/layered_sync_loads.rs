@@ -39,6 +39,9 @@ struct Held {
     whole: Mutex<Vec<u64>>,
     layered: Mutex<Vec<u64>>,
     fail_layer: Mutex<bool>,
+    /// How long a layered job takes before it hands over its gate (an executor thread still
+    /// enqueueing when the forward pass ends).
+    enqueue_delay: Mutex<Duration>,
 }
 
 impl Held {
@@ -117,6 +120,7 @@ impl BlockTransfer for Transfer {
         enqueued: &mut dyn FnMut(Option<Arc<dyn LayerGate>>),
     ) -> TransferOutcome {
         self.0.layered.lock().expect("layered").push(job.id.0);
+        std::thread::sleep(*self.0.enqueue_delay.lock().expect("delay"));
         enqueued(Some(Arc::new(Gate(Arc::clone(&self.0)))));
         self.0.hold();
         TransferOutcome::Ok
@@ -304,4 +308,30 @@ fn loads_are_ordered_whole_without_the_setting_or_outside_a_layered_step() {
         assert!(!store_failed(&rx));
         drop(dog); // it opens a gate nobody waits on any more
     }
+}
+
+#[test]
+fn an_engine_that_skipped_every_layer_hook_gets_the_load_failed() {
+    // A step replayed as one full CUDA graph runs no hook at all: forward_done must still see
+    // the gate (it may not have arrived yet) and fail the load in that step.
+    let (mut w, held, rx) = worker(true);
+    *held.enqueue_delay.lock().expect("delay") = Duration::from_millis(200);
+    let dog = watchdog(&held, Duration::from_secs(5));
+    w.bind(&step());
+    w.start_load_layered(Some(7), true);
+    w.forward_done(Some(7));
+    let mut errs = w.take_load_errors();
+    errs.sort();
+    assert_eq!(errs, vec![DeviceBlockId(10), DeviceBlockId(11)]);
+    assert!(
+        store_failed(&rx),
+        "the store computed over unordered layers was kept"
+    );
+    held.open();
+    w.wait_idle();
+    assert!(
+        w.take_load_errors().is_empty(),
+        "the blocks were reported twice"
+    );
+    drop(dog); // it opens a gate nobody waits on any more
 }

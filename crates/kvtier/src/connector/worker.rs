@@ -373,7 +373,11 @@ impl Worker {
     /// The forward pass has been enqueued: capture its end and queue the step's stores.
     /// Sync loads nobody waited for are reported failed (the forward did not see their data).
     pub fn forward_done(&mut self, engine_stream: Option<u64>) {
-        self.drain();
+        if !self.layered_dsts.is_empty() {
+            // An engine that skipped every layer's hook never waited for the gates to arrive:
+            // take them now, so that a layer nobody waited for is seen below.
+            self.wait_enqueued();
+        }
         let unawaited: Vec<JobId> = self
             .gates
             .iter()

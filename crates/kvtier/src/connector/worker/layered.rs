@@ -44,12 +44,7 @@ impl Worker {
         if !self.bound_loads.is_empty() {
             self.start_load(None);
         }
-        while self.sync_pending > self.sync_enqueued.len() {
-            match self.done_rx.recv() {
-                Ok(n) => self.on_note(n),
-                Err(_) => break,
-            }
-        }
+        self.wait_enqueued();
         let mut cpu_wait = Vec::new();
         let mut failed = Vec::new();
         for g in &mut self.gates {
@@ -83,6 +78,17 @@ impl Worker {
                     Ok(n) => self.on_note(n),
                     Err(_) => break,
                 }
+            }
+        }
+    }
+
+    /// Block until every sync load of the step is done or ordered ahead of the engine's stream
+    /// (its `Enqueued` note, with its gate, received).
+    pub(super) fn wait_enqueued(&mut self) {
+        while self.sync_pending > self.sync_enqueued.len() {
+            match self.done_rx.recv() {
+                Ok(n) => self.on_note(n),
+                Err(_) => break,
             }
         }
     }
