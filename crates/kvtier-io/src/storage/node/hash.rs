@@ -8,6 +8,7 @@
 //! all joined before the call returns; a thread that cannot be started leaves its share to the
 //! caller's thread (never a panic).
 use std::io;
+use std::sync::OnceLock;
 
 use crate::sys::shm::Arena;
 
@@ -23,8 +24,7 @@ pub(crate) type Slot = (u128, u64, usize);
 /// The checksum of each slot, in order (see the module docs).
 pub(crate) fn slot_checksums(arena: &Arena, slots: &[Slot]) -> Vec<io::Result<u64>> {
     let total: usize = slots.iter().map(|s| s.2).sum();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = cores.min(MAX_THREADS).min(slots.len());
+    let threads = cores().min(slots.len());
     if threads <= 1 || total < PARALLEL_FROM {
         return hash_all(arena, slots);
     }
@@ -54,6 +54,17 @@ pub(crate) fn slot_checksums(arena: &Arena, slots: &[Slot]) -> Vec<io::Result<u6
             }
         }
         out
+    })
+}
+
+/// Threads a batch may use: the cores this process may run on, at most [`MAX_THREADS`] (read
+/// once: std reads the cgroup's quota files each time).
+fn cores() -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    *CORES.get_or_init(|| {
+        std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(MAX_THREADS)
     })
 }
 
