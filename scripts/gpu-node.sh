@@ -4,10 +4,11 @@
 # TEST_BINARY is kvtier-io's lib test binary, built here with
 #   cargo test --release -p kvtier-io --lib --no-run     # prints target/release/deps/kvtier_io-<hash>
 # (default: $KVTIER_IO_TESTS, else the newest target/release/deps/kvtier_io-*). It runs
-# node::gpu_tests: a GPU KV cache (vLLM per-layer layout, 2 MiB blocks) stored through a node tier (device ->
-# arena slot by DMA, the arena registered with cuMemHostRegister) and loaded back into other blocks, compared
-# bit-exact, with GB/s against a pinned host tier moving the same blocks in the same run; then cuda::gpu_tests
-# (ordered loads seen by the engine's stream). Without a CUDA driver
+# storage::node::gpu_tests: a GPU KV cache (vLLM per-layer layout, 2 MiB blocks) stored through a node tier
+# (device -> arena slot by DMA, the arena registered with cuMemHostRegister) and loaded back into other blocks,
+# compared bit-exact, through a private node (no hashing) and a multi-tenant one (--allow-uid: every block
+# verified), with GB/s against a pinned host tier moving the same blocks in the same run; then
+# transfer::cuda::gpu_tests (ordered loads seen by the engine's stream). Without a CUDA driver
 # the test prints that it skipped. Environment: KVTIER_NODE_GPU_BLOCKS (default 256), OUT (default ./gpu-node-out:
 # the report as markdown and the log).
 set -euo pipefail
@@ -20,10 +21,13 @@ fi
 out=${OUT:-$PWD/gpu-node-out}
 mkdir -p "$out"
 export KVTIER_NODE_GPU_REPORT="$out/node-gpu.md"
-"$bin" --exact node::gpu_tests::node_gpu_store_and_load_are_bit_exact_and_direct --nocapture --test-threads 1 \
+"$bin" --exact storage::node::gpu_tests::node_gpu_store_and_load_are_bit_exact_and_direct --nocapture --test-threads 1 \
   2>&1 | tee "$out/node-gpu.log"
+# --exact with a name that no longer exists runs nothing and passes: say so instead.
+grep -q "test result: ok. 1 passed" "$out/node-gpu.log" || { echo "the node GPU test did not run" >&2; exit 1; }
 if [ -f "$KVTIER_NODE_GPU_REPORT" ]; then cat "$KVTIER_NODE_GPU_REPORT"; else echo "no report (skipped?)"; fi
-# The same binary's ordered-load test (cuda::gpu_tests): host -> device loads ordered on an engine stream, both
+# The same binary's ordered-load test (transfer::cuda::gpu_tests): host -> device loads ordered on an engine stream, both
 # copy paths, checked bit-exact through what that stream reads right after kvtier says it may go on.
-"$bin" --exact cuda::gpu_tests::ordered_loads_are_seen_by_the_engine_stream --nocapture --test-threads 1 \
+"$bin" --exact transfer::cuda::gpu_tests::ordered_loads_are_seen_by_the_engine_stream --nocapture --test-threads 1 \
   2>&1 | tee "$out/ordered-gpu.log"
+grep -q "test result: ok. 1 passed" "$out/ordered-gpu.log" || { echo "the ordered-load GPU test did not run" >&2; exit 1; }

@@ -313,6 +313,7 @@ class NodeServer:
     def socket(self) -> str: ...
     def stats(self) -> dict[str, int]:
         """clients, blocks, bytes_used, capacity, puts, puts_full, gets, get_misses, evictions,
-        abandoned_puts."""
+        abandoned_puts, disk_blocks, disk_spills, disk_hits, requests (round trips after Hello),
+        verified (commits the node hashed: 0 on a private node)."""
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop within ``timeout`` seconds; removes the socket and the arena. Idempotent."""

@@ -23,8 +23,17 @@ const BPB: usize = LAYERS * 2 * CHUNK;
 const BLOCKS: u32 = 10;
 
 fn node(dir: &Path, blocks: u64) -> NodeServer {
+    node_with(dir, blocks, false)
+}
+
+/// A private node, or (`tenants`) one another uid may attach to (`--allow-uid`), whose blocks
+/// are verified at commit and before every load.
+fn node_with(dir: &Path, blocks: u64, tenants: bool) -> NodeServer {
     let mut o = NodeOptions::new(dir.join("node.sock"), blocks * BPB as u64);
     o.shm_dir = dir.to_path_buf();
+    if tenants {
+        o.allowed_uids = vec![4242];
+    }
     NodeServer::start(&o).unwrap()
 }
 
@@ -83,21 +92,37 @@ fn key(b: u32) -> u128 {
 
 #[test]
 fn blocks_go_device_to_arena_and_back_to_another_engine_bit_exact() {
+    for tenants in [false, true] {
+        round_trip(tenants);
+    }
+}
+
+/// One round trip per phase per job (the node counts requests): a store is `Reserve` +
+/// `Finish`, a load `Lease` + `EndLeases`, a deduplicated store `Reserve` alone. Hashing only
+/// on a multi-tenant node: the writer after its copy, the node at commit, the reader before
+/// its copy.
+fn round_trip(tenants: bool) {
     let dir = tempfile::tempdir().unwrap();
-    let n = node(dir.path(), 32);
+    let n = node_with(dir.path(), 32, tenants);
     let mut a_cache = PerLayerCache::new(LAYERS, BLOCKS, CHUNK);
     for b in 0..BLOCKS {
         a_cache.write(b, &pattern(b, BPB));
     }
-    let a = engine(&a_cache, store(&n));
+    let a_node = store(&n);
+    let a = engine(&a_cache, a_node.clone());
     let devs: Vec<u32> = (0..BLOCKS).collect();
     let keys: Vec<u128> = devs.iter().map(|&b| key(b)).collect();
+    let rt = n.stats().requests;
     assert_eq!(
         run(&a, &job(Tier::Device, Tier::Remote, &devs, &keys)),
         TransferOutcome::Ok
     );
+    assert_eq!(n.stats().requests - rt, 2, "round trips of a store job");
     assert_eq!(a.node_direct_jobs(), 1, "not the direct path");
     assert_eq!(n.stats().puts, BLOCKS as u64);
+    let hashes = if tenants { BLOCKS as u64 } else { 0 };
+    assert_eq!(a_node.blocks_hashed(), hashes, "tenants: {tenants}");
+    assert_eq!(n.stats().verified, hashes, "tenants: {tenants}");
     // The arena holds the exact bytes (read by a plain client, verified against its checksum).
     let probe = store(&n);
     let mut buf = vec![0u8; BPB];
@@ -106,19 +131,29 @@ fn blocks_go_device_to_arena_and_back_to_another_engine_bit_exact() {
         assert_eq!(buf, pattern(b, BPB), "arena block {b}");
     }
     // Storing again is deduplicated by the node (no second write).
+    let rt = n.stats().requests;
     assert!(run(&a, &job(Tier::Device, Tier::Remote, &devs, &keys)).is_ok());
     assert_eq!(n.stats().puts, BLOCKS as u64);
+    assert_eq!(
+        n.stats().requests - rt,
+        1,
+        "a deduplicated store: Reserve only"
+    );
     // Another engine loads them reversed into its own blocks.
     let mut b_cache = PerLayerCache::new(LAYERS, BLOCKS, CHUNK);
     for b in 0..BLOCKS {
         b_cache.write(b, &[0x5A; BPB]);
     }
-    let e2 = engine(&b_cache, store(&n));
+    let b_node = store(&n);
+    let e2 = engine(&b_cache, b_node.clone());
     let rev: Vec<u32> = (0..BLOCKS).rev().collect();
+    let rt = n.stats().requests;
     assert_eq!(
         run(&e2, &job(Tier::Remote, Tier::Device, &rev, &keys)),
         TransferOutcome::Ok
     );
+    assert_eq!(n.stats().requests - rt, 2, "round trips of a load job");
+    assert_eq!(b_node.blocks_hashed(), hashes, "tenants: {tenants}");
     for (k, &d) in rev.iter().enumerate() {
         assert_eq!(b_cache.read(d), pattern(k as u32, BPB), "device block {d}");
     }
@@ -133,8 +168,10 @@ fn blocks_go_device_to_arena_and_back_to_another_engine_bit_exact() {
 
 #[test]
 fn failed_pairs_fail_alone_and_never_touch_their_device_block() {
+    // Multi-tenant: the patched block below is caught by the reader's check (a private node's
+    // reader trusts its own uid's bytes: see node_tier.rs).
     let dir = tempfile::tempdir().unwrap();
-    let n = node(dir.path(), 16);
+    let n = node_with(dir.path(), 16, true);
     let mut cache = PerLayerCache::new(LAYERS, BLOCKS, CHUNK);
     for b in 0..BLOCKS {
         cache.write(b, &pattern(b + 7, BPB));
@@ -212,7 +249,7 @@ fn a_full_node_fails_the_stores_it_cannot_take_and_the_rest_succeed() {
     let first: Vec<u128> = (0..3).map(key).collect();
     assert!(run(&e, &job(Tier::Device, Tier::Remote, &[0, 1, 2], &first)).is_ok());
     let mut raw = std::os::unix::net::UnixStream::connect(n.socket()).unwrap();
-    use kvtier_io::storage::node::{Reply, Request, NODE_PROTOCOL_VERSION};
+    use kvtier_io::storage::node::{GetAnswer, Reply, Request, NODE_PROTOCOL_VERSION};
     let mut call = |r: &Request| -> Reply {
         use std::io::{Read, Write};
         let body = postcard::to_stdvec(r).unwrap();
@@ -233,9 +270,11 @@ fn a_full_node_fails_the_stores_it_cannot_take_and_the_rest_succeed() {
         version: NODE_PROTOCOL_VERSION,
         namespace: "m".into(),
     });
-    for k in &first {
-        assert!(matches!(call(&Request::BeginGet(*k)), Reply::Lease { .. }));
-    }
+    let leased = call(&Request::Lease(first.clone()));
+    let Reply::Leased(v) = leased else {
+        panic!("{leased:?}")
+    };
+    assert!(v.iter().all(|a| matches!(a, GetAnswer::Lease { .. })));
     let more: Vec<u128> = (3..6).map(key).collect();
     let out = run(&e, &job(Tier::Device, Tier::Remote, &[3, 4, 5], &more));
     assert_eq!(out.failed_pairs(), vec![0, 1, 2], "{out:?}");

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
 use kvtier_io::storage::node::{
-    block_checksum, NodeClientOptions, NodeOptions, NodeServer, NodeStore, Reply, Request,
-    NODE_PROTOCOL_VERSION,
+    block_checksum, GetAnswer, LeaseEnd, NodeClientOptions, NodeOptions, NodeServer, NodeStore,
+    PutAnswer, Reply, Request, NODE_PROTOCOL_VERSION,
 };
 
 const BLOCK: usize = 4096;
@@ -18,6 +18,14 @@ const BLOCK: usize = 4096;
 fn node(dir: &Path, blocks: u64) -> NodeServer {
     let mut o = NodeOptions::new(dir.join("node.sock"), blocks * BLOCK as u64);
     o.shm_dir = dir.to_path_buf();
+    NodeServer::start(&o).unwrap()
+}
+
+/// A node other users may attach to (`--allow-uid`): every block is verified.
+fn shared_node(dir: &Path, blocks: u64) -> NodeServer {
+    let mut o = NodeOptions::new(dir.join("node.sock"), blocks * BLOCK as u64);
+    o.shm_dir = dir.to_path_buf();
+    o.allowed_uids = vec![4242];
     NodeServer::start(&o).unwrap()
 }
 
@@ -58,6 +66,35 @@ fn send(s: &mut UnixStream, r: &Request) -> Reply {
 
 fn postcard_like(r: &Request) -> Vec<u8> {
     postcard::to_stdvec(r).unwrap()
+}
+
+/// A raw `Reserve` of one key: its slot, if granted.
+fn reserve(s: &mut UnixStream, key: u128) -> Option<(u64, u64)> {
+    let r = send(
+        s,
+        &Request::Reserve {
+            bytes: BLOCK as u64,
+            keys: vec![key],
+        },
+    );
+    match r {
+        Reply::Reserved(v) => match v[..] {
+            [PutAnswer::Slot { id, offset }] => Some((id, offset)),
+            _ => None,
+        },
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A raw `Lease` of one key: `(lease id, offset)`, if held.
+fn lease(s: &mut UnixStream, key: u128) -> Option<(u64, u64)> {
+    match send(s, &Request::Lease(vec![key])) {
+        Reply::Leased(v) => match v[..] {
+            [GetAnswer::Lease { id, offset, .. }] => Some((id, offset)),
+            _ => None,
+        },
+        other => panic!("{other:?}"),
+    }
 }
 
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
@@ -120,20 +157,10 @@ fn an_engine_that_dies_mid_write_leaves_nothing_visible_and_no_lease() {
     {
         // The dying engine reserves a slot, writes half a block and vanishes.
         let mut s = raw(&n, "m");
-        let Reply::PutSlot { .. } = send(
-            &mut s,
-            &Request::BeginPut {
-                key: 5,
-                bytes: BLOCK as u64,
-            },
-        ) else {
-            panic!("no slot")
-        };
+        reserve(&mut s, 5).expect("no slot");
         // And it leased a block it never returns.
         survivor.put(6, &block(6)).unwrap();
-        let Reply::Lease { .. } = send(&mut s, &Request::BeginGet(6)) else {
-            panic!("no lease")
-        };
+        lease(&mut s, 6).expect("no lease");
     } // connection closed: the crash
     wait_until("the node to detach the dead engine", || {
         n.stats().abandoned_puts == 1
@@ -153,23 +180,12 @@ fn an_engine_that_dies_mid_write_leaves_nothing_visible_and_no_lease() {
     assert_eq!(out, block(8));
 }
 
-#[test]
-fn a_block_patched_in_the_arena_is_refused_and_dropped() {
-    let dir = tempfile::tempdir().unwrap();
-    let n = node(dir.path(), 4);
-    let a = engine(&n, "m");
-    a.put(1, &block(1)).unwrap();
-    a.put(2, &block(2)).unwrap();
-    // A rogue writer copies block 2's bytes over block 1's slot.
-    let mut s = raw(&n, "m");
-    let Reply::Lease {
-        offset: off1, id, ..
-    } = send(&mut s, &Request::BeginGet(1))
-    else {
-        panic!()
-    };
-    send(&mut s, &Request::EndGet(id));
-    let arena = std::fs::read_dir(dir.path())
+/// Copies block 2's bytes over block 1's slot (a rogue writer).
+fn patch_block_1(n: &NodeServer, dir: &Path) {
+    let mut s = raw(n, "m");
+    let (id, off1) = lease(&mut s, 1).unwrap();
+    send(&mut s, &Request::EndLeases(vec![LeaseEnd::Done(id)]));
+    let arena = std::fs::read_dir(dir)
         .unwrap()
         .flatten()
         .find(|e| e.file_name().to_string_lossy().ends_with(".arena"))
@@ -181,6 +197,16 @@ fn a_block_patched_in_the_arena_is_refused_and_dropped() {
         .unwrap();
     use std::os::unix::fs::FileExt;
     f.write_all_at(&block(2), off1).unwrap();
+}
+
+#[test]
+fn a_block_patched_in_the_arena_of_a_multi_tenant_node_is_refused_and_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = shared_node(dir.path(), 4);
+    let a = engine(&n, "m");
+    a.put(1, &block(1)).unwrap();
+    a.put(2, &block(2)).unwrap();
+    patch_block_1(&n, dir.path());
     let mut out = vec![0u8; BLOCK];
     let err = a.get(1, &mut out).unwrap_err();
     assert!(
@@ -197,6 +223,25 @@ fn a_block_patched_in_the_arena_is_refused_and_dropped() {
     );
     // The checksum binds the key: the same bytes under another key do not verify.
     assert_ne!(block_checksum(1, &block(2)), block_checksum(2, &block(2)));
+    assert_eq!(a.blocks_hashed(), 3, "2 puts and 1 get verified");
+}
+
+#[test]
+fn a_private_node_serves_its_own_uid_without_hashing() {
+    // Only this user can write a private node's arena, and it can write the engine's memory as
+    // well: the bytes are trusted as they are (docs/arch/node.md, Trust). A block patched by
+    // this user is served as patched; nothing is hashed, by the clients or the node.
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), 4);
+    let a = engine(&n, "m");
+    a.put(1, &block(1)).unwrap();
+    a.put(2, &block(2)).unwrap();
+    patch_block_1(&n, dir.path());
+    let mut out = vec![0u8; BLOCK];
+    a.get(1, &mut out).unwrap();
+    assert_eq!(out, block(2));
+    assert_eq!(a.blocks_hashed(), 0);
+    assert_eq!(n.stats().verified, 0);
 }
 
 #[test]
@@ -216,13 +261,13 @@ fn a_full_node_skips_stores_and_one_engine_cannot_flush_another() {
     let mut leases = Vec::new();
     let mut s = raw(&n, "a");
     for k in 0..40u128 {
-        if let Reply::Lease { id, .. } = send(&mut s, &Request::BeginGet(k)) {
+        if let Some((id, _)) = lease(&mut s, k) {
             leases.push(id);
         }
     }
     let mut s2 = raw(&n, "b");
     for k in 1000..1003u128 {
-        send(&mut s2, &Request::BeginGet(k));
+        lease(&mut s2, k);
     }
     assert!(a.put(99, &block(99)).is_err());
     assert!(n.stats().puts_full >= 1);
@@ -279,9 +324,9 @@ fn a_client_that_skips_hello_or_speaks_garbage_is_refused() {
     assert!(matches!(
         send(
             &mut s,
-            &Request::BeginPut {
-                key: 1,
-                bytes: BLOCK as u64
+            &Request::Reserve {
+                bytes: BLOCK as u64,
+                keys: vec![1],
             }
         ),
         Reply::Refused(_)

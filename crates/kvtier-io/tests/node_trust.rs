@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 
 use kvtier::transfer::RemoteStore;
 use kvtier_io::storage::node::{
-    block_checksum, default_socket, NodeClientOptions, NodeOptions, NodeServer, NodeStore, Reply,
-    Request, NODE_PROTOCOL_VERSION,
+    block_checksum, default_socket, GetAnswer, ItemAnswer, LeaseEnd, NodeClientOptions,
+    NodeOptions, NodeServer, NodeStore, PutAnswer, PutEnd, Reply, Request, MAX_BATCH,
+    NODE_PROTOCOL_VERSION,
 };
 
 const BLOCK: usize = 4096;
@@ -297,43 +298,108 @@ fn a_pooled_connection_the_node_closed_costs_no_io_timeout() {
     assert!(closed_within(&mut s, Duration::from_millis(500)));
 }
 
-#[test]
-fn bytes_changed_in_a_reserved_slot_before_commit_are_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let n = NodeServer::start(&opts(dir.path(), 4)).unwrap();
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .open(arena_file(dir.path()))
-        .unwrap();
-    let mut w = raw(&n, "m");
-    let Some(Reply::PutSlot { id, offset }) = send(
-        &mut w,
-        &Request::BeginPut {
-            key: 5,
-            bytes: BLOCK as u64,
-        },
-    ) else {
-        panic!("no slot")
-    };
-    f.write_all_at(&block(5), offset).unwrap();
-    let honest = block_checksum(5, &block(5));
-    // Another process rewrites the slot between the copy and the commit.
-    f.write_all_at(&block(6), offset).unwrap();
+/// A raw `Reserve` of one key: `(reservation id, offset)`.
+fn reserve(s: &mut UnixStream, key: u128) -> (u64, u64) {
     let r = send(
-        &mut w,
-        &Request::CommitPut {
-            id,
-            checksum: honest,
+        s,
+        &Request::Reserve {
+            bytes: BLOCK as u64,
+            keys: vec![key],
         },
     );
-    assert!(matches!(r, Some(Reply::Refused(_))), "{r:?}");
-    let reader = engine(&n, "m");
-    assert_eq!(reader.contains(&[5]).unwrap(), vec![false], "never visible");
-    // An honest commit of the same key afterwards works.
-    reader.put(5, &block(5)).unwrap();
-    let mut out = vec![0u8; BLOCK];
-    reader.get(5, &mut out).unwrap();
-    assert_eq!(out, block(5));
+    match r {
+        Some(Reply::Reserved(v)) => match v[..] {
+            [PutAnswer::Slot { id, offset }] => (id, offset),
+            _ => panic!("no slot: {v:?}"),
+        },
+        other => panic!("{other:?}"),
+    }
+}
+
+fn finish(s: &mut UnixStream, end: PutEnd) -> ItemAnswer {
+    match send(s, &Request::Finish(vec![end])) {
+        Some(Reply::Items(v)) if v.len() == 1 => v[0],
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A raw `Lease` of one key: its lease id, if held.
+fn lease(s: &mut UnixStream, key: u128) -> Option<u64> {
+    match send(s, &Request::Lease(vec![key])) {
+        Some(Reply::Leased(v)) => match v[..] {
+            [GetAnswer::Lease { id, .. }] => Some(id),
+            _ => None,
+        },
+        other => panic!("{other:?}"),
+    }
+}
+
+fn end_lease(s: &mut UnixStream, end: LeaseEnd) -> ItemAnswer {
+    match send(s, &Request::EndLeases(vec![end])) {
+        Some(Reply::Items(v)) if v.len() == 1 => v[0],
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A node other users may attach to (`--allow-uid`).
+fn multi_tenant(dir: &Path, blocks: u64) -> NodeServer {
+    let mut o = opts(dir, blocks);
+    o.allowed_uids = vec![my_uid(dir).wrapping_add(4242)];
+    NodeServer::start(&o).unwrap()
+}
+
+#[test]
+fn bytes_changed_in_a_reserved_slot_before_commit_are_refused() {
+    // Verified at commit whenever a checksum is committed: always on a multi-tenant node,
+    // where a commit without one is refused; on a private node only if the writer sent one.
+    for tenants in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let n = if tenants {
+            multi_tenant(dir.path(), 4)
+        } else {
+            NodeServer::start(&opts(dir.path(), 4)).unwrap()
+        };
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(arena_file(dir.path()))
+            .unwrap();
+        let mut w = raw(&n, "m");
+        let (id, offset) = reserve(&mut w, 5);
+        f.write_all_at(&block(5), offset).unwrap();
+        let honest = block_checksum(5, &block(5));
+        // Another process rewrites one byte of the slot between the copy and the commit.
+        f.write_all_at(&[block(5)[77] ^ 1], offset + 77).unwrap();
+        let checksum = Some(honest);
+        assert_eq!(
+            finish(&mut w, PutEnd::Commit { id, checksum }),
+            ItemAnswer::Mismatch,
+            "tenants: {tenants}"
+        );
+        let reader = engine(&n, "m");
+        assert_eq!(reader.contains(&[5]).unwrap(), vec![false], "never visible");
+        assert_eq!(n.stats().verified, 1);
+        // Without a checksum: refused by a multi-tenant node, published by a private one.
+        let (id, offset) = reserve(&mut w, 6);
+        f.write_all_at(&block(6), offset).unwrap();
+        let unhashed = finish(&mut w, PutEnd::Commit { id, checksum: None });
+        let want = if tenants {
+            ItemAnswer::ChecksumRequired
+        } else {
+            ItemAnswer::Done
+        };
+        assert_eq!(unhashed, want, "tenants: {tenants}");
+        assert_eq!(reader.contains(&[6]).unwrap(), vec![!tenants]);
+        // An honest commit of the same key afterwards works.
+        reader.put(5, &block(5)).unwrap();
+        let mut out = vec![0u8; BLOCK];
+        reader.get(5, &mut out).unwrap();
+        assert_eq!(out, block(5));
+        // The reservation is gone after its refusal: a second commit of it is unknown.
+        assert_eq!(
+            finish(&mut w, PutEnd::Commit { id, checksum }),
+            ItemAnswer::Unknown
+        );
+    }
 }
 
 #[test]
@@ -343,24 +409,87 @@ fn a_block_reported_damaged_is_invisible_at_once_while_another_reader_holds_it()
     let a = engine(&n, "m");
     a.put(1, &block(1)).unwrap();
     let mut r1 = raw(&n, "m");
-    let Some(Reply::Lease { id: l1, .. }) = send(&mut r1, &Request::BeginGet(1)) else {
-        panic!("no lease")
-    };
+    let l1 = lease(&mut r1, 1).expect("no lease");
     let mut r2 = raw(&n, "m");
-    let Some(Reply::Lease { id: l2, .. }) = send(&mut r2, &Request::BeginGet(1)) else {
-        panic!("no lease")
-    };
-    assert_eq!(send(&mut r2, &Request::Damaged(l2)), Some(Reply::Done));
+    let l2 = lease(&mut r2, 1).expect("no lease");
+    assert_eq!(end_lease(&mut r2, LeaseEnd::Damaged(l2)), ItemAnswer::Done);
     assert_eq!(
         a.contains(&[1]).unwrap(),
         vec![false],
         "gone while r1 reads"
     );
-    assert_eq!(send(&mut r2, &Request::BeginGet(1)), Some(Reply::Missing));
+    assert_eq!(lease(&mut r2, 1), None);
     // A fresh copy can be stored at once; r1's slot is kept until its lease ends.
     a.put(1, &block(1)).unwrap();
-    assert_eq!(send(&mut r1, &Request::EndGet(l1)), Some(Reply::Done));
+    assert_eq!(end_lease(&mut r1, LeaseEnd::Done(l1)), ItemAnswer::Done);
     assert_eq!(a.contains(&[1]).unwrap(), vec![true]);
+    // A lease ended twice, or never held, is unknown.
+    assert_eq!(end_lease(&mut r1, LeaseEnd::Done(l1)), ItemAnswer::Unknown);
+    assert_eq!(
+        end_lease(&mut r2, LeaseEnd::Damaged(l1)),
+        ItemAnswer::Unknown
+    );
+}
+
+#[test]
+fn a_batch_longer_than_max_batch_is_refused_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = opts(dir.path(), 1);
+    o.capacity = 2 * MAX_BATCH as u64;
+    let n = NodeServer::start(&o).unwrap();
+    let mut s = raw(&n, "m");
+    let keys: Vec<u128> = (0..=MAX_BATCH as u128).collect();
+    let too_long = [
+        Request::Reserve {
+            bytes: 1,
+            keys: keys.clone(),
+        },
+        Request::Lease(keys.clone()),
+        Request::Finish(vec![PutEnd::Abort(1); MAX_BATCH + 1]),
+        Request::EndLeases(vec![LeaseEnd::Done(1); MAX_BATCH + 1]),
+    ];
+    for r in &too_long {
+        let got = send(&mut s, r);
+        assert!(
+            matches!(&got, Some(Reply::Refused(why)) if why.contains("batch")),
+            "{got:?}"
+        );
+    }
+    assert_eq!(n.stats().blocks, 0);
+    assert_eq!(n.stats().gets, 0, "nothing of a refused batch was done");
+    // MAX_BATCH is served, one answer per key, in order.
+    let r = send(
+        &mut s,
+        &Request::Reserve {
+            bytes: 1,
+            keys: keys[..MAX_BATCH].to_vec(),
+        },
+    );
+    let Some(Reply::Reserved(v)) = r else {
+        panic!("{r:?}")
+    };
+    assert_eq!(v.len(), MAX_BATCH);
+    assert!(v.iter().all(|a| matches!(a, PutAnswer::Slot { .. })));
+}
+
+#[test]
+fn a_client_of_another_protocol_version_is_told_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = NodeServer::start(&opts(dir.path(), 2)).unwrap();
+    let mut s = UnixStream::connect(n.socket()).unwrap();
+    let r = send(
+        &mut s,
+        &Request::Hello {
+            version: 3,
+            namespace: "m".into(),
+        },
+    );
+    assert!(
+        matches!(&r, Some(Reply::Refused(why))
+            if why.contains(&format!("node protocol {NODE_PROTOCOL_VERSION}")) && why.contains("speaks 3")),
+        "{r:?}"
+    );
+    assert_eq!(n.stats().clients, 0);
 }
 
 #[test]

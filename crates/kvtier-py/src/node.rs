@@ -96,6 +96,8 @@ impl PyNodeServer {
                 ("disk_blocks", s.disk_blocks),
                 ("disk_spills", s.disk_spills),
                 ("disk_hits", s.disk_hits),
+                ("requests", s.requests),
+                ("verified", s.verified),
             ] {
                 d.set_item(k, v)?;
             }

@@ -73,8 +73,9 @@ pub struct SlotGrant {
     pub offset: u64,
     /// Bytes of the block.
     pub bytes: u64,
-    /// The checksum its writer committed (0 in a put grant, not yet known).
-    pub checksum: u64,
+    /// The checksum its writer committed (`None` in a put grant, and for a block committed
+    /// without one on a private node).
+    pub checksum: Option<u64>,
 }
 
 #[derive(Clone, Debug)]
@@ -83,7 +84,7 @@ struct Block {
     key: u128,
     offset: u64,
     bytes: u64,
-    checksum: u64,
+    checksum: Option<u64>,
     /// Readers holding the slot.
     leases: u32,
     tick: u64,
@@ -119,8 +120,8 @@ pub struct BlockCopy {
     pub offset: u64,
     /// Bytes of the block.
     pub bytes: u64,
-    /// The checksum its writer committed.
-    pub checksum: u64,
+    /// The checksum its writer committed (`None`: committed unhashed on a private node).
+    pub checksum: Option<u64>,
 }
 
 /// Counters of the node (reported by `kvtier node` and its stats request).
@@ -152,6 +153,11 @@ pub struct NodeStats {
     pub disk_spills: u64,
     /// Gets served from the disk tier.
     pub disk_hits: u64,
+    /// Requests served after `Hello` (round trips; counted by the server).
+    pub requests: u64,
+    /// Commits whose slot the node hashed against the committed checksum (counted by the
+    /// server).
+    pub verified: u64,
 }
 
 /// The books of one node tier (see the module docs).
@@ -412,13 +418,14 @@ impl Books {
             id,
             offset,
             bytes,
-            checksum: 0,
+            checksum: None,
         })
     }
 
-    /// The client finished writing reservation `id`, whose bytes hash to `checksum`: the block
-    /// becomes visible. Returns false for an unknown reservation (or another client's).
-    pub fn commit_put(&mut self, client: ClientId, id: u64, checksum: u64) -> bool {
+    /// The client finished writing reservation `id`, whose bytes hash to `checksum` (`None`:
+    /// not hashed, a private node's trusted writer): the block becomes visible. Returns false
+    /// for an unknown reservation (or another client's).
+    pub fn commit_put(&mut self, client: ClientId, id: u64, checksum: Option<u64>) -> bool {
         match self.reservations.get(&id) {
             Some(r) if r.client == client => {}
             _ => return false,
@@ -501,16 +508,18 @@ impl Books {
         Some(grant)
     }
 
-    /// The client finished reading lease `id`.
-    pub fn end_get(&mut self, client: ClientId, id: u64) {
+    /// The client finished reading lease `id`. Returns false when `client` holds no such lease
+    /// (nothing changes).
+    pub fn end_get(&mut self, client: ClientId, id: u64) -> bool {
         let Some(c) = self.clients.get_mut(&client) else {
-            return;
+            return false;
         };
         let Some(pos) = c.leases.iter().position(|x| *x == id) else {
-            return;
+            return false;
         };
         c.leases.swap_remove(pos);
         self.release_lease(id);
+        true
     }
 
     /// The block of lease `id` was found damaged by its reader (a lease `client` holds): it is

@@ -6,7 +6,7 @@ use proptest::prelude::*;
 
 fn put(b: &mut Books, c: ClientId, key: u128, bytes: u64) -> Result<u64, PutRefused> {
     let g = b.begin_put(c, key, bytes)?;
-    assert!(b.commit_put(c, g.id, key as u64));
+    assert!(b.commit_put(c, g.id, Some(key as u64)));
     Ok(g.offset)
 }
 
@@ -25,7 +25,7 @@ fn a_block_is_invisible_until_committed_and_an_abandoned_write_frees_its_slot() 
     // Its slot is reused, not leaked.
     assert_eq!(put(&mut b, r, 7, 100), Ok(g.offset));
     assert!(
-        !b.commit_put(w, g.id, 0),
+        !b.commit_put(w, g.id, None),
         "a detached client commits nothing"
     );
 }
@@ -159,7 +159,7 @@ proptest! {
                 },
                 Op::Commit(i) => if !puts.is_empty() {
                     let (c, id) = puts.remove(i as usize % puts.len());
-                    b.commit_put(c, id, 0);
+                    b.commit_put(c, id, None);
                 },
                 Op::Abort(i) => if !puts.is_empty() {
                     let (c, id) = puts.remove(i as usize % puts.len());

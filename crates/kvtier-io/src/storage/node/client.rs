@@ -9,32 +9,35 @@
 //!   enough and open read-write: it never opens a path a node names;
 //! - a pooled connection the node has closed (idle timeout, protocol error) is seen closed
 //!   before use and replaced, so it costs no `io_timeout` wait;
-//! - `get` fills the caller's buffer and accepts it only when its checksum, bound to the key,
-//!   matches what the writer committed; a mismatch drops the block at the node and is an error
-//!   (the engine recomputes), never wrong bytes;
+//! - a connection *verifies* unless its node said `Welcome { private: true }` and runs as this
+//!   process's own uid (`SO_PEERCRED`): only then is every process that can write the arena of
+//!   this user, whom the engine trusts anyway (docs/arch/node.md, Trust). A verifying
+//!   connection commits each put with its checksum and accepts a read only when the bytes'
+//!   checksum, bound to the key, matches what the writer committed; a mismatch drops the block
+//!   at the node and is an error (the engine recomputes), never wrong bytes;
 //! - a put becomes visible to other engines only after its bytes are in the arena (the commit
 //!   follows the copy on the same connection); a put that fails midway is aborted, and one whose
 //!   process dies is discarded by the node;
 //! - every socket operation is bounded by `io_timeout`; a node that is down or stuck gives
 //!   `RemoteError::Unavailable` (misses and skipped stores), never a hang; a full node gives a
 //!   skipped store;
-//! - the direct paths ([`NodeStore::store_direct`], [`NodeStore::load_direct`], used by the
-//!   transfer engine to copy device <-> arena slot with no staging copy) keep every reservation
-//!   and lease of a job on one connection, verify a leased slot's checksum before its bytes are
-//!   copied out, and count a pair done only when the node acknowledged its `CommitPut` or
-//!   `EndGet`: a connection that dies midway (the node then detached this client, so the slot
-//!   may be reused) fails the pairs still open, never reports them done.
+//! - a put or get is one round trip per phase (`Reserve`, `Finish`; `Lease`, `EndLeases`), a
+//!   batch of one; the direct paths (`batch.rs`) batch a whole job per phase;
+//! - any reply that is not the one expected, with one answer per item, ends the connection
+//!   (not pooled again; the node then drops its reservations and leases).
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
 
 use super::protocol::{
-    block_checksum, read_frame, write_frame, Reply, Request, NODE_PROTOCOL_VERSION,
+    block_checksum, read_frame, write_frame, GetAnswer, ItemAnswer, LeaseEnd, PutAnswer, PutEnd,
+    Reply, Request, MAX_BATCH, NODE_PROTOCOL_VERSION,
 };
 use crate::sys::shm::Arena;
 use crate::sys::sock;
@@ -64,8 +67,10 @@ impl Default for NodeClientOptions {
 /// An arena's identity (device, inode): a restarted node has another.
 type ArenaId = (u64, u64);
 
-struct Conn {
+pub(super) struct Conn {
     stream: UnixStream,
+    /// Hash what this connection stores and loads (see the module docs).
+    pub(super) verify: bool,
 }
 
 /// The node tier as this process sees it (see the module docs).
@@ -79,6 +84,8 @@ pub struct NodeStore {
     idle: Mutex<Vec<Conn>>,
     /// CUDA device whose context registers each arena mapping (set by a CUDA transfer engine).
     cuda: Mutex<Option<i32>>,
+    /// Blocks this process hashed (stores committed with a checksum, loads verified).
+    pub(super) hashed: AtomicU64,
 }
 
 impl std::fmt::Debug for NodeStore {
@@ -104,6 +111,12 @@ struct Welcome {
     node_uid: u32,
 }
 
+fn unexpected(op: &'static str, reply: &Reply) -> RemoteError {
+    let shown = format!("{reply:?}");
+    let cut: String = shown.chars().take(200).collect();
+    unavailable(op, format!("unexpected reply {cut}"))
+}
+
 fn hello(
     socket: &Path,
     namespace: &str,
@@ -124,13 +137,21 @@ fn hello(
         .set_read_timeout(Some(opts.io_timeout))
         .and_then(|()| stream.set_write_timeout(Some(opts.io_timeout)))
         .map_err(|e| unavailable("connect", e))?;
-    let mut conn = Conn { stream };
+    let mut conn = Conn {
+        stream,
+        verify: true,
+    };
     let reply = conn.call(&Request::Hello {
         version: NODE_PROTOCOL_VERSION,
         namespace: namespace.to_owned(),
     })?;
     match reply {
-        Reply::Welcome { arena_bytes } => {
+        Reply::Welcome {
+            arena_bytes,
+            private,
+        } => {
+            // A node of another uid is never trusted as private, whatever it says.
+            conn.verify = !(private && node_uid == sock::current_uid());
             let fd = sock::recv_fd(&conn.stream).map_err(|e| unavailable("hello", e))?;
             let w = Welcome {
                 fd,
@@ -143,7 +164,7 @@ fn hello(
             "the kvtier node at {} refused this engine: {why}",
             socket.display()
         ))),
-        other => Err(unavailable("hello", format!("unexpected reply {other:?}"))),
+        other => Err(unexpected("hello", &other)),
     }
 }
 
@@ -173,6 +194,72 @@ impl Conn {
             Err(e) => Err(unavailable("receive", e)),
         }
     }
+
+    /// `items` in requests of at most [`MAX_BATCH`] (one round trip each), the answers of each
+    /// checked to be one per item: anything else is an error that ends the connection.
+    fn batch<I: Clone, A>(
+        &mut self,
+        op: &'static str,
+        items: &[I],
+        request: impl Fn(Vec<I>) -> Request,
+        answers: impl Fn(Reply) -> Result<Vec<A>, Reply>,
+    ) -> Result<Vec<A>, RemoteError> {
+        let mut out = Vec::with_capacity(items.len());
+        for chunk in items.chunks(MAX_BATCH) {
+            match answers(self.call(&request(chunk.to_vec()))?) {
+                Ok(v) if v.len() == chunk.len() => out.extend(v),
+                Ok(v) => {
+                    return Err(unavailable(
+                        op,
+                        format!("{} answers to {} items", v.len(), chunk.len()),
+                    ))
+                }
+                Err(other) => return Err(unexpected(op, &other)),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Reserve a slot of `bytes` for each key.
+    pub(super) fn reserve(
+        &mut self,
+        bytes: u64,
+        keys: &[u128],
+    ) -> Result<Vec<PutAnswer>, RemoteError> {
+        self.batch(
+            "reserve",
+            keys,
+            |keys| Request::Reserve { bytes, keys },
+            |r| match r {
+                Reply::Reserved(v) => Ok(v),
+                other => Err(other),
+            },
+        )
+    }
+
+    /// Commit or abort reservations.
+    pub(super) fn finish(&mut self, ends: &[PutEnd]) -> Result<Vec<ItemAnswer>, RemoteError> {
+        self.batch("finish", ends, Request::Finish, |r| match r {
+            Reply::Items(v) => Ok(v),
+            other => Err(other),
+        })
+    }
+
+    /// Lease the blocks of `keys`.
+    pub(super) fn lease(&mut self, keys: &[u128]) -> Result<Vec<GetAnswer>, RemoteError> {
+        self.batch("lease", keys, Request::Lease, |r| match r {
+            Reply::Leased(v) => Ok(v),
+            other => Err(other),
+        })
+    }
+
+    /// End leases (or report them damaged).
+    pub(super) fn end_leases(&mut self, ends: &[LeaseEnd]) -> Result<Vec<ItemAnswer>, RemoteError> {
+        self.batch("end of lease", ends, Request::EndLeases, |r| match r {
+            Reply::Items(v) => Ok(v),
+            other => Err(other),
+        })
+    }
 }
 
 impl NodeStore {
@@ -199,7 +286,14 @@ impl NodeStore {
             arena: RwLock::new(None),
             idle: Mutex::new(Vec::new()),
             cuda: Mutex::new(None),
+            hashed: AtomicU64::new(0),
         }
+    }
+
+    /// Blocks this process hashed so far (puts committed with a checksum, gets verified): none
+    /// on a private node of its own uid.
+    pub fn blocks_hashed(&self) -> u64 {
+        self.hashed.load(Ordering::Relaxed)
     }
 
     /// Register every arena this process maps (the current one, and a restarted node's) with
@@ -224,7 +318,7 @@ impl NodeStore {
             .is_some_and(|(_, a)| a.cuda_registered())
     }
 
-    fn pool(&self, c: Conn) {
+    pub(super) fn pool(&self, c: Conn) {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         if idle.len() < self.opts.pool {
             idle.push(c);
@@ -233,7 +327,7 @@ impl NodeStore {
 
     /// A pooled connection the node has not closed, or a new one; a node that restarted (a
     /// new arena) is remapped.
-    fn conn(&self) -> Result<(Conn, Arc<Arena>), RemoteError> {
+    pub(super) fn conn(&self) -> Result<(Conn, Arc<Arena>), RemoteError> {
         loop {
             let pooled = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
             let Some(c) = pooled else { break };
@@ -304,6 +398,8 @@ impl NodeStore {
                 disk_blocks,
                 disk_spills,
                 disk_hits,
+                requests,
+                verified,
             } => Ok(vec![
                 ("clients", clients),
                 ("blocks", blocks),
@@ -318,268 +414,11 @@ impl NodeStore {
                 ("disk_blocks", disk_blocks),
                 ("disk_spills", disk_spills),
                 ("disk_hits", disk_hits),
+                ("requests", requests),
+                ("verified", verified),
             ]),
-            other => Err(unavailable("stats", format!("unexpected reply {other:?}"))),
+            other => Err(unexpected("stats", &other)),
         }
-    }
-}
-
-/// One pair of a direct job: done, or why not.
-pub(crate) type PairResult = Result<(), String>;
-
-/// Items a direct job's device leg copies: `(index into the job's keys, arena address)`;
-/// the leg returns the indices it failed, with reasons.
-pub(crate) type DeviceLeg<'a> = dyn FnOnce(&[(usize, usize)]) -> Vec<(usize, String)> + 'a;
-
-impl NodeStore {
-    /// A connection for a direct job of `n` pairs, or the job's early answer: every pair failed
-    /// (the node is unreachable) or `None` (`need_cuda` and the arena is not registered with
-    /// CUDA: the caller stages the job).
-    fn direct_conn(
-        &self,
-        n: usize,
-        need_cuda: bool,
-    ) -> Result<(Conn, Arc<Arena>), Option<Vec<PairResult>>> {
-        let (c, arena) = self
-            .conn()
-            .map_err(|e| Some(vec![Err(format!("node: {e}")); n]))?;
-        if need_cuda && !arena.cuda_registered() {
-            self.pool(c);
-            return Err(None);
-        }
-        Ok((c, arena))
-    }
-
-    /// Device -> arena for `keys` (blocks of `bytes`): reserve a slot per key, let `copy` fill
-    /// the slots, then commit each slot copied with the checksum of its arena bytes (or abort
-    /// it). `None` when the direct path cannot serve this job (`need_cuda` and the arena is not
-    /// registered with CUDA): the caller stages it instead. A key the node already holds is done
-    /// without a copy; a full node fails the pair (the store is skipped).
-    pub(crate) fn store_direct(
-        &self,
-        keys: &[u128],
-        bytes: usize,
-        need_cuda: bool,
-        copy: Box<DeviceLeg<'_>>,
-    ) -> Option<Vec<PairResult>> {
-        let (mut c, arena) = match self.direct_conn(keys.len(), need_cuda) {
-            Ok(x) => x,
-            Err(early) => return early,
-        };
-        let mut b = DirectBatch::new(keys.len());
-        let mut grants: Vec<(usize, u64, u64)> = Vec::new();
-        let mut items: Vec<(usize, usize)> = Vec::new();
-        for (k, &key) in keys.iter().enumerate() {
-            if b.failed_by_break(k) {
-                continue;
-            }
-            let req = Request::BeginPut {
-                key,
-                bytes: bytes as u64,
-            };
-            match b.call(&mut c, k, &req) {
-                Some(Reply::PutSlot { id, offset }) => match arena.addr(offset, bytes) {
-                    Ok(a) => {
-                        grants.push((k, id, offset));
-                        items.push((k, a));
-                    }
-                    Err(e) => {
-                        b.out[k] = Err(format!("node slot: {e}"));
-                        b.send(&mut c, &Request::AbortPut(id));
-                    }
-                },
-                Some(Reply::AlreadyPresent) | None => {}
-                Some(Reply::Full) => {
-                    b.out[k] = Err("the kvtier node is full; store skipped".into())
-                }
-                Some(other) => b.out[k] = Err(format!("node put: unexpected reply {other:?}")),
-            }
-        }
-        b.copy(&items, copy);
-        for (k, id, offset) in grants {
-            // After a break the node detached this connection: the reservation vanished there.
-            if b.failed_by_break(k) {
-                continue;
-            }
-            let req = if b.out[k].is_err() {
-                Request::AbortPut(id)
-            } else {
-                match arena.checksum(keys[k], offset, bytes) {
-                    Ok(checksum) => Request::CommitPut { id, checksum },
-                    Err(e) => {
-                        b.out[k] = Err(format!("node slot: {e}"));
-                        Request::AbortPut(id)
-                    }
-                }
-            };
-            match b.call(&mut c, k, &req) {
-                Some(Reply::Done) | None => {}
-                Some(other) => b.out[k] = Err(format!("node commit refused: {other:?}")),
-            }
-        }
-        Some(b.finish(self, c))
-    }
-
-    /// Arena -> device for `keys`: lease each block, verify its arena bytes against the
-    /// checksum its writer committed (a mismatch drops it at the node), let `copy` move the
-    /// verified slots to the device, then end the leases. A pair counts only when its lease was
-    /// still held when its copy finished (the node acknowledged `EndGet`). `None` as in
-    /// [`Self::store_direct`].
-    pub(crate) fn load_direct(
-        &self,
-        keys: &[u128],
-        bytes: usize,
-        need_cuda: bool,
-        copy: Box<DeviceLeg<'_>>,
-    ) -> Option<Vec<PairResult>> {
-        let (mut c, arena) = match self.direct_conn(keys.len(), need_cuda) {
-            Ok(x) => x,
-            Err(early) => return early,
-        };
-        let mut b = DirectBatch::new(keys.len());
-        let mut leases: Vec<(usize, u64)> = Vec::new();
-        let mut items: Vec<(usize, usize)> = Vec::new();
-        for (k, &key) in keys.iter().enumerate() {
-            if b.failed_by_break(k) {
-                continue;
-            }
-            let (id, offset, stored, checksum) = match b.call(&mut c, k, &Request::BeginGet(key)) {
-                Some(Reply::Lease {
-                    id,
-                    offset,
-                    bytes,
-                    checksum,
-                }) => (id, offset, bytes, checksum),
-                Some(Reply::Missing) => {
-                    b.out[k] = Err(RemoteError::Missing { key }.to_string());
-                    continue;
-                }
-                Some(other) => {
-                    b.out[k] = Err(format!("node get: unexpected reply {other:?}"));
-                    continue;
-                }
-                None => continue,
-            };
-            let verdict = if stored != bytes as u64 {
-                Err((
-                    Request::EndGet(id),
-                    RemoteError::SizeMismatch {
-                        key,
-                        expected: bytes,
-                        stored: stored as usize,
-                    }
-                    .to_string(),
-                ))
-            } else {
-                match (
-                    arena.addr(offset, bytes),
-                    arena.checksum(key, offset, bytes),
-                ) {
-                    (Ok(a), Ok(sum)) if sum == checksum => Ok(a),
-                    (Ok(_), Ok(_)) => Err((
-                        Request::Damaged(id),
-                        RemoteError::Corrupt {
-                            key,
-                            reason: "the node's copy does not match its checksum".into(),
-                        }
-                        .to_string(),
-                    )),
-                    (Err(e), _) | (_, Err(e)) => {
-                        Err((Request::EndGet(id), format!("node slot: {e}")))
-                    }
-                }
-            };
-            match verdict {
-                Ok(a) => {
-                    leases.push((k, id));
-                    items.push((k, a));
-                }
-                Err((end, why)) => {
-                    b.out[k] = Err(why);
-                    b.send(&mut c, &end);
-                }
-            }
-        }
-        b.copy(&items, copy);
-        for (k, id) in leases {
-            // After a break the lease may have ended while the copy ran: the bytes are not trusted.
-            if b.failed_by_break(k) {
-                continue;
-            }
-            match b.call(&mut c, k, &Request::EndGet(id)) {
-                Some(Reply::Done) | None => {}
-                Some(other) => b.out[k] = Err(format!("node end of lease: {other:?}")),
-            }
-        }
-        Some(b.finish(self, c))
-    }
-}
-
-/// One direct job's results, pair by pair, and whether its connection broke: after a transport
-/// error every later pair fails with that reason, and the connection is not pooled again (the
-/// node detached it, dropping its reservations and leases).
-struct DirectBatch {
-    out: Vec<PairResult>,
-    broken: Option<String>,
-}
-
-impl DirectBatch {
-    fn new(n: usize) -> Self {
-        DirectBatch {
-            out: vec![Ok(()); n],
-            broken: None,
-        }
-    }
-
-    /// Fails pair `k` with the connection's break, if it broke; true then.
-    fn failed_by_break(&mut self, k: usize) -> bool {
-        match &self.broken {
-            Some(b) => {
-                self.out[k] = Err(b.clone());
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// `req` on behalf of pair `k`: a transport error breaks the batch and fails `k` (`None`).
-    fn call(&mut self, c: &mut Conn, k: usize, req: &Request) -> Option<Reply> {
-        match c.call(req) {
-            Ok(reply) => Some(reply),
-            Err(e) => {
-                self.broken = Some(format!("node: {e}"));
-                self.out[k] = Err(format!("node: {e}"));
-                None
-            }
-        }
-    }
-
-    /// `req` for a pair already failed (an abort, an early end of lease): its reply is not
-    /// needed, a transport error only breaks the batch.
-    fn send(&mut self, c: &mut Conn, req: &Request) {
-        if let Err(e) = c.call(req) {
-            self.broken = Some(format!("node: {e}"));
-        }
-    }
-
-    /// The device leg over `items` (none: no call), failing the pairs it reports.
-    fn copy(&mut self, items: &[(usize, usize)], copy: Box<DeviceLeg<'_>>) {
-        if items.is_empty() {
-            return;
-        }
-        for (k, why) in copy(items) {
-            if let Some(o) = self.out.get_mut(k) {
-                *o = Err(why);
-            }
-        }
-    }
-
-    /// The results; `c` goes back to `store`'s pool unless it broke.
-    fn finish(self, store: &NodeStore, c: Conn) -> Vec<PairResult> {
-        if self.broken.is_none() {
-            store.pool(c);
-        }
-        self.out
     }
 }
 
@@ -590,26 +429,22 @@ impl RemoteStore for NodeStore {
 
     fn put(&self, key: u128, data: &[u8]) -> Result<(), TransferError> {
         Ok(self.with_conn(|c, arena| {
-            let req = Request::BeginPut {
-                key,
-                bytes: data.len() as u64,
-            };
-            let (id, offset) = match c.call(&req)? {
-                Reply::PutSlot { id, offset } => (id, offset),
+            let (id, offset) = match c.reserve(data.len() as u64, &[key])?.first() {
+                Some(&PutAnswer::Slot { id, offset }) => (id, offset),
                 // Someone stored it already: nothing to do.
-                Reply::AlreadyPresent => return Ok(()),
-                Reply::Full => {
-                    return Err(unavailable("put", "the kvtier node is full; store skipped"))
-                }
-                other => return Err(unavailable("put", format!("unexpected reply {other:?}"))),
+                Some(PutAnswer::Present) => return Ok(()),
+                _ => return Err(unavailable("put", "the kvtier node is full; store skipped")),
             };
             if let Err(e) = arena.write(offset, data) {
-                let _ = c.call(&Request::AbortPut(id));
+                c.finish(&[PutEnd::Abort(id)])?;
                 return Err(unavailable("put", e));
             }
-            let checksum = block_checksum(key, data);
-            match c.call(&Request::CommitPut { id, checksum })? {
-                Reply::Done => Ok(()),
+            let checksum = c.verify.then(|| {
+                self.hashed.fetch_add(1, Ordering::Relaxed);
+                block_checksum(key, data)
+            });
+            match c.finish(&[PutEnd::Commit { id, checksum }])?.first() {
+                Some(ItemAnswer::Done) => Ok(()),
                 other => Err(unavailable("put", format!("commit refused: {other:?}"))),
             }
         })?)
@@ -617,15 +452,15 @@ impl RemoteStore for NodeStore {
 
     fn get(&self, key: u128, out: &mut [u8]) -> Result<(), TransferError> {
         Ok(self.with_conn(|c, arena| {
-            let (id, offset, checksum) = match c.call(&Request::BeginGet(key))? {
-                Reply::Lease {
+            let (id, offset, checksum) = match c.lease(&[key])?.first() {
+                Some(&GetAnswer::Lease {
                     id,
                     offset,
                     bytes,
                     checksum,
-                } => {
+                }) => {
                     if bytes != out.len() as u64 {
-                        c.call(&Request::EndGet(id))?;
+                        c.end_leases(&[LeaseEnd::Done(id)])?;
                         return Err(RemoteError::SizeMismatch {
                             key,
                             expected: out.len(),
@@ -634,17 +469,22 @@ impl RemoteStore for NodeStore {
                     }
                     (id, offset, checksum)
                 }
-                Reply::Missing => return Err(RemoteError::Missing { key }),
-                other => return Err(unavailable("get", format!("unexpected reply {other:?}"))),
+                _ => return Err(RemoteError::Missing { key }),
             };
             let copied = arena.read(offset, out);
-            let good = copied.is_ok() && block_checksum(key, out) == checksum;
-            let end = if good {
-                Request::EndGet(id)
+            let good = copied.is_ok()
+                && (!c.verify || {
+                    self.hashed.fetch_add(1, Ordering::Relaxed);
+                    checksum == Some(block_checksum(key, out))
+                });
+            // Damaged only when the bytes were read and failed their checksum (a block without
+            // one, on a verifying connection, cannot be checked: refused, not dropped).
+            let end = if copied.is_ok() && !good && checksum.is_some() {
+                LeaseEnd::Damaged(id)
             } else {
-                Request::Damaged(id)
+                LeaseEnd::Done(id)
             };
-            c.call(&end)?;
+            let held = c.end_leases(&[end])?;
             if let Err(e) = copied {
                 return Err(unavailable("get", e));
             }
@@ -654,6 +494,9 @@ impl RemoteStore for NodeStore {
                     reason: "the node's copy does not match its checksum".into(),
                 });
             }
+            if held.first() != Some(&ItemAnswer::Done) {
+                return Err(unavailable("get", "the lease ended before the copy did"));
+            }
             Ok(())
         })?)
     }
@@ -662,10 +505,7 @@ impl RemoteStore for NodeStore {
         Ok(
             self.with_conn(|c, _| match c.call(&Request::Contains(keys.to_vec()))? {
                 Reply::Present(v) if v.len() == keys.len() => Ok(v),
-                other => Err(unavailable(
-                    "contains",
-                    format!("unexpected reply {other:?}"),
-                )),
+                other => Err(unexpected("contains", &other)),
             })?,
         )
     }

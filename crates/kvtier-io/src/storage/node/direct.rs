@@ -1,6 +1,7 @@
 //! The transfer engine's node path: with the node tier as the remote store, device <-> remote
-//! jobs copy between the engine's blocks and arena slots directly (stores: reserve, copy,
-//! commit; loads: lease, verify, copy, end), with no staging buffer in between. On a CUDA
+//! jobs copy between the engine's blocks and arena slots directly (stores: one `Reserve`, the
+//! copy, one `Finish`; loads: one `Lease`, the checks a verifying connection makes, the copy,
+//! one `EndLeases`: `batch.rs`), with no staging buffer in between. On a CUDA
 //! engine the arena mapping is registered with the driver (`NodeStore::use_cuda`), so those
 //! copies are DMA; when it is not registered the job returns `None` and the engine stages it
 //! through its bounce buffer as for any remote store.

@@ -2,7 +2,8 @@
 //! in vLLM's per-layer layout are stored through the node (device -> arena slot by DMA, the
 //! arena registered with `cuMemHostRegister`) and loaded back (arena -> device) into other
 //! blocks, compared bit-exact with the GPU's own bytes, and timed against a plain pinned host
-//! tier (device <-> `HostStorage`, pinned) moving the same blocks in the same run.
+//! tier (device <-> `HostStorage`, pinned) moving the same blocks in the same run; once through
+//! a private node (no hashing) and once through a multi-tenant one (`--allow-uid`: verified).
 //!
 //! Run on a GPU machine: `scripts/gpu-node.sh` (the lib test binary, built with `--release`).
 //! `KVTIER_NODE_GPU_BLOCKS` (default 256 blocks of 2 MiB) sets the size; the figures are
@@ -108,6 +109,81 @@ fn gbps(bytes: usize, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
 
+/// Figures of one node: store, load and repeated (deduplicated) store times, blocks hashed by
+/// the engine's client and by the node.
+struct NodeRun {
+    store: Duration,
+    load: Duration,
+    dedup: Duration,
+    client_hashes: u64,
+    node_hashes: u64,
+}
+
+/// Blocks 0..n stored through a fresh node (private, or multi-tenant with `tenants`: another
+/// uid allowed, so every block is verified) and loaded back into blocks n..2n, block n + i
+/// getting block `from(i)`; checked bit-exact.
+fn node_run(
+    mem: &DeviceAlloc,
+    layout: &StridedLayout,
+    keys: &[u128],
+    n: u32,
+    tenants: bool,
+    from: impl Fn(u32) -> u32,
+) -> NodeRun {
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = NodeOptions::new(dir.path().join("node.sock"), (n as u64 + 8) * BPB as u64);
+    if !std::path::Path::new("/dev/shm").is_dir() {
+        o.shm_dir = dir.path().to_path_buf();
+    }
+    if tenants {
+        o.allowed_uids = vec![crate::sys::sock::current_uid().wrapping_add(4242)];
+    }
+    let node = NodeServer::start(&o).unwrap();
+    let store = Arc::new(
+        NodeStore::connect(node.socket(), "gpu-test", NodeClientOptions::default()).unwrap(),
+    );
+    let e = TransferEngine::builder()
+        .device(
+            // The test's device allocation outlives the engine; only its jobs touch it.
+            job::register_own_memory(Arc::new(layout.clone()), DeviceKind::Cuda(0)),
+        )
+        .remote(store.clone())
+        .build()
+        .unwrap();
+    // Store: device blocks 0..n -> the node.
+    let st: Vec<(u32, u32)> = (0..n).map(|b| (b, 0)).collect();
+    let t_store = timed(&e, &jobs(&st, Tier::Device, Tier::Remote, keys));
+    assert!(
+        e.node_arena_registered(),
+        "the arena was not registered with CUDA (see the log)"
+    );
+    assert_eq!(e.node_direct_jobs() as usize, st.len().div_ceil(PER_JOB));
+    assert_eq!(node.stats().puts, n as u64);
+    let ld: Vec<(u32, u32)> = (0..n).map(|i| (0, n + i)).collect();
+    let mut ld_keys = keys.to_vec();
+    for i in 0..n {
+        ld_keys[(n + i) as usize] = keys[from(i) as usize];
+    }
+    let t_load = timed(&e, &jobs(&ld, Tier::Remote, Tier::Device, &ld_keys));
+    for i in (0..n).step_by((n as usize / 32).max(1)) {
+        assert_eq!(
+            block(mem, layout, n + i),
+            block(mem, layout, from(i)),
+            "device block {} after the node round trip (tenants: {tenants})",
+            n + i
+        );
+    }
+    // A second store of the same blocks is deduplicated (no copy).
+    let t_dedup = timed(&e, &jobs(&st, Tier::Device, Tier::Remote, keys));
+    NodeRun {
+        store: t_store,
+        load: t_load,
+        dedup: t_dedup,
+        client_hashes: store.blocks_hashed(),
+        node_hashes: node.stats().verified,
+    }
+}
+
 #[test]
 fn node_gpu_store_and_load_are_bit_exact_and_direct() {
     if !cu::library_present() {
@@ -129,55 +205,20 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
         .collect();
     let layout = StridedLayout::kv_per_layer(&bases, total, CHUNK).unwrap();
     let kind = DeviceKind::Cuda(0);
-
-    let dir = tempfile::tempdir().unwrap();
-    let mut o = NodeOptions::new(dir.path().join("node.sock"), (n as u64 + 8) * BPB as u64);
-    if !std::path::Path::new("/dev/shm").is_dir() {
-        o.shm_dir = dir.path().to_path_buf();
-    }
-    let node = NodeServer::start(&o).unwrap();
-    let store = Arc::new(
-        NodeStore::connect(node.socket(), "gpu-test", NodeClientOptions::default()).unwrap(),
-    );
-    let e = TransferEngine::builder()
-        .device(
-            // The test's device allocation outlives the engine; only its jobs touch it.
-            job::register_own_memory(Arc::new(layout.clone()), kind),
-        )
-        .remote(store.clone())
-        .build()
-        .unwrap();
     let keys: Vec<u128> = (0..total)
         .map(|b| (0x6e6f6465u128 << 64) | b as u128)
         .collect();
     let bytes = n as usize * BPB;
 
-    // Store: device blocks 0..n -> the node.
-    let st: Vec<(u32, u32)> = (0..n).map(|b| (b, 0)).collect();
-    let t_store = timed(&e, &jobs(&st, Tier::Device, Tier::Remote, &keys));
-    assert!(
-        e.node_arena_registered(),
-        "the arena was not registered with CUDA (see the log)"
+    // A private node (no hashing), loaded reversed; then a multi-tenant one (every block
+    // hashed by the engine and the node), loaded in order, so each run writes other bytes.
+    let private = node_run(&mem, &layout, &keys, n, false, |i| n - 1 - i);
+    assert_eq!((private.client_hashes, private.node_hashes), (0, 0));
+    let shared = node_run(&mem, &layout, &keys, n, true, |i| i);
+    assert_eq!(
+        (shared.client_hashes, shared.node_hashes),
+        (2 * n as u64, n as u64)
     );
-    assert_eq!(e.node_direct_jobs() as usize, st.len().div_ceil(PER_JOB));
-    assert_eq!(node.stats().puts, n as u64);
-    // Load them reversed into blocks n..2n: block n + i gets block n - 1 - i.
-    let ld: Vec<(u32, u32)> = (0..n).map(|i| (0, n + i)).collect();
-    let mut ld_keys = keys.clone();
-    for i in 0..n {
-        ld_keys[(n + i) as usize] = keys[(n - 1 - i) as usize];
-    }
-    let t_load = timed(&e, &jobs(&ld, Tier::Remote, Tier::Device, &ld_keys));
-    for i in (0..n).step_by((n as usize / 32).max(1)) {
-        assert_eq!(
-            block(&mem, &layout, n + i),
-            block(&mem, &layout, n - 1 - i),
-            "device block {} after the node round trip",
-            n + i
-        );
-    }
-    // A second store of the same blocks is deduplicated (no copy).
-    let t_dedup = timed(&e, &jobs(&st, Tier::Device, Tier::Remote, &keys));
 
     // Baseline in the same run: a pinned host tier of n blocks, same layout, same jobs.
     let mut ho = HostOptions::new(n, BPB);
@@ -198,23 +239,28 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
     for i in (0..n).step_by((n as usize / 32).max(1)) {
         assert_eq!(block(&mem, &layout, n + i), block(&mem, &layout, n - 1 - i));
     }
-    let (ns, nl, hsb, hlb) = (
-        gbps(bytes, t_store),
-        gbps(bytes, t_load),
-        gbps(bytes, t_hstore),
-        gbps(bytes, t_hload),
-    );
+    let (hsb, hlb) = (gbps(bytes, t_hstore), gbps(bytes, t_hload));
+    let row = |what: &str, r: &NodeRun| {
+        let (s, l) = (gbps(bytes, r.store), gbps(bytes, r.load));
+        format!(
+            "| {what} | {s:.1} GB/s | {:.2} | {l:.1} GB/s | {:.2} | {:.1} ms |\n",
+            s / hsb,
+            l / hlb,
+            r.dedup.as_secs_f64() * 1e3
+        )
+    };
     let report = format!(
-        "| direction | node tier (device <-> arena, DMA) | pinned host tier | ratio |\n\
-         |---|---|---|---|\n\
-         | store (D2H) | {ns:.1} GB/s | {hsb:.1} GB/s | {:.2} |\n\
-         | load (H2D) | {nl:.1} GB/s | {hlb:.1} GB/s | {:.2} |\n\
-         \n{n} blocks of 2 MiB (vLLM per-layer layout, 64 chunks of 32 KiB), jobs of {PER_JOB}; \
-         node loads verify each block's xxh3 before the copy, stores hash it after. A repeated \
-         store (deduplicated, no copy) took {:.1} ms.\n",
-        ns / hsb,
-        nl / hlb,
-        t_dedup.as_secs_f64() * 1e3
+        "| tier | store (D2H) | ratio | load (H2D) | ratio | repeated store |\n\
+         |---|---|---|---|---|---|\n\
+         | pinned host tier | {hsb:.1} GB/s | 1.00 | {hlb:.1} GB/s | 1.00 | |\n\
+         {}{}\n{n} blocks of 2 MiB (vLLM per-layer layout, 64 chunks of 32 KiB), jobs of \
+         {PER_JOB}, node protocol {}: one round trip per phase per job. Private node: no \
+         hashing; multi-tenant node (`--allow-uid`): the engine hashes each block after a \
+         store's copy and before a load's, the node re-hashes at commit, in parallel. A repeated \
+         store is deduplicated (no copy).\n",
+        row("node, private", &private),
+        row("node, multi-tenant", &shared),
+        super::NODE_PROTOCOL_VERSION,
     );
     println!("{report}");
     if let Ok(p) = std::env::var("KVTIER_NODE_GPU_REPORT") {

@@ -5,17 +5,20 @@
 //!
 //! Invariants (see each module): a block is visible only after its writer committed it; a
 //! crashed engine leaves neither a half-written block nor a lease behind; blocks are keyed by
-//! namespace (model identity) and sequence hash and verified against a checksum bound to the
-//! key before a read counts; only local users allowed by the socket's credentials attach, each in
+//! namespace (model identity) and sequence hash; on a node other uids may attach to, each block
+//! is verified against a checksum bound to the key when committed and before a read counts (a
+//! private node's clients, all of its uid, skip the hashing: see docs/arch/node.md, Trust); only local users allowed by the socket's credentials attach, each in
 //! namespaces of its own uid, and a client attaches only to a node of its own (or an allowed)
 //! uid; a full node degrades to skipped stores and misses.
 mod alloc;
+mod batch;
 mod books;
 mod client;
 pub(crate) mod direct;
 mod disk;
 #[cfg(test)]
 pub(crate) mod gpu_tests;
+mod hash;
 mod listen;
 mod protocol;
 mod server;
@@ -27,7 +30,8 @@ pub use books::{
 pub use client::{NodeClientOptions, NodeStore};
 pub use listen::default_socket;
 pub use protocol::{
-    block_checksum, Reply, Request, MAX_FRAME, MAX_HELLO_FRAME, NODE_PROTOCOL_VERSION,
+    block_checksum, GetAnswer, ItemAnswer, LeaseEnd, PutAnswer, PutEnd, Reply, Request, MAX_BATCH,
+    MAX_FRAME, MAX_HELLO_FRAME, NODE_PROTOCOL_VERSION,
 };
 #[cfg(any(test, feature = "testing"))]
 pub use protocol::{decode_request_stream, encode_request};

@@ -5,14 +5,19 @@
 //! frame longer than the reader's limit ([`MAX_HELLO_FRAME`] before `Hello`, [`MAX_FRAME`]
 //! after) or one that does not decode is an error (the connection is closed), never a panic; a
 //! frame's body is read as its bytes arrive, so memory grows with the bytes received, never with
-//! the length a peer declares; every request gets exactly one reply, in order. The node's
-//! `Welcome` is followed by one byte carrying the arena's file descriptor (`SCM_RIGHTS`).
+//! the length a peer declares; every request gets exactly one reply, in order; a batch request
+//! (`Reserve`, `Finish`, `Lease`, `EndLeases`) of at most [`MAX_BATCH`] items is answered by one
+//! reply with exactly one answer per item, in the items' order (a longer batch is refused whole);
+//! `Hello` is variant 0 of `Request` and `Welcome`, `Refused` variants 0 and 1 of `Reply` in
+//! every version, so a peer of another version is refused with a reason. The node's `Welcome`
+//! is followed by one byte carrying the arena's file descriptor (`SCM_RIGHTS`).
 use std::io::{self, Read, Write};
 
 use serde::{Deserialize, Serialize};
 
-/// Version of this protocol; a client of another version is refused at `Hello`.
-pub const NODE_PROTOCOL_VERSION: u32 = 3;
+/// Version of this protocol; a client of another version is refused at `Hello` (v4: batched
+/// reserve/finish and lease/end, optional checksums, `Welcome::private`).
+pub const NODE_PROTOCOL_VERSION: u32 = 4;
 
 /// Largest frame either side accepts (a `Contains` of 64k keys fits).
 pub const MAX_FRAME: usize = 4 << 20;
@@ -21,7 +26,13 @@ pub const MAX_FRAME: usize = 4 << 20;
 /// namespace fits).
 pub const MAX_HELLO_FRAME: usize = 1 << 10;
 
-/// Client -> node.
+/// Most items in one `Reserve`, `Finish`, `Lease` or `EndLeases`: the node refuses a longer
+/// batch (its work and its reply per request stay bounded), and clients split longer jobs into
+/// batches of this many (each reply fits a frame: at most ~45 bytes an item).
+pub const MAX_BATCH: usize = 4096;
+
+/// Client -> node. `Hello` stays variant 0 in every version, so a client of another version is
+/// told why it is refused.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Request {
     /// The first message: protocol version and the namespace (model identity) this client
@@ -34,57 +45,72 @@ pub enum Request {
     },
     /// Which of these keys the node holds (answered `Present`).
     Contains(Vec<u128>),
-    /// Reserve a slot for `key` (answered `PutSlot`, `AlreadyPresent` or `Full`).
-    BeginPut {
-        /// The block's content key.
-        key: u128,
-        /// Bytes of the block.
+    /// Reserve a slot of `bytes` for each key (answered `Reserved`, one answer per key, in
+    /// order); at most [`MAX_BATCH`] keys.
+    Reserve {
+        /// Bytes of every block of the batch.
         bytes: u64,
+        /// The blocks' content keys.
+        keys: Vec<u128>,
     },
-    /// Publish the written slot `id` with the checksum of its bytes.
-    CommitPut {
-        /// The `PutSlot` id.
-        id: u64,
-        /// [`block_checksum`] of the bytes written.
-        checksum: u64,
-    },
-    /// Give up the reserved slot (the write failed); the block stays absent.
-    AbortPut(u64),
-    /// Lease the block of this key for reading (answered `Lease` or `Missing`).
-    BeginGet(u128),
-    /// End lease `id`: the client copied (or gave up on) the bytes.
-    EndGet(u64),
-    /// The bytes of lease `id` failed their checksum: drop the block.
-    Damaged(u64),
+    /// Commit or abort reservations (answered `Items`, one per item, in order); at most
+    /// [`MAX_BATCH`] items.
+    Finish(Vec<PutEnd>),
+    /// Lease the blocks of these keys for reading (answered `Leased`, one answer per key, in
+    /// order); at most [`MAX_BATCH`] keys.
+    Lease(Vec<u128>),
+    /// End leases, or report their bytes damaged (answered `Items`, one per item, in order);
+    /// at most [`MAX_BATCH`] items.
+    EndLeases(Vec<LeaseEnd>),
     /// The node's counters (answered `Stats`).
     Stats,
 }
 
-/// Node -> client.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Reply {
-    /// `Hello` accepted; the next byte on the socket carries the arena's file descriptor
-    /// (`SCM_RIGHTS`), which the client checks and maps read-write.
-    Welcome {
-        /// Bytes of the arena.
-        arena_bytes: u64,
+/// The end of one reservation, in a `Finish`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PutEnd {
+    /// Publish reservation `id`. With a checksum the node re-hashes the slot and publishes it
+    /// only if they agree; without one (only a private node accepts that) it is published as
+    /// written.
+    Commit {
+        /// The reservation's id.
+        id: u64,
+        /// [`block_checksum`] of the bytes written, if the writer computed it.
+        checksum: Option<u64>,
     },
-    /// The request was refused (wrong version, no `Hello` first, ...): the reason.
-    Refused(String),
-    /// For `Contains`: one flag per key, in order.
-    Present(Vec<bool>),
-    /// Write the block at `offset`, then `CommitPut { id, .. }`.
-    PutSlot {
+    /// Give up reservation `id` (the write failed): the block stays absent.
+    Abort(u64),
+}
+
+/// The end of one lease, in an `EndLeases`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LeaseEnd {
+    /// The reader copied (or gave up on) the bytes of lease `id`.
+    Done(u64),
+    /// The bytes of lease `id` failed their checksum: the node drops the block at once.
+    Damaged(u64),
+}
+
+/// The node's answer for one key of a `Reserve`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PutAnswer {
+    /// Write the block at `offset`, then commit reservation `id`.
+    Slot {
         /// The reservation's id.
         id: u64,
         /// Where in the arena to write.
         offset: u64,
     },
-    /// The block is stored already (or being written by someone else).
-    AlreadyPresent,
+    /// The block is stored already (or being written by someone else): nothing to do.
+    Present,
     /// The node has no room: the put is skipped.
     Full,
-    /// Read the `bytes` of the block at `offset`, check `checksum`, then `EndGet(id)`.
+}
+
+/// The node's answer for one key of a `Lease`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GetAnswer {
+    /// Read the `bytes` of the block at `offset`, then end lease `id`.
     Lease {
         /// The lease's id.
         id: u64,
@@ -92,13 +118,51 @@ pub enum Reply {
         offset: u64,
         /// Bytes of the block as stored.
         bytes: u64,
-        /// The checksum its writer committed.
-        checksum: u64,
+        /// The checksum its writer committed and the node verified (every block of a
+        /// multi-tenant node has one; a private node's blocks may not).
+        checksum: Option<u64>,
     },
     /// The node does not hold the key.
     Missing,
-    /// The commit, abort, end of lease or damage report was applied.
+}
+
+/// The node's answer for one item of a `Finish` or an `EndLeases`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ItemAnswer {
+    /// Applied: the block is published, the reservation aborted, the lease ended or the block
+    /// dropped.
     Done,
+    /// This connection holds no such reservation or lease: nothing was applied.
+    Unknown,
+    /// The slot's bytes do not match the checksum committed: the reservation was dropped.
+    Mismatch,
+    /// A commit without a checksum on a node that is not private: the reservation was dropped.
+    ChecksumRequired,
+}
+
+/// Node -> client. `Welcome` and `Refused` stay variants 0 and 1 in every version.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reply {
+    /// `Hello` accepted; the next byte on the socket carries the arena's file descriptor
+    /// (`SCM_RIGHTS`), which the client checks and maps read-write.
+    Welcome {
+        /// Bytes of the arena.
+        arena_bytes: u64,
+        /// Whether only the node's own uid may attach (no `--allow-uid`): every process that
+        /// can write the arena is then of one user, trusted alike (see docs/arch/node.md, Trust).
+        private: bool,
+    },
+    /// The request was refused (wrong version, no `Hello` first, a batch too long, ...): the
+    /// reason.
+    Refused(String),
+    /// For `Contains`: one flag per key, in order.
+    Present(Vec<bool>),
+    /// For `Reserve`: one answer per key, in order.
+    Reserved(Vec<PutAnswer>),
+    /// For `Lease`: one answer per key, in order.
+    Leased(Vec<GetAnswer>),
+    /// For `Finish` and `EndLeases`: one answer per item, in order.
+    Items(Vec<ItemAnswer>),
     /// The node's counters, as `NodeStats` names them.
     Stats {
         /// Connections attached now.
@@ -127,6 +191,10 @@ pub enum Reply {
         disk_spills: u64,
         /// Gets served from the disk tier.
         disk_hits: u64,
+        /// Requests served after `Hello` (round trips).
+        requests: u64,
+        /// Commits whose slot the node hashed against the committed checksum.
+        verified: u64,
     },
 }
 
@@ -227,23 +295,96 @@ mod tests {
 
     #[test]
     fn frames_round_trip_and_bad_frames_are_errors() {
-        let mut buf = Vec::new();
-        write_frame(
-            &mut buf,
-            &Request::BeginPut {
-                key: u128::MAX,
-                bytes: 9,
+        let reqs = [
+            Request::Hello {
+                version: NODE_PROTOCOL_VERSION,
+                namespace: "m".into(),
             },
-        )
-        .unwrap();
-        let got: Request = read_frame(&mut buf.as_slice()).unwrap().unwrap();
-        assert_eq!(
-            got,
-            Request::BeginPut {
-                key: u128::MAX,
-                bytes: 9
-            }
-        );
+            Request::Contains(vec![1, u128::MAX]),
+            Request::Reserve {
+                bytes: 9,
+                keys: vec![u128::MAX, 0, 7],
+            },
+            Request::Finish(vec![
+                PutEnd::Commit {
+                    id: 3,
+                    checksum: Some(u64::MAX),
+                },
+                PutEnd::Commit {
+                    id: 4,
+                    checksum: None,
+                },
+                PutEnd::Abort(5),
+            ]),
+            Request::Lease(vec![2, 3]),
+            Request::EndLeases(vec![LeaseEnd::Done(8), LeaseEnd::Damaged(9)]),
+            Request::Stats,
+        ];
+        for r in &reqs {
+            let mut buf = Vec::new();
+            write_frame(&mut buf, r).unwrap();
+            let got: Request = read_frame(&mut buf.as_slice()).unwrap().unwrap();
+            assert_eq!(&got, r);
+        }
+        let replies = [
+            Reply::Welcome {
+                arena_bytes: 1 << 40,
+                private: true,
+            },
+            Reply::Refused("no".into()),
+            Reply::Present(vec![true, false]),
+            Reply::Reserved(vec![
+                PutAnswer::Slot {
+                    id: 1,
+                    offset: u64::MAX,
+                },
+                PutAnswer::Present,
+                PutAnswer::Full,
+            ]),
+            Reply::Leased(vec![
+                GetAnswer::Lease {
+                    id: 1,
+                    offset: 2,
+                    bytes: 3,
+                    checksum: Some(4),
+                },
+                GetAnswer::Lease {
+                    id: 5,
+                    offset: 6,
+                    bytes: 7,
+                    checksum: None,
+                },
+                GetAnswer::Missing,
+            ]),
+            Reply::Items(vec![
+                ItemAnswer::Done,
+                ItemAnswer::Unknown,
+                ItemAnswer::Mismatch,
+                ItemAnswer::ChecksumRequired,
+            ]),
+        ];
+        for r in &replies {
+            let mut buf = Vec::new();
+            write_frame(&mut buf, r).unwrap();
+            let got: Reply = read_frame(&mut buf.as_slice()).unwrap().unwrap();
+            assert_eq!(&got, r);
+        }
+        // A full batch fits a frame, answers included.
+        let big = Reply::Leased(vec![
+            GetAnswer::Lease {
+                id: u64::MAX,
+                offset: u64::MAX,
+                bytes: u64::MAX,
+                checksum: Some(u64::MAX),
+            };
+            MAX_BATCH
+        ]);
+        write_frame(&mut Vec::new(), &big).unwrap();
+        let reserve = Request::Reserve {
+            bytes: u64::MAX,
+            keys: vec![u128::MAX; MAX_BATCH],
+        };
+        write_frame(&mut Vec::new(), &reserve).unwrap();
         // Oversized length prefix: refused before allocating.
         let huge = (u32::MAX).to_le_bytes();
         assert!(read_frame::<Request>(&mut huge.as_slice()).is_err());
@@ -260,6 +401,28 @@ mod tests {
         short.push(1);
         assert!(read_frame::<Request>(&mut short.as_slice()).is_err());
         assert!(read_frame::<Request>(&mut [].as_slice()).unwrap().is_none());
+    }
+
+    #[test]
+    fn hello_and_its_answers_keep_their_variant_numbers_across_versions() {
+        // What a version 3 client sends (variant 0, version, namespace) decodes as a Hello, so
+        // the node can tell it why it is refused; Welcome and Refused keep variants 0 and 1.
+        let v3_hello = [0u8, 3, 1, b'm'];
+        assert_eq!(
+            postcard::from_bytes::<Request>(&v3_hello).unwrap(),
+            Request::Hello {
+                version: 3,
+                namespace: "m".into()
+            }
+        );
+        let refused = postcard::to_stdvec(&Reply::Refused("x".into())).unwrap();
+        assert_eq!(refused[0], 1);
+        let welcome = postcard::to_stdvec(&Reply::Welcome {
+            arena_bytes: 1,
+            private: false,
+        })
+        .unwrap();
+        assert_eq!(welcome[0], 0);
     }
 
     #[test]

@@ -13,9 +13,17 @@
 //!   most [`MAX_HELLO_FRAME`] bytes before `Hello` and `MAX_FRAME` after, read as they arrive;
 //!   `Hello` within `hello_timeout`; namespaces of at most `max_namespace_len` bytes and
 //!   `max_namespaces` in all (unused ones are forgotten);
-//! - a block becomes visible only if the bytes in its slot at commit time hash to the checksum
-//!   its writer committed (the node re-hashes them); a block reported damaged is invisible at
-//!   once;
+//! - the node is *private* when no uid but its own may attach (no `allowed_uids` besides it):
+//!   it says so in `Welcome`, and accepts commits without a checksum (every process that can
+//!   write the arena is of its uid, trusted alike); a multi-tenant node refuses them
+//!   (`ChecksumRequired`, the reservation dropped);
+//! - a block committed with a checksum becomes visible only if the bytes in its slot at commit
+//!   time hash to it: the node re-hashes a `Finish`'s slots in parallel outside the books' lock
+//!   (the slots are this connection's reservations, handed to no one else meanwhile) and
+//!   publishes the batch under one lock; a block reported damaged is invisible at once;
+//! - a batch (`Reserve`, `Finish`, `Lease`, `EndLeases`) of more than [`MAX_BATCH`] items is
+//!   refused whole; otherwise each item gets one answer, in order; the evicted blocks of a
+//!   `Reserve` are spilled to disk before its reply leaves (no writer knows its slot yet);
 //! - a connection that ends (clean close, crash, protocol error, idle or hello timeout) is shut
 //!   down both ways, so its peer sees end of stream at once, and detached from the books: its
 //!   unfinished writes vanish and its leases end, so a crashed engine leaves no half-written
@@ -29,16 +37,18 @@ use std::net::Shutdown;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::books::{BlockCopy, Books, ClientId, NodeStats, PutRefused, SlotGrant, MAX_NAMESPACES};
 use super::disk::{disk_key, NodeDisk};
+use super::hash::slot_checksums;
 use super::listen;
 use super::protocol::{block_checksum, read_frame, read_frame_max, write_frame};
-use super::protocol::{Reply, Request, MAX_HELLO_FRAME, NODE_PROTOCOL_VERSION};
+use super::protocol::{GetAnswer, ItemAnswer, LeaseEnd, PutAnswer, PutEnd, Reply, Request};
+use super::protocol::{MAX_BATCH, MAX_HELLO_FRAME, NODE_PROTOCOL_VERSION};
 use super::share::SharePolicy;
 use crate::sys::shm::Arena;
 use crate::sys::sock;
@@ -109,6 +119,12 @@ struct Shared {
     arena_bytes: u64,
     stop: AtomicBool,
     allowed: Vec<u32>,
+    /// No uid but the node's own may attach (see the module docs).
+    private: bool,
+    /// Requests served after `Hello`.
+    requests: AtomicU64,
+    /// Commits whose slot was hashed against the committed checksum.
+    verified: AtomicU64,
     idle: Duration,
     hello_timeout: Duration,
     max_connections: usize,
@@ -186,6 +202,9 @@ impl NodeServer {
             arena_bytes: opts.capacity,
             stop: AtomicBool::new(false),
             allowed: opts.allowed_uids.clone(),
+            private: opts.allowed_uids.iter().all(|u| *u == sock::current_uid()),
+            requests: AtomicU64::new(0),
+            verified: AtomicU64::new(0),
             idle: opts.idle_timeout,
             hello_timeout: opts.hello_timeout,
             max_connections: opts.max_connections.max(1),
@@ -196,7 +215,7 @@ impl NodeServer {
         let accept = std::thread::Builder::new()
             .name("kvtier-node".into())
             .spawn(move || accept_loop(&listener, &s))?;
-        tracing::info!(socket = %opts.socket.display(), arena = %arena_path.display(), capacity = opts.capacity, "kvtier node serving");
+        tracing::info!(socket = %opts.socket.display(), arena = %arena_path.display(), capacity = opts.capacity, private = shared.private, "kvtier node serving");
         Ok(NodeServer {
             shared,
             socket: opts.socket.clone(),
@@ -370,6 +389,9 @@ fn serve_frames(stream: &UnixStream, uid: u32, shared: &Shared) {
             }
         };
         let attached = client.is_some();
+        if attached {
+            shared.requests.fetch_add(1, Ordering::Relaxed);
+        }
         let reply = handle(shared, uid, &mut client, req);
         if write_frame(&mut &*stream, &reply).is_err() {
             break;
@@ -391,38 +413,26 @@ fn serve_frames(stream: &UnixStream, uid: u32, shared: &Shared) {
 fn handle(shared: &Shared, uid: u32, client: &mut Option<ClientId>, req: Request) -> Reply {
     let Some(id) = *client else {
         return match req {
-            Request::Hello { version, namespace } => {
-                if version != NODE_PROTOCOL_VERSION {
-                    return Reply::Refused(format!(
-                        "node protocol {version} is not this node's {NODE_PROTOCOL_VERSION}"
-                    ));
-                }
-                if namespace.is_empty() || namespace.len() > shared.max_namespace_len {
-                    return Reply::Refused(format!(
-                        "a namespace must have 1 to {} bytes, not {}",
-                        shared.max_namespace_len,
-                        namespace.len()
-                    ));
-                }
-                match lock(&shared.books).attach(uid, &namespace) {
-                    Ok(c) => *client = Some(c),
-                    Err(e) => return Reply::Refused(e.to_string()),
-                }
-                Reply::Welcome {
-                    arena_bytes: shared.arena_bytes,
-                }
-            }
+            Request::Hello { version, namespace } => hello(shared, uid, client, version, namespace),
             _ => Reply::Refused("the first message must be Hello".into()),
         };
     };
-    if let Request::CommitPut { id: put, checksum } = req {
-        return commit(shared, id, put, checksum);
+    let items = match &req {
+        Request::Reserve { keys, .. } | Request::Lease(keys) => keys.len(),
+        Request::Finish(v) => v.len(),
+        Request::EndLeases(v) => v.len(),
+        _ => 0,
+    };
+    if items > MAX_BATCH {
+        return Reply::Refused(format!(
+            "a batch of {items} items exceeds this node's {MAX_BATCH}"
+        ));
     }
-    let mut books = lock(&shared.books);
     match req {
         Request::Hello { .. } => Reply::Refused("already attached".into()),
-        Request::CommitPut { .. } => Reply::Refused("commit out of turn".into()),
+        Request::Finish(ends) => finish(shared, id, &ends),
         Request::Contains(keys) => {
+            let books = lock(&shared.books);
             let mut present = books.contains(id, &keys);
             if let (Some(d), Some(ns)) = (&shared.disk, books.namespace_of(id)) {
                 let disk = lock(d);
@@ -432,83 +442,178 @@ fn handle(shared: &Shared, uid: u32, client: &mut Option<ClientId>, req: Request
             }
             Reply::Present(present)
         }
-        Request::BeginPut { bytes, .. } if bytes == 0 || bytes > shared.arena_bytes => {
+        Request::Reserve { bytes, .. } if bytes == 0 || bytes > shared.arena_bytes => {
             Reply::Refused(format!(
                 "a block of {bytes} bytes does not fit this node's {} bytes",
                 shared.arena_bytes
             ))
         }
-        Request::BeginPut { key, bytes } => {
-            let r = books.begin_put(id, key, bytes);
+        Request::Reserve { bytes, keys } => {
+            let mut books = lock(&shared.books);
+            let answers = keys
+                .iter()
+                .map(|&key| match books.begin_put(id, key, bytes) {
+                    Ok(g) => PutAnswer::Slot {
+                        id: g.id,
+                        offset: g.offset,
+                    },
+                    Err(PutRefused::Present) => PutAnswer::Present,
+                    Err(PutRefused::Full) => PutAnswer::Full,
+                })
+                .collect();
+            // Before the reply: no writer knows the evicted blocks' slots yet.
             spill_evicted(shared, &mut books);
-            match r {
-                Ok(g) => Reply::PutSlot {
-                    id: g.id,
-                    offset: g.offset,
-                },
-                Err(PutRefused::Present) => Reply::AlreadyPresent,
-                Err(PutRefused::Full) => Reply::Full,
-            }
+            Reply::Reserved(answers)
         }
-        Request::AbortPut(put) => {
-            books.abort_put(id, put);
-            Reply::Done
+        Request::Lease(keys) => {
+            let mut books = lock(&shared.books);
+            let answers = keys
+                .iter()
+                .map(|&key| {
+                    match books
+                        .begin_get(id, key)
+                        .or_else(|| promote(shared, &mut books, id, key))
+                    {
+                        Some(g) => GetAnswer::Lease {
+                            id: g.id,
+                            offset: g.offset,
+                            bytes: g.bytes,
+                            checksum: g.checksum,
+                        },
+                        None => GetAnswer::Missing,
+                    }
+                })
+                .collect();
+            Reply::Leased(answers)
         }
-        Request::BeginGet(key) => match books
-            .begin_get(id, key)
-            .or_else(|| promote(shared, &mut books, id, key))
-        {
-            Some(g) => Reply::Lease {
-                id: g.id,
-                offset: g.offset,
-                bytes: g.bytes,
-                checksum: g.checksum,
-            },
-            None => Reply::Missing,
-        },
-        Request::EndGet(lease) => {
-            books.end_get(id, lease);
-            Reply::Done
+        Request::EndLeases(ends) => {
+            let mut books = lock(&shared.books);
+            let answers = ends
+                .iter()
+                .map(|end| {
+                    let held = match *end {
+                        LeaseEnd::Done(lease) => books.end_get(id, lease),
+                        LeaseEnd::Damaged(lease) => {
+                            let held = books.drop_block(id, lease);
+                            if held {
+                                kvtier::warn_limited!(
+                                    lease,
+                                    "kvtier node: a client found a damaged block; dropped"
+                                );
+                            }
+                            held
+                        }
+                    };
+                    if held {
+                        ItemAnswer::Done
+                    } else {
+                        ItemAnswer::Unknown
+                    }
+                })
+                .collect();
+            Reply::Items(answers)
         }
-        Request::Damaged(lease) => {
-            if books.drop_block(id, lease) {
-                kvtier::warn_limited!(
-                    lease,
-                    "kvtier node: a client found a damaged block; dropped"
-                );
-            }
-            Reply::Done
-        }
-        Request::Stats => stats_reply(&stats(shared, &books)),
+        Request::Stats => stats_reply(&stats(shared, &lock(&shared.books))),
     }
 }
 
-/// `CommitPut`: the slot's bytes are hashed by the node (outside the books' lock: the slot is
-/// this client's reservation, no one else is handed it) and the block becomes visible only if
-/// they match the checksum the writer committed; otherwise the reservation is dropped.
-fn commit(shared: &Shared, client: ClientId, put: u64, checksum: u64) -> Reply {
-    let Some((key, offset, bytes)) = lock(&shared.books).reservation(client, put) else {
-        return Reply::Refused(format!("no write {put} of this client"));
-    };
-    let actual = usize::try_from(bytes)
-        .ok()
-        .and_then(|n| shared.arena.checksum(key, offset, n).ok());
-    let mut books = lock(&shared.books);
-    if actual != Some(checksum) {
-        books.abort_put(client, put);
-        kvtier::warn_limited!(
-            put,
-            "kvtier node: a slot's bytes do not match the checksum committed; dropped"
-        );
+/// `Hello`: the version and the namespace are checked, the client attached and welcomed.
+fn hello(
+    shared: &Shared,
+    uid: u32,
+    client: &mut Option<ClientId>,
+    version: u32,
+    namespace: String,
+) -> Reply {
+    if version != NODE_PROTOCOL_VERSION {
         return Reply::Refused(format!(
-            "the bytes of write {put} do not match the checksum committed"
+            "this kvtier node speaks node protocol {NODE_PROTOCOL_VERSION}, the engine's \
+             kvtier speaks {version}: run a node and engines of the same kvtier version"
         ));
     }
-    if books.commit_put(client, put, checksum) {
-        Reply::Done
-    } else {
-        Reply::Refused(format!("no write {put} of this client"))
+    if namespace.is_empty() || namespace.len() > shared.max_namespace_len {
+        return Reply::Refused(format!(
+            "a namespace must have 1 to {} bytes, not {}",
+            shared.max_namespace_len,
+            namespace.len()
+        ));
     }
+    match lock(&shared.books).attach(uid, &namespace) {
+        Ok(c) => *client = Some(c),
+        Err(e) => return Reply::Refused(e.to_string()),
+    }
+    Reply::Welcome {
+        arena_bytes: shared.arena_bytes,
+        private: shared.private,
+    }
+}
+
+/// `Finish`: aborts are applied and reservations looked up under the books' lock; the slots
+/// committed with a checksum are hashed by the node in parallel outside it (they are this
+/// client's reservations: no one else is handed them meanwhile, and only this connection's
+/// thread can end them); then, under one lock again, each is published only if its bytes
+/// match its checksum (otherwise dropped). A commit without a checksum is published as
+/// written on a private node and refused on a multi-tenant one. One answer per item, in order.
+fn finish(shared: &Shared, client: ClientId, ends: &[PutEnd]) -> Reply {
+    let mut answers = vec![ItemAnswer::Done; ends.len()];
+    // (answer index, reservation id, checksum committed) of the commits to verify.
+    let mut check: Vec<(usize, u64, u64)> = Vec::new();
+    let mut slots = Vec::new();
+    {
+        let mut books = lock(&shared.books);
+        for (i, end) in ends.iter().enumerate() {
+            match *end {
+                PutEnd::Abort(put) => books.abort_put(client, put),
+                PutEnd::Commit { id: put, checksum } => {
+                    let Some((key, offset, bytes)) = books.reservation(client, put) else {
+                        answers[i] = ItemAnswer::Unknown;
+                        continue;
+                    };
+                    match (checksum, usize::try_from(bytes)) {
+                        (Some(sum), Ok(n)) => {
+                            check.push((i, put, sum));
+                            slots.push((key, offset, n));
+                        }
+                        (None, _) if shared.private => {
+                            if !books.commit_put(client, put, None) {
+                                answers[i] = ItemAnswer::Unknown;
+                            }
+                        }
+                        (None, _) => {
+                            books.abort_put(client, put);
+                            answers[i] = ItemAnswer::ChecksumRequired;
+                        }
+                        (Some(_), Err(_)) => {
+                            books.abort_put(client, put);
+                            answers[i] = ItemAnswer::Mismatch;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if check.is_empty() {
+        return Reply::Items(answers);
+    }
+    let actual = slot_checksums(&shared.arena, &slots);
+    shared
+        .verified
+        .fetch_add(check.len() as u64, Ordering::Relaxed);
+    let mut books = lock(&shared.books);
+    for ((i, put, sum), got) in check.into_iter().zip(actual) {
+        if got.ok() != Some(sum) {
+            books.abort_put(client, put);
+            kvtier::warn_limited!(
+                put,
+                "kvtier node: a slot's bytes do not match the checksum committed; dropped"
+            );
+            answers[i] = ItemAnswer::Mismatch;
+        } else if !books.commit_put(client, put, Some(sum)) {
+            // The same reservation named twice in one batch: the first commit published it.
+            answers[i] = ItemAnswer::Unknown;
+        }
+    }
+    Reply::Items(answers)
 }
 
 fn stats_reply(s: &NodeStats) -> Reply {
@@ -526,12 +631,16 @@ fn stats_reply(s: &NodeStats) -> Reply {
         disk_blocks: s.disk_blocks,
         disk_spills: s.disk_spills,
         disk_hits: s.disk_hits,
+        requests: s.requests,
+        verified: s.verified,
     }
 }
 
 /// The books' counters plus the disk tier's.
 fn stats(shared: &Shared, books: &Books) -> NodeStats {
     let mut s = books.stats();
+    s.requests = shared.requests.load(Ordering::Relaxed);
+    s.verified = shared.verified.load(Ordering::Relaxed);
     if let Some(d) = &shared.disk {
         let d = lock(d);
         s.disk_blocks = d.len() as u64;
@@ -555,13 +664,19 @@ fn spill_evicted(shared: &Shared, books: &mut Books) {
     }
 }
 
-/// Write one arena block to disk if its bytes still match the checksum its writer committed.
+/// Write one arena block to disk if its bytes still match the checksum its writer committed;
+/// a block committed without one (a private node: its writers are trusted) is written as it
+/// is. The disk tier then checksums the bytes it writes, bound to the disk key, and verifies
+/// them on every read.
 fn spill_one(arena: &Arena, disk: &mut NodeDisk, b: &BlockCopy) {
     let Ok(n) = usize::try_from(b.bytes) else {
         return;
     };
     let mut buf = vec![0u8; n];
-    if arena.read(b.offset, &mut buf).is_err() || block_checksum(b.key, &buf) != b.checksum {
+    let good = arena.read(b.offset, &mut buf).is_ok()
+        && b.checksum
+            .is_none_or(|sum| block_checksum(b.key, &buf) == sum);
+    if !good {
         tracing::warn!("kvtier node: a damaged arena block was not spilled");
         return;
     }
@@ -583,6 +698,8 @@ fn promote(shared: &Shared, books: &mut Books, client: ClientId, key: u128) -> O
         books.abort_put(client, g.id);
         return None;
     }
-    books.commit_put(client, g.id, block_checksum(key, &buf));
+    // Verified by the disk tier; a multi-tenant node's readers verify it again from the arena.
+    let sum = (!shared.private).then(|| block_checksum(key, &buf));
+    books.commit_put(client, g.id, sum);
     books.begin_get(client, key)
 }

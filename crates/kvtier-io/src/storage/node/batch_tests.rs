@@ -1,0 +1,122 @@
+//! The direct paths' batches against a real node: a connection broken between the phases fails
+//! every pair still open (never reports it done), a job longer than `MAX_BATCH` is split, and
+//! who hashes what on a private and a multi-tenant node.
+#![allow(clippy::unwrap_used)]
+use std::time::Duration;
+
+use kvtier::transfer::RemoteStore;
+
+use super::*;
+use crate::storage::node::{
+    NodeClientOptions, NodeOptions, NodeServer, NodeStore, MAX_BATCH as BATCH,
+};
+
+fn node(dir: &std::path::Path, capacity: u64, tenants: bool) -> NodeServer {
+    let mut o = NodeOptions::new(dir.join("node.sock"), capacity);
+    o.shm_dir = dir.to_path_buf();
+    if tenants {
+        o.allowed_uids = vec![crate::sys::sock::current_uid().wrapping_add(4242)];
+    }
+    NodeServer::start(&o).unwrap()
+}
+
+fn client(n: &NodeServer) -> NodeStore {
+    NodeStore::connect(n.socket(), "m", NodeClientOptions::default()).unwrap()
+}
+
+/// A device leg that copies nothing and fails nothing.
+fn no_copy() -> Box<DeviceLeg<'static>> {
+    Box::new(|_: &[(usize, usize)]| Vec::new())
+}
+
+#[test]
+fn a_connection_broken_between_reserve_and_finish_fails_every_open_store() {
+    for tenants in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut n = node(dir.path(), 16 * 64, tenants);
+        let s = client(&n);
+        s.put(5, &[5u8; 64]).unwrap();
+        let keys: Vec<u128> = (0..6).collect();
+        let mut copied = 0;
+        // The node goes away while the device copy runs: its connections end, its books with it.
+        let leg = Box::new(|items: &[(usize, usize)]| {
+            copied = items.len();
+            n.shutdown(Duration::from_secs(2));
+            Vec::new()
+        });
+        let out = s.store_direct(&keys, 64, false, leg).unwrap();
+        assert_eq!(copied, 5);
+        for (k, r) in out.iter().enumerate().take(5) {
+            assert!(
+                r.as_ref().is_err_and(|e| e.contains("node")),
+                "pair {k} reported done after the break: {r:?}"
+            );
+        }
+        assert_eq!(out[5], Ok(()), "stored before: done without a copy");
+    }
+}
+
+#[test]
+fn a_connection_broken_during_the_copy_fails_every_open_load() {
+    for tenants in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut n = node(dir.path(), 16 * 64, tenants);
+        let s = client(&n);
+        for k in 0..4u128 {
+            s.put(k, &[k as u8; 64]).unwrap();
+        }
+        let keys: Vec<u128> = (0..6).collect();
+        let leg = Box::new(|_: &[(usize, usize)]| {
+            n.shutdown(Duration::from_secs(2));
+            Vec::new()
+        });
+        let out = s.load_direct(&keys, 64, false, leg).unwrap();
+        for (k, r) in out.iter().enumerate() {
+            assert!(r.is_err(), "pair {k} reported done after the break: {r:?}");
+        }
+        assert!(
+            out[0].as_ref().unwrap_err().starts_with("node: "),
+            "{out:?}"
+        );
+        assert!(
+            out[5].as_ref().unwrap_err().contains("not present"),
+            "{out:?}"
+        );
+    }
+}
+
+#[test]
+fn a_job_longer_than_a_batch_takes_one_round_trip_per_batch_and_phase() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), 2 * BATCH as u64 + 8, false);
+    let s = client(&n);
+    let keys: Vec<u128> = (0..BATCH as u128 + 1).collect();
+    let before = n.stats().requests;
+    let out = s.store_direct(&keys, 2, false, no_copy()).unwrap();
+    assert!(out.iter().all(|r| r.is_ok()), "{:?}", &out[..4]);
+    assert_eq!(n.stats().requests - before, 4, "2 Reserve + 2 Finish");
+    assert_eq!(n.stats().puts, keys.len() as u64);
+    let before = n.stats().requests;
+    let out = s.load_direct(&keys, 2, false, no_copy()).unwrap();
+    assert!(out.iter().all(|r| r.is_ok()));
+    assert_eq!(n.stats().requests - before, 4, "2 Lease + 2 EndLeases");
+}
+
+#[test]
+fn a_private_node_hashes_nothing_and_a_multi_tenant_one_everything_twice() {
+    for tenants in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let n = node(dir.path(), 16 * 64, tenants);
+        let s = client(&n);
+        let keys: Vec<u128> = (0..8).collect();
+        let before = n.stats().requests;
+        let out = s.store_direct(&keys, 64, false, no_copy()).unwrap();
+        assert!(out.iter().all(|r| r.is_ok()), "{out:?}");
+        let out = s.load_direct(&keys, 64, false, no_copy()).unwrap();
+        assert!(out.iter().all(|r| r.is_ok()), "{out:?}");
+        assert_eq!(n.stats().requests - before, 4, "one round trip per phase");
+        let (client_hashes, node_hashes) = if tenants { (16, 8) } else { (0, 0) };
+        assert_eq!(s.blocks_hashed(), client_hashes, "tenants: {tenants}");
+        assert_eq!(n.stats().verified, node_hashes, "tenants: {tenants}");
+    }
+}
