@@ -152,7 +152,8 @@ def test_a_hub_model_is_read_from_the_hugging_face_cache_offline(host_only, tmp_
     def configure(a):
         a.model = "org/swa-model"
 
-    with pytest.raises(kvtier.ConfigError, match=r"the model org/swa-model \(layer_types: .*sliding-window attention .*layers .*V1 KV cache manager"):
+    with pytest.raises(kvtier.ConfigError,
+                       match=r"the model org/swa-model \(layer_types: .*sliding-window attention .*layers .*V1 KV"):
         engine(geo=GEO1, configure=configure)
 
 
