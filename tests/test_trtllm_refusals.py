@@ -7,8 +7,10 @@ or, unset, from the checkpoint's ``config.json`` (``sliding_window``, ``layer_ty
 shorter than ``max_seq_len`` frees the blocks it passed and reports them as ``-1`` page ids
 (``connectors/kv_cache_connector.py`` ``RequestData.new_block_ids_by_layer_group``: "A block that is
 out of window ... appears as BAD_PAGE_INDEX"), one layer group per window under VSWA
-(``update_state_after_alloc_by_layer_group``). kvtier stores and loads whole-prefix blocks of
-full-attention layers only, so such a model is refused before it loads.
+(``update_state_after_alloc_by_layer_group``). kvtier serves that on KVCacheManagerV2 with one rank
+(tests/test_trtllm_vswa.py); on the V1 manager (whose connector path reports one flat page list and
+raises for several windows: ``resource_manager.py`` ``KVCacheManager.get_cache_indices``) and with
+TP > 1 such a model is refused before it loads, naming its layers and the setting.
 """
 
 from __future__ import annotations
@@ -54,14 +56,21 @@ def test_a_sliding_window_model_is_refused_at_start_naming_its_layers(host_only,
     def configure(a):
         a.model = model
 
-    with pytest.raises(kvtier.ConfigError, match="sliding-window attention layers") as e:
+    with pytest.raises(kvtier.ConfigError, match="sliding-window attention .*layers") as e:
         engine(geo=GEO1, configure=configure)
-    for f in fragments:
+    for f in fragments + ["V1 KV cache manager", "use_kv_cache_manager_v2=true"]:
         assert f in str(e.value), str(e.value)
     # The worker alone refuses as well (every rank, at construction).
     args = LlmArgs(16, 1, 0, model)
-    with pytest.raises(kvtier.ConfigError, match="sliding-window attention layers"):
+    with pytest.raises(kvtier.ConfigError, match="sliding-window attention .*layers"):
         trtllm.KvtierConnectorWorker(args)
+    # KVCacheManagerV2 with one rank is served; with two ranks it is refused, naming the setting.
+    args.kv_cache_config.use_kv_cache_manager_v2 = True
+    trtllm.KvtierConnectorWorker(args)
+    tp2 = LlmArgs(16, 2, 0, model)
+    tp2.kv_cache_config.use_kv_cache_manager_v2 = True
+    with pytest.raises(kvtier.ConfigError, match="with tensor parallelism: .*tensor_parallel_size=1"):
+        trtllm.KvtierConnectorWorker(tp2)
 
 
 @pytest.mark.parametrize("cfg", [
@@ -92,13 +101,25 @@ def test_a_window_shorter_than_max_seq_len_is_served_once_max_seq_len_fits(host_
     engine(geo=GEO1, configure=configure)
 
 
-def test_vswa_setting_is_refused_naming_the_windows(host_only):
+def test_vswa_setting_is_refused_on_the_v1_manager_naming_the_windows(host_only):
     def configure(a):
         a.kv_cache_config.max_attention_window = [64, 4096]
 
     with pytest.raises(kvtier.ConfigError, match=r"max_attention_window=\[64, 4096\]: variable sliding-window "
-                                                 r"attention \(VSWA\) layers \(windows \[64, 4096\] tokens"):
+                                                 r"attention \(VSWA\) layers \(windows \[64\] tokens, "
+                                                 r"max_seq_len=4096\) on the V1 KV cache manager"):
         engine(geo=GEO1, configure=configure)
+
+
+def test_a_kv_cache_layout_whose_windows_differ_from_the_settings_is_refused(host_only):
+    """KVCacheManagerV2 with windows configured: the layout must have one group per window."""
+    def configure(a):
+        a.kv_cache_config.max_attention_window = [64, 4096]
+        a.kv_cache_config.use_kv_cache_manager_v2 = True
+
+    with pytest.raises(kvtier.ConfigError, match=r"layer groups with windows \[None\]; kvtier expected one group "
+                                                 r"per window \[None, 64\]"):
+        engine(geo=GEO1, manager="v2", configure=configure)
 
 
 def test_a_multi_group_kv_cache_layout_names_its_windows(host_only):
@@ -131,7 +152,8 @@ def test_a_hub_model_is_read_from_the_hugging_face_cache_offline(host_only, tmp_
     def configure(a):
         a.model = "org/swa-model"
 
-    with pytest.raises(kvtier.ConfigError, match="org/swa-model has sliding-window attention layers"):
+    with pytest.raises(kvtier.ConfigError,
+                       match=r"the model org/swa-model \(layer_types: .*sliding-window attention .*layers .*V1 KV"):
         engine(geo=GEO1, configure=configure)
 
 

@@ -114,12 +114,12 @@ class FakeTrtllmEngine:
         for a in self.args.values():
             if configure is not None:
                 configure(a)
-        self.pools = {r: make_pool(pool_kind, num_device_blocks, geo) for r in local}
+        self.pools = self._make_pools(pool_kind, num_device_blocks)
         if pool_kind == "numpy" or pool_kind == "torch-cpu":
             self._layout_device = "cpu"
         else:
             self._layout_device = "cuda"
-        self.blocks = BlockManager(num_device_blocks, list(self.pools.values()))
+        self.blocks = self._make_blocks(num_device_blocks)
         self.workers: dict = {}
         self.scheduler = None
         self._bring_up(scheduler_cls, worker_cls, warmup_forwards)
@@ -148,6 +148,18 @@ class FakeTrtllmEngine:
         self.abort_requested: set = set()
 
     # ----- bring-up ----------------------------------------------------------------------------
+
+    def _make_pools(self, pool_kind: str, num_device_blocks: int) -> dict:
+        return {r: make_pool(pool_kind, num_device_blocks, self.geo) for r in self.comm.local}
+
+    def _make_blocks(self, num_device_blocks: int) -> Any:
+        return BlockManager(num_device_blocks, list(self.pools.values()))
+
+    def _layout(self, rank: int) -> Any:
+        return self.pools[rank].layout()
+
+    def _after_bind(self) -> None:
+        """Hook: the step's metadata is bound on every rank (nothing the forward writes landed yet)."""
 
     def _bring_up(self, scheduler_cls: Optional[type], worker_cls: Optional[type], warmup: int) -> None:
         built: dict = {}
@@ -187,7 +199,7 @@ class FakeTrtllmEngine:
         def register(w: Any, r: int) -> None:
             try:
                 if self.manager == "v2":
-                    layout = self.pools[r].layout()
+                    layout = self._layout(r)
                     object.__setattr__(layout, "device", self._layout_device)
                     w.register_kv_cache_layout(layout)
                 else:
@@ -526,6 +538,7 @@ class FakeTrtllmEngine:
             for w in self.workers.values():
                 w.bind_connector_meta(pickle.loads(blob))
             bound = True
+        self._after_bind()
         graph = not context or all(n == 1 for _, n in context)
         if context or generation:
             self._forward(work, bound, graph and self.layer_hooks == "graphs")

@@ -49,6 +49,9 @@ class RequestData:
     block_hashes: Optional[List[int]] = None
     priorities: Optional[List[int]] = None
     cache_salt: Optional[str] = None
+    # New page ids per layer group (VSWA: the flat list is then empty; -1 where a block has no page in
+    # the group): connectors/kv_cache_connector.py RequestData.new_block_ids_by_layer_group.
+    new_block_ids_by_layer_group: List[List[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -93,6 +93,75 @@ def _windowed_layers(llm_args: Any) -> Optional[str]:
     return f"sliding-window attention on every layer; sliding_window={window}"
 
 
+def _config_windows(llm_args: Any) -> Optional[set]:
+    """The attention windows the model's ``config.json`` declares (None: full attention), as
+    TensorRT-LLM's KV cache will group its layers; None for a full-attention model (or one not read
+    here)."""
+    if _windowed_layers(llm_args) is None:
+        return None
+    cfg = _model_config(llm_args)
+    window = int(cfg["sliding_window"])
+    kinds = cfg.get("layer_types")
+    if isinstance(kinds, list) and kinds:
+        return {window if "sliding" in str(k) else None for k in kinds}
+    pattern = cfg.get("sliding_window_pattern")
+    if isinstance(pattern, int) and pattern > 1:
+        return {window, None}
+    return {window}
+
+
+def uses_kv_cache_manager_v2(llm_args: Any) -> bool:
+    v2 = getattr(llm_args, "use_kv_cache_manager_v2", None)
+    if v2 is None:
+        v2 = getattr(getattr(llm_args, "kv_cache_config", None), "use_kv_cache_manager_v2", False)
+    return bool(v2)
+
+
+def engine_windows(llm_args: Any) -> Optional[list]:
+    """The distinct attention windows of the engine's KV cache layer groups in kvtier's order (None,
+    full attention, first; then windows ascending), from ``kv_cache_config.max_attention_window`` (an
+    entry at least ``max_seq_len`` is full attention: KVCacheManagerV2 normalizes it to None) or else
+    the model's ``config.json``; None when every layer attends its whole prefix."""
+    seq = getattr(llm_args, "max_seq_len", None)
+    window = getattr(getattr(llm_args, "kv_cache_config", None), "max_attention_window", None)
+    if window:
+        found = {None if seq is not None and int(w) >= int(seq) else int(w) for w in window}
+    else:
+        found = _config_windows(llm_args)
+    if not found or found == {None}:
+        return None
+    return sorted(found, key=lambda w: (w is not None, w or 0))
+
+
+def _window_refusals(llm_args: Any, windows: list) -> list:
+    """Sliding windows are served on KVCacheManagerV2 with one rank (``_trtllm_groups``); the rest is
+    refused, naming the layer kind and the setting."""
+    kv = getattr(llm_args, "kv_cache_config", None)
+    setting = getattr(kv, "max_attention_window", None)
+    seq = getattr(llm_args, "max_seq_len", None)
+    sliding = [w for w in windows if w is not None]
+    kind = "variable sliding-window attention (VSWA)" if len(windows) > 1 else "sliding-window attention"
+    where = (f"kv_cache_config.max_attention_window={list(setting)}" if setting else
+             f"the model {getattr(llm_args, 'model', '')} ({_windowed_layers(llm_args)}; config.json)")
+    what = f"{where}: {kind} layers (windows {sliding} tokens, max_seq_len={seq})"
+    out = []
+    if not uses_kv_cache_manager_v2(llm_args):
+        # resource_manager.py KVCacheManager.get_cache_indices raises "window_size must be provided for
+        # VSWA" when called without a window, as connectors/kv_cache_connector.py
+        # KvCacheConnectorSchedulerOutputRequest.update_and_build_data calls it on the V1 manager; with
+        # one window V1's per-window page list was not checked against kvtier.
+        out.append(f"{what} on the V1 KV cache manager: its connector path reports one flat page list "
+                   "(and raises for several windows); set kv_cache_config.use_kv_cache_manager_v2=true, "
+                   "whose per-layer-group page ids kvtier serves")
+    if int(getattr(_mapping(llm_args), "world_size", 1) or 1) > 1:
+        out.append(f"{what} with tensor parallelism: kvtier serves sliding-window layer groups on one rank "
+                   "only (load verdicts are per group); set tensor_parallel_size=1 or run without kvtier")
+    if setting and seq is None:
+        out.append(f"{what}: set max_seq_len (an entry equal to it is full attention, which kvtier must know "
+                   "to group the layers as TensorRT-LLM does)")
+    return out
+
+
 #: ``layer_types`` entries kvtier serves (everything else names a layer kind it refuses).
 _ATTENTION_KINDS = ("full_attention", "sliding_attention")
 
@@ -140,21 +209,9 @@ def _refusals(llm_args: Any, tiers: dict) -> list[str]:
     if int(getattr(kv, "host_cache_size", 0) or 0) > 0:
         out.append("kv_cache_config.host_cache_size: TensorRT-LLM's native host tier moves blocks kvtier "
                    "tracks; use kvtier's host tier instead (DYN_KVBM_CPU_CACHE_GB)")
-    window = getattr(kv, "max_attention_window", None)
-    layers = _windowed_layers(llm_args)
-    if window:
-        seq = getattr(llm_args, "max_seq_len", None)
-        if len(set(window)) > 1 or seq is None or min(window) < int(seq):
-            kind = "variable sliding-window attention (VSWA)" if len(set(window)) > 1 else "sliding-window attention"
-            out.append(f"kv_cache_config.max_attention_window={list(window)}: {kind} layers (windows "
-                       f"{sorted(set(int(w) for w in window))} tokens, max_seq_len={seq}) free blocks the window "
-                       "passed (-1 page ids), and kvtier stores and loads whole prefixes of full-attention layers "
-                       "only; remove the setting")
-    elif layers is not None:
-        out.append(f"the model {getattr(llm_args, 'model', '')} has sliding-window attention layers ({layers}; "
-                   "config.json): TensorRT-LLM frees the blocks their window passed (-1 page ids, one layer group "
-                   "per window), and kvtier stores and loads whole prefixes of full-attention layers only; set max_seq_len "
-                   "at most the window (it then never passes a block), or run without kvtier")
+    windows = engine_windows(llm_args)
+    if windows is not None:
+        out += _window_refusals(llm_args, windows)
     other = _stateful_or_chunked_layers(llm_args)
     if other is not None:
         out.append(f"the model {getattr(llm_args, 'model', '')} has layers kvtier cannot serve ({other}; "

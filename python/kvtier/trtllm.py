@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from . import _native
 from ._native import ConfigError, ConnectorError
 from ._tensors import describe, stream_handle
+from . import _trtllm_groups as _groups
 from ._trtllm_refusals import _get
 
 __all__ = [
@@ -187,6 +188,10 @@ def engine_salt(llm_args: Any) -> str:
         f"tp={_world_size(llm_args)}",
         f"kv_manager_v2={v2}",
     ]
+    windows = _groups.engine_windows(llm_args)
+    if windows is not None:
+        # A layer's KV depends on every earlier layer's window, so the windows are model identity.
+        parts.append(f"windows={windows}")
     return "\x1f".join(parts)
 
 
@@ -247,6 +252,8 @@ class _Engine:
         self.lock = threading.Lock()
         self.loads: dict[str, tuple[Any, list[int], int]] = {}  # rid -> (request, blocks, match start)
         self.endpoint: Optional[str] = None
+        #: kvtier's group index of each of TensorRT-LLM's layer groups (rank 0's KvCacheLayout).
+        self.group_order: Optional[list] = None
         self.endpoint_set = threading.Event()
         #: Rank 0's leader (TP > 1: the source of the load verdicts every rank acts on).
         self.leader: Any = None
@@ -330,7 +337,17 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
             endpoint = _configured_endpoint() or _free_endpoint()
             settings.update(link="zmq", zmq_endpoint=endpoint)
             self._engine.endpoint = endpoint
-        self._leader = _native.Leader(settings)
+        windows = _groups.engine_windows(llm_args)
+        # Sliding windows (KVCacheManagerV2, one rank; _refusals): one leader per window.
+        self._groups = None
+        if windows is not None:
+            if len(windows) > 1 and _configured_endpoint():
+                raise ConfigError("KVTIER_ZMQ_ENDPOINT names one endpoint; this model has one layer group per "
+                                  f"attention window {windows}: leave it unset")
+            self._groups = _groups.SchedulerGroups(_groups.group_settings(settings, windows), self._engine)
+            self._leader = self._groups.leaders[0]
+        else:
+            self._leader = _native.Leader(settings)
         if _world_size(llm_args) > 1:
             # Every rank reports an async load only by the leader's verdict (get_finished).
             self._leader.enable_load_verdicts()
@@ -340,8 +357,14 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
 
     @property
     def leader(self) -> Any:
-        """The native leader (for metrics and tests)."""
+        """The native leader (for metrics and tests; with several layer groups, the first's)."""
         return self._leader
+
+    @property
+    def leaders(self) -> list:
+        """The native leaders, one per layer group in kvtier's order (full attention, then windows
+        ascending)."""
+        return list(self._groups.leaders) if self._groups is not None else [self._leader]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if _is_generation_only(request):
@@ -351,11 +374,15 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
         if not cacheable:
             _warn_once(why, "kvtier: %s", why)
         rid = str(request.request_id)
-        n = int(
-            self._leader.get_num_new_matched_tokens(
-                rid, request.get_tokens(0), int(num_computed_tokens), identity=identity, cacheable=cacheable
+        if self._groups is not None:
+            # A hit only where every layer group supplies its part (its window of the hit's end).
+            n = self._groups.match(rid, request.get_tokens(0), int(num_computed_tokens), identity, cacheable)
+        else:
+            n = int(
+                self._leader.get_num_new_matched_tokens(
+                    rid, request.get_tokens(0), int(num_computed_tokens), identity=identity, cacheable=cacheable
+                )
             )
-        )
         # Per request, as the leader decided at the match (asynchronous unless `connector.sync_host_loads` loads a
         # host-tier hit in the step): TensorRT-LLM takes the flag per request (kv_cache_connector.py
         # `get_num_new_matched_tokens -> (num_tokens, load_kv_async)`).
@@ -367,9 +394,14 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
         loads nothing for the request (the engine recomputes), which is always correct for a tail
         cut; a head cut leaves a suffix the engine counts as loaded, so the request is matched again
         from ``end`` at allocation (the leader's rule: ``Leader.allocate_offer``)."""
-        self._leader.cancel_load(str(request.request_id), int(start), int(end))
+        for leader in self.leaders:
+            leader.cancel_load(str(request.request_id), int(start), int(end))
 
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int]) -> None:
+        if self._groups is not None:
+            # One sliding-window group: the flat list carries -1 for blocks the window passed.
+            self.update_state_after_alloc_by_layer_group(request, [block_ids])
+            return
         rid = str(request.request_id)
         ids = [int(b) for b in block_ids]
         # V2 reports only the first chunk's pages and may pad with -1: the leading valid pages are
@@ -385,6 +417,23 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
             with self._engine.lock:
                 self._engine.loads[rid] = (request, ids, int(start))
 
+    def update_state_after_alloc_by_layer_group(self, request: Any, block_ids_by_layer_group: Sequence[Sequence[int]]
+                                                ) -> None:
+        """1.4, several layer groups (VSWA; ``connectors/kv_cache_connector.py``): page ids per layer group,
+        ``-1`` where a block has no page in that group (kvtier's hole: never loaded)."""
+        if self._groups is None:
+            if len(block_ids_by_layer_group) != 1:
+                raise ConfigError(f"TensorRT-LLM reported {len(block_ids_by_layer_group)} layer groups for a model "
+                                  "kvtier was configured for as full attention (kv_cache_config.max_attention_window)")
+            self.update_state_after_alloc(request, block_ids_by_layer_group[0])
+            return
+        rid = str(request.request_id)
+        start = self._groups.allocate(rid, block_ids_by_layer_group)
+        if start is not None:
+            with self._engine.lock:
+                # The first failed block is not known per group: a failed load recomputes the whole offer.
+                self._engine.loads[rid] = (request, [], int(start))
+
     def _exclude(self, rid: str, why: str) -> None:
         _warn_once("exclude:" + why, "kvtier: request %s stops being cached: %s", rid, why)
         self._excluded.add(rid)
@@ -392,6 +441,8 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
     def build_connector_meta(self, scheduler_output: Any) -> bytes:
         # Records as tuples (request_id, new_tokens, new_block_ids, num_computed, num_scheduled,
         # num_draft, is_new): the cheapest form to hand to Rust every step.
+        if self._groups is not None:
+            return self._build_grouped(scheduler_output)
         records = []
         for is_new, group in ((True, scheduler_output.new_requests), (False, scheduler_output.cached_requests)):
             for rd in group:
@@ -415,6 +466,25 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
                     records.append((rid, rd.new_tokens, blocks, rd.computed_position, scheduled, 0, is_new))
         return self._leader.build_step(records)
 
+    def _build_grouped(self, scheduler_output: Any) -> tuple:
+        """One metadata blob per layer group: each group's page ids (``new_block_ids_by_layer_group``;
+        the flat ``new_block_ids`` with one sliding-window group), ``-1`` as holes."""
+        records = []
+        for is_new, group in ((True, scheduler_output.new_requests), (False, scheduler_output.cached_requests)):
+            for rd in group:
+                by_group = [list(g) for g in (getattr(rd, "new_block_ids_by_layer_group", None) or [])]
+                if not by_group:
+                    by_group = [list(rd.new_block_ids)]
+                prio = getattr(rd, "priorities", None)
+                records.append((str(rd.request_id), rd.new_tokens, by_group, rd.computed_position,
+                                rd.num_scheduled_tokens, is_new, [int(x) for x in prio] if prio else None))
+        return self._groups.build(records)
+
+    def request_finished_by_layer_group(self, request: Any, cache_block_ids_by_layer_group: Sequence[Sequence[int]]
+                                        ) -> bool:
+        """1.4, several layer groups: as :meth:`request_finished` (kvtier keeps its own tables)."""
+        return self.request_finished(request, [])
+
     def request_finished(self, request: Any, cache_block_ids: Sequence[int]) -> bool:
         # True keeps the request's device blocks until every rank reports it (stores, and loads
         # still in flight for a cancelled request: a late copy must not land in reused blocks).
@@ -424,6 +494,8 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
             # Parked for an async load not yet reported loaded: the workers report it saved once
             # their copies into its blocks are done (older TensorRT-LLM frees blocks at once).
             loading = self._engine.loads.pop(rid, None) is not None
+        if self._groups is not None:
+            return self._groups.finished(rid) or loading
         return bool(self._leader.request_finished(rid)) or loading
 
     def request_reset(self, request: Any) -> None:
@@ -431,10 +503,11 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
         rid = str(request.request_id)
         with self._engine.lock:
             self._engine.loads.pop(rid, None)
-        try:
-            self._leader.request_preempted(rid)
-        except ConnectorError:
-            pass  # never matched: nothing to forget
+        for leader in self.leaders:
+            try:
+                leader.request_preempted(rid)
+            except ConnectorError:
+                pass  # never matched: nothing to forget
 
     def wait_for_initialization(self) -> None:
         return None
@@ -468,11 +541,21 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         #: Loads that failed where no recompute is possible (withheld, never reported loaded).
         self.unrecoverable_loads = 0
         self._worker: Any = None
+        #: Sliding windows: one native worker per layer group (``_trtllm_groups.WorkerGroups``).
+        self._windows = _groups.engine_windows(llm_args)
+        self._groups: Any = None
 
     @property
     def native(self) -> Any:
         """The native worker (for metrics and tests); None before registration."""
         return self._worker
+
+    @property
+    def natives(self) -> list:
+        """Every native worker of this rank (one per layer group with sliding windows)."""
+        if self._groups is not None:
+            return list(self._groups.workers)
+        return [self._worker] if self._worker is not None else []
 
     def requires_layerwise_transfer_hooks(self) -> bool:
         # 1.4 (connectors/kv_cache_connector.py): kvtier moves whole blocks at batch boundaries.
@@ -496,7 +579,7 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         # worker.native.take_reports() -> scheduler.leader.apply_reports().
         return "engine", {}
 
-    def _register(self, tensors: Any, layout: str) -> None:
+    def _register(self, tensors: Any, layout: str, windows: Optional[list] = None) -> Any:
         link, extra = self._link()
         settings = _settings(
             self._llm_args,
@@ -510,6 +593,9 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         delay = os.environ.get("TRTLLM_KVTIER_TEST_LOAD_DELAY_MS")
         if delay:
             settings["test_load_delay_ms"] = int(delay)  # tests: loads start late (see worker.rs)
+        if windows is not None:
+            # One worker per layer group, each on its group's channel (_trtllm_groups.group_settings).
+            return [_native.Worker(s, t) for s, t in zip(_groups.group_settings(settings, windows), tensors)]
         self._worker = _native.Worker(settings, tensors)
         if self._by_verdict:
             self._worker.enable_load_verdicts()
@@ -522,6 +608,9 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         """KVCacheManagerV2 (``connectors/kv_cache_layout.py``): page slot ``i`` of a region lives at
         ``base + stride * i`` for ``size`` bytes. One full-attention layer group with shard-specific
         regions only; each region becomes a ``[num_slots, tokens_per_block, bytes]`` tensor."""
+        if self._windows is not None:
+            self._register_groups(layout)
+            return
         groups = list(getattr(layout, "groups", ()))
         windows = [getattr(g, "window_size", None) for g in groups]
         if len(groups) != 1:
@@ -534,6 +623,25 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
                               "kvtier serves full-attention layers only (kv_cache_config.max_attention_window)")
         if getattr(g, "replicated_regions", ()):
             raise ConfigError("KvCacheLayout has replicated regions (side caches): not supported by kvtier")
+        self._register(self._region_tensors(layout, g), "vllm_mla")
+
+    def _register_groups(self, layout: Any) -> None:
+        """Sliding windows (``connectors/kv_cache_layout.py``: one layer group per window, page ids scoped
+        to their group): one native worker per group, in kvtier's order."""
+        order = _groups.layout_groups(layout, self._windows)
+        tensors: list = [None] * len(self._windows)
+        for g, k in zip(layout.groups, order):
+            if getattr(g, "replicated_regions", ()):
+                raise ConfigError("KvCacheLayout has replicated regions (side caches): not supported by kvtier")
+            tensors[k] = self._region_tensors(layout, g)
+        workers = self._register(tensors, "vllm_mla", self._windows)
+        self._groups = _groups.WorkerGroups(workers)
+        self._worker = workers[0]
+        if self._rank == 0:
+            self._engine.group_order = order
+
+    def _region_tensors(self, layout: Any, g: Any) -> list:
+        """Each region of layer group ``g`` as a ``[num_slots, tokens_per_block, bytes]`` tensor."""
         tpb = int(getattr(layout, "tokens_per_block", self._tpb))
         device, index = _current_device()
         device = str(getattr(layout, "device", device))  # test pools in host memory say "cpu"
@@ -548,7 +656,7 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
             tensors.append((f"region {i}", desc))
         if not tensors:
             raise ConfigError("KvCacheLayout has no regions")
-        self._register(tensors, "vllm_mla")
+        return tensors
 
     # ----- per step ----------------------------------------------------------------------------
 
@@ -557,6 +665,9 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         if self._worker is None:
             if metadata:
                 logger.error("kvtier: connector metadata arrived before register_kv_caches; ignored")
+            return
+        if self._groups is not None:
+            self._groups.bind(metadata)
             return
         self._worker.bind(metadata)
 
@@ -573,11 +684,21 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         if w is None:
             return
         handle = stream_handle(stream)
-        w.start_load(handle)
-        w.wait_for_layer_load(0, handle)
+        if self._groups is not None:
+            self._groups.start_load(handle)
+        else:
+            w.start_load(handle)
+            w.wait_for_layer_load(0, handle)
         self._collect_errors()
 
     def _collect_errors(self) -> None:
+        if self._groups is not None:
+            # Page ids are per group: a failed async load is recomputed from the whole offer
+            # (get_finished); a failed sync load drops the request's stores in the core.
+            failed = self._groups.take_load_errors()
+            if failed:
+                logger.warning("kvtier: loads into pages %s of some layer group failed", sorted(failed))
+            return
         failed = {int(b) for b in self._worker.take_load_errors()}
         if not failed or self._by_verdict:
             # TP > 1: the leader's verdict names the recompute point of a failed async load; a
@@ -602,7 +723,9 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         return None  # whole blocks across layers, issued at the end of the forward pass
 
     def wait_for_save(self, stream: Any) -> None:
-        if self._worker is not None:
+        if self._groups is not None:
+            self._groups.forward_done(stream_handle(stream))
+        elif self._worker is not None:
             self._worker.forward_done(stream_handle(stream))
 
     def register_forward_pass_callable(self) -> Callable[[], None]:
@@ -610,7 +733,7 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         start on: before registration (KV-cache estimation, warmup) it does nothing."""
 
         def forward_pass_done() -> None:
-            w = self._worker
+            w = self._groups or self._worker
             if w is not None:
                 w.forward_done(_current_stream_handle())
 
@@ -627,7 +750,8 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
             # calls this right after moving the new async loads into pending_async_requests.
             manager = sys._getframe(1).f_locals.get("self")
             return self._get_finished_by_verdict(finished_gen_req_ids, started_loading_req_ids, manager)
-        saved, loaded, load_failed = w.get_finished(_ids(finished_gen_req_ids), _ids(started_loading_req_ids))
+        saved, loaded, load_failed = (self._groups or w).get_finished(_ids(finished_gen_req_ids),
+                                                                      _ids(started_loading_req_ids))
         self._collect_errors()
         out = [str(r) for r in loaded]
         for rid in load_failed:

@@ -321,15 +321,21 @@ impl Leader {
         self.slots.get(req).map(|e| &e.slot)
     }
 
-    /// Refuses device block ids beyond the engine's table (when the layout gives its size).
+    /// Refuses device block ids beyond the engine's table (when the layout gives its size). An
+    /// engine whose null block is [`HOLE`] itself (TensorRT-LLM's `-1`, `BAD_PAGE_INDEX`, passed
+    /// as `u32::MAX`) names positions without a block by it: those are holes, not ids.
     pub(super) fn check_device_ids(
         &self,
         req: &RequestId,
         field: &'static str,
         ids: &[DeviceBlockId],
     ) -> Result<(), ConnectorError> {
+        let holes = self.null_block == Some(crate::connector::slot::HOLE);
         if let Some(n) = self.num_device_blocks {
-            if let Some(b) = ids.iter().find(|b| b.0 >= n) {
+            if let Some(b) = ids
+                .iter()
+                .find(|b| b.0 >= n && !(holes && **b == crate::connector::slot::HOLE))
+            {
                 return Err(ConnectorError::invalid(
                     req,
                     field,

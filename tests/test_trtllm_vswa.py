@@ -1,0 +1,97 @@
+"""kvtier.trtllm under sliding-window and variable sliding-window attention (VSWA) on TensorRT-LLM
+1.4's KVCacheManagerV2 (tests/trtllm_vswa.py: one page pool and page-id space per window, -1 page ids
+for blocks a window passed, pages released while the request runs): the KV every forward reads is
+the model's, byte for byte, with replay hits loaded from kvtier under eviction pressure (a small G1),
+and a window group loads only the window of each hit's end.
+
+Guards (each planted and caught, see the commit that added this file): a window group loading the
+whole prefix (the leader not told its window), -1 page ids not taken as holes, a hit claimed from one
+group's answer only, TensorRT-LLM's group ids assumed to be kvtier's order.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import kvtier
+from kvtier import trtllm
+from trtllm_model import Geometry
+from trtllm_scenarios import flush, reference_tokens, tokens, workload
+from trtllm_vswa import VswaEngine
+
+pytestmark = pytest.mark.skipif(not hasattr(kvtier._native, "Worker"), reason="native connector not built")
+
+GEO = Geometry(num_layers=4, world_size=1, kv_heads=2)
+TPB = GEO.tokens_per_block
+ALTERNATING = [48, None, 48, None]  # Gemma-3 / gpt-oss shape: window and full layers alternate
+
+
+@pytest.fixture
+def host_only(kvtier_env):
+    kvtier_env.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "512")
+    return kvtier_env
+
+
+def vswa_engine(windows: list, **kw) -> VswaEngine:
+    return VswaEngine(trtllm.KvtierConnectorScheduler, trtllm.KvtierConnectorWorker, windows=windows, geo=GEO,
+                      **kw)
+
+
+def window_blocks(n: int, w) -> int:
+    """Blocks a hit of ``n`` tokens loads in a group with window ``w`` (None: the whole prefix)."""
+    return n // TPB - (0 if w is None else max(0, (n + 1 - w) // TPB))
+
+
+def replay(e: VswaEngine, prompts: list, n: int) -> tuple:
+    first = [e.add_request(p, n) for p in prompts]
+    e.run()
+    flush(e)
+    second = [e.add_request(p, n) for p in prompts]
+    e.run()
+    return first, second
+
+
+@pytest.mark.parametrize("windows", [ALTERNATING, [32, 64, None, 32], [48] * 4],
+                         ids=["window+full", "two-windows+full", "one-window"])
+@pytest.mark.parametrize("group_order", ["first-layer", "reversed"])
+@pytest.mark.parametrize("loop", ["overlap", "plain"])
+def test_replays_hit_and_every_forward_reads_the_models_kv(host_only, windows, group_order, loop):
+    prompts = workload()
+    want = reference_tokens(prompts, 20)
+    # A small G1: pages released by the window are handed to the next allocation at once.
+    e = vswa_engine(windows, group_order=group_order, loop=loop, num_device_blocks=24, chunk_size=32)
+    first, second = replay(e, prompts, 20)
+    assert tokens(first) == want and tokens(second) == want
+    hits = [r.py_num_connector_matched_tokens for r in second]
+    assert sum(hits) >= len(prompts) * TPB, hits  # the replays were served by kvtier
+
+
+def test_a_window_group_loads_only_the_window_of_each_hits_end(host_only):
+    prompts = workload(lo=80, hi=140)
+    e = vswa_engine(ALTERNATING, num_device_blocks=24, chunk_size=32)
+    _, second = replay(e, prompts, 4)
+    assert tokens(second) == reference_tokens(prompts, 4)
+    hits = [r.py_num_connector_matched_tokens for r in e.finished.values()]  # every run's hits
+    windows = [None, 48]  # kvtier's order: full attention, then windows ascending
+    leaders = e.scheduler.leaders
+    natives = e.workers[0].natives
+    full_blocks = sum(window_blocks(n, None) for n in hits)
+    win_blocks = sum(window_blocks(n, 48) for n in hits)
+    assert win_blocks < full_blocks / 2, (hits, win_blocks, full_blocks)
+    for g, w in enumerate(windows):
+        st = leaders[g].stats()
+        loaded = st["onboard_host_blocks"] + st.get("onboard_disk_blocks", 0)
+        assert loaded == sum(window_blocks(n, w) for n in hits), (w, loaded, hits)
+        assert st["onboard_host_bytes"] == st["onboard_host_blocks"] * natives[g].bytes_per_block
+
+
+def test_the_flat_form_carries_holes_for_one_sliding_window(host_only):
+    """One window on every layer: one layer group, the flat callbacks, -1 for the pages the window
+    passed (``test_a_sliding_single_group_reports_sentinels_in_the_flat_list`` upstream)."""
+    prompts = workload(lo=80, hi=140)
+    e = vswa_engine([48] * 4, num_device_blocks=24)
+    _, second = replay(e, prompts, 8)
+    assert tokens(second) == reference_tokens(prompts, 8)
+    st = e.scheduler.leader.stats()
+    hits = [r.py_num_connector_matched_tokens for r in e.finished.values()]
+    assert st["onboard_host_blocks"] == sum(window_blocks(n, 48) for n in hits) > 0
