@@ -152,3 +152,35 @@ fn blocks_the_window_left_are_forgotten_and_fenced_while_stores_read_them() {
     assert_eq!(store_srcs(&m), vec![1]);
     assert_eq!(l.slot(&d).unwrap().device_table().len(), 4);
 }
+
+/// TensorRT-LLM's VSWA names a page the window left by `-1` (`BAD_PAGE_INDEX`, passed as
+/// [`crate::connector::slot::HOLE`]): a leader whose null block is that hole takes it as a hole,
+/// while any other id beyond the engine's table stays refused, and a leader without that null
+/// block refuses the hole like any out-of-range id.
+#[test]
+fn the_hole_is_accepted_only_as_the_engines_null_block() {
+    let hole = crate::connector::slot::HOLE;
+    let make = |null: Option<DeviceBlockId>| {
+        let mut cfg = LeaderConfig::new(4, HashSalt(5), 64);
+        cfg.layout = Some(crate::connector::messages::ClusterLayout {
+            block_size: 4,
+            num_device_blocks: 16,
+            bytes_per_block: vec![64],
+        });
+        let mut l = Leader::new(cfg).unwrap();
+        l.set_window(Some(8), null);
+        l
+    };
+    let r: RequestId = "r".into();
+    let with_hole = make(Some(hole));
+    assert!(with_hole
+        .check_device_ids(&r, "new_block_ids", &[hole, DeviceBlockId(3)])
+        .is_ok());
+    assert!(with_hole
+        .check_device_ids(&r, "new_block_ids", &[DeviceBlockId(16)])
+        .is_err());
+    let plain = make(Some(NULL));
+    assert!(plain
+        .check_device_ids(&r, "new_block_ids", &[hole])
+        .is_err());
+}
