@@ -110,3 +110,45 @@ def test_a_node_too_small_degrades_to_misses(model, tmp_path):
         assert st["evictions"] > 0, st  # it was full: the repeat was mostly misses, recomputed exactly
     finally:
         node.shutdown()
+
+
+def test_damaged_node_blocks_are_recomputed_in_the_step(model, tmp_path):
+    """A node shared with another uid (``allowed_uids``: every block verified) whose arena bytes were changed after
+    the first engine stored them: the second engine's hits load inside the step (node hits count as host hits,
+    ``Leader::set_near_remote``), every damaged block fails its check before a byte reaches the engine, the load is
+    reported failed in that step and vLLM recomputes: outputs identical to vLLM alone, the damage counted, the
+    damaged blocks dropped from the node."""
+    with Engine(model, tmp_path / "reference.log", kv_cache_blocks=G1_BLOCKS) as ref:
+        want = ref.generate(PHASE, MAX_TOKENS)
+    sock = str(tmp_path / "node" / "node.sock")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    node = _native.NodeServer(sock, 64 << 20, str(shm), allowed_uids=[os.getuid() + 4242])
+    try:
+        with _engine(model, tmp_path / "a.log", sock) as a:
+            assert a.generate(PHASE, MAX_TOKENS) == want
+            assert a.drain(), "engine A's stores to the node did not finish"
+        stored = node.stats()
+        assert stored["puts"] >= 2 + 6 * 5, stored
+        (arena,) = list(shm.glob("kvtier-node-*.arena"))
+        with open(arena, "r+b") as f:  # another writer of the arena: every byte changed
+            size = f.seek(0, 2)
+            f.seek(0)
+            chunk = b"\x5a" * (1 << 20)
+            for _ in range(0, size, len(chunk)):
+                f.write(chunk)
+        with _engine(model, tmp_path / "b.log", sock) as b:
+            assert b.generate(PHASE, MAX_TOKENS) == want
+            s = b.stats()["stats"]
+            e = b.stats()["kvtier_errors"]
+        assert s["onboard_failed"] > 0, s
+        # What did load afterwards is B's own fresh copy of the shared prefix (the first prompt's load failed and
+        # was recomputed and stored again); the damaged copies are never counted as loaded.
+        assert s.get("onboard_remote_blocks", 0) <= 2 * (len(PHASE) - 1), s
+        after = node.stats()
+        # The damaged blocks left the index at once: B's recomputed blocks were stored again under the same keys
+        # (a key still indexed would have been answered "already present", not put).
+        assert after["puts"] >= stored["puts"] + 2 + 6 * 4, (stored, after)
+        assert all("panic" not in str(x).lower() for x in e), e
+    finally:
+        node.shutdown()
