@@ -208,7 +208,7 @@ fn jobs(pairs: &[(u32, u32)], src: Tier, dst: Tier, per_job: usize) -> Vec<Trans
                 .iter()
                 .map(|&(s, d)| BlockPair { src: s, dst: d })
                 .collect(),
-            remote_keys: Vec::new(),
+            keys: Vec::new(),
         })
         .collect()
 }

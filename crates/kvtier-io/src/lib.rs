@@ -45,7 +45,7 @@
 //!     .host(host.clone())
 //!     .build()?;
 //! let job = TransferJob { id: JobId(1), src: Tier::Device, dst: Tier::Host,
-//!     pairs: vec![BlockPair { src: 1, dst: 5 }], remote_keys: vec![] };
+//!     pairs: vec![BlockPair { src: 1, dst: 5 }], keys: vec![] };
 //! let fence = engine.fence(None)?;
 //! assert!(engine.execute(&job, &fence).is_ok());
 //! let mut out = vec![0u8; 256];

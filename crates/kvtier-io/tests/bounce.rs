@@ -10,6 +10,7 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::sync::Arc;
 
 use common::{job, pattern, PerLayerCache};
+use kvtier::hash::SequenceHash;
 use kvtier::transfer::{BlockTransfer, TransferJob, TransferOutcome};
 use kvtier::Tier;
 use kvtier_io::*;
@@ -212,9 +213,16 @@ fn bad_device_ids(bounce: u32) {
     assert_eq!(cache.read(6), pattern(4 + 7, BPB));
 }
 
+/// Each pair's key is `keys[i]`, `i` its block number on the remote side; a pair whose number is
+/// past `keys` has no key, nor have the pairs after it.
 fn keyed(src: Tier, dst: Tier, pairs: &[(u32, u32)], keys: &[u128]) -> TransferJob {
     let mut j = job(src, dst, pairs);
-    j.remote_keys = keys.to_vec();
+    j.keys = j
+        .pairs
+        .iter()
+        .map(|p| if dst == Tier::Remote { p.dst } else { p.src })
+        .map_while(|i| keys.get(i as usize).map(|&k| SequenceHash(k)))
+        .collect();
     j
 }
 
@@ -245,7 +253,7 @@ fn remote_round_trip(bounce: u32) {
             .bounce_blocks(bounce)
             .build()
             .unwrap();
-        // Device block b -> key b (pair dst indexes `remote_keys`).
+        // Device block b -> key b.
         let store: Vec<(u32, u32)> = (0..BLOCKS).map(|b| (b, b)).collect();
         assert_eq!(
             run(&e, &keyed(Tier::Device, Tier::Remote, &store, &keys)),
@@ -266,18 +274,18 @@ fn remote_round_trip(bounce: u32) {
         .bounce_blocks(bounce)
         .build()
         .unwrap();
-    // Load keys reversed; key index 11 (one past the stored ones) is a key never put, index 20
-    // is out of range of the key list.
+    // Load keys reversed; key 11 (one past the stored ones) is a key never put; the last pair
+    // (index 20: past the key list) has no key.
     let mut load_keys = keys.clone();
     load_keys.push(0xDEAD);
     let mut load: Vec<(u32, u32)> = (0..8).map(|k| (k, 7 - k)).collect();
     load.push((11, 8));
-    load.push((20, 9));
     load.push((10, 10));
+    load.push((20, 9));
     let out = run(&e, &keyed(Tier::Remote, Tier::Device, &load, &load_keys));
-    assert_eq!(out.failed_pairs(), vec![8, 9], "{out:?}");
+    assert_eq!(out.failed_pairs(), vec![8, 10], "{out:?}");
     assert!(reason(&out, 8).contains("not present"), "{out:?}");
-    assert!(reason(&out, 9).contains("out of range"), "{out:?}");
+    assert!(reason(&out, 10).contains("has no key"), "{out:?}");
     for k in 0..8u32 {
         assert_eq!(
             consumer.read(7 - k),

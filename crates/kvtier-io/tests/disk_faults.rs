@@ -317,7 +317,10 @@ fn keyed_job(
     keys: &[u128],
 ) -> kvtier::transfer::TransferJob {
     let mut j = job(src, dst, pairs);
-    j.remote_keys = keys.to_vec();
+    j.keys = keys
+        .iter()
+        .map(|&k| kvtier::hash::SequenceHash(k))
+        .collect();
     j
 }
 

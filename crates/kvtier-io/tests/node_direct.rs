@@ -77,7 +77,10 @@ fn job(src: Tier, dst: Tier, devs: &[u32], keys: &[u128]) -> TransferJob {
         src,
         dst,
         pairs,
-        remote_keys: keys.to_vec(),
+        keys: keys
+            .iter()
+            .map(|&k| kvtier::hash::SequenceHash(k))
+            .collect(),
     }
 }
 

@@ -71,7 +71,17 @@ fn job(src: Tier, dst: Tier, pairs: &[(u32, u32)], keys: &[u128]) -> TransferJob
             .iter()
             .map(|&(s, d)| BlockPair { src: s, dst: d })
             .collect(),
-        remote_keys: keys.to_vec(),
+        // `keys[i]` is the key of the remote-side block number `i` (disk jobs: of pair `i`).
+        keys: pairs
+            .iter()
+            .enumerate()
+            .filter_map(|(k, &(s, d))| match (src, dst) {
+                (Tier::Remote, _) => keys.get(s as usize),
+                (_, Tier::Remote) => keys.get(d as usize),
+                _ => keys.get(k),
+            })
+            .map(|&k| kvtier::hash::SequenceHash(k))
+            .collect(),
     }
 }
 
@@ -96,7 +106,7 @@ fn prefill(url: &str, ns: &str, keys: &[u128]) -> Result<Vec<Vec<u8>>> {
         p.kv[dev as usize * BLOCK..(dev as usize + 1) * BLOCK].copy_from_slice(&data);
         computed.push(data);
     }
-    // G1 -> G2 into host blocks 4..8, then G2 -> G4 (remote side = index into remote_keys).
+    // G1 -> G2 into host blocks 4..8, then G2 -> G4 (remote side = index into the key list).
     let out = p.run(&job(
         Tier::Device,
         Tier::Host,

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use common::{job, pattern, PerLayerCache};
+use kvtier::hash::SequenceHash;
 use kvtier::transfer::{BlockTransfer, RemoteStore, TransferError, TransferOutcome};
 use kvtier::Tier;
 use kvtier_io::*;
@@ -243,10 +244,10 @@ fn host_remote_round_trip_and_missing_key() {
     h.write_block(0, &pattern(1, 300)).unwrap();
     h.write_block(1, &pattern(2, 300)).unwrap();
     let mut put = job(Tier::Host, Tier::Remote, &[(0, 0), (1, 1)]);
-    put.remote_keys = vec![0xAB, 0xCD];
+    put.keys = [0xAB, 0xCD].map(SequenceHash).to_vec();
     assert!(run(&e, put).is_ok());
     let mut get = job(Tier::Remote, Tier::Host, &[(1, 2), (0, 3), (2, 0)]);
-    get.remote_keys = vec![0xAB, 0xCD, 0xEF];
+    get.keys = [0xCD, 0xAB, 0xEF].map(SequenceHash).to_vec(); // one per pair
     assert_eq!(run(&e, get).failed_pairs(), vec![2]);
     let mut out = vec![0u8; 300];
     h.read_block(2, &mut out).unwrap();

@@ -11,6 +11,7 @@
 //!   later on a kvtier thread and must not touch engine memory before that fence has passed.
 use serde::{Deserialize, Serialize};
 
+use crate::hash::SequenceHash;
 use crate::ids::{JobId, Tier};
 
 /// One block copy: `src` in the job's source tier to `dst` in its destination tier.
@@ -34,12 +35,23 @@ pub struct TransferJob {
     pub dst: Tier,
     /// The block copies, each of which succeeds or fails on its own.
     pub pairs: Vec<BlockPair>,
-    /// For jobs whose source or destination is `Tier::Remote`: the content keys (sequence hashes);
-    /// the remote side of `pairs[i]` is an index into this list. For jobs whose source or
-    /// destination is `Tier::Disk`: `remote_keys[i]` is the sequence hash of `pairs[i]`, which the
-    /// disk tier binds the slot to (a read of a slot holding another key fails). Empty otherwise
-    /// (and for unkeyed disk jobs, e.g. tests).
-    pub remote_keys: Vec<u128>,
+    /// One content key per pair where the job reads or writes a keyed tier: `keys[i]` is the
+    /// sequence hash of `pairs[i]`'s block. On the disk tier the slot is bound to it (a read of
+    /// a slot holding another key fails); in the remote store it is the block's address (the
+    /// pair's remote-side block number is not used; each rank stores under its own key derived
+    /// from it, `remote_key_for_rank`). Empty for jobs between the device and the host tier
+    /// (and for unkeyed disk jobs in tests).
+    pub keys: Vec<SequenceHash>,
+}
+
+impl TransferJob {
+    /// The key of pair `i` ([`Self::keys`]), or why there is none.
+    pub fn key(&self, i: usize) -> Result<SequenceHash, TransferError> {
+        self.keys.get(i).copied().ok_or(TransferError::MissingKey {
+            pair: i,
+            keys: self.keys.len(),
+        })
+    }
 }
 
 /// Why one pair of a job failed.
@@ -88,6 +100,14 @@ impl Fence {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TransferError {
+    /// A pair of a job that reads or writes a keyed tier has no key (`TransferJob::keys`).
+    #[error("pair {pair} has no key (the job carries {keys})")]
+    MissingKey {
+        /// The pair's index.
+        pair: usize,
+        /// How many keys the job carries.
+        keys: usize,
+    },
     /// A job names a tier this worker was not built with.
     #[error("tier {0:?} is not configured on this worker")]
     TierMissing(Tier),

@@ -48,10 +48,7 @@ fn node_only_stores_go_device_to_remote_and_are_waited_for() {
     let job = &m.stores[0].job;
     assert_eq!((job.src, job.dst), (Tier::Device, Tier::Remote));
     let hashes = sequence_hashes(HashSalt(9), &prompt, BS);
-    assert_eq!(
-        job.remote_keys,
-        hashes.iter().map(|h| h.0).collect::<Vec<_>>()
-    );
+    assert_eq!(job.keys, hashes);
     assert_eq!(
         job.pairs.iter().map(|p| (p.src, p.dst)).collect::<Vec<_>>(),
         vec![(0, 0), (1, 1), (2, 2)]

@@ -136,7 +136,7 @@ fn job(id: u64, src: Tier, dst: Tier, pairs: &[(u32, u32)]) -> TransferJob {
             .iter()
             .map(|&(src, dst)| BlockPair { src, dst })
             .collect(),
-        remote_keys: Vec::new(),
+        keys: Vec::new(),
     }
 }
 

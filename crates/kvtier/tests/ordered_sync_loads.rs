@@ -106,7 +106,7 @@ fn load(req: &str, sync: bool, id: u64, srcs: &[u32]) -> RequestLoad {
                     dst: 10 + i as u32,
                 })
                 .collect(),
-            remote_keys: Vec::new(),
+            keys: Vec::new(),
         }],
         failed_devices: Vec::new(),
     }

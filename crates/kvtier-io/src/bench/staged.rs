@@ -3,7 +3,8 @@
 use super::gpu::GpuCache;
 use super::*;
 
-/// Like [`jobs`], for remote jobs: pair `src`/`dst` on the remote side index `keys`.
+/// Like [`jobs`], for remote jobs: each pair's key is `keys[i]`, `i` its block number on the
+/// remote side.
 pub(super) fn keyed_jobs(
     pairs: &[(u32, u32)],
     src: Tier,
@@ -13,7 +14,12 @@ pub(super) fn keyed_jobs(
 ) -> Vec<TransferJob> {
     let mut js = jobs(pairs, src, dst, per_job);
     for j in &mut js {
-        j.remote_keys = keys.to_vec();
+        j.keys = j
+            .pairs
+            .iter()
+            .map(|p| if dst == Tier::Remote { p.dst } else { p.src })
+            .map(|i| kvtier::hash::SequenceHash(keys[i as usize]))
+            .collect();
     }
     js
 }
@@ -138,7 +144,7 @@ pub(super) fn gpu_staged(
         8,
         &keys,
     );
-    miss[0].remote_keys[0] = 0xDEAD_BEEF;
+    miss[0].keys[1] = kvtier::hash::SequenceHash(0xDEAD_BEEF); // pair 1: the victim
     let f = staged.fence(es).map_err(|e| e.to_string())?;
     let out = staged.execute(&miss[0], &f);
     if out.failed_pairs() != vec![1] || cache.block_bytes(layout, victim)? != before {

@@ -478,7 +478,7 @@ impl TransferEngine {
                 // disk tier binds the slot to it and refuses to serve another key's bytes.
                 let io: Vec<(u32, u128, usize)> = items
                     .iter()
-                    .map(|&(i, h)| (far_id(i), job.remote_keys.get(i).copied().unwrap_or(0), h))
+                    .map(|&(i, h)| (far_id(i), job.keys.get(i).map_or(0, |k| k.0), h))
                     .collect();
                 let out = if to_far {
                     disk.write_from(&io)
@@ -497,16 +497,14 @@ impl TransferEngine {
                     return Self::far_tier_missing(far, items, res, ok);
                 };
                 for (k, &(i, h)) in items.iter().enumerate() {
-                    let key_idx = far_id(i) as usize;
-                    let Some(&key) = job.remote_keys.get(key_idx) else {
-                        res.fail(
-                            i,
-                            format!(
-                                "remote key index {key_idx} out of range ({} keys)",
-                                job.remote_keys.len()
-                            ),
-                        );
-                        continue;
+                    // The key names the block in the store (the pair's remote-side number is
+                    // not used).
+                    let key = match job.key(i) {
+                        Ok(k) => k.0,
+                        Err(e) => {
+                            res.fail(i, e);
+                            continue;
+                        }
                     };
                     let r = if to_far {
                         // `h` is a whole host block that the job holds read-only.

@@ -206,7 +206,7 @@ fn cpu_pool_checks_bounds_and_outlives_its_handle() {
         src: Tier::Device,
         dst: Tier::Host,
         pairs: vec![BlockPair { src: 2, dst: 1 }],
-        remote_keys: vec![],
+        keys: vec![],
     };
     assert!(engine.execute(&job, &engine.fence(None).unwrap()).is_ok());
     let mut out = vec![0u8; 512];

@@ -27,7 +27,7 @@ pub(crate) fn job(src: Tier, dst: Tier, pairs: &[(u32, u32)]) -> TransferJob {
             .iter()
             .map(|&(s, d)| BlockPair { src: s, dst: d })
             .collect(),
-        remote_keys: Vec::new(),
+        keys: Vec::new(),
     }
 }
 

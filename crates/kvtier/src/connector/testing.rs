@@ -48,7 +48,7 @@ impl MemoryTransfer {
         }
     }
 
-    /// Add a G4 store reached through `TransferJob::remote_keys`.
+    /// Add a G4 store reached through `TransferJob::keys`.
     pub fn with_remote(mut self, remote: Arc<dyn RemoteStore>) -> Self {
         self.remote = Some(remote);
         self
@@ -97,25 +97,19 @@ impl MemoryTransfer {
             .ok_or_else(|| TransferError::Other(format!("{tier:?} block {block} out of range")))
     }
 
-    fn copy_pair(&self, job: &TransferJob, p: &BlockPair) -> Result<(), String> {
+    fn copy_pair(&self, job: &TransferJob, i: usize, p: &BlockPair) -> Result<(), String> {
         let mut buf = vec![0u8; self.bytes_per_block];
         if job.src == Tier::Remote {
-            let key = job
-                .remote_keys
-                .get(p.src as usize)
-                .ok_or("remote key index out of range")?;
+            let key = job.key(i).map_err(|e| e.to_string())?;
             let r = self.remote.as_ref().ok_or("no remote store")?;
-            r.get(*key, &mut buf).map_err(|e| e.to_string())?;
+            r.get(key.0, &mut buf).map_err(|e| e.to_string())?;
         } else {
             buf = self.read_block(job.src, p.src).map_err(|e| e.to_string())?;
         }
         if job.dst == Tier::Remote {
-            let key = job
-                .remote_keys
-                .get(p.dst as usize)
-                .ok_or("remote key index out of range")?;
+            let key = job.key(i).map_err(|e| e.to_string())?;
             let r = self.remote.as_ref().ok_or("no remote store")?;
-            r.put(*key, &buf).map_err(|e| e.to_string())?;
+            r.put(key.0, &buf).map_err(|e| e.to_string())?;
         } else {
             self.write_block(job.dst, p.dst, &buf)
                 .map_err(|e| e.to_string())?;
@@ -144,7 +138,7 @@ impl BlockTransfer for MemoryTransfer {
             .iter()
             .enumerate()
             .filter_map(|(i, p)| {
-                self.copy_pair(job, p).err().map(|reason| BlockFailure {
+                self.copy_pair(job, i, p).err().map(|reason| BlockFailure {
                     pair_index: i,
                     reason,
                 })

@@ -6,8 +6,8 @@
 //! copies are DMA; when it is not registered the job returns `None` and the engine stages it
 //! through its bounce buffer as for any remote store.
 //!
-//! Invariant: every pair of the job is either done or listed failed with its reason (a bad key
-//! index, a full node, a missing or damaged block, a device copy error, a connection lost
+//! Invariant: every pair of the job is either done or listed failed with its reason (a pair
+//! without a key, a full node, a missing or damaged block, a device copy error, a connection lost
 //! before the node acknowledged the pair).
 use kvtier::transfer::{Fence, TransferJob};
 
@@ -29,20 +29,13 @@ pub(crate) fn run(
     // keys[k] belongs to pair pairs_of[k].
     let mut keys = Vec::with_capacity(job.pairs.len());
     let mut pairs_of = Vec::with_capacity(job.pairs.len());
-    for (i, p) in job.pairs.iter().enumerate() {
-        let idx = if store { p.dst } else { p.src } as usize;
-        match job.remote_keys.get(idx) {
-            Some(&k) => {
-                keys.push(k);
+    for i in 0..job.pairs.len() {
+        match job.key(i) {
+            Ok(k) => {
+                keys.push(k.0);
                 pairs_of.push(i);
             }
-            None => failed.push((
-                i,
-                format!(
-                    "remote key index {idx} out of range ({} keys)",
-                    job.remote_keys.len()
-                ),
-            )),
+            Err(e) => failed.push((i, e.to_string())),
         }
     }
     if keys.is_empty() {

@@ -86,9 +86,13 @@ fn jobs(pairs: &[(u32, u32)], src: Tier, dst: Tier, keys: &[u128]) -> Vec<Transf
                     _ => BlockPair { src: s, dst: d },
                 })
                 .collect(),
-            remote_keys: if src == Tier::Remote || dst == Tier::Remote {
+            keys: if src == Tier::Remote || dst == Tier::Remote {
                 c.iter()
-                    .map(|&(s, d)| keys[if src == Tier::Device { s } else { d } as usize])
+                    .map(|&(s, d)| {
+                        kvtier::hash::SequenceHash(
+                            keys[if src == Tier::Device { s } else { d } as usize],
+                        )
+                    })
                     .collect()
             } else {
                 Vec::new()

@@ -43,7 +43,7 @@ fn job(src: Tier, dst: Tier, pairs: impl Iterator<Item = (u32, u32)>) -> Transfe
         src,
         dst,
         pairs: pairs.map(|(s, d)| BlockPair { src: s, dst: d }).collect(),
-        remote_keys: Vec::new(),
+        keys: Vec::new(),
     }
 }
 

@@ -32,7 +32,7 @@ pub(super) struct LoadBooks {
     /// Destination device block per pair.
     devices: Vec<DeviceBlockId>,
     /// Remote loads: the hash each pair reads (empty for host and disk).
-    remote_hashes: Vec<u128>,
+    remote_hashes: Vec<SequenceHash>,
 }
 
 /// What [`Leader::allocate`] did with an engine's allocation.
@@ -69,7 +69,7 @@ struct TierLoad {
     /// The pins of the pool blocks it reads, one per pair (host and disk).
     pinned: Vec<Pinned>,
     /// The hash per pair (disk and remote; the key the source checks or reads).
-    keys: Vec<u128>,
+    keys: Vec<SequenceHash>,
 }
 
 impl Leader {
@@ -247,7 +247,7 @@ impl Leader {
                         src: entry.keys.len() as u32,
                         dst: ob.device.0,
                     });
-                    entry.keys.push(ob.hash.0);
+                    entry.keys.push(ob.hash);
                 }
                 Some(pin) => {
                     entry.pairs.push(BlockPair {
@@ -257,7 +257,7 @@ impl Leader {
                     entry.pinned.push(pin);
                     if tier == Tier::Disk {
                         // The disk tier checks the slot holds this hash's block.
-                        entry.keys.push(ob.hash.0);
+                        entry.keys.push(ob.hash);
                     }
                 }
             }
@@ -304,7 +304,7 @@ impl Leader {
                 src: tier,
                 dst: Tier::Device,
                 pairs,
-                remote_keys: keys,
+                keys,
             });
         }
         let mut sync = !self.async_loads;
@@ -368,7 +368,7 @@ impl Leader {
                 if self.remote_failed.len() >= MAX_REMOTE_FAILED {
                     self.remote_failed.clear();
                 }
-                self.remote_failed.insert(SequenceHash(h));
+                self.remote_failed.insert(h);
             }
         }
         self.stats.onboard_failed += failed.len() as u64;

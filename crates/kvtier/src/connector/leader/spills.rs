@@ -119,7 +119,7 @@ impl Leader {
                     src: host_block.0,
                     dst: 0,
                 }],
-                remote_keys: vec![hash.0],
+                keys: vec![hash],
             });
         }
     }
@@ -141,7 +141,7 @@ impl Leader {
             src: Tier::Host,
             dst: Tier::Disk,
             pairs: vec![pair],
-            remote_keys: vec![hash.0],
+            keys: vec![hash],
         });
     }
 

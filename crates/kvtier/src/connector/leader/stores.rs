@@ -17,6 +17,7 @@ use crate::connector::messages::{RequestStore, StepMetadata, PROTOCOL_VERSION};
 use crate::connector::slot::{OffloadBlock, Slot};
 use crate::connector::step::{SchedulerStep, StepRecord};
 use crate::connector::ConnectorError;
+use crate::hash::SequenceHash;
 use crate::ids::{DeviceBlockId, JobId, RequestId, Tier};
 use crate::pool::{Priority, Reservation, Reserved};
 use crate::transfer::{BlockPair, TransferJob};
@@ -198,7 +199,7 @@ impl Leader {
         sc.seen_again.clear();
         let mut pairs = Vec::with_capacity(offloads.len());
         let mut books: Vec<Reserved> = Vec::with_capacity(offloads.len());
-        // Disk stores bind each slot to its hash (`TransferJob::remote_keys`).
+        // Disk stores bind each slot to its hash (`TransferJob::keys`).
         let mut disk_keys = Vec::new();
         let mut priorities: Vec<Priority> = Vec::with_capacity(offloads.len());
         let mut dropped = 0u64;
@@ -211,7 +212,7 @@ impl Leader {
                     });
                     books.push(res);
                     if tier == Tier::Disk {
-                        disk_keys.push(ob.hash.0);
+                        disk_keys.push(ob.hash);
                     }
                     priorities.push(
                         self.block_priorities
@@ -389,7 +390,7 @@ impl Leader {
                 src: ob.device.0,
                 dst: k as u32,
             });
-            keys.push(ob.hash.0);
+            keys.push(ob.hash);
         }
         let n = pairs.len();
         self.stats.offload_blocks += n as u64;
@@ -409,7 +410,7 @@ impl Leader {
         id: JobId,
         dst: Tier,
         pairs: Vec<BlockPair>,
-        remote_keys: Vec<u128>,
+        keys: Vec<SequenceHash>,
     ) {
         if let Some(e) = self.slots.get_mut(req) {
             e.stores_in_flight += 1;
@@ -421,7 +422,7 @@ impl Leader {
                 src: Tier::Device,
                 dst,
                 pairs,
-                remote_keys,
+                keys,
             },
         });
     }

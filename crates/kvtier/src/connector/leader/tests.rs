@@ -310,7 +310,7 @@ fn adopted_disk_blocks_are_hits_and_disk_jobs_carry_keys() {
         load.pairs,
         vec![BlockPair { src: 5, dst: 20 }, BlockPair { src: 2, dst: 21 }]
     );
-    assert_eq!(load.remote_keys, vec![hashes[0].0, hashes[1].0]);
+    assert_eq!(load.keys, vec![hashes[0], hashes[1]]);
     // Free disk blocks are handed out lowest first after the adoption.
     let pins = l.tiers.disk.as_mut().unwrap().allocate(2).unwrap();
     let blocks: Vec<BlockId> = pins.iter().map(|p| p.block()).collect();
@@ -332,7 +332,7 @@ fn disk_stores_carry_keys() {
     let job = &m.stores[0].job;
     assert_eq!(job.dst, Tier::Disk);
     let hashes = crate::hash::sequence_hashes(HashSalt(3), &a, 4);
-    assert_eq!(job.remote_keys, vec![hashes[0].0, hashes[1].0]);
+    assert_eq!(job.keys, vec![hashes[0], hashes[1]]);
     let mut cfg = LeaderConfig::new(4, HashSalt(3), 4);
     cfg.disk = Capacity::Blocks(8);
     cfg.disk_policy = DiskPolicy::WriteThrough;
@@ -345,7 +345,7 @@ fn disk_stores_carry_keys() {
         .collect();
     assert_eq!(spills.len(), 2);
     for (j, h) in spills.iter().zip(&hashes) {
-        assert_eq!(j.remote_keys, vec![h.0]);
+        assert_eq!(j.keys, vec![*h]);
     }
 }
 

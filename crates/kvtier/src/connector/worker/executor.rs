@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use super::WorkerLink;
 use crate::connector::messages::{remote_key_for_rank, WorkerReport};
+use crate::hash::SequenceHash;
 use crate::ids::{JobId, Tier};
 use crate::transfer::{
     BlockFailure, BlockTransfer, Fence, LayerGate, TransferJob, TransferOutcome,
@@ -108,9 +109,9 @@ pub(super) fn executor(
             let mut run = job.clone();
             // Remote keys are per rank; disk keys stay sequence hashes (each rank has its own
             // disk files, and the leader re-registers recovered disk blocks by hash).
-            if !run.remote_keys.is_empty() && (run.src == Tier::Remote || run.dst == Tier::Remote) {
-                for k in &mut run.remote_keys {
-                    *k = remote_key_for_rank(*k, link.rank, link.world_size);
+            if !run.keys.is_empty() && (run.src == Tier::Remote || run.dst == Tier::Remote) {
+                for k in &mut run.keys {
+                    *k = SequenceHash(remote_key_for_rank(k.0, link.rank, link.world_size));
                 }
             }
             let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| match task.order {

@@ -25,7 +25,7 @@ fn worker_with_held_stores(stores: &[(u64, &str)]) -> (Worker, Arc<FaultyTransfe
                     src: id as u32,
                     dst: id as u32,
                 }],
-                remote_keys: Vec::new(),
+                keys: Vec::new(),
             },
         })
         .collect();

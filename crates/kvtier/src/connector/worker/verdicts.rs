@@ -102,7 +102,7 @@ mod tests {
                     src: Tier::Host,
                     dst: Tier::Device,
                     pairs: vec![BlockPair { src: 0, dst: 2 }, BlockPair { src: 1, dst: 3 }],
-                    remote_keys: vec![],
+                    keys: vec![],
                 }],
                 failed_devices: vec![],
             }],

@@ -114,7 +114,7 @@ fn job(id: u64) -> TransferJob {
         src: Tier::Host,
         dst: Tier::Device,
         pairs: vec![crate::transfer::BlockPair { src: 0, dst: 0 }],
-        remote_keys: Vec::new(),
+        keys: Vec::new(),
     }
 }
 
