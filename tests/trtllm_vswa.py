@@ -227,7 +227,9 @@ class VswaEngine(FakeTrtllmEngine):
             while p < start + n:
                 b, s0 = divmod(p, tpb)
                 k = min(tpb - s0, start + n - p)
-                assert table[b] != BAD_PAGE_INDEX
+                assert table[b] != BAD_PAGE_INDEX, (
+                    f"request {req.request_id} layer {layer} (window {self.group_windows[g]}) writes position {p} "
+                    f"into a block without a page (-1 in group {g}): {table}")
                 self.pools[rank][g].write(table[b], local, plane, s0, vals[p - start:p - start + k])
                 p += k
 

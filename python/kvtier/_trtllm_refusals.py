@@ -154,8 +154,16 @@ def _window_refusals(llm_args: Any, windows: list) -> list:
                    "(and raises for several windows); set kv_cache_config.use_kv_cache_manager_v2=true, "
                    "whose per-layer-group page ids kvtier serves")
     if int(getattr(_mapping(llm_args), "world_size", 1) or 1) > 1:
-        out.append(f"{what} with tensor parallelism: kvtier serves sliding-window layer groups on one rank "
-                   "only (load verdicts are per group); set tensor_parallel_size=1 or run without kvtier")
+        # TP > 1 recovers a load that failed on any rank only by every rank rewinding its request
+        # (the load verdict, docs/arch/trtllm.md). Under a window that rewind is unsafe:
+        # kv_cache_manager_v2.py gives a window's layer group no page for the blocks behind the window
+        # of the served end (_stale_block_range; _resize_for_connector_prefix sets the history to the
+        # served end), so recomputing any earlier token writes and reads blocks whose page is -1.
+        out.append(f"{what} with tensor parallelism: a load that fails on one rank is recovered only by "
+                   "rewinding the request on every rank, and KVCacheManagerV2 gives a window's layer group no "
+                   "page for the blocks behind the window of the loaded prefix (_stale_block_range, "
+                   "_resize_for_connector_prefix), so the rewound tokens would be computed into blocks "
+                   "without a page; set tensor_parallel_size=1 or run without kvtier")
     if setting and seq is None:
         out.append(f"{what}: set max_seq_len (an entry equal to it is full attention, which kvtier must know "
                    "to group the layers as TensorRT-LLM does)")
