@@ -133,7 +133,7 @@ def engine_windows(llm_args: Any) -> Optional[list]:
     return sorted(found, key=lambda w: (w is not None, w or 0))
 
 
-def _window_refusals(llm_args: Any, windows: list) -> list:
+def _window_refusals(llm_args: Any, windows: list, tiers: dict) -> list:
     """Sliding windows are served on KVCacheManagerV2 with one rank (``_trtllm_groups``); the rest is
     refused, naming the layer kind and the setting."""
     kv = getattr(llm_args, "kv_cache_config", None)
@@ -164,6 +164,20 @@ def _window_refusals(llm_args: Any, windows: list) -> list:
                    "page for the blocks behind the window of the loaded prefix (_stale_block_range, "
                    "_resize_for_connector_prefix), so the rewound tokens would be computed into blocks "
                    "without a page; set tensor_parallel_size=1 or run without kvtier")
+    fallible = [n for n in ("disk", "remote") if tiers.get(n)]
+    if fallible and len(windows) > 0 and any(w is not None for w in windows):
+        # A load from the disk or remote tier can fail (a damaged or vanished block); kvtier then has the
+        # request recomputed from where its offer began. Under a window kv_cache_manager_v2.py gave the
+        # window's layer group no page (-1) for the blocks behind the window of the served end
+        # (_stale_block_range after _resize_for_connector_prefix), so that recompute would write and read
+        # blocks without a page (tests/test_trtllm_vswa.py reproduces it in the driver). Host-tier loads do
+        # not fail that way: a matched host block is held from the match to the allocation of one
+        # scheduling pass, and a copy between pinned host memory and the GPU fails only with the device.
+        out.append(f"{what} with a {' and '.join(fallible)} tier: a failed {'/'.join(fallible)} load is recovered "
+                   "by recomputing the request from where kvtier's offer began, and KVCacheManagerV2 gives a "
+                   "window's layer group no page for the blocks behind the window of the loaded prefix "
+                   "(_stale_block_range), so that recompute would write into blocks without a page; use the "
+                   "host tier alone with this model (unset the disk and remote settings)")
     if setting and seq is None:
         out.append(f"{what}: set max_seq_len (an entry equal to it is full attention, which kvtier must know "
                    "to group the layers as TensorRT-LLM does)")
@@ -219,7 +233,7 @@ def _refusals(llm_args: Any, tiers: dict) -> list[str]:
                    "tracks; use kvtier's host tier instead (DYN_KVBM_CPU_CACHE_GB)")
     windows = engine_windows(llm_args)
     if windows is not None:
-        out += _window_refusals(llm_args, windows)
+        out += _window_refusals(llm_args, windows, tiers)
     other = _stateful_or_chunked_layers(llm_args)
     if other is not None:
         out.append(f"the model {getattr(llm_args, 'model', '')} has layers kvtier cannot serve ({other}; "
