@@ -288,6 +288,25 @@ class Worker:
         when time ran out (threads still running end on their own). A negative or NaN timeout is a
         ``ConnectorError``."""
 
+class Completions:
+    """The books of an engine worker process over its workers (one per KV cache group): which requests the
+    engine hears of as saved and as received, which device blocks failed to load (kvtier::connector::Completions).
+    Pure bookkeeping: no worker, no I/O."""
+
+    def __init__(self) -> None: ...
+    def begin_step(self, delayed_frees: Sequence[str], delayed_groups: dict[str, list[int]],
+                   recv_groups: dict[str, list[int]], failed_loads: dict[str, list[int]],
+                   failed_async: set[str]) -> None:
+        """One step's metadata: delayed frees (reported once saved; with several groups once every group named
+        in ``delayed_groups`` saved them), the groups each asynchronous load waits for, and loads the scheduler
+        side failed (their blocks; an asynchronous one's request is reported received once)."""
+    def finish(self, reports: Sequence[Optional[tuple[Sequence[str], Sequence[str], Sequence[str]]]]
+               ) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        """``(finished_sending, finished_recving)``, None when empty, from each group's ``Worker.get_finished``
+        answer (None where that worker could not answer)."""
+    def take_load_errors(self, from_workers: Sequence[int]) -> set[int]:
+        """Device blocks whose loads failed since the last call: the scheduler side's and ``from_workers``."""
+
 def default_node_socket() -> str:
     """The per-user node socket used when none is named."""
     ...

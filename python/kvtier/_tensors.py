@@ -17,11 +17,12 @@ block's bytes against the described tensors; that the description matches the ob
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from ._native import LayoutError, TensorDesc
 
-__all__ = ["describe", "stream_handle"]
+__all__ = ["current_stream_handle", "describe", "stream_handle"]
 
 # numpy-style type strings -> dtype names (kind, size).
 _TYPESTR_NAMES = {
@@ -118,3 +119,12 @@ def stream_handle(stream: Any) -> int | None:
     if handle is None:
         raise TypeError(f"{type(stream).__name__} is not a CUDA stream (no cuda_stream attribute)")
     return int(handle)
+
+
+def current_stream_handle() -> int | None:
+    """torch's current CUDA stream handle, or None where torch or CUDA is absent or not initialised (torch is not
+    imported here: only a process that already did has one)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.current_stream().cuda_stream)

@@ -125,6 +125,21 @@ class SchedulerGroups:
                 per[g].append(rec + (False, prio) if prio else rec)
         return tuple(bytes(l.build_step(r)) for l, r in zip(self.leaders, per))
 
+    def build_output(self, scheduler_output: Any) -> tuple:
+        """One metadata blob per layer group from TensorRT-LLM's ``SchedulerOutput``: each group's page ids
+        (``new_block_ids_by_layer_group``; the flat ``new_block_ids`` with one sliding-window group), ``-1`` as
+        holes."""
+        records = []
+        for is_new, group in ((True, scheduler_output.new_requests), (False, scheduler_output.cached_requests)):
+            for rd in group:
+                by_group = [list(g) for g in (getattr(rd, "new_block_ids_by_layer_group", None) or [])]
+                if not by_group:
+                    by_group = [list(rd.new_block_ids)]
+                prio = getattr(rd, "priorities", None)
+                records.append((str(rd.request_id), rd.new_tokens, by_group, rd.computed_position,
+                                rd.num_scheduled_tokens, is_new, [int(x) for x in prio] if prio else None))
+        return self.build(records)
+
     def finished(self, rid: str) -> bool:
         # Every group is told (each releases its own books); True while any group has copies in flight.
         return any([bool(l.request_finished(rid)) for l in self.leaders])

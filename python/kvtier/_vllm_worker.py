@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from . import _native
 from ._vllm_meta import KvtierConnectorMetadata, KvtierWorkerMetadata
 from ._vllm_util import _backend, _trace
 
@@ -30,15 +31,10 @@ class _WorkerSide:
         self._block_size = block_size
         self._worker: Any = None
         self._workers: list[Any] = []
-        # Several groups: per asynchronous load, the groups still to report it; per delayed free, the groups whose
-        # stores are still to land (vLLM hears of the request once none is left).
-        self._recv_wait: dict[str, set[int]] = {}
-        self._recv_failed: set[str] = set()
-        self._save_wait: dict[str, set[int]] = {}
         self._errors = 0
-        self._failed_recv: set[str] = set()
-        self._failed_blocks: set[int] = set()
-        self._awaiting_save: set[str] = set()
+        # Which requests vLLM hears of in finished_sending / finished_recving and which blocks failed to load: the
+        # Rust books (kvtier::connector::Completions), over every group's worker.
+        self._books = _native.Completions()
         self._last_stats: dict[str, float] = {}
         # The engine's current CUDA stream, as a raw handle (set in register when the KV cache is on a GPU).
         self._current_stream: Any = None
@@ -89,19 +85,9 @@ class _WorkerSide:
                 (lambda: torch.cuda.current_stream(dev).cuda_stream)
 
     def start_step(self, meta: KvtierConnectorMetadata, layer_hooks: bool = False) -> None:
-        self._awaiting_save.update(meta.delayed_frees)
-        for rid, groups in getattr(meta, "delayed_groups", {}).items():
-            self._save_wait[rid] = set(groups)
-        for rid, groups in getattr(meta, "recv_groups", {}).items():
-            self._recv_wait[rid] = set(groups)
-        for rid, blocks in meta.failed_loads.items():
-            if rid in meta.failed_loads_async:
-                # vLLM waits for the request in finished_recving; a sync load is only failed by its blocks.
-                if self._recv_wait.get(rid):
-                    self._recv_failed.add(rid)  # reported once the other groups' loads landed
-                else:
-                    self._failed_recv.add(rid)
-            self._failed_blocks.update(blocks)
+        self._books.begin_step(list(meta.delayed_frees), dict(getattr(meta, "delayed_groups", {})),
+                               dict(getattr(meta, "recv_groups", {})), dict(meta.failed_loads),
+                               set(meta.failed_loads_async))
         plans = [meta.plan, *getattr(meta, "group_plans", [])]
         self.layered_step = False
         for worker, plan in zip(self._all(), plans):
@@ -176,60 +162,28 @@ class _WorkerSide:
                 self._error("wait_for_all_requests", e)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending: set[str] = set()
-        recving: set[str] = set()
-        several = len(self._all()) > 1
-        for g, worker in enumerate(self._all()):
+        reports: list[Any] = []
+        for worker in self._all():
             try:
                 saved, loaded, load_failed = worker.get_finished(sorted(finished_req_ids))
             except Exception as e:
                 self._error("get_finished", e)
+                reports.append(None)
                 continue
             for r in loaded:
                 _trace("loaded", r)
-            if not several:
-                # vLLM frees a request's blocks at once unless request_finished said True, and then must not
-                # hear of it again.
-                done = self._awaiting_save.intersection(saved)
-                self._awaiting_save -= done
-                sending.update(done)
-                # A failed load is reported finished too; its blocks are in get_block_ids_with_load_errors.
-                recving.update(loaded)
-                recving.update(load_failed)
-                continue
-            # Several groups: a request is saved (loaded) once every group that stores (loads) it reported it.
-            for r in saved:
-                left = self._save_wait.get(r)
-                if left is not None:
-                    left.discard(g)
-            for r in (*loaded, *load_failed):
-                left = self._recv_wait.get(r)
-                if left is not None:
-                    left.discard(g)
-        if several:
-            for r in [r for r, left in self._save_wait.items() if not left]:
-                del self._save_wait[r]
-                if r in self._awaiting_save:
-                    self._awaiting_save.discard(r)
-                    sending.add(r)
-            for r in [r for r, left in self._recv_wait.items() if not left]:
-                del self._recv_wait[r]
-                recving.add(r)
-                self._recv_failed.discard(r)
-        if self._failed_recv:
-            recving |= self._failed_recv
-            self._failed_recv = set()
-        return (sending or None), (recving or None)
+            reports.append((list(saved), list(loaded), list(load_failed)))
+        # Delayed frees once saved, loads once over (failed ones too), per group as the metadata named them.
+        return self._books.finish(reports)
 
     def take_load_errors(self) -> set[int]:
-        errs = set(self._failed_blocks)
-        self._failed_blocks = set()
+        errs: list[int] = []
         for worker in self._all():
             try:
-                errs.update(int(b) for b in worker.take_load_errors())
+                errs.extend(int(b) for b in worker.take_load_errors())
             except Exception as e:
                 self._error("take_load_errors", e)
-        return errs
+        return self._books.take_load_errors(errs)
 
     def take_reports(self) -> KvtierWorkerMetadata | None:
         reports: list[bytes] = []

@@ -47,13 +47,14 @@ import logging
 import os
 import socket
 import sys
-import threading
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from . import _native
 from ._native import ConfigError, ConnectorError
-from ._tensors import describe, stream_handle
+from ._tensors import current_stream_handle, describe, stream_handle
+from ._trtllm_engine import Engine
 from . import _trtllm_groups as _groups
+from . import _trtllm_layout as _layout
 from ._trtllm_refusals import _get
 
 __all__ = [
@@ -237,36 +238,8 @@ def _is_generation_only(request: Any) -> bool:
 from ._trtllm_refusals import _check, _refusals  # noqa: E402,F401  (engine-start refusals)
 
 
-# --------------------------------------------------------------------------------------------
-# Engine-wide state shared by rank 0's scheduler and worker (one process, one channel)
-
-
-class _Engine:
-    """The scheduler and rank 0's worker of one engine run in one process; they share the request
-    objects of async loads (for recompute) and the ZeroMQ endpoint the leader bound."""
-
-    _all: "dict[str, _Engine]" = {}
-    _all_lock = threading.Lock()
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.loads: dict[str, tuple[Any, list[int], int]] = {}  # rid -> (request, blocks, match start)
-        self.endpoint: Optional[str] = None
-        #: kvtier's group index of each of TensorRT-LLM's layer groups (rank 0's KvCacheLayout).
-        self.group_order: Optional[list] = None
-        self.endpoint_set = threading.Event()
-        #: Rank 0's leader (TP > 1: the source of the load verdicts every rank acts on).
-        self.leader: Any = None
-        #: All ranks in this process (tests without TensorRT-LLM): rank 0's verdict blobs in order,
-        #: and how many each rank has applied (the in-process stand-in for the broadcast).
-        self.verdict_log: list[bytes] = []
-        self.verdict_base = 0
-        self.verdict_cursor: dict[int, int] = {}
-
-    @classmethod
-    def of(cls, channel: str) -> "_Engine":
-        with cls._all_lock:
-            return cls._all.setdefault(channel, cls())
+# Engine-wide state shared by rank 0's scheduler and worker (one process, one channel).
+_Engine = Engine
 
 
 def _channel() -> str:
@@ -442,7 +415,7 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
         # Records as tuples (request_id, new_tokens, new_block_ids, num_computed, num_scheduled,
         # num_draft, is_new): the cheapest form to hand to Rust every step.
         if self._groups is not None:
-            return self._build_grouped(scheduler_output)
+            return self._groups.build_output(scheduler_output)
         records = []
         for is_new, group in ((True, scheduler_output.new_requests), (False, scheduler_output.cached_requests)):
             for rd in group:
@@ -465,20 +438,6 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
                 else:
                     records.append((rid, rd.new_tokens, blocks, rd.computed_position, scheduled, 0, is_new))
         return self._leader.build_step(records)
-
-    def _build_grouped(self, scheduler_output: Any) -> tuple:
-        """One metadata blob per layer group: each group's page ids (``new_block_ids_by_layer_group``;
-        the flat ``new_block_ids`` with one sliding-window group), ``-1`` as holes."""
-        records = []
-        for is_new, group in ((True, scheduler_output.new_requests), (False, scheduler_output.cached_requests)):
-            for rd in group:
-                by_group = [list(g) for g in (getattr(rd, "new_block_ids_by_layer_group", None) or [])]
-                if not by_group:
-                    by_group = [list(rd.new_block_ids)]
-                prio = getattr(rd, "priorities", None)
-                records.append((str(rd.request_id), rd.new_tokens, by_group, rd.computed_position,
-                                rd.num_scheduled_tokens, is_new, [int(x) for x in prio] if prio else None))
-        return self._groups.build(records)
 
     def request_finished_by_layer_group(self, request: Any, cache_block_ids_by_layer_group: Sequence[Sequence[int]]
                                         ) -> bool:
@@ -605,58 +564,18 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         self._register(describe(kv_cache_tensor), "trtllm_pool")
 
     def register_kv_cache_layout(self, layout: Any) -> None:
-        """KVCacheManagerV2 (``connectors/kv_cache_layout.py``): page slot ``i`` of a region lives at
-        ``base + stride * i`` for ``size`` bytes. One full-attention layer group with shard-specific
-        regions only; each region becomes a ``[num_slots, tokens_per_block, bytes]`` tensor."""
+        """KVCacheManagerV2 (``connectors/kv_cache_layout.py``): one full-attention layer group with
+        shard-specific regions, or one layer group per window (``_trtllm_layout``)."""
         if self._windows is not None:
-            self._register_groups(layout)
+            # One native worker per group, in kvtier's order.
+            tensors, order = _layout.group_tensors(layout, self._windows, self._tpb)
+            workers = self._register(tensors, "vllm_mla", self._windows)
+            self._groups = _groups.WorkerGroups(workers)
+            self._worker = workers[0]
+            if self._rank == 0:
+                self._engine.group_order = order
             return
-        groups = list(getattr(layout, "groups", ()))
-        windows = [getattr(g, "window_size", None) for g in groups]
-        if len(groups) != 1:
-            raise ConfigError(f"KvCacheLayout has {len(groups)} layer groups (window_size per group: {windows}; "
-                              "variable sliding-window or hybrid attention): kvtier serves one full-attention "
-                              "layer group only (kv_cache_config.max_attention_window)")
-        g = groups[0]
-        if windows[0] is not None:
-            raise ConfigError(f"KvCacheLayout's layer group is sliding-window attention (window_size={windows[0]}): "
-                              "kvtier serves full-attention layers only (kv_cache_config.max_attention_window)")
-        if getattr(g, "replicated_regions", ()):
-            raise ConfigError("KvCacheLayout has replicated regions (side caches): not supported by kvtier")
-        self._register(self._region_tensors(layout, g), "vllm_mla")
-
-    def _register_groups(self, layout: Any) -> None:
-        """Sliding windows (``connectors/kv_cache_layout.py``: one layer group per window, page ids scoped
-        to their group): one native worker per group, in kvtier's order."""
-        order = _groups.layout_groups(layout, self._windows)
-        tensors: list = [None] * len(self._windows)
-        for g, k in zip(layout.groups, order):
-            if getattr(g, "replicated_regions", ()):
-                raise ConfigError("KvCacheLayout has replicated regions (side caches): not supported by kvtier")
-            tensors[k] = self._region_tensors(layout, g)
-        workers = self._register(tensors, "vllm_mla", self._windows)
-        self._groups = _groups.WorkerGroups(workers)
-        self._worker = workers[0]
-        if self._rank == 0:
-            self._engine.group_order = order
-
-    def _region_tensors(self, layout: Any, g: Any) -> list:
-        """Each region of layer group ``g`` as a ``[num_slots, tokens_per_block, bytes]`` tensor."""
-        tpb = int(getattr(layout, "tokens_per_block", self._tpb))
-        device, index = _current_device()
-        device = str(getattr(layout, "device", device))  # test pools in host memory say "cpu"
-        tensors = []
-        for i, r in enumerate(g.regions):
-            size, stride = int(r.size), int(r.stride)
-            if size % (tpb * 2):
-                raise ConfigError(f"KvCacheLayout region {i}: {size} bytes are not {tpb} tokens of 2-byte units")
-            inner = size // (tpb * 2)
-            desc = _native.TensorDesc(int(r.base), [int(r.num_slots), tpb, inner], [stride, inner * 2, 2], 2,
-                                      "float16", device, index)
-            tensors.append((f"region {i}", desc))
-        if not tensors:
-            raise ConfigError("KvCacheLayout has no regions")
-        return tensors
+        self._register(_layout.single_group_tensors(layout, self._tpb), "vllm_mla")
 
     # ----- per step ----------------------------------------------------------------------------
 
@@ -735,7 +654,7 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         def forward_pass_done() -> None:
             w = self._groups or self._worker
             if w is not None:
-                w.forward_done(_current_stream_handle())
+                w.forward_done(current_stream_handle())
 
         return forward_pass_done
 
@@ -774,18 +693,8 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         if _ranks_in_processes(self._llm_args):
             got = _broadcast(mine if self._rank == 0 else None)
             return [got] if got else []
-        with eng.lock:  # all ranks in this process (tests): rank 0's blobs in order, once each
-            if mine:
-                eng.verdict_log.append(mine)
-            start = eng.verdict_cursor.get(self._rank, eng.verdict_base)
-            end = eng.verdict_base + len(eng.verdict_log)
-            out = eng.verdict_log[start - eng.verdict_base:]
-            eng.verdict_cursor[self._rank] = end
-            done = min(eng.verdict_cursor.get(r, eng.verdict_base) for r in range(_world_size(self._llm_args)))
-            if done > eng.verdict_base:
-                del eng.verdict_log[: done - eng.verdict_base]
-                eng.verdict_base = done
-        return out
+        # All ranks in this process (tests): rank 0's blobs in order, once each.
+        return eng.verdicts_in_process(self._rank, mine, _world_size(self._llm_args))
 
     def _get_finished_by_verdict(self, finished: Sequence[int], started: Sequence[int],
                                  manager: Any) -> tuple[list[int], list[int]]:
@@ -848,20 +757,6 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
 
 def _ids(xs: Iterable[Any]) -> list[str]:
     return [str(int(x)) for x in xs]
-
-
-def _current_device() -> tuple[str, int]:
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        return "cuda", int(torch.cuda.current_device())
-    return "cpu", 0
-
-
-def _current_stream_handle() -> Optional[int]:
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
-    return int(torch.cuda.current_stream().cuda_stream)
 
 
 # --------------------------------------------------------------------------------------------

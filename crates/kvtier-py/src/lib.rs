@@ -28,6 +28,7 @@
 
 use pyo3::prelude::*;
 
+pub(crate) mod completions;
 pub mod errors;
 pub(crate) mod leader;
 pub(crate) mod node;
@@ -81,6 +82,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<records::PyStepRecord>()?;
     m.add_class::<leader::PyLeader>()?;
     m.add_class::<worker::PyWorker>()?;
+    m.add_class::<completions::PyCompletions>()?;
     m.add_class::<node::PyNodeServer>()?;
 
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;

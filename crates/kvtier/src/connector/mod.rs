@@ -5,6 +5,7 @@
 //!
 //! Invariant: nothing the engine passes in can panic this module; invalid input becomes a
 //! [`ConnectorError`] naming the request and the field, and leaves every other request untouched.
+pub mod completions;
 pub(crate) mod fasthash;
 pub mod groups;
 pub(crate) mod jobs;
@@ -21,6 +22,7 @@ pub mod zmq;
 #[cfg(feature = "zmq")]
 pub mod zmq_auth;
 
+pub use completions::{Completions, FailedLoad, Finished, StepNotice};
 pub use leader::{
     BlockReuse, Capacity, DiskPolicy, KvEvent, Leader, LeaderConfig, LeaderStats, RequestKey,
 };

@@ -1,0 +1,100 @@
+//! `kvtier._native.Completions`: the books of an engine worker process over its kvtier workers
+//! (one per KV cache group), a thin shell around [`kvtier::connector::Completions`]: which
+//! requests the engine hears of as saved and as received, and which device blocks failed to load.
+//!
+//! Invariant: no rule lives here; arguments are converted, the core decides. No lock: PyO3's
+//! borrow flag gives each call exclusive access.
+use std::collections::{HashMap, HashSet};
+
+use kvtier::connector::{Completions, FailedLoad, FinishedReport, StepNotice};
+use kvtier::ids::{DeviceBlockId, RequestId};
+use pyo3::prelude::*;
+
+/// One group's `Worker.get_finished` answer: `(saved, loaded, load_failed)`.
+type Report = (Vec<String>, Vec<String>, Vec<String>);
+
+fn rids(v: Vec<String>) -> Vec<RequestId> {
+    v.into_iter().map(RequestId::from).collect()
+}
+
+fn groups(m: HashMap<String, Vec<usize>>) -> Vec<(RequestId, Vec<usize>)> {
+    m.into_iter()
+        .map(|(q, g)| (RequestId::from(q), g))
+        .collect()
+}
+
+fn set(v: Vec<RequestId>) -> Option<HashSet<String>> {
+    (!v.is_empty()).then(|| v.into_iter().map(|q| q.to_string()).collect())
+}
+
+/// The worker process's completion books (see `_native.pyi`).
+#[pyclass(name = "Completions", module = "kvtier._native")]
+#[derive(Default)]
+pub(crate) struct PyCompletions {
+    books: Completions,
+}
+
+#[pymethods]
+impl PyCompletions {
+    #[new]
+    fn py_new() -> Self {
+        Self::default()
+    }
+
+    /// One step's metadata, before its loads start.
+    #[pyo3(signature = (delayed_frees, delayed_groups, recv_groups, failed_loads, failed_async))]
+    fn begin_step(
+        &mut self,
+        delayed_frees: Vec<String>,
+        delayed_groups: HashMap<String, Vec<usize>>,
+        recv_groups: HashMap<String, Vec<usize>>,
+        failed_loads: HashMap<String, Vec<u32>>,
+        failed_async: HashSet<String>,
+    ) {
+        let failed_loads = failed_loads
+            .into_iter()
+            .map(|(q, blocks)| FailedLoad {
+                is_async: failed_async.contains(&q),
+                request: RequestId::from(q),
+                blocks: blocks.into_iter().map(DeviceBlockId).collect(),
+            })
+            .collect();
+        self.books.begin_step(StepNotice {
+            delayed_frees: rids(delayed_frees),
+            delayed_groups: groups(delayed_groups),
+            recv_groups: groups(recv_groups),
+            failed_loads,
+        });
+    }
+
+    /// `(finished_sending, finished_recving)`, each `None` when empty, from every group's
+    /// worker's answer (`None` where it could not answer).
+    fn finish(
+        &mut self,
+        reports: Vec<Option<Report>>,
+    ) -> (Option<HashSet<String>>, Option<HashSet<String>>) {
+        let reports: Vec<Option<FinishedReport>> = reports
+            .into_iter()
+            .map(|r| {
+                r.map(|(saved, loaded, failed)| FinishedReport {
+                    saved: rids(saved),
+                    loaded: rids(loaded),
+                    load_failed: rids(failed),
+                    recompute: Vec::new(),
+                })
+            })
+            .collect();
+        let f = self.books.finish(&reports);
+        (set(f.sending), set(f.recving))
+    }
+
+    /// Device blocks whose loads failed since the last call: the scheduler side's and
+    /// `from_workers` (the workers' own `take_load_errors`).
+    fn take_load_errors(&mut self, from_workers: Vec<u32>) -> HashSet<u32> {
+        self.books
+            .take_load_errors(from_workers.into_iter().map(DeviceBlockId))
+            .into_iter()
+            .map(|b| b.0)
+            .collect()
+    }
+}

@@ -1,0 +1,299 @@
+//! The books an engine's worker process keeps over its kvtier workers (one per KV cache group) to
+//! answer the engine's "what finished" questions: which requests it hears of as saved (delayed
+//! frees), which as received (asynchronous loads, loaded or failed), and which device blocks it
+//! hears failed to load. The workers report per group; the scheduler side's metadata says which
+//! groups each request waits for and which loads it had to fail itself. vLLM's contract
+//! (`KVConnectorBase_V1.get_finished`, `get_block_ids_with_load_errors`) is what this serves.
+//!
+//! Invariants:
+//! - a delayed free (a request the engine keeps until it is saved) is reported in `sending` once,
+//!   when every group named for it reported it saved (one group: when its worker did); a saved
+//!   request that was not a delayed free is never reported (the engine freed it already);
+//! - a request whose asynchronous load the scheduler side failed is reported in `recving` once, at
+//!   the next [`Completions::finish`], unless it also waits for groups to report it: then it is
+//!   reported with them (the engine waits for it either way and must hear of it exactly once);
+//! - with one group every request a worker reports loaded or load-failed is reported in `recving`;
+//!   with several, a request is reported once every group named for it reported it, once;
+//! - device blocks of failed loads (the scheduler side's and the workers') are handed out by
+//!   [`Completions::take_load_errors`] once each.
+//!
+//! No lock: the owner (the adapter's worker side, one engine thread) holds it exclusively.
+use std::collections::BTreeSet;
+
+use crate::connector::fasthash::{FastMap, FastSet};
+use crate::connector::worker::FinishedReport;
+use crate::ids::{DeviceBlockId, RequestId};
+
+/// A load the scheduler side promised the engine and then failed itself (no worker loads it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FailedLoad {
+    /// The request.
+    pub request: RequestId,
+    /// The device blocks the engine must recompute.
+    pub blocks: Vec<DeviceBlockId>,
+    /// Asynchronous: the engine waits for the request in `recving`; a synchronous load is failed
+    /// by its blocks alone.
+    pub is_async: bool,
+}
+
+/// What the scheduler side's metadata of one step tells the worker process's books.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepNotice {
+    /// Finished requests whose blocks the engine keeps until they are reported saved.
+    pub delayed_frees: Vec<RequestId>,
+    /// Several groups: per delayed free, the groups whose stores it waits for.
+    pub delayed_groups: Vec<(RequestId, Vec<usize>)>,
+    /// Several groups: per asynchronous load, the groups that load it.
+    pub recv_groups: Vec<(RequestId, Vec<usize>)>,
+    /// Loads the scheduler side failed.
+    pub failed_loads: Vec<FailedLoad>,
+}
+
+/// The engine's answer to "what finished": request ids, sorted.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Finished {
+    /// Delayed frees now saved: the engine frees their blocks.
+    pub sending: Vec<RequestId>,
+    /// Asynchronous loads now over (loaded or failed).
+    pub recving: Vec<RequestId>,
+}
+
+/// The worker process's books (see the module documentation).
+#[derive(Debug, Default)]
+pub struct Completions {
+    /// Delayed frees not yet reported.
+    awaiting_save: FastSet<RequestId>,
+    /// Several groups: the groups whose stores a request still waits for.
+    save_wait: FastMap<RequestId, BTreeSet<usize>>,
+    /// Several groups: the groups whose loads a request still waits for.
+    recv_wait: FastMap<RequestId, BTreeSet<usize>>,
+    /// Asynchronous loads the scheduler side failed, reported at the next `finish`.
+    failed_recv: FastSet<RequestId>,
+    /// Device blocks of loads the scheduler side failed, handed out by `take_load_errors`.
+    failed_blocks: FastSet<DeviceBlockId>,
+}
+
+impl Completions {
+    /// Empty books.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Take one step's metadata (before its loads start).
+    pub fn begin_step(&mut self, step: StepNotice) {
+        self.awaiting_save.extend(step.delayed_frees);
+        for (request, groups) in step.delayed_groups {
+            self.save_wait.insert(request, groups.into_iter().collect());
+        }
+        for (request, groups) in step.recv_groups {
+            self.recv_wait.insert(request, groups.into_iter().collect());
+        }
+        for f in step.failed_loads {
+            // A request still waiting for groups is reported once they reported it.
+            let waits = self
+                .recv_wait
+                .get(&f.request)
+                .is_some_and(|g| !g.is_empty());
+            if f.is_async && !waits {
+                self.failed_recv.insert(f.request);
+            }
+            self.failed_blocks.extend(f.blocks);
+        }
+    }
+
+    /// The engine asks what finished: `reports[g]` is group `g`'s worker's `get_finished` answer,
+    /// `None` where that worker could not answer (it is asked again next time).
+    pub fn finish(&mut self, reports: &[Option<FinishedReport>]) -> Finished {
+        let mut sending = BTreeSet::new();
+        let mut recving = BTreeSet::new();
+        if reports.len() <= 1 {
+            for r in reports.iter().flatten() {
+                for q in &r.saved {
+                    if self.awaiting_save.remove(q) {
+                        sending.insert(q.clone());
+                    }
+                }
+                recving.extend(r.loaded.iter().cloned());
+                recving.extend(r.load_failed.iter().cloned());
+            }
+        } else {
+            for (g, r) in reports.iter().enumerate() {
+                let Some(r) = r else { continue };
+                for q in &r.saved {
+                    if let Some(left) = self.save_wait.get_mut(q) {
+                        left.remove(&g);
+                    }
+                }
+                for q in r.loaded.iter().chain(&r.load_failed) {
+                    if let Some(left) = self.recv_wait.get_mut(q) {
+                        left.remove(&g);
+                    }
+                }
+            }
+            let awaiting = &mut self.awaiting_save;
+            self.save_wait.retain(|q, left| {
+                if left.is_empty() && awaiting.remove(q) {
+                    sending.insert(q.clone());
+                }
+                !left.is_empty()
+            });
+            self.recv_wait.retain(|q, left| {
+                if left.is_empty() {
+                    recving.insert(q.clone());
+                }
+                !left.is_empty()
+            });
+        }
+        recving.extend(self.failed_recv.drain());
+        Finished {
+            sending: sending.into_iter().collect(),
+            recving: recving.into_iter().collect(),
+        }
+    }
+
+    /// Device blocks whose loads failed since the last call: the scheduler side's and
+    /// `from_workers` (the workers' own `take_load_errors`), sorted, each once.
+    pub fn take_load_errors(
+        &mut self,
+        from_workers: impl IntoIterator<Item = DeviceBlockId>,
+    ) -> Vec<DeviceBlockId> {
+        let mut out: BTreeSet<DeviceBlockId> = self.failed_blocks.drain().collect();
+        out.extend(from_workers);
+        out.into_iter().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(v: &[&str]) -> Vec<RequestId> {
+        v.iter().map(|s| RequestId::from(*s)).collect()
+    }
+
+    fn report(saved: &[&str], loaded: &[&str], failed: &[&str]) -> Option<FinishedReport> {
+        Some(FinishedReport {
+            saved: ids(saved),
+            loaded: ids(loaded),
+            load_failed: ids(failed),
+            recompute: Vec::new(),
+        })
+    }
+
+    fn finished(sending: &[&str], recving: &[&str]) -> Finished {
+        Finished {
+            sending: ids(sending),
+            recving: ids(recving),
+        }
+    }
+
+    fn failed(request: &str, blocks: &[u32], is_async: bool) -> FailedLoad {
+        FailedLoad {
+            request: request.into(),
+            blocks: blocks.iter().map(|b| DeviceBlockId(*b)).collect(),
+            is_async,
+        }
+    }
+
+    #[test]
+    fn a_delayed_free_is_reported_once_saved_and_other_saved_requests_never() {
+        let mut c = Completions::new();
+        c.begin_step(StepNotice {
+            delayed_frees: ids(&["d"]),
+            ..StepNotice::default()
+        });
+        assert_eq!(c.finish(&[report(&[], &[], &[])]), finished(&[], &[]));
+        // "x" was freed by the engine at once: it must not hear of it again.
+        assert_eq!(
+            c.finish(&[report(&["d", "x"], &[], &[])]),
+            finished(&["d"], &[])
+        );
+        assert_eq!(c.finish(&[report(&["d"], &[], &[])]), finished(&[], &[]));
+    }
+
+    #[test]
+    fn one_group_reports_every_load_loaded_or_failed() {
+        let mut c = Completions::new();
+        assert_eq!(
+            c.finish(&[report(&[], &["a"], &["b"])]),
+            finished(&[], &["a", "b"])
+        );
+        assert_eq!(c.finish(&[None]), finished(&[], &[]));
+    }
+
+    #[test]
+    fn an_async_load_the_scheduler_failed_is_reported_once_and_its_blocks_once() {
+        let mut c = Completions::new();
+        c.begin_step(StepNotice {
+            failed_loads: vec![failed("a", &[3, 4], true), failed("s", &[7], false)],
+            ..StepNotice::default()
+        });
+        // Reported even when no worker answers (none loads it), and only once.
+        assert_eq!(c.finish(&[None]), finished(&[], &["a"]));
+        assert_eq!(c.finish(&[report(&[], &[], &[])]), finished(&[], &[]));
+        // A synchronous failure is reported by its blocks alone; worker errors join them.
+        let got = c.take_load_errors([DeviceBlockId(9), DeviceBlockId(3)]);
+        assert_eq!(got, [3, 4, 7, 9].map(DeviceBlockId));
+        assert!(c.take_load_errors([]).is_empty());
+    }
+
+    #[test]
+    fn several_groups_report_a_request_once_every_named_group_has() {
+        let mut c = Completions::new();
+        c.begin_step(StepNotice {
+            delayed_frees: ids(&["s"]),
+            delayed_groups: vec![("s".into(), vec![0, 1])],
+            recv_groups: vec![("r".into(), vec![0, 1])],
+            ..StepNotice::default()
+        });
+        let none = report(&[], &[], &[]);
+        assert_eq!(
+            c.finish(&[report(&["s"], &["r"], &[]), none.clone()]),
+            finished(&[], &[])
+        );
+        // A group whose worker could not answer discharges nothing.
+        assert_eq!(c.finish(&[None, report(&[], &[], &[])]), finished(&[], &[]));
+        // A failed load counts as reported.
+        assert_eq!(
+            c.finish(&[none.clone(), report(&["s"], &[], &["r"])]),
+            finished(&["s"], &["r"])
+        );
+        assert_eq!(
+            c.finish(&[report(&["s"], &["r"], &[]), report(&["s"], &["r"], &[])]),
+            finished(&[], &[])
+        );
+    }
+
+    #[test]
+    fn several_groups_report_only_named_requests_and_empty_waits_at_once() {
+        let mut c = Completions::new();
+        c.begin_step(StepNotice {
+            // "n": asynchronous, but no group planned a load of it.
+            recv_groups: vec![("n".into(), vec![])],
+            // "k": saved by every group but not a delayed free (the engine freed it).
+            delayed_groups: vec![("k".into(), vec![0])],
+            ..StepNotice::default()
+        });
+        let got = c.finish(&[report(&["k"], &["u"], &[]), None]);
+        assert_eq!(got, finished(&[], &["n"]));
+        assert_eq!(c.finish(&[None, None]), finished(&[], &[]));
+    }
+
+    #[test]
+    fn several_groups_a_failed_load_still_waited_for_is_reported_with_the_groups() {
+        let mut c = Completions::new();
+        c.begin_step(StepNotice {
+            recv_groups: vec![("r".into(), vec![0, 1]), ("e".into(), vec![])],
+            failed_loads: vec![failed("r", &[5], true), failed("e", &[6], true)],
+            ..StepNotice::default()
+        });
+        // "e" waits for no group: reported at once; "r" only with its groups, once.
+        assert_eq!(c.finish(&[None, None]), finished(&[], &["e"]));
+        assert_eq!(
+            c.finish(&[report(&[], &[], &["r"]), report(&[], &["r"], &[])]),
+            finished(&[], &["r"])
+        );
+        assert_eq!(c.finish(&[None, None]), finished(&[], &[]));
+        assert_eq!(c.take_load_errors([]), [5, 6].map(DeviceBlockId));
+    }
+}
