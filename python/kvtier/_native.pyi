@@ -294,6 +294,8 @@ class Completions:
     Pure bookkeeping: no worker, no I/O."""
 
     def __init__(self) -> None: ...
+    def set_groups(self, n: int) -> None:
+        """The engine runs ``n`` KV cache groups (one worker each; 1 until told)."""
     def begin_step(self, delayed_frees: Sequence[str], delayed_groups: dict[str, list[int]],
                    recv_groups: dict[str, list[int]], failed_loads: dict[str, list[int]],
                    failed_async: set[str]) -> None:
@@ -301,11 +303,13 @@ class Completions:
         in ``delayed_groups`` saved them), the groups each asynchronous load waits for, and loads the scheduler
         side failed (their blocks; an asynchronous one's request is reported received once)."""
     def finish(self, reports: Sequence[Optional[tuple[Sequence[str], Sequence[str], Sequence[str]]]]
-               ) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        """``(finished_sending, finished_recving)``, None when empty, from each group's ``Worker.get_finished``
-        answer (None where that worker could not answer)."""
+               ) -> tuple[Optional[set[str]], Optional[set[str]], set[str]]:
+        """``(finished_sending, finished_recving, failed_recving)``, the first two None when empty, from each
+        group's ``Worker.get_finished`` answer (None where that worker could not answer); ``failed_recving`` (several
+        groups only) names the loads of ``finished_recving`` that failed: vLLM recomputes them whole."""
     def take_load_errors(self, from_workers: Sequence[int]) -> set[int]:
-        """Device blocks whose loads failed since the last call: the scheduler side's and ``from_workers``."""
+        """Device blocks whose loads failed since the last call: the scheduler side's and ``from_workers``; none with
+        several groups (block ids are per group: their requests are in ``failed_recving``)."""
 
 def default_node_socket() -> str:
     """The per-user node socket used when none is named."""

@@ -199,6 +199,18 @@ def _group_settings(base: dict[str, Any], groups: list[dict[str, Any]]) -> list[
     return out
 
 
+def _require_async_loads_with_groups(groups: int, async_loads: bool) -> None:
+    """vLLM takes a hybrid model's failed load only by request and only for an asynchronous load (``failed_recving``;
+    ``Scheduler._handle_invalid_blocks`` raises on block ids with several KV cache groups), so synchronous loads of
+    such a model could not fail safely: refused at start."""
+    if groups > 1 and not async_loads:
+        from ._native import ConfigError
+
+        raise ConfigError(f"async_loads=false with {groups} KV cache groups (a hybrid model): vLLM can recompute a "
+                          "failed load of such a model only when it is asynchronous; leave async_loads on "
+                          "(connector.async_loads, KVTIER_ASYNC_LOADS)")
+
+
 def _group_ids(block_ids: Any, group: int) -> list[int]:
     """Group ``group``'s block ids of vLLM's per-group tuple (one list per KV cache group; a bare list is group 0's;
     None or a missing group: none)."""

@@ -75,6 +75,7 @@ class _WorkerSide:
             self._layer_index = {name: (g, i) for g, layers in enumerate(self._group_layers)
                                  for i, name in enumerate(layers)}
         self._worker = self._workers[0]
+        self._books.set_groups(len(self._workers))
         # Decided once: asking torch whether CUDA is there costs more than the rest of a decode step's hooks.
         cuda = [t for t in kv_caches.values() if getattr(t, "is_cuda", False)]
         if cuda:
@@ -162,6 +163,19 @@ class _WorkerSide:
                 self._error("wait_for_all_requests", e)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self._finish(finished_req_ids)
+        return sending, recving
+
+    def transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM's ``KVConnectorTransferResults``: with several KV cache groups a failed load is named by its request in
+        ``failed_recving`` (vLLM recomputes it whole; ``Scheduler._handle_invalid_blocks`` raises on block ids then)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        sending, recving, failed = self._finish(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=set(failed))
+
+    def _finish(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None, set[str]]:
         reports: list[Any] = []
         for worker in self._all():
             try:

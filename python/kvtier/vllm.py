@@ -60,7 +60,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
@@ -74,8 +73,8 @@ if TYPE_CHECKING:
 
 from ._vllm_meta import KvtierConnectorMetadata, KvtierConnectorStats, KvtierWorkerMetadata
 from ._vllm_util import (_COUNTERS, _NULL_BLOCK, _PER_REQUEST_COUNTERS, _backend, _embeds_digest, _group_ids,
-                         _group_settings, _identity, _kv_groups, _record, _required_layout, _resolved_layout, _trace,
-                         _trace_dump, _vllm_events)
+                         _group_settings, _identity, _kv_groups, _record, _require_async_loads_with_groups,
+                         _required_layout, _resolved_layout, _trace, _trace_dump, _vllm_events)
 from ._vllm_util import _first_group  # noqa: F401  (tests reach it here)
 from ._vllm_worker import _WorkerSide
 
@@ -268,6 +267,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         return self._worker.get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        assert self._worker is not None  # several KV cache groups: failed loads by request (failed_recving)
+        return self._worker.transfer_results(finished_req_ids)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
         return self._worker.take_load_errors()
@@ -451,6 +454,7 @@ class _SchedulerSide:
         self._discard_events = None if publish_events else getattr(self._leader, "discard_events", None)
         # Resolved by kvtier's configuration (engine setting > environment > TOML > this adapter's default).
         self.async_loads = bool(getattr(self._leader, "loads_are_async", False))
+        _require_async_loads_with_groups(len(self._leaders), self.async_loads)
         self._requests: dict[str, "Request"] = {}
         self._tokens_sent: dict[str, int] = {}
         # A request matched again after it ran was preempted, one matched again after its allocation but before it

@@ -29,7 +29,6 @@ fn set(v: Vec<RequestId>) -> Option<HashSet<String>> {
 
 /// The worker process's completion books (see `_native.pyi`).
 #[pyclass(name = "Completions", module = "kvtier._native")]
-#[derive(Default)]
 pub(crate) struct PyCompletions {
     books: Completions,
 }
@@ -38,7 +37,14 @@ pub(crate) struct PyCompletions {
 impl PyCompletions {
     #[new]
     fn py_new() -> Self {
-        Self::default()
+        Self {
+            books: Completions::new(),
+        }
+    }
+
+    /// The engine runs `n` KV cache groups (one kvtier worker each).
+    fn set_groups(&mut self, n: usize) {
+        self.books.set_groups(n);
     }
 
     /// One step's metadata, before its loads start.
@@ -67,12 +73,17 @@ impl PyCompletions {
         });
     }
 
-    /// `(finished_sending, finished_recving)`, each `None` when empty, from every group's
-    /// worker's answer (`None` where it could not answer).
+    /// `(finished_sending, finished_recving, failed_recving)`, the first two `None` when empty,
+    /// from every group's worker's answer (`None` where it could not answer); `failed_recving`
+    /// (several groups only) names the loads of `finished_recving` that failed.
     fn finish(
         &mut self,
         reports: Vec<Option<Report>>,
-    ) -> (Option<HashSet<String>>, Option<HashSet<String>>) {
+    ) -> (
+        Option<HashSet<String>>,
+        Option<HashSet<String>>,
+        HashSet<String>,
+    ) {
         let reports: Vec<Option<FinishedReport>> = reports
             .into_iter()
             .map(|r| {
@@ -85,7 +96,8 @@ impl PyCompletions {
             })
             .collect();
         let f = self.books.finish(&reports);
-        (set(f.sending), set(f.recving))
+        let failed = f.failed.iter().map(|q| q.to_string()).collect();
+        (set(f.sending), set(f.recving), failed)
     }
 
     /// Device blocks whose loads failed since the last call: the scheduler side's and

@@ -15,7 +15,11 @@
 //! - with one group every request a worker reports loaded or load-failed is reported in `recving`;
 //!   with several, a request is reported once every group named for it reported it, once;
 //! - device blocks of failed loads (the scheduler side's and the workers') are handed out by
-//!   [`Completions::take_load_errors`] once each.
+//!   [`Completions::take_load_errors`] once each, with one group only: with several, block ids are
+//!   per group and name no request (vLLM 0.32/0.33 raise on them, `Scheduler._handle_invalid_blocks`),
+//!   so a failed asynchronous load is reported by request instead, in [`Finished::failed`], when it
+//!   is reported in `recving` (vLLM's `KVConnectorTransferResults.failed_recving`: the engine
+//!   recomputes the request whole).
 //!
 //! No lock: the owner (the adapter's worker side, one engine thread) holds it exclusively.
 use std::collections::BTreeSet;
@@ -56,6 +60,10 @@ pub struct Finished {
     pub sending: Vec<RequestId>,
     /// Asynchronous loads now over (loaded or failed).
     pub recving: Vec<RequestId>,
+    /// Several groups: the loads of `recving` that failed in any group (or that the scheduler
+    /// side failed); the engine recomputes them whole. Empty with one group (its failed blocks
+    /// go out by [`Completions::take_load_errors`]).
+    pub failed: Vec<RequestId>,
 }
 
 /// The worker process's books (see the module documentation).
@@ -71,12 +79,25 @@ pub struct Completions {
     failed_recv: FastSet<RequestId>,
     /// Device blocks of loads the scheduler side failed, handed out by `take_load_errors`.
     failed_blocks: FastSet<DeviceBlockId>,
+    /// Several groups: requests whose load failed in a group (or at the scheduler side) and that
+    /// still wait for other groups: reported in `failed` with their `recving`.
+    recv_failed: FastSet<RequestId>,
+    /// KV cache groups the engine runs (`set_groups`; 1 until told).
+    groups: usize,
 }
 
 impl Completions {
-    /// Empty books.
+    /// Empty books for one KV cache group.
     pub fn new() -> Self {
-        Self::default()
+        Self {
+            groups: 1,
+            ..Self::default()
+        }
+    }
+
+    /// The engine runs `n` KV cache groups (one worker each).
+    pub fn set_groups(&mut self, n: usize) {
+        self.groups = n.max(1);
     }
 
     /// Take one step's metadata (before its loads start).
@@ -96,6 +117,8 @@ impl Completions {
                 .is_some_and(|g| !g.is_empty());
             if f.is_async && !waits {
                 self.failed_recv.insert(f.request);
+            } else if f.is_async {
+                self.recv_failed.insert(f.request);
             }
             self.failed_blocks.extend(f.blocks);
         }
@@ -129,6 +152,11 @@ impl Completions {
                         left.remove(&g);
                     }
                 }
+                for q in &r.load_failed {
+                    if self.recv_wait.contains_key(q) {
+                        self.recv_failed.insert(q.clone());
+                    }
+                }
             }
             let awaiting = &mut self.awaiting_save;
             self.save_wait.retain(|q, left| {
@@ -144,21 +172,32 @@ impl Completions {
                 !left.is_empty()
             });
         }
+        let mut failed = BTreeSet::new();
+        if self.groups > 1 {
+            let recv_failed = &mut self.recv_failed;
+            failed.extend(recving.iter().filter(|q| recv_failed.remove(*q)).cloned());
+            failed.extend(self.failed_recv.iter().cloned());
+        }
         recving.extend(self.failed_recv.drain());
         Finished {
             sending: sending.into_iter().collect(),
             recving: recving.into_iter().collect(),
+            failed: failed.into_iter().collect(),
         }
     }
 
     /// Device blocks whose loads failed since the last call: the scheduler side's and
-    /// `from_workers` (the workers' own `take_load_errors`), sorted, each once.
+    /// `from_workers` (the workers' own `take_load_errors`), sorted, each once. None with several
+    /// groups (the blocks are dropped: their requests are in [`Finished::failed`]).
     pub fn take_load_errors(
         &mut self,
         from_workers: impl IntoIterator<Item = DeviceBlockId>,
     ) -> Vec<DeviceBlockId> {
         let mut out: BTreeSet<DeviceBlockId> = self.failed_blocks.drain().collect();
         out.extend(from_workers);
+        if self.groups > 1 {
+            return Vec::new();
+        }
         out.into_iter().collect()
     }
 }
@@ -181,10 +220,21 @@ mod tests {
     }
 
     fn finished(sending: &[&str], recving: &[&str]) -> Finished {
+        failing(sending, recving, &[])
+    }
+
+    fn failing(sending: &[&str], recving: &[&str], failed: &[&str]) -> Finished {
         Finished {
             sending: ids(sending),
             recving: ids(recving),
+            failed: ids(failed),
         }
+    }
+
+    fn groups(n: usize) -> Completions {
+        let mut c = Completions::new();
+        c.set_groups(n);
+        c
     }
 
     fn failed(request: &str, blocks: &[u32], is_async: bool) -> FailedLoad {
@@ -239,7 +289,7 @@ mod tests {
 
     #[test]
     fn several_groups_report_a_request_once_every_named_group_has() {
-        let mut c = Completions::new();
+        let mut c = groups(2);
         c.begin_step(StepNotice {
             delayed_frees: ids(&["s"]),
             delayed_groups: vec![("s".into(), vec![0, 1])],
@@ -253,10 +303,10 @@ mod tests {
         );
         // A group whose worker could not answer discharges nothing.
         assert_eq!(c.finish(&[None, report(&[], &[], &[])]), finished(&[], &[]));
-        // A failed load counts as reported.
+        // A failed load counts as reported, and is named failed (the engine recomputes it whole).
         assert_eq!(
             c.finish(&[none.clone(), report(&["s"], &[], &["r"])]),
-            finished(&["s"], &["r"])
+            failing(&["s"], &["r"], &["r"])
         );
         assert_eq!(
             c.finish(&[report(&["s"], &["r"], &[]), report(&["s"], &["r"], &[])]),
@@ -266,7 +316,7 @@ mod tests {
 
     #[test]
     fn several_groups_report_only_named_requests_and_empty_waits_at_once() {
-        let mut c = Completions::new();
+        let mut c = groups(2);
         c.begin_step(StepNotice {
             // "n": asynchronous, but no group planned a load of it.
             recv_groups: vec![("n".into(), vec![])],
@@ -281,19 +331,58 @@ mod tests {
 
     #[test]
     fn several_groups_a_failed_load_still_waited_for_is_reported_with_the_groups() {
-        let mut c = Completions::new();
+        let mut c = groups(2);
         c.begin_step(StepNotice {
             recv_groups: vec![("r".into(), vec![0, 1]), ("e".into(), vec![])],
             failed_loads: vec![failed("r", &[5], true), failed("e", &[6], true)],
             ..StepNotice::default()
         });
-        // "e" waits for no group: reported at once; "r" only with its groups, once.
-        assert_eq!(c.finish(&[None, None]), finished(&[], &["e"]));
+        // "e" waits for no group: reported at once; "r" only with its groups, once; both failed.
+        assert_eq!(c.finish(&[None, None]), failing(&[], &["e"], &["e"]));
         assert_eq!(
-            c.finish(&[report(&[], &[], &["r"]), report(&[], &["r"], &[])]),
-            finished(&[], &["r"])
+            c.finish(&[report(&[], &["r"], &[]), report(&[], &["r"], &[])]),
+            failing(&[], &["r"], &["r"])
         );
         assert_eq!(c.finish(&[None, None]), finished(&[], &[]));
-        assert_eq!(c.take_load_errors([]), [5, 6].map(DeviceBlockId));
+        // Block ids are per group: vLLM raises on them with several groups, so none go out.
+        assert!(c.take_load_errors([DeviceBlockId(9)]).is_empty());
+    }
+
+    /// vLLM 0.32/0.33 with several KV cache groups take no failed block ids
+    /// (`Scheduler._handle_invalid_blocks` raises) but failed requests
+    /// (`KVConnectorTransferResults.failed_recving`, `_handle_failed_recving`): a load one group's
+    /// worker failed is named failed when every group reported it, a loaded one never.
+    #[test]
+    fn several_groups_name_a_request_failed_in_any_group_and_no_blocks() {
+        let mut c = groups(3);
+        c.begin_step(StepNotice {
+            recv_groups: vec![
+                ("bad".into(), vec![0, 1, 2]),
+                ("good".into(), vec![0, 1, 2]),
+            ],
+            ..StepNotice::default()
+        });
+        assert_eq!(
+            c.finish(&[
+                report(&[], &["good"], &["bad"]),
+                report(&[], &["good", "bad"], &[]),
+                None
+            ]),
+            finished(&[], &[])
+        );
+        assert_eq!(
+            c.finish(&[None, None, report(&[], &["good", "bad"], &[])]),
+            failing(&[], &["bad", "good"], &["bad"])
+        );
+        assert!(c
+            .take_load_errors([DeviceBlockId(1), DeviceBlockId(2)])
+            .is_empty());
+        // One group keeps block-level errors (vLLM recomputes from the first failed block).
+        let mut one = Completions::new();
+        assert_eq!(
+            one.finish(&[report(&[], &[], &["x"])]),
+            finished(&[], &["x"])
+        );
+        assert_eq!(one.take_load_errors([DeviceBlockId(4)]), [DeviceBlockId(4)]);
     }
 }
