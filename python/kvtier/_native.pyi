@@ -311,6 +311,32 @@ class Completions:
         """Device blocks whose loads failed since the last call: the scheduler side's and ``from_workers``; none with
         several groups (block ids are per group: their requests are in ``failed_recving``)."""
 
+class Promises:
+    """The books of an engine's scheduler side over its leaders (one per KV cache group): which asynchronous
+    loads the engine is owed one report of, and what the next step's metadata carries to the workers
+    (kvtier::connector::Promises). Pure bookkeeping: no leader, no I/O."""
+
+    def __init__(self) -> None: ...
+    def allocated(self, request_id: str, external_tokens: int, is_async: bool, groups: int, complete: bool,
+                  loading: Sequence[int], failed: Sequence[int],
+                  hit_sources: Optional[list[tuple[str, int]]] = None) -> None:
+        """The engine allocated the request's blocks: an asynchronous load is owed a report once a built step
+        carries it; ``loading`` the groups that load it (several groups), ``failed`` the promised device blocks
+        it must recompute, ``hit_sources`` group 0's split (several groups); ``complete`` False: a leader failed
+        before every group was asked, only the promise counts."""
+    def take_hit_sources(self, request_id: str) -> Optional[list[tuple[str, int]]]:
+        """Group 0's hit sources kept at allocation, once; None: ask the leader."""
+    def take_step(self, built: bool) -> tuple[bool, list[str], dict[str, list[int]], set[str],
+                                              dict[str, list[int]], dict[str, list[int]]]:
+        """``(sync_loads, delayed_frees, failed_loads, failed_async, recv_groups, delayed_groups)`` of the step's
+        metadata; ``built``: the leaders' plans were built (they carry the planned loads)."""
+    def received(self, request_ids: Sequence[str]) -> None:
+        """The engine is told these requests were received (finished_recving)."""
+    def request_finished(self, request_id: str) -> bool:
+        """Withdraw what was not sent; True while the engine still waits for the request's finished_recving."""
+    def delay_free(self, request_id: str, groups: Sequence[int], several: bool) -> None:
+        """The finished request's blocks stay until its stores are done (with several groups, ``groups``')."""
+
 def default_node_socket() -> str:
     """The per-user node socket used when none is named."""
     ...

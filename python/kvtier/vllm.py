@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+from . import _native
 from ._vllm_meta import KvtierConnectorMetadata, KvtierConnectorStats, KvtierWorkerMetadata
 from ._vllm_util import (_COUNTERS, _NULL_BLOCK, _PER_REQUEST_COUNTERS, _backend, _embeds_digest, _group_ids,
                          _group_settings, _identity, _kv_groups, _record, _require_async_loads_with_groups,
@@ -445,9 +446,6 @@ class _SchedulerSide:
         self._leader = self._leaders[0]
         self._windows = [int(s.get("sliding_window") or 0) for s in group_settings]
         self._match_groups = getattr(backend, "match_groups", None) if len(self._leaders) > 1 else None
-        # Per request: the groups whose leader planned its asynchronous load (several groups only).
-        self._recv_groups: dict[str, list[int]] = {}
-        self._hit_sources: dict[str, list] = {}
         self._block_size = block_size
         self._fence_reuse = fence_reuse
         # Without a publisher the leader's events are drained unbuilt (a backend without discard_events builds them).
@@ -459,19 +457,12 @@ class _SchedulerSide:
         self._tokens_sent: dict[str, int] = {}
         # A request matched again after it ran was preempted, one matched again after its allocation but before it
         # ran was restarted after a failed load: both are the leader's to recognise (it counts them).
-        self._failed_loads: dict[str, list[int]] = {}
-        self._failed_async: set[str] = set()
-        # vLLM expects exactly one finished_recving for each request it let load asynchronously (the scheduler
-        # asserts the request is still known: vllm/v1/core/sched/scheduler.py `_update_from_kv_xfer_finished`).
-        # Planned: promised in update_state_after_alloc, not yet sent to the workers (a finish withdraws it, no
-        # report follows). Expected: sent in a step's metadata; cleared when vLLM is told (update_connector_output).
-        self._recv_planned: set[str] = set()
-        self._recv_expected: set[str] = set()
         self._matched: set[str] = set()
-        self._sync_loads_pending = False
-        self._delayed_frees: list[str] = []
-        # Several groups: per finished request whose blocks vLLM keeps, the groups whose stores it waits for.
-        self._delayed_groups: dict[str, list[int]] = {}
+        # vLLM expects exactly one finished_recving for each request it let load asynchronously (the scheduler
+        # asserts the request is still known: vllm/v1/core/sched/scheduler.py `_update_from_kv_xfer_finished`);
+        # which it is owed, and what the next metadata carries to the workers (failed loads, delayed frees, the
+        # groups each request waits for): the Rust books (kvtier::connector::Promises).
+        self._books = _native.Promises()
         # An adapter error lost track of blocks that stores still read: the next metadata fences every job.
         self._fence_all = False
         self._last_stats: dict[str, float] = {}
@@ -501,7 +492,7 @@ class _SchedulerSide:
         if num_external_tokens <= 0:
             return {}
         try:
-            split = self._hit_sources.pop(rid, None)
+            split = self._books.take_hit_sources(rid)
             if split is None:
                 split = self._leader.take_hit_sources(rid, int(num_external_tokens))
         except Exception as e:
@@ -560,13 +551,11 @@ class _SchedulerSide:
         n = max(0, int(num_external_tokens))
         is_async = n > 0 and self.load_is_async(rid)
         if n > 0:
-            if not is_async:
-                self._sync_loads_pending = True
-            else:
-                self._recv_planned.add(rid)
             _trace("alloc", rid, n)
         failed: list[int] = []
         loading: list[int] = []
+        hit_sources = None
+        complete = True
         for g, leader in enumerate(self._leaders):
             try:
                 # A refused allocation names the promised blocks vLLM must recompute (the leader offers this
@@ -574,27 +563,26 @@ class _SchedulerSide:
                 f, refusal = leader.allocate(rid, _group_ids(group_ids, g), n)
                 if n > 0 and len(self._leaders) > 1:
                     # Whether this group's leader planned a load; group 0's answer is kept for vLLM's metrics.
-                    split = list(leader.take_hit_sources(rid, n))
+                    split = [(str(t), int(k)) for t, k in leader.take_hit_sources(rid, n)]
                     if g == 0:
-                        self._hit_sources[rid] = split
+                        hit_sources = split
                     if split:
                         loading.append(g)
             except Exception as e:
                 self._error("update_state_after_alloc", e)
                 if g == 0 or n == 0:
-                    return
+                    complete = False
+                    break
                 # Another group already planned its load: vLLM must recompute this group's promised blocks.
                 f, refusal = [b for b in _group_ids(group_ids, g) if b != _NULL_BLOCK], None
             if refusal is not None:
                 self._errors += 1
                 logger.error("kvtier: update_state_after_alloc failed: %s", refusal)
             failed.extend(int(b) for b in f)
-        if is_async and len(self._leaders) > 1:
-            self._recv_groups[rid] = loading
-        if failed:
-            self._failed_loads[rid] = [int(b) for b in failed]
-            if is_async:
-                self._failed_async.add(rid)
+        try:
+            self._books.allocated(rid, n, is_async, len(self._leaders), complete, loading, failed, hit_sources)
+        except Exception as e:
+            self._error("update_state_after_alloc", e)
 
     def load_is_async(self, rid: str) -> bool:
         """Whether the leader loads this request's last match asynchronously (per request: a host-tier hit loads
@@ -651,24 +639,17 @@ class _SchedulerSide:
                 plans.append(bytes(raw))
                 fence.extend(r for r in f if r not in fence)
             plan = plans[0]
-            # The loads planned since the last step travel in this plan: each of their requests now gets one
-            # finished_recving from every worker (loaded or failed). A failed build keeps them queued.
-            self._recv_expected |= self._recv_planned
-            self._recv_planned.clear()
+            built = True
         except Exception as e:
+            built = False
             self._error("build_step", e)
             # This step may hand out blocks that stores still read, and its fence is lost with it.
             self._fence_all = True
         fence_all, self._fence_all = self._fence_all, False
-        failed, self._failed_loads = self._failed_loads, {}
-        failed_async, self._failed_async = self._failed_async, set()
-        # Asynchronous loads the leader refused are failed by the workers themselves: reported in finished_recving.
-        self._recv_expected.update(failed_async)
-        self._recv_planned.difference_update(failed_async)
-        sync, self._sync_loads_pending = self._sync_loads_pending, False
-        delayed, self._delayed_frees = self._delayed_frees, []
-        recv_groups, self._recv_groups = self._recv_groups, {}
-        delayed_groups, self._delayed_groups = self._delayed_groups, {}
+        # The loads planned since the last step travel in a built plan (each of their requests now gets one
+        # finished_recving from every worker, loaded or failed; a failed build keeps them queued), asynchronous
+        # loads refused here are failed by the workers themselves.
+        sync, delayed, failed, failed_async, recv_groups, delayed_groups = self._books.take_step(built)
         _trace("meta", "", [len(records[0]), len(plan)])
         return KvtierConnectorMetadata(plan=plan, sync_loads=sync, preempted=preempted, delayed_frees=delayed,
                                        failed_loads=failed, failed_loads_async=failed_async, fence=fence,
@@ -677,8 +658,7 @@ class _SchedulerSide:
 
     def update_output(self, out: "KVConnectorOutput") -> None:
         # vLLM calls this just before it acts on the same output's finished sets.
-        for rid in out.finished_recving or ():
-            self._recv_expected.discard(rid)
+        self._books.received(list(out.finished_recving or ()))
         meta = out.kv_connector_worker_meta
         if isinstance(meta, KvtierWorkerMetadata):
             for i, blob in enumerate(meta.reports):
@@ -695,17 +675,12 @@ class _SchedulerSide:
         self._requests.pop(rid, None)
         self._matched.discard(rid)
         self._identities.pop(rid, None)
-        # A load promised but not yet sent is withdrawn by the leader (below): no worker will report it.
-        self._recv_planned.discard(rid)
-        self._failed_loads.pop(rid, None)
-        self._recv_groups.pop(rid, None)
-        self._hit_sources.pop(rid, None)
+        # A load promised but not yet sent is withdrawn (the books, and the leader below): no worker will report it.
         # vLLM still waits for this request's finished_recving (an asynchronous load was sent; the client went away
         # meanwhile): that report is the one that frees its blocks, once every worker's load of it has landed.
         # vLLM must keep the request until then and hear of it only there, never in finished_sending as well: it
         # frees a finished request on its first report and asserts on a second (scheduler.py 0.32 and 0.33).
-        awaiting_recv = rid in self._recv_expected
-        self._recv_expected.discard(rid)
+        awaiting_recv = self._books.request_finished(rid)
         if not known:  # aborted before kvtier ever saw it: nothing of it is stored
             return awaiting_recv, None
         delaying: list[int] = []
@@ -728,9 +703,7 @@ class _SchedulerSide:
             # report, since only requests named in delayed_frees are reported in finished_sending.
             return True, None
         if delay:
-            self._delayed_frees.append(rid)
-            if len(self._leaders) > 1:
-                self._delayed_groups[rid] = delaying
+            self._books.delay_free(rid, delaying, len(self._leaders) > 1)
         return delay, None
 
     def take_events(self) -> list:

@@ -32,6 +32,7 @@ pub(crate) mod completions;
 pub mod errors;
 pub(crate) mod leader;
 pub(crate) mod node;
+pub(crate) mod promises;
 pub(crate) mod records;
 pub(crate) mod rendezvous;
 pub(crate) mod settings;
@@ -83,6 +84,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<leader::PyLeader>()?;
     m.add_class::<worker::PyWorker>()?;
     m.add_class::<completions::PyCompletions>()?;
+    m.add_class::<promises::PyPromises>()?;
     m.add_class::<node::PyNodeServer>()?;
 
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;

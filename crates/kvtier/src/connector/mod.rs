@@ -11,6 +11,7 @@ pub mod groups;
 pub(crate) mod jobs;
 pub mod leader;
 pub mod messages;
+pub mod promises;
 pub mod slot;
 pub(crate) mod slot_table;
 pub mod step;
@@ -30,6 +31,7 @@ pub use messages::{
     ClusterLayout, LoadVerdict, LoadVerdicts, RankLayout, RequestLoad, RequestStore, StepMetadata,
     WorkerReport, PROTOCOL_VERSION,
 };
+pub use promises::{Allocation, HitSplit, Promises, StepOutbox};
 pub use slot::{MatchRecord, OffloadBlock, OnboardBlock, Slot, SlotState};
 pub use step::{SchedulerStep, StepRecord};
 pub use worker::{FinishedReport, ReportSink, ShutdownError, Worker, WorkerLink};
