@@ -56,7 +56,7 @@ pub struct StepOutbox {
     pub delayed_frees: Vec<RequestId>,
     /// Loads the scheduler side failed: the device blocks to recompute, sorted by request.
     pub failed_loads: Vec<(RequestId, Vec<DeviceBlockId>)>,
-    /// Which of them (and of earlier failed loads withdrawn since) were asynchronous, sorted.
+    /// Which of them were asynchronous, sorted.
     pub failed_async: Vec<RequestId>,
     /// Several groups: per asynchronous load, the groups that load it, sorted by request.
     pub recv_groups: Vec<(RequestId, Vec<usize>)>,
@@ -163,6 +163,9 @@ impl Promises {
     pub fn request_finished(&mut self, request: &RequestId) -> bool {
         self.planned.remove(request);
         self.failed_loads.remove(request);
+        // Withdrawn with its blocks: kept, it would make the request expected forever at the next
+        // step (no worker reports a request the engine freed).
+        self.failed_async.remove(request);
         self.recv_groups.remove(request);
         self.hit_sources.remove(request);
         self.expected.remove(request)
@@ -264,6 +267,25 @@ mod tests {
         p.allocated(a);
         assert!(!p.request_finished(&"f".into()));
         assert!(p.take_step(true).failed_loads.is_empty());
+    }
+
+    #[test]
+    fn a_failed_async_load_withdrawn_before_its_step_leaves_nothing_behind() {
+        let mut p = Promises::new();
+        let mut a = alloc("f", 32, true);
+        a.failed = blocks(&[4]);
+        p.allocated(a);
+        assert!(!p.request_finished(&"f".into()));
+        let out = p.take_step(true);
+        assert!(
+            out.failed_loads.is_empty() && out.failed_async.is_empty(),
+            "{out:?}"
+        );
+        assert!(
+            p.expected.is_empty(),
+            "a finished request stays expected forever"
+        );
+        assert!(!p.request_finished(&"f".into()));
     }
 
     #[test]
