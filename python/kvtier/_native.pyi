@@ -337,6 +337,15 @@ class Promises:
     def delay_free(self, request_id: str, groups: Sequence[int], several: bool) -> None:
         """The finished request's blocks stay until its stores are done (with several groups, ``groups``')."""
 
+class AllGroups:
+    """TensorRT-LLM's window groups' ``Worker.get_finished`` answers joined (kvtier::connector::AllGroups): a request
+    is reported once every group reported it; a load any group failed is reported failed."""
+
+    def __init__(self, groups: int) -> None: ...
+    def finish(self, reports: Sequence[Optional[tuple[Sequence[str], Sequence[str], Sequence[str]]]]
+               ) -> tuple[list[str], list[str], list[str]]:
+        """``(saved, loaded, load_failed)`` every group has now reported."""
+
 def default_node_socket() -> str:
     """The per-user node socket used when none is named."""
     ...

@@ -155,9 +155,8 @@ class WorkerGroups:
 
     def __init__(self, workers: list):
         self.workers = workers
-        self._saved: dict = {}
-        self._loaded: dict = {}
-        self._failed: set = set()
+        # Which requests every group reported (kvtier::connector::AllGroups).
+        self._books = _native.AllGroups(len(workers))
 
     def bind(self, metadata: Any) -> None:
         if not isinstance(metadata, tuple) or len(metadata) != len(self.workers):
@@ -181,23 +180,7 @@ class WorkerGroups:
 
     def get_finished(self, finished: list, started: list) -> tuple:
         """(saved, loaded, load_failed) request ids that every group reported."""
-        n = len(self.workers)
-        for w in self.workers:
-            saved, loaded, failed = w.get_finished(finished, started)
-            for r in saved:
-                self._saved[r] = self._saved.get(r, 0) + 1
-            for r in list(loaded) + list(failed):
-                self._loaded[r] = self._loaded.get(r, 0) + 1
-            self._failed |= set(failed)
-        saved = [r for r, c in self._saved.items() if c >= n]
-        done = [r for r, c in self._loaded.items() if c >= n]
-        for r in saved:
-            del self._saved[r]
-        for r in done:
-            del self._loaded[r]
-        failed = [r for r in done if r in self._failed]
-        self._failed -= set(done)
-        return saved, [r for r in done if r not in set(failed)], failed
+        return self._books.finish([tuple(list(x) for x in w.get_finished(finished, started)) for w in self.workers])
 
     def wait_idle(self) -> None:
         for w in self.workers:

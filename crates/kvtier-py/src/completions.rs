@@ -6,7 +6,7 @@
 //! borrow flag gives each call exclusive access.
 use std::collections::{HashMap, HashSet};
 
-use kvtier::connector::{Completions, FailedLoad, FinishedReport, StepNotice};
+use kvtier::connector::{AllGroups, Completions, FailedLoad, FinishedReport, StepNotice};
 use kvtier::ids::{DeviceBlockId, RequestId};
 use pyo3::prelude::*;
 
@@ -21,6 +21,46 @@ fn groups(m: HashMap<String, Vec<usize>>) -> Vec<(RequestId, Vec<usize>)> {
     m.into_iter()
         .map(|(q, g)| (RequestId::from(q), g))
         .collect()
+}
+
+fn report(r: Report) -> FinishedReport {
+    let (saved, loaded, failed) = r;
+    FinishedReport {
+        saved: rids(saved),
+        loaded: rids(loaded),
+        load_failed: rids(failed),
+        recompute: Vec::new(),
+    }
+}
+
+fn strings(v: Vec<RequestId>) -> Vec<String> {
+    v.into_iter().map(|q| q.to_string()).collect()
+}
+
+/// `kvtier._native.AllGroups`: TensorRT-LLM's window groups' reports joined (see
+/// [`kvtier::connector::AllGroups`]).
+#[pyclass(name = "AllGroups", module = "kvtier._native")]
+pub(crate) struct PyAllGroups {
+    books: AllGroups,
+}
+
+#[pymethods]
+impl PyAllGroups {
+    #[new]
+    fn py_new(groups: usize) -> Self {
+        Self {
+            books: AllGroups::new(groups),
+        }
+    }
+
+    /// `(saved, loaded, load_failed)` that every group has now reported, from each group's
+    /// `Worker.get_finished` answer (`None` where it could not answer).
+    fn finish(&mut self, reports: Vec<Option<Report>>) -> (Vec<String>, Vec<String>, Vec<String>) {
+        let reports: Vec<Option<FinishedReport>> =
+            reports.into_iter().map(|r| r.map(report)).collect();
+        let f = self.books.finish(&reports);
+        (strings(f.saved), strings(f.loaded), strings(f.load_failed))
+    }
 }
 
 fn set(v: Vec<RequestId>) -> Option<HashSet<String>> {

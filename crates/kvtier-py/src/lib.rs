@@ -84,6 +84,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<leader::PyLeader>()?;
     m.add_class::<worker::PyWorker>()?;
     m.add_class::<completions::PyCompletions>()?;
+    m.add_class::<completions::PyAllGroups>()?;
     m.add_class::<promises::PyPromises>()?;
     m.add_class::<node::PyNodeServer>()?;
 

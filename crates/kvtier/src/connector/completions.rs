@@ -21,6 +21,9 @@
 //!   is reported in `recving` (vLLM's `KVConnectorTransferResults.failed_recving`: the engine
 //!   recomputes the request whole).
 //!
+//! [`AllGroups`] is TensorRT-LLM's counterpart over its window groups (every group reports every
+//! request; see its invariants).
+//!
 //! No lock: the owner (the adapter's worker side, one engine thread) holds it exclusively.
 use std::collections::BTreeSet;
 
@@ -199,6 +202,76 @@ impl Completions {
             return Vec::new();
         }
         out.into_iter().collect()
+    }
+}
+
+/// TensorRT-LLM's layer groups (one kvtier worker per attention window, `_trtllm_groups.py`):
+/// TensorRT-LLM learns a request id once, so a request is reported saved, or its load over, once
+/// every group's worker reported it; a load is failed when any group's worker failed it.
+///
+/// Invariants: each request is reported once per kind; a group reporting the same request twice
+/// counts once (the groups are a set, not a count); a load reported failed by one group and
+/// loaded by the others is reported failed.
+#[derive(Debug)]
+pub struct AllGroups {
+    groups: usize,
+    saved: FastMap<RequestId, BTreeSet<usize>>,
+    over: FastMap<RequestId, BTreeSet<usize>>,
+    failed: FastSet<RequestId>,
+}
+
+impl AllGroups {
+    /// Books over `groups` workers (at least one).
+    pub fn new(groups: usize) -> Self {
+        AllGroups {
+            groups: groups.max(1),
+            saved: FastMap::default(),
+            over: FastMap::default(),
+            failed: FastSet::default(),
+        }
+    }
+
+    /// `reports[g]`: group `g`'s worker's `get_finished` answer (`None`: it could not answer).
+    /// Answers the requests every group has now reported: `(saved, loaded, load_failed)`, sorted.
+    pub fn finish(&mut self, reports: &[Option<FinishedReport>]) -> FinishedReport {
+        for (g, r) in reports.iter().enumerate().filter(|(g, _)| *g < self.groups) {
+            let Some(r) = r else { continue };
+            for q in &r.saved {
+                self.saved.entry(q.clone()).or_default().insert(g);
+            }
+            for q in r.loaded.iter().chain(&r.load_failed) {
+                self.over.entry(q.clone()).or_default().insert(g);
+            }
+            self.failed.extend(r.load_failed.iter().cloned());
+        }
+        let n = self.groups;
+        let mut saved = BTreeSet::new();
+        self.saved.retain(|q, g| {
+            let all = g.len() >= n;
+            if all {
+                saved.insert(q.clone());
+            }
+            !all
+        });
+        let (mut loaded, mut load_failed) = (BTreeSet::new(), BTreeSet::new());
+        let failed = &mut self.failed;
+        self.over.retain(|q, g| {
+            let all = g.len() >= n;
+            if all {
+                if failed.remove(q) {
+                    load_failed.insert(q.clone());
+                } else {
+                    loaded.insert(q.clone());
+                }
+            }
+            !all
+        });
+        FinishedReport {
+            saved: saved.into_iter().collect(),
+            loaded: loaded.into_iter().collect(),
+            load_failed: load_failed.into_iter().collect(),
+            recompute: Vec::new(),
+        }
     }
 }
 
@@ -384,5 +457,32 @@ mod tests {
             finished(&[], &["x"])
         );
         assert_eq!(one.take_load_errors([DeviceBlockId(4)]), [DeviceBlockId(4)]);
+    }
+
+    /// TensorRT-LLM hears of a request once every window group reported it; one group's failure
+    /// fails the load; a group repeating itself does not stand in for another.
+    #[test]
+    fn all_groups_report_once_every_group_did_and_any_failure_fails() {
+        let mut a = AllGroups::new(2);
+        assert_eq!(
+            a.finish(&[report(&["s"], &["l"], &["f"]), None]),
+            FinishedReport::default()
+        );
+        // Group 0 again: still waiting for group 1.
+        assert_eq!(
+            a.finish(&[report(&["s"], &["l"], &[]), report(&[], &[], &[])]),
+            FinishedReport::default()
+        );
+        let got = a.finish(&[None, report(&["s"], &["l", "f"], &[])]);
+        assert_eq!(got.saved, ids(&["s"]));
+        assert_eq!(got.loaded, ids(&["l"]));
+        assert_eq!(got.load_failed, ids(&["f"]));
+        assert_eq!(
+            a.finish(&[report(&["s"], &[], &[]), report(&["s"], &[], &[])])
+                .saved,
+            ids(&["s"]),
+            "a later save of the same id is a new report"
+        );
+        assert_eq!(a.finish(&[None, None]), FinishedReport::default());
     }
 }

@@ -23,7 +23,7 @@ pub mod zmq;
 #[cfg(feature = "zmq")]
 pub mod zmq_auth;
 
-pub use completions::{Completions, FailedLoad, Finished, StepNotice};
+pub use completions::{AllGroups, Completions, FailedLoad, Finished, StepNotice};
 pub use leader::{
     BlockReuse, Capacity, DiskPolicy, KvEvent, Leader, LeaderConfig, LeaderStats, RequestKey,
 };
