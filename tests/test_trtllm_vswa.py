@@ -78,7 +78,9 @@ def test_a_window_group_loads_only_the_window_of_each_hits_end(host_only):
     natives = e.workers[0].natives
     full_blocks = sum(window_blocks(n, None) for n in hits)
     win_blocks = sum(window_blocks(n, 48) for n in hits)
-    assert win_blocks < full_blocks / 2, (hits, win_blocks, full_blocks)
+    # Some hit reached past the window, so the window group loads less than the full one (how many hits and how long
+    # depends on which stores landed before each match: not asserted); exact per group below.
+    assert any(n + 1 - 48 >= TPB for n in hits) and win_blocks < full_blocks, (hits, win_blocks, full_blocks)
     for g, w in enumerate(windows):
         st = leaders[g].stats()
         loaded = st["onboard_host_blocks"] + st.get("onboard_disk_blocks", 0)
