@@ -31,3 +31,8 @@ if [ -f "$KVTIER_NODE_GPU_REPORT" ]; then cat "$KVTIER_NODE_GPU_REPORT"; else ec
 "$bin" --exact transfer::cuda::gpu_tests::ordered_loads_are_seen_by_the_engine_stream --nocapture --test-threads 1 \
   2>&1 | tee "$out/ordered-gpu.log"
 grep -q "test result: ok. 1 passed" "$out/ordered-gpu.log" || { echo "the ordered-load GPU test did not run" >&2; exit 1; }
+# Synchronous loads from the node ordered and layered like host tier loads (storage::node::gpu_tests): the engine's
+# stream reads each layer right after its gate, bit-exact; a job with a missing block is not ordered.
+"$bin" --exact storage::node::gpu_tests::node_loads_are_ordered_and_layered --nocapture --test-threads 1 \
+  2>&1 | tee "$out/node-layered-gpu.log"
+grep -q "test result: ok. 1 passed" "$out/node-layered-gpu.log" || { echo "the node layered-load GPU test did not run" >&2; exit 1; }

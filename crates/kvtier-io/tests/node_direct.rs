@@ -294,3 +294,74 @@ fn a_full_node_fails_the_stores_it_cannot_take_and_the_rest_succeed() {
     }
     assert!(ok, "leases of a closed connection were not released");
 }
+
+/// A synchronous load from the node is ordered like a host tier load (`execute_ordered`): the
+/// engine is told it may go on (`enqueued`) once every pair's bytes are in its blocks, so it
+/// computes on them at once; a job with a pair already failed (a missing block) is never
+/// ordered: the engine waits for the outcome, which names that pair alone. Stores are never
+/// ordered.
+#[test]
+fn sync_node_loads_are_ordered_only_when_every_pair_is_leased() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), 32);
+    let mut a_cache = PerLayerCache::new(LAYERS, BLOCKS, CHUNK);
+    for b in 0..BLOCKS {
+        a_cache.write(b, &pattern(b, BPB));
+    }
+    let a = engine(&a_cache, store(&n));
+    let devs: Vec<u32> = (0..BLOCKS).collect();
+    let keys: Vec<u128> = devs.iter().map(|&b| key(b)).collect();
+    let mut called = false;
+    let f = a.fence(None).unwrap();
+    let out = a.execute_ordered(
+        &job(Tier::Device, Tier::Remote, &devs, &keys),
+        &f,
+        0,
+        &mut || called = true,
+    );
+    assert_eq!(out, TransferOutcome::Ok);
+    assert!(!called, "a store was ordered");
+    let mut b_cache = PerLayerCache::new(LAYERS, BLOCKS, CHUNK);
+    for b in 0..BLOCKS {
+        b_cache.write(b, &[0x5A; BPB]);
+    }
+    let b = engine(&b_cache, store(&n));
+    let rev: Vec<u32> = (0..BLOCKS).rev().collect();
+    // Every pair present: `enqueued` is called, after the bytes landed (CPU: the copy is done).
+    let mut seen_at_enqueue = Vec::new();
+    let f = b.fence(None).unwrap();
+    let out = b.execute_ordered(
+        &job(Tier::Remote, Tier::Device, &rev, &keys),
+        &f,
+        0,
+        &mut || seen_at_enqueue = rev.iter().map(|&d| b_cache.read(d)).collect(),
+    );
+    assert_eq!(out, TransferOutcome::Ok);
+    assert_eq!(
+        seen_at_enqueue.len(),
+        BLOCKS as usize,
+        "a full node load was not ordered"
+    );
+    for (k, got) in seen_at_enqueue.iter().enumerate() {
+        assert_eq!(
+            got,
+            &pattern(k as u32, BPB),
+            "device block {} at enqueue",
+            rev[k]
+        );
+    }
+    assert_eq!(b.node_direct_jobs(), 1);
+    // One block missing: never ordered; only that pair failed.
+    let mut gone = keys.clone();
+    gone[4] = key(999);
+    let mut called = false;
+    let f = b.fence(None).unwrap();
+    let out = b.execute_layered(
+        &job(Tier::Remote, Tier::Device, &rev, &gone),
+        &f,
+        0,
+        &mut |_| called = true,
+    );
+    assert!(!called, "a node load with a missing block was ordered");
+    assert_eq!(out.failed_pairs(), vec![4]);
+}

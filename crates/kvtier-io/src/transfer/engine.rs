@@ -352,14 +352,13 @@ impl TransferEngine {
             (Tier::Host, Tier::Remote) | (Tier::Remote, Tier::Host) => {
                 self.host_far(job, Tier::Remote, &mut res)
             }
-            (Tier::Remote, Tier::Device) | (Tier::Device, Tier::Remote)
-                if self.node_direct(job, fence, &mut res) => {}
-            (Tier::Disk | Tier::Remote, Tier::Device) => {
-                self.staged(job, fence, CopyDir::HostToDevice, &mut res)
+            (Tier::Remote, Tier::Device) | (Tier::Device, Tier::Remote) => {
+                if !self.node_direct(job, fence, order, &mut res) {
+                    self.staged(job, fence, CopyDir::of(job), &mut res)
+                }
             }
-            (Tier::Device, Tier::Disk | Tier::Remote) => {
-                self.staged(job, fence, CopyDir::DeviceToHost, &mut res)
-            }
+            (Tier::Disk, Tier::Device) => self.staged(job, fence, CopyDir::HostToDevice, &mut res),
+            (Tier::Device, Tier::Disk) => self.staged(job, fence, CopyDir::DeviceToHost, &mut res),
             (src, dst) => {
                 for i in 0..job.pairs.len() {
                     res.fail(i, TransferError::Unsupported { src, dst });
@@ -371,7 +370,15 @@ impl TransferEngine {
 
     /// The node tier's device <-> arena path (`node::direct`); false when the job must be
     /// staged instead (no node store, or a CUDA device and an arena not registered for DMA).
-    fn node_direct(&self, job: &TransferJob, fence: &Fence, res: &mut Results) -> bool {
+    /// `order` (a synchronous load from the node): ordered, or layered, like a host tier load;
+    /// a job that is staged instead is not ordered (the engine waits for its outcome).
+    fn node_direct(
+        &self,
+        job: &TransferJob,
+        fence: &Fence,
+        order: Order<'_>,
+        res: &mut Results,
+    ) -> bool {
         let (Some(dev), Some(node)) = (&self.device, self.node_store()) else {
             return false;
         };
@@ -382,6 +389,7 @@ impl TransferEngine {
             fence,
             self.bytes_per_block,
             CopyDir::of(job),
+            order,
         ) {
             Some(failed) => {
                 self.node_direct_jobs
@@ -393,6 +401,19 @@ impl TransferEngine {
             }
             None => false,
         }
+    }
+
+    /// Whether a synchronous load `job` may be ordered on the device: host tier -> device, or
+    /// remote -> device when the remote store is the node tier (whose direct path copies from
+    /// the arena slots it leased, like host tier blocks).
+    fn orderable(&self, job: &TransferJob) -> bool {
+        job.dst == Tier::Device
+            && (job.src == Tier::Host || (job.src == Tier::Remote && self.node_store().is_some()))
+    }
+
+    /// Whether the host tier is pinned and registered (kernels may read it at its addresses).
+    fn host_pinned(&self) -> bool {
+        self.host.as_ref().is_some_and(|h| h.is_pinned())
     }
 
     /// The remote store when it is the node tier.
@@ -571,8 +592,8 @@ impl BlockTransfer for TransferEngine {
         self.logged(job, || self.run(job, fence, None))
     }
 
-    /// Host -> device loads are ordered on the device (see the trait); every other job runs as
-    /// `execute` does.
+    /// Host -> device loads, and node -> device loads on the direct path, are ordered on the
+    /// device (see the trait); every other job runs as `execute` does.
     fn execute_ordered(
         &self,
         job: &TransferJob,
@@ -581,15 +602,17 @@ impl BlockTransfer for TransferEngine {
         enqueued: &mut dyn FnMut(),
     ) -> TransferOutcome {
         let mut whole = |_: Option<Arc<dyn LayerGate>>| enqueued();
-        let order = (job.src == Tier::Host && job.dst == Tier::Device).then_some(Ordering {
+        let order = self.orderable(job).then_some(Ordering {
             stream: engine_stream,
             layered: false,
+            readable: self.host_pinned(),
             enqueued: &mut whole,
         });
         self.logged(job, || self.run(job, fence, order))
     }
 
-    /// Host -> device loads go layer by layer where the device side can (see the trait).
+    /// Host -> device and node -> device loads go layer by layer where the device side can (see
+    /// the trait).
     fn execute_layered(
         &self,
         job: &TransferJob,
@@ -597,9 +620,10 @@ impl BlockTransfer for TransferEngine {
         engine_stream: u64,
         enqueued: &mut dyn FnMut(Option<Arc<dyn LayerGate>>),
     ) -> TransferOutcome {
-        let order = (job.src == Tier::Host && job.dst == Tier::Device).then_some(Ordering {
+        let order = self.orderable(job).then_some(Ordering {
             stream: engine_stream,
             layered: true,
+            readable: self.host_pinned(),
             enqueued,
         });
         self.logged(job, || self.run(job, fence, order))

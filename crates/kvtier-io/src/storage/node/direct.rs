@@ -12,10 +12,13 @@
 use kvtier::transfer::{Fence, TransferJob};
 
 use super::client::NodeStore;
-use crate::transfer::device::{CopyDir, DeviceKind, DeviceSide};
+use crate::transfer::device::{CopyDir, DeviceKind, DeviceSide, Order};
 
 /// Run `job` (device -> remote for `DeviceToHost`, else remote -> device) on the node's arena.
-/// Returns the failed pairs, or `None` when the job must be staged instead.
+/// Returns the failed pairs, or `None` when the job must be staged instead. `order` (a
+/// synchronous load): the device leg is ordered on the engine's stream (layered where it can
+/// be) when every pair was leased and passed its checks, so the engine goes on once the copies
+/// are enqueued; else the order is dropped unused and the engine waits for the job's outcome.
 pub(crate) fn run(
     dev: &DeviceSide,
     node: &NodeStore,
@@ -23,6 +26,7 @@ pub(crate) fn run(
     fence: &Fence,
     bytes: usize,
     way: CopyDir,
+    order: Order<'_>,
 ) -> Option<Vec<(usize, String)>> {
     let store = way.to_host();
     let mut failed = Vec::new();
@@ -42,6 +46,14 @@ pub(crate) fn run(
         return Some(failed);
     }
     let need_cuda = matches!(dev.kind(), DeviceKind::Cuda(_));
+    // Only a load whose every pair has a key may be ordered; the leg checks the rest.
+    let whole = keys.len();
+    let order = order.filter(|_| !store && failed.is_empty()).map(|mut o| {
+        // The direct path copies from leased slots of the arena, which `direct_conn` only
+        // hands a CUDA job once the arena is registered with the driver.
+        o.readable = true;
+        o
+    });
     let device_leg = |items: &[(usize, usize)]| -> Vec<(usize, String)> {
         let dev_items: Vec<(usize, u32, usize)> = items
             .iter()
@@ -51,7 +63,9 @@ pub(crate) fn run(
             })
             .collect();
         let dir = if store { "device read" } else { "device write" };
-        dev.copy(&dev_items, way, fence, None)
+        // Every pair leased and passed its checks: nothing has failed before the copy.
+        let order = order.filter(|_| items.len() == whole);
+        dev.copy(&dev_items, way, fence, order)
             .into_iter()
             .map(|(k, why)| (k, format!("{dir}: {why}")))
             .collect()

@@ -1,11 +1,12 @@
-//! Layered loads (host tier -> the engine's blocks, one layer at a time): the scatter kernel reads
-//! each layer's bytes straight from the pinned host tier (unified addressing, no staging) and
+//! Layered loads (host tier or node arena -> the engine's blocks, one layer at a time): the
+//! scatter kernel reads each layer's bytes straight from pinned, registered host memory (the host
+//! tier, or the node's arena slots a direct job leased; unified addressing, no staging) and
 //! writes them into the engine's chunks, one launch per layer on the kvtier kernel stream, each
 //! followed by that layer's event. The engine's stream waits for one layer's event right before
 //! that layer's attention ([`CudaLayerGate`]), so copies of later layers run beside the forward
 //! pass of earlier ones (vLLM's `wait_for_layer_load`).
 //!
-//! Invariants: a layered load is used only when kernels may read the host tier at its host
+//! Invariants: a layered load is used only when kernels may read its source at its host
 //! addresses (pinned, registered, `CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`), every piece is
 //! 16-byte aligned and the job is at most [`LAYERED_MAX_BYTES`], else the job goes the whole-job
 //! ordered way (the gate handed to the engine is then `None`); the kernels run after the job's
@@ -125,7 +126,7 @@ impl CudaMover {
         let descs = self
             .kernel
             .as_ref()
-            .filter(|_| self.host_readable)
+            .filter(|_| self.host_pointers && order.readable)
             .filter(|_| items.len().saturating_mul(self.bytes_per_block) <= LAYERED_MAX_BYTES)
             .and_then(|_| layer_descriptors(items, self.bytes_per_block, layers));
         let Some(descs) = descs else {

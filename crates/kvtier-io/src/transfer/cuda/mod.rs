@@ -122,8 +122,10 @@ pub(crate) struct CudaMover {
     method: CudaCopyMethod,
     kernel: Option<Kernel>,
     batch_available: bool,
-    /// Kernels may read the (pinned, registered) host tier at its host addresses: layered loads.
-    host_readable: bool,
+    /// Kernels may read pinned, registered host memory at its host addresses (unified addressing
+    /// and `CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`): layered loads, whose source must also be
+    /// such memory ([`crate::transfer::device::Ordering::readable`]).
+    host_pointers: bool,
     d2h: Mutex<Dir>,
     h2d: Mutex<Dir>,
 }
@@ -203,14 +205,14 @@ impl CudaMover {
             batch = batch_available,
             "CUDA transfers ready"
         );
-        let host_readable = host.is_some_and(|h| h.is_pinned()) && driver.host_pointers_usable();
+        let host_pointers = driver.host_pointers_usable();
         Ok(CudaMover {
             driver,
             bytes_per_block,
             method,
             kernel,
             batch_available,
-            host_readable,
+            host_pointers,
             d2h,
             h2d,
         })
