@@ -6,9 +6,13 @@
 //! copies are DMA; when it is not registered the job returns `None` and the engine stages it
 //! through its bounce buffer as for any remote store.
 //!
+//! A synchronous load is ordered on the engine's stream (layered where the layout allows) only
+//! when every pair was leased and passed its checks; the leases end after the copies completed.
+//!
 //! Invariant: every pair of the job is either done or listed failed with its reason (a pair
 //! without a key, a full node, a missing or damaged block, a device copy error, a connection lost
-//! before the node acknowledged the pair).
+//! before the node acknowledged the pair). After an ordered load let the engine go on, a pair
+//! fails only if the connection broke during the copy (the node may then have ended the lease).
 use kvtier::transfer::{Fence, TransferJob};
 
 use super::client::NodeStore;
