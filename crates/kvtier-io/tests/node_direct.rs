@@ -12,8 +12,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use common::{pattern, PerLayerCache};
-use kvtier::transfer::{BlockPair, BlockTransfer, RemoteStore, TransferJob, TransferOutcome};
-use kvtier::{JobId, Tier};
+use kvtier::hash::SequenceHash;
+use kvtier::transfer::{BlockTransfer, RemoteStore, TransferJob, TransferOutcome};
+use kvtier::{DeviceBlockId, JobId, Tier};
 use kvtier_io::storage::node::{NodeClientOptions, NodeOptions, NodeServer, NodeStore};
 use kvtier_io::*;
 
@@ -55,32 +56,17 @@ fn engine(cache: &PerLayerCache, node: Arc<NodeStore>) -> TransferEngine {
 
 /// Device blocks `devs[k]` <-> keys `keys[k]`.
 fn job(src: Tier, dst: Tier, devs: &[u32], keys: &[u128]) -> TransferJob {
+    assert_eq!(devs.len(), keys.len(), "one key per device block");
     let pairs = devs
         .iter()
-        .enumerate()
-        .map(|(k, &d)| {
-            if src == Tier::Device {
-                BlockPair {
-                    src: d,
-                    dst: k as u32,
-                }
-            } else {
-                BlockPair {
-                    src: k as u32,
-                    dst: d,
-                }
-            }
-        })
-        .collect();
-    TransferJob {
-        id: JobId(1),
-        src,
-        dst,
-        pairs,
-        keys: keys
-            .iter()
-            .map(|&k| kvtier::hash::SequenceHash(k))
-            .collect(),
+        .zip(keys)
+        .map(|(&d, &k)| (DeviceBlockId(d), SequenceHash(k)));
+    match (src, dst) {
+        (Tier::Device, Tier::Remote) => TransferJob::from_pairs(JobId(1), pairs),
+        (Tier::Remote, Tier::Device) => {
+            TransferJob::from_pairs(JobId(1), pairs.map(|(d, k)| (k, d)))
+        }
+        _ => panic!("node jobs are device <-> remote"),
     }
 }
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use kvtier::hash::{sequence_hashes, HashSalt};
-use kvtier::transfer::{BlockPair, BlockTransfer, RemoteStore, TransferJob, TransferOutcome};
+use kvtier::transfer::{BlockTransfer, RemoteStore, TransferJob, TransferOutcome};
 use kvtier::{JobId, Tier};
 use kvtier_io::storage::remote::from_url;
 use kvtier_io::{
@@ -62,27 +62,11 @@ impl Worker {
     }
 }
 
+/// A job of block numbers; a remote block's key is `keys[i]`, `i` its number on the remote side.
 fn job(src: Tier, dst: Tier, pairs: &[(u32, u32)], keys: &[u128]) -> TransferJob {
-    TransferJob {
-        id: JobId(7),
-        src,
-        dst,
-        pairs: pairs
-            .iter()
-            .map(|&(s, d)| BlockPair { src: s, dst: d })
-            .collect(),
-        // `keys[i]` is the key of the remote-side block number `i` (disk jobs: of pair `i`).
-        keys: pairs
-            .iter()
-            .enumerate()
-            .filter_map(|(k, &(s, d))| match (src, dst) {
-                (Tier::Remote, _) => keys.get(s as usize),
-                (_, Tier::Remote) => keys.get(d as usize),
-                _ => keys.get(k),
-            })
-            .map(|&k| kvtier::hash::SequenceHash(k))
-            .collect(),
-    }
+    kvtier_io::transfer::numbered_job(JobId(7), src, dst, pairs, |i| {
+        keys.get(i as usize).copied().unwrap_or(0)
+    })
 }
 
 /// The sequence hashes of a prompt of `n` full blocks.

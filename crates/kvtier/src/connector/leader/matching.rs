@@ -23,7 +23,7 @@ impl Leader {
         let w = self.world;
         let keys: Vec<u128> = hashes
             .iter()
-            .flat_map(|h| (0..w).map(move |r| remote_key_for_rank(h.0, r, w)))
+            .flat_map(|&h| (0..w).map(move |r| remote_key_for_rank(h, r, w).0))
             .collect();
         match remote.contains(&keys) {
             Ok(found) if found.len() == keys.len() => found

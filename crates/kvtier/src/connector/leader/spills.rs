@@ -11,9 +11,9 @@ use std::collections::BTreeSet;
 use crate::connector::leader::books::JobBooks;
 use crate::connector::leader::{DiskPolicy, Leader};
 use crate::hash::SequenceHash;
-use crate::ids::{BlockId, RequestId, Tier};
+use crate::ids::{BlockId, RequestId};
 use crate::pool::Pinned;
-use crate::transfer::{BlockPair, TransferJob};
+use crate::transfer::{DiskBlock, TransferJob};
 
 /// What a completed spill does to the books: `(pin of the host block read, writer's pin of the
 /// disk block written, hash)` per pair.
@@ -111,38 +111,30 @@ impl Leader {
             let id = self.track(JobBooks::PutRemote(PutBooks {
                 host_blocks: vec![hpin],
             }));
-            self.outbox.background.push(TransferJob {
-                id,
-                src: Tier::Host,
-                dst: Tier::Remote,
-                pairs: vec![BlockPair {
-                    src: host_block.0,
-                    dst: 0,
-                }],
-                keys: vec![hash],
-            });
+            self.outbox
+                .background
+                .push(TransferJob::from_pairs(id, [(host_block, hash)]));
         }
     }
 
     /// Queue the copy of the host block `hpin` holds to the disk block `dpin` holds; the job's
     /// books keep both pins until every rank reported it.
     fn spill_to_disk(&mut self, hpin: Pinned, dpin: Pinned, hash: SequenceHash) {
-        let pair = BlockPair {
-            src: hpin.block().0,
-            dst: dpin.block().0,
-        };
+        let pair = (
+            hpin.block(),
+            DiskBlock {
+                slot: dpin.block(),
+                key: hash,
+            },
+        );
         self.spilling.insert(hash);
         self.stats.spill_disk_blocks += 1;
         let id = self.track(JobBooks::SpillDisk(SpillBooks {
             blocks: vec![(hpin, dpin, hash)],
         }));
-        self.outbox.background.push(TransferJob {
-            id,
-            src: Tier::Host,
-            dst: Tier::Disk,
-            pairs: vec![pair],
-            keys: vec![hash],
-        });
+        self.outbox
+            .background
+            .push(TransferJob::from_pairs(id, [pair]));
     }
 
     /// One more pin of a confirmed host block, held by the background copy that reads it
