@@ -142,6 +142,53 @@ fn spills_are_confirmed_only_when_written() {
     assert_eq!(l.disk_pool().unwrap().num_registered(), 1);
 }
 
+/// A spill's disk block is reserved at dispatch as a store's is: its hash is hidden from
+/// matching and refuses a second spill while in flight; confirmed when written, freed (and
+/// spillable again) when the write failed.
+#[test]
+fn spills_reserve_their_disk_blocks_and_confirm_them() {
+    let mut cfg = LeaderConfig::new(4, HashSalt(3), 4);
+    cfg.disk = Capacity::Blocks(8);
+    cfg.disk_policy = DiskPolicy::WriteThrough;
+    let mut l = Leader::new(cfg).unwrap();
+    let hashes = crate::hash::sequence_hashes(HashSalt(3), &(0..8).collect::<Vec<u32>>(), 4);
+    let m = two_blocks_confirmed(&mut l);
+    assert_eq!(m.background.len(), 2);
+    let disk = l.disk_pool().unwrap();
+    assert_eq!((disk.num_reserved(), disk.num_registered()), (2, 0));
+    for (j, h) in m.background.iter().zip(&hashes) {
+        assert_eq!(disk.lookup(*h), None, "a spill in flight is matchable");
+        let Blocks::Disk(d) = j.dst() else {
+            panic!("a spill writes disk blocks: {j:?}")
+        };
+        assert_eq!(Some(d[0].slot), disk.reserved_block(*h), "{j:?}");
+    }
+    // Seen again while in flight: no second spill of either hash.
+    let host_blocks: Vec<BlockId> = hashes
+        .iter()
+        .map(|h| l.host_pool().unwrap().lookup(*h).unwrap())
+        .collect();
+    for (b, h) in host_blocks.iter().zip(&hashes) {
+        l.plan_spills(*b, *h, false);
+    }
+    assert!(l.outbox.background.is_empty(), "{:?}", l.outbox.background);
+    one_written_one_failed(&mut l, &m);
+    let disk = l.disk_pool().unwrap();
+    assert_eq!((disk.num_reserved(), disk.num_registered()), (0, 1));
+    assert!(
+        disk.lookup(hashes[0]).is_some(),
+        "the written spill is not matchable"
+    );
+    assert_eq!(disk.lookup(hashes[1]), None);
+    assert_eq!(disk.num_free(), 8, "the failed spill's block was not freed");
+    // The failed hash may be spilled again, the written one not.
+    l.plan_spills(host_blocks[0], hashes[0], false);
+    l.plan_spills(host_blocks[1], hashes[1], false);
+    assert_eq!(l.outbox.background.len(), 1);
+    assert_eq!(l.stats().spill_disk_blocks, 3);
+    assert!(l.disk_pool().unwrap().reserved_block(hashes[1]).is_some());
+}
+
 /// A remote put counts as confirmed once every rank reported it, failed pairs excepted.
 #[test]
 fn remote_puts_are_confirmed_only_when_written() {
