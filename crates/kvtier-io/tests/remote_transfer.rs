@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used)]
 mod remote_support;
 
+use kvtier::hash::SequenceHash;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -114,7 +115,10 @@ fn prefill(url: &str, ns: &str, keys: &[u128]) -> Result<Vec<Vec<u8>>> {
 /// Decode loads `keys` (G4 -> G2 blocks 0..n, G2 -> G1 blocks 1..n+1) and checks the bytes.
 fn decode_and_check(url: &str, ns: &str, keys: &[u128], computed: &[Vec<u8>]) -> Result<()> {
     let store = from_url(url, ns)?;
-    assert_eq!(store.contains(keys)?, vec![true; keys.len()]);
+    assert_eq!(
+        store.contains(&keys.iter().copied().map(SequenceHash).collect::<Vec<_>>())?,
+        vec![true; keys.len()]
+    );
     let d = Worker::new(store);
     let to_host: Vec<(u32, u32)> = (0..keys.len() as u32).map(|i| (i, i)).collect();
     assert_eq!(
@@ -145,7 +149,10 @@ fn prefill_to_decode_through_redis() -> Result<()> {
     decode_and_check(&srv.url(), "disagg", &keys, &computed)?;
     // Another namespace (another model) sees nothing.
     let other = from_url(&srv.url(), "other-model")?;
-    assert_eq!(other.contains(&keys)?, vec![false; 4]);
+    assert_eq!(
+        other.contains(&keys.iter().copied().map(SequenceHash).collect::<Vec<_>>())?,
+        vec![false; 4]
+    );
     Ok(())
 }
 

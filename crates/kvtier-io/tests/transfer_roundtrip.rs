@@ -207,26 +207,26 @@ fn mismatched_block_sizes_are_rejected() {
 
 #[derive(Default)]
 struct MemRemote {
-    map: Mutex<HashMap<u128, Vec<u8>>>,
+    map: Mutex<HashMap<SequenceHash, Vec<u8>>>,
 }
 
 impl RemoteStore for MemRemote {
-    fn put(&self, key: u128, data: &[u8]) -> Result<(), TransferError> {
+    fn put(&self, key: SequenceHash, data: &[u8]) -> Result<(), TransferError> {
         self.map.lock().unwrap().insert(key, data.to_vec());
         Ok(())
     }
-    fn get(&self, key: u128, out: &mut [u8]) -> Result<(), TransferError> {
+    fn get(&self, key: SequenceHash, out: &mut [u8]) -> Result<(), TransferError> {
         let m = self.map.lock().unwrap();
         let v = m
             .get(&key)
-            .ok_or_else(|| TransferError::Other(format!("key {key:x} missing")))?;
+            .ok_or_else(|| TransferError::Other(format!("key {:x} missing", key.0)))?;
         if v.len() != out.len() {
             return Err(TransferError::Other("wrong length".into()));
         }
         out.copy_from_slice(v);
         Ok(())
     }
-    fn contains(&self, keys: &[u128]) -> Result<Vec<bool>, TransferError> {
+    fn contains(&self, keys: &[SequenceHash]) -> Result<Vec<bool>, TransferError> {
         let m = self.map.lock().unwrap();
         Ok(keys.iter().map(|k| m.contains_key(k)).collect())
     }

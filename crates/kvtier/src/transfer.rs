@@ -496,14 +496,15 @@ pub trait LayerGate: Send + Sync {
 }
 
 /// A shared, content-addressed remote store (G4): Redis/Valkey, or a shared directory.
-/// Keys are 128-bit sequence hashes; every value carries a checksum verified on `get`.
+/// Keys are sequence hashes (a rank's own key of a block, `remote_key_for_rank`); every value
+/// carries a checksum verified on `get`.
 pub trait RemoteStore: Send + Sync {
     /// Store one block (`data`, exactly one block) under `key`, framed with its checksum.
-    fn put(&self, key: u128, data: &[u8]) -> Result<(), TransferError>;
+    fn put(&self, key: SequenceHash, data: &[u8]) -> Result<(), TransferError>;
     /// Fill `out` (exactly one block) with the value of `key`; a missing, short or corrupt value is an error.
-    fn get(&self, key: u128, out: &mut [u8]) -> Result<(), TransferError>;
+    fn get(&self, key: SequenceHash, out: &mut [u8]) -> Result<(), TransferError>;
     /// Which of `keys` are present (one round trip).
-    fn contains(&self, keys: &[u128]) -> Result<Vec<bool>, TransferError>;
+    fn contains(&self, keys: &[SequenceHash]) -> Result<Vec<bool>, TransferError>;
     /// The concrete store, for transfer engines that move some stores' bytes without a staging
     /// copy (kvtier-io's node tier: device <-> shared arena). `None` by default.
     fn as_any(&self) -> Option<&dyn std::any::Any> {

@@ -62,7 +62,7 @@ fn node_only_stores_go_device_to_remote_and_are_waited_for() {
     // The worker wrote blocks 0 and 2; block 1 failed (e.g. a full node).
     for (k, h) in hashes.iter().enumerate() {
         if k != 1 {
-            remote.put(h.0, &[k as u8; 8]).unwrap();
+            remote.put(*h, &[k as u8; 8]).unwrap();
         }
     }
     l.apply_report(WorkerReport {

@@ -105,7 +105,9 @@ pub(super) fn gpu_staged(
                 Tier::Disk => disk
                     .read_block(i as u32, &mut buf)
                     .map_err(|e| e.to_string())?,
-                _ => remote.get(keys[i], &mut buf).map_err(|e| e.to_string())?,
+                _ => remote
+                    .get(kvtier::hash::SequenceHash(keys[i]), &mut buf)
+                    .map_err(|e| e.to_string())?,
             }
             if &buf != t {
                 return Err(format!("{far:?}: stored block {} differs", sample[i]));

@@ -538,7 +538,7 @@ impl TransferEngine {
                 };
                 for (k, &(i, h)) in items.iter().enumerate() {
                     // The key names the block in the store.
-                    let Some(key) = keys.get(i).map(|k| k.0) else {
+                    let Some(&key) = keys.get(i) else {
                         res.fail(i, "internal: no remote key for the pair");
                         continue;
                     };

@@ -10,6 +10,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+use crate::hash::SequenceHash;
 use crate::ids::Tier;
 use crate::transfer::{
     Block, BlockFailure, BlockTransfer, Fence, RemoteStore, TransferError, TransferJob,
@@ -103,7 +104,7 @@ impl MemoryTransfer {
         match (src, src.number()) {
             (Block::Remote(key), _) => {
                 let r = self.remote.as_ref().ok_or("no remote store")?;
-                r.get(key.0, &mut buf).map_err(|e| e.to_string())?;
+                r.get(key, &mut buf).map_err(|e| e.to_string())?;
             }
             (_, Some(n)) => buf = self.read_block(src.tier(), n).map_err(|e| e.to_string())?,
             (_, None) => return Err("a block without a number".into()),
@@ -111,7 +112,7 @@ impl MemoryTransfer {
         match (dst, dst.number()) {
             (Block::Remote(key), _) => {
                 let r = self.remote.as_ref().ok_or("no remote store")?;
-                r.put(key.0, &buf).map_err(|e| e.to_string())?;
+                r.put(key, &buf).map_err(|e| e.to_string())?;
             }
             (_, Some(n)) => self
                 .write_block(dst.tier(), n, &buf)
@@ -158,7 +159,7 @@ impl BlockTransfer for MemoryTransfer {
 /// A content-addressed store in memory.
 #[derive(Default)]
 pub struct MemoryRemoteStore {
-    map: Mutex<HashMap<u128, Vec<u8>>>,
+    map: Mutex<HashMap<SequenceHash, Vec<u8>>>,
 }
 
 impl MemoryRemoteStore {
@@ -177,7 +178,7 @@ impl MemoryRemoteStore {
 }
 
 impl RemoteStore for MemoryRemoteStore {
-    fn put(&self, key: u128, data: &[u8]) -> Result<(), TransferError> {
+    fn put(&self, key: SequenceHash, data: &[u8]) -> Result<(), TransferError> {
         let mut m = self
             .map
             .lock()
@@ -185,24 +186,25 @@ impl RemoteStore for MemoryRemoteStore {
         m.insert(key, data.to_vec());
         Ok(())
     }
-    fn get(&self, key: u128, out: &mut [u8]) -> Result<(), TransferError> {
+    fn get(&self, key: SequenceHash, out: &mut [u8]) -> Result<(), TransferError> {
         let m = self
             .map
             .lock()
             .map_err(|_| TransferError::Other("poisoned".into()))?;
         let v = m
             .get(&key)
-            .ok_or_else(|| TransferError::Other(format!("remote key {key:032x} missing")))?;
+            .ok_or_else(|| TransferError::Other(format!("remote key {:032x} missing", key.0)))?;
         if v.len() != out.len() {
             return Err(TransferError::Other(format!(
-                "remote key {key:032x} has {} bytes",
+                "remote key {:032x} has {} bytes",
+                key.0,
                 v.len()
             )));
         }
         out.copy_from_slice(v);
         Ok(())
     }
-    fn contains(&self, keys: &[u128]) -> Result<Vec<bool>, TransferError> {
+    fn contains(&self, keys: &[SequenceHash]) -> Result<Vec<bool>, TransferError> {
         let m = self
             .map
             .lock()

@@ -35,6 +35,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
+use kvtier::hash::SequenceHash;
 use kvtier::transfer::{RemoteError, RemoteHealth, RemoteStore, TransferError};
 use redis::ConnectionAddr;
 
@@ -664,16 +665,17 @@ fn read_frame(
 }
 
 impl RemoteStore for RedisStore {
-    fn put(&self, key: u128, data: &[u8]) -> Result<(), TransferError> {
-        Ok(self.put_inner(key, data)?)
+    fn put(&self, key: SequenceHash, data: &[u8]) -> Result<(), TransferError> {
+        Ok(self.put_inner(key.0, data)?)
     }
 
-    fn get(&self, key: u128, out: &mut [u8]) -> Result<(), TransferError> {
-        Ok(self.get_inner(key, out)?)
+    fn get(&self, key: SequenceHash, out: &mut [u8]) -> Result<(), TransferError> {
+        Ok(self.get_inner(key.0, out)?)
     }
 
-    fn contains(&self, keys: &[u128]) -> Result<Vec<bool>, TransferError> {
-        Ok(self.contains_inner(keys)?)
+    fn contains(&self, keys: &[SequenceHash]) -> Result<Vec<bool>, TransferError> {
+        let keys: Vec<u128> = keys.iter().map(|k| k.0).collect();
+        Ok(self.contains_inner(&keys)?)
     }
 
     fn health(&self) -> RemoteHealth {
