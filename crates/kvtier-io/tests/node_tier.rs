@@ -135,7 +135,9 @@ fn blocks_stored_by_one_engine_are_hits_for_another_of_the_same_model() {
     }
     assert!(matches!(
         b.get(SequenceHash(9), &mut out),
-        Err(TransferError::Remote(RemoteError::Missing { key: 9 }))
+        Err(TransferError::Remote(RemoteError::Missing {
+            key: SequenceHash(9)
+        }))
     ));
 }
 
@@ -222,7 +224,10 @@ fn a_block_patched_in_the_arena_of_a_multi_tenant_node_is_refused_and_dropped() 
     assert!(
         matches!(
             err,
-            TransferError::Remote(RemoteError::Corrupt { key: 1, .. })
+            TransferError::Remote(RemoteError::Corrupt {
+                key: SequenceHash(1),
+                ..
+            })
         ),
         "{err}"
     );

@@ -81,7 +81,9 @@ fn cluster_round_trip_contains_and_damage() -> Result<()> {
     ));
     assert!(matches!(
         store.get(SequenceHash(777), &mut out),
-        Err(TransferError::Remote(RemoteError::Missing { key: 777 }))
+        Err(TransferError::Remote(RemoteError::Missing {
+            key: SequenceHash(777)
+        }))
     ));
     Ok(())
 }

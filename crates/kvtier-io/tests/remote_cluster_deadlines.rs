@@ -321,7 +321,9 @@ fn a_hung_seed_does_not_stop_the_cluster() {
     assert!(
         matches!(
             r,
-            Err(TransferError::Remote(RemoteError::Missing { key: 1 }))
+            Err(TransferError::Remote(RemoteError::Missing {
+                key: SequenceHash(1)
+            }))
         ),
         "{r:?} after {t:?}"
     );

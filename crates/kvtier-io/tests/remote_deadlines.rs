@@ -234,7 +234,7 @@ fn oversized_value_is_refused_from_its_length_prefix() {
             expected,
             stored,
         })) => {
-            assert_eq!((key, expected), (7, BLOCK));
+            assert_eq!((key, expected), (SequenceHash(7), BLOCK));
             assert_eq!(stored as u64, gb - HEADER_LEN as u64);
         }
         other => panic!("expected SizeMismatch, got {other:?}"),

@@ -56,7 +56,9 @@ fn round_trip_contains_missing_and_layout() -> Result<()> {
     let mut out = vec![0u8; MIB2];
     assert_eq!(
         remote_err(store.get(SequenceHash(5), &mut out)),
-        RemoteError::Missing { key: 5 }
+        RemoteError::Missing {
+            key: SequenceHash(5)
+        }
     );
 
     // Documented layout and permissions; no temporary file is left behind.
@@ -100,7 +102,10 @@ fn damaged_and_truncated_files_are_errors() -> Result<()> {
     std::fs::write(&path, vec![0xa5u8; HEADER_LEN + 5000])?;
     assert!(matches!(
         remote_err(store.get(SequenceHash(1), &mut out)),
-        RemoteError::Corrupt { key: 1, .. }
+        RemoteError::Corrupt {
+            key: SequenceHash(1),
+            ..
+        }
     ));
 
     // One flipped payload bit.
@@ -120,7 +125,7 @@ fn damaged_and_truncated_files_are_errors() -> Result<()> {
     assert_eq!(
         remote_err(store.get(SequenceHash(1), &mut out)),
         RemoteError::Short {
-            key: 1,
+            key: SequenceHash(1),
             expected: HEADER_LEN + 5000,
             got: HEADER_LEN + 4000
         }
@@ -129,7 +134,7 @@ fn damaged_and_truncated_files_are_errors() -> Result<()> {
     assert_eq!(
         remote_err(store.get(SequenceHash(1), &mut out)),
         RemoteError::Short {
-            key: 1,
+            key: SequenceHash(1),
             expected: HEADER_LEN + 5000,
             got: 10
         }
@@ -153,7 +158,10 @@ fn damaged_and_truncated_files_are_errors() -> Result<()> {
     std::fs::write(&path, encode_value("bad", 2, &good))?;
     assert!(matches!(
         remote_err(store.get(SequenceHash(1), &mut out)),
-        RemoteError::Corrupt { key: 1, .. }
+        RemoteError::Corrupt {
+            key: SequenceHash(1),
+            ..
+        }
     ));
 
     // Another block size.
@@ -161,7 +169,7 @@ fn damaged_and_truncated_files_are_errors() -> Result<()> {
     assert_eq!(
         remote_err(store.get(SequenceHash(3), &mut out)),
         RemoteError::SizeMismatch {
-            key: 3,
+            key: SequenceHash(3),
             expected: 5000,
             stored: 100
         }

@@ -62,7 +62,9 @@ fn keyed_directory_store_refuses_forged_frames() -> Result<()> {
     std::fs::write(&path, encode_value("mac", 1, &block(2, 4096)))?;
     assert_eq!(
         remote_err(store.get(SequenceHash(1), &mut out)),
-        RemoteError::Missing { key: 1 }
+        RemoteError::Missing {
+            key: SequenceHash(1)
+        }
     );
     // The same forgery claiming the keyed flag: corrupt.
     let mut flagged = encode_value("mac", 1, &block(2, 4096));
@@ -106,7 +108,9 @@ fn keyed_redis_store_refuses_forged_frames() -> Result<()> {
         .query(&mut raw)?;
     assert_eq!(
         remote_err(store.get(SequenceHash(7), &mut out)),
-        RemoteError::Missing { key: 7 }
+        RemoteError::Missing {
+            key: SequenceHash(7)
+        }
     );
     // Another cluster's key: corrupt, never bytes.
     let other = RedisStore::open(&srv.url(), "mac", Default::default())?

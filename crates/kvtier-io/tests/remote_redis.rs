@@ -86,7 +86,9 @@ fn contains_and_missing() -> Result<()> {
     let mut out = [0u8; 3];
     assert_eq!(
         remote_err(store.get(SequenceHash(2), &mut out)),
-        RemoteError::Missing { key: 2 }
+        RemoteError::Missing {
+            key: SequenceHash(2)
+        }
     );
     // Namespaces are separate key spaces.
     let other = from_url(&srv.url(), "c2")?;
@@ -96,7 +98,9 @@ fn contains_and_missing() -> Result<()> {
     );
     assert_eq!(
         remote_err(other.get(SequenceHash(1), &mut out)),
-        RemoteError::Missing { key: 1 }
+        RemoteError::Missing {
+            key: SequenceHash(1)
+        }
     );
     Ok(())
 }
@@ -121,7 +125,10 @@ fn damaged_values_are_errors_never_bytes() -> Result<()> {
         .query(&mut raw)?;
     assert!(matches!(
         remote_err(store.get(SequenceHash(10), &mut out)),
-        RemoteError::Corrupt { key: 10, .. }
+        RemoteError::Corrupt {
+            key: SequenceHash(10),
+            ..
+        }
     ));
 
     // One flipped payload bit.
@@ -145,7 +152,7 @@ fn damaged_values_are_errors_never_bytes() -> Result<()> {
     assert_eq!(
         remote_err(store.get(SequenceHash(10), &mut out)),
         RemoteError::Short {
-            key: 10,
+            key: SequenceHash(10),
             expected: HEADER_LEN + 1000,
             got: HEADER_LEN + 999
         }
@@ -165,7 +172,10 @@ fn damaged_values_are_errors_never_bytes() -> Result<()> {
         .query(&mut raw)?;
     assert!(matches!(
         remote_err(store.get(SequenceHash(11), &mut out)),
-        RemoteError::Corrupt { key: 11, .. }
+        RemoteError::Corrupt {
+            key: SequenceHash(11),
+            ..
+        }
     ));
 
     // A block of another size (e.g. another layout under the same namespace).
@@ -173,7 +183,7 @@ fn damaged_values_are_errors_never_bytes() -> Result<()> {
     assert_eq!(
         remote_err(store.get(SequenceHash(12), &mut out)),
         RemoteError::SizeMismatch {
-            key: 12,
+            key: SequenceHash(12),
             expected: 1000,
             stored: 999
         }
@@ -394,7 +404,7 @@ fn forged_value_with_patched_key_is_rejected_and_old_frames_miss() -> Result<()>
     let mut out = vec![0u8; 4096];
     let e = remote_err(store.get(SequenceHash(victim), &mut out));
     assert!(
-        matches!(&e, RemoteError::Corrupt { key, .. } if *key == victim),
+        matches!(&e, RemoteError::Corrupt { key, .. } if *key == SequenceHash(victim)),
         "forged value accepted or misreported: {e:?}"
     );
 
@@ -426,7 +436,9 @@ fn forged_value_with_patched_key_is_rejected_and_old_frames_miss() -> Result<()>
         .query(&mut raw)?;
     assert_eq!(
         remote_err(store.get(SequenceHash(victim), &mut out)),
-        RemoteError::Missing { key: victim }
+        RemoteError::Missing {
+            key: SequenceHash(victim)
+        }
     );
     Ok(())
 }
@@ -546,7 +558,7 @@ fn oversized_value_is_refused_without_reading_it() -> Result<()> {
     assert_eq!(
         remote_err(r),
         RemoteError::SizeMismatch {
-            key: 5,
+            key: SequenceHash(5),
             expected: 4096,
             stored: 64 << 20
         }

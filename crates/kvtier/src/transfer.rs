@@ -391,13 +391,13 @@ pub enum RemoteError {
     #[error("remote key {key:032x} is not present")]
     Missing {
         /// The key asked for.
-        key: u128,
+        key: SequenceHash,
     },
     /// The value ended before a whole block.
     #[error("remote value of {key:032x} is truncated: {got} of {expected} bytes")]
     Short {
         /// The key asked for.
-        key: u128,
+        key: SequenceHash,
         /// Bytes of one framed block.
         expected: usize,
         /// Bytes the store returned.
@@ -407,7 +407,7 @@ pub enum RemoteError {
     #[error("remote value of {key:032x} holds {stored} bytes but a block is {expected}")]
     SizeMismatch {
         /// The key asked for.
-        key: u128,
+        key: SequenceHash,
         /// This engine's block size.
         expected: usize,
         /// The block size the frame declares.
@@ -417,7 +417,7 @@ pub enum RemoteError {
     #[error("remote value of {key:032x} is corrupt: {reason}")]
     Corrupt {
         /// The key asked for.
-        key: u128,
+        key: SequenceHash,
         /// What did not verify.
         reason: String,
     },
@@ -616,6 +616,18 @@ mod tests {
         assert_eq!(
             s.dst(),
             &Blocks::Remote(vec![SequenceHash(13), SequenceHash(11)])
+        );
+    }
+
+    /// A remote error names its key as the 32 hex digits of the store's names.
+    #[test]
+    fn remote_errors_name_their_key_in_hex() {
+        let e = RemoteError::Missing {
+            key: SequenceHash(0xab),
+        };
+        assert_eq!(
+            e.to_string(),
+            "remote key 000000000000000000000000000000ab is not present"
         );
     }
 

@@ -465,14 +465,18 @@ impl RemoteStore for NodeStore {
                     if bytes != out.len() as u64 {
                         c.end_leases(&[LeaseEnd::Done(id)])?;
                         return Err(RemoteError::SizeMismatch {
-                            key,
+                            key: SequenceHash(key),
                             expected: out.len(),
                             stored: bytes as usize,
                         });
                     }
                     (id, offset, checksum)
                 }
-                _ => return Err(RemoteError::Missing { key }),
+                _ => {
+                    return Err(RemoteError::Missing {
+                        key: SequenceHash(key),
+                    })
+                }
             };
             let copied = arena.read(offset, out);
             let good = copied.is_ok()
@@ -493,7 +497,7 @@ impl RemoteStore for NodeStore {
             }
             if !good {
                 return Err(RemoteError::Corrupt {
-                    key,
+                    key: SequenceHash(key),
                     reason: "the node's copy does not match its checksum".into(),
                 });
             }

@@ -146,7 +146,9 @@ impl DirStore {
         let mut f = match File::open(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(RemoteError::Missing { key })
+                return Err(RemoteError::Missing {
+                    key: SequenceHash(key),
+                })
             }
             Err(e) => return Err(unavailable("get", &path, &e)),
         };
@@ -155,13 +157,17 @@ impl DirStore {
         let mut head = [0u8; HEADER_LEN];
         let got = read_full(&mut f, &mut head).map_err(io_err)?;
         if got < HEADER_LEN {
-            return Err(RemoteError::Short { key, expected, got });
+            return Err(RemoteError::Short {
+                key: SequenceHash(key),
+                expected,
+                got,
+            });
         }
         let header = frame::check_header(&self.seal, key, &head, out.len())?;
         let got = read_full(&mut f, out).map_err(io_err)?;
         if got < out.len() {
             return Err(RemoteError::Short {
-                key,
+                key: SequenceHash(key),
                 expected,
                 got: HEADER_LEN + got,
             });
@@ -169,7 +175,7 @@ impl DirStore {
         let mut extra = [0u8; 1];
         if read_full(&mut f, &mut extra).map_err(io_err)? != 0 {
             return Err(RemoteError::Corrupt {
-                key,
+                key: SequenceHash(key),
                 reason: "trailing bytes after the payload".into(),
             });
         }

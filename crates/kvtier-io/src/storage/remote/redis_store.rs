@@ -585,7 +585,9 @@ impl RedisStore {
                     push_cmd(buf, &[b"GET", rkey.as_bytes()]);
                     conn.send(buf, dl)?;
                     match conn.read_bulk_len(dl)? {
-                        None => Ok(Err(RemoteError::Missing { key })),
+                        None => Ok(Err(RemoteError::Missing {
+                            key: SequenceHash(key),
+                        })),
                         Some(len) => read_frame(&self.seal, conn, dl, key, len, out),
                     }
                 })
@@ -642,7 +644,11 @@ fn read_frame(
     let expected = HEADER_LEN + out.len();
     let got = usize::try_from(len).unwrap_or(usize::MAX);
     if got < HEADER_LEN {
-        return Err(OpError::Value(RemoteError::Short { key, expected, got }));
+        return Err(OpError::Value(RemoteError::Short {
+            key: SequenceHash(key),
+            expected,
+            got,
+        }));
     }
     let mut head = [0u8; HEADER_LEN];
     conn.read_exact(&mut head, dl)?;
@@ -650,9 +656,13 @@ fn read_frame(
     if got != expected {
         let e = match checked {
             Err(e) => e,
-            Ok(_) if got < expected => RemoteError::Short { key, expected, got },
+            Ok(_) if got < expected => RemoteError::Short {
+                key: SequenceHash(key),
+                expected,
+                got,
+            },
             Ok(_) => RemoteError::Corrupt {
-                key,
+                key: SequenceHash(key),
                 reason: format!("{} trailing bytes", got - expected),
             },
         };
