@@ -44,7 +44,7 @@ pub(crate) struct KvtierConnector {
     salt: HashSalt,
     wait_for_remote: bool,
     /// Prefill role: the prompt hashes of requests whose KV must reach the remote store.
-    prompt_hashes: HashMap<RequestId, Vec<u128>>,
+    prompt_hashes: HashMap<RequestId, Vec<kvtier::hash::SequenceHash>>,
     /// Saved on this rank, waiting for the remote store (hashes, deadline).
     publishing: HashMap<RequestId, Instant>,
     /// Stats snapshots for the process's metrics endpoint (`metrics.enabled`).
@@ -193,10 +193,7 @@ impl EngineConnector for KvtierConnector {
         num_computed_tokens: usize,
     ) -> Result<(usize, bool), String> {
         if self.wait_for_remote && !self.prompt_hashes.contains_key(req.id) {
-            let hs = sequence_hashes(self.salt, req.tokens, self.block_size)
-                .into_iter()
-                .map(|h| h.0)
-                .collect();
+            let hs = sequence_hashes(self.salt, req.tokens, self.block_size);
             self.prompt_hashes.insert(req.id.clone(), hs);
         }
         let n = self

@@ -16,6 +16,7 @@
 #[path = "../tests/remote_support/mod.rs"]
 mod remote_support;
 
+use kvtier::hash::SequenceHash;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
@@ -37,8 +38,8 @@ fn bench(c: &mut Criterion) {
     let mut raw = srv.raw().unwrap();
     let data = block(42, BLOCK);
     for k in 0..KEYS {
-        redis_store.put(k, &data).unwrap();
-        dir_store.put(k, &data).unwrap();
+        redis_store.put(SequenceHash(k), &data).unwrap();
+        dir_store.put(SequenceHash(k), &data).unwrap();
         let _: () = redis::cmd("SET")
             .arg(format!("raw:{k}"))
             .arg(&data[..])
@@ -62,13 +63,13 @@ fn bench(c: &mut Criterion) {
     g.bench_function(BenchmarkId::new("kvtier_redis", "put"), |b| {
         b.iter(|| {
             k = (k + 1) % KEYS;
-            redis_store.put(k, &data).unwrap();
+            redis_store.put(SequenceHash(k), &data).unwrap();
         })
     });
     g.bench_function(BenchmarkId::new("kvtier_dir", "put"), |b| {
         b.iter(|| {
             k = (k + 1) % KEYS;
-            dir_store.put(k, &data).unwrap();
+            dir_store.put(SequenceHash(k), &data).unwrap();
         })
     });
     g.finish();
@@ -89,13 +90,13 @@ fn bench(c: &mut Criterion) {
     g.bench_function(BenchmarkId::new("kvtier_redis", "get"), |b| {
         b.iter(|| {
             k = (k + 1) % KEYS;
-            redis_store.get(k, &mut out).unwrap();
+            redis_store.get(SequenceHash(k), &mut out).unwrap();
         })
     });
     g.bench_function(BenchmarkId::new("kvtier_dir", "get"), |b| {
         b.iter(|| {
             k = (k + 1) % KEYS;
-            dir_store.get(k, &mut out).unwrap();
+            dir_store.get(SequenceHash(k), &mut out).unwrap();
         })
     });
     g.finish();
@@ -117,32 +118,32 @@ fn bench(c: &mut Criterion) {
         .with_mac_key(b"0123456789abcdef-bench-secret")
         .unwrap();
     for k in 0..KEYS {
-        mac_store.put(k, &data).unwrap();
+        mac_store.put(SequenceHash(k), &data).unwrap();
     }
     let mut g = c.benchmark_group("remote_mac_2MiB");
     g.throughput(Throughput::Bytes(BLOCK as u64));
     g.bench_function(BenchmarkId::new("kvtier_redis", "put"), |b| {
         b.iter(|| {
             k = (k + 1) % KEYS;
-            redis_store.put(k, &data).unwrap();
+            redis_store.put(SequenceHash(k), &data).unwrap();
         })
     });
     g.bench_function(BenchmarkId::new("kvtier_redis_mac", "put"), |b| {
         b.iter(|| {
             k = (k + 1) % KEYS;
-            mac_store.put(k, &data).unwrap();
+            mac_store.put(SequenceHash(k), &data).unwrap();
         })
     });
     g.bench_function(BenchmarkId::new("kvtier_redis", "get"), |b| {
         b.iter(|| {
             k = (k + 1) % KEYS;
-            redis_store.get(k, &mut out).unwrap();
+            redis_store.get(SequenceHash(k), &mut out).unwrap();
         })
     });
     g.bench_function(BenchmarkId::new("kvtier_redis_mac", "get"), |b| {
         b.iter(|| {
             k = (k + 1) % KEYS;
-            mac_store.get(k, &mut out).unwrap();
+            mac_store.get(SequenceHash(k), &mut out).unwrap();
         })
     });
     g.finish();
@@ -150,10 +151,18 @@ fn bench(c: &mut Criterion) {
     let keys: Vec<u128> = (0..64).collect();
     let mut g = c.benchmark_group("remote_contains_64");
     g.bench_function("kvtier_redis", |b| {
-        b.iter(|| redis_store.contains(&keys).unwrap())
+        b.iter(|| {
+            redis_store
+                .contains(&keys.iter().copied().map(SequenceHash).collect::<Vec<_>>())
+                .unwrap()
+        })
     });
     g.bench_function("kvtier_dir", |b| {
-        b.iter(|| dir_store.contains(&keys).unwrap())
+        b.iter(|| {
+            dir_store
+                .contains(&keys.iter().copied().map(SequenceHash).collect::<Vec<_>>())
+                .unwrap()
+        })
     });
     g.finish();
 }
@@ -193,16 +202,16 @@ fn interleaved() {
                     .query(&mut raw)
                     .unwrap();
             }),
-            time(&mut || redis_store.put(k, &data).unwrap()),
-            time(&mut || dir_store.put(k, &data).unwrap()),
+            time(&mut || redis_store.put(SequenceHash(k), &data).unwrap()),
+            time(&mut || dir_store.put(SequenceHash(k), &data).unwrap()),
         ];
         let gets = [
             time(&mut || {
                 let v: Vec<u8> = redis::cmd("GET").arg(&name).query(&mut raw).unwrap();
                 assert_eq!(v.len(), BLOCK);
             }),
-            time(&mut || redis_store.get(k, &mut out).unwrap()),
-            time(&mut || dir_store.get(k, &mut out).unwrap()),
+            time(&mut || redis_store.get(SequenceHash(k), &mut out).unwrap()),
+            time(&mut || dir_store.get(SequenceHash(k), &mut out).unwrap()),
         ];
         if round >= 5 {
             for v in 0..3 {

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier::transfer::{BlockPair, BlockTransfer, TransferJob};
+use kvtier::transfer::{BlockTransfer, TransferJob};
 use kvtier::{JobId, Tier};
 
 use crate::storage::disk::{DiskOptions, DiskStorage};
@@ -196,20 +196,12 @@ pub fn run(opts: &BenchOptions) -> BenchReport {
     r
 }
 
+/// Jobs of at most `per_job` pairs of block numbers (disk slots unkeyed).
 fn jobs(pairs: &[(u32, u32)], src: Tier, dst: Tier, per_job: usize) -> Vec<TransferJob> {
     pairs
         .chunks(per_job.max(1))
         .enumerate()
-        .map(|(i, c)| TransferJob {
-            id: JobId(i as u64),
-            src,
-            dst,
-            pairs: c
-                .iter()
-                .map(|&(s, d)| BlockPair { src: s, dst: d })
-                .collect(),
-            keys: Vec::new(),
-        })
+        .map(|(i, c)| crate::transfer::numbered_job(JobId(i as u64), src, dst, c, |_| 0))
         .collect()
 }
 

@@ -23,8 +23,8 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use kvtier::transfer::{BlockPair, BlockTransfer, TransferJob};
-//! use kvtier::{JobId, Tier};
+//! use kvtier::transfer::{BlockTransfer, TransferJob};
+//! use kvtier::{BlockId, DeviceBlockId, JobId};
 //! use kvtier_io::{
 //!     DeviceKind, DevicePtr, EngineMemory, HostOptions, HostStorage, PinMode, StridedLayout,
 //!     TransferEngine,
@@ -44,8 +44,8 @@
 //!     .device(memory)
 //!     .host(host.clone())
 //!     .build()?;
-//! let job = TransferJob { id: JobId(1), src: Tier::Device, dst: Tier::Host,
-//!     pairs: vec![BlockPair { src: 1, dst: 5 }], keys: vec![] };
+//! // Device block 1 -> host block 5.
+//! let job = TransferJob::from_pairs(JobId(1), [(DeviceBlockId(1), BlockId(5))]);
 //! let fence = engine.fence(None)?;
 //! assert!(engine.execute(&job, &fence).is_ok());
 //! let mut out = vec![0u8; 256];

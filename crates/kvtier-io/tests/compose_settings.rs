@@ -9,6 +9,7 @@
 //! `connector.async_loads`, `connector.sync_host_loads`) act in the Python bindings and are observed in
 //! `tests/test_settings_sources.py`; [`every_documented_key_is_covered`] keeps the two lists whole.
 #![allow(clippy::unwrap_used)]
+use kvtier::hash::SequenceHash;
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
 use std::path::Path;
@@ -365,13 +366,16 @@ fn rows(tmp: &Path) -> Vec<Row> {
             check: Box::new(move |b| {
                 let b = ok(b)?;
                 let r = b.remote.as_ref().ok_or("no remote store")?;
-                r.put(0xabc, b"block").map_err(|e| e.to_string())?;
+                r.put(SequenceHash(0xabc), b"block")
+                    .map_err(|e| e.to_string())?;
                 let ns_dir = walk_dirs(&remote_dir)
                     .into_iter()
                     .any(|p| p.ends_with(b.plan.namespace()));
                 expect(
                     b.leader.remote_put()
-                        && r.contains(&[0xabc]).map_err(|e| e.to_string())? == vec![true]
+                        && r.contains(&[SequenceHash(0xabc)])
+                            .map_err(|e| e.to_string())?
+                            == vec![true]
                         && ns_dir,
                     format!(
                         "remote store under {} lacks namespace {}",
@@ -389,7 +393,8 @@ fn rows(tmp: &Path) -> Vec<Row> {
             check: Box::new(move |b| {
                 let b = ok(b)?;
                 let r = b.remote.as_ref().ok_or("no remote store")?;
-                r.put(0xabc, b"block").map_err(|e| e.to_string())?;
+                r.put(SequenceHash(0xabc), b"block")
+                    .map_err(|e| e.to_string())?;
                 let file = walk_files(&mac_dir).pop().ok_or("no value file")?;
                 let v = std::fs::read(&file).map_err(|e| e.to_string())?;
                 expect(

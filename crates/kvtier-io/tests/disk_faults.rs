@@ -316,12 +316,24 @@ fn keyed_job(
     pairs: &[(u32, u32)],
     keys: &[u128],
 ) -> kvtier::transfer::TransferJob {
-    let mut j = job(src, dst, pairs);
-    j.keys = keys
-        .iter()
-        .map(|&k| kvtier::hash::SequenceHash(k))
-        .collect();
-    j
+    // Pair `i`'s disk block is bound to `keys[i]`.
+    let disk = |i: usize, slot: u32| kvtier::transfer::DiskBlock {
+        slot: kvtier::BlockId(slot),
+        key: kvtier::hash::SequenceHash(keys[i]),
+    };
+    let id = kvtier::JobId(1);
+    let pairs = pairs.iter().enumerate();
+    match (src, dst) {
+        (Tier::Host, Tier::Disk) => kvtier::transfer::TransferJob::from_pairs(
+            id,
+            pairs.map(|(i, &(s, d))| (kvtier::BlockId(s), disk(i, d))),
+        ),
+        (Tier::Disk, Tier::Host) => kvtier::transfer::TransferJob::from_pairs(
+            id,
+            pairs.map(|(i, &(s, d))| (disk(i, s), kvtier::BlockId(d))),
+        ),
+        _ => panic!("keyed jobs are host <-> disk"),
+    }
 }
 
 fn key(b: u32) -> u128 {

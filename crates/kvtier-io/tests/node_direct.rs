@@ -12,8 +12,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use common::{pattern, PerLayerCache};
-use kvtier::transfer::{BlockPair, BlockTransfer, RemoteStore, TransferJob, TransferOutcome};
-use kvtier::{JobId, Tier};
+use kvtier::hash::SequenceHash;
+use kvtier::transfer::{BlockTransfer, RemoteStore, TransferJob, TransferOutcome};
+use kvtier::{DeviceBlockId, JobId, Tier};
 use kvtier_io::storage::node::{NodeClientOptions, NodeOptions, NodeServer, NodeStore};
 use kvtier_io::*;
 
@@ -55,32 +56,17 @@ fn engine(cache: &PerLayerCache, node: Arc<NodeStore>) -> TransferEngine {
 
 /// Device blocks `devs[k]` <-> keys `keys[k]`.
 fn job(src: Tier, dst: Tier, devs: &[u32], keys: &[u128]) -> TransferJob {
+    assert_eq!(devs.len(), keys.len(), "one key per device block");
     let pairs = devs
         .iter()
-        .enumerate()
-        .map(|(k, &d)| {
-            if src == Tier::Device {
-                BlockPair {
-                    src: d,
-                    dst: k as u32,
-                }
-            } else {
-                BlockPair {
-                    src: k as u32,
-                    dst: d,
-                }
-            }
-        })
-        .collect();
-    TransferJob {
-        id: JobId(1),
-        src,
-        dst,
-        pairs,
-        keys: keys
-            .iter()
-            .map(|&k| kvtier::hash::SequenceHash(k))
-            .collect(),
+        .zip(keys)
+        .map(|(&d, &k)| (DeviceBlockId(d), SequenceHash(k)));
+    match (src, dst) {
+        (Tier::Device, Tier::Remote) => TransferJob::from_pairs(JobId(1), pairs),
+        (Tier::Remote, Tier::Device) => {
+            TransferJob::from_pairs(JobId(1), pairs.map(|(d, k)| (k, d)))
+        }
+        _ => panic!("node jobs are device <-> remote"),
     }
 }
 
@@ -130,7 +116,7 @@ fn round_trip(tenants: bool) {
     let probe = store(&n);
     let mut buf = vec![0u8; BPB];
     for b in 0..BLOCKS {
-        probe.get(key(b), &mut buf).unwrap();
+        probe.get(SequenceHash(key(b)), &mut buf).unwrap();
         assert_eq!(buf, pattern(b, BPB), "arena block {b}");
     }
     // Storing again is deduplicated by the node (no second write).
@@ -164,7 +150,9 @@ fn round_trip(tenants: bool) {
     // Every lease ended: the whole arena can be evicted for another namespace's puts.
     let other = NodeStore::connect(n.socket(), "other", NodeClientOptions::default()).unwrap();
     for k in 0..32u128 {
-        other.put(1000 + k, &pattern(k as u32, BPB)).unwrap();
+        other
+            .put(SequenceHash(1000 + k), &pattern(k as u32, BPB))
+            .unwrap();
     }
     assert_eq!(n.stats().puts_full, 0, "a lease leaked: {:?}", n.stats());
 }
@@ -187,7 +175,9 @@ fn failed_pairs_fail_alone_and_never_touch_their_device_block() {
     assert_eq!(out.failed_pairs(), vec![5], "{out:?}");
     let probe = store(&n);
     assert_eq!(
-        probe.contains(&keys).unwrap(),
+        probe
+            .contains(&keys.iter().copied().map(SequenceHash).collect::<Vec<_>>())
+            .unwrap(),
         vec![true, true, true, true, true, false],
         "a failed store's block is visible"
     );
@@ -197,7 +187,7 @@ fn failed_pairs_fail_alone_and_never_touch_their_device_block() {
     {
         let lease = NodeStore::connect(n.socket(), "m", NodeClientOptions::default()).unwrap();
         let mut buf = vec![0u8; BPB];
-        lease.get(key(2), &mut buf).unwrap();
+        lease.get(SequenceHash(key(2)), &mut buf).unwrap();
         // The slot of block 2 is where its bytes are in the arena file.
         let arena = std::fs::read_dir(dir.path())
             .unwrap()
@@ -233,7 +223,7 @@ fn failed_pairs_fail_alone_and_never_touch_their_device_block() {
         assert_eq!(cache.read(b), vec![0xC3; BPB], "failed pair touched device");
     }
     assert_eq!(
-        probe.contains(&[key(2)]).unwrap(),
+        probe.contains(&[SequenceHash(key(2))]).unwrap(),
         vec![false],
         "the damaged block is dropped"
     );

@@ -3,6 +3,7 @@
 //! the same disk directory serves them (warm restart, a new arena), a damaged disk block is a
 //! miss and never bytes, and namespaces stay apart on disk.
 #![allow(clippy::unwrap_used)]
+use kvtier::hash::SequenceHash;
 use std::path::Path;
 
 use kvtier::transfer::RemoteStore;
@@ -40,21 +41,29 @@ fn evicted_blocks_come_back_from_disk_and_survive_a_node_restart() {
         let n = node(dir.path(), 4, 64);
         let a = client(&n, "m");
         for &k in &keys {
-            a.put(k, &block(k)).unwrap();
+            a.put(SequenceHash(k), &block(k)).unwrap();
         }
         let s = n.stats();
         assert_eq!(s.blocks, 4, "the arena holds 4: {s:?}");
         assert_eq!(s.disk_spills, 16, "16 evicted blocks spilled: {s:?}");
-        assert_eq!(a.contains(&keys).unwrap(), vec![true; 20]);
+        assert_eq!(
+            a.contains(&keys.iter().copied().map(SequenceHash).collect::<Vec<_>>())
+                .unwrap(),
+            vec![true; 20]
+        );
         // Another model never sees them, on disk either.
         let q = client(&n, "other");
-        assert_eq!(q.contains(&keys).unwrap(), vec![false; 20]);
+        assert_eq!(
+            q.contains(&keys.iter().copied().map(SequenceHash).collect::<Vec<_>>())
+                .unwrap(),
+            vec![false; 20]
+        );
         let mut out = vec![0u8; BLOCK];
-        assert!(q.get(1, &mut out).is_err());
+        assert!(q.get(SequenceHash(1), &mut out).is_err());
         // Every block reads back bit-exact (most of them promoted from disk into the arena).
         for &k in &keys {
             out.fill(0);
-            a.get(k, &mut out).unwrap();
+            a.get(SequenceHash(k), &mut out).unwrap();
             assert_eq!(out, block(k), "block {k}");
         }
         assert!(n.stats().disk_hits >= 16, "{:?}", n.stats());
@@ -62,10 +71,14 @@ fn evicted_blocks_come_back_from_disk_and_survive_a_node_restart() {
     let n = node(dir.path(), 4, 64);
     assert_eq!(n.stats().disk_blocks, 20, "warm restart: {:?}", n.stats());
     let b = client(&n, "m");
-    assert_eq!(b.contains(&keys).unwrap(), vec![true; 20]);
+    assert_eq!(
+        b.contains(&keys.iter().copied().map(SequenceHash).collect::<Vec<_>>())
+            .unwrap(),
+        vec![true; 20]
+    );
     let mut out = vec![0u8; BLOCK];
     for &k in &keys {
-        b.get(k, &mut out).unwrap();
+        b.get(SequenceHash(k), &mut out).unwrap();
         assert_eq!(out, block(k), "block {k} after the restart");
     }
 }
@@ -76,7 +89,7 @@ fn a_damaged_disk_block_is_a_miss_never_bytes() {
     let n = node(dir.path(), 2, 16);
     let a = client(&n, "m");
     for k in 1..=6u128 {
-        a.put(k, &block(k)).unwrap();
+        a.put(SequenceHash(k), &block(k)).unwrap();
     }
     assert_eq!(n.stats().disk_spills, 4);
     // Flip one byte in every data file of the node's disk set: each spilled block's payload.
@@ -97,14 +110,20 @@ fn a_damaged_disk_block_is_a_miss_never_bytes() {
     let mut out = vec![0u8; BLOCK];
     let mut misses = 0;
     for k in 1..=6u128 {
-        match a.get(k, &mut out) {
+        match a.get(SequenceHash(k), &mut out) {
             Ok(()) => assert_eq!(out, block(k), "block {k}: wrong bytes served"),
             Err(_) => misses += 1,
         }
     }
     assert_eq!(misses, 4, "the 4 damaged disk blocks are misses");
     assert_eq!(
-        a.contains(&[1, 2, 3, 4]).unwrap(),
+        a.contains(&[
+            SequenceHash(1),
+            SequenceHash(2),
+            SequenceHash(3),
+            SequenceHash(4)
+        ])
+        .unwrap(),
         vec![false; 4],
         "dropped"
     );
@@ -121,8 +140,8 @@ fn a_block_damaged_in_the_arena_of_a_multi_tenant_node_is_not_spilled() {
     o.allowed_uids = vec![4242];
     let n = NodeServer::start(&o).unwrap();
     let a = client(&n, "m");
-    a.put(1, &block(1)).unwrap();
-    a.put(2, &block(2)).unwrap();
+    a.put(SequenceHash(1), &block(1)).unwrap();
+    a.put(SequenceHash(2), &block(2)).unwrap();
     // A rogue writer flips a byte of block 1 in the arena.
     let arena = std::fs::read_dir(dir.path())
         .unwrap()
@@ -141,9 +160,16 @@ fn a_block_damaged_in_the_arena_of_a_multi_tenant_node_is_not_spilled() {
         .unwrap();
     f.write_all_at(&[all[at + 5] ^ 1], (at + 5) as u64).unwrap();
     // Block 3 evicts block 1 (least recently used): its damaged bytes must not reach the disk.
-    a.put(3, &block(3)).unwrap();
+    a.put(SequenceHash(3), &block(3)).unwrap();
     assert_eq!(n.stats().disk_spills, 0, "{:?}", n.stats());
-    assert_eq!(a.contains(&[1, 2, 3]).unwrap(), vec![false, true, true]);
+    assert_eq!(
+        a.contains(&[SequenceHash(1), SequenceHash(2), SequenceHash(3)])
+            .unwrap(),
+        vec![false, true, true]
+    );
     let mut out = vec![0u8; BLOCK];
-    assert!(a.get(1, &mut out).is_err(), "damaged bytes were served");
+    assert!(
+        a.get(SequenceHash(1), &mut out).is_err(),
+        "damaged bytes were served"
+    );
 }

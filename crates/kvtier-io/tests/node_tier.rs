@@ -2,6 +2,7 @@
 //! `NodeStore` clients standing in for engine processes (each client is what one engine process
 //! holds; the node cannot tell threads of one test from processes, it sees connections).
 #![allow(clippy::unwrap_used)]
+use kvtier::hash::SequenceHash;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -114,20 +115,29 @@ fn blocks_stored_by_one_engine_are_hits_for_another_of_the_same_model() {
     let a = engine(&n, "llama-a1b2");
     let b = engine(&n, "llama-a1b2");
     for k in 1..=4u128 {
-        a.put(k, &block(k)).unwrap();
+        a.put(SequenceHash(k), &block(k)).unwrap();
     }
     assert_eq!(
-        b.contains(&[1, 2, 3, 4, 5]).unwrap(),
+        b.contains(&[
+            SequenceHash(1),
+            SequenceHash(2),
+            SequenceHash(3),
+            SequenceHash(4),
+            SequenceHash(5)
+        ])
+        .unwrap(),
         vec![true, true, true, true, false]
     );
     let mut out = vec![0u8; BLOCK];
     for k in 1..=4u128 {
-        b.get(k, &mut out).unwrap();
+        b.get(SequenceHash(k), &mut out).unwrap();
         assert_eq!(out, block(k), "block {k} byte-exact across engines");
     }
     assert!(matches!(
-        b.get(9, &mut out),
-        Err(TransferError::Remote(RemoteError::Missing { key: 9 }))
+        b.get(SequenceHash(9), &mut out),
+        Err(TransferError::Remote(RemoteError::Missing {
+            key: SequenceHash(9)
+        }))
     ));
 }
 
@@ -137,15 +147,15 @@ fn another_model_never_sees_the_blocks() {
     let n = node(dir.path(), 16);
     let a = engine(&n, "llama-1111");
     let q = engine(&n, "qwen-2222");
-    a.put(7, &block(7)).unwrap();
-    assert_eq!(q.contains(&[7]).unwrap(), vec![false]);
+    a.put(SequenceHash(7), &block(7)).unwrap();
+    assert_eq!(q.contains(&[SequenceHash(7)]).unwrap(), vec![false]);
     let mut out = vec![0u8; BLOCK];
-    assert!(q.get(7, &mut out).is_err());
+    assert!(q.get(SequenceHash(7), &mut out).is_err());
     // The other model's own block of the same key is its own.
-    q.put(7, &block(8)).unwrap();
-    q.get(7, &mut out).unwrap();
+    q.put(SequenceHash(7), &block(8)).unwrap();
+    q.get(SequenceHash(7), &mut out).unwrap();
     assert_eq!(out, block(8));
-    a.get(7, &mut out).unwrap();
+    a.get(SequenceHash(7), &mut out).unwrap();
     assert_eq!(out, block(7));
 }
 
@@ -159,24 +169,26 @@ fn an_engine_that_dies_mid_write_leaves_nothing_visible_and_no_lease() {
         let mut s = raw(&n, "m");
         reserve(&mut s, 5).expect("no slot");
         // And it leased a block it never returns.
-        survivor.put(6, &block(6)).unwrap();
+        survivor.put(SequenceHash(6), &block(6)).unwrap();
         lease(&mut s, 6).expect("no lease");
     } // connection closed: the crash
     wait_until("the node to detach the dead engine", || {
         n.stats().abandoned_puts == 1
     });
-    assert_eq!(survivor.contains(&[5]).unwrap(), vec![false]);
+    assert_eq!(survivor.contains(&[SequenceHash(5)]).unwrap(), vec![false]);
     // Both slots are usable again: the reservation was freed and the lease ended (block 6 can
     // be evicted for block 8 in a two-slot node).
-    survivor.put(7, &block(7)).unwrap();
-    survivor.put(8, &block(8)).unwrap();
+    survivor.put(SequenceHash(7), &block(7)).unwrap();
+    survivor.put(SequenceHash(8), &block(8)).unwrap();
     // Block 6, least recently used and no longer leased, was the one evicted.
     assert_eq!(
-        survivor.contains(&[6, 7, 8]).unwrap(),
+        survivor
+            .contains(&[SequenceHash(6), SequenceHash(7), SequenceHash(8)])
+            .unwrap(),
         vec![false, true, true]
     );
     let mut out = vec![0u8; BLOCK];
-    survivor.get(8, &mut out).unwrap();
+    survivor.get(SequenceHash(8), &mut out).unwrap();
     assert_eq!(out, block(8));
 }
 
@@ -204,20 +216,23 @@ fn a_block_patched_in_the_arena_of_a_multi_tenant_node_is_refused_and_dropped() 
     let dir = tempfile::tempdir().unwrap();
     let n = shared_node(dir.path(), 4);
     let a = engine(&n, "m");
-    a.put(1, &block(1)).unwrap();
-    a.put(2, &block(2)).unwrap();
+    a.put(SequenceHash(1), &block(1)).unwrap();
+    a.put(SequenceHash(2), &block(2)).unwrap();
     patch_block_1(&n, dir.path());
     let mut out = vec![0u8; BLOCK];
-    let err = a.get(1, &mut out).unwrap_err();
+    let err = a.get(SequenceHash(1), &mut out).unwrap_err();
     assert!(
         matches!(
             err,
-            TransferError::Remote(RemoteError::Corrupt { key: 1, .. })
+            TransferError::Remote(RemoteError::Corrupt {
+                key: SequenceHash(1),
+                ..
+            })
         ),
         "{err}"
     );
     assert_eq!(
-        a.contains(&[1, 2]).unwrap(),
+        a.contains(&[SequenceHash(1), SequenceHash(2)]).unwrap(),
         vec![false, true],
         "the damaged block is gone"
     );
@@ -234,11 +249,11 @@ fn a_private_node_serves_its_own_uid_without_hashing() {
     let dir = tempfile::tempdir().unwrap();
     let n = node(dir.path(), 4);
     let a = engine(&n, "m");
-    a.put(1, &block(1)).unwrap();
-    a.put(2, &block(2)).unwrap();
+    a.put(SequenceHash(1), &block(1)).unwrap();
+    a.put(SequenceHash(2), &block(2)).unwrap();
     patch_block_1(&n, dir.path());
     let mut out = vec![0u8; BLOCK];
-    a.get(1, &mut out).unwrap();
+    a.get(SequenceHash(1), &mut out).unwrap();
     assert_eq!(out, block(2));
     assert_eq!(a.blocks_hashed(), 0);
     assert_eq!(n.stats().verified, 0);
@@ -251,12 +266,16 @@ fn a_full_node_skips_stores_and_one_engine_cannot_flush_another() {
     let a = engine(&n, "a");
     let b = engine(&n, "b");
     for k in 0..3u128 {
-        b.put(1000 + k, &block(k)).unwrap();
+        b.put(SequenceHash(1000 + k), &block(k)).unwrap();
     }
     for k in 0..40u128 {
-        a.put(k, &block(k)).unwrap();
+        a.put(SequenceHash(k), &block(k)).unwrap();
     }
-    assert_eq!(b.contains(&[1000, 1001, 1002]).unwrap(), vec![true; 3]);
+    assert_eq!(
+        b.contains(&[SequenceHash(1000), SequenceHash(1001), SequenceHash(1002)])
+            .unwrap(),
+        vec![true; 3]
+    );
     // Every slot leased by readers: a put is skipped with an error, never a hang or a panic.
     let mut leases = Vec::new();
     let mut s = raw(&n, "a");
@@ -269,7 +288,7 @@ fn a_full_node_skips_stores_and_one_engine_cannot_flush_another() {
     for k in 1000..1003u128 {
         lease(&mut s2, k);
     }
-    assert!(a.put(99, &block(99)).is_err());
+    assert!(a.put(SequenceHash(99), &block(99)).is_err());
     assert!(n.stats().puts_full >= 1);
 }
 
@@ -293,7 +312,7 @@ fn a_second_node_on_a_live_socket_refuses_and_a_stale_one_is_replaced() {
     assert_eq!(arenas(dir.path()), 0, "the arena is removed at shutdown");
     let n2 = NodeServer::start(&o).unwrap();
     let a = engine(&n2, "m");
-    a.put(1, &block(1)).unwrap();
+    a.put(SequenceHash(1), &block(1)).unwrap();
 }
 
 #[test]
@@ -301,17 +320,17 @@ fn an_engine_survives_a_node_restart() {
     let dir = tempfile::tempdir().unwrap();
     let mut n = node(dir.path(), 4);
     let a = engine(&n, "m");
-    a.put(1, &block(1)).unwrap();
+    a.put(SequenceHash(1), &block(1)).unwrap();
     n.shutdown(Duration::from_secs(2));
     // The node is gone: operations fail fast with errors (misses), never hang.
-    assert!(a.contains(&[1]).is_err());
-    assert!(a.put(2, &block(2)).is_err());
+    assert!(a.contains(&[SequenceHash(1)]).is_err());
+    assert!(a.put(SequenceHash(2), &block(2)).is_err());
     let n2 = node(dir.path(), 4);
     // Reconnects, maps the new arena; the old blocks are gone, new ones work.
-    assert_eq!(a.contains(&[1]).unwrap(), vec![false]);
-    a.put(2, &block(2)).unwrap();
+    assert_eq!(a.contains(&[SequenceHash(1)]).unwrap(), vec![false]);
+    a.put(SequenceHash(2), &block(2)).unwrap();
     let mut out = vec![0u8; BLOCK];
-    a.get(2, &mut out).unwrap();
+    a.get(SequenceHash(2), &mut out).unwrap();
     assert_eq!(out, block(2));
     drop(n2);
 }
@@ -342,5 +361,5 @@ fn a_client_that_skips_hello_or_speaks_garbage_is_refused() {
     );
     // The node still serves others.
     let a = engine(&n, "m");
-    a.put(1, &block(1)).unwrap();
+    a.put(SequenceHash(1), &block(1)).unwrap();
 }

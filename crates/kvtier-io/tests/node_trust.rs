@@ -4,6 +4,7 @@
 //! seen at once, and capacity shared across block sizes. Tests across users are in
 //! `node_trust_uid.rs`; the allocation bound of a frame in `node_trust_alloc.rs`.
 #![allow(clippy::unwrap_used)]
+use kvtier::hash::SequenceHash;
 use std::io::{Read, Write};
 use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -124,7 +125,7 @@ fn the_stale_socket_reclaim_deletes_only_a_socket() {
     // A stale socket (nobody listening) is replaced.
     drop(UnixListener::bind(&o.socket).unwrap());
     let n = NodeServer::start(&o).unwrap();
-    engine(&n, "m").put(1, &block(1)).unwrap();
+    engine(&n, "m").put(SequenceHash(1), &block(1)).unwrap();
 }
 
 #[test]
@@ -186,7 +187,7 @@ fn allow_uid_opens_the_socket_to_the_allowed_users_only() {
     let sock = std::fs::metadata(n.socket()).unwrap().mode() & 0o777;
     let d = std::fs::metadata(dir.path()).unwrap().mode() & 0o777;
     assert_eq!((sock, d), (0o666, 0o711));
-    engine(&n, "m").put(1, &block(1)).unwrap();
+    engine(&n, "m").put(SequenceHash(1), &block(1)).unwrap();
 }
 
 #[test]
@@ -280,10 +281,10 @@ fn a_pooled_connection_the_node_closed_costs_no_io_timeout() {
         ..NodeClientOptions::default()
     };
     let a = NodeStore::connect(n.socket(), "m", c).unwrap();
-    a.put(1, &block(1)).unwrap();
+    a.put(SequenceHash(1), &block(1)).unwrap();
     std::thread::sleep(Duration::from_millis(600)); // the node closes the idle connection
     let t = Instant::now();
-    assert_eq!(a.contains(&[1]).unwrap(), vec![true]);
+    assert_eq!(a.contains(&[SequenceHash(1)]).unwrap(), vec![true]);
     assert!(
         t.elapsed() < Duration::from_secs(1),
         "waited {:?}",
@@ -376,7 +377,11 @@ fn bytes_changed_in_a_reserved_slot_before_commit_are_refused() {
             "tenants: {tenants}"
         );
         let reader = engine(&n, "m");
-        assert_eq!(reader.contains(&[5]).unwrap(), vec![false], "never visible");
+        assert_eq!(
+            reader.contains(&[SequenceHash(5)]).unwrap(),
+            vec![false],
+            "never visible"
+        );
         assert_eq!(n.stats().verified, 1);
         // Without a checksum: refused by a multi-tenant node, published by a private one.
         let (id, offset) = reserve(&mut w, 6);
@@ -388,11 +393,11 @@ fn bytes_changed_in_a_reserved_slot_before_commit_are_refused() {
             ItemAnswer::Done
         };
         assert_eq!(unhashed, want, "tenants: {tenants}");
-        assert_eq!(reader.contains(&[6]).unwrap(), vec![!tenants]);
+        assert_eq!(reader.contains(&[SequenceHash(6)]).unwrap(), vec![!tenants]);
         // An honest commit of the same key afterwards works.
-        reader.put(5, &block(5)).unwrap();
+        reader.put(SequenceHash(5), &block(5)).unwrap();
         let mut out = vec![0u8; BLOCK];
-        reader.get(5, &mut out).unwrap();
+        reader.get(SequenceHash(5), &mut out).unwrap();
         assert_eq!(out, block(5));
         // The reservation is gone after its refusal: a second commit of it is unknown.
         assert_eq!(
@@ -407,22 +412,22 @@ fn a_block_reported_damaged_is_invisible_at_once_while_another_reader_holds_it()
     let dir = tempfile::tempdir().unwrap();
     let n = NodeServer::start(&opts(dir.path(), 4)).unwrap();
     let a = engine(&n, "m");
-    a.put(1, &block(1)).unwrap();
+    a.put(SequenceHash(1), &block(1)).unwrap();
     let mut r1 = raw(&n, "m");
     let l1 = lease(&mut r1, 1).expect("no lease");
     let mut r2 = raw(&n, "m");
     let l2 = lease(&mut r2, 1).expect("no lease");
     assert_eq!(end_lease(&mut r2, LeaseEnd::Damaged(l2)), ItemAnswer::Done);
     assert_eq!(
-        a.contains(&[1]).unwrap(),
+        a.contains(&[SequenceHash(1)]).unwrap(),
         vec![false],
         "gone while r1 reads"
     );
     assert_eq!(lease(&mut r2, 1), None);
     // A fresh copy can be stored at once; r1's slot is kept until its lease ends.
-    a.put(1, &block(1)).unwrap();
+    a.put(SequenceHash(1), &block(1)).unwrap();
     assert_eq!(end_lease(&mut r1, LeaseEnd::Done(l1)), ItemAnswer::Done);
-    assert_eq!(a.contains(&[1]).unwrap(), vec![true]);
+    assert_eq!(a.contains(&[SequenceHash(1)]).unwrap(), vec![true]);
     // A lease ended twice, or never held, is unknown.
     assert_eq!(end_lease(&mut r1, LeaseEnd::Done(l1)), ItemAnswer::Unknown);
     assert_eq!(
@@ -498,23 +503,30 @@ fn a_second_block_size_reuses_the_ranges_of_the_first() {
     let n = NodeServer::start(&opts(dir.path(), 4)).unwrap();
     let a = engine(&n, "model-a");
     for k in 0..4u128 {
-        a.put(k, &block(k)).unwrap();
+        a.put(SequenceHash(k), &block(k)).unwrap();
     }
     // Another model with blocks twice the size, holding 0 bytes: never `Full`.
     let b = engine(&n, "model-b");
     let big: Vec<u8> = (0..2 * BLOCK).map(|i| (i * 7) as u8).collect();
-    b.put(100, &big).unwrap();
-    b.put(101, &big).unwrap();
+    b.put(SequenceHash(100), &big).unwrap();
+    b.put(SequenceHash(101), &big).unwrap();
     let mut out = vec![0u8; 2 * BLOCK];
-    b.get(101, &mut out).unwrap();
+    b.get(SequenceHash(101), &mut out).unwrap();
     assert_eq!(out, big);
     assert_eq!(n.stats().puts_full, 0);
     // a, now above its share, lost blocks to b; what it kept still reads back.
-    let kept = a.contains(&[0, 1, 2, 3]).unwrap();
+    let kept = a
+        .contains(&[
+            SequenceHash(0),
+            SequenceHash(1),
+            SequenceHash(2),
+            SequenceHash(3),
+        ])
+        .unwrap();
     let mut one = vec![0u8; BLOCK];
     for (k, present) in kept.iter().enumerate() {
         if *present {
-            a.get(k as u128, &mut one).unwrap();
+            a.get(SequenceHash(k as u128), &mut one).unwrap();
             assert_eq!(one, block(k as u128));
         }
     }

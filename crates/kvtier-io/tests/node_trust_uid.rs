@@ -6,6 +6,7 @@
 //! `Command::uid`, which needs root) in one of the `child_*` roles below. Without root the
 //! tests print why and pass; CI runs them as root.
 #![allow(clippy::unwrap_used)]
+use kvtier::hash::SequenceHash;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
@@ -83,8 +84,11 @@ fn child_client() {
     match NodeStore::connect(Path::new(&sock), "m", opts) {
         Ok(s) => {
             println!("TRUST:attached");
-            println!("TRUST:put={}", s.put(1, &block(1)).is_ok());
-            println!("TRUST:sees-2={}", s.contains(&[2]).unwrap()[0]);
+            println!("TRUST:put={}", s.put(SequenceHash(1), &block(1)).is_ok());
+            println!(
+                "TRUST:sees-2={}",
+                s.contains(&[SequenceHash(2)]).unwrap()[0]
+            );
         }
         Err(e) => println!("TRUST:refused {e}"),
     }
@@ -142,9 +146,9 @@ fn a_client_refuses_a_node_of_another_uid_unless_named_by_node_uid() {
         ..NodeClientOptions::default()
     };
     let s = NodeStore::connect(&sock, "m", opts).unwrap();
-    s.put(1, &block(1)).unwrap();
+    s.put(SequenceHash(1), &block(1)).unwrap();
     let mut out = vec![0u8; BLOCK];
-    s.get(1, &mut out).unwrap();
+    s.get(SequenceHash(1), &mut out).unwrap();
     assert_eq!(out, block(1));
     drop(s);
     drop(child.stdin.take());
@@ -163,7 +167,7 @@ fn allowed_tenants_attach_in_namespaces_of_their_own_and_others_are_refused() {
     o.allowed_uids = vec![NOBODY];
     let n = NodeServer::start(&o).unwrap();
     let mine = NodeStore::connect(n.socket(), "m", NodeClientOptions::default()).unwrap();
-    mine.put(2, &block(2)).unwrap();
+    mine.put(SequenceHash(2), &block(2)).unwrap();
     let vars = [
         ("KVTIER_TRUST_SOCK", n.socket().display().to_string()),
         ("KVTIER_TRUST_NODE_UID", "0".to_string()),
@@ -175,7 +179,10 @@ fn allowed_tenants_attach_in_namespaces_of_their_own_and_others_are_refused() {
         "{lines:?}"
     );
     // nobody's `m` is not root's `m`, both ways.
-    assert_eq!(mine.contains(&[1, 2]).unwrap(), vec![false, true]);
+    assert_eq!(
+        mine.contains(&[SequenceHash(1), SequenceHash(2)]).unwrap(),
+        vec![false, true]
+    );
     assert_eq!(n.stats().blocks, 2);
     drop(n);
 

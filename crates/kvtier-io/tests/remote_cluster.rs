@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used)]
 mod remote_support;
 
+use kvtier::hash::SequenceHash;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
@@ -23,7 +24,7 @@ fn cluster_round_trip_contains_and_damage() -> Result<()> {
         .map(|i| i * 0x9e37_79b9_7f4a_7c15_f39c)
         .collect();
     for (i, &k) in keys.iter().enumerate() {
-        store.put(k, &block(i as u64, LEN))?;
+        store.put(SequenceHash(k), &block(i as u64, LEN))?;
     }
     // The keys really are spread over all three nodes.
     let mut per_node = [0usize; 3];
@@ -50,7 +51,7 @@ fn cluster_round_trip_contains_and_damage() -> Result<()> {
 
     for (i, &k) in keys.iter().enumerate() {
         let mut out = vec![0u8; LEN];
-        store.get(k, &mut out)?;
+        store.get(SequenceHash(k), &mut out)?;
         assert!(out == block(i as u64, LEN), "block {i}");
     }
     let mut probe = keys.clone();
@@ -59,7 +60,10 @@ fn cluster_round_trip_contains_and_damage() -> Result<()> {
     let mut expect = vec![true; keys.len()];
     expect.insert(5, false);
     expect.push(false);
-    assert_eq!(store.contains(&probe)?, expect);
+    assert_eq!(
+        store.contains(&probe.iter().copied().map(SequenceHash).collect::<Vec<_>>())?,
+        expect
+    );
 
     // Damage one value on its owning node.
     let name = format!("kvtier:v1:cl:{:032x}", keys[7]);
@@ -72,12 +76,14 @@ fn cluster_round_trip_contains_and_damage() -> Result<()> {
         .query(&mut owner.raw()?)?;
     let mut out = vec![0u8; LEN];
     assert!(matches!(
-        store.get(keys[7], &mut out),
+        store.get(SequenceHash(keys[7]), &mut out),
         Err(TransferError::Remote(RemoteError::Corrupt { .. }))
     ));
     assert!(matches!(
-        store.get(777, &mut out),
-        Err(TransferError::Remote(RemoteError::Missing { key: 777 }))
+        store.get(SequenceHash(777), &mut out),
+        Err(TransferError::Remote(RemoteError::Missing {
+            key: SequenceHash(777)
+        }))
     ));
     Ok(())
 }
@@ -94,14 +100,14 @@ fn dead_cluster_node_gives_bounded_errors_never_wrong_bytes() -> Result<()> {
     let store = from_url(&url, "dead")?;
     let keys: Vec<u128> = (0..12u128).map(|i| i * 0x1234_5678_9abc_def1).collect();
     for (i, &k) in keys.iter().enumerate() {
-        store.put(k, &block(i as u64, 4096))?;
+        store.put(SequenceHash(k), &block(i as u64, 4096))?;
     }
     cluster.nodes[1].kill();
     let mut errors = 0;
     for (i, &k) in keys.iter().enumerate() {
         let mut out = vec![0u8; 4096];
         let t = Instant::now();
-        match store.get(k, &mut out) {
+        match store.get(SequenceHash(k), &mut out) {
             Ok(()) => assert!(out == block(i as u64, 4096), "wrong bytes for key {i}"),
             Err(TransferError::Remote(RemoteError::Unavailable { .. })) => errors += 1,
             Err(e) => panic!("unexpected error {e}"),
@@ -131,7 +137,7 @@ fn a_dead_node_trips_only_its_own_breaker() -> Result<()> {
     let store = from_url(&url, "trip")?;
     let keys: Vec<u128> = (0..24u128).map(|i| i * 0x2545_f491_4f6c_dd1d).collect();
     for (i, &k) in keys.iter().enumerate() {
-        store.put(k, &block(i as u64, 4096))?;
+        store.put(SequenceHash(k), &block(i as u64, 4096))?;
     }
     let dead_port = cluster.nodes[1].port;
     let on_dead = |k: u128| cluster.owner_of(&format!("kvtier:v1:trip:{k:032x}")).port == dead_port;
@@ -145,7 +151,7 @@ fn a_dead_node_trips_only_its_own_breaker() -> Result<()> {
         for (i, &k) in keys.iter().enumerate() {
             let mut out = vec![0u8; 4096];
             let t = Instant::now();
-            let r = store.get(k, &mut out);
+            let r = store.get(SequenceHash(k), &mut out);
             if dead[i] {
                 assert!(
                     matches!(

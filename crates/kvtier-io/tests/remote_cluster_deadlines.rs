@@ -7,6 +7,7 @@
 #![allow(clippy::unwrap_used)]
 mod deadline_support;
 
+use kvtier::hash::SequenceHash;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
@@ -157,12 +158,12 @@ fn hung_node_every_operation_within_the_bound() {
     }));
     let s = store(seed.port);
     let mut out = vec![0u8; BLOCK];
-    let (r, t) = timed(|| s.get(1, &mut out));
+    let (r, t) = timed(|| s.get(SequenceHash(1), &mut out));
     assert_unavailable_in_bound("get", r, t);
-    let (r, t) = timed(|| s.put(1, &out));
+    let (r, t) = timed(|| s.put(SequenceHash(1), &out));
     assert_unavailable_in_bound("put", r, t);
     let keys: Vec<u128> = (0..500).collect();
-    let (r, t) = timed(|| s.contains(&keys));
+    let (r, t) = timed(|| s.contains(&keys.iter().copied().map(SequenceHash).collect::<Vec<_>>()));
     assert_unavailable_in_bound("contains", r, t);
     assert!(hung.seen.lock().unwrap().contains(&"GET".to_string()));
 }
@@ -178,7 +179,7 @@ fn dripping_slot_map_and_node_within_the_bound() {
     }));
     let s = store(seed.port);
     let mut out = vec![0u8; BLOCK];
-    let (r, t) = timed(|| s.get(1, &mut out));
+    let (r, t) = timed(|| s.get(SequenceHash(1), &mut out));
     assert_unavailable_in_bound("get (slot map dripping)", r, t);
 
     let dripping = node(Arc::new(|c: &[Vec<u8>]| {
@@ -192,9 +193,9 @@ fn dripping_slot_map_and_node_within_the_bound() {
     let dp = dripping.port;
     let seed = node(Arc::new(move |_: &[Vec<u8>]| Act::Reply(slots_on(dp))));
     let s = store(seed.port);
-    let (r, t) = timed(|| s.get(5, &mut out));
+    let (r, t) = timed(|| s.get(SequenceHash(5), &mut out));
     assert_unavailable_in_bound("get (value dripping)", r, t);
-    let (r, t) = timed(|| s.contains(&(0..100).collect::<Vec<_>>()));
+    let (r, t) = timed(|| s.contains(&(0..100).map(SequenceHash).collect::<Vec<_>>()));
     assert_unavailable_in_bound("contains (replies dripping)", r, t);
 }
 
@@ -233,25 +234,25 @@ fn moved_and_ask_are_followed() {
 
     // MOVED: followed, and the next operation on that slot goes straight to B.
     let mut out = vec![0u8; BLOCK];
-    s.get(k, &mut out).unwrap();
+    s.get(SequenceHash(k), &mut out).unwrap();
     assert!(out.iter().all(|&x| x == 7));
-    s.get(k, &mut out).unwrap();
+    s.get(SequenceHash(k), &mut out).unwrap();
     let at_a = |seen: &Arc<Mutex<Vec<String>>>| {
         seen.lock().unwrap().iter().filter(|c| *c == "GET").count()
     };
     assert_eq!(at_a(&a.seen), 1, "the MOVED slot was not remembered");
-    assert_eq!(s.contains(&[k]).unwrap(), vec![true]);
+    assert_eq!(s.contains(&[SequenceHash(k)]).unwrap(), vec![true]);
 
     // ASK: a fresh store (fresh map) is sent to B with ASKING, every time.
     *ask.lock().unwrap() = true;
     let s = store(seed.port);
-    s.get(k, &mut out).unwrap();
-    s.get(k, &mut out).unwrap();
+    s.get(SequenceHash(k), &mut out).unwrap();
+    s.get(SequenceHash(k), &mut out).unwrap();
     assert_eq!(at_a(&a.seen), 3, "an ASK redirect was remembered");
     let seen_b = b.seen.lock().unwrap().clone();
     assert_eq!(seen_b.iter().filter(|c| *c == "ASKING").count(), 2);
     // A key of another block reached through the redirect is refused, not served.
-    let r = s.get(k + 1, &mut out);
+    let r = s.get(SequenceHash(k + 1), &mut out);
     assert!(
         matches!(r, Err(TransferError::Remote(RemoteError::Corrupt { .. }))),
         "{r:?}"
@@ -278,7 +279,7 @@ fn redirect_loop_ends() {
     *other.lock().unwrap() = a.port;
     let s = store(a.port);
     let mut out = vec![0u8; BLOCK];
-    let (r, t) = timed(|| s.get(1, &mut out));
+    let (r, t) = timed(|| s.get(SequenceHash(1), &mut out));
     assert!(r.is_err(), "{r:?}");
     assert!(t < BOUND, "{t:?}");
     let hops = a.seen.lock().unwrap().len() + b.seen.lock().unwrap().len();
@@ -316,11 +317,13 @@ fn a_hung_seed_does_not_stop_the_cluster() {
     };
     let s = RedisStore::open("redis://cluster", NS, opts).unwrap();
     let mut out = vec![0u8; BLOCK];
-    let (r, t) = timed(|| s.get(1, &mut out));
+    let (r, t) = timed(|| s.get(SequenceHash(1), &mut out));
     assert!(
         matches!(
             r,
-            Err(TransferError::Remote(RemoteError::Missing { key: 1 }))
+            Err(TransferError::Remote(RemoteError::Missing {
+                key: SequenceHash(1)
+            }))
         ),
         "{r:?} after {t:?}"
     );

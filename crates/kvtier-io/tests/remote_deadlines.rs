@@ -7,6 +7,7 @@
 #![allow(clippy::unwrap_used)]
 mod deadline_support;
 
+use kvtier::hash::SequenceHash;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -148,12 +149,12 @@ fn hung_server_every_operation_within_the_bound() {
     let f = fake(Shape::Hang);
     let s = store(&f);
     let mut out = vec![0u8; BLOCK];
-    let (r, t) = timed(|| s.get(1, &mut out));
+    let (r, t) = timed(|| s.get(SequenceHash(1), &mut out));
     assert_unavailable_in_bound("get", r, t);
-    let (r, t) = timed(|| s.put(1, &out));
+    let (r, t) = timed(|| s.put(SequenceHash(1), &out));
     assert_unavailable_in_bound("put", r, t);
     let keys: Vec<u128> = (0..500).collect();
-    let (r, t) = timed(|| s.contains(&keys));
+    let (r, t) = timed(|| s.contains(&keys.iter().copied().map(SequenceHash).collect::<Vec<_>>()));
     assert_unavailable_in_bound("contains", r, t);
     // Every timed-out connection was dropped: each operation connected anew.
     assert_eq!(f.accepted.load(Ordering::SeqCst), 3);
@@ -167,7 +168,7 @@ fn dripping_lookup_of_many_blocks_within_the_bound() {
     let reply: Vec<u8> = keys.iter().flat_map(|_| b":1\r\n".to_vec()).collect();
     let f = fake(Shape::Drip(reply, Duration::from_millis(20)));
     let s = store(&f);
-    let (r, t) = timed(|| s.contains(&keys));
+    let (r, t) = timed(|| s.contains(&keys.iter().copied().map(SequenceHash).collect::<Vec<_>>()));
     assert_unavailable_in_bound("contains", r, t);
 }
 
@@ -178,7 +179,7 @@ fn dripping_get_and_put_within_the_bound() {
     let f = fake(Shape::Drip(get_reply, Duration::from_millis(20)));
     let s = store(&f);
     let mut out = vec![0u8; BLOCK];
-    let (r, t) = timed(|| s.get(1, &mut out));
+    let (r, t) = timed(|| s.get(SequenceHash(1), &mut out));
     assert_unavailable_in_bound("get", r, t);
 
     // A status line that takes 4 s to arrive in full.
@@ -187,7 +188,7 @@ fn dripping_get_and_put_within_the_bound() {
     put_reply.extend_from_slice(b"\r\n");
     let f = fake(Shape::Drip(put_reply, Duration::from_millis(100)));
     let s = store(&f);
-    let (r, t) = timed(|| s.put(1, &out));
+    let (r, t) = timed(|| s.put(SequenceHash(1), &out));
     assert_unavailable_in_bound("put", r, t);
 }
 
@@ -199,12 +200,12 @@ fn half_replies_within_the_bound() {
     let f = fake(Shape::Half(get_reply, n));
     let s = store(&f);
     let mut out = vec![0u8; BLOCK];
-    let (r, t) = timed(|| s.get(1, &mut out));
+    let (r, t) = timed(|| s.get(SequenceHash(1), &mut out));
     assert_unavailable_in_bound("get", r, t);
 
     let f = fake(Shape::Half(b":1\r\n:0\r\n:1\r\n".to_vec(), 8));
     let s = store(&f);
-    let (r, t) = timed(|| s.contains(&[1, 2, 3]));
+    let (r, t) = timed(|| s.contains(&[SequenceHash(1), SequenceHash(2), SequenceHash(3)]));
     assert_unavailable_in_bound("contains", r, t);
 }
 
@@ -226,14 +227,14 @@ fn oversized_value_is_refused_from_its_length_prefix() {
     let f = fake(Shape::Half(reply, n));
     let s = store(&f);
     let mut out = vec![0u8; BLOCK];
-    let (r, t) = timed(|| s.get(7, &mut out));
+    let (r, t) = timed(|| s.get(SequenceHash(7), &mut out));
     match r {
         Err(TransferError::Remote(RemoteError::SizeMismatch {
             key,
             expected,
             stored,
         })) => {
-            assert_eq!((key, expected), (7, BLOCK));
+            assert_eq!((key, expected), (SequenceHash(7), BLOCK));
             assert_eq!(stored as u64, gb - HEADER_LEN as u64);
         }
         other => panic!("expected SizeMismatch, got {other:?}"),
@@ -242,7 +243,7 @@ fn oversized_value_is_refused_from_its_length_prefix() {
     // A short value is refused the same way (no header to read).
     let f = fake(Shape::Half(b"$10\r\n0123456789\r\n".to_vec(), 17));
     let s = store(&f);
-    let r = s.get(7, &mut out);
+    let r = s.get(SequenceHash(7), &mut out);
     assert!(
         matches!(
             r,
@@ -263,7 +264,7 @@ fn credentials_and_database_are_sent_on_connect() {
         RedisOptions::default(),
     )
     .unwrap();
-    s.put(1, b"v").unwrap();
+    s.put(SequenceHash(1), b"v").unwrap();
     let seen = seen.lock().unwrap().clone();
     let text = String::from_utf8_lossy(&seen);
     assert!(
@@ -289,14 +290,14 @@ fn one_missed_deadline_does_not_mark_the_server_down() {
     let s = RedisStore::open(&format!("redis://127.0.0.1:{}", f.port), "dl", opts).unwrap();
     let mut out = vec![0u8; BLOCK];
     for i in 1..=2 {
-        assert!(s.get(1, &mut out).is_err());
+        assert!(s.get(SequenceHash(1), &mut out).is_err());
         assert_eq!(
             s.breaker_stats().state,
             BreakerState::Closed,
             "after {i} missed deadline(s)"
         );
     }
-    assert!(s.get(1, &mut out).is_err());
+    assert!(s.get(SequenceHash(1), &mut out).is_err());
     assert_eq!(
         s.breaker_stats().state,
         BreakerState::Open,

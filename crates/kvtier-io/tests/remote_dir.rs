@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used)]
 mod remote_support;
 
+use kvtier::hash::SequenceHash;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,22 +37,28 @@ fn round_trip_contains_missing_and_layout() -> Result<()> {
     let store = from_url(&url(tmp.path()), "rt")?;
     let keys: Vec<u128> = (0..4).map(|i| (i as u128) << 120 | 0xabc).collect();
     for (i, &k) in keys.iter().enumerate() {
-        store.put(k, &block(i as u64, MIB2))?;
+        store.put(SequenceHash(k), &block(i as u64, MIB2))?;
     }
     for (i, &k) in keys.iter().enumerate() {
         let mut out = vec![0u8; MIB2];
-        store.get(k, &mut out)?;
+        store.get(SequenceHash(k), &mut out)?;
         assert!(out == block(i as u64, MIB2), "block {i} differs");
     }
     assert_eq!(
-        store.contains(&[keys[1], 5, keys[3]])?,
+        store.contains(&[
+            SequenceHash(keys[1]),
+            SequenceHash(5),
+            SequenceHash(keys[3])
+        ])?,
         vec![true, false, true]
     );
     assert_eq!(store.contains(&[])?, Vec::<bool>::new());
     let mut out = vec![0u8; MIB2];
     assert_eq!(
-        remote_err(store.get(5, &mut out)),
-        RemoteError::Missing { key: 5 }
+        remote_err(store.get(SequenceHash(5), &mut out)),
+        RemoteError::Missing {
+            key: SequenceHash(5)
+        }
     );
 
     // Documented layout and permissions; no temporary file is left behind.
@@ -72,12 +79,12 @@ fn round_trip_contains_missing_and_layout() -> Result<()> {
 
     // Namespaces are separate; a second store on the same directory sees the values.
     let other = from_url(&url(tmp.path()), "rt2")?;
-    assert_eq!(other.contains(&[keys[1]])?, vec![false]);
+    assert_eq!(other.contains(&[SequenceHash(keys[1])])?, vec![false]);
     let same = DirStore::open(tmp.path(), "rt", DirOptions { fsync: true })?;
-    assert_eq!(same.contains(&[keys[1]])?, vec![true]);
-    same.put(77, b"synced")?;
+    assert_eq!(same.contains(&[SequenceHash(keys[1])])?, vec![true]);
+    same.put(SequenceHash(77), b"synced")?;
     let mut small = [0u8; 6];
-    store.get(77, &mut small)?;
+    store.get(SequenceHash(77), &mut small)?;
     assert_eq!(&small, b"synced");
     Ok(())
 }
@@ -88,50 +95,53 @@ fn damaged_and_truncated_files_are_errors() -> Result<()> {
     let store = DirStore::open(tmp.path(), "bad", DirOptions::default())?;
     let good = block(9, 5000);
     let mut out = vec![0u8; 5000];
-    store.put(1, &good)?;
+    store.put(SequenceHash(1), &good)?;
     let path = store.path_of(1);
 
     // Garbage over the file.
     std::fs::write(&path, vec![0xa5u8; HEADER_LEN + 5000])?;
     assert!(matches!(
-        remote_err(store.get(1, &mut out)),
-        RemoteError::Corrupt { key: 1, .. }
+        remote_err(store.get(SequenceHash(1), &mut out)),
+        RemoteError::Corrupt {
+            key: SequenceHash(1),
+            ..
+        }
     ));
 
     // One flipped payload bit.
     let mut v = encode_value("bad", 1, &good);
     v[HEADER_LEN + 4321] ^= 1;
     std::fs::write(&path, &v)?;
-    let e = remote_err(store.get(1, &mut out));
+    let e = remote_err(store.get(SequenceHash(1), &mut out));
     assert!(
         matches!(&e, RemoteError::Corrupt { reason, .. } if reason.contains("tag mismatch")),
         "{e:?}"
     );
 
     // Truncated in the payload and in the header.
-    store.put(1, &good)?;
+    store.put(SequenceHash(1), &good)?;
     let f = std::fs::OpenOptions::new().write(true).open(&path)?;
     f.set_len((HEADER_LEN + 4000) as u64)?;
     assert_eq!(
-        remote_err(store.get(1, &mut out)),
+        remote_err(store.get(SequenceHash(1), &mut out)),
         RemoteError::Short {
-            key: 1,
+            key: SequenceHash(1),
             expected: HEADER_LEN + 5000,
             got: HEADER_LEN + 4000
         }
     );
     f.set_len(10)?;
     assert_eq!(
-        remote_err(store.get(1, &mut out)),
+        remote_err(store.get(SequenceHash(1), &mut out)),
         RemoteError::Short {
-            key: 1,
+            key: SequenceHash(1),
             expected: HEADER_LEN + 5000,
             got: 10
         }
     );
     f.set_len(0)?;
     assert!(matches!(
-        remote_err(store.get(1, &mut out)),
+        remote_err(store.get(SequenceHash(1), &mut out)),
         RemoteError::Short { got: 0, .. }
     ));
 
@@ -140,31 +150,34 @@ fn damaged_and_truncated_files_are_errors() -> Result<()> {
     long.extend_from_slice(b"junk");
     std::fs::write(&path, &long)?;
     assert!(matches!(
-        remote_err(store.get(1, &mut out)),
+        remote_err(store.get(SequenceHash(1), &mut out)),
         RemoteError::Corrupt { .. }
     ));
 
     // A valid value of another key copied under this name.
     std::fs::write(&path, encode_value("bad", 2, &good))?;
     assert!(matches!(
-        remote_err(store.get(1, &mut out)),
-        RemoteError::Corrupt { key: 1, .. }
+        remote_err(store.get(SequenceHash(1), &mut out)),
+        RemoteError::Corrupt {
+            key: SequenceHash(1),
+            ..
+        }
     ));
 
     // Another block size.
-    store.put(3, &good[..100])?;
+    store.put(SequenceHash(3), &good[..100])?;
     assert_eq!(
-        remote_err(store.get(3, &mut out)),
+        remote_err(store.get(SequenceHash(3), &mut out)),
         RemoteError::SizeMismatch {
-            key: 3,
+            key: SequenceHash(3),
             expected: 5000,
             stored: 100
         }
     );
 
     // A put repairs the key.
-    store.put(1, &good)?;
-    store.get(1, &mut out)?;
+    store.put(SequenceHash(1), &good)?;
+    store.get(SequenceHash(1), &mut out)?;
     assert_eq!(out, good);
     Ok(())
 }
@@ -176,7 +189,7 @@ fn concurrent_writers_of_one_key_never_mix() -> Result<()> {
     const LEN: usize = 256 << 10;
     let a = Arc::new(block(1, LEN));
     let b = Arc::new(block(2, LEN));
-    store.put(42, &a)?;
+    store.put(SequenceHash(42), &a)?;
     let stop = Arc::new(AtomicBool::new(false));
     let writers: Vec<_> = [Arc::clone(&a), Arc::clone(&b)]
         .into_iter()
@@ -184,7 +197,7 @@ fn concurrent_writers_of_one_key_never_mix() -> Result<()> {
             let store = Arc::clone(&store);
             std::thread::spawn(move || -> Result<()> {
                 for _ in 0..150 {
-                    store.put(42, &data)?;
+                    store.put(SequenceHash(42), &data)?;
                 }
                 Ok(())
             })
@@ -201,7 +214,7 @@ fn concurrent_writers_of_one_key_never_mix() -> Result<()> {
             let (mut seen_a, mut seen_b) = (0, 0);
             let mut out = vec![0u8; LEN];
             while !stop.load(Ordering::Relaxed) {
-                store.get(42, &mut out)?;
+                store.get(SequenceHash(42), &mut out)?;
                 if out == *a {
                     seen_a += 1;
                 } else if out == *b {
@@ -220,7 +233,7 @@ fn concurrent_writers_of_one_key_never_mix() -> Result<()> {
     let (seen_a, seen_b) = reader.join().expect("reader panicked")?;
     assert!(seen_a + seen_b > 0);
     let mut out = vec![0u8; LEN];
-    store.get(42, &mut out)?;
+    store.get(SequenceHash(42), &mut out)?;
     assert!(out == *a || out == *b);
     // Every temporary file was renamed away.
     let hex = format!("{:032x}", 42u128);
@@ -241,11 +254,11 @@ fn unwritable_directory_is_an_error_not_a_panic() -> Result<()> {
     let path = store.path_of(0xff << 120);
     std::fs::write(path.parent().unwrap(), b"not a dir")?;
     assert!(matches!(
-        remote_err(store.put(0xff << 120, b"x")),
+        remote_err(store.put(SequenceHash(0xff << 120), b"x")),
         RemoteError::Unavailable { op: "put", .. }
     ));
     let mut out = [0u8; 1];
-    let e = remote_err(store.get(0xff << 120, &mut out));
+    let e = remote_err(store.get(SequenceHash(0xff << 120), &mut out));
     assert!(
         matches!(
             e,

@@ -7,6 +7,7 @@
 #![allow(clippy::unwrap_used)]
 mod remote_support;
 
+use kvtier::hash::SequenceHash;
 use std::collections::HashMap;
 
 use anyhow::Result;
@@ -46,9 +47,9 @@ fn keyed_directory_store_refuses_forged_frames() -> Result<()> {
     let target = c.remote.as_ref().unwrap();
     let store = open(target, "mac")?;
     let good = block(1, 4096);
-    store.put(1, &good)?;
+    store.put(SequenceHash(1), &good)?;
     let mut out = vec![0u8; 4096];
-    store.get(1, &mut out)?;
+    store.get(SequenceHash(1), &mut out)?;
     assert_eq!(out, good);
 
     // A writer without the key recomputes the unkeyed tag over its own bytes: a miss.
@@ -60,15 +61,17 @@ fn keyed_directory_store_refuses_forged_frames() -> Result<()> {
     assert!(path.is_file(), "{path:?}");
     std::fs::write(&path, encode_value("mac", 1, &block(2, 4096)))?;
     assert_eq!(
-        remote_err(store.get(1, &mut out)),
-        RemoteError::Missing { key: 1 }
+        remote_err(store.get(SequenceHash(1), &mut out)),
+        RemoteError::Missing {
+            key: SequenceHash(1)
+        }
     );
     // The same forgery claiming the keyed flag: corrupt.
     let mut flagged = encode_value("mac", 1, &block(2, 4096));
     flagged[6] = 2; // FLAG_KEYED
     std::fs::write(&path, &flagged)?;
     assert!(matches!(
-        remote_err(store.get(1, &mut out)),
+        remote_err(store.get(SequenceHash(1), &mut out)),
         RemoteError::Corrupt { .. }
     ));
 
@@ -93,9 +96,9 @@ fn keyed_redis_store_refuses_forged_frames() -> Result<()> {
     };
     let store = RedisStore::open(&srv.url(), "mac", Default::default())?.with_mac_key(SECRET)?;
     let good = block(3, 8192);
-    store.put(7, &good)?;
+    store.put(SequenceHash(7), &good)?;
     let mut out = vec![0u8; 8192];
-    store.get(7, &mut out)?;
+    store.get(SequenceHash(7), &mut out)?;
     assert_eq!(out, good);
     let mut raw = srv.raw()?;
     let name = format!("kvtier:v1:mac:{:032x}", 7u128);
@@ -104,15 +107,17 @@ fn keyed_redis_store_refuses_forged_frames() -> Result<()> {
         .arg(encode_value("mac", 7, &block(4, 8192)))
         .query(&mut raw)?;
     assert_eq!(
-        remote_err(store.get(7, &mut out)),
-        RemoteError::Missing { key: 7 }
+        remote_err(store.get(SequenceHash(7), &mut out)),
+        RemoteError::Missing {
+            key: SequenceHash(7)
+        }
     );
     // Another cluster's key: corrupt, never bytes.
     let other = RedisStore::open(&srv.url(), "mac", Default::default())?
         .with_mac_key(b"another-cluster-secret-0123456789")?;
-    other.put(7, &block(5, 8192))?;
+    other.put(SequenceHash(7), &block(5, 8192))?;
     assert!(matches!(
-        remote_err(store.get(7, &mut out)),
+        remote_err(store.get(SequenceHash(7), &mut out)),
         RemoteError::Corrupt { .. }
     ));
     Ok(())

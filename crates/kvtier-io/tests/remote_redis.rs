@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used)]
 mod remote_support;
 
+use kvtier::hash::SequenceHash;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -41,17 +42,17 @@ fn round_trip_is_bit_exact() -> Result<()> {
     let store = from_url(&srv.url(), "rt")?;
     let keys: Vec<u128> = (0..6).map(|i| (i as u128) << 100 | 0xdead_beef).collect();
     for (i, &k) in keys.iter().enumerate() {
-        store.put(k, &block(i as u64, MIB2))?;
+        store.put(SequenceHash(k), &block(i as u64, MIB2))?;
     }
     for (i, &k) in keys.iter().enumerate() {
         let mut out = vec![0u8; MIB2];
-        store.get(k, &mut out)?;
+        store.get(SequenceHash(k), &mut out)?;
         assert!(out == block(i as u64, MIB2), "block {i} differs");
     }
     // Small blocks and overwrite with new content.
-    store.put(keys[0], &block(99, 4096))?;
+    store.put(SequenceHash(keys[0]), &block(99, 4096))?;
     let mut out = vec![0u8; 4096];
-    store.get(keys[0], &mut out)?;
+    store.get(SequenceHash(keys[0]), &mut out)?;
     assert_eq!(out, block(99, 4096));
     // The stored value is exactly header + payload under the documented key name.
     let mut raw = srv.raw()?;
@@ -69,23 +70,37 @@ fn contains_and_missing() -> Result<()> {
     };
     let store = from_url(&srv.url(), "c")?;
     assert_eq!(store.contains(&[])?, Vec::<bool>::new());
-    store.put(1, b"one")?;
-    store.put(3, b"three")?;
+    store.put(SequenceHash(1), b"one")?;
+    store.put(SequenceHash(3), b"three")?;
     assert_eq!(
-        store.contains(&[0, 1, 2, 3, 1, u128::MAX])?,
+        store.contains(&[
+            SequenceHash(0),
+            SequenceHash(1),
+            SequenceHash(2),
+            SequenceHash(3),
+            SequenceHash(1),
+            SequenceHash(u128::MAX)
+        ])?,
         vec![false, true, false, true, true, false]
     );
     let mut out = [0u8; 3];
     assert_eq!(
-        remote_err(store.get(2, &mut out)),
-        RemoteError::Missing { key: 2 }
+        remote_err(store.get(SequenceHash(2), &mut out)),
+        RemoteError::Missing {
+            key: SequenceHash(2)
+        }
     );
     // Namespaces are separate key spaces.
     let other = from_url(&srv.url(), "c2")?;
-    assert_eq!(other.contains(&[1, 3])?, vec![false, false]);
     assert_eq!(
-        remote_err(other.get(1, &mut out)),
-        RemoteError::Missing { key: 1 }
+        other.contains(&[SequenceHash(1), SequenceHash(3)])?,
+        vec![false, false]
+    );
+    assert_eq!(
+        remote_err(other.get(SequenceHash(1), &mut out)),
+        RemoteError::Missing {
+            key: SequenceHash(1)
+        }
     );
     Ok(())
 }
@@ -103,14 +118,17 @@ fn damaged_values_are_errors_never_bytes() -> Result<()> {
     let mut out = vec![0u8; 1000];
 
     // Garbage over a key.
-    store.put(10, &good)?;
+    store.put(SequenceHash(10), &good)?;
     let _: () = redis::cmd("SET")
         .arg(name(10))
         .arg(vec![0x5au8; HEADER_LEN + 1000])
         .query(&mut raw)?;
     assert!(matches!(
-        remote_err(store.get(10, &mut out)),
-        RemoteError::Corrupt { key: 10, .. }
+        remote_err(store.get(SequenceHash(10), &mut out)),
+        RemoteError::Corrupt {
+            key: SequenceHash(10),
+            ..
+        }
     ));
 
     // One flipped payload bit.
@@ -120,7 +138,7 @@ fn damaged_values_are_errors_never_bytes() -> Result<()> {
         .arg(name(10))
         .arg(&flipped)
         .query(&mut raw)?;
-    let e = remote_err(store.get(10, &mut out));
+    let e = remote_err(store.get(SequenceHash(10), &mut out));
     assert!(
         matches!(&e, RemoteError::Corrupt { reason, .. } if reason.contains("tag mismatch")),
         "{e:?}"
@@ -132,9 +150,9 @@ fn damaged_values_are_errors_never_bytes() -> Result<()> {
         .arg(&framed[..HEADER_LEN + 999])
         .query(&mut raw)?;
     assert_eq!(
-        remote_err(store.get(10, &mut out)),
+        remote_err(store.get(SequenceHash(10), &mut out)),
         RemoteError::Short {
-            key: 10,
+            key: SequenceHash(10),
             expected: HEADER_LEN + 1000,
             got: HEADER_LEN + 999
         }
@@ -143,7 +161,7 @@ fn damaged_values_are_errors_never_bytes() -> Result<()> {
     // A value that is not even a header.
     let _: () = redis::cmd("SET").arg(name(10)).arg("x").query(&mut raw)?;
     assert!(matches!(
-        remote_err(store.get(10, &mut out)),
+        remote_err(store.get(SequenceHash(10), &mut out)),
         RemoteError::Short { got: 1, .. }
     ));
 
@@ -153,16 +171,19 @@ fn damaged_values_are_errors_never_bytes() -> Result<()> {
         .arg(&framed)
         .query(&mut raw)?;
     assert!(matches!(
-        remote_err(store.get(11, &mut out)),
-        RemoteError::Corrupt { key: 11, .. }
+        remote_err(store.get(SequenceHash(11), &mut out)),
+        RemoteError::Corrupt {
+            key: SequenceHash(11),
+            ..
+        }
     ));
 
     // A block of another size (e.g. another layout under the same namespace).
-    store.put(12, &good[..999])?;
+    store.put(SequenceHash(12), &good[..999])?;
     assert_eq!(
-        remote_err(store.get(12, &mut out)),
+        remote_err(store.get(SequenceHash(12), &mut out)),
         RemoteError::SizeMismatch {
-            key: 12,
+            key: SequenceHash(12),
             expected: 1000,
             stored: 999
         }
@@ -171,13 +192,13 @@ fn damaged_values_are_errors_never_bytes() -> Result<()> {
     // A value of the wrong Redis type is an error too.
     let _: () = redis::cmd("DEL").arg(name(13)).query(&mut raw)?;
     let _: i64 = redis::cmd("LPUSH").arg(name(13)).arg("a").query(&mut raw)?;
-    assert!(remote_err(store.get(13, &mut out))
+    assert!(remote_err(store.get(SequenceHash(13), &mut out))
         .to_string()
         .contains("get"));
 
     // A fresh put repairs a damaged key.
-    store.put(10, &good)?;
-    store.get(10, &mut out)?;
+    store.put(SequenceHash(10), &good)?;
+    store.get(SequenceHash(10), &mut out)?;
     assert_eq!(out, good);
     Ok(())
 }
@@ -196,25 +217,25 @@ fn killed_server_gives_bounded_errors_and_recovers() -> Result<()> {
     };
     let store = from_url(&fast_url(&srv), "kill")?;
     let data = block(1, 64 << 10);
-    store.put(1, &data)?;
+    store.put(SequenceHash(1), &data)?;
     srv.kill();
 
     let mut out = vec![0u8; 64 << 10];
-    let (r, t) = timed(|| store.get(1, &mut out));
+    let (r, t) = timed(|| store.get(SequenceHash(1), &mut out));
     assert!(
         matches!(remote_err(r), RemoteError::Unavailable { op: "get", .. }),
         "get"
     );
     assert!(t < Duration::from_secs(3), "get took {t:?}");
     after_backoff();
-    let (r, t) = timed(|| store.put(2, &data));
+    let (r, t) = timed(|| store.put(SequenceHash(2), &data));
     assert!(matches!(
         remote_err(r),
         RemoteError::Unavailable { op: "put", .. }
     ));
     assert!(t < Duration::from_secs(3), "put took {t:?}");
     after_backoff();
-    let (r, t) = timed(|| store.contains(&[1, 2]));
+    let (r, t) = timed(|| store.contains(&[SequenceHash(1), SequenceHash(2)]));
     assert!(matches!(
         r,
         Err(TransferError::Remote(RemoteError::Unavailable {
@@ -228,9 +249,9 @@ fn killed_server_gives_bounded_errors_and_recovers() -> Result<()> {
     // once the backoff window has passed.
     srv.spawn()?;
     after_backoff();
-    assert_eq!(store.contains(&[1])?, vec![false]);
-    store.put(1, &data)?;
-    store.get(1, &mut out)?;
+    assert_eq!(store.contains(&[SequenceHash(1)])?, vec![false]);
+    store.put(SequenceHash(1), &data)?;
+    store.get(SequenceHash(1), &mut out)?;
     assert_eq!(out, data);
     Ok(())
 }
@@ -242,14 +263,14 @@ fn restarted_server_is_reached_through_stale_pooled_connections() -> Result<()> 
     };
     // pool=1: the next operation after the restart reuses the dead connection.
     let store = from_url(&format!("{}?pool=1", srv.url()), "stale")?;
-    store.put(5, b"abc")?;
+    store.put(SequenceHash(5), b"abc")?;
     srv.kill();
     srv.spawn()?;
     // First use of the stale connection fails inside, is retried on a fresh one, and succeeds.
-    assert_eq!(store.contains(&[5])?, vec![false]);
-    store.put(5, b"xyz")?;
+    assert_eq!(store.contains(&[SequenceHash(5)])?, vec![false]);
+    store.put(SequenceHash(5), b"xyz")?;
     let mut out = [0u8; 3];
-    store.get(5, &mut out)?;
+    store.get(SequenceHash(5), &mut out)?;
     assert_eq!(&out, b"xyz");
     Ok(())
 }
@@ -261,17 +282,19 @@ fn hung_server_times_out_instead_of_hanging() -> Result<()> {
     };
     let store = from_url(&fast_url(&srv), "hang")?;
     let data = block(3, MIB2);
-    store.put(1, &data)?;
+    store.put(SequenceHash(1), &data)?;
     srv.signal("STOP");
     let mut out = vec![0u8; MIB2];
     // Each operation, on its own, ends with Unavailable within its timeouts.
-    let (r, t) = timed(|| store.get(1, &mut out));
+    let (r, t) = timed(|| store.get(SequenceHash(1), &mut out));
     after_backoff();
-    let (r2, t2) = timed(|| store.put(2, &data));
+    let (r2, t2) = timed(|| store.put(SequenceHash(2), &data));
     after_backoff();
-    let (r3, t3) = timed(|| store.contains(&[1]));
+    let (r3, t3) = timed(|| store.contains(&[SequenceHash(1)]));
     // Inside the backoff window that follows, operations fail at once.
-    let fast: Vec<_> = (0..20).map(|_| timed(|| store.get(1, &mut out))).collect();
+    let fast: Vec<_> = (0..20)
+        .map(|_| timed(|| store.get(SequenceHash(1), &mut out)))
+        .collect();
     srv.signal("CONT");
     for (name, e, t) in [
         ("get", remote_err(r), t),
@@ -297,10 +320,13 @@ fn hung_server_times_out_instead_of_hanging() -> Result<()> {
     // After the server resumes and the window passes, operations work again (the timed-out
     // connections were dropped, not reused with a stale reply in them).
     after_backoff();
-    store.get(1, &mut out)?;
+    store.get(SequenceHash(1), &mut out)?;
     assert!(out == data);
-    store.put(2, &data)?;
-    assert_eq!(store.contains(&[1, 2, 3])?, vec![true, true, false]);
+    store.put(SequenceHash(2), &data)?;
+    assert_eq!(
+        store.contains(&[SequenceHash(1), SequenceHash(2), SequenceHash(3)])?,
+        vec![true, true, false]
+    );
     Ok(())
 }
 
@@ -317,9 +343,9 @@ fn concurrent_threads_share_the_pool() -> Result<()> {
                 for i in 0..20u64 {
                     let key = u128::from(t) << 64 | u128::from(i);
                     let data = block(t * 1000 + i, 8192 + i as usize);
-                    store.put(key, &data)?;
+                    store.put(SequenceHash(key), &data)?;
                     let mut out = vec![0u8; data.len()];
-                    store.get(key, &mut out)?;
+                    store.get(SequenceHash(key), &mut out)?;
                     anyhow::ensure!(out == data, "thread {t} block {i} differs");
                 }
                 Ok(())
@@ -330,7 +356,10 @@ fn concurrent_threads_share_the_pool() -> Result<()> {
         th.join().expect("thread panicked")?;
     }
     let keys: Vec<u128> = (0..6u128).map(|t| t << 64 | 19).collect();
-    assert_eq!(store.contains(&keys)?, vec![true; 6]);
+    assert_eq!(
+        store.contains(&keys.iter().copied().map(SequenceHash).collect::<Vec<_>>())?,
+        vec![true; 6]
+    );
     Ok(())
 }
 
@@ -340,7 +369,7 @@ fn ttl_and_db_options_apply() -> Result<()> {
         return Ok(());
     };
     let store = from_url(&format!("{}/2?ttl_s=100", srv.url()), "ttl")?;
-    store.put(9, b"v")?;
+    store.put(SequenceHash(9), b"v")?;
     let mut raw = srv.raw()?;
     let name = format!("kvtier:v1:ttl:{:032x}", 9u128);
     let _: () = redis::cmd("SELECT").arg(2).query(&mut raw)?;
@@ -365,7 +394,7 @@ fn forged_value_with_patched_key_is_rejected_and_old_frames_miss() -> Result<()>
     let mut raw = srv.raw()?;
     let name = |k: u128| format!("kvtier:v1:forge:{k:032x}");
     let (victim, donor) = (0x51u128, 0x52u128);
-    store.put(donor, &block(1, 4096))?;
+    store.put(SequenceHash(donor), &block(1, 4096))?;
     let mut forged: Vec<u8> = redis::cmd("GET").arg(name(donor)).query(&mut raw)?;
     forged[16..32].copy_from_slice(&victim.to_le_bytes());
     let _: () = redis::cmd("SET")
@@ -373,9 +402,9 @@ fn forged_value_with_patched_key_is_rejected_and_old_frames_miss() -> Result<()>
         .arg(&forged)
         .query(&mut raw)?;
     let mut out = vec![0u8; 4096];
-    let e = remote_err(store.get(victim, &mut out));
+    let e = remote_err(store.get(SequenceHash(victim), &mut out));
     assert!(
-        matches!(&e, RemoteError::Corrupt { key, .. } if *key == victim),
+        matches!(&e, RemoteError::Corrupt { key, .. } if *key == SequenceHash(victim)),
         "forged value accepted or misreported: {e:?}"
     );
 
@@ -387,7 +416,7 @@ fn forged_value_with_patched_key_is_rejected_and_old_frames_miss() -> Result<()>
         .arg(&copied)
         .query(&mut raw)?;
     assert!(matches!(
-        remote_err(other.get(donor, &mut out)),
+        remote_err(other.get(SequenceHash(donor), &mut out)),
         RemoteError::Corrupt { .. }
     ));
 
@@ -406,8 +435,10 @@ fn forged_value_with_patched_key_is_rejected_and_old_frames_miss() -> Result<()>
         .arg(&v1)
         .query(&mut raw)?;
     assert_eq!(
-        remote_err(store.get(victim, &mut out)),
-        RemoteError::Missing { key: victim }
+        remote_err(store.get(SequenceHash(victim), &mut out)),
+        RemoteError::Missing {
+            key: SequenceHash(victim)
+        }
     );
     Ok(())
 }
@@ -433,7 +464,7 @@ fn stalled_server_costs_one_deadline_per_window_not_per_caller() -> Result<()> {
         ..RedisOptions::default()
     };
     let store = Arc::new(RedisStore::open(&srv.url(), "stall", opts)?);
-    store.put(1, &block(1, 4096))?;
+    store.put(SequenceHash(1), &block(1, 4096))?;
     srv.signal("STOP");
     let run_for = Duration::from_millis(2500);
     let t0 = Instant::now();
@@ -447,14 +478,14 @@ fn stalled_server_costs_one_deadline_per_window_not_per_caller() -> Result<()> {
                 while t0.elapsed() < run_for {
                     let (r, t) = timed(|| {
                         if i % 2 == 0 {
-                            store.get(1, &mut out)
+                            store.get(SequenceHash(1), &mut out)
                         } else {
-                            store.put(2, &out)
+                            store.put(SequenceHash(2), &out)
                         }
                     });
                     assert!(r.is_err(), "a stopped server answered");
                     worst.0 = worst.0.max(t);
-                    let (r, t) = timed(|| store.contains(&[1, 2]));
+                    let (r, t) = timed(|| store.contains(&[SequenceHash(1), SequenceHash(2)]));
                     assert!(r.is_err());
                     worst.1 = worst.1.max(t);
                     n += 2;
@@ -493,7 +524,7 @@ fn stalled_server_costs_one_deadline_per_window_not_per_caller() -> Result<()> {
     // Once the server answers again, the next probe closes the breaker.
     let deadline = Instant::now() + Duration::from_secs(3);
     let mut out = vec![0u8; 4096];
-    while store.get(1, &mut out).is_err() {
+    while store.get(SequenceHash(1), &mut out).is_err() {
         assert!(
             Instant::now() < deadline,
             "never recovered: {:?}",
@@ -523,18 +554,18 @@ fn oversized_value_is_refused_without_reading_it() -> Result<()> {
         .query(&mut raw)?;
     drop(big);
     let mut out = vec![0u8; 4096];
-    let (r, t) = timed(|| store.get(5, &mut out));
+    let (r, t) = timed(|| store.get(SequenceHash(5), &mut out));
     assert_eq!(
         remote_err(r),
         RemoteError::SizeMismatch {
-            key: 5,
+            key: SequenceHash(5),
             expected: 4096,
             stored: 64 << 20
         }
     );
     assert!(t < Duration::from_secs(2), "took {t:?}");
-    store.put(6, &block(6, 4096))?;
-    store.get(6, &mut out)?;
+    store.put(SequenceHash(6), &block(6, 4096))?;
+    store.get(SequenceHash(6), &mut out)?;
     assert_eq!(out, block(6, 4096));
     Ok(())
 }

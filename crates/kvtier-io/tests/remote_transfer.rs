@@ -6,12 +6,13 @@
 #![allow(clippy::unwrap_used)]
 mod remote_support;
 
+use kvtier::hash::SequenceHash;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use kvtier::hash::{sequence_hashes, HashSalt};
-use kvtier::transfer::{BlockPair, BlockTransfer, RemoteStore, TransferJob, TransferOutcome};
+use kvtier::transfer::{BlockTransfer, RemoteStore, TransferJob, TransferOutcome};
 use kvtier::{JobId, Tier};
 use kvtier_io::storage::remote::from_url;
 use kvtier_io::{
@@ -62,27 +63,11 @@ impl Worker {
     }
 }
 
+/// A job of block numbers; a remote block's key is `keys[i]`, `i` its number on the remote side.
 fn job(src: Tier, dst: Tier, pairs: &[(u32, u32)], keys: &[u128]) -> TransferJob {
-    TransferJob {
-        id: JobId(7),
-        src,
-        dst,
-        pairs: pairs
-            .iter()
-            .map(|&(s, d)| BlockPair { src: s, dst: d })
-            .collect(),
-        // `keys[i]` is the key of the remote-side block number `i` (disk jobs: of pair `i`).
-        keys: pairs
-            .iter()
-            .enumerate()
-            .filter_map(|(k, &(s, d))| match (src, dst) {
-                (Tier::Remote, _) => keys.get(s as usize),
-                (_, Tier::Remote) => keys.get(d as usize),
-                _ => keys.get(k),
-            })
-            .map(|&k| kvtier::hash::SequenceHash(k))
-            .collect(),
-    }
+    kvtier_io::transfer::numbered_job(JobId(7), src, dst, pairs, |i| {
+        keys.get(i as usize).copied().unwrap_or(0)
+    })
 }
 
 /// The sequence hashes of a prompt of `n` full blocks.
@@ -130,7 +115,10 @@ fn prefill(url: &str, ns: &str, keys: &[u128]) -> Result<Vec<Vec<u8>>> {
 /// Decode loads `keys` (G4 -> G2 blocks 0..n, G2 -> G1 blocks 1..n+1) and checks the bytes.
 fn decode_and_check(url: &str, ns: &str, keys: &[u128], computed: &[Vec<u8>]) -> Result<()> {
     let store = from_url(url, ns)?;
-    assert_eq!(store.contains(keys)?, vec![true; keys.len()]);
+    assert_eq!(
+        store.contains(&keys.iter().copied().map(SequenceHash).collect::<Vec<_>>())?,
+        vec![true; keys.len()]
+    );
     let d = Worker::new(store);
     let to_host: Vec<(u32, u32)> = (0..keys.len() as u32).map(|i| (i, i)).collect();
     assert_eq!(
@@ -161,7 +149,10 @@ fn prefill_to_decode_through_redis() -> Result<()> {
     decode_and_check(&srv.url(), "disagg", &keys, &computed)?;
     // Another namespace (another model) sees nothing.
     let other = from_url(&srv.url(), "other-model")?;
-    assert_eq!(other.contains(&keys)?, vec![false; 4]);
+    assert_eq!(
+        other.contains(&keys.iter().copied().map(SequenceHash).collect::<Vec<_>>())?,
+        vec![false; 4]
+    );
     Ok(())
 }
 

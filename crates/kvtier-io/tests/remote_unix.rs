@@ -6,6 +6,7 @@ mod remote_support;
 
 use anyhow::Result;
 use kvtier::config::KvtierConfig;
+use kvtier::hash::SequenceHash;
 use kvtier_io::storage::remote::open;
 use remote_support::{block, RedisServer};
 
@@ -29,12 +30,12 @@ fn unix_socket_urls_pass_the_check_and_round_trip() -> Result<()> {
         let store = open(cfg.remote.as_ref().unwrap(), "unix-test")?;
         let key = 0x5eed_0000 + i as u128;
         let data = block(i as u64, 4096);
-        store.put(key, &data)?;
+        store.put(SequenceHash(key), &data)?;
         let mut out = vec![0u8; 4096];
-        store.get(key, &mut out)?;
+        store.get(SequenceHash(key), &mut out)?;
         assert_eq!(out, data, "{url}");
         assert_eq!(
-            store.contains(&[key, key + 100])?,
+            store.contains(&[SequenceHash(key), SequenceHash(key + 100)])?,
             vec![true, false],
             "{url}"
         );

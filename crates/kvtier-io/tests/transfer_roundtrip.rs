@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use common::{job, pattern, PerLayerCache};
 use kvtier::hash::SequenceHash;
-use kvtier::transfer::{BlockTransfer, RemoteStore, TransferError, TransferOutcome};
-use kvtier::Tier;
+use kvtier::transfer::{BlockTransfer, RemoteStore, TransferError, TransferJob, TransferOutcome};
+use kvtier::{BlockId, JobId, Tier};
 use kvtier_io::*;
 
 fn host(blocks: u32, bytes: usize) -> Arc<HostStorage> {
@@ -207,26 +207,26 @@ fn mismatched_block_sizes_are_rejected() {
 
 #[derive(Default)]
 struct MemRemote {
-    map: Mutex<HashMap<u128, Vec<u8>>>,
+    map: Mutex<HashMap<SequenceHash, Vec<u8>>>,
 }
 
 impl RemoteStore for MemRemote {
-    fn put(&self, key: u128, data: &[u8]) -> Result<(), TransferError> {
+    fn put(&self, key: SequenceHash, data: &[u8]) -> Result<(), TransferError> {
         self.map.lock().unwrap().insert(key, data.to_vec());
         Ok(())
     }
-    fn get(&self, key: u128, out: &mut [u8]) -> Result<(), TransferError> {
+    fn get(&self, key: SequenceHash, out: &mut [u8]) -> Result<(), TransferError> {
         let m = self.map.lock().unwrap();
         let v = m
             .get(&key)
-            .ok_or_else(|| TransferError::Other(format!("key {key:x} missing")))?;
+            .ok_or_else(|| TransferError::Other(format!("key {:x} missing", key.0)))?;
         if v.len() != out.len() {
             return Err(TransferError::Other("wrong length".into()));
         }
         out.copy_from_slice(v);
         Ok(())
     }
-    fn contains(&self, keys: &[u128]) -> Result<Vec<bool>, TransferError> {
+    fn contains(&self, keys: &[SequenceHash]) -> Result<Vec<bool>, TransferError> {
         let m = self.map.lock().unwrap();
         Ok(keys.iter().map(|k| m.contains_key(k)).collect())
     }
@@ -243,11 +243,18 @@ fn host_remote_round_trip_and_missing_key() {
         .unwrap();
     h.write_block(0, &pattern(1, 300)).unwrap();
     h.write_block(1, &pattern(2, 300)).unwrap();
-    let mut put = job(Tier::Host, Tier::Remote, &[(0, 0), (1, 1)]);
-    put.keys = [0xAB, 0xCD].map(SequenceHash).to_vec();
+    let put = TransferJob::from_pairs(
+        JobId(1),
+        [
+            (BlockId(0), SequenceHash(0xAB)),
+            (BlockId(1), SequenceHash(0xCD)),
+        ],
+    );
     assert!(run(&e, put).is_ok());
-    let mut get = job(Tier::Remote, Tier::Host, &[(1, 2), (0, 3), (2, 0)]);
-    get.keys = [0xCD, 0xAB, 0xEF].map(SequenceHash).to_vec(); // one per pair
+    let get = TransferJob::from_pairs(
+        JobId(2),
+        [(0xCD, 2), (0xAB, 3), (0xEF, 0)].map(|(k, b)| (SequenceHash(k), BlockId(b))),
+    );
     assert_eq!(run(&e, get).failed_pairs(), vec![2]);
     let mut out = vec![0u8; 300];
     h.read_block(2, &mut out).unwrap();

@@ -148,7 +148,7 @@ impl BlockTransfer for DelayedLoads {
         job: &kvtier::transfer::TransferJob,
         fence: &kvtier::transfer::Fence,
     ) -> kvtier::transfer::TransferOutcome {
-        if job.dst == kvtier::ids::Tier::Device {
+        if job.dst_tier() == kvtier::ids::Tier::Device {
             std::thread::sleep(self.delay);
         }
         self.inner.execute(job, fence)

@@ -18,6 +18,13 @@ pub const HASH_SCHEME_VERSION: u32 = 1;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct SequenceHash(pub u128);
 
+/// The hash as hexadecimal (`{:032x}`: the form keys take in logs and remote store names).
+impl std::fmt::LowerHex for SequenceHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::LowerHex::fmt(&self.0, f)
+    }
+}
+
 /// What separates key spaces: model, LoRA adapter, tenant cache salt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct HashSalt(pub u64);

@@ -4,6 +4,7 @@
 mod connector_rig;
 
 use connector_rig::*;
+use kvtier::transfer::Blocks;
 
 #[test]
 fn offload_then_onboard_from_host_is_bit_exact() {
@@ -180,7 +181,7 @@ fn disk_write_through_serves_after_host_eviction() {
         .update_state_after_alloc(&c, &ids(40..47), None)
         .unwrap();
     let meta = rig.run(&step(vec![new_rec("c", &p1, ids(40..47), 0, 4)]), &[]);
-    assert_eq!(meta.loads[0].jobs[0].src, Tier::Disk);
+    assert_eq!(meta.loads[0].jobs[0].src_tier(), Tier::Disk);
     rig.settle();
     rig.assert_device_kv(40, &p1, 6, "onboarded from disk");
     assert!(rig.leader.stats().onboard_disk_blocks >= 6);
@@ -218,7 +219,7 @@ fn remote_handover_between_two_leaders_tp2() {
         .update_state_after_alloc(&d, &ids(8..15), None)
         .unwrap();
     let meta = decode.run(&step(vec![new_rec("a", &prompt, ids(8..15), 0, 4)]), &[]);
-    assert_eq!(meta.loads[0].jobs[0].src, Tier::Remote);
+    assert_eq!(meta.loads[0].jobs[0].src_tier(), Tier::Remote);
     decode.settle();
     for (rank, bpb) in [(0u32, BPB), (1, 2 * BPB)] {
         for i in 0..6u32 {
@@ -393,8 +394,11 @@ fn invalid_engine_input_names_request_and_field_and_spares_others() {
         &[(prompt.clone(), vec![(1, 1)])],
     );
     assert_eq!(meta.stores.len(), 1);
-    assert_eq!(meta.stores[0].job.pairs.len(), 1);
-    assert_eq!(meta.stores[0].job.pairs[0].src, 1);
+    assert_eq!(meta.stores[0].job.len(), 1);
+    assert_eq!(
+        meta.stores[0].job.src(),
+        &Blocks::Device(vec![DeviceBlockId(1)])
+    );
     rig.settle();
     assert!(!rig
         .leader
@@ -569,7 +573,7 @@ fn failed_sync_load_drops_the_stores_of_that_step() {
     let stored: Vec<u32> = meta
         .stores
         .iter()
-        .flat_map(|s| s.job.pairs.iter().map(|p| p.src))
+        .flat_map(|s| s.job.pairs().map(|(src, _)| src.number().unwrap()))
         .collect();
     assert_eq!(
         stored,
@@ -641,7 +645,7 @@ fn host_hits_load_in_the_step_disk_hits_asynchronously() {
             .update_state_after_alloc(&h, &ids(20..27), None)
             .unwrap();
         let meta = rig.run(&step(vec![new_rec("h", &p1, ids(20..27), 0, 4)]), &[]);
-        assert_eq!(meta.loads[0].jobs[0].src, Tier::Host);
+        assert_eq!(meta.loads[0].jobs[0].src_tier(), Tier::Host);
         assert_eq!(meta.loads[0].sync, flag, "planned as answered");
         rig.settle();
         rig.assert_device_kv(20, &p1, 6, "onboarded from host");
@@ -662,7 +666,7 @@ fn host_hits_load_in_the_step_disk_hits_asynchronously() {
             .update_state_after_alloc(&c, &ids(40..47), None)
             .unwrap();
         let meta = rig.run(&step(vec![new_rec("c", &p1, ids(40..47), 0, 4)]), &[]);
-        assert_eq!(meta.loads[0].jobs[0].src, Tier::Disk);
+        assert_eq!(meta.loads[0].jobs[0].src_tier(), Tier::Disk);
         assert!(!meta.loads[0].sync);
         rig.settle();
         rig.assert_device_kv(40, &p1, 6, "onboarded from disk");
@@ -706,7 +710,7 @@ fn node_hits_load_in_the_step_like_host_hits() {
             .update_state_after_alloc(&r, &ids(8..15), None)
             .unwrap();
         let meta = rig.run(&step(vec![new_rec("r", &prompt, ids(8..15), 0, 4)]), &[]);
-        assert_eq!(meta.loads[0].jobs[0].src, Tier::Remote);
+        assert_eq!(meta.loads[0].jobs[0].src_tier(), Tier::Remote);
         assert_eq!(meta.loads[0].sync, near, "planned as answered");
         rig.settle();
         rig.assert_device_kv(8, &prompt, 6, "onboarded from the node");

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use kvtier::connector::testing::MemoryRemoteStore;
 use kvtier::connector::{Capacity, Leader, LeaderConfig, SchedulerStep, StepRecord, WorkerReport};
 use kvtier::hash::{sequence_hashes, HashSalt};
-use kvtier::transfer::{BlockFailure, RemoteStore, TransferOutcome};
-use kvtier::{DeviceBlockId, RequestId, Tier};
+use kvtier::transfer::{BlockFailure, Blocks, RemoteStore, TransferOutcome};
+use kvtier::{DeviceBlockId, RequestId};
 
 const BS: usize = 4;
 
@@ -46,13 +46,13 @@ fn node_only_stores_go_device_to_remote_and_are_waited_for() {
         .unwrap();
     assert_eq!(m.stores.len(), 1);
     let job = &m.stores[0].job;
-    assert_eq!((job.src, job.dst), (Tier::Device, Tier::Remote));
     let hashes = sequence_hashes(HashSalt(9), &prompt, BS);
-    assert_eq!(job.keys, hashes);
     assert_eq!(
-        job.pairs.iter().map(|p| (p.src, p.dst)).collect::<Vec<_>>(),
-        vec![(0, 0), (1, 1), (2, 2)]
+        job.src(),
+        &Blocks::Device((0..3).map(DeviceBlockId).collect())
     );
+    // The remote side is the blocks' hashes: no block numbers.
+    assert_eq!(job.dst(), &Blocks::Remote(hashes.clone()));
     // The engine must keep the device blocks while the store is in flight.
     let a: RequestId = "a".into();
     assert!(
@@ -62,7 +62,7 @@ fn node_only_stores_go_device_to_remote_and_are_waited_for() {
     // The worker wrote blocks 0 and 2; block 1 failed (e.g. a full node).
     for (k, h) in hashes.iter().enumerate() {
         if k != 1 {
-            remote.put(h.0, &[k as u8; 8]).unwrap();
+            remote.put(*h, &[k as u8; 8]).unwrap();
         }
     }
     l.apply_report(WorkerReport {

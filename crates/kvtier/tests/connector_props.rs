@@ -21,7 +21,7 @@ use kvtier::connector::{
     StepRecord, Worker, WorkerLink, WorkerReport,
 };
 use kvtier::hash::{sequence_hashes, HashSalt};
-use kvtier::transfer::BlockTransfer;
+use kvtier::transfer::{BlockTransfer, Blocks};
 use kvtier::{DeviceBlockId, JobId, RequestId, Tier};
 use proptest::prelude::*;
 
@@ -308,8 +308,11 @@ impl Sim {
             let (_, scheduled, drafts) = *plans.iter().find(|p| p.0 == r).unwrap();
             let q = &self.reqs[r];
             let hashes = sequence_hashes(SALT, &q.tokens, BS);
-            for p in &s.job.pairs {
-                let i = q.table.iter().position(|&b| b == p.src).unwrap();
+            let Blocks::Device(srcs) = s.job.src() else {
+                panic!("a store reads device blocks")
+            };
+            for &src in srcs {
+                let i = q.table.iter().position(|&b| b == src.0).unwrap();
                 assert!(
                     (i + 1) * BS <= q.tokens.len(),
                     "partial block {i} of {} offloaded",
@@ -351,7 +354,7 @@ impl Sim {
         }
         for load in &meta.loads {
             for job in &load.jobs {
-                written.extend(job.pairs.iter().map(|p| p.dst));
+                written.extend(job.pairs().map(|(_, d)| d.number().unwrap()));
             }
         }
         let reused: Vec<(u32, usize)> = written

@@ -75,24 +75,25 @@ fn zmq_worker_process() {
         worker.wait_for_layer_load(0);
         for l in &meta.loads {
             for j in &l.jobs {
-                assert_eq!(j.src, Tier::Host);
-                for p in &j.pairs {
-                    let want = fill(rank, origin[&p.src]);
+                assert_eq!(j.src_tier(), Tier::Host);
+                for (src, dst) in j.pairs() {
+                    let (src, dst) = (src.number().unwrap(), dst.number().unwrap());
+                    let want = fill(rank, origin[&src]);
                     assert_eq!(
-                        mem.read_block(Tier::Device, p.dst).unwrap(),
+                        mem.read_block(Tier::Device, dst).unwrap(),
                         want,
-                        "rank {rank} device {}",
-                        p.dst
+                        "rank {rank} device {dst}"
                     );
                     verified += 1;
                 }
             }
         }
         for s in &meta.stores {
-            for p in &s.job.pairs {
-                mem.write_block(Tier::Device, p.src, &fill(rank, p.src))
+            for (src, dst) in s.job.pairs() {
+                let (src, dst) = (src.number().unwrap(), dst.number().unwrap());
+                mem.write_block(Tier::Device, src, &fill(rank, src))
                     .unwrap();
-                origin.insert(p.dst, p.src);
+                origin.insert(dst, src);
             }
         }
         worker.forward_done(None);

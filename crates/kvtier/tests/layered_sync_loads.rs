@@ -21,9 +21,9 @@ use std::time::{Duration, Instant};
 use kvtier::connector::messages::{RequestLoad, RequestStore, StepMetadata, WorkerReport};
 use kvtier::connector::{Worker, WorkerLink};
 use kvtier::transfer::{
-    BlockPair, BlockTransfer, Fence, LayerGate, TransferError, TransferJob, TransferOutcome,
+    BlockTransfer, Blocks, Fence, LayerGate, TransferError, TransferJob, TransferOutcome,
 };
-use kvtier::{DeviceBlockId, JobId, RequestId, Tier};
+use kvtier::{BlockId, DeviceBlockId, JobId, RequestId, Tier};
 
 const LAYERS: usize = 4;
 /// A gate asked to order this layer fails (as a CUDA error would).
@@ -127,17 +127,14 @@ impl BlockTransfer for Transfer {
     }
 }
 
+/// A job between the device and the host tier, by block number.
 fn job(id: u64, src: Tier, dst: Tier, pairs: &[(u32, u32)]) -> TransferJob {
-    TransferJob {
-        id: JobId(id),
-        src,
-        dst,
-        pairs: pairs
-            .iter()
-            .map(|&(src, dst)| BlockPair { src, dst })
-            .collect(),
-        keys: Vec::new(),
-    }
+    let side = |tier: Tier, n: Vec<u32>| match tier {
+        Tier::Device => Blocks::Device(n.into_iter().map(DeviceBlockId).collect()),
+        _ => Blocks::Host(n.into_iter().map(BlockId).collect()),
+    };
+    let (s, d): (Vec<u32>, Vec<u32>) = pairs.iter().copied().unzip();
+    TransferJob::new(JobId(id), side(src, s), side(dst, d)).expect("equal sides")
 }
 
 /// Request `r`: a sync load of host blocks 1, 2 into device blocks 10, 11, and a store of

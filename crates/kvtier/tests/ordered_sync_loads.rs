@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 use kvtier::connector::messages::{RequestLoad, StepMetadata};
 use kvtier::connector::{Worker, WorkerLink};
 use kvtier::transfer::{
-    BlockFailure, BlockPair, BlockTransfer, Fence, TransferError, TransferJob, TransferOutcome,
+    BlockFailure, BlockTransfer, Fence, TransferError, TransferJob, TransferOutcome,
 };
-use kvtier::{DeviceBlockId, JobId, RequestId, Tier};
+use kvtier::{BlockId, DeviceBlockId, JobId, RequestId, Tier};
 
 /// Host blocks numbered this fail (as a vanished source would) before anything is enqueued.
 const BAD_SRC: u32 = 666;
@@ -69,10 +69,9 @@ impl BlockTransfer for Gated {
             .expect("ordered")
             .push((job.id.0, engine_stream));
         let bad: Vec<BlockFailure> = job
-            .pairs
-            .iter()
+            .pairs()
             .enumerate()
-            .filter(|(_, p)| p.src == BAD_SRC)
+            .filter(|(_, (src, _))| src.number() == Some(BAD_SRC))
             .map(|(i, _)| BlockFailure {
                 pair_index: i,
                 reason: "source vanished".into(),
@@ -94,20 +93,12 @@ fn load(req: &str, sync: bool, id: u64, srcs: &[u32]) -> RequestLoad {
     RequestLoad {
         request: RequestId::from(req),
         sync,
-        jobs: vec![TransferJob {
-            id: JobId(id),
-            src: Tier::Host,
-            dst: Tier::Device,
-            pairs: srcs
-                .iter()
+        jobs: vec![TransferJob::from_pairs(
+            JobId(id),
+            srcs.iter()
                 .enumerate()
-                .map(|(i, &s)| BlockPair {
-                    src: s,
-                    dst: 10 + i as u32,
-                })
-                .collect(),
-            keys: Vec::new(),
-        }],
+                .map(|(i, &s)| (BlockId(s), DeviceBlockId(10 + i as u32))),
+        )],
         failed_devices: Vec::new(),
     }
 }

@@ -187,12 +187,10 @@ pub(super) fn disk_cpu_device(
     let jb = opts.job_blocks;
     let two = |first: (Tier, Tier), second: (Tier, Tier)| -> Result<Duration, String> {
         let t = Instant::now();
-        for j in jobs(&pairs, first.0, first.1, jb) {
-            let k = TransferJob {
-                src: second.0,
-                dst: second.1,
-                ..j.clone()
-            };
+        let hops = jobs(&pairs, first.0, first.1, jb)
+            .into_iter()
+            .zip(jobs(&pairs, second.0, second.1, jb));
+        for (j, k) in hops {
             run_jobs(&two_hop, std::slice::from_ref(&j), None)?;
             run_jobs(&two_hop, std::slice::from_ref(&k), None)?;
         }

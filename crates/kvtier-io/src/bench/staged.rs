@@ -3,8 +3,7 @@
 use super::gpu::GpuCache;
 use super::*;
 
-/// Like [`jobs`], for remote jobs: each pair's key is `keys[i]`, `i` its block number on the
-/// remote side.
+/// Like [`jobs`], for disk and remote jobs: block `i`'s key is `keys[i]` (0 past its end).
 pub(super) fn keyed_jobs(
     pairs: &[(u32, u32)],
     src: Tier,
@@ -12,16 +11,12 @@ pub(super) fn keyed_jobs(
     per_job: usize,
     keys: &[u128],
 ) -> Vec<TransferJob> {
-    let mut js = jobs(pairs, src, dst, per_job);
-    for j in &mut js {
-        j.keys = j
-            .pairs
-            .iter()
-            .map(|p| if dst == Tier::Remote { p.dst } else { p.src })
-            .map(|i| kvtier::hash::SequenceHash(keys[i as usize]))
-            .collect();
-    }
-    js
+    let key = |i: u32| keys.get(i as usize).copied().unwrap_or(0);
+    pairs
+        .chunks(per_job.max(1))
+        .enumerate()
+        .map(|(i, c)| crate::transfer::numbered_job(JobId(i as u64), src, dst, c, key))
+        .collect()
 }
 
 /// The key of block `i` in the remote store (any distinct 128-bit values).
@@ -110,7 +105,9 @@ pub(super) fn gpu_staged(
                 Tier::Disk => disk
                     .read_block(i as u32, &mut buf)
                     .map_err(|e| e.to_string())?,
-                _ => remote.get(keys[i], &mut buf).map_err(|e| e.to_string())?,
+                _ => remote
+                    .get(kvtier::hash::SequenceHash(keys[i]), &mut buf)
+                    .map_err(|e| e.to_string())?,
             }
             if &buf != t {
                 return Err(format!("{far:?}: stored block {} differs", sample[i]));
@@ -137,14 +134,16 @@ pub(super) fn gpu_staged(
     // A missing key fails only its pair and leaves that device block as it was.
     let (victim, other) = (sample[0], sample[1]);
     let before = cache.block_bytes(layout, victim)?;
-    let mut miss = keyed_jobs(
+    // Pair 1 (the victim) reads a key the store does not hold.
+    let mut miss_keys = keys.clone();
+    miss_keys[0] = 0xDEAD_BEEF;
+    let miss = keyed_jobs(
         &[(1, other), (0, victim)],
         Tier::Remote,
         Tier::Device,
         8,
-        &keys,
+        &miss_keys,
     );
-    miss[0].keys[1] = kvtier::hash::SequenceHash(0xDEAD_BEEF); // pair 1: the victim
     let f = staged.fence(es).map_err(|e| e.to_string())?;
     let out = staged.execute(&miss[0], &f);
     if out.failed_pairs() != vec![1] || cache.block_bytes(layout, victim)? != before {
@@ -166,12 +165,10 @@ pub(super) fn gpu_staged(
         // Two hops: device -> host, host -> far, job by job.
         let two_store = best_of(2, || {
             let t = Instant::now();
-            for j in keyed_jobs(&pairs, Tier::Device, Tier::Host, jb, &keys) {
-                let far_j = TransferJob {
-                    src: Tier::Host,
-                    dst: far,
-                    ..j.clone()
-                };
+            let hops = keyed_jobs(&pairs, Tier::Device, Tier::Host, jb, &keys)
+                .into_iter()
+                .zip(keyed_jobs(&pairs, Tier::Host, far, jb, &keys));
+            for (j, far_j) in hops {
                 run_jobs(&two_hop, std::slice::from_ref(&j), es)?;
                 run_jobs(&two_hop, std::slice::from_ref(&far_j), es)?;
             }
@@ -181,12 +178,10 @@ pub(super) fn gpu_staged(
         let t_load = best_of(2, || run_jobs(&staged, &load, es))?;
         let two_load = best_of(2, || {
             let t = Instant::now();
-            for j in keyed_jobs(&pairs, far, Tier::Host, jb, &keys) {
-                let dev_j = TransferJob {
-                    src: Tier::Host,
-                    dst: Tier::Device,
-                    ..j.clone()
-                };
+            let hops = keyed_jobs(&pairs, far, Tier::Host, jb, &keys)
+                .into_iter()
+                .zip(keyed_jobs(&pairs, Tier::Host, Tier::Device, jb, &keys));
+            for (j, dev_j) in hops {
                 run_jobs(&two_hop, std::slice::from_ref(&j), es)?;
                 run_jobs(&two_hop, std::slice::from_ref(&dev_j), es)?;
             }

@@ -33,15 +33,6 @@ pub(crate) enum CopyDir {
 }
 
 impl CopyDir {
-    /// The direction of a job between the device and another tier.
-    pub(crate) fn of(job: &kvtier::transfer::TransferJob) -> Self {
-        if job.src == kvtier::Tier::Device {
-            CopyDir::DeviceToHost
-        } else {
-            CopyDir::HostToDevice
-        }
-    }
-
     /// Whether the bytes leave the device.
     pub(crate) fn to_host(self) -> bool {
         self == CopyDir::DeviceToHost

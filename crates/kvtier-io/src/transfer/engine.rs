@@ -20,8 +20,9 @@
 //! leg at a time, and a slice's second leg starts only after its first leg completed.
 use std::sync::Arc;
 
+use kvtier::ids::{BlockId, DeviceBlockId};
 use kvtier::transfer::{
-    BlockFailure, BlockTransfer, Fence, LayerGate, RemoteStore, TransferError, TransferJob,
+    BlockFailure, BlockTransfer, Blocks, Fence, LayerGate, RemoteStore, TransferError, TransferJob,
     TransferOutcome,
 };
 use kvtier::Tier;
@@ -304,26 +305,20 @@ impl TransferEngine {
         })
     }
 
-    fn host_addrs(
-        &self,
-        job: &TransferJob,
-        host_is_src: bool,
-        res: &mut Results,
-    ) -> Vec<Option<usize>> {
+    /// The address of each host block of a job's host side (`None`, failed in `res`, for a
+    /// bad block id).
+    fn host_addrs(&self, blocks: &[BlockId], res: &mut Results) -> Vec<Option<usize>> {
         let Some(host) = &self.host else {
-            return vec![None; job.pairs.len()];
+            return vec![None; blocks.len()];
         };
-        job.pairs
+        blocks
             .iter()
             .enumerate()
-            .map(|(i, p)| {
-                let id = if host_is_src { p.src } else { p.dst };
-                match host.block_addr(id) {
-                    Ok(a) => Some(a),
-                    Err(e) => {
-                        res.fail(i, format!("host {e}"));
-                        None
-                    }
+            .map(|(i, b)| match host.block_addr(b.0) {
+                Ok(a) => Some(a),
+                Err(e) => {
+                    res.fail(i, format!("host {e}"));
+                    None
                 }
             })
             .collect()
@@ -333,34 +328,48 @@ impl TransferEngine {
         let mut res = Results {
             failures: Vec::new(),
         };
-        for tier in [job.src, job.dst] {
+        for tier in [job.src_tier(), job.dst_tier()] {
             if !self.has_tier(tier) {
-                for i in 0..job.pairs.len() {
+                for i in 0..job.len() {
                     res.fail(i, TransferError::TierMissing(tier));
                 }
                 return res.outcome();
             }
         }
-        match (job.src, job.dst) {
-            (Tier::Host, Tier::Host) => self.host_to_host(job, &mut res),
-            (Tier::Device, Tier::Host) | (Tier::Host, Tier::Device) => {
-                self.device_host(job, fence, order, &mut res)
+        use CopyDir::{DeviceToHost, HostToDevice};
+        match (job.src(), job.dst()) {
+            (Blocks::Host(s), Blocks::Host(d)) => self.host_to_host(s, d, &mut res),
+            (Blocks::Device(d), Blocks::Host(h)) => {
+                self.device_host(d, h, DeviceToHost, fence, order, &mut res)
             }
-            (Tier::Host, Tier::Disk) | (Tier::Disk, Tier::Host) => {
-                self.host_far(job, Tier::Disk, &mut res)
+            (Blocks::Host(h), Blocks::Device(d)) => {
+                self.device_host(d, h, HostToDevice, fence, order, &mut res)
             }
-            (Tier::Host, Tier::Remote) | (Tier::Remote, Tier::Host) => {
-                self.host_far(job, Tier::Remote, &mut res)
+            (Blocks::Host(h), far @ (Blocks::Disk(_) | Blocks::Remote(_))) => {
+                self.host_far(h, far, true, &mut res)
             }
-            (Tier::Remote, Tier::Device) | (Tier::Device, Tier::Remote) => {
-                if !self.node_direct(job, fence, order, &mut res) {
-                    self.staged(job, fence, CopyDir::of(job), &mut res)
+            (far @ (Blocks::Disk(_) | Blocks::Remote(_)), Blocks::Host(h)) => {
+                self.host_far(h, far, false, &mut res)
+            }
+            (Blocks::Device(d), far @ Blocks::Remote(keys)) => {
+                if !self.node_direct(d, keys, DeviceToHost, fence, order, &mut res) {
+                    self.staged(d, far, fence, DeviceToHost, &mut res)
                 }
             }
-            (Tier::Disk, Tier::Device) => self.staged(job, fence, CopyDir::HostToDevice, &mut res),
-            (Tier::Device, Tier::Disk) => self.staged(job, fence, CopyDir::DeviceToHost, &mut res),
+            (far @ Blocks::Remote(keys), Blocks::Device(d)) => {
+                if !self.node_direct(d, keys, HostToDevice, fence, order, &mut res) {
+                    self.staged(d, far, fence, HostToDevice, &mut res)
+                }
+            }
+            (Blocks::Device(d), far @ Blocks::Disk(_)) => {
+                self.staged(d, far, fence, DeviceToHost, &mut res)
+            }
+            (far @ Blocks::Disk(_), Blocks::Device(d)) => {
+                self.staged(d, far, fence, HostToDevice, &mut res)
+            }
             (src, dst) => {
-                for i in 0..job.pairs.len() {
+                let (src, dst) = (src.tier(), dst.tier());
+                for i in 0..job.len() {
                     res.fail(i, TransferError::Unsupported { src, dst });
                 }
             }
@@ -374,7 +383,9 @@ impl TransferEngine {
     /// a job that is staged instead is not ordered (the engine waits for its outcome).
     fn node_direct(
         &self,
-        job: &TransferJob,
+        devs: &[DeviceBlockId],
+        keys: &[kvtier::hash::SequenceHash],
+        way: CopyDir,
         fence: &Fence,
         order: Order<'_>,
         res: &mut Results,
@@ -385,10 +396,10 @@ impl TransferEngine {
         match crate::storage::node::direct::run(
             dev,
             node,
-            job,
+            (devs, keys),
             fence,
             self.bytes_per_block,
-            CopyDir::of(job),
+            way,
             order,
         ) {
             Some(failed) => {
@@ -407,8 +418,12 @@ impl TransferEngine {
     /// remote -> device when the remote store is the node tier (whose direct path copies from
     /// the arena slots it leased, like host tier blocks).
     fn orderable(&self, job: &TransferJob) -> bool {
-        job.dst == Tier::Device
-            && (job.src == Tier::Host || (job.src == Tier::Remote && self.node_store().is_some()))
+        job.dst_tier() == Tier::Device
+            && match job.src_tier() {
+                Tier::Host => true,
+                Tier::Remote => self.node_store().is_some(),
+                Tier::Device | Tier::Disk => false,
+            }
     }
 
     /// Whether the host tier is pinned and registered (kernels may read it at its addresses).
@@ -424,15 +439,14 @@ impl TransferEngine {
             .and_then(|a| a.downcast_ref::<NodeStore>())
     }
 
-    fn host_to_host(&self, job: &TransferJob, res: &mut Results) {
-        let srcs = self.host_addrs(job, true, res);
-        let dsts = self.host_addrs(job, false, res);
-        for (i, (s, d)) in srcs.into_iter().zip(dsts).enumerate() {
+    fn host_to_host(&self, src: &[BlockId], dst: &[BlockId], res: &mut Results) {
+        let srcs = self.host_addrs(src, res);
+        let dsts = self.host_addrs(dst, res);
+        for (s, d) in srcs.into_iter().zip(dsts) {
             let (Some(s), Some(d)) = (s, d) else { continue };
             if s == d {
                 continue;
             }
-            debug_assert!(i < job.pairs.len());
             // Both are distinct whole blocks of the host mapping; the job owns the destination
             // exclusively and the source is pinned read-only (pool invariants).
             job::copy_stream(s, d, self.bytes_per_block);
@@ -440,34 +454,41 @@ impl TransferEngine {
         mem::store_fence();
     }
 
-    fn device_host(&self, job: &TransferJob, fence: &Fence, order: Order<'_>, res: &mut Results) {
+    /// Device <-> host tier: `devs[i]` and `hosts[i]` are pair `i`'s blocks, `way` the direction.
+    fn device_host(
+        &self,
+        devs: &[DeviceBlockId],
+        hosts: &[BlockId],
+        way: CopyDir,
+        fence: &Fence,
+        order: Order<'_>,
+        res: &mut Results,
+    ) {
         let Some(dev) = &self.device else { return };
-        let way = CopyDir::of(job);
-        let to_host = way.to_host();
-        let host_addrs = self.host_addrs(job, !to_host, res);
-        let mut items = Vec::with_capacity(job.pairs.len());
-        for (i, (p, h)) in job.pairs.iter().zip(host_addrs).enumerate() {
+        let host_addrs = self.host_addrs(hosts, res);
+        let mut items = Vec::with_capacity(devs.len());
+        for (i, (d, h)) in devs.iter().zip(host_addrs).enumerate() {
             if let Some(h) = h {
-                items.push((i, if to_host { p.src } else { p.dst }, h));
+                items.push((i, d.0, h));
             }
         }
         // A job with a pair already failed is not ordered: the engine waits for its outcome.
-        let order = order.filter(|_| res.failures.is_empty() && !to_host);
+        let order = order.filter(|_| res.failures.is_empty() && !way.to_host());
         for (i, reason) in dev.copy(&items, way, fence, order) {
             res.fail(i, reason);
         }
     }
 
-    /// Host <-> disk or host <-> remote (`far`), straight from and into host tier blocks.
-    fn host_far(&self, job: &TransferJob, far: Tier, res: &mut Results) {
-        let to_far = job.dst == far;
-        let host_addrs = self.host_addrs(job, to_far, res);
+    /// Host <-> disk or host <-> remote (`far`, the job's other side), straight from and into
+    /// host tier blocks; `to_far`: the host blocks are the source.
+    fn host_far(&self, hosts: &[BlockId], far: &Blocks, to_far: bool, res: &mut Results) {
+        let host_addrs = self.host_addrs(hosts, res);
         let items: Vec<(usize, usize)> = host_addrs
             .into_iter()
             .enumerate()
             .filter_map(|(i, h)| h.map(|h| (i, h)))
             .collect();
-        self.far_leg(job, far, to_far, &items, res);
+        self.far_leg(far, to_far, &items, res);
     }
 
     /// Move whole blocks between `far` (disk or remote) and host memory: `items[k] = (pair
@@ -475,57 +496,51 @@ impl TransferEngine {
     /// Failures go to `res`; returns, per item, whether it was copied.
     fn far_leg(
         &self,
-        job: &TransferJob,
-        far: Tier,
+        far: &Blocks,
         to_far: bool,
         items: &[(usize, usize)],
         res: &mut Results,
     ) -> Vec<bool> {
-        let far_id = |i: usize| {
-            let p = &job.pairs[i];
-            if to_far {
-                p.dst
-            } else {
-                p.src
-            }
-        };
         let mut ok = vec![false; items.len()];
         match far {
-            Tier::Disk => {
+            Blocks::Disk(blocks) => {
                 let Some(disk) = &self.disk else {
-                    return Self::far_tier_missing(far, items, res, ok);
+                    return Self::far_tier_missing(Tier::Disk, items, res, ok);
                 };
-                // Disk jobs name each pair's key (its sequence hash) at the pair's index; the
-                // disk tier binds the slot to it and refuses to serve another key's bytes.
-                let io: Vec<(u32, u128, usize)> = items
-                    .iter()
-                    .map(|&(i, h)| (far_id(i), job.keys.get(i).map_or(0, |k| k.0), h))
-                    .collect();
+                // Each disk block names its key (its sequence hash); the disk tier binds the
+                // slot to it and refuses to serve another key's bytes.
+                let mut io: Vec<(u32, u128, usize)> = Vec::with_capacity(items.len());
+                let mut io_items: Vec<usize> = Vec::with_capacity(items.len());
+                for (k, &(i, h)) in items.iter().enumerate() {
+                    match blocks.get(i) {
+                        Some(b) => {
+                            io.push((b.slot.0, b.key.0, h));
+                            io_items.push(k);
+                        }
+                        None => res.fail(i, "internal: no disk block for the pair"),
+                    }
+                }
                 let out = if to_far {
                     disk.write_from(&io)
                 } else {
                     disk.read_into(&io)
                 };
-                for (k, r) in out.into_iter().enumerate() {
+                for (r, k) in out.into_iter().zip(io_items) {
                     match r {
                         Ok(()) => ok[k] = true,
                         Err(e) => res.fail(items[k].0, e),
                     }
                 }
             }
-            Tier::Remote => {
+            Blocks::Remote(keys) => {
                 let Some(remote) = &self.remote else {
-                    return Self::far_tier_missing(far, items, res, ok);
+                    return Self::far_tier_missing(Tier::Remote, items, res, ok);
                 };
                 for (k, &(i, h)) in items.iter().enumerate() {
-                    // The key names the block in the store (the pair's remote-side number is
-                    // not used).
-                    let key = match job.key(i) {
-                        Ok(k) => k.0,
-                        Err(e) => {
-                            res.fail(i, e);
-                            continue;
-                        }
+                    // The key names the block in the store.
+                    let Some(&key) = keys.get(i) else {
+                        res.fail(i, "internal: no remote key for the pair");
+                        continue;
                     };
                     let r = if to_far {
                         // `h` is a whole host block that the job holds read-only.
@@ -543,7 +558,7 @@ impl TransferEngine {
                     }
                 }
             }
-            Tier::Device | Tier::Host => {
+            Blocks::Device(_) | Blocks::Host(_) => {
                 for &(i, _) in items {
                     res.fail(i, "internal: far leg to a near tier");
                 }
@@ -638,20 +653,20 @@ impl TransferEngine {
         // Profiling aid (KVTIER_LOG=kvtier_io=debug): where a load's or a store's time goes.
         tracing::debug!(
             job = job.id.0,
-            src = job.src.label(),
-            dst = job.dst.label(),
-            blocks = job.pairs.len(),
-            bytes = job.pairs.len() * self.bytes_per_block,
+            src = job.src_tier().label(),
+            dst = job.dst_tier().label(),
+            blocks = job.len(),
+            bytes = job.len() * self.bytes_per_block,
             us = started.elapsed().as_micros() as u64,
             "transfer job done"
         );
         if let TransferOutcome::Failed(f) = &outcome {
             kvtier::warn_limited!(
                 job = job.id.0,
-                src = job.src.label(),
-                dst = job.dst.label(),
+                src = job.src_tier().label(),
+                dst = job.dst_tier().label(),
                 failed = f.len(),
-                of = job.pairs.len(),
+                of = job.len(),
                 first = f.first().map(|b| b.reason.as_str()).unwrap_or(""),
                 "transfer job had failures"
             );

@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use kvtier::layout::{DType, DeviceKind, DeviceLayout, TensorDesc};
-use kvtier::transfer::{BlockPair, BlockTransfer, TransferJob};
-use kvtier::{JobId, Tier};
+use kvtier::transfer::{BlockTransfer, TransferJob};
+use kvtier::{BlockId, DeviceBlockId, JobId};
 
 use super::*;
 use crate::{HostOptions, HostStorage, PinMode, TransferEngine};
@@ -201,13 +201,7 @@ fn cpu_pool_checks_bounds_and_outlives_its_handle() {
     // The engine holds the allocation (its EngineMemory), the handle can go.
     assert_eq!(pool.holders(), 2);
     drop(pool);
-    let job = TransferJob {
-        id: JobId(1),
-        src: Tier::Device,
-        dst: Tier::Host,
-        pairs: vec![BlockPair { src: 2, dst: 1 }],
-        keys: vec![],
-    };
+    let job = TransferJob::from_pairs(JobId(1), [(DeviceBlockId(2), BlockId(1))]);
     assert!(engine.execute(&job, &engine.fence(None).unwrap()).is_ok());
     let mut out = vec![0u8; 512];
     host.read_block(1, &mut out).unwrap();

@@ -1,7 +1,7 @@
 //! Helpers shared by the integration tests: deterministic block contents and job builders.
 #![allow(clippy::unwrap_used)]
 #![allow(dead_code)]
-use kvtier::transfer::{BlockPair, TransferJob};
+use kvtier::transfer::TransferJob;
 use kvtier::{JobId, Tier};
 use kvtier_io::{DevicePtr, StridedLayout};
 
@@ -18,17 +18,19 @@ pub(crate) fn pattern(seed: u32, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// A job of block numbers (disk slots unkeyed, remote blocks under key 0).
 pub(crate) fn job(src: Tier, dst: Tier, pairs: &[(u32, u32)]) -> TransferJob {
-    TransferJob {
-        id: JobId(1),
-        src,
-        dst,
-        pairs: pairs
-            .iter()
-            .map(|&(s, d)| BlockPair { src: s, dst: d })
-            .collect(),
-        keys: Vec::new(),
-    }
+    kvtier_io::transfer::numbered_job(JobId(1), src, dst, pairs, |_| 0)
+}
+
+/// A job of block numbers whose disk or remote block `n` has the key `key(n)`.
+pub(crate) fn keyed_by(
+    src: Tier,
+    dst: Tier,
+    pairs: &[(u32, u32)],
+    key: impl Fn(u32) -> u128 + Copy,
+) -> TransferJob {
+    kvtier_io::transfer::numbered_job(JobId(1), src, dst, pairs, key)
 }
 
 /// A CPU "engine" KV cache in the per-layer layout: `layers` tensors of `[2, blocks, chunk]`.

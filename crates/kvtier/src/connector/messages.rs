@@ -8,11 +8,12 @@
 use serde::{Deserialize, Serialize};
 
 use crate::connector::ConnectorError;
+use crate::hash::SequenceHash;
 use crate::ids::{DeviceBlockId, JobId, RequestId};
 use crate::transfer::{TransferJob, TransferOutcome};
 
 /// Version of the leader <-> worker messages. Bumped on any incompatible change.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The loads of one request in one step.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -80,15 +81,9 @@ impl StepMetadata {
 
     /// Decode and check the version.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, ConnectorError> {
-        let m: StepMetadata = postcard::from_bytes(bytes)
-            .map_err(|e| ConnectorError::Codec(format!("step metadata: {e}")))?;
-        if m.version != PROTOCOL_VERSION {
-            return Err(ConnectorError::Handshake(format!(
-                "step metadata has protocol version {}, this build speaks {PROTOCOL_VERSION}",
-                m.version
-            )));
-        }
-        Ok(m)
+        check_version(bytes, "step metadata has")?;
+        postcard::from_bytes(bytes)
+            .map_err(|e| ConnectorError::Codec(format!("step metadata: {e}")))
     }
 }
 
@@ -121,15 +116,9 @@ impl LoadVerdicts {
 
     /// Decode and check the version.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, ConnectorError> {
-        let m: LoadVerdicts = postcard::from_bytes(bytes)
-            .map_err(|e| ConnectorError::Codec(format!("load verdicts: {e}")))?;
-        if m.version != PROTOCOL_VERSION {
-            return Err(ConnectorError::Handshake(format!(
-                "load verdicts have protocol version {}, this build speaks {PROTOCOL_VERSION}",
-                m.version
-            )));
-        }
-        Ok(m)
+        check_version(bytes, "load verdicts have")?;
+        postcard::from_bytes(bytes)
+            .map_err(|e| ConnectorError::Codec(format!("load verdicts: {e}")))
     }
 }
 
@@ -237,18 +226,34 @@ impl ClusterLayout {
     }
 }
 
+/// Check the version a message starts with (its first field) before decoding the rest, whose
+/// shape may differ between versions: another version is a [`ConnectorError::Handshake`].
+fn check_version(bytes: &[u8], what: &str) -> Result<(), ConnectorError> {
+    let (version, _) = postcard::take_from_bytes::<u32>(bytes)
+        .map_err(|e| ConnectorError::Codec(format!("message version: {e}")))?;
+    if version != PROTOCOL_VERSION {
+        return Err(ConnectorError::Handshake(format!(
+            "{what} protocol version {version}, this build speaks {PROTOCOL_VERSION}"
+        )));
+    }
+    Ok(())
+}
+
 /// The remote (G4) key of one rank's share of a block: the sequence hash itself for a single
 /// rank, otherwise a hash of (sequence hash, rank, world size), so ranks never overwrite each
 /// other and a fleet with another tensor-parallel size never reads a foreign layout.
-pub fn remote_key_for_rank(hash: u128, rank: u32, world_size: u32) -> u128 {
+pub fn remote_key_for_rank(hash: SequenceHash, rank: u32, world_size: u32) -> SequenceHash {
     if world_size <= 1 {
         return hash;
     }
     let mut buf = [0u8; 24];
-    buf[..16].copy_from_slice(&hash.to_le_bytes());
+    buf[..16].copy_from_slice(&hash.0.to_le_bytes());
     buf[16..20].copy_from_slice(&rank.to_le_bytes());
     buf[20..].copy_from_slice(&world_size.to_le_bytes());
-    xxhash_rust::xxh3::xxh3_128_with_seed(&buf, 0x6b76_7469_6572)
+    SequenceHash(xxhash_rust::xxh3::xxh3_128_with_seed(
+        &buf,
+        0x6b76_7469_6572,
+    ))
 }
 
 #[cfg(test)]
@@ -268,6 +273,49 @@ mod tests {
         let old = StepMetadata { version: 0, ..m };
         let e = StepMetadata::from_bytes(&old.to_bytes().unwrap()).unwrap_err();
         assert!(matches!(e, ConnectorError::Handshake(_)));
+    }
+
+    /// A message of another version whose body no longer decodes (version 2's jobs of untyped
+    /// pairs) is a version mismatch, not a codec error: the version is checked first.
+    #[test]
+    fn other_versions_are_refused_before_their_body_is_decoded() {
+        let mut b = postcard::to_stdvec(&(PROTOCOL_VERSION - 1)).unwrap();
+        b.extend_from_slice(&[0xFF; 9]);
+        let e = StepMetadata::from_bytes(&b).unwrap_err();
+        assert!(matches!(e, ConnectorError::Handshake(_)), "{e}");
+        let e = LoadVerdicts::from_bytes(&b).unwrap_err();
+        assert!(matches!(e, ConnectorError::Handshake(_)), "{e}");
+    }
+
+    /// Every medium of a job crosses the wire as itself.
+    #[test]
+    fn jobs_of_every_medium_round_trip() {
+        use crate::ids::{BlockId, DeviceBlockId, JobId};
+        use crate::transfer::DiskBlock;
+        let h = |k| SequenceHash(k);
+        let m = StepMetadata {
+            version: PROTOCOL_VERSION,
+            step: 1,
+            background: vec![
+                TransferJob::from_pairs(
+                    JobId(1),
+                    [(
+                        BlockId(3),
+                        DiskBlock {
+                            slot: BlockId(4),
+                            key: h(5),
+                        },
+                    )],
+                ),
+                TransferJob::from_pairs(JobId(2), [(BlockId(6), h(7))]),
+            ],
+            stores: vec![RequestStore {
+                request: "r".into(),
+                job: TransferJob::from_pairs(JobId(3), [(DeviceBlockId(8), BlockId(9))]),
+            }],
+            ..Default::default()
+        };
+        assert_eq!(StepMetadata::from_bytes(&m.to_bytes().unwrap()).unwrap(), m);
     }
 
     #[test]

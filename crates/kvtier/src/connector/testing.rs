@@ -10,9 +10,10 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+use crate::hash::SequenceHash;
 use crate::ids::Tier;
 use crate::transfer::{
-    BlockFailure, BlockPair, BlockTransfer, Fence, RemoteStore, TransferError, TransferJob,
+    Block, BlockFailure, BlockTransfer, Fence, RemoteStore, TransferError, TransferJob,
     TransferOutcome,
 };
 
@@ -48,7 +49,7 @@ impl MemoryTransfer {
         }
     }
 
-    /// Add a G4 store reached through `TransferJob::keys`.
+    /// Add a G4 store, reached by the keys of a job's remote side.
     pub fn with_remote(mut self, remote: Arc<dyn RemoteStore>) -> Self {
         self.remote = Some(remote);
         self
@@ -97,22 +98,26 @@ impl MemoryTransfer {
             .ok_or_else(|| TransferError::Other(format!("{tier:?} block {block} out of range")))
     }
 
-    fn copy_pair(&self, job: &TransferJob, i: usize, p: &BlockPair) -> Result<(), String> {
+    /// Copy one pair: remote blocks by key, the others by number (disk keys are not checked).
+    fn copy_pair(&self, src: Block, dst: Block) -> Result<(), String> {
         let mut buf = vec![0u8; self.bytes_per_block];
-        if job.src == Tier::Remote {
-            let key = job.key(i).map_err(|e| e.to_string())?;
-            let r = self.remote.as_ref().ok_or("no remote store")?;
-            r.get(key.0, &mut buf).map_err(|e| e.to_string())?;
-        } else {
-            buf = self.read_block(job.src, p.src).map_err(|e| e.to_string())?;
+        match (src, src.number()) {
+            (Block::Remote(key), _) => {
+                let r = self.remote.as_ref().ok_or("no remote store")?;
+                r.get(key, &mut buf).map_err(|e| e.to_string())?;
+            }
+            (_, Some(n)) => buf = self.read_block(src.tier(), n).map_err(|e| e.to_string())?,
+            (_, None) => return Err("a block without a number".into()),
         }
-        if job.dst == Tier::Remote {
-            let key = job.key(i).map_err(|e| e.to_string())?;
-            let r = self.remote.as_ref().ok_or("no remote store")?;
-            r.put(key.0, &buf).map_err(|e| e.to_string())?;
-        } else {
-            self.write_block(job.dst, p.dst, &buf)
-                .map_err(|e| e.to_string())?;
+        match (dst, dst.number()) {
+            (Block::Remote(key), _) => {
+                let r = self.remote.as_ref().ok_or("no remote store")?;
+                r.put(key, &buf).map_err(|e| e.to_string())?;
+            }
+            (_, Some(n)) => self
+                .write_block(dst.tier(), n, &buf)
+                .map_err(|e| e.to_string())?,
+            (_, None) => return Err("a block without a number".into()),
         }
         Ok(())
     }
@@ -134,11 +139,10 @@ impl BlockTransfer for MemoryTransfer {
     }
     fn execute(&self, job: &TransferJob, _fence: &Fence) -> TransferOutcome {
         let failures: Vec<BlockFailure> = job
-            .pairs
-            .iter()
+            .pairs()
             .enumerate()
-            .filter_map(|(i, p)| {
-                self.copy_pair(job, i, p).err().map(|reason| BlockFailure {
+            .filter_map(|(i, (src, dst))| {
+                self.copy_pair(src, dst).err().map(|reason| BlockFailure {
                     pair_index: i,
                     reason,
                 })
@@ -155,7 +159,7 @@ impl BlockTransfer for MemoryTransfer {
 /// A content-addressed store in memory.
 #[derive(Default)]
 pub struct MemoryRemoteStore {
-    map: Mutex<HashMap<u128, Vec<u8>>>,
+    map: Mutex<HashMap<SequenceHash, Vec<u8>>>,
 }
 
 impl MemoryRemoteStore {
@@ -174,7 +178,7 @@ impl MemoryRemoteStore {
 }
 
 impl RemoteStore for MemoryRemoteStore {
-    fn put(&self, key: u128, data: &[u8]) -> Result<(), TransferError> {
+    fn put(&self, key: SequenceHash, data: &[u8]) -> Result<(), TransferError> {
         let mut m = self
             .map
             .lock()
@@ -182,24 +186,25 @@ impl RemoteStore for MemoryRemoteStore {
         m.insert(key, data.to_vec());
         Ok(())
     }
-    fn get(&self, key: u128, out: &mut [u8]) -> Result<(), TransferError> {
+    fn get(&self, key: SequenceHash, out: &mut [u8]) -> Result<(), TransferError> {
         let m = self
             .map
             .lock()
             .map_err(|_| TransferError::Other("poisoned".into()))?;
         let v = m
             .get(&key)
-            .ok_or_else(|| TransferError::Other(format!("remote key {key:032x} missing")))?;
+            .ok_or_else(|| TransferError::Other(format!("remote key {:032x} missing", key.0)))?;
         if v.len() != out.len() {
             return Err(TransferError::Other(format!(
-                "remote key {key:032x} has {} bytes",
+                "remote key {:032x} has {} bytes",
+                key.0,
                 v.len()
             )));
         }
         out.copy_from_slice(v);
         Ok(())
     }
-    fn contains(&self, keys: &[u128]) -> Result<Vec<bool>, TransferError> {
+    fn contains(&self, keys: &[SequenceHash]) -> Result<Vec<bool>, TransferError> {
         let m = self
             .map
             .lock()
@@ -295,28 +300,29 @@ impl BlockTransfer for FaultyTransfer {
         if let Some(d) = rules.delay {
             std::thread::sleep(d);
         }
-        if rules.panic_direction.contains(&(job.src, job.dst)) {
-            let half = job.pairs.len().div_ceil(2);
-            let sub = TransferJob {
-                pairs: job.pairs.get(..half).unwrap_or_default().to_vec(),
-                ..job.clone()
-            };
-            let _ = self.inner.execute(&sub, fence);
+        let direction = (job.src_tier(), job.dst_tier());
+        if rules.panic_direction.contains(&direction) {
+            let half = job.len().div_ceil(2);
+            let first: Vec<usize> = (0..half).collect();
+            let _ = self.inner.execute(&job.subset(&first), fence);
             // The injected fault itself (tests only): what a dying transfer thread looks like.
             std::panic::panic_any(format!(
                 "injected: transfer died mid-job ({:?} -> {:?}, {half} of {} pairs written)",
-                job.src,
-                job.dst,
-                job.pairs.len()
+                direction.0,
+                direction.1,
+                job.len()
             ));
         }
+        // A remote block has no number: the block rules never name it.
+        let named = |rule: &HashSet<(Tier, u32)>, b: Block| {
+            b.number().is_some_and(|n| rule.contains(&(b.tier(), n)))
+        };
         let mut failures = Vec::new();
         let mut pass_idx = Vec::new();
-        let mut pass = Vec::new();
-        for (i, p) in job.pairs.iter().enumerate() {
-            let bad = rules.fail_direction.contains(&(job.src, job.dst))
-                || (job.src != Tier::Remote && rules.fail_src.contains(&(job.src, p.src)))
-                || (job.dst != Tier::Remote && rules.fail_dst.contains(&(job.dst, p.dst)));
+        for (i, (src, dst)) in job.pairs().enumerate() {
+            let bad = rules.fail_direction.contains(&direction)
+                || named(&rules.fail_src, src)
+                || named(&rules.fail_dst, dst);
             if bad {
                 failures.push(BlockFailure {
                     pair_index: i,
@@ -324,14 +330,10 @@ impl BlockTransfer for FaultyTransfer {
                 });
             } else {
                 pass_idx.push(i);
-                pass.push(*p);
             }
         }
-        if !pass.is_empty() {
-            let sub = TransferJob {
-                pairs: pass,
-                ..job.clone()
-            };
+        if !pass_idx.is_empty() {
+            let sub = job.subset(&pass_idx);
             if let TransferOutcome::Failed(f) = self.inner.execute(&sub, fence) {
                 for b in f {
                     failures.push(BlockFailure {

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use crate::connector::messages::{RequestLoad, StepMetadata, WorkerReport};
 use crate::connector::ConnectorError;
 use crate::ids::{DeviceBlockId, JobId, RequestId};
-use crate::transfer::{BlockTransfer, Fence, TransferJob, TransferOutcome};
+use crate::transfer::{Block, BlockTransfer, Blocks, Fence, TransferJob, TransferOutcome};
 
 mod executor;
 mod layered;
@@ -356,8 +356,9 @@ impl Worker {
         let ordered = flat(ordered);
         if order.is_some_and(|o| o.layered) {
             for j in &ordered {
-                let dsts = j.pairs.iter().map(|p| DeviceBlockId(p.dst)).collect();
-                self.layered_dsts.insert(j.id, dsts);
+                if let Blocks::Device(dsts) = j.dst() {
+                    self.layered_dsts.insert(j.id, dsts.clone());
+                }
             }
         }
         self.submit_after_fence(flat(plain), engine_stream, "loads", None);
@@ -692,13 +693,13 @@ impl Worker {
                 let early = self.failed_early.remove(&d.job.id);
                 let failed = if early {
                     // Already in `load_errors` (`fail_layered_now`).
-                    (0..d.job.pairs.len()).collect()
+                    (0..d.job.len()).collect()
                 } else {
                     d.outcome.failed_pairs()
                 };
                 for &i in failed.iter().filter(|_| !early) {
-                    if let Some(p) = d.job.pairs.get(i) {
-                        self.load_errors.push(DeviceBlockId(p.dst));
+                    if let Some(Block::Device(dst)) = d.job.dst().get(i) {
+                        self.load_errors.push(dst);
                     }
                 }
                 if sync {

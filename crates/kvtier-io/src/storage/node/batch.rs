@@ -19,6 +19,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use kvtier::hash::SequenceHash;
 use kvtier::transfer::RemoteError;
 
 use super::client::{Conn, NodeStore};
@@ -209,7 +210,12 @@ impl NodeStore {
         for (k, a) in answers.into_iter().enumerate() {
             let key = keys[k];
             match a {
-                GetAnswer::Missing => out[k] = Err(RemoteError::Missing { key }.to_string()),
+                GetAnswer::Missing => {
+                    out[k] = Err(RemoteError::Missing {
+                        key: SequenceHash(key),
+                    }
+                    .to_string())
+                }
                 GetAnswer::Lease {
                     id,
                     offset,
@@ -218,7 +224,7 @@ impl NodeStore {
                 } => {
                     let addr = if stored != bytes as u64 {
                         Err(RemoteError::SizeMismatch {
-                            key,
+                            key: SequenceHash(key),
                             expected: bytes,
                             stored: stored as usize,
                         }
@@ -247,7 +253,7 @@ impl NodeStore {
                 .map(|(&(k, id, _, _, want), got)| {
                     let corrupt = |why: &str| {
                         RemoteError::Corrupt {
-                            key: keys[k],
+                            key: SequenceHash(keys[k]),
                             reason: why.into(),
                         }
                         .to_string()

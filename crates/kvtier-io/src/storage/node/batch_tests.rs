@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used)]
 use std::time::Duration;
 
+use kvtier::hash::SequenceHash;
 use kvtier::transfer::RemoteStore;
 
 use super::*;
@@ -35,7 +36,7 @@ fn a_connection_broken_between_reserve_and_finish_fails_every_open_store() {
         let dir = tempfile::tempdir().unwrap();
         let mut n = node(dir.path(), 16 * 64, tenants);
         let s = client(&n);
-        s.put(5, &[5u8; 64]).unwrap();
+        s.put(SequenceHash(5), &[5u8; 64]).unwrap();
         let keys: Vec<u128> = (0..6).collect();
         let mut copied = 0;
         // The node goes away while the device copy runs: its connections end, its books with it.
@@ -63,7 +64,7 @@ fn a_connection_broken_during_the_copy_fails_every_open_load() {
         let mut n = node(dir.path(), 16 * 64, tenants);
         let s = client(&n);
         for k in 0..4u128 {
-            s.put(k, &[k as u8; 64]).unwrap();
+            s.put(SequenceHash(k), &[k as u8; 64]).unwrap();
         }
         let keys: Vec<u128> = (0..6).collect();
         let leg = Box::new(|_: &[(usize, usize)]| {

@@ -33,6 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use kvtier::hash::SequenceHash;
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
 
 use super::protocol::{
@@ -427,7 +428,8 @@ impl RemoteStore for NodeStore {
         Some(self)
     }
 
-    fn put(&self, key: u128, data: &[u8]) -> Result<(), TransferError> {
+    fn put(&self, key: SequenceHash, data: &[u8]) -> Result<(), TransferError> {
+        let key = key.0;
         Ok(self.with_conn(|c, arena| {
             let (id, offset) = match c.reserve(data.len() as u64, &[key])?.first() {
                 Some(&PutAnswer::Slot { id, offset }) => (id, offset),
@@ -450,7 +452,8 @@ impl RemoteStore for NodeStore {
         })?)
     }
 
-    fn get(&self, key: u128, out: &mut [u8]) -> Result<(), TransferError> {
+    fn get(&self, key: SequenceHash, out: &mut [u8]) -> Result<(), TransferError> {
+        let key = key.0;
         Ok(self.with_conn(|c, arena| {
             let (id, offset, checksum) = match c.lease(&[key])?.first() {
                 Some(&GetAnswer::Lease {
@@ -462,14 +465,18 @@ impl RemoteStore for NodeStore {
                     if bytes != out.len() as u64 {
                         c.end_leases(&[LeaseEnd::Done(id)])?;
                         return Err(RemoteError::SizeMismatch {
-                            key,
+                            key: SequenceHash(key),
                             expected: out.len(),
                             stored: bytes as usize,
                         });
                     }
                     (id, offset, checksum)
                 }
-                _ => return Err(RemoteError::Missing { key }),
+                _ => {
+                    return Err(RemoteError::Missing {
+                        key: SequenceHash(key),
+                    })
+                }
             };
             let copied = arena.read(offset, out);
             let good = copied.is_ok()
@@ -490,7 +497,7 @@ impl RemoteStore for NodeStore {
             }
             if !good {
                 return Err(RemoteError::Corrupt {
-                    key,
+                    key: SequenceHash(key),
                     reason: "the node's copy does not match its checksum".into(),
                 });
             }
@@ -501,9 +508,10 @@ impl RemoteStore for NodeStore {
         })?)
     }
 
-    fn contains(&self, keys: &[u128]) -> Result<Vec<bool>, TransferError> {
+    fn contains(&self, keys: &[SequenceHash]) -> Result<Vec<bool>, TransferError> {
+        let keys: Vec<u128> = keys.iter().map(|k| k.0).collect();
         Ok(
-            self.with_conn(|c, _| match c.call(&Request::Contains(keys.to_vec()))? {
+            self.with_conn(|c, _| match c.call(&Request::Contains(keys.clone()))? {
                 Reply::Present(v) if v.len() == keys.len() => Ok(v),
                 other => Err(unexpected("contains", &other)),
             })?,

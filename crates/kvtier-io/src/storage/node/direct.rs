@@ -9,16 +9,19 @@
 //! A synchronous load is ordered on the engine's stream (layered where the layout allows) only
 //! when every pair was leased and passed its checks; the leases end after the copies completed.
 //!
-//! Invariant: every pair of the job is either done or listed failed with its reason (a pair
-//! without a key, a full node, a missing or damaged block, a device copy error, a connection lost
-//! before the node acknowledged the pair). After an ordered load let the engine go on, a pair
-//! fails only if the connection broke during the copy (the node may then have ended the lease).
-use kvtier::transfer::{Fence, TransferJob};
+//! Invariant: every pair of the job is either done or listed failed with its reason (a full node,
+//! a missing or damaged block, a device copy error, a connection lost before the node
+//! acknowledged the pair). After an ordered load let the engine go on, a pair fails only if the
+//! connection broke during the copy (the node may then have ended the lease).
+use kvtier::hash::SequenceHash;
+use kvtier::ids::DeviceBlockId;
+use kvtier::transfer::Fence;
 
 use super::client::NodeStore;
 use crate::transfer::device::{CopyDir, DeviceKind, DeviceSide, Order};
 
-/// Run `job` (device -> remote for `DeviceToHost`, else remote -> device) on the node's arena.
+/// Run a job of pairs `(devs[i], keys[i])` (`pairs = (devs, keys)`; device -> remote for
+/// `DeviceToHost`, else remote -> device) on the node's arena.
 /// Returns the failed pairs, or `None` when the job must be staged instead. `order` (a
 /// synchronous load): the device leg is ordered on the engine's stream (layered where it can
 /// be) when every pair was leased and passed its checks, so the engine goes on once the copies
@@ -26,33 +29,23 @@ use crate::transfer::device::{CopyDir, DeviceKind, DeviceSide, Order};
 pub(crate) fn run(
     dev: &DeviceSide,
     node: &NodeStore,
-    job: &TransferJob,
+    pairs: (&[DeviceBlockId], &[SequenceHash]),
     fence: &Fence,
     bytes: usize,
     way: CopyDir,
     order: Order<'_>,
 ) -> Option<Vec<(usize, String)>> {
     let store = way.to_host();
+    let (devs, keys) = pairs;
     let mut failed = Vec::new();
-    // keys[k] belongs to pair pairs_of[k].
-    let mut keys = Vec::with_capacity(job.pairs.len());
-    let mut pairs_of = Vec::with_capacity(job.pairs.len());
-    for i in 0..job.pairs.len() {
-        match job.key(i) {
-            Ok(k) => {
-                keys.push(k.0);
-                pairs_of.push(i);
-            }
-            Err(e) => failed.push((i, e.to_string())),
-        }
-    }
+    let keys: Vec<u128> = keys.iter().map(|k| k.0).collect();
     if keys.is_empty() {
         return Some(failed);
     }
     let need_cuda = matches!(dev.kind(), DeviceKind::Cuda(_));
-    // Only a load whose every pair has a key may be ordered; the leg checks the rest.
+    // Only a load may be ordered; the leg checks that every pair was leased.
     let whole = keys.len();
-    let order = order.filter(|_| !store && failed.is_empty()).map(|mut o| {
+    let order = order.filter(|_| !store).map(|mut o| {
         // The direct path copies from leased slots of the arena, which `direct_conn` only
         // hands a CUDA job once the arena is registered with the driver.
         o.readable = true;
@@ -61,10 +54,7 @@ pub(crate) fn run(
     let device_leg = |items: &[(usize, usize)]| -> Vec<(usize, String)> {
         let dev_items: Vec<(usize, u32, usize)> = items
             .iter()
-            .map(|&(k, addr)| {
-                let p = &job.pairs[pairs_of[k]];
-                (k, if store { p.src } else { p.dst }, addr)
-            })
+            .filter_map(|&(k, addr)| Some((k, devs.get(k)?.0, addr)))
             .collect();
         let dir = if store { "device read" } else { "device write" };
         // Every pair leased and passed its checks: nothing has failed before the copy.
@@ -82,7 +72,7 @@ pub(crate) fn run(
     let op = if store { "node put" } else { "node get" };
     for (k, r) in out.into_iter().enumerate() {
         if let Err(why) = r {
-            failed.push((pairs_of[k], format!("{op}: {why}")));
+            failed.push((k, format!("{op}: {why}")));
         }
     }
     Some(failed)

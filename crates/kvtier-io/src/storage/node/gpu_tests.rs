@@ -12,7 +12,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier::transfer::{BlockPair, BlockTransfer, TransferJob};
+use kvtier::transfer::{BlockTransfer, TransferJob};
 use kvtier::{JobId, Tier};
 
 use super::{NodeClientOptions, NodeOptions, NodeServer, NodeStore};
@@ -63,40 +63,23 @@ pub(crate) fn block(mem: &DeviceAlloc, layout: &StridedLayout, b: u32) -> Vec<u8
     out
 }
 
+/// Jobs of `PER_JOB` pairs; a remote block's key is `keys[n]`, `n` the device block of its pair.
 fn jobs(pairs: &[(u32, u32)], src: Tier, dst: Tier, keys: &[u128]) -> Vec<TransferJob> {
+    let key = |n: u32| keys[n as usize];
     pairs
         .chunks(PER_JOB)
         .enumerate()
-        .map(|(j, c)| TransferJob {
-            id: JobId(j as u64),
-            src,
-            dst,
-            pairs: c
+        .map(|(j, c)| {
+            // The remote side is numbered as its device block (the key's index).
+            let c: Vec<(u32, u32)> = c
                 .iter()
-                .enumerate()
-                .map(|(k, &(s, d))| match (src, dst) {
-                    (Tier::Device, Tier::Remote) => BlockPair {
-                        src: s,
-                        dst: k as u32,
-                    },
-                    (Tier::Remote, Tier::Device) => BlockPair {
-                        src: k as u32,
-                        dst: d,
-                    },
-                    _ => BlockPair { src: s, dst: d },
+                .map(|&(s, d)| match (src, dst) {
+                    (Tier::Device, Tier::Remote) => (s, s),
+                    (Tier::Remote, Tier::Device) => (d, d),
+                    _ => (s, d),
                 })
-                .collect(),
-            keys: if src == Tier::Remote || dst == Tier::Remote {
-                c.iter()
-                    .map(|&(s, d)| {
-                        kvtier::hash::SequenceHash(
-                            keys[if src == Tier::Device { s } else { d } as usize],
-                        )
-                    })
-                    .collect()
-            } else {
-                Vec::new()
-            },
+                .collect();
+            crate::transfer::numbered_job(JobId(j as u64), src, dst, &c, key)
         })
         .collect()
 }
@@ -106,7 +89,12 @@ fn timed(e: &TransferEngine, jobs: &[TransferJob]) -> Duration {
     for j in jobs {
         let f = e.fence(None).unwrap();
         let out = e.execute(j, &f);
-        assert!(out.is_ok(), "job {:?} -> {:?}: {out:?}", j.src, j.dst);
+        assert!(
+            out.is_ok(),
+            "job {:?} -> {:?}: {out:?}",
+            j.src_tier(),
+            j.dst_tier()
+        );
     }
     t.elapsed()
 }
@@ -337,21 +325,10 @@ fn node_loads_are_ordered_and_layered() {
     );
     let expected: Vec<Vec<u8>> = (0..n).map(|i| block(&mem, &layout, i)).collect();
     // One job of all n blocks: block i -> device block 2n-1-i.
-    let load = TransferJob {
-        id: JobId(900),
-        src: Tier::Remote,
-        dst: Tier::Device,
-        pairs: (0..n)
-            .map(|i| BlockPair {
-                src: i,
-                dst: 2 * n - 1 - i,
-            })
-            .collect(),
-        keys: keys[..n as usize]
-            .iter()
-            .map(|&k| kvtier::hash::SequenceHash(k))
-            .collect(),
-    };
+    let pairs: Vec<(u32, u32)> = (0..n).map(|i| (i, 2 * n - 1 - i)).collect();
+    let load = crate::transfer::numbered_job(JobId(900), Tier::Remote, Tier::Device, &pairs, |i| {
+        keys[i as usize]
+    });
     let engine = cu::Stream::new(false).unwrap();
     let seen = DeviceAlloc::new(n as usize * BPB).unwrap();
     let layer_bytes = BPB / LAYERS;
@@ -387,9 +364,14 @@ fn node_loads_are_ordered_and_layered() {
         );
     }
     // A job naming a block the node does not hold: not ordered, the pair reported failed.
-    let mut missing = load.clone();
-    missing.id = JobId(901);
-    missing.keys[3] = kvtier::hash::SequenceHash(u128::MAX - 1);
+    let missing =
+        crate::transfer::numbered_job(JobId(901), Tier::Remote, Tier::Device, &pairs, |i| {
+            if i == 3 {
+                u128::MAX - 1
+            } else {
+                keys[i as usize]
+            }
+        });
     let f = e.fence(Some(engine.raw() as u64)).unwrap();
     let mut called = false;
     let out = e.execute_layered(&missing, &f, engine.raw() as u64, &mut |_| called = true);

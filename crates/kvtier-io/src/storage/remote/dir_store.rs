@@ -17,6 +17,7 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use kvtier::hash::SequenceHash;
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
 
 use super::frame::{self, HEADER_LEN};
@@ -145,7 +146,9 @@ impl DirStore {
         let mut f = match File::open(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(RemoteError::Missing { key })
+                return Err(RemoteError::Missing {
+                    key: SequenceHash(key),
+                })
             }
             Err(e) => return Err(unavailable("get", &path, &e)),
         };
@@ -154,13 +157,17 @@ impl DirStore {
         let mut head = [0u8; HEADER_LEN];
         let got = read_full(&mut f, &mut head).map_err(io_err)?;
         if got < HEADER_LEN {
-            return Err(RemoteError::Short { key, expected, got });
+            return Err(RemoteError::Short {
+                key: SequenceHash(key),
+                expected,
+                got,
+            });
         }
         let header = frame::check_header(&self.seal, key, &head, out.len())?;
         let got = read_full(&mut f, out).map_err(io_err)?;
         if got < out.len() {
             return Err(RemoteError::Short {
-                key,
+                key: SequenceHash(key),
                 expected,
                 got: HEADER_LEN + got,
             });
@@ -168,7 +175,7 @@ impl DirStore {
         let mut extra = [0u8; 1];
         if read_full(&mut f, &mut extra).map_err(io_err)? != 0 {
             return Err(RemoteError::Corrupt {
-                key,
+                key: SequenceHash(key),
                 reason: "trailing bytes after the payload".into(),
             });
         }
@@ -190,15 +197,16 @@ impl DirStore {
 }
 
 impl RemoteStore for DirStore {
-    fn put(&self, key: u128, data: &[u8]) -> Result<(), TransferError> {
-        Ok(self.put_inner(key, data)?)
+    fn put(&self, key: SequenceHash, data: &[u8]) -> Result<(), TransferError> {
+        Ok(self.put_inner(key.0, data)?)
     }
 
-    fn get(&self, key: u128, out: &mut [u8]) -> Result<(), TransferError> {
-        Ok(self.get_inner(key, out)?)
+    fn get(&self, key: SequenceHash, out: &mut [u8]) -> Result<(), TransferError> {
+        Ok(self.get_inner(key.0, out)?)
     }
 
-    fn contains(&self, keys: &[u128]) -> Result<Vec<bool>, TransferError> {
-        Ok(self.contains_inner(keys)?)
+    fn contains(&self, keys: &[SequenceHash]) -> Result<Vec<bool>, TransferError> {
+        let keys: Vec<u128> = keys.iter().map(|k| k.0).collect();
+        Ok(self.contains_inner(&keys)?)
     }
 }

@@ -31,6 +31,7 @@
 //!   serves only values whose MAC verifies under its key; a value without the keyed flag (written
 //!   by an unkeyed writer, or forged with a recomputed unkeyed tag) reads as a clean miss, never
 //!   bytes; a keyed value whose MAC fails (another key, forged) is `Corrupt`.
+use kvtier::hash::SequenceHash;
 use kvtier::transfer::RemoteError;
 use xxhash_rust::xxh3::Xxh3;
 
@@ -166,7 +167,10 @@ pub(crate) fn check_header(
     h: &[u8; HEADER_LEN],
     expected_len: usize,
 ) -> Result<CheckedHeader, RemoteError> {
-    let corrupt = |reason: String| RemoteError::Corrupt { key, reason };
+    let corrupt = |reason: String| RemoteError::Corrupt {
+        key: SequenceHash(key),
+        reason,
+    };
     if field::<4>(h, 0) != MAGIC {
         return Err(corrupt(format!("bad magic {:02x?}", &h[0..4])));
     }
@@ -177,7 +181,9 @@ pub(crate) fn check_header(
             key = format_args!("{key:032x}"),
             "remote value of format version 1 ignored"
         );
-        return Err(RemoteError::Missing { key });
+        return Err(RemoteError::Missing {
+            key: SequenceHash(key),
+        });
     }
     if version != FORMAT_VERSION {
         return Err(corrupt(format!("unknown format version {version}")));
@@ -195,7 +201,9 @@ pub(crate) fn check_header(
             flags,
             "remote value sealed otherwise (keyed or not) ignored"
         );
-        return Err(RemoteError::Missing { key });
+        return Err(RemoteError::Missing {
+            key: SequenceHash(key),
+        });
     }
     let stored_key = u128::from_le_bytes(field(h, 16));
     if stored_key != key {
@@ -204,7 +212,7 @@ pub(crate) fn check_header(
     let len = u64::from_le_bytes(field(h, 8));
     if len != expected_len as u64 {
         return Err(RemoteError::SizeMismatch {
-            key,
+            key: SequenceHash(key),
             expected: expected_len,
             stored: usize::try_from(len).unwrap_or(usize::MAX),
         });
@@ -225,7 +233,7 @@ pub(crate) fn verify_payload(
     let actual = seal.tag(&header.sealed, payload);
     if actual != header.tag {
         return Err(RemoteError::Corrupt {
-            key,
+            key: SequenceHash(key),
             reason: format!(
                 "tag mismatch (payload, key or namespace): stored {:016x}, computed {actual:016x}",
                 header.tag
@@ -246,7 +254,7 @@ pub(crate) fn decode_into(
     let expected_total = HEADER_LEN + out.len();
     let Some((head, payload)) = value.split_first_chunk::<HEADER_LEN>() else {
         return Err(RemoteError::Short {
-            key,
+            key: SequenceHash(key),
             expected: expected_total,
             got: value.len(),
         });
@@ -254,14 +262,14 @@ pub(crate) fn decode_into(
     let header = check_header(seal, key, head, out.len())?;
     if payload.len() < out.len() {
         return Err(RemoteError::Short {
-            key,
+            key: SequenceHash(key),
             expected: expected_total,
             got: value.len(),
         });
     }
     if payload.len() > out.len() {
         return Err(RemoteError::Corrupt {
-            key,
+            key: SequenceHash(key),
             reason: format!("{} trailing bytes", payload.len() - out.len()),
         });
     }
@@ -345,7 +353,10 @@ mod tests {
         for cut in [0, 1, HEADER_LEN - 1, HEADER_LEN, HEADER_LEN + 99] {
             match decode(KEY, &v[..cut], &mut out) {
                 Err(RemoteError::Short { key, expected, got }) => {
-                    assert_eq!((key, expected, got), (KEY, HEADER_LEN + 100, cut));
+                    assert_eq!(
+                        (key, expected, got),
+                        (SequenceHash(KEY), HEADER_LEN + 100, cut)
+                    );
                 }
                 other => panic!("cut at {cut}: {other:?}"),
             }
@@ -359,7 +370,7 @@ mod tests {
         assert_eq!(
             decode(KEY, &v, &mut small),
             Err(RemoteError::SizeMismatch {
-                key: KEY,
+                key: SequenceHash(KEY),
                 expected: 99,
                 stored: 100
             })
@@ -427,7 +438,9 @@ mod tests {
         let mut out = vec![0u8; 48];
         assert_eq!(
             decode(KEY, &v, &mut out),
-            Err(RemoteError::Missing { key: KEY })
+            Err(RemoteError::Missing {
+                key: SequenceHash(KEY)
+            })
         );
         assert_eq!(out, vec![0u8; 48]);
     }
@@ -462,7 +475,9 @@ mod tests {
         let forged = encode_value(NS, KEY, &evil);
         assert_eq!(
             decode_into(&seal, KEY, &forged, &mut out),
-            Err(RemoteError::Missing { key: KEY })
+            Err(RemoteError::Missing {
+                key: SequenceHash(KEY)
+            })
         );
         let mut flagged = forged.clone();
         flagged[6..8].copy_from_slice(&FLAG_KEYED.to_le_bytes());
@@ -481,14 +496,18 @@ mod tests {
         // An unkeyed store cannot verify a keyed value: a miss.
         assert_eq!(
             decode_into(&unkeyed, KEY, &good, &mut out),
-            Err(RemoteError::Missing { key: KEY })
+            Err(RemoteError::Missing {
+                key: SequenceHash(KEY)
+            })
         );
         // A value of the retired HMAC-SHA256 seal: a miss, not bytes and not damage.
         let mut legacy = good.clone();
         legacy[6..8].copy_from_slice(&FLAG_KEYED_HMAC.to_le_bytes());
         assert_eq!(
             decode_into(&seal, KEY, &legacy, &mut out),
-            Err(RemoteError::Missing { key: KEY })
+            Err(RemoteError::Missing {
+                key: SequenceHash(KEY)
+            })
         );
         legacy[6..8].copy_from_slice(&3u16.to_le_bytes());
         assert!(matches!(

@@ -44,13 +44,15 @@ use crate::storage::node::{NodeClientOptions, NodeStore};
 ///
 /// ```
 /// # fn main() -> Result<(), kvtier::transfer::TransferError> {
+/// use kvtier::hash::SequenceHash;
 /// let dir = std::env::temp_dir().join(format!("kvtier-doctest-{}", std::process::id()));
 /// let store = kvtier_io::storage::remote::from_url(&format!("dir://{}", dir.display()), "docs")?;
-/// store.put(7, b"block bytes")?;
+/// store.put(SequenceHash(7), b"block bytes")?;
 /// let mut out = [0u8; 11];
-/// store.get(7, &mut out)?;
+/// store.get(SequenceHash(7), &mut out)?;
 /// assert_eq!(&out, b"block bytes");
-/// assert_eq!(store.contains(&[7, 8])?, vec![true, false]);
+/// let keys = [SequenceHash(7), SequenceHash(8)];
+/// assert_eq!(store.contains(&keys)?, vec![true, false]);
 /// # std::fs::remove_dir_all(&dir).ok();
 /// # Ok(()) }
 /// ```

@@ -35,6 +35,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
+use kvtier::hash::SequenceHash;
 use kvtier::transfer::{RemoteError, RemoteHealth, RemoteStore, TransferError};
 use redis::ConnectionAddr;
 
@@ -584,7 +585,9 @@ impl RedisStore {
                     push_cmd(buf, &[b"GET", rkey.as_bytes()]);
                     conn.send(buf, dl)?;
                     match conn.read_bulk_len(dl)? {
-                        None => Ok(Err(RemoteError::Missing { key })),
+                        None => Ok(Err(RemoteError::Missing {
+                            key: SequenceHash(key),
+                        })),
                         Some(len) => read_frame(&self.seal, conn, dl, key, len, out),
                     }
                 })
@@ -641,7 +644,11 @@ fn read_frame(
     let expected = HEADER_LEN + out.len();
     let got = usize::try_from(len).unwrap_or(usize::MAX);
     if got < HEADER_LEN {
-        return Err(OpError::Value(RemoteError::Short { key, expected, got }));
+        return Err(OpError::Value(RemoteError::Short {
+            key: SequenceHash(key),
+            expected,
+            got,
+        }));
     }
     let mut head = [0u8; HEADER_LEN];
     conn.read_exact(&mut head, dl)?;
@@ -649,9 +656,13 @@ fn read_frame(
     if got != expected {
         let e = match checked {
             Err(e) => e,
-            Ok(_) if got < expected => RemoteError::Short { key, expected, got },
+            Ok(_) if got < expected => RemoteError::Short {
+                key: SequenceHash(key),
+                expected,
+                got,
+            },
             Ok(_) => RemoteError::Corrupt {
-                key,
+                key: SequenceHash(key),
                 reason: format!("{} trailing bytes", got - expected),
             },
         };
@@ -664,16 +675,17 @@ fn read_frame(
 }
 
 impl RemoteStore for RedisStore {
-    fn put(&self, key: u128, data: &[u8]) -> Result<(), TransferError> {
-        Ok(self.put_inner(key, data)?)
+    fn put(&self, key: SequenceHash, data: &[u8]) -> Result<(), TransferError> {
+        Ok(self.put_inner(key.0, data)?)
     }
 
-    fn get(&self, key: u128, out: &mut [u8]) -> Result<(), TransferError> {
-        Ok(self.get_inner(key, out)?)
+    fn get(&self, key: SequenceHash, out: &mut [u8]) -> Result<(), TransferError> {
+        Ok(self.get_inner(key.0, out)?)
     }
 
-    fn contains(&self, keys: &[u128]) -> Result<Vec<bool>, TransferError> {
-        Ok(self.contains_inner(keys)?)
+    fn contains(&self, keys: &[SequenceHash]) -> Result<Vec<bool>, TransferError> {
+        let keys: Vec<u128> = keys.iter().map(|k| k.0).collect();
+        Ok(self.contains_inner(&keys)?)
     }
 
     fn health(&self) -> RemoteHealth {

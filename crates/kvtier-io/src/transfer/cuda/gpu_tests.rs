@@ -10,7 +10,7 @@
 #![allow(clippy::unwrap_used)]
 use std::sync::Arc;
 
-use kvtier::transfer::{BlockPair, BlockTransfer, TransferJob};
+use kvtier::transfer::{BlockTransfer, TransferJob};
 use kvtier::{JobId, Tier};
 
 use crate::storage::host::{HostOptions, HostStorage, PinMode};
@@ -38,13 +38,8 @@ fn fill(mem: &DeviceAlloc, seed: u64) {
 }
 
 fn job(src: Tier, dst: Tier, pairs: impl Iterator<Item = (u32, u32)>) -> TransferJob {
-    TransferJob {
-        id: JobId(1),
-        src,
-        dst,
-        pairs: pairs.map(|(s, d)| BlockPair { src: s, dst: d }).collect(),
-        keys: Vec::new(),
-    }
+    let pairs: Vec<(u32, u32)> = pairs.collect();
+    crate::transfer::numbered_job(JobId(1), src, dst, &pairs, |_| 0)
 }
 
 /// Store device blocks 0..N to host 0..N, then load host i into device block 2N-1-i, ordered

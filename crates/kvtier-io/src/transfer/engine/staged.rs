@@ -6,7 +6,8 @@
 //! or remote leg failed never touches engine memory.
 use std::sync::Mutex;
 
-use kvtier::transfer::{Fence, TransferJob};
+use kvtier::ids::DeviceBlockId;
+use kvtier::transfer::{Blocks, Fence};
 
 use super::{Results, TransferEngine};
 use crate::error::IoError;
@@ -67,24 +68,29 @@ impl TransferEngine {
     /// for the pairs that copied. With two halves the far leg of one slice (on a scoped helper
     /// thread) runs while the device leg of the neighbouring slice (on this thread, after the
     /// fence) uses the other half; with one half they alternate.
-    pub(super) fn staged(&self, job: &TransferJob, fence: &Fence, way: CopyDir, res: &mut Results) {
+    ///
+    /// `devs[i]` and `far`'s block `i` are pair `i`'s blocks; `way` says which is the source.
+    pub(super) fn staged(
+        &self,
+        devs: &[DeviceBlockId],
+        far: &Blocks,
+        fence: &Fence,
+        way: CopyDir,
+        res: &mut Results,
+    ) {
         let store = way.to_host();
         let (Some(dev), Some(bounces)) = (&self.device, &self.bounce) else {
-            for i in 0..job.pairs.len() {
+            for i in 0..devs.len() {
                 res.fail(i, "no bounce buffer for device <-> disk/remote");
             }
             return;
         };
-        let (far, bounce) = if store {
-            (job.dst, &bounces.store)
-        } else {
-            (job.src, &bounces.load)
-        };
+        let bounce = if store { &bounces.store } else { &bounces.load };
         // Held for the whole job: both halves are in use at once.
         let mem = bounce.mem.lock().unwrap_or_else(|p| p.into_inner());
         let halves = if bounce.blocks >= 2 { 2 } else { 1 };
         let per = (bounce.blocks / halves).max(1);
-        let indices: Vec<usize> = (0..job.pairs.len()).collect();
+        let indices: Vec<usize> = (0..devs.len()).collect();
         let mut slices: Vec<Vec<(usize, usize)>> = Vec::with_capacity(indices.len() / per + 1);
         for (s, chunk) in indices.chunks(per).enumerate() {
             let mut items = Vec::with_capacity(chunk.len());
@@ -99,10 +105,7 @@ impl TransferEngine {
         let dev_items = |items: &[(usize, usize)]| -> Vec<(usize, u32, usize)> {
             items
                 .iter()
-                .map(|&(i, a)| {
-                    let p = &job.pairs[i];
-                    (i, if store { p.src } else { p.dst }, a)
-                })
+                .filter_map(|&(i, a)| Some((i, devs.get(i)?.0, a)))
                 .collect()
         };
         // The slice between its first and second leg.
@@ -121,7 +124,7 @@ impl TransferEngine {
                 let mut r = Results {
                     failures: Vec::new(),
                 };
-                let ok = self.far_leg(job, far, store, far_items, &mut r);
+                let ok = self.far_leg(far, store, far_items, &mut r);
                 (ok, r)
             };
             let sequential = || {

@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use crate::connector::messages::StepMetadata;
 use crate::connector::step::StepRecord;
 use crate::ids::{DeviceBlockId, RequestId};
+use crate::transfer::Blocks;
 
 /// Fenced blocks and the request whose stores may still read each of them.
 #[derive(Debug, Default)]
@@ -83,8 +84,10 @@ impl ReuseFences {
         }
         for load in &meta.loads {
             for job in &load.jobs {
-                for p in &job.pairs {
-                    hit(&DeviceBlockId(p.dst), &mut meta.fence);
+                if let Blocks::Device(dsts) = job.dst() {
+                    for d in dsts {
+                        hit(d, &mut meta.fence);
+                    }
                 }
             }
         }

@@ -13,9 +13,9 @@ use crate::connector::messages::RequestLoad;
 use crate::connector::slot::{OnboardBlock, Slot, HOLE};
 use crate::connector::ConnectorError;
 use crate::hash::SequenceHash;
-use crate::ids::{DeviceBlockId, RequestId, Tier};
+use crate::ids::{BlockId, DeviceBlockId, JobId, RequestId, Tier};
 use crate::pool::Pinned;
-use crate::transfer::{BlockPair, TransferJob};
+use crate::transfer::{DiskBlock, TransferJob};
 use std::collections::BTreeSet;
 
 /// Remote hashes whose load failed that matching skips; beyond this many the memory starts over.
@@ -65,11 +65,35 @@ const HIT_TIERS: [Tier; 3] = [Tier::Host, Tier::Disk, Tier::Remote];
 /// One load job being planned for a source tier.
 struct TierLoad {
     tier: Tier,
-    pairs: Vec<BlockPair>,
+    /// The source block (its pool block; unused for remote) and its hash, per pair.
+    sources: Vec<(BlockId, SequenceHash)>,
+    /// The device block each pair fills.
+    devices: Vec<DeviceBlockId>,
     /// The pins of the pool blocks it reads, one per pair (host and disk).
     pinned: Vec<Pinned>,
-    /// The hash per pair (disk and remote; the key the source checks or reads).
-    keys: Vec<SequenceHash>,
+}
+
+impl TierLoad {
+    /// The load job `id`: the source side in the tier's medium (host blocks, disk slots bound
+    /// to their hash, remote hashes), the device blocks as destination.
+    fn job(&self, id: JobId) -> TransferJob {
+        let pairs = self
+            .sources
+            .iter()
+            .copied()
+            .zip(self.devices.iter().copied());
+        match self.tier {
+            Tier::Disk => TransferJob::from_pairs(
+                id,
+                pairs.map(|((slot, key), d)| (DiskBlock { slot, key }, d)),
+            ),
+            Tier::Remote => TransferJob::from_pairs(id, pairs.map(|((_, h), d)| (h, d))),
+            // `HIT_TIERS`: the host pool.
+            Tier::Host | Tier::Device => {
+                TransferJob::from_pairs(id, pairs.map(|((b, _), d)| (b, d)))
+            }
+        }
+    }
 }
 
 impl Leader {
@@ -233,34 +257,18 @@ impl Leader {
                 None => {
                     per_tier.push(TierLoad {
                         tier,
-                        pairs: Vec::new(),
+                        sources: Vec::new(),
+                        devices: Vec::new(),
                         pinned: Vec::new(),
-                        keys: Vec::new(),
                     });
                     per_tier.len() - 1
                 }
             };
             let entry = &mut per_tier[k];
-            match pin {
-                None => {
-                    entry.pairs.push(BlockPair {
-                        src: entry.keys.len() as u32,
-                        dst: ob.device.0,
-                    });
-                    entry.keys.push(ob.hash);
-                }
-                Some(pin) => {
-                    entry.pairs.push(BlockPair {
-                        src: block.0,
-                        dst: ob.device.0,
-                    });
-                    entry.pinned.push(pin);
-                    if tier == Tier::Disk {
-                        // The disk tier checks the slot holds this hash's block.
-                        entry.keys.push(ob.hash);
-                    }
-                }
-            }
+            // The disk tier checks the slot holds this hash's block; the remote store reads it.
+            entry.sources.push((block, ob.hash));
+            entry.devices.push(ob.device);
+            entry.pinned.extend(pin);
         }
         let failed_devices: Vec<DeviceBlockId> =
             onboard[planned..].iter().map(|b| b.device).collect();
@@ -274,38 +282,25 @@ impl Leader {
         if let Some(e) = self.slots.get_mut(req) {
             for t in &per_tier {
                 if let Some(k) = HIT_TIERS.iter().position(|&h| h == t.tier) {
-                    e.hit_blocks[k] = t.pairs.len();
+                    e.hit_blocks[k] = t.devices.len();
                 }
             }
         }
         let mut jobs = Vec::new();
-        for TierLoad {
-            tier,
-            pairs,
-            pinned,
-            keys,
-        } in per_tier
-        {
-            let devices = pairs.iter().map(|p| DeviceBlockId(p.dst)).collect();
-            let remote_hashes = if tier == Tier::Remote {
-                keys.clone()
+        for mut load in per_tier {
+            let remote_hashes = if load.tier == Tier::Remote {
+                load.sources.iter().map(|&(_, h)| h).collect()
             } else {
                 Vec::new()
             };
             let id = self.track(JobBooks::Load(LoadBooks {
                 request: req.clone(),
-                src: tier,
-                pinned,
-                devices,
+                src: load.tier,
+                pinned: std::mem::take(&mut load.pinned),
+                devices: load.devices.clone(),
                 remote_hashes,
             }));
-            jobs.push(TransferJob {
-                id,
-                src: tier,
-                dst: Tier::Device,
-                pairs,
-                keys,
-            });
+            jobs.push(load.job(id));
         }
         let mut sync = !self.async_loads;
         if let Some(e) = self.slots.get_mut(req) {

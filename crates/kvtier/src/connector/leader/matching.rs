@@ -21,9 +21,9 @@ impl Leader {
             return Vec::new();
         }
         let w = self.world;
-        let keys: Vec<u128> = hashes
+        let keys: Vec<SequenceHash> = hashes
             .iter()
-            .flat_map(|h| (0..w).map(move |r| remote_key_for_rank(h.0, r, w)))
+            .flat_map(|&h| (0..w).map(move |r| remote_key_for_rank(h, r, w)))
             .collect();
         match remote.contains(&keys) {
             Ok(found) if found.len() == keys.len() => found

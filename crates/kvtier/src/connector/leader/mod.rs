@@ -153,8 +153,6 @@ pub struct Leader {
     slots: SlotTable<SlotEntry>,
     jobs: JobTable<PendingJob>,
     step: u64,
-    /// Hashes with a disk spill in flight.
-    spilling: FastSet<SequenceHash>,
     /// Remote hashes whose load failed (corrupt, short or missing value): never matched again.
     remote_failed: FastSet<SequenceHash>,
     outbox: StepMetadata,
@@ -234,7 +232,6 @@ impl Leader {
             slots: SlotTable::default(),
             jobs: JobTable::default(),
             step: 0,
-            spilling: FastSet::default(),
             remote_failed: FastSet::default(),
             outbox: StepMetadata {
                 version: PROTOCOL_VERSION,

@@ -2,27 +2,31 @@
 //! remote (on a block's first store, when `remote_put`).
 //!
 //! Invariants: the host block a spill or put reads is pinned until every rank reported it; a
-//! disk block is registered only once its spill was written by every rank (a failed one is
-//! freed); at most one spill of a hash is in flight (`spilling`); a hash already in G3 or with
-//! no free G3 block is not spilled; a fresh put of a hash makes it matchable again after a
-//! failed remote load.
+//! spill's disk block is reserved at dispatch as a store's is (`pool::Reservation`: pinned, its
+//! hash in the registry but hidden from matching) and registered (`confirm`) only once every rank
+//! wrote it, a failed one is freed (`abort`); so at most one spill of a hash is in flight, and a
+//! hash already in G3, being written to it, or with no free or evictable G3 block is not
+//! spilled; a fresh put of a hash makes it matchable again after a failed remote load.
 use std::collections::BTreeSet;
 
 use crate::connector::leader::books::JobBooks;
 use crate::connector::leader::{DiskPolicy, Leader};
 use crate::hash::SequenceHash;
-use crate::ids::{BlockId, RequestId, Tier};
-use crate::pool::Pinned;
-use crate::transfer::{BlockPair, TransferJob};
+use crate::ids::{BlockId, RequestId};
+use crate::pool::{Pinned, Reservation, Reserved};
+use crate::transfer::{DiskBlock, TransferJob};
 
-/// What a completed spill does to the books: `(pin of the host block read, writer's pin of the
-/// disk block written, hash)` per pair.
+/// What a completed spill does to the books: `(pin of the host block read, writer's reservation
+/// of the disk block written)` per pair; the books own both until every rank reported the spill,
+/// which confirms or aborts the reservation.
 #[derive(Debug)]
 pub(super) struct SpillBooks {
-    blocks: Vec<(Pinned, Pinned, SequenceHash)>,
+    blocks: Vec<(Pinned, Reserved)>,
 }
 
-/// What a completed remote put does to the books: the pins of the host blocks read.
+/// What a completed remote put does to the books: the pins of the host blocks read. (Nothing is
+/// reserved: the leader keeps no pool of the remote store, which makes a value visible only once
+/// written.)
 #[derive(Debug)]
 pub(super) struct PutBooks {
     host_blocks: Vec<Pinned>,
@@ -81,24 +85,18 @@ impl Leader {
                         .is_some_and(|f| f.observe(hash, now))
                 }
             };
-        let to_disk = wanted
-            && !self.spilling.contains(&hash)
-            && self
-                .tiers
-                .disk
-                .as_ref()
-                .is_some_and(|d| d.lookup(hash).is_none() && d.num_free() > 0);
-        if to_disk {
-            let got = self.tiers.disk.as_mut().map(|d| d.allocate(1));
-            if let Some(Ok(mut v)) = got {
-                if let Some(dpin) = v.pop() {
-                    match self.pin_host(host_block) {
-                        Some(hpin) => self.spill_to_disk(hpin, dpin, hash),
-                        // Unreachable (the caller holds or just checked the host block): the
-                        // disk block goes back.
-                        None => self.tiers.release(dpin),
-                    }
-                }
+        // The store path's reservation: nothing for a hash G3 holds or is writing, nor without
+        // a free or evictable block.
+        let reserved = match self.tiers.disk.as_mut().filter(|_| wanted) {
+            Some(d) => d.reserve_one(hash),
+            None => Reservation::NoSpace,
+        };
+        if let Reservation::Allocated(res) = reserved {
+            match self.pin_host(host_block) {
+                Some(hpin) => self.spill_to_disk(hpin, res, hash),
+                // Unreachable (the caller holds or just checked the host block): the disk
+                // block goes back, its reservation dropped.
+                None => self.tiers.abort(res),
             }
         }
         if first_store && self.remote_put() {
@@ -111,38 +109,29 @@ impl Leader {
             let id = self.track(JobBooks::PutRemote(PutBooks {
                 host_blocks: vec![hpin],
             }));
-            self.outbox.background.push(TransferJob {
-                id,
-                src: Tier::Host,
-                dst: Tier::Remote,
-                pairs: vec![BlockPair {
-                    src: host_block.0,
-                    dst: 0,
-                }],
-                keys: vec![hash],
-            });
+            self.outbox
+                .background
+                .push(TransferJob::from_pairs(id, [(host_block, hash)]));
         }
     }
 
-    /// Queue the copy of the host block `hpin` holds to the disk block `dpin` holds; the job's
-    /// books keep both pins until every rank reported it.
-    fn spill_to_disk(&mut self, hpin: Pinned, dpin: Pinned, hash: SequenceHash) {
-        let pair = BlockPair {
-            src: hpin.block().0,
-            dst: dpin.block().0,
-        };
-        self.spilling.insert(hash);
+    /// Queue the copy of the host block `hpin` holds to the disk block reserved for `hash`; the
+    /// job's books keep the pin and the reservation until every rank reported it.
+    fn spill_to_disk(&mut self, hpin: Pinned, res: Reserved, hash: SequenceHash) {
+        let pair = (
+            hpin.block(),
+            DiskBlock {
+                slot: res.block(),
+                key: hash,
+            },
+        );
         self.stats.spill_disk_blocks += 1;
         let id = self.track(JobBooks::SpillDisk(SpillBooks {
-            blocks: vec![(hpin, dpin, hash)],
+            blocks: vec![(hpin, res)],
         }));
-        self.outbox.background.push(TransferJob {
-            id,
-            src: Tier::Host,
-            dst: Tier::Disk,
-            pairs: vec![pair],
-            keys: vec![hash],
-        });
+        self.outbox
+            .background
+            .push(TransferJob::from_pairs(id, [pair]));
     }
 
     /// One more pin of a confirmed host block, held by the background copy that reads it
@@ -157,29 +146,26 @@ impl Leader {
         }
     }
 
-    /// Every rank reported the spill `b`: release the host blocks, register the written disk
-    /// blocks, free the failed ones.
+    /// Every rank reported the spill `b`: release the host blocks, confirm the written disk
+    /// blocks (published under the hash they reserved), abort the failed ones (freed).
     pub(super) fn complete_spill(&mut self, b: SpillBooks, failed: &BTreeSet<usize>) {
-        for (i, (hpin, mut dpin, hash)) in b.blocks.into_iter().enumerate() {
-            self.spilling.remove(&hash);
+        for (i, (hpin, res)) in b.blocks.into_iter().enumerate() {
             self.tiers.release(hpin);
             if failed.contains(&i) {
                 self.stats.spill_disk_failed += 1;
-                self.tiers.release(dpin);
+                self.tiers.abort(res);
                 continue;
             }
-            if let Some(d) = self.tiers.disk.as_mut() {
-                // On success the pin is on the block holding `hash` (this one, or the copy
-                // already there); on failure it is still on the written block, which the
-                // release below frees.
-                match d.register(&mut dpin, hash, self.priority) {
-                    Ok(_) => self.stats.spill_disk_confirmed += 1,
-                    Err(e) => {
-                        tracing::error!(error = %e, "registering a spilled block failed")
-                    }
-                }
+            let Some(pool) = self.tiers.get_mut(res.tier()) else {
+                // Unreachable: a reservation comes from a pool the leader keeps.
+                tracing::error!("a spill's reservation of a tier with no pool");
+                continue;
+            };
+            // The writer's pin goes in the same call.
+            match pool.confirm_and_release(res, self.priority) {
+                Ok(_) => self.stats.spill_disk_confirmed += 1,
+                Err(e) => tracing::error!(error = %e, "confirming a spilled block failed"),
             }
-            self.tiers.release(dpin);
         }
     }
 

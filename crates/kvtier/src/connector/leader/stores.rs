@@ -18,9 +18,9 @@ use crate::connector::slot::{OffloadBlock, Slot};
 use crate::connector::step::{SchedulerStep, StepRecord};
 use crate::connector::ConnectorError;
 use crate::hash::SequenceHash;
-use crate::ids::{DeviceBlockId, JobId, RequestId, Tier};
+use crate::ids::{BlockId, DeviceBlockId, JobId, RequestId, Tier};
 use crate::pool::{Priority, Reservation, Reserved};
-use crate::transfer::{BlockPair, TransferJob};
+use crate::transfer::{DiskBlock, TransferJob};
 
 /// When the engine may reuse a finished request's device blocks (`Leader::request_finished`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,6 +63,23 @@ pub(super) struct StoreBooks {
     blocks: Vec<Reserved>,
     /// Retention priority per block (the engine's, else the configured default).
     priorities: Vec<Priority>,
+}
+
+/// The store job `id` of `pairs` (device block, reserved pool block, hash) into the pool of
+/// `tier`: disk slots are bound to their hash, host blocks are named by id.
+fn pool_store_job(
+    id: JobId,
+    tier: Tier,
+    pairs: &[(DeviceBlockId, BlockId, SequenceHash)],
+) -> TransferJob {
+    let pairs = pairs.iter().copied();
+    match tier {
+        Tier::Disk => {
+            TransferJob::from_pairs(id, pairs.map(|(d, slot, key)| (d, DiskBlock { slot, key })))
+        }
+        // `store_target` is the host or the disk pool.
+        _ => TransferJob::from_pairs(id, pairs.map(|(d, b, _)| (d, b))),
+    }
 }
 
 impl Leader {
@@ -197,23 +214,17 @@ impl Leader {
         sc.reservations.clear();
         pool.reserve(&sc.hashes, &mut sc.reservations);
         sc.seen_again.clear();
-        let mut pairs = Vec::with_capacity(offloads.len());
+        // (device block, reserved block, hash) per pair.
+        let mut pairs: Vec<(DeviceBlockId, BlockId, SequenceHash)> =
+            Vec::with_capacity(offloads.len());
         let mut books: Vec<Reserved> = Vec::with_capacity(offloads.len());
-        // Disk stores bind each slot to its hash (`TransferJob::keys`).
-        let mut disk_keys = Vec::new();
         let mut priorities: Vec<Priority> = Vec::with_capacity(offloads.len());
         let mut dropped = 0u64;
         for (ob, r) in offloads.iter().zip(sc.reservations.drain(..)) {
             match r {
                 Reservation::Allocated(res) => {
-                    pairs.push(BlockPair {
-                        src: ob.device.0,
-                        dst: res.block().0,
-                    });
+                    pairs.push((ob.device, res.block(), ob.hash));
                     books.push(res);
-                    if tier == Tier::Disk {
-                        disk_keys.push(ob.hash);
-                    }
                     priorities.push(
                         self.block_priorities
                             .get(&ob.device)
@@ -243,7 +254,7 @@ impl Leader {
                 blocks: books,
                 priorities,
             }));
-            self.queue_store(req, id, tier, pairs, disk_keys);
+            self.queue_store(req, pool_store_job(id, tier, &pairs));
         }
         if !self.scratch.seen_again.is_empty() {
             let seen = std::mem::take(&mut self.scratch.seen_again);
@@ -381,49 +392,31 @@ impl Leader {
         if offloads.is_empty() {
             return;
         }
-        let mut pairs = Vec::with_capacity(offloads.len());
-        let mut keys = Vec::with_capacity(offloads.len());
-        for (k, ob) in offloads.iter().enumerate() {
+        for ob in offloads {
             // A fresh value replaces whatever failed to load under this hash.
             self.remote_failed.remove(&ob.hash);
-            pairs.push(BlockPair {
-                src: ob.device.0,
-                dst: k as u32,
-            });
-            keys.push(ob.hash);
         }
-        let n = pairs.len();
+        let n = offloads.len();
         self.stats.offload_blocks += n as u64;
         self.stats.remote_put_blocks += n as u64;
         let id = self.track(JobBooks::StoreRemote(RemoteStoreBooks {
             request: req.clone(),
             blocks: n,
         }));
-        self.queue_store(req, id, Tier::Remote, pairs, keys);
+        let job = TransferJob::from_pairs(id, offloads.iter().map(|ob| (ob.device, ob.hash)));
+        self.queue_store(req, job);
     }
 
-    /// Hand a device -> `dst` store job of `req` to the workers (the next metadata) and count it
-    /// in flight for the request (its device blocks stay held until every rank reported it).
-    fn queue_store(
-        &mut self,
-        req: &RequestId,
-        id: JobId,
-        dst: Tier,
-        pairs: Vec<BlockPair>,
-        keys: Vec<SequenceHash>,
-    ) {
+    /// Hand a device -> pool or remote store job of `req` to the workers (the next metadata) and
+    /// count it in flight for the request (its device blocks stay held until every rank
+    /// reported it).
+    fn queue_store(&mut self, req: &RequestId, job: TransferJob) {
         if let Some(e) = self.slots.get_mut(req) {
             e.stores_in_flight += 1;
         }
         self.outbox.stores.push(RequestStore {
             request: req.clone(),
-            job: TransferJob {
-                id,
-                src: Tier::Device,
-                dst,
-                pairs,
-                keys,
-            },
+            job,
         });
     }
 

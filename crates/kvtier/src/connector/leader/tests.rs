@@ -9,7 +9,7 @@ use crate::connector::messages::StepMetadata;
 use crate::connector::step::{SchedulerStep, StepRecord};
 use crate::hash::HashSalt;
 use crate::ids::{BlockId, DeviceBlockId, RequestId, Tier};
-use crate::transfer::{BlockPair, TransferJob, TransferOutcome};
+use crate::transfer::{Blocks, DiskBlock, TransferJob, TransferOutcome};
 
 fn confirm_all(l: &mut Leader, m: &StepMetadata) {
     let jobs = m
@@ -142,6 +142,53 @@ fn spills_are_confirmed_only_when_written() {
     assert_eq!(l.disk_pool().unwrap().num_registered(), 1);
 }
 
+/// A spill's disk block is reserved at dispatch as a store's is: its hash is hidden from
+/// matching and refuses a second spill while in flight; confirmed when written, freed (and
+/// spillable again) when the write failed.
+#[test]
+fn spills_reserve_their_disk_blocks_and_confirm_them() {
+    let mut cfg = LeaderConfig::new(4, HashSalt(3), 4);
+    cfg.disk = Capacity::Blocks(8);
+    cfg.disk_policy = DiskPolicy::WriteThrough;
+    let mut l = Leader::new(cfg).unwrap();
+    let hashes = crate::hash::sequence_hashes(HashSalt(3), &(0..8).collect::<Vec<u32>>(), 4);
+    let m = two_blocks_confirmed(&mut l);
+    assert_eq!(m.background.len(), 2);
+    let disk = l.disk_pool().unwrap();
+    assert_eq!((disk.num_reserved(), disk.num_registered()), (2, 0));
+    for (j, h) in m.background.iter().zip(&hashes) {
+        assert_eq!(disk.lookup(*h), None, "a spill in flight is matchable");
+        let Blocks::Disk(d) = j.dst() else {
+            panic!("a spill writes disk blocks: {j:?}")
+        };
+        assert_eq!(Some(d[0].slot), disk.reserved_block(*h), "{j:?}");
+    }
+    // Seen again while in flight: no second spill of either hash.
+    let host_blocks: Vec<BlockId> = hashes
+        .iter()
+        .map(|h| l.host_pool().unwrap().lookup(*h).unwrap())
+        .collect();
+    for (b, h) in host_blocks.iter().zip(&hashes) {
+        l.plan_spills(*b, *h, false);
+    }
+    assert!(l.outbox.background.is_empty(), "{:?}", l.outbox.background);
+    one_written_one_failed(&mut l, &m);
+    let disk = l.disk_pool().unwrap();
+    assert_eq!((disk.num_reserved(), disk.num_registered()), (0, 1));
+    assert!(
+        disk.lookup(hashes[0]).is_some(),
+        "the written spill is not matchable"
+    );
+    assert_eq!(disk.lookup(hashes[1]), None);
+    assert_eq!(disk.num_free(), 8, "the failed spill's block was not freed");
+    // The failed hash may be spilled again, the written one not.
+    l.plan_spills(host_blocks[0], hashes[0], false);
+    l.plan_spills(host_blocks[1], hashes[1], false);
+    assert_eq!(l.outbox.background.len(), 1);
+    assert_eq!(l.stats().spill_disk_blocks, 3);
+    assert!(l.disk_pool().unwrap().reserved_block(hashes[1]).is_some());
+}
+
 /// A remote put counts as confirmed once every rank reported it, failed pairs excepted.
 #[test]
 fn remote_puts_are_confirmed_only_when_written() {
@@ -256,16 +303,13 @@ fn a_g2_hit_evicted_by_its_own_batch_is_not_spilled() {
     let m = run_step(&mut l, new_record("b", b, 10));
     assert_eq!(m.stores.len(), 1);
     assert_eq!(
-        m.stores[0].job.pairs,
-        vec![BlockPair {
-            src: 12,
-            dst: blk0.0
-        }]
+        m.stores[0].job,
+        TransferJob::from_pairs(m.stores[0].job.id, [(DeviceBlockId(12), blk0)])
     );
     // Only A's block 1, still in G2, is spilled on its second sighting.
     assert_eq!(m.background.len(), 1);
-    assert_eq!(m.background[0].dst, Tier::Disk);
-    assert_eq!(m.background[0].pairs[0].src, blk1.0);
+    assert_eq!(m.background[0].dst_tier(), Tier::Disk);
+    assert_eq!(m.background[0].src(), &Blocks::Host(vec![blk1]));
     confirm_all(&mut l, &m);
     let disk = l.disk_pool().unwrap();
     assert!(disk.lookup(hashes[1]).is_some());
@@ -305,12 +349,23 @@ fn adopted_disk_blocks_are_hits_and_disk_jobs_carry_keys() {
     l.update_state_after_alloc(&r, &devs, Some(8)).unwrap();
     let m = run_step(&mut l, new_record("r", prompt.clone(), 20));
     let load = &m.loads[0].jobs[0];
-    assert_eq!(load.src, Tier::Disk);
     assert_eq!(
-        load.pairs,
-        vec![BlockPair { src: 5, dst: 20 }, BlockPair { src: 2, dst: 21 }]
+        load.src(),
+        &Blocks::Disk(vec![
+            DiskBlock {
+                slot: BlockId(5),
+                key: hashes[0]
+            },
+            DiskBlock {
+                slot: BlockId(2),
+                key: hashes[1]
+            }
+        ])
     );
-    assert_eq!(load.keys, vec![hashes[0], hashes[1]]);
+    assert_eq!(
+        load.dst(),
+        &Blocks::Device(vec![DeviceBlockId(20), DeviceBlockId(21)])
+    );
     // Free disk blocks are handed out lowest first after the adoption.
     let pins = l.tiers.disk.as_mut().unwrap().allocate(2).unwrap();
     let blocks: Vec<BlockId> = pins.iter().map(|p| p.block()).collect();
@@ -330,9 +385,14 @@ fn disk_stores_carry_keys() {
     let a: Vec<u32> = (0..8).collect();
     let m = run_step(&mut l, new_record("a", a.clone(), 0));
     let job = &m.stores[0].job;
-    assert_eq!(job.dst, Tier::Disk);
     let hashes = crate::hash::sequence_hashes(HashSalt(3), &a, 4);
-    assert_eq!(job.keys, vec![hashes[0], hashes[1]]);
+    let Blocks::Disk(written) = job.dst() else {
+        panic!("a store to the disk tier writes disk blocks: {job:?}")
+    };
+    assert_eq!(
+        written.iter().map(|b| b.key).collect::<Vec<_>>(),
+        vec![hashes[0], hashes[1]]
+    );
     let mut cfg = LeaderConfig::new(4, HashSalt(3), 4);
     cfg.disk = Capacity::Blocks(8);
     cfg.disk_policy = DiskPolicy::WriteThrough;
@@ -341,11 +401,14 @@ fn disk_stores_carry_keys() {
     let spills: Vec<&TransferJob> = m
         .background
         .iter()
-        .filter(|j| j.dst == Tier::Disk)
+        .filter(|j| j.dst_tier() == Tier::Disk)
         .collect();
     assert_eq!(spills.len(), 2);
     for (j, h) in spills.iter().zip(&hashes) {
-        assert_eq!(j.keys, vec![*h]);
+        let Blocks::Disk(written) = j.dst() else {
+            panic!("a spill writes disk blocks: {j:?}")
+        };
+        assert_eq!(written.iter().map(|b| b.key).collect::<Vec<_>>(), vec![*h]);
     }
 }
 
@@ -378,7 +441,7 @@ fn failed_loads_are_not_counted_as_hits() {
     rec.num_scheduled_tokens = 4;
     let m = run_step(&mut l, rec);
     let job = m.loads[0].jobs[0].id;
-    assert_eq!(m.loads[0].jobs[0].pairs.len(), 2);
+    assert_eq!(m.loads[0].jobs[0].len(), 2);
     assert_eq!(
         l.stats().onboard_host_blocks,
         0,

@@ -189,7 +189,7 @@ mod tests {
             })
             .unwrap();
         assert_eq!(m.loads.len(), 1);
-        assert_eq!(m.loads[0].jobs[0].pairs.len(), 4);
+        assert_eq!(m.loads[0].jobs[0].len(), 4);
         (l, m)
     }
 

@@ -56,7 +56,7 @@ fn rec(id: &str, tokens: Vec<u32>, blocks: &[u32], computed: usize, new: bool) -
 fn store_srcs(m: &StepMetadata) -> Vec<u32> {
     m.stores
         .iter()
-        .flat_map(|s| s.job.pairs.iter().map(|p| p.src))
+        .flat_map(|s| s.job.pairs().filter_map(|(src, _)| src.number()))
         .collect()
 }
 
@@ -93,7 +93,11 @@ fn a_window_group_stores_and_loads_only_the_window_of_the_hits_end() {
     let dst: Vec<u32> = m
         .loads
         .iter()
-        .flat_map(|x| x.jobs.iter().flat_map(|j| j.pairs.iter().map(|p| p.dst)))
+        .flat_map(|x| {
+            x.jobs
+                .iter()
+                .flat_map(|j| j.pairs().filter_map(|(_, d)| d.number()))
+        })
         .collect();
     assert_eq!(dst, vec![30, 31]);
     // The full-attention leader would have found nothing at block 0.

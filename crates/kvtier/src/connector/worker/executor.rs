@@ -12,8 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use super::WorkerLink;
 use crate::connector::messages::{remote_key_for_rank, WorkerReport};
-use crate::hash::SequenceHash;
-use crate::ids::{JobId, Tier};
+use crate::ids::JobId;
 use crate::transfer::{
     BlockFailure, BlockTransfer, Fence, LayerGate, TransferJob, TransferOutcome,
 };
@@ -50,11 +49,11 @@ pub(super) enum Note {
 }
 
 pub(super) fn fail_all(job: &TransferJob, reason: &str) -> TransferOutcome {
-    if job.pairs.is_empty() {
+    if job.is_empty() {
         return TransferOutcome::Ok;
     }
     TransferOutcome::Failed(
-        (0..job.pairs.len())
+        (0..job.len())
             .map(|i| BlockFailure {
                 pair_index: i,
                 reason: reason.to_owned(),
@@ -109,11 +108,7 @@ pub(super) fn executor(
             let mut run = job.clone();
             // Remote keys are per rank; disk keys stay sequence hashes (each rank has its own
             // disk files, and the leader re-registers recovered disk blocks by hash).
-            if !run.keys.is_empty() && (run.src == Tier::Remote || run.dst == Tier::Remote) {
-                for k in &mut run.keys {
-                    *k = SequenceHash(remote_key_for_rank(k.0, link.rank, link.world_size));
-                }
-            }
+            run.map_remote_keys(|k| remote_key_for_rank(k, link.rank, link.world_size));
             let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| match task.order {
                 Some(Order {
                     stream,
@@ -140,9 +135,9 @@ pub(super) fn executor(
             tracing::debug!(
                 target: "kvtier_timing",
                 job = job.id.0,
-                blocks = job.pairs.len(),
-                src = job.src.label(),
-                dst = job.dst.label(),
+                blocks = job.len(),
+                src = job.src_tier().label(),
+                dst = job.dst_tier().label(),
                 task_waited_us = waited.as_micros() as u64,
                 run_us = started.elapsed().as_micros() as u64,
                 "executor ran a job"

@@ -3,8 +3,7 @@
 use super::*;
 use crate::connector::messages::{RequestStore, PROTOCOL_VERSION};
 use crate::connector::testing::{FaultyTransfer, MemoryTransfer};
-use crate::ids::Tier;
-use crate::transfer::BlockPair;
+use crate::ids::BlockId;
 
 /// A worker whose transfers are held, with `stores` (job id, request) bound and submitted.
 fn worker_with_held_stores(stores: &[(u64, &str)]) -> (Worker, Arc<FaultyTransfer>) {
@@ -17,16 +16,10 @@ fn worker_with_held_stores(stores: &[(u64, &str)]) -> (Worker, Arc<FaultyTransfe
         .iter()
         .map(|&(id, request)| RequestStore {
             request: request.into(),
-            job: TransferJob {
-                id: JobId(id),
-                src: Tier::Device,
-                dst: Tier::Host,
-                pairs: vec![BlockPair {
-                    src: id as u32,
-                    dst: id as u32,
-                }],
-                keys: Vec::new(),
-            },
+            job: TransferJob::from_pairs(
+                JobId(id),
+                [(DeviceBlockId(id as u32), BlockId(id as u32))],
+            ),
         })
         .collect();
     faulty.hold();

@@ -72,8 +72,8 @@ mod tests {
     use crate::connector::messages::{LoadVerdict, RequestLoad, StepMetadata, PROTOCOL_VERSION};
     use crate::connector::testing::{FaultRules, FaultyTransfer, MemoryTransfer};
     use crate::connector::worker::{Worker, WorkerLink};
-    use crate::ids::{JobId, RequestId, Tier};
-    use crate::transfer::{BlockPair, TransferJob};
+    use crate::ids::{BlockId, DeviceBlockId, JobId, RequestId, Tier};
+    use crate::transfer::TransferJob;
 
     /// A rank-1 worker with verdicts on that ran one async host -> device load of request "r"
     /// (host blocks 0 and 1 into device blocks 2 and 3), failing `fail` host blocks.
@@ -97,13 +97,13 @@ mod tests {
             loads: vec![RequestLoad {
                 request: "r".into(),
                 sync: false,
-                jobs: vec![TransferJob {
-                    id: JobId(7),
-                    src: Tier::Host,
-                    dst: Tier::Device,
-                    pairs: vec![BlockPair { src: 0, dst: 2 }, BlockPair { src: 1, dst: 3 }],
-                    keys: vec![],
-                }],
+                jobs: vec![TransferJob::from_pairs(
+                    JobId(7),
+                    [
+                        (BlockId(0), DeviceBlockId(2)),
+                        (BlockId(1), DeviceBlockId(3)),
+                    ],
+                )],
                 failed_devices: vec![],
             }],
             ..Default::default()

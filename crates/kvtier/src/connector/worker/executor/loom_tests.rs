@@ -5,6 +5,7 @@
 use super::*;
 use crate::connector::worker::ReportSink;
 use crate::connector::ConnectorError;
+use crate::ids::Tier;
 use loom::sync::mpsc as lmpsc;
 
 use loom::sync::{Arc as LArc, Condvar, Mutex as LMutex};
@@ -109,13 +110,10 @@ impl ReportSink for Reports {
 }
 
 fn job(id: u64) -> TransferJob {
-    TransferJob {
-        id: JobId(id),
-        src: Tier::Host,
-        dst: Tier::Device,
-        pairs: vec![crate::transfer::BlockPair { src: 0, dst: 0 }],
-        keys: Vec::new(),
-    }
+    TransferJob::from_pairs(
+        JobId(id),
+        [(crate::ids::BlockId(0), crate::ids::DeviceBlockId(0))],
+    )
 }
 
 #[test]
