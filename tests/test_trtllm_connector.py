@@ -10,6 +10,8 @@ Pools: numpy by default; torch CPU where torch is installed; CUDA where a GPU is
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import random
 import time
 
@@ -289,3 +291,56 @@ def test_unrecoverable_configurations_are_refused_at_construction(tiers):
     tiers.setenv("KVTIER_ASYNC_LOADS", "false")
     with pytest.raises(kvtier.ConfigError, match="async_loads=false with a disk tier"):
         engine(geo=GEO1)
+
+
+# ----- page ids without a page ----------------------------------------------------------------
+
+
+class _UnpagedScheduler(trtllm.KvtierConnectorScheduler):
+    """TensorRT-LLM naming pages by -1 (``BAD_PAGE_INDEX``): KVCacheManagerV2 pads an allocation's
+    first-chunk pages with -1 (every allocation here), and a sliding window kvtier was not told of
+    passes a block: -1 before valid pages at allocation (requests in ``alloc_holes``) or in a step's
+    ``new_block_ids`` (requests in ``record_holes``). The leader decides (``leader/unpaged.rs``)."""
+
+    alloc_holes: set = set()
+    record_holes: set = set()
+
+    def update_state_after_alloc(self, request, block_ids):
+        ids = [int(b) for b in block_ids]
+        if request.request_id in self.alloc_holes and len(ids) > 1:
+            ids[0] = -1
+        super().update_state_after_alloc(request, ids + [-1, -1])
+
+    def build_connector_meta(self, scheduler_output):
+        def hole(rd):
+            if rd.request_id in self.record_holes and rd.new_block_ids:
+                return dataclasses.replace(rd, new_block_ids=[-1] + list(rd.new_block_ids[1:]))
+            return rd
+
+        out = copy.copy(scheduler_output)
+        out.new_requests = [hole(rd) for rd in scheduler_output.new_requests]
+        out.cached_requests = [hole(rd) for rd in scheduler_output.cached_requests]
+        return super().build_connector_meta(out)
+
+
+def test_unpaged_ids_stop_only_their_request_being_cached(host_only):
+    """A request whose page ids carry -1 before a valid page stops being cached (its records never
+    reach the leader's stores); trailing -1 (V2's padding) are pages not allocated yet, and such
+    requests are cached as usual."""
+    rnd = random.Random(41)
+    prompts = [[rnd.randrange(VOCAB) for _ in range(16 * k + 5)] for k in (3, 4, 5, 4)]
+    want = reference_tokens(prompts, 3)
+    e = engine(geo=GEO1, num_device_blocks=48, scheduler=_UnpagedScheduler)
+    first = [e.add_request(p, 3) for p in prompts]
+    e.scheduler.alloc_holes = {first[0].request_id}
+    e.scheduler.record_holes = {first[1].request_id}
+    e.run()
+    assert tokens(first) == want
+    assert stats(e)["offload_blocks"] > 0
+    flush(e)
+    again = [e.add_request(p, 3) for p in prompts]
+    e.run()
+    assert tokens(again) == want
+    hits = [r.py_num_connector_matched_tokens for r in again]
+    assert hits[0] == 0 and hits[1] == 0, hits
+    assert hits[2] > 0 and hits[3] > 0, hits

@@ -165,8 +165,15 @@ class SchedulerFreesWhileLoading(trtllm.KvtierConnectorScheduler):
 
 
 class WorkerRaisesOnFailedLoad(trtllm.KvtierConnectorWorker):
-    def _recompute(self, rid):
-        raise kvtier.TransferError(f"kvtier could not load the KV of request {rid}")
+    def _rewind(self, request, token):
+        raise kvtier.TransferError(f"kvtier could not load the KV of request {request.request_id}")
+
+
+class WorkerSkipsTheRewind(trtllm.KvtierConnectorWorker):
+    """One rank: a failed load is reported loaded without rewinding the request to the verdict's token."""
+
+    def _rewind(self, request, token):
+        return None
 
 
 class WorkerTakesAVerdictForSuccess(trtllm.KvtierConnectorWorker):
@@ -213,6 +220,7 @@ MUTANTS = {
                                                {"_is_generation_only": _truthy_generation_only}, AssertionError),
     "blocks_let_go_while_loading": (scenario_cancel_while_loading, SchedulerFreesWhileLoading, W0, {}, AssertionError),
     "failed_load_raises_in_a_hook": (scenario_failed_load, S0, WorkerRaisesOnFailedLoad, {}, kvtier.TransferError),
+    "failed_load_not_rewound": (scenario_failed_load, S0, WorkerSkipsTheRewind, {}, AssertionError),
     "tp_failed_load_taken_for_success": (scenario_tp2_disk_fault_on_rank_1, S0, WorkerTakesAVerdictForSuccess, {},
                                          AssertionError),
     "tp_failed_load_withheld": (scenario_tp2_disk_fault_on_rank_1, S0, WorkerWithholdsFailedLoads, {}, AssertionError),

@@ -206,7 +206,8 @@ class Leader:
         KVCacheManagerV2); applied by the next ``allocate_offer``."""
     def allocate_offer(self, request_id: str, block_ids: Sequence[int]) -> Optional[int]:
         """``update_state_after_alloc`` with the last offer less the engine's cut (a head cut is matched again
-        from its end): the first token of the request's asynchronous load, or None when none was offered."""
+        from its end): the first token of the request's asynchronous load, or None when none was offered.
+        ``block_ids`` may carry ``-1`` (no page) as ``enable_unpaged_exclusion`` says."""
     def take_hit_sources(self, request_id: str, num_external_tokens: int) -> list[tuple[str, int]]:
         """The tokens of the last allocation per source tier (``"host"``, ``"disk"``, ``"remote"``, in that order),
         clipped to ``num_external_tokens``; asked once per allocation."""
@@ -215,7 +216,13 @@ class Leader:
     def apply_reports(self, blob: bytes) -> None:
         """Job reports from ``Worker.take_reports()`` (link "engine")."""
     def enable_load_verdicts(self) -> None:
-        """Issue one verdict per asynchronous load once every rank reported it (TensorRT-LLM, TP > 1)."""
+        """Issue one verdict per asynchronous load once every rank reported it (TensorRT-LLM, any TP size)."""
+    def enable_unpaged_exclusion(self) -> None:
+        """Page ids (``allocate_offer``, step records) may carry ``-1`` (TensorRT-LLM's ``BAD_PAGE_INDEX``):
+        trailing ones are pages not allocated yet; a window group's leader takes the others as holes; any other
+        leader stops caching the request (its records are dropped until it finishes; logged, rate-limited)."""
+    def is_excluded(self, request_id: str) -> bool:
+        """Whether the request stopped being cached because its page ids had a ``-1``."""
     def take_load_verdicts(self) -> bytes:
         """The verdicts issued since the last call, for ``Worker.apply_load_verdicts`` on every rank (empty: none)."""
     def take_events(self) -> list[dict[str, Any]]:
@@ -267,10 +274,16 @@ class Worker:
     def apply_load_verdicts(self, blob: bytes) -> None:
         """Verdicts from ``Leader.take_load_verdicts()`` (every rank gets the same bytes)."""
     def get_finished_by_verdict(
-        self, finished: Sequence[str], started_loading: Optional[Sequence[str]] = None
+        self, finished: Sequence[str], started_loading: Optional[Sequence[str]] = None,
+        rewindable: Optional[set[str]] = None,
     ) -> tuple[list[str], list[str], list[tuple[str, int]]]:
         """(saved, loaded, [(request, recompute_from)]): a load is reported once its verdict arrived,
-        loaded if every rank loaded every block, else with the token every rank recomputes from."""
+        loaded if every rank loaded every block, else with the token every rank recomputes from. With
+        ``rewindable`` (the requests whose engine object the adapter can rewind), a failed load of any other
+        request is withheld (never reported, logged) and every failed load is counted (``load_recovery``)."""
+    def load_recovery(self) -> tuple[int, int]:
+        """``(recomputed, unrecoverable)``: failed asynchronous loads handed back with a recompute token, and
+        those withheld because their request could not be rewound."""
     def take_load_errors(self) -> list[int]:
         """Device block ids whose load failed since the last call (never reported as loaded)."""
     def take_reports(self) -> bytes:
@@ -345,6 +358,14 @@ class AllGroups:
     def finish(self, reports: Sequence[Optional[tuple[Sequence[str], Sequence[str], Sequence[str]]]]
                ) -> tuple[list[str], list[str], list[str]]:
         """``(saved, loaded, load_failed)`` every group has now reported."""
+    def finish_by_verdict(self, reports: Sequence[Optional[tuple[Sequence[str], Sequence[str],
+                                                                 Sequence[tuple[str, int]]]]],
+                          rewindable: set[str]) -> tuple[list[str], list[str], list[tuple[str, int]]]:
+        """``(saved, loaded, [(request, recompute_from)])`` every group has now reported, from each group's
+        ``Worker.get_finished_by_verdict`` answer: a load any group failed recomputes from the lowest token any
+        group named; one whose request is not in ``rewindable`` is withheld (never reported, counted)."""
+    def load_recovery(self) -> tuple[int, int]:
+        """``(recomputed, unrecoverable)`` of ``finish_by_verdict``."""
 
 def default_node_socket() -> str:
     """The per-user node socket used when none is named."""

@@ -1,6 +1,7 @@
 """The state one TensorRT-LLM engine's scheduler and rank 0's worker share in their process (one
-per channel, ``trtllm-<pid>``): the request objects of asynchronous loads (for recompute), the
-ZeroMQ endpoint the leader bound, kvtier's order of the engine's layer groups, rank 0's leader, and,
+per channel, ``trtllm-<pid>``): the request objects of asynchronous loads (to rewind a failed one
+to its verdict's token), the ZeroMQ endpoint the leader bound, kvtier's order of the engine's layer
+groups, rank 0's leaders, and,
 when every rank lives in this one process (tests without TensorRT-LLM), the in-process stand-in for
 broadcasting the leader's load verdicts. Used by :mod:`kvtier.trtllm`.
 
@@ -25,13 +26,15 @@ class Engine:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.loads: dict[str, tuple[Any, list[int], int]] = {}  # rid -> (request, blocks, match start)
+        self.loads: dict[str, Any] = {}  # rid -> the parked LlmRequest
         self.endpoint: Optional[str] = None
         #: kvtier's group index of each of TensorRT-LLM's layer groups (rank 0's KvCacheLayout).
         self.group_order: Optional[list] = None
         self.endpoint_set = threading.Event()
-        #: Rank 0's leader (TP > 1: the source of the load verdicts every rank acts on).
+        #: Rank 0's leader (the source of the load verdicts every rank acts on), and with layer
+        #: groups every group's leader, in kvtier's order.
         self.leader: Any = None
+        self.leaders: list = []
         #: All ranks in this process (tests without TensorRT-LLM): rank 0's verdict blobs in order,
         #: and how many each rank has applied (the in-process stand-in for the broadcast).
         self.verdict_log: list[bytes] = []

@@ -20,9 +20,13 @@ kvtier's side, as for vLLM's hybrid groups (``docs/arch/trtllm.md``, "Sliding wi
 * one ``_native.Leader`` / ``_native.Worker`` per window, in kvtier's own order (full attention
   first, then windows ascending): with several, each has the group's index (keys salted by it, its
   share of the tiers, its own disk files) and a window group its window;
-* ``-1`` becomes kvtier's slot hole (``HOLE``): never loaded, never stored; a hit is claimed only
+* page ids go to the leaders raw: ``-1`` is kvtier's slot hole (``HOLE``, the window group's null
+  block): never loaded, never stored, and trailing ``-1`` of an allocation are pages not allocated
+  yet (the leader's rule, ``unpaged.rs``); a hit is claimed only
   when every group supplies its part (``_native.match_groups``), and a window group loads and stores
   only the window of the hit's end (``Leader.set_window``: the same formula as ``_stale_block_range``);
+* a failed asynchronous load is recomputed from the lowest token any group's load verdict names
+  (``AllGroups.finish_by_verdict``; the rank-0 scheduler's leaders are in this process);
 * TensorRT-LLM's group ids are mapped to kvtier's groups by their window, from the layout rank 0's
   worker registered (the scheduler and rank 0's worker share a process).
 """
@@ -41,7 +45,7 @@ logger = logging.getLogger("kvtier.trtllm")
 #: kvtier's slot hole (``crates/kvtier/src/connector/slot/table.rs`` ``HOLE``): a block with no page.
 HOLE = 0xFFFF_FFFF
 
-__all__ = ["HOLE", "engine_windows", "group_settings", "holes", "SchedulerGroups", "WorkerGroups"]
+__all__ = ["HOLE", "engine_windows", "group_settings", "SchedulerGroups", "WorkerGroups"]
 
 
 def _key(window: Optional[int]) -> str:
@@ -62,20 +66,6 @@ def group_settings(base: dict, windows: list) -> list:
             s.update(sliding_window=int(w), null_block=HOLE)
         out.append(s)
     return out
-
-
-def holes(ids: Sequence[int]) -> list:
-    """Page ids with ``-1`` (no page in this group) as kvtier's hole."""
-    return [HOLE if int(b) < 0 else int(b) for b in ids]
-
-
-def _trim(ids: Sequence[int]) -> list:
-    """An allocation's page ids: trailing ``-1`` are pages not allocated yet (V2 allocates the first
-    chunk only), the rest arrive as new block ids; earlier ``-1`` are holes."""
-    out = [int(b) for b in ids]
-    while out and out[-1] < 0:
-        out.pop()
-    return holes(out)
 
 
 class SchedulerGroups:
@@ -108,7 +98,8 @@ class SchedulerGroups:
         """Each group's table of the allocation; where the asynchronous load starts (the lowest)."""
         starts = []
         for g, ids in zip(self._order(len(by_group)), by_group):
-            s = self.leaders[g].allocate_offer(rid, _trim(ids))
+            # Raw page ids: the leader drops trailing -1 (not allocated yet) and keeps earlier ones as holes.
+            s = self.leaders[g].allocate_offer(rid, [int(b) for b in ids])
             if s is not None:
                 starts.append(int(s))
         return min(starts) if starts else None
@@ -119,7 +110,7 @@ class SchedulerGroups:
         per = [[] for _ in self.leaders]
         for rid, tokens, by_group, computed, scheduled, is_new, prio in records:
             order = self._order(len(by_group)) if by_group else list(range(len(self.leaders)))
-            ids = {g: holes(b) for g, b in zip(order, by_group)} if by_group else {}
+            ids = {g: [int(x) for x in b] for g, b in zip(order, by_group)} if by_group else {}
             for g in range(len(self.leaders)):
                 rec = (rid, tokens, ids.get(g, []), computed, scheduled, 0, is_new)
                 per[g].append(rec + (False, prio) if prio else rec)
@@ -178,9 +169,22 @@ class WorkerGroups:
     def take_load_errors(self) -> list:
         return [b for w in self.workers for b in w.take_load_errors()]
 
-    def get_finished(self, finished: list, started: list) -> tuple:
-        """(saved, loaded, load_failed) request ids that every group reported."""
-        return self._books.finish([tuple(list(x) for x in w.get_finished(finished, started)) for w in self.workers])
+    def get_finished_by_verdict(self, leaders: Optional[list], finished: list, started: list,
+                                rewindable: set) -> tuple:
+        """(saved, loaded, [(request, recompute_from)]) that every group reported: each group's worker
+        applies its own leader's load verdicts (``leaders``, kvtier's order, rank 0 in the scheduler's
+        process), and a failed load recomputes from the lowest token any group named
+        (``AllGroups.finish_by_verdict``, which also withholds loads of requests not in ``rewindable``)."""
+        reports = []
+        for g, w in enumerate(self.workers):
+            if leaders is not None:
+                w.apply_load_verdicts(bytes(leaders[g].take_load_verdicts()))
+            reports.append(tuple(list(x) for x in w.get_finished_by_verdict(finished, started)))
+        return self._books.finish_by_verdict(reports, rewindable)
+
+    def load_recovery(self) -> tuple:
+        """(recomputed, unrecoverable) failed loads (``AllGroups.load_recovery``)."""
+        return tuple(self._books.load_recovery())
 
     def wait_idle(self) -> None:
         for w in self.workers:

@@ -13,7 +13,10 @@ worker's block of a disaggregated deployment: no connector, see below).
 
 Role of this module: translate TensorRT-LLM's objects (``LlmRequest``, ``SchedulerOutput`` /
 ``RequestData``, the pool tensor or V2 ``KvCacheLayout``, CUDA streams) into the engine-neutral
-calls of ``kvtier._native.Leader`` / ``Worker`` and back. It keeps no cache state. How the
+calls of ``kvtier._native.Leader`` / ``Worker`` and back. It keeps no cache state and no rules:
+the recompute token of a failed load, which failed loads are rewound or withheld and their counts,
+and what a ``-1`` page id means are the Rust leader's and worker's (docs/arch/trtllm.md, "Where the
+books are"); this module finds TensorRT-LLM's request objects and sets the token on them. How the
 executor drives a connector is in docs/arch/trtllm.md (from TensorRT-LLM's py_executor.py and
 connectors/kv_cache_connector.py); every modelled
 behaviour cites the TensorRT-LLM file it comes from.
@@ -321,12 +324,16 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
             self._leader = self._groups.leaders[0]
         else:
             self._leader = _native.Leader(settings)
-        if _world_size(llm_args) > 1:
-            # Every rank reports an async load only by the leader's verdict (get_finished).
-            self._leader.enable_load_verdicts()
+        for leader in self.leaders:
+            # Every rank (one or several) reports an async load only by the leader's verdict
+            # (get_finished), which names the recompute token of a failed one.
+            leader.enable_load_verdicts()
+            # Page ids may carry -1 (V2 padding, a window kvtier was not told of): the leader
+            # trims, takes as holes (window groups) or stops caching the request.
+            leader.enable_unpaged_exclusion()
         self._engine.leader = self._leader
+        self._engine.leaders = self.leaders
         self._engine.endpoint_set.set()
-        self._excluded: set[str] = set()
 
     @property
     def leader(self) -> Any:
@@ -376,19 +383,13 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
             self.update_state_after_alloc_by_layer_group(request, [block_ids])
             return
         rid = str(request.request_id)
-        ids = [int(b) for b in block_ids]
-        # V2 reports only the first chunk's pages and may pad with -1: the leading valid pages are
-        # the table so far, the rest arrives as new_block_ids.
-        while ids and ids[-1] < 0:
-            ids.pop()
-        if any(b < 0 for b in ids):
-            self._exclude(rid, "a -1 page id before valid pages (a sliding window passed a block)")
-            ids = ids[: ids.index(next(b for b in ids if b < 0))]
-        # The last offer less the engine's cut; an asynchronous load parks the request from its first loaded token.
-        start = self._leader.allocate_offer(rid, ids)
+        # The raw page ids, -1 included (V2 pads the first chunk's pages with -1; a -1 before valid
+        # pages stops the request being cached): the leader's rule (Leader.allocate_offer). The last
+        # offer less the engine's cut; an asynchronous load parks the request.
+        start = self._leader.allocate_offer(rid, [int(b) for b in block_ids])
         if start is not None:
             with self._engine.lock:
-                self._engine.loads[rid] = (request, ids, int(start))
+                self._engine.loads[rid] = request
 
     def update_state_after_alloc_by_layer_group(self, request: Any, block_ids_by_layer_group: Sequence[Sequence[int]]
                                                 ) -> None:
@@ -404,12 +405,7 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
         start = self._groups.allocate(rid, block_ids_by_layer_group)
         if start is not None:
             with self._engine.lock:
-                # The first failed block is not known per group: a failed load recomputes the whole offer.
-                self._engine.loads[rid] = (request, [], int(start))
-
-    def _exclude(self, rid: str, why: str) -> None:
-        _warn_once("exclude:" + why, "kvtier: request %s stops being cached: %s", rid, why)
-        self._excluded.add(rid)
+                self._engine.loads[rid] = request
 
     def build_connector_meta(self, scheduler_output: Any) -> bytes:
         # Records as tuples (request_id, new_tokens, new_block_ids, num_computed, num_scheduled,
@@ -426,11 +422,9 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
                         f"{rd.request_id}: kvtier needs TensorRT-LLM >= {MIN_TRTLLM_VERSION}"
                     )
                 rid = str(rd.request_id)
+                # Raw page ids: a record with a -1 stops its request being cached (the leader drops
+                # its records from then on: Leader.build_step).
                 blocks = list(rd.new_block_ids)
-                if any(int(b) < 0 for b in blocks):
-                    self._exclude(rid, "a -1 page id in new_block_ids")
-                if rid in self._excluded:
-                    continue
                 prio = getattr(rd, "priorities", None)  # 1.3+: retention priority per new block
                 if prio:
                     records.append((rid, rd.new_tokens, blocks, rd.computed_position, scheduled, 0, is_new, False,
@@ -448,7 +442,6 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
         # True keeps the request's device blocks until every rank reports it (stores, and loads
         # still in flight for a cancelled request: a late copy must not land in reused blocks).
         rid = str(request.request_id)
-        self._excluded.discard(rid)
         with self._engine.lock:
             # Parked for an async load not yet reported loaded: the workers report it saved once
             # their copies into its blocks are done (older TensorRT-LLM frees blocks at once).
@@ -488,17 +481,9 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         self._rank = _rank(llm_args)
         self._tpb = _tokens_per_block(llm_args)
         _check(llm_args, _settings(llm_args))
-        # Failed async loads become recomputes: on one rank from the scheduler's request objects;
-        # with TP > 1 by the leader's verdicts, every rank rewinding its own copy alike.
-        self._can_recompute = _world_size(llm_args) == 1
-        self._by_verdict = _world_size(llm_args) > 1
+        # Failed async loads become recomputes by the leader's verdicts (any TP size): every rank
+        # rewinds its own copy of the request to the verdict's token (_get_finished_by_verdict).
         self._engine = _Engine.of(_channel())
-        self._load_errors: set[int] = set()
-        self._withheld: set[str] = set()
-        #: Asynchronous loads that failed and were handed back to TensorRT-LLM for recompute.
-        self.recomputed_loads = 0
-        #: Loads that failed where no recompute is possible (withheld, never reported loaded).
-        self.unrecoverable_loads = 0
         self._worker: Any = None
         #: Sliding windows: one native worker per layer group (``_trtllm_groups.WorkerGroups``).
         self._windows = _groups.engine_windows(llm_args)
@@ -508,6 +493,20 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
     def native(self) -> Any:
         """The native worker (for metrics and tests); None before registration."""
         return self._worker
+
+    def _recovery(self) -> tuple:
+        books = self._groups or self._worker
+        return tuple(books.load_recovery()) if books is not None else (0, 0)
+
+    @property
+    def recomputed_loads(self) -> int:
+        """Asynchronous loads that failed and were handed back to TensorRT-LLM for recompute."""
+        return int(self._recovery()[0])
+
+    @property
+    def unrecoverable_loads(self) -> int:
+        """Failed loads whose request could not be rewound (withheld, never reported loaded)."""
+        return int(self._recovery()[1])
 
     @property
     def natives(self) -> list:
@@ -554,10 +553,12 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
             settings["test_load_delay_ms"] = int(delay)  # tests: loads start late (see worker.rs)
         if windows is not None:
             # One worker per layer group, each on its group's channel (_trtllm_groups.group_settings).
-            return [_native.Worker(s, t) for s, t in zip(_groups.group_settings(settings, windows), tensors)]
+            workers = [_native.Worker(s, t) for s, t in zip(_groups.group_settings(settings, windows), tensors)]
+            for w in workers:
+                w.enable_load_verdicts()
+            return workers
         self._worker = _native.Worker(settings, tensors)
-        if self._by_verdict:
-            self._worker.enable_load_verdicts()
+        self._worker.enable_load_verdicts()
 
     def register_kv_caches(self, kv_cache_tensor: Any, secondary_kv_cache_tensor: Any = None) -> None:
         """V1 manager: the primary pool ``[num_blocks, num_layers, kv_factor, ...]``."""
@@ -611,29 +612,13 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         self._collect_errors()
 
     def _collect_errors(self) -> None:
-        if self._groups is not None:
-            # Page ids are per group: a failed async load is recomputed from the whole offer
-            # (get_finished); a failed sync load drops the request's stores in the core.
-            failed = self._groups.take_load_errors()
-            if failed:
-                logger.warning("kvtier: loads into pages %s of some layer group failed", sorted(failed))
-            return
-        failed = {int(b) for b in self._worker.take_load_errors()}
-        if not failed or self._by_verdict:
-            # TP > 1: the leader's verdict names the recompute point of a failed async load; a
-            # failed sync load (host tier: a CUDA error) drops the request's stores in the core.
-            if failed:
-                logger.warning("kvtier: loads into device blocks %s failed on rank %d", sorted(failed), self._rank)
-            return
-        with self._engine.lock:
-            parked = {b for _, ids, _ in self._engine.loads.values() for b in ids}
-        sync_failed = failed - parked
-        self._load_errors |= failed & parked
-        if sync_failed:
-            # Only a CUDA error can fail a synchronous load kvtier allows (host tier; _refusals), and
-            # then the engine's own next CUDA call fails too. kvtier's stores of the request are
-            # dropped; nothing is raised here (it would fail every request).
-            logger.error("kvtier: synchronous load into device blocks %s failed", sorted(sync_failed))
+        """Logs the device blocks whose loads failed. A failed async load is recomputed by its
+        verdict (get_finished); a failed sync load (host tier only: a CUDA error, and then the
+        engine's own next CUDA call fails too) drops the request's stores in the core. Nothing is
+        raised here (it would fail every request)."""
+        failed = sorted(int(b) for b in (self._groups or self._worker).take_load_errors())
+        if failed:
+            logger.warning("kvtier: loads into device blocks %s failed on rank %d", failed, self._rank)
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         return None  # loads completed in start_load_kv
@@ -661,25 +646,12 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
     def get_finished(
         self, finished_gen_req_ids: Sequence[int], started_loading_req_ids: Sequence[int]
     ) -> tuple[list[int], list[int]]:
-        w = self._worker
-        if w is None:
+        if self._worker is None:
             return [], []
-        if self._by_verdict:
-            # TensorRT-LLM's KvCacheConnectorManager.get_finished (connectors/kv_cache_connector.py)
-            # calls this right after moving the new async loads into pending_async_requests.
-            manager = sys._getframe(1).f_locals.get("self")
-            return self._get_finished_by_verdict(finished_gen_req_ids, started_loading_req_ids, manager)
-        saved, loaded, load_failed = (self._groups or w).get_finished(_ids(finished_gen_req_ids),
-                                                                      _ids(started_loading_req_ids))
-        self._collect_errors()
-        out = [str(r) for r in loaded]
-        for rid in load_failed:
-            if self._recompute(str(rid)):
-                out.append(str(rid))
-        with self._engine.lock:
-            for rid in out:
-                self._engine.loads.pop(rid, None)
-        return [int(x) for x in saved], [int(x) for x in out]
+        # TensorRT-LLM's KvCacheConnectorManager.get_finished (connectors/kv_cache_connector.py)
+        # calls this right after moving the new async loads into pending_async_requests.
+        manager = sys._getframe(1).f_locals.get("self")
+        return self._get_finished_by_verdict(finished_gen_req_ids, started_loading_req_ids, manager)
 
     def _share_verdicts(self) -> list[bytes]:
         """Rank 0's leader's new load verdicts, on every rank in the same ``get_finished`` round:
@@ -693,66 +665,60 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         if _ranks_in_processes(self._llm_args):
             got = _broadcast(mine if self._rank == 0 else None)
             return [got] if got else []
-        # All ranks in this process (tests): rank 0's blobs in order, once each.
+        # All ranks in this process (one rank, or tests): rank 0's blobs in order, once each.
         return eng.verdicts_in_process(self._rank, mine, _world_size(self._llm_args))
+
+    def _parked(self, manager: Any) -> dict:
+        """This rank's parked ``LlmRequest`` objects by request id (str): the connector manager's
+        ``pending_async_requests.loading`` (the caller of ``get_finished``); with one rank also the
+        scheduler's (same process), for a manager without it."""
+        parked: dict = {}
+        if _world_size(self._llm_args) == 1:
+            with self._engine.lock:
+                parked.update(self._engine.loads)
+        loading = getattr(getattr(manager, "pending_async_requests", None), "loading", None)
+        if isinstance(loading, dict):
+            parked.update((str(k), v) for k, v in loading.items())
+        elif not parked:
+            _warn_once("no-parked", "kvtier: get_finished was called by %r, which holds no pending_async_requests: "
+                       "a failed asynchronous load cannot be rewound and is never reported loaded",
+                       type(manager).__name__)
+        return parked
 
     def _get_finished_by_verdict(self, finished: Sequence[int], started: Sequence[int],
                                  manager: Any) -> tuple[list[int], list[int]]:
-        """TP > 1: a parked request is reported loaded only once the leader's verdict on its load
-        arrived, and the same verdict reaches every rank in the same round; a failed load is
-        rewound on this rank's own copy of the request to the verdict's token before it is
-        reported, so when TensorRT-LLM resumes it (once every rank reported it) every rank
-        recomputes from the same token, at or before any block any rank failed to fill."""
-        w = self._worker
-        for blob in self._share_verdicts():
-            w.apply_load_verdicts(blob)
-        saved, loaded, recompute = w.get_finished_by_verdict(_ids(finished), _ids(started))
+        """A parked request is reported loaded only once the leader's verdict on its load arrived,
+        and the same verdict reaches every rank in the same round; a failed load is rewound on this
+        rank's own copy of the request to the verdict's token before it is reported, so when
+        TensorRT-LLM resumes it (once every rank reported it) every rank recomputes from the same
+        token, at or before any block any rank failed to fill. Which failed loads are handed back
+        (those whose request this rank can rewind) and which withheld is the worker's rule
+        (``Worker.get_finished_by_verdict``, ``kvtier::connector::LoadRecovery``)."""
+        parked = self._parked(manager)
+        done, started_ids = _ids(finished), _ids(started)
+        if self._groups is not None:
+            leaders = self._engine.leaders if self._rank == 0 else None
+            saved, loaded, recompute = self._groups.get_finished_by_verdict(leaders, done, started_ids, set(parked))
+        else:
+            w = self._worker
+            for blob in self._share_verdicts():
+                w.apply_load_verdicts(blob)
+            saved, loaded, recompute = w.get_finished_by_verdict(done, started_ids, rewindable=set(parked))
         self._collect_errors()
         out = [int(r) for r in loaded]
-        parked = getattr(getattr(manager, "pending_async_requests", None), "loading", None)
         for rid, pos in recompute:
-            if not isinstance(parked, dict):
-                # Not called by the connector manager this adapter was written against: this
-                # rank's request cannot be rewound, so it is never reported loaded (logged).
-                self.unrecoverable_loads += 1
-                logger.error("kvtier: the load of request %s failed and this rank's request object is not "
-                             "reachable (caller %r); it is never reported loaded", rid, type(manager).__name__)
-                continue
-            request = parked.get(int(rid))
-            if request is not None and int(pos) < int(request.context_current_position):
-                request.context_current_position = int(pos)
-            self.recomputed_loads += 1
-            logger.warning("kvtier: the load of request %s failed on some rank; every rank recomputes from token %d",
-                           rid, pos)
+            self._rewind(parked[str(rid)], int(pos))
             out.append(int(rid))
         with self._engine.lock:
             for rid in out:
                 self._engine.loads.pop(str(rid), None)
         return [int(x) for x in saved], out
 
-    def _recompute(self, rid: str) -> bool:
-        """Rewind a failed async load to its first failed block so TensorRT-LLM computes the rest;
-        True to report it loaded. Where no rank can rewind every rank's copy of the request
-        (TP > 1), the request is withheld (never reported loaded) and logged: it fails alone."""
-        with self._engine.lock:
-            entry = self._engine.loads.get(rid)
-        if not self._can_recompute or entry is None:
-            if rid not in self._withheld:
-                self._withheld.add(rid)
-                self.unrecoverable_loads += 1
-                logger.error("kvtier: the load of request %s failed and cannot be recomputed on %d ranks; "
-                             "it is never reported loaded", rid, _world_size(self._llm_args))
-            return False
-        request, blocks, match_start = entry
-        bad = [i for i, b in enumerate(blocks) if b in self._load_errors]
-        # Unknown first failed block: recompute everything kvtier offered.
-        pos = min(bad) * self._tpb if bad else match_start
-        if pos < int(request.context_current_position):
-            request.context_current_position = pos
-        self._load_errors -= set(blocks)
-        self.recomputed_loads += 1
-        logger.warning("kvtier: the load of request %s failed; TensorRT-LLM recomputes from token %d", rid, pos)
-        return True
+    @staticmethod
+    def _rewind(request: Any, token: int) -> None:
+        """TensorRT-LLM computes the request from ``token`` on (never forward)."""
+        if token < int(request.context_current_position):
+            request.context_current_position = token
 
 
 def _ids(xs: Iterable[Any]) -> list[str]:

@@ -6,12 +6,17 @@
 //! borrow flag gives each call exclusive access.
 use std::collections::{HashMap, HashSet};
 
-use kvtier::connector::{AllGroups, Completions, FailedLoad, FinishedReport, StepNotice};
+use kvtier::connector::{
+    AllGroups, Completions, FailedLoad, FinishedReport, LoadRecovery, StepNotice,
+};
 use kvtier::ids::{DeviceBlockId, RequestId};
 use pyo3::prelude::*;
 
 /// One group's `Worker.get_finished` answer: `(saved, loaded, load_failed)`.
 type Report = (Vec<String>, Vec<String>, Vec<String>);
+
+/// One group's `Worker.get_finished_by_verdict` answer: `(saved, loaded, recompute)`.
+type VerdictReport = (Vec<String>, Vec<String>, Vec<(String, u64)>);
 
 fn rids(v: Vec<String>) -> Vec<RequestId> {
     v.into_iter().map(RequestId::from).collect()
@@ -42,6 +47,7 @@ fn strings(v: Vec<RequestId>) -> Vec<String> {
 #[pyclass(name = "AllGroups", module = "kvtier._native")]
 pub(crate) struct PyAllGroups {
     books: AllGroups,
+    recovery: LoadRecovery,
 }
 
 #[pymethods]
@@ -50,6 +56,7 @@ impl PyAllGroups {
     fn py_new(groups: usize) -> Self {
         Self {
             books: AllGroups::new(groups),
+            recovery: LoadRecovery::default(),
         }
     }
 
@@ -60,6 +67,45 @@ impl PyAllGroups {
             reports.into_iter().map(|r| r.map(report)).collect();
         let f = self.books.finish(&reports);
         (strings(f.saved), strings(f.loaded), strings(f.load_failed))
+    }
+
+    /// Load verdicts on: `(saved, loaded, [(request, recompute_from)])` that every group has now
+    /// reported, from each group's `Worker.get_finished_by_verdict` answer; a load any group
+    /// failed recomputes from the lowest token any group named, and is withheld (never reported,
+    /// counted in `load_recovery`) unless its request is in `rewindable`.
+    fn finish_by_verdict(
+        &mut self,
+        reports: Vec<Option<VerdictReport>>,
+        rewindable: HashSet<String>,
+    ) -> VerdictReport {
+        let reports: Vec<Option<FinishedReport>> = reports
+            .into_iter()
+            .map(|r| {
+                r.map(|(saved, loaded, recompute)| FinishedReport {
+                    saved: rids(saved),
+                    loaded: rids(loaded),
+                    load_failed: Vec::new(),
+                    recompute: recompute
+                        .into_iter()
+                        .map(|(q, t)| (RequestId::from(q), t))
+                        .collect(),
+                })
+            })
+            .collect();
+        let mut f = self.books.finish(&reports);
+        self.recovery
+            .settle(&mut f, 0, |q| rewindable.contains(q.as_str()));
+        let recompute = f
+            .recompute
+            .into_iter()
+            .map(|(q, t)| (q.to_string(), t))
+            .collect();
+        (strings(f.saved), strings(f.loaded), recompute)
+    }
+
+    /// `(recomputed, unrecoverable)` of `finish_by_verdict` (see `Worker.load_recovery`).
+    fn load_recovery(&self) -> (u64, u64) {
+        (self.recovery.recomputed, self.recovery.unrecoverable)
     }
 }
 

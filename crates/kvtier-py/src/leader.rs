@@ -24,7 +24,7 @@ use pyo3::types::{PyBytes, PyDict, PyTuple};
 use kvtier_io::metrics_http::StatsPublisher;
 
 use crate::errors::{extract_arg, extract_opt_arg, BridgeError, BridgeResult, Family};
-use crate::records::record_from_py;
+use crate::records::{page_ids, record_from_py};
 use crate::rendezvous::Rendezvous;
 use crate::settings::Settings;
 
@@ -69,6 +69,8 @@ struct Inner {
     sync_host_loads: bool,
     /// `Leader::set_load_verdicts`, applied when the leader is built.
     load_verdicts: bool,
+    /// `Leader::set_unpaged_exclusion`, applied when the leader is built.
+    unpaged_exclusion: bool,
     settings: Settings,
     pending: Option<Pending>,
     leader: Option<Leader>,
@@ -98,6 +100,7 @@ impl Inner {
             .map_err(crate::vllm_support::bridge)?;
         leader.set_sync_host_loads(self.sync_host_loads);
         leader.set_load_verdicts(self.load_verdicts);
+        leader.set_unpaged_exclusion(self.unpaged_exclusion);
         let (window, null_block) = self.settings.sliding_window().map_err(BridgeError::from)?;
         leader.set_window(window, null_block.map(DeviceBlockId));
         // One endpoint per process: with several KV cache groups, group 0's leader publishes (its
@@ -251,6 +254,18 @@ impl PyLeader {
         }
         let mut g = self.lock();
         let leader = g.ready(py)?;
+        // Records of requests whose page ids had a hole the leader cannot take are dropped
+        // (`Leader::screen_record`), with their priorities.
+        let mut keep = Vec::with_capacity(step.records.len());
+        for r in &step.records {
+            keep.push(leader.screen_record(r).map_err(BridgeError::from)?);
+        }
+        if keep.contains(&false) {
+            let mut k = keep.iter();
+            step.records.retain(|_| k.next().copied().unwrap_or(true));
+            let mut k = keep.iter();
+            priorities.retain(|_| k.next().copied().unwrap_or(true));
+        }
         for (r, p) in step.records.iter().zip(&priorities) {
             if !r.new_block_ids.is_empty() {
                 leader.set_block_priorities(&r.new_block_ids, p.as_deref());
@@ -296,6 +311,7 @@ impl PyLeader {
             async_loads,
             sync_host_loads,
             load_verdicts: false,
+            unpaged_exclusion: false,
             settings,
             pending: None,
             leader: None,
@@ -495,11 +511,16 @@ impl PyLeader {
         request_id: String,
         block_ids: &Bound<'_, PyAny>,
     ) -> PyResult<Option<usize>> {
-        let block_ids: Vec<u32> = extract_arg(Family::Connector, "block_ids", block_ids)?;
-        let ids: Vec<DeviceBlockId> = block_ids.into_iter().map(DeviceBlockId).collect();
+        // `-1` (no page) is the leader's to judge (`Leader::screen_allocation`).
+        let ids = page_ids(Family::Connector, "block_ids", block_ids)?;
+        let id = RequestId::from(request_id);
         let mut g = self.lock();
-        Ok(g.ready(py)?
-            .allocate_offer(&RequestId::from(request_id), &ids)
+        let leader = g.ready(py)?;
+        let ids = leader
+            .screen_allocation(&id, &ids)
+            .map_err(BridgeError::from)?;
+        Ok(leader
+            .allocate_offer(&id, &ids)
             .map_err(BridgeError::from)?)
     }
 
@@ -551,6 +572,7 @@ impl PyLeader {
         let mut g = self.lock();
         let leader = g.ready(py)?;
         let id = RequestId::from(request_id);
+        leader.forget_exclusion(&id);
         let reuse = if fence_reuse {
             leader.request_finished_fenced(&id)
         } else {
@@ -590,6 +612,23 @@ impl PyLeader {
         if let Some(l) = g.leader.as_mut() {
             l.set_load_verdicts(true);
         }
+    }
+
+    /// Page ids may carry `-1` (TensorRT-LLM's `BAD_PAGE_INDEX`): trailing ones are pages not
+    /// allocated yet, any other excludes the request from caching unless this leader serves a
+    /// window group (`Leader::set_unpaged_exclusion`).
+    fn enable_unpaged_exclusion(&self) {
+        let mut g = self.lock();
+        g.unpaged_exclusion = true;
+        if let Some(l) = g.leader.as_mut() {
+            l.set_unpaged_exclusion(true);
+        }
+    }
+
+    /// Whether the request stopped being cached because its page ids had a `-1`.
+    fn is_excluded(&self, py: Python<'_>, request_id: String) -> PyResult<bool> {
+        let mut g = self.lock();
+        Ok(g.ready(py)?.is_excluded(&RequestId::from(request_id)))
     }
 
     /// The load verdicts issued since the last call, encoded for `Worker.apply_load_verdicts`

@@ -3,7 +3,10 @@
 //!
 //! Invariant: every count is extracted here so that a negative or misspelled one is a kvtier
 //! `ConnectorError` naming the argument, never a bare `OverflowError` or a silently dropped
-//! field.
+//! field. Page ids of a tuple or dict record may be `-1` (TensorRT-LLM's `BAD_PAGE_INDEX`: no
+//! page), passed on as [`HOLE`] for the leader to decide (`connector::leader` `unpaged.rs`); any
+//! other negative id is refused.
+use kvtier::connector::slot::HOLE;
 use kvtier::connector::step::StepRecord;
 use kvtier::ids::{DeviceBlockId, RequestId};
 use pyo3::prelude::*;
@@ -95,6 +98,27 @@ impl PyStepRecord {
     }
 }
 
+/// Page ids from Python: `-1` (no page) becomes [`HOLE`]; other negative or too large ids are a
+/// kvtier `ConnectorError` naming `name`.
+pub(crate) fn page_ids(
+    family: Family,
+    name: &str,
+    obj: &Bound<'_, PyAny>,
+) -> PyResult<Vec<DeviceBlockId>> {
+    let raw: Vec<i64> = extract_arg(family, name, obj)?;
+    raw.into_iter()
+        .map(|b| match b {
+            -1 => Ok(HOLE),
+            // `HOLE` itself (u32::MAX) is accepted as the hole it is.
+            b if (0..=i64::from(HOLE.0)).contains(&b) => Ok(DeviceBlockId(b as u32)),
+            b => Err(crate::errors::new_err(
+                family,
+                format!("{name}: {b} is out of range (a page id, or -1 for no page, is expected)"),
+            )),
+        })
+        .collect()
+}
+
 /// The keys of a step record given as a dict.
 const RECORD_KEYS: &[&str] = &[
     "request_id",
@@ -129,11 +153,10 @@ pub(crate) fn record_from_py(obj: &Bound<'_, PyAny>) -> PyResult<StepRecord> {
             }
         };
         let c = Family::Connector;
-        let new_block_ids: Vec<u32> = extract_arg(c, "new_block_ids", &t.get_item(2)?)?;
         return Ok(StepRecord {
             request_id: RequestId::new(t.get_item(0)?.str()?.to_str()?),
             new_tokens: extract_arg(c, "new_tokens", &t.get_item(1)?)?,
-            new_block_ids: new_block_ids.into_iter().map(DeviceBlockId).collect(),
+            new_block_ids: page_ids(c, "new_block_ids", &t.get_item(2)?)?,
             num_computed_tokens: extract_arg(c, "num_computed_tokens", &t.get_item(3)?)?,
             num_scheduled_tokens: extract_arg(c, "num_scheduled_tokens", &t.get_item(4)?)?,
             num_draft_tokens: if n > 5 {
@@ -171,11 +194,10 @@ pub(crate) fn record_from_py(obj: &Bound<'_, PyAny>) -> PyResult<StepRecord> {
     let opt = |k: &str| -> PyResult<Option<Bound<'_, PyAny>>> { d.get_item(k) };
     let c = Family::Connector;
     let request_id: String = req("request_id")?.str()?.to_string();
-    let new_block_ids: Vec<u32> = extract_arg(c, "new_block_ids", &req("new_block_ids")?)?;
     Ok(StepRecord {
         request_id: RequestId::from(request_id),
         new_tokens: extract_arg(c, "new_tokens", &req("new_tokens")?)?,
-        new_block_ids: new_block_ids.into_iter().map(DeviceBlockId).collect(),
+        new_block_ids: page_ids(c, "new_block_ids", &req("new_block_ids")?)?,
         num_computed_tokens: extract_arg(c, "num_computed_tokens", &req("num_computed_tokens")?)?,
         num_scheduled_tokens: extract_arg(
             c,

@@ -19,6 +19,7 @@ use kvtier::connector::messages::{
 use kvtier::connector::worker::{FinishedReport, ReportSink, Worker, WorkerLink};
 use kvtier::connector::zmq::WorkerChannel;
 use kvtier::connector::ConnectorError;
+use kvtier::connector::LoadRecovery;
 use kvtier::ids::RequestId;
 use kvtier::layout::{self, DeviceLayout, EngineLayoutKind};
 use kvtier::transfer::BlockTransfer;
@@ -160,6 +161,8 @@ struct Inner {
     buffer: Option<Arc<BufferSink>>,
     /// Kept open for the worker's lifetime (link "zmq"); closed after the worker.
     zmq: Option<WorkerChannel>,
+    /// Failed asynchronous loads handed back for recompute or withheld (`get_finished_by_verdict`).
+    recovery: LoadRecovery,
 }
 
 /// One rank's worker (see `_native.pyi`).
@@ -356,6 +359,7 @@ impl PyWorker {
                 worker: Some(worker),
                 buffer,
                 zmq,
+                recovery: LoadRecovery::default(),
             }),
             rank,
             bytes_per_block: bpb,
@@ -542,19 +546,35 @@ impl PyWorker {
     }
 
     /// `get_finished` with load verdicts on: `(saved, loaded, [(request, recompute_from)])`.
-    #[pyo3(signature = (finished, started_loading = None))]
+    /// `rewindable`: the requests whose engine object the adapter can rewind; given, a failed
+    /// load of any other request is withheld (never reported) and every failed load is counted
+    /// (`LoadRecovery::settle`, `load_recovery`). `None`: the verdicts' answer as it is.
+    #[pyo3(signature = (finished, started_loading = None, rewindable = None))]
     fn get_finished_by_verdict(
         &self,
         finished: Vec<String>,
         started_loading: Option<Vec<String>>,
+        rewindable: Option<std::collections::HashSet<String>>,
     ) -> PyResult<ByVerdict> {
-        let r = self.finished_report(finished, started_loading)?;
+        let mut r = self.finished_report(finished, started_loading)?;
+        if let Some(can) = rewindable {
+            self.lock()
+                .recovery
+                .settle(&mut r, self.rank, |q| can.contains(q.as_str()));
+        }
         let recompute = r
             .recompute
             .into_iter()
             .map(|(q, t)| (q.to_string(), t))
             .collect();
         Ok((ids(r.saved), ids(r.loaded), recompute))
+    }
+
+    /// `(recomputed, unrecoverable)`: failed asynchronous loads handed back with a recompute
+    /// token, and those withheld because their request could not be rewound.
+    fn load_recovery(&self) -> (u64, u64) {
+        let r = self.lock().recovery;
+        (r.recomputed, r.unrecoverable)
     }
 
     fn take_load_errors(&self) -> PyResult<Vec<u32>> {

@@ -211,13 +211,17 @@ impl Completions {
 ///
 /// Invariants: each request is reported once per kind; a group reporting the same request twice
 /// counts once (the groups are a set, not a count); a load reported failed by one group and
-/// loaded by the others is reported failed.
+/// loaded by the others is reported failed; with load verdicts, a load some group's verdict
+/// names a recompute token for is reported in `recompute` with the lowest token any group named
+/// (at or before every group's first failed block), never in `loaded`.
 #[derive(Debug)]
 pub struct AllGroups {
     groups: usize,
     saved: FastMap<RequestId, BTreeSet<usize>>,
     over: FastMap<RequestId, BTreeSet<usize>>,
     failed: FastSet<RequestId>,
+    /// The lowest recompute token any group's verdict named so far.
+    recompute: FastMap<RequestId, u64>,
 }
 
 impl AllGroups {
@@ -228,11 +232,13 @@ impl AllGroups {
             saved: FastMap::default(),
             over: FastMap::default(),
             failed: FastSet::default(),
+            recompute: FastMap::default(),
         }
     }
 
     /// `reports[g]`: group `g`'s worker's `get_finished` answer (`None`: it could not answer).
-    /// Answers the requests every group has now reported: `(saved, loaded, load_failed)`, sorted.
+    /// Answers the requests every group has now reported: `saved`, `loaded`, `load_failed` and
+    /// `recompute`, sorted.
     pub fn finish(&mut self, reports: &[Option<FinishedReport>]) -> FinishedReport {
         for (g, r) in reports.iter().enumerate().filter(|(g, _)| *g < self.groups) {
             let Some(r) = r else { continue };
@@ -243,6 +249,11 @@ impl AllGroups {
                 self.over.entry(q.clone()).or_default().insert(g);
             }
             self.failed.extend(r.load_failed.iter().cloned());
+            for (q, token) in &r.recompute {
+                self.over.entry(q.clone()).or_default().insert(g);
+                let t = self.recompute.entry(q.clone()).or_insert(*token);
+                *t = (*t).min(*token);
+            }
         }
         let n = self.groups;
         let mut saved = BTreeSet::new();
@@ -254,12 +265,16 @@ impl AllGroups {
             !all
         });
         let (mut loaded, mut load_failed) = (BTreeSet::new(), BTreeSet::new());
-        let failed = &mut self.failed;
+        let mut recompute = std::collections::BTreeMap::new();
+        let (failed, tokens) = (&mut self.failed, &mut self.recompute);
         self.over.retain(|q, g| {
             let all = g.len() >= n;
             if all {
+                let token = tokens.remove(q);
                 if failed.remove(q) {
                     load_failed.insert(q.clone());
+                } else if let Some(t) = token {
+                    recompute.insert(q.clone(), t);
                 } else {
                     loaded.insert(q.clone());
                 }
@@ -270,7 +285,7 @@ impl AllGroups {
             saved: saved.into_iter().collect(),
             loaded: loaded.into_iter().collect(),
             load_failed: load_failed.into_iter().collect(),
-            recompute: Vec::new(),
+            recompute: recompute.into_iter().collect(),
         }
     }
 }
@@ -484,5 +499,29 @@ mod tests {
             "a later save of the same id is a new report"
         );
         assert_eq!(a.finish(&[None, None]), FinishedReport::default());
+    }
+
+    /// With load verdicts, a load any group failed is reported once every group reported it,
+    /// in `recompute` with the lowest token any group named, never as loaded.
+    #[test]
+    fn all_groups_recompute_from_the_lowest_token_any_group_named() {
+        let mut a = AllGroups::new(3);
+        let with = |loaded: &[&str], recompute: &[(&str, u64)]| {
+            Some(FinishedReport {
+                loaded: ids(loaded),
+                recompute: recompute.iter().map(|(q, t)| ((*q).into(), *t)).collect(),
+                ..FinishedReport::default()
+            })
+        };
+        let got = a.finish(&[with(&["l"], &[("r", 32)]), with(&["l"], &[("r", 16)]), None]);
+        assert_eq!(got, FinishedReport::default(), "group 2 has not reported");
+        let got = a.finish(&[None, None, with(&["l", "r"], &[])]);
+        assert_eq!(got.loaded, ids(&["l"]));
+        assert_eq!(got.recompute, vec![(RequestId::from("r"), 16)]);
+        assert_eq!(
+            a.finish(&[None, None, None]),
+            FinishedReport::default(),
+            "reported once"
+        );
     }
 }

@@ -12,6 +12,7 @@ pub(crate) mod jobs;
 pub mod leader;
 pub mod messages;
 pub mod promises;
+pub mod recovery;
 pub mod slot;
 pub(crate) mod slot_table;
 pub mod step;
@@ -32,6 +33,7 @@ pub use messages::{
     WorkerReport, PROTOCOL_VERSION,
 };
 pub use promises::{Allocation, HitSplit, Promises, StepOutbox};
+pub use recovery::LoadRecovery;
 pub use slot::{MatchRecord, OffloadBlock, OnboardBlock, Slot, SlotState};
 pub use step::{SchedulerStep, StepRecord};
 pub use worker::{FinishedReport, ReportSink, ShutdownError, Worker, WorkerLink};

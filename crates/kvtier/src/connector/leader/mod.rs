@@ -7,7 +7,8 @@
 //! `loads` (allocation, onboarding and load completion), `stores` (steps, offloads, finishing),
 //! `spills` (background host -> disk / remote copies), `books` (jobs in flight and worker
 //! reports), `tiers` (the host-or-disk choice), [`observe`] (stats and events), `verdicts` (one
-//! answer per asynchronous load that every rank acts on alike: TensorRT-LLM with TP > 1).
+//! answer per asynchronous load that every rank acts on alike: TensorRT-LLM), `unpaged` (page ids
+//! without a page: TensorRT-LLM's `-1`).
 //!
 //! Invariants:
 //! - matching (`get_num_new_matched_tokens`) is side-effect free on the pools; pins are taken
@@ -58,6 +59,7 @@ mod stores;
 #[cfg(test)]
 mod tests;
 mod tiers;
+mod unpaged;
 mod verdicts;
 mod window;
 #[cfg(test)]
@@ -171,6 +173,8 @@ pub struct Leader {
     window: Option<usize>,
     /// The engine's id for a position without a block (vLLM's null block), mapped to a hole.
     null_block: Option<DeviceBlockId>,
+    /// Requests whose page ids had a hole this leader cannot take (`unpaged.rs`).
+    unpaged: unpaged::Unpaged,
 }
 
 impl Leader {
@@ -246,6 +250,7 @@ impl Leader {
             verdicts: None,
             window: None,
             null_block: None,
+            unpaged: unpaged::Unpaged::default(),
         })
     }
 

@@ -1,8 +1,9 @@
 //! Load verdicts: one answer per asynchronous load that every rank acts on alike. TensorRT-LLM
-//! with TP > 1 resumes a parked request only once every rank reported it loaded (its connector
-//! manager intersects the ranks' `get_finished` answers), and each rank then computes on its own
-//! copy of the request; so each rank must know, before it reports, whether the load succeeded on
-//! *every* rank and, if not, from which token every rank recomputes. The leader is the one place
+//! resumes a parked request only once every rank reported it loaded (its connector manager
+//! intersects the ranks' `get_finished` answers), and each rank then computes on its own copy of
+//! the request; so each rank must know, before it reports, whether the load succeeded on *every*
+//! rank and, if not, from which token every rank recomputes. With one rank the verdict is the
+//! same rule (the adapter rewinds the request to its token: `connector::recovery`). The leader is the one place
 //! that hears every rank's job reports, so it decides; the adapter carries the decision to every
 //! rank (`LoadVerdicts` bytes) and the workers report a load only once its verdict arrived
 //! (`connector::worker`, `Worker::set_load_verdicts`).
@@ -27,8 +28,8 @@ pub(super) struct Pending {
 }
 
 impl Leader {
-    /// Issue a [`LoadVerdict`] for every asynchronous load (TensorRT-LLM with TP > 1, where the
-    /// adapter gives every rank the same verdicts). Off by default: nothing is kept for engines
+    /// Issue a [`LoadVerdict`] for every asynchronous load (TensorRT-LLM at any TP size, where
+    /// the adapter gives every rank the same verdicts). Off by default: nothing is kept for engines
     /// that do not take them.
     pub fn set_load_verdicts(&mut self, on: bool) {
         self.verdicts = if on { Some(Vec::new()) } else { None };
@@ -154,12 +155,16 @@ mod tests {
     /// tokens matched (16 tokens, blocks 0..4), allocated at device blocks 20.. and stepped: the
     /// metadata carries its asynchronous load.
     fn parked(verdicts: bool, async_loads: bool) -> (Leader, StepMetadata) {
+        parked_on(2, verdicts, async_loads)
+    }
+
+    fn parked_on(ranks: u32, verdicts: bool, async_loads: bool) -> (Leader, StepMetadata) {
         let mut cfg = LeaderConfig::new(4, HashSalt(3), 16);
         cfg.async_loads = async_loads;
         cfg.layout = Some(ClusterLayout {
             block_size: 4,
             num_device_blocks: 64,
-            bytes_per_block: vec![64, 64],
+            bytes_per_block: vec![64; ranks as usize],
         });
         let mut l = Leader::new(cfg).unwrap();
         l.set_load_verdicts(verdicts);
@@ -171,7 +176,7 @@ mod tests {
             })
             .unwrap();
         for job in m.stores.iter().map(|s| s.job.id).collect::<Vec<_>>() {
-            for rank in 0..2 {
+            for rank in 0..ranks {
                 let outcome = TransferOutcome::Ok;
                 l.apply_report(WorkerReport { rank, job, outcome });
             }
@@ -207,6 +212,20 @@ mod tests {
         };
         assert_eq!(v, vec![want]);
         assert!(l.take_load_verdicts().is_empty(), "one verdict per load");
+    }
+
+    /// One rank (TensorRT-LLM TP = 1 takes the same rule): the verdict's token is the first
+    /// token of the first block that failed, so the rewind never passes a block left unfilled.
+    #[test]
+    fn a_single_rank_recomputes_from_its_first_failed_block() {
+        let (mut l, m) = parked_on(1, true, true);
+        report(&mut l, 0, &m, &[3, 2]);
+        let v = l.take_load_verdicts();
+        let want = LoadVerdict {
+            request: "r".into(),
+            recompute_from: Some(8),
+        };
+        assert_eq!(v, vec![want]);
     }
 
     #[test]

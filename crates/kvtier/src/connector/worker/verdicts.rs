@@ -1,4 +1,4 @@
-//! Load verdicts on the worker side (TensorRT-LLM with TP > 1; the leader's side is
+//! Load verdicts on the worker side (TensorRT-LLM at any TP size; the leader's side is
 //! `connector::leader::verdicts`): with verdicts on, an asynchronous load finished on this rank
 //! is reported only once the leader's verdict for it arrived, and as the verdict says.
 //!
@@ -14,7 +14,7 @@ use std::collections::HashMap;
 
 impl Worker {
     /// Report asynchronous loads only by the leader's verdicts ([`Worker::apply_load_verdicts`]),
-    /// the same on every rank: TensorRT-LLM with TP > 1. Off by default.
+    /// the same on every rank: TensorRT-LLM. Off by default.
     pub fn set_load_verdicts(&mut self, on: bool) {
         self.verdicts = if on { Some(HashMap::new()) } else { None };
     }
