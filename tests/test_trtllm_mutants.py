@@ -120,7 +120,7 @@ def scenario_tp2_disk_fault_on_rank_1(env, tmp, S, W):
     e.relay_reports()
     corrupt_rank_disk(tmp / "disk", 1)
     again = [e.add_request(p, 4) for p in prompts]
-    e.run(max_steps=400)
+    e.run(max_steps=400, min_seconds=10.0)
     assert tokens(again) == reference_tokens(prompts, 4)
 
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -86,6 +87,22 @@ class EngineStats:
     hook_free_forwards: int = 0
     cancel_loads: int = 0
     device_and_connector: int = 0  # matches on top of a device prefix (num_computed_tokens > 0)
+
+
+def drain(engine: Any, settle: Callable[[], None], max_steps: int, min_seconds: float) -> None:
+    """Step ``engine`` until a step has nothing left to do, then ``settle`` (wait for kvtier's copies) and relay the
+    ranks' reports. A real executor iterates as fast as it can while loads complete, so a step count alone is not a
+    bound on a loaded machine (10,000 idle steps take ~0.1 s; one slow disk read outlasts them): the engine is
+    declared stuck only once it used ``max_steps`` steps *and* ``min_seconds`` of wall time."""
+    start = time.monotonic()
+    steps = 0
+    while steps < max_steps or time.monotonic() - start < min_seconds:
+        steps += 1
+        if not engine.step():
+            settle()
+            engine.relay_reports()
+            return
+    raise AssertionError(f"engine did not drain in {steps} steps and {time.monotonic() - start:.1f} s")
 
 
 class FakeTrtllmEngine:
@@ -695,12 +712,10 @@ class FakeTrtllmEngine:
             self.saving.pop(rid)
             self._free(rid)
 
-    def run(self, max_steps: int = 10_000) -> None:
-        for _ in range(max_steps):
-            if not self.step():
-                for w in self.workers.values():
-                    if getattr(w, "native", None) is not None:
-                        w.native.wait_idle()
-                self.relay_reports()
-                return
-        raise AssertionError(f"engine did not drain in {max_steps} steps")
+    def run(self, max_steps: int = 10_000, min_seconds: float = 60.0) -> None:
+        def settle() -> None:
+            for w in self.workers.values():
+                if getattr(w, "native", None) is not None:
+                    w.native.wait_idle()
+
+        drain(self, settle, max_steps, min_seconds)

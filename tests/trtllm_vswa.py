@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from trtllm_driver import FakeTrtllmEngine
+from trtllm_driver import FakeTrtllmEngine, drain
 from trtllm_model import (CONTEXT_STATES, BlockManager, Geometry, KvCacheLayerGroupLayout, KvCacheLayout,
                           KvCacheRegion, LlmRequestState, RequestData, make_pool)
 
@@ -266,12 +266,10 @@ class VswaEngine(FakeTrtllmEngine):
         if not keep_expected:
             self.expected_cache = {k: v for k, v in self.expected_cache.items() if k[0] != rid}
 
-    def run(self, max_steps: int = 10_000) -> None:
-        for _ in range(max_steps):
-            if not self.step():
-                for w in self.workers.values():
-                    for native in getattr(w, "natives", []):
-                        native.wait_idle()
-                self.relay_reports()
-                return
-        raise AssertionError(f"engine did not drain in {max_steps} steps")
+    def run(self, max_steps: int = 10_000, min_seconds: float = 60.0) -> None:
+        def settle() -> None:
+            for w in self.workers.values():
+                for native in getattr(w, "natives", []):
+                    native.wait_idle()
+
+        drain(self, settle, max_steps, min_seconds)
