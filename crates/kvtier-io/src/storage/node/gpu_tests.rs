@@ -19,6 +19,7 @@ use super::{NodeClientOptions, NodeOptions, NodeServer, NodeStore};
 use crate::storage::host::{HostOptions, HostStorage, PinMode};
 use crate::sys::cuda::{self as cu, DeviceAlloc, Driver};
 use crate::sys::job;
+use crate::transfer::cuda::gpu_tests::{load_layered_and_check, print_layered_rates};
 use crate::transfer::device::DeviceKind;
 use crate::transfer::engine::TransferEngine;
 use crate::transfer::layout::{BlockChunks, StridedLayout};
@@ -329,40 +330,8 @@ fn node_loads_are_ordered_and_layered() {
     let load = crate::transfer::numbered_job(JobId(900), Tier::Remote, Tier::Device, &pairs, |i| {
         keys[i as usize]
     });
-    let engine = cu::Stream::new(false).unwrap();
-    let seen = DeviceAlloc::new(n as usize * BPB).unwrap();
-    let layer_bytes = BPB / LAYERS;
-    let f = e.fence(Some(engine.raw() as u64)).unwrap();
-    let mut layers_seen = 0;
-    let out = e.execute_layered(&load, &f, engine.raw() as u64, &mut |gate| {
-        let gate = gate.expect("a node load over a registered arena loads layered");
-        layers_seen = gate.layers();
-        for l in 0..LAYERS {
-            gate.wait_layer(l, engine.raw() as u64).unwrap();
-            for i in 0..n {
-                let mut chunks = Vec::new();
-                layout.chunks(2 * n - 1 - i, &mut chunks).unwrap();
-                let mut at = (i as usize * BPB + l * layer_bytes) as u64;
-                for c in &chunks[2 * l..2 * l + 2] {
-                    // Both ranges are live device allocations of this test.
-                    job::memcpy_async(seen.addr() + at, c.addr, c.len, &engine).unwrap();
-                    at += c.len as u64;
-                }
-            }
-        }
-    });
-    assert!(out.is_ok(), "layered node load {out:?}");
-    assert_eq!(layers_seen, LAYERS);
-    engine.synchronize().unwrap();
-    let mut got = vec![0u8; BPB];
-    for i in 0..n {
-        seen.download(i as usize * BPB, &mut got).unwrap();
-        assert!(
-            got == expected[i as usize],
-            "the engine read block {} before its copies from the node",
-            2 * n - 1 - i
-        );
-    }
+    let dsts: Vec<u32> = pairs.iter().map(|p| p.1).collect();
+    load_layered_and_check(&e, &load, &layout, &dsts, &expected, "node");
     // A job naming a block the node does not hold: not ordered, the pair reported failed.
     let missing =
         crate::transfer::numbered_job(JobId(901), Tier::Remote, Tier::Device, &pairs, |i| {
@@ -372,29 +341,11 @@ fn node_loads_are_ordered_and_layered() {
                 keys[i as usize]
             }
         });
+    let engine = cu::Stream::new(false).unwrap();
     let f = e.fence(Some(engine.raw() as u64)).unwrap();
     let mut called = false;
     let out = e.execute_layered(&missing, &f, engine.raw() as u64, &mut |_| called = true);
     assert!(!called, "a node load with a missing block was ordered");
     assert_eq!(out.failed_pairs(), vec![3]);
-    // Rates (information, not asserted): the same load whole-ordered and layered.
-    for layered in [false, true] {
-        let f = e.fence(Some(engine.raw() as u64)).unwrap();
-        engine.synchronize().unwrap();
-        let t = Instant::now();
-        let out = if layered {
-            e.execute_layered(&load, &f, engine.raw() as u64, &mut |_| {})
-        } else {
-            e.execute_ordered(&load, &f, engine.raw() as u64, &mut || {})
-        };
-        assert!(out.is_ok());
-        let s = t.elapsed().as_secs_f64();
-        println!(
-            "node {} load of {} MiB: {:.2} ms, {:.1} GB/s",
-            if layered { "layered" } else { "whole-ordered" },
-            (n as usize * BPB) >> 20,
-            s * 1e3,
-            (n as usize * BPB) as f64 / s / 1e9
-        );
-    }
+    print_layered_rates(&e, &load, "node");
 }

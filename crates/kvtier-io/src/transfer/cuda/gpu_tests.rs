@@ -184,6 +184,88 @@ fn device_pointers_are_checked_with_the_driver() {
     println!("device pointer check: device memory passes, invented/host/freed refused");
 }
 
+/// Play the engine of a layered load: `execute_layered(load)` on a stream of its own; in
+/// `enqueued`, for each layer in turn, wait on the gate for that layer only, then copy that
+/// layer's chunks of every destination block (`dsts[i]`, pair `i`) to a buffer on that stream.
+/// Every byte read must be the stored one (`expected[i]`): a layer's event recorded before its
+/// copies (or for the wrong layer) lets the engine read the old bytes. `what` names the source.
+pub(crate) fn load_layered_and_check(
+    e: &TransferEngine,
+    load: &TransferJob,
+    layout: &StridedLayout,
+    dsts: &[u32],
+    expected: &[Vec<u8>],
+    what: &str,
+) {
+    let engine = Stream::new(false).unwrap();
+    let seen = DeviceAlloc::new(dsts.len() * BPB).unwrap();
+    let layer_bytes = BPB / LAYERS;
+    let f = e.fence(Some(engine.raw() as u64)).unwrap();
+    let mut layers_seen = 0;
+    let out = e.execute_layered(load, &f, engine.raw() as u64, &mut |gate| {
+        let gate =
+            gate.unwrap_or_else(|| panic!("a vLLM-shaped load from the {what} was not layered"));
+        layers_seen = gate.layers();
+        for l in 0..LAYERS {
+            gate.wait_layer(l, engine.raw() as u64).unwrap();
+            for (i, &d) in dsts.iter().enumerate() {
+                let mut chunks = Vec::new();
+                layout.chunks(d, &mut chunks).unwrap();
+                let mut at = (i * BPB + l * layer_bytes) as u64;
+                for c in &chunks[2 * l..2 * l + 2] {
+                    // Both ranges are live device allocations of this test.
+                    job::memcpy_async(seen.addr() + at, c.addr, c.len, &engine).unwrap();
+                    at += c.len as u64;
+                }
+            }
+        }
+    });
+    assert!(out.is_ok(), "layered load from the {what}: {out:?}");
+    assert_eq!(layers_seen, LAYERS);
+    engine.synchronize().unwrap();
+    let mut got = vec![0u8; BPB];
+    for (i, want) in expected.iter().enumerate() {
+        seen.download(i * BPB, &mut got).unwrap();
+        if &got != want {
+            let l = (0..LAYERS)
+                .find(|&l| {
+                    got[l * layer_bytes..(l + 1) * layer_bytes]
+                        != want[l * layer_bytes..(l + 1) * layer_bytes]
+                })
+                .unwrap_or(0);
+            panic!(
+                "the engine read layer {l} of block {} before its copies from the {what}",
+                dsts[i]
+            );
+        }
+    }
+}
+
+/// Rates (information, not asserted): `load` whole-ordered and layered, on a fresh stream.
+pub(crate) fn print_layered_rates(e: &TransferEngine, load: &TransferJob, what: &str) {
+    let engine = Stream::new(false).unwrap();
+    let bytes = load.len() * BPB;
+    for layered in [false, true] {
+        let f = e.fence(Some(engine.raw() as u64)).unwrap();
+        engine.synchronize().unwrap();
+        let t = std::time::Instant::now();
+        let out = if layered {
+            e.execute_layered(load, &f, engine.raw() as u64, &mut |_| {})
+        } else {
+            e.execute_ordered(load, &f, engine.raw() as u64, &mut || {})
+        };
+        assert!(out.is_ok());
+        let s = t.elapsed().as_secs_f64();
+        println!(
+            "{what}: {} load of {} MiB: {:.2} ms, {:.1} GB/s",
+            if layered { "layered" } else { "whole-ordered" },
+            bytes >> 20,
+            s * 1e3,
+            bytes as f64 / s / 1e9
+        );
+    }
+}
+
 /// Layered loads (issue 27): host i -> device block 2N-1-i through `execute_layered`; in
 /// `enqueued`, for each layer in turn the "engine" waits on the gate for that layer only, then
 /// copies that layer's chunks of every destination block on its own stream. Every byte it read
@@ -211,67 +293,9 @@ fn layered_loads_are_seen_layer_by_layer() {
         .execute(&job(Tier::Device, Tier::Host, (0..n).map(|b| (b, b))), &f)
         .is_ok());
     let expected: Vec<Vec<u8>> = (0..n).map(|i| block(&mem, &layout, i)).collect();
-    let engine = Stream::new(false).unwrap();
-    let seen = DeviceAlloc::new(n as usize * BPB).unwrap();
-    let layer_bytes = BPB / LAYERS;
     let load = job(Tier::Host, Tier::Device, (0..n).map(|i| (i, 2 * n - 1 - i)));
-    let f = e.fence(Some(engine.raw() as u64)).unwrap();
-    let mut layers_seen = 0;
-    let out = e.execute_layered(&load, &f, engine.raw() as u64, &mut |gate| {
-        let gate = gate.expect("a vLLM-shaped layout over a pinned host tier loads layered");
-        layers_seen = gate.layers();
-        for l in 0..LAYERS {
-            gate.wait_layer(l, engine.raw() as u64).unwrap();
-            for i in 0..n {
-                let mut chunks = Vec::new();
-                layout.chunks(2 * n - 1 - i, &mut chunks).unwrap();
-                let mut at = (i as usize * BPB + l * layer_bytes) as u64;
-                for c in &chunks[2 * l..2 * l + 2] {
-                    // Both ranges are live device allocations of this test.
-                    job::memcpy_async(seen.addr() + at, c.addr, c.len, &engine).unwrap();
-                    at += c.len as u64;
-                }
-            }
-        }
-    });
-    assert!(out.is_ok(), "layered load {out:?}");
-    assert_eq!(layers_seen, LAYERS);
-    engine.synchronize().unwrap();
-    let mut got = vec![0u8; BPB];
-    for i in 0..n {
-        seen.download(i as usize * BPB, &mut got).unwrap();
-        if got != expected[i as usize] {
-            let l = (0..LAYERS)
-                .find(|&l| {
-                    got[l * layer_bytes..(l + 1) * layer_bytes]
-                        != expected[i as usize][l * layer_bytes..(l + 1) * layer_bytes]
-                })
-                .unwrap_or(0);
-            panic!(
-                "the engine read layer {l} of block {} before its copies",
-                2 * n - 1 - i
-            );
-        }
-    }
-    // Rates (information, not asserted): the same 1 GiB load whole-ordered and layered.
-    for layered in [false, true] {
-        let f = e.fence(Some(engine.raw() as u64)).unwrap();
-        engine.synchronize().unwrap();
-        let t = std::time::Instant::now();
-        let out = if layered {
-            e.execute_layered(&load, &f, engine.raw() as u64, &mut |_| {})
-        } else {
-            e.execute_ordered(&load, &f, engine.raw() as u64, &mut || {})
-        };
-        assert!(out.is_ok());
-        let s = t.elapsed().as_secs_f64();
-        println!(
-            "{} load of {} MiB: {:.2} ms, {:.1} GB/s",
-            if layered { "layered" } else { "whole-ordered" },
-            (n as usize * BPB) >> 20,
-            s * 1e3,
-            (n as usize * BPB) as f64 / s / 1e9
-        );
-    }
+    let dsts: Vec<u32> = (0..n).map(|i| 2 * n - 1 - i).collect();
+    load_layered_and_check(&e, &load, &layout, &dsts, &expected, "host tier");
+    print_layered_rates(&e, &load, "host tier");
     println!("layered loads bit-exact, layer by layer");
 }

@@ -588,7 +588,7 @@ fn compile_kernel() -> CuResult<Kernel> {
 }
 
 #[cfg(test)]
-mod gpu_tests;
+pub(crate) mod gpu_tests;
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
