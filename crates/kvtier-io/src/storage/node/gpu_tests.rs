@@ -50,6 +50,19 @@ fn fill(mem: &DeviceAlloc, seed: u64) {
     }
 }
 
+/// A device KV cache of `total` 2 MiB blocks in vLLM's per-layer layout (K and V planes of each
+/// layer, 32 KiB per block each), filled with seeded random bytes.
+pub(crate) fn per_layer_cache(total: u32, seed: u64) -> (DeviceAlloc, StridedLayout) {
+    let mem = DeviceAlloc::new(total as usize * BPB).unwrap();
+    fill(&mem, seed);
+    let lb = 2 * total as usize * CHUNK;
+    let bases: Vec<DevicePtr> = (0..LAYERS)
+        .map(|l| DevicePtr::new(mem.addr() + (l * lb) as u64).unwrap())
+        .collect();
+    let layout = StridedLayout::kv_per_layer(&bases, total, CHUNK).unwrap();
+    (mem, layout)
+}
+
 /// A block of 2 MiB in canonical order, read from `mem` (`layout` describes `mem`).
 pub(crate) fn block(mem: &DeviceAlloc, layout: &StridedLayout, b: u32) -> Vec<u8> {
     let mut chunks = Vec::new();
@@ -204,13 +217,7 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
     let _driver = Driver::open(0).unwrap();
     // Source blocks 0..n, destination blocks n..2n of one per-layer cache.
     let total = 2 * n;
-    let mem = DeviceAlloc::new(total as usize * BPB).unwrap();
-    fill(&mem, 7);
-    let lb = 2 * total as usize * CHUNK;
-    let bases: Vec<DevicePtr> = (0..LAYERS)
-        .map(|l| DevicePtr::new(mem.addr() + (l * lb) as u64).unwrap())
-        .collect();
-    let layout = StridedLayout::kv_per_layer(&bases, total, CHUNK).unwrap();
+    let (mem, layout) = per_layer_cache(total, 7);
     let kind = DeviceKind::Cuda(0);
     let keys: Vec<u128> = (0..total)
         .map(|b| (0x6e6f6465u128 << 64) | b as u128)
@@ -293,13 +300,7 @@ fn node_loads_are_ordered_and_layered() {
     let _driver = Driver::open(0).unwrap();
     let n: u32 = 256;
     let total = 2 * n;
-    let mem = DeviceAlloc::new(total as usize * BPB).unwrap();
-    fill(&mem, 13);
-    let lb = 2 * total as usize * CHUNK;
-    let bases: Vec<DevicePtr> = (0..LAYERS)
-        .map(|l| DevicePtr::new(mem.addr() + (l * lb) as u64).unwrap())
-        .collect();
-    let layout = StridedLayout::kv_per_layer(&bases, total, CHUNK).unwrap();
+    let (mem, layout) = per_layer_cache(total, 13);
     let dir = tempfile::tempdir().unwrap();
     let mut o = NodeOptions::new(dir.path().join("node.sock"), (n as u64 + 8) * BPB as u64);
     if !std::path::Path::new("/dev/shm").is_dir() {

@@ -14,7 +14,7 @@ use kvtier::transfer::{BlockTransfer, TransferJob};
 use kvtier::{JobId, Tier};
 
 use crate::storage::host::{HostOptions, HostStorage, PinMode};
-use crate::storage::node::gpu_tests::{block, BPB, CHUNK, LAYERS};
+use crate::storage::node::gpu_tests::{block, per_layer_cache, BPB, CHUNK, LAYERS};
 use crate::sys::cuda::{self as cu, DeviceAlloc, Driver, Stream};
 use crate::sys::job;
 use crate::transfer::device::DeviceKind;
@@ -280,13 +280,7 @@ fn layered_loads_are_seen_layer_by_layer() {
     let _driver = Driver::open(0).unwrap();
     let n: u32 = 512;
     let total = 2 * n;
-    let mem = DeviceAlloc::new(total as usize * BPB).unwrap();
-    fill(&mem, 11);
-    let lb = 2 * total as usize * CHUNK;
-    let bases: Vec<DevicePtr> = (0..LAYERS)
-        .map(|l| DevicePtr::new(mem.addr() + (l * lb) as u64).unwrap())
-        .collect();
-    let layout = StridedLayout::kv_per_layer(&bases, total, CHUNK).unwrap();
+    let (mem, layout) = per_layer_cache(total, 11);
     let e = pinned_engine(&layout, n);
     let f = e.fence(None).unwrap();
     assert!(e
