@@ -256,11 +256,14 @@ impl PyLeader {
         let leader = g.ready(py)?;
         // Records of requests whose page ids had a hole the leader cannot take are dropped
         // (`Leader::screen_record`), with their priorities.
-        let mut keep = Vec::with_capacity(step.records.len());
-        for r in &step.records {
-            keep.push(leader.screen_record(r).map_err(BridgeError::from)?);
+        // (Nothing is allocated in a step that drops none: the per-step path.)
+        let mut keep: Option<Vec<bool>> = None;
+        for (i, r) in step.records.iter().enumerate() {
+            if !leader.screen_record(r).map_err(BridgeError::from)? {
+                keep.get_or_insert_with(|| vec![true; step.records.len()])[i] = false;
+            }
         }
-        if keep.contains(&false) {
+        if let Some(keep) = keep {
             let mut k = keep.iter();
             step.records.retain(|_| k.next().copied().unwrap_or(true));
             let mut k = keep.iter();

@@ -42,8 +42,9 @@ impl CopyDir {
 /// A synchronous load's ordering ([`kvtier::transfer::BlockTransfer::execute_ordered`] and
 /// `execute_layered`): the engine's stream (raw handle), whether the load may go layer by layer,
 /// whether kernels may read its source at its host addresses (pinned and registered memory: the
-/// host tier's when pinned, the node's arena on the direct path), and the call that lets the
-/// engine go on (with the layer gate of a layered load).
+/// host tier's when pinned, the node's arena on the direct path: false until the path that
+/// knows the source sets it), and the call that lets the engine go on (with the layer gate of a
+/// layered load).
 pub(crate) struct Ordering<'a> {
     pub(crate) stream: u64,
     pub(crate) layered: bool,

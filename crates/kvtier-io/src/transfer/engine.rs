@@ -473,7 +473,13 @@ impl TransferEngine {
             }
         }
         // A job with a pair already failed is not ordered: the engine waits for its outcome.
-        let order = order.filter(|_| res.failures.is_empty() && !way.to_host());
+        let order = order
+            .filter(|_| res.failures.is_empty() && !way.to_host())
+            .map(|mut o| {
+                // Kernels may read the host tier at its addresses only when it is pinned.
+                o.readable = self.host_pinned();
+                o
+            });
         for (i, reason) in dev.copy(&items, way, fence, order) {
             res.fail(i, reason);
         }
@@ -620,7 +626,7 @@ impl BlockTransfer for TransferEngine {
         let order = self.orderable(job).then_some(Ordering {
             stream: engine_stream,
             layered: false,
-            readable: self.host_pinned(),
+            readable: false,
             enqueued: &mut whole,
         });
         self.logged(job, || self.run(job, fence, order))
@@ -638,7 +644,7 @@ impl BlockTransfer for TransferEngine {
         let order = self.orderable(job).then_some(Ordering {
             stream: engine_stream,
             layered: true,
-            readable: self.host_pinned(),
+            readable: false,
             enqueued,
         });
         self.logged(job, || self.run(job, fence, order))

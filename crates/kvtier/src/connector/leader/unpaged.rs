@@ -96,7 +96,8 @@ impl Leader {
             }
             self.exclude(&r.request_id, "a -1 page id in new_block_ids");
         }
-        Ok(!self.unpaged.excluded.contains(&r.request_id))
+        // No hashing of the id while nothing is excluded (every vLLM step).
+        Ok(self.unpaged.excluded.is_empty() || !self.unpaged.excluded.contains(&r.request_id))
     }
 
     /// The request finished: forget its exclusion (the engine may reuse its id).
