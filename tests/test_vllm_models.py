@@ -94,7 +94,12 @@ def test_a_gemma3_shaped_model_replays_exactly_with_the_hybrid_manager(tmp_path_
         # A group's block is its one layer's KV.
         assert nbytes == blocks * LAYER_BYTES, d
         if w:  # the window of each replay's hit end, nothing before it
-            assert blocks == WINDOW_BLOCKS * len(PHASE), (g, d)
+            # Once per prompt; a request vLLM preempted during the replay is matched and loaded again (which requests
+            # run together depends on when their asynchronous loads complete: timing, under CPU load), and each
+            # load is again exactly its window. A clean-clone CI run under load got 18 = 16 + one reload.
+            loads = blocks // WINDOW_BLOCKS
+            assert blocks % WINDOW_BLOCKS == 0, (g, d)
+            assert len(PHASE) <= loads <= len(PHASE) + d.get("preempted_requests", 0), (g, d)
         else:  # the whole prefix, less what vLLM's device cache still had (the shared 64-token prefix)
             assert blocks >= (HIT_BLOCKS - 2) * len(PHASE), (g, d)
     replayed = HIT_BLOCKS * BLOCK_SIZE * len(PHASE)
