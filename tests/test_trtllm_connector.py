@@ -196,7 +196,7 @@ def test_decode_worker_with_a_connector_is_rejected_upstream(host_only):
 
 
 def test_tp2_over_zeromq_in_one_process(host_only):
-    host_only.setenv("KVTIER_ZMQ_ENDPOINT", trtllm._free_endpoint())
+    host_only.setenv("KVTIER_ZMQ_ENDPOINT", trtllm._free_endpoints(1)[0])
     host_only.setenv("KVTIER_LEADER_WORKER_TIMEOUT_SECS", "20")
     prompts = workload(seed=13, n_docs=4, per_doc=2)
     want = reference_tokens(prompts, 4)

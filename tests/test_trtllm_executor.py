@@ -208,7 +208,7 @@ def test_two_engines_on_one_host_get_their_own_ports(host_only, monkeypatch):
     a = trtllm.KvtierConnectorScheduler(args)
     monkeypatch.setattr(trtllm, "_channel", lambda: "port-test-b")
     b = trtllm.KvtierConnectorScheduler(args)
-    ea, eb = trtllm._Engine.of("port-test-a").endpoint, trtllm._Engine.of("port-test-b").endpoint
+    ea, eb = trtllm._Engine.of("port-test-a").endpoints[0], trtllm._Engine.of("port-test-b").endpoints[0]
     assert ea and eb and ea != eb and "56119" not in ea + eb
     a.leader.shutdown()
     b.leader.shutdown()

@@ -181,8 +181,8 @@ class WorkerTakesAVerdictForSuccess(trtllm.KvtierConnectorWorker):
 
     def _get_finished_by_verdict(self, finished, started, manager):
         w = self._worker
-        for blob in self._share_verdicts():
-            w.apply_load_verdicts(blob)
+        for blobs in self._share_verdicts():
+            w.apply_load_verdicts(blobs[0])
         saved, loaded, recompute = w.get_finished_by_verdict(trtllm._ids(finished), trtllm._ids(started))
         return [int(x) for x in saved], [int(r) for r in loaded] + [int(r) for r, _ in recompute]
 
@@ -192,8 +192,8 @@ class WorkerWithholdsFailedLoads(trtllm.KvtierConnectorWorker):
 
     def _get_finished_by_verdict(self, finished, started, manager):
         w = self._worker
-        for blob in self._share_verdicts():
-            w.apply_load_verdicts(blob)
+        for blobs in self._share_verdicts():
+            w.apply_load_verdicts(blobs[0])
         saved, loaded, _ = w.get_finished_by_verdict(trtllm._ids(finished), trtllm._ids(started))
         return [int(x) for x in saved], [int(r) for r in loaded]
 
@@ -225,7 +225,7 @@ MUTANTS = {
                                          AssertionError),
     "tp_failed_load_withheld": (scenario_tp2_disk_fault_on_rank_1, S0, WorkerWithholdsFailedLoads, {}, AssertionError),
     "fixed_default_port": (scenario_two_engines_ports, S0, W0,
-                           {"_free_endpoint": lambda: "tcp://127.0.0.1:56119"}, kvtier.KvtierError),
+                           {"_free_endpoints": lambda n: ["tcp://127.0.0.1:56119"] * n}, kvtier.KvtierError),
 }
 
 

@@ -64,16 +64,20 @@ def test_a_sliding_window_model_is_refused_at_start_naming_its_layers(host_only,
     args = LlmArgs(16, 1, 0, model)
     with pytest.raises(kvtier.ConfigError, match="sliding-window attention .*layers"):
         trtllm.KvtierConnectorWorker(args)
-    # KVCacheManagerV2 with one rank is served; with two ranks it is refused, naming the setting.
+    # KVCacheManagerV2 is served with the host tier, with one rank or two (tests/test_trtllm_vswa.py runs both).
     args.kv_cache_config.use_kv_cache_manager_v2 = True
     trtllm.KvtierConnectorWorker(args)
     tp2 = LlmArgs(16, 2, 0, model)
     tp2.kv_cache_config.use_kv_cache_manager_v2 = True
-    with pytest.raises(kvtier.ConfigError, match="with tensor parallelism: .*tensor_parallel_size=1") as e:
-        trtllm.KvtierConnectorWorker(tp2)
-    # The reason is TensorRT-LLM's, not kvtier's bookkeeping (issue 25): a rewind lands on -1 pages.
-    for f in ["rewinding the request on every rank", "_stale_block_range", "without a page"]:
-        assert f in str(e.value), str(e.value)
+    trtllm.KvtierConnectorWorker(tp2)
+    # A tier whose loads can fail is refused at any TP size: the recompute would land on -1 pages.
+    host_only.setenv("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "64")
+    for a in (args, tp2):
+        with pytest.raises(kvtier.ConfigError, match="with a disk tier: .*host tier alone") as e:
+            trtllm.KvtierConnectorWorker(a)
+        # The reason is TensorRT-LLM's, not kvtier's bookkeeping (issue 25): a recompute lands on -1 pages.
+        for f in ["_stale_block_range", "without a page"]:
+            assert f in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("cfg", [

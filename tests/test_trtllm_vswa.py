@@ -100,6 +100,28 @@ def test_the_flat_form_carries_holes_for_one_sliding_window(host_only):
     assert st["onboard_host_blocks"] == sum(window_blocks(n, 48) for n in hits) > 0
 
 
+@pytest.mark.parametrize("windows", [ALTERNATING, [32, 64, None, 32], [48] * 4],
+                         ids=["window+full", "two-windows+full", "one-window"])
+def test_tensor_parallel_ranks_each_read_their_share_of_the_models_kv(host_only, windows):
+    """TP=2 with the host tier (TensorRT-LLM runs Gemma-3-class models this way): every rank's forward
+    reads its own heads' KV, window by window, exactly as the model wrote it, with replay hits; each
+    group's leader loads its window's share, and rank 1's reports reach each group's leader."""
+    geo = Geometry(num_layers=4, world_size=2, kv_heads=4)
+    prompts = workload(lo=80, hi=140)
+    want = reference_tokens(prompts, 12)
+    e = VswaEngine(trtllm.KvtierConnectorScheduler, trtllm.KvtierConnectorWorker, windows=windows, geo=geo,
+                   num_device_blocks=24, chunk_size=32)
+    first, second = replay(e, prompts, 12)
+    assert tokens(first) == want and tokens(second) == want
+    hits = [r.py_num_connector_matched_tokens for r in e.finished.values()]
+    assert sum(r.py_num_connector_matched_tokens for r in second) >= len(prompts) * TPB, hits
+    kinds = sorted(set(windows), key=lambda w: (w is not None, w or 0))  # kvtier's order
+    for g, w in enumerate(kinds):
+        st = e.scheduler.leaders[g].stats()
+        assert st["onboard_host_blocks"] == sum(window_blocks(n, w) for n in hits) > 0, (w, st, hits)
+    assert all(w.unrecoverable_loads == 0 and w.recomputed_loads == 0 for w in e.workers.values())
+
+
 def test_a_disk_tier_under_a_window_is_refused_at_start(kvtier_env, tmp_path):
     """A failed disk (or remote) load is recovered by recomputing the request from where kvtier's offer began, but
     KVCacheManagerV2 gave the window group no page (-1) for the blocks behind the window of the served end

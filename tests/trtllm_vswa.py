@@ -1,5 +1,5 @@
 """The 1.4 executor driver (``trtllm_driver.FakeTrtllmEngine``) with sliding-window and variable
-sliding-window attention (VSWA) on KVCacheManagerV2, one rank.
+sliding-window attention (VSWA) on KVCacheManagerV2, one rank or several.
 
 Modelled (TensorRT-LLM 1.4, ``tensorrt_llm/_torch/pyexecutor/...``):
 
@@ -26,7 +26,11 @@ Modelled (TensorRT-LLM 1.4, ``tensorrt_llm/_torch/pyexecutor/...``):
   metadata is bound (``_after_bind``), not at allocation, so a connector's store still reading a
   page the window released is caught only if it is not fenced.
 
-Not modelled: device prefix reuse across requests (``num_computed_tokens`` is always 0), TP > 1,
+Tensor parallelism: every rank has the same layer groups and page ids, and its share of the KV heads
+(``KvCacheLayout`` per rank); ranks > 0 in this process report to each group's leader through the
+driver (link "engine"), or over ZeroMQ when they are processes.
+
+Not modelled: device prefix reuse across requests (``num_computed_tokens`` is always 0),
 attention sinks (``num_sink_tokens`` is None in 1.4's configurations).
 
 Checks: a sliding layer's forward reads exactly the positions its window reaches
@@ -49,7 +53,7 @@ class VswaEngine(FakeTrtllmEngine):
 
     def __init__(self, scheduler_cls: Optional[type], worker_cls: Optional[type], *, windows: list,
                  geo: Geometry, group_order: str = "first-layer", max_seq_len: int = 4096, **kw: Any):
-        assert len(windows) == geo.num_layers and geo.world_size == 1
+        assert len(windows) == geo.num_layers
         groups: list = []
         for w in windows:
             if w not in groups:
@@ -76,7 +80,7 @@ class VswaEngine(FakeTrtllmEngine):
 
     def _make_pools(self, pool_kind: str, num_device_blocks: int) -> dict:
         self.group_geo = [Geometry(num_layers=len(ls), kv_heads=self.geo.kv_heads, head_dim=self.geo.head_dim,
-                                   tokens_per_block=self.geo.tokens_per_block, world_size=1)
+                                   tokens_per_block=self.geo.tokens_per_block, world_size=self.geo.world_size)
                           for ls in self.group_layers]
         return {r: [make_pool(pool_kind, num_device_blocks, g) for g in self.group_geo] for r in self.comm.local}
 
@@ -90,6 +94,22 @@ class VswaEngine(FakeTrtllmEngine):
             one = pool.layout().groups[0]
             groups.append(KvCacheLayerGroupLayout(g, tuple(self.group_layers[g]), self.group_windows[g], one.regions))
         return KvCacheLayout(self.geo.tokens_per_block, tuple(groups))
+
+    def relay_reports(self) -> None:
+        """Ranks > 0 in this process (link "engine"): each group's worker reports to its group's leader."""
+        if self.scheduler is None:
+            return
+        for r, w in self.workers.items():
+            if r > 0:
+                for leader, native in zip(self.scheduler.leaders, getattr(w, "natives", [])):
+                    blob = native.take_reports()
+                    if blob:
+                        leader.apply_reports(blob)
+
+    def _columns(self, rank: int) -> slice:
+        """This rank's share of the model's heads (tensor parallelism splits the KV heads)."""
+        g = self.geo
+        return slice(rank * g.heads_per_rank * g.head_dim, (rank + 1) * g.heads_per_rank * g.head_dim)
 
     def _after_bind(self) -> None:
         for g, pages in self.pending_garbage:
@@ -206,12 +226,13 @@ class VswaEngine(FakeTrtllmEngine):
             f"{what}: request {req.request_id} layer {layer}: the window reads a block without a page: {table}")
         for plane in (0, 1):
             got = self.pools[rank][g].read_positions(table, local, plane, n)[lo:]
-            want = self._expected(req, layer, plane, n)[lo:]
+            want = self._expected(req, layer, plane, n)[lo:, self._columns(rank)]
             if not (got == want).all():
                 bad = [i for i in range(len(got)) if not (got[i] == want[i]).all()]
                 pos = lo + bad[0]
                 raise AssertionError(
-                    f"{what}: request {req.request_id} layer {layer} (window {w}) plane {plane}: KV of {len(bad)} of "
+                    f"{what}: request {req.request_id} rank {rank} layer {layer} (window {w}) plane {plane}: KV of "
+                f"{len(bad)} of "
                     f"{n - lo} positions differs from the model, first at position {pos} "
                     f"(page {table[pos // tpb]} of group {g})")
 
@@ -222,7 +243,7 @@ class VswaEngine(FakeTrtllmEngine):
         tpb = self.geo.tokens_per_block
         table = self.tables[req.request_id][g]
         for plane in (0, 1):
-            vals = self._expected(req, layer, plane, start + n)[start:start + n]
+            vals = self._expected(req, layer, plane, start + n)[start:start + n, self._columns(rank)]
             p = start
             while p < start + n:
                 b, s0 = divmod(p, tpb)

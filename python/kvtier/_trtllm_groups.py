@@ -26,7 +26,9 @@ kvtier's side, as for vLLM's hybrid groups (``docs/arch/trtllm.md``, "Sliding wi
   when every group supplies its part (``_native.match_groups``), and a window group loads and stores
   only the window of the hit's end (``Leader.set_window``: the same formula as ``_stale_block_range``);
 * a failed asynchronous load is recomputed from the lowest token any group's load verdict names
-  (``AllGroups.finish_by_verdict``; the rank-0 scheduler's leaders are in this process);
+  (``AllGroups.finish_by_verdict``); rank 0's leaders' verdicts reach every rank in the same
+  ``get_finished`` round, one blob per group, and with ranks in other processes each group's
+  leader has its own ZeroMQ endpoint;
 * TensorRT-LLM's group ids are mapped to kvtier's groups by their window, from the layout rank 0's
   worker registered (the scheduler and rank 0's worker share a process).
 """
@@ -52,11 +54,18 @@ def _key(window: Optional[int]) -> str:
     return "full" if window is None else f"w{int(window)}"
 
 
-def group_settings(base: dict, windows: list) -> list:
-    """One kvtier leader's (and worker's) settings per window of ``windows`` (kvtier's order)."""
+def group_settings(base: dict, windows: list, endpoints: Optional[list] = None) -> list:
+    """One kvtier leader's (and worker's) settings per window of ``windows`` (kvtier's order); with
+    ranks in other processes each group's leader has its own ZeroMQ endpoint (``endpoints``, the
+    same order)."""
+    if endpoints is not None and len(endpoints) != len(windows):
+        raise ConfigError(f"kvtier: {len(endpoints)} leader endpoints reached a rank with {len(windows)} layer "
+                          f"groups (windows {windows}): rank 0 and this rank see different models")
     out = []
     for i, w in enumerate(windows):
         s = dict(base)
+        if endpoints is not None:
+            s["zmq_endpoint"] = endpoints[i]
         if len(windows) > 1:
             s["channel"] = f"{base['channel']}-{_key(w)}"
             s.update(kv_cache_group=i, kv_cache_groups=len(windows), kv_cache_group_kind=f"trtllm-attention:{w}")
@@ -169,16 +178,20 @@ class WorkerGroups:
     def take_load_errors(self) -> list:
         return [b for w in self.workers for b in w.take_load_errors()]
 
-    def get_finished_by_verdict(self, leaders: Optional[list], finished: list, started: list,
-                                rewindable: set) -> tuple:
+    def get_finished_by_verdict(self, verdicts: list, finished: list, started: list, rewindable: set) -> tuple:
         """(saved, loaded, [(request, recompute_from)]) that every group reported: each group's worker
-        applies its own leader's load verdicts (``leaders``, kvtier's order, rank 0 in the scheduler's
-        process), and a failed load recomputes from the lowest token any group named
-        (``AllGroups.finish_by_verdict``, which also withholds loads of requests not in ``rewindable``)."""
+        applies its own leader's load verdicts (``verdicts``: rank 0's leaders' blobs, one tuple per
+        round in kvtier's group order, the same on every rank), and a failed load recomputes from the
+        lowest token any group named (``AllGroups.finish_by_verdict``, which also withholds loads of
+        requests not in ``rewindable``)."""
+        for blobs in verdicts:
+            if len(blobs) != len(self.workers):
+                raise ConfigError(f"kvtier: load verdicts of {len(blobs)} layer groups reached a rank with "
+                                  f"{len(self.workers)}")
+            for w, blob in zip(self.workers, blobs):
+                w.apply_load_verdicts(blob)
         reports = []
-        for g, w in enumerate(self.workers):
-            if leaders is not None:
-                w.apply_load_verdicts(bytes(leaders[g].take_load_verdicts()))
+        for w in self.workers:
             reports.append(tuple(list(x) for x in w.get_finished_by_verdict(finished, started)))
         return self._books.finish_by_verdict(reports, rewindable)
 

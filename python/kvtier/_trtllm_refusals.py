@@ -134,8 +134,8 @@ def engine_windows(llm_args: Any) -> Optional[list]:
 
 
 def _window_refusals(llm_args: Any, windows: list, tiers: dict) -> list:
-    """Sliding windows are served on KVCacheManagerV2 with one rank (``_trtllm_groups``); the rest is
-    refused, naming the layer kind and the setting."""
+    """Sliding windows are served on KVCacheManagerV2 with the host tier, at any TP size
+    (``_trtllm_groups``); the rest is refused, naming the layer kind and the setting."""
     kv = getattr(llm_args, "kv_cache_config", None)
     setting = getattr(kv, "max_attention_window", None)
     seq = getattr(llm_args, "max_seq_len", None)
@@ -153,17 +153,10 @@ def _window_refusals(llm_args: Any, windows: list, tiers: dict) -> list:
         out.append(f"{what} on the V1 KV cache manager: its connector path reports one flat page list "
                    "(and raises for several windows); set kv_cache_config.use_kv_cache_manager_v2=true, "
                    "whose per-layer-group page ids kvtier serves")
-    if int(getattr(_mapping(llm_args), "world_size", 1) or 1) > 1:
-        # TP > 1 recovers a load that failed on any rank only by every rank rewinding its request
-        # (the load verdict, docs/arch/trtllm.md). Under a window that rewind is unsafe:
-        # kv_cache_manager_v2.py gives a window's layer group no page for the blocks behind the window
-        # of the served end (_stale_block_range; _resize_for_connector_prefix sets the history to the
-        # served end), so recomputing any earlier token writes and reads blocks whose page is -1.
-        out.append(f"{what} with tensor parallelism: a load that fails on one rank is recovered only by "
-                   "rewinding the request on every rank, and KVCacheManagerV2 gives a window's layer group no "
-                   "page for the blocks behind the window of the loaded prefix (_stale_block_range, "
-                   "_resize_for_connector_prefix), so the rewound tokens would be computed into blocks "
-                   "without a page; set tensor_parallel_size=1 or run without kvtier")
+    # Tensor parallelism is served with the host tier alone, as one rank is: every rank's host copy
+    # of a block is written before the leader lists it (stores confirmed by every rank), and a load
+    # from pinned host memory fails only with the device, so no rank ever rewinds a request under a
+    # window. What makes a window unsafe is a load that can fail (below), at any TP size.
     fallible = [n for n in ("disk", "remote") if tiers.get(n)]
     if fallible and len(windows) > 0 and any(w is not None for w in windows):
         # A load from the disk or remote tier can fail (a damaged or vanished block); kvtier then has the

@@ -267,10 +267,18 @@ def _broadcast(obj: Any) -> Any:
     return mpi_broadcast(obj, root=0)
 
 
-def _free_endpoint() -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+def _free_endpoints(n: int) -> list[str]:
+    """``n`` distinct free local ports (each held until all are chosen, so no two are the same)."""
+    held = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [f"tcp://127.0.0.1:{s.getsockname()[1]}" for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 def _configured_endpoint() -> Optional[str]:
@@ -307,20 +315,23 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
         settings = _settings(llm_args)
         _check(llm_args, settings)
         self._engine = _Engine.of(_channel())
-        if _ranks_in_processes(llm_args) or _configured_endpoint():
-            # Two engines on one host never share a port: a free one unless configured; rank 0's
-            # worker broadcasts it to the other ranks at register_kv_caches.
-            endpoint = _configured_endpoint() or _free_endpoint()
-            settings.update(link="zmq", zmq_endpoint=endpoint)
-            self._engine.endpoint = endpoint
         windows = _groups.engine_windows(llm_args)
-        # Sliding windows (KVCacheManagerV2, one rank; _refusals): one leader per window.
+        if windows is not None and len(windows) > 1 and _configured_endpoint():
+            raise ConfigError("KVTIER_ZMQ_ENDPOINT names one endpoint; this model has one layer group per "
+                              f"attention window {windows}: leave it unset")
+        endpoints = None
+        if _ranks_in_processes(llm_args) or _configured_endpoint():
+            # Two engines on one host never share a port: a free one per layer group's leader unless
+            # configured; rank 0's worker broadcasts them to the other ranks at registration.
+            configured = _configured_endpoint()
+            endpoints = [configured] if configured else _free_endpoints(len(windows or [None]))
+            settings.update(link="zmq", zmq_endpoint=endpoints[0])
+            self._engine.endpoints = endpoints
+        # Sliding windows (KVCacheManagerV2, the host tier; _refusals): one leader per window.
         self._groups = None
         if windows is not None:
-            if len(windows) > 1 and _configured_endpoint():
-                raise ConfigError("KVTIER_ZMQ_ENDPOINT names one endpoint; this model has one layer group per "
-                                  f"attention window {windows}: leave it unset")
-            self._groups = _groups.SchedulerGroups(_groups.group_settings(settings, windows), self._engine)
+            self._groups = _groups.SchedulerGroups(_groups.group_settings(settings, windows, endpoints),
+                                                   self._engine)
             self._leader = self._groups.leaders[0]
         else:
             self._leader = _native.Leader(settings)
@@ -521,24 +532,27 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
 
     # ----- registration ------------------------------------------------------------------------
 
-    def _link(self) -> tuple[str, dict]:
+    def _link(self) -> tuple[str, Optional[list]]:
+        """How this rank's workers reach the leaders, and the leaders' ZeroMQ endpoints (one per layer
+        group, kvtier's order) where they are in other processes."""
         if _ranks_in_processes(self._llm_args) or _configured_endpoint():
             endpoint = _configured_endpoint()
-            if endpoint is None:
-                # The scheduler (rank 0, this process) chose a free port; every rank learns it here.
-                if self._rank == 0:
-                    self._engine.endpoint_set.wait(120)
-                    endpoint = self._engine.endpoint
-                endpoint = _broadcast(endpoint)
-            return "zmq", {"zmq_endpoint": endpoint}
+            if endpoint is not None:
+                return "zmq", [endpoint]
+            # The scheduler (rank 0, this process) chose free ports; every rank learns them here.
+            endpoints = None
+            if self._rank == 0:
+                self._engine.endpoint_set.wait(120)
+                endpoints = self._engine.endpoints
+            return "zmq", list(_broadcast(endpoints))
         if self._rank == 0:
-            return "in_process", {}
+            return "in_process", None
         # No TensorRT-LLM, all ranks in one process: the caller carries this rank's reports,
-        # worker.native.take_reports() -> scheduler.leader.apply_reports().
-        return "engine", {}
+        # worker.native.take_reports() -> the group's scheduler leader's apply_reports().
+        return "engine", None
 
     def _register(self, tensors: Any, layout: str, windows: Optional[list] = None) -> Any:
-        link, extra = self._link()
+        link, endpoints = self._link()
         settings = _settings(
             self._llm_args,
             rank=self._rank,
@@ -546,14 +560,16 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
             layout=layout,
             # TensorRT-LLM passes get_finished only requests whose request_finished returned True.
             finished_ids_are_saving=True,
-            **extra,
         )
+        if endpoints:
+            settings["zmq_endpoint"] = endpoints[0]
         delay = os.environ.get("TRTLLM_KVTIER_TEST_LOAD_DELAY_MS")
         if delay:
             settings["test_load_delay_ms"] = int(delay)  # tests: loads start late (see worker.rs)
         if windows is not None:
-            # One worker per layer group, each on its group's channel (_trtllm_groups.group_settings).
-            workers = [_native.Worker(s, t) for s, t in zip(_groups.group_settings(settings, windows), tensors)]
+            # One worker per layer group, each on its group's channel and leader (_trtllm_groups.group_settings).
+            per_group = _groups.group_settings(settings, windows, endpoints)
+            workers = [_native.Worker(s, t) for s, t in zip(per_group, tensors)]
             for w in workers:
                 w.enable_load_verdicts()
             return workers
@@ -653,19 +669,21 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         manager = sys._getframe(1).f_locals.get("self")
         return self._get_finished_by_verdict(finished_gen_req_ids, started_loading_req_ids, manager)
 
-    def _share_verdicts(self) -> list[bytes]:
-        """Rank 0's leader's new load verdicts, on every rank in the same ``get_finished`` round:
-        every rank calls ``get_finished`` once per executor iteration (the manager allgathers the
-        answers right after: ``KvCacheConnectorManager.get_finished``), so a broadcast from here is
-        matched on every rank."""
+    def _share_verdicts(self) -> list:
+        """Rank 0's leaders' new load verdicts, on every rank in the same ``get_finished`` round, as
+        one tuple of blobs (one per layer group, kvtier's order) per round that had any: every rank
+        calls ``get_finished`` once per executor iteration (the manager allgathers the answers right
+        after: ``KvCacheConnectorManager.get_finished``), so a broadcast from here is matched on
+        every rank."""
         eng = self._engine
-        mine = b""
-        if self._rank == 0 and eng.leader is not None:
-            mine = bytes(eng.leader.take_load_verdicts())
+        mine = None
+        if self._rank == 0 and eng.leaders:
+            blobs = tuple(bytes(leader.take_load_verdicts()) for leader in eng.leaders)
+            mine = blobs if any(blobs) else None
         if _ranks_in_processes(self._llm_args):
             got = _broadcast(mine if self._rank == 0 else None)
             return [got] if got else []
-        # All ranks in this process (one rank, or tests): rank 0's blobs in order, once each.
+        # All ranks in this process (one rank, or tests): rank 0's verdicts in order, once each.
         return eng.verdicts_in_process(self._rank, mine, _world_size(self._llm_args))
 
     def _parked(self, manager: Any) -> dict:
@@ -696,13 +714,13 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         (``Worker.get_finished_by_verdict``, ``kvtier::connector::LoadRecovery``)."""
         parked = self._parked(manager)
         done, started_ids = _ids(finished), _ids(started)
+        verdicts = self._share_verdicts()
         if self._groups is not None:
-            leaders = self._engine.leaders if self._rank == 0 else None
-            saved, loaded, recompute = self._groups.get_finished_by_verdict(leaders, done, started_ids, set(parked))
+            saved, loaded, recompute = self._groups.get_finished_by_verdict(verdicts, done, started_ids, set(parked))
         else:
             w = self._worker
-            for blob in self._share_verdicts():
-                w.apply_load_verdicts(blob)
+            for blobs in verdicts:
+                w.apply_load_verdicts(blobs[0])
             saved, loaded, recompute = w.get_finished_by_verdict(done, started_ids, rewindable=set(parked))
         self._collect_errors()
         out = [int(r) for r in loaded]
