@@ -122,6 +122,32 @@ def test_tensor_parallel_ranks_each_read_their_share_of_the_models_kv(host_only,
     assert all(w.unrecoverable_loads == 0 and w.recomputed_loads == 0 for w in e.workers.values())
 
 
+@pytest.mark.parametrize("windows", [ALTERNATING, [32, 64, None, 32]], ids=["window+full", "two-windows+full"])
+def test_a_match_allocated_a_pass_later_keeps_its_host_blocks(kvtier_env, windows):
+    """KVCacheManagerV2 matches and allocates apart (the driver's ``alloc_delay``): replays run beside new
+    prompts whose stores, planned between a replay's match and its allocation, evict host blocks (a small
+    host tier), so a load the match promised would fail, and under a window its recompute writes into (or
+    reads) blocks without a page: without holds the driver stops on exactly that. Each leader holds a
+    match's host blocks until the allocation (``Leader.enable_match_holds``): every load is whole, every
+    forward reads the model's KV, and no hold outlives its allocation."""
+    kvtier_env.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "24")
+    prompts = workload(seed=5, n_docs=8, per_doc=3, lo=80, hi=140)
+    fresh = workload(seed=99, n_docs=8, per_doc=3, lo=80, hi=140)
+    mixed = [x for pair in zip(fresh, prompts) for x in pair]
+    e = vswa_engine(windows, num_device_blocks=48, chunk_size=32, alloc_delay=1)
+    first = [e.add_request(p, 8) for p in prompts]
+    e.run()
+    flush(e)
+    second = [e.add_request(p, 8) for p in mixed]
+    e.run()
+    assert tokens(first) == reference_tokens(prompts, 8) and tokens(second) == reference_tokens(mixed, 8)
+    assert sum(r.py_num_connector_matched_tokens for r in second) > 0
+    for leader in e.scheduler.leaders:
+        st = leader.stats()
+        assert st["onboard_failed"] == 0 and st["onboard_host_blocks"] > 0, st
+        assert leader.held_blocks() == 0
+
+
 def test_a_disk_tier_under_a_window_is_refused_at_start(kvtier_env, tmp_path):
     """A failed disk (or remote) load is recovered by recomputing the request from where kvtier's offer began, but
     KVCacheManagerV2 gave the window group no page (-1) for the blocks behind the window of the served end

@@ -143,7 +143,8 @@ class VswaEngine(FakeTrtllmEngine):
     def _reserved_in(self, g: int) -> int:
         tpb = self.geo.tokens_per_block
         out = 0
-        for req in list(self.running) + list(self.loading.values()):
+        pending = [m[0] for m in self.matched_pending]
+        for req in list(self.running) + list(self.loading.values()) + pending:
             total = -(-(req.prompt_len + req.max_new_tokens + 1) // tpb)
             out += max(0, total - len(self.tables[req.request_id][g]))
         return out
@@ -151,13 +152,23 @@ class VswaEngine(FakeTrtllmEngine):
     def _admit(self) -> None:
         self._release_stale()
         tpb = self.geo.tokens_per_block
-        while self.waiting and len(self.running) + len(self.loading) < self.max_num_requests:
+        if self.alloc_delay:
+            # V2 matches and allocates apart (``alloc_delay``): last iteration's matches first.
+            pending, self.matched_pending = self.matched_pending, []
+            for item in pending:
+                self._allocate(*item)
+        while self.waiting and len(self.running) + len(self.loading) + len(self.matched_pending) < \
+                self.max_num_requests:
             req = self.waiting[0]
             total = -(-(req.prompt_len + req.max_new_tokens + 1) // tpb)
             if any(bm.available() - self._reserved_in(g) < total for g, bm in enumerate(self.blocks)):
                 break
             n, is_async = self._match(req, 0) if self.workers else (0, False)
             self.waiting.pop(0)
+            if self.alloc_delay:
+                self.matched_pending.append((req, 0, n, is_async))
+                self.tables[req.request_id] = [[] for _ in self.group_layers]
+                continue
             self._allocate(req, 0, n, is_async)
 
     def _allocate(self, req: Any, num_computed: int, n: int, is_async: bool) -> None:

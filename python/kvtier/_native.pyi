@@ -217,6 +217,12 @@ class Leader:
         """Job reports from ``Worker.take_reports()`` (link "engine")."""
     def enable_load_verdicts(self) -> None:
         """Issue one verdict per asynchronous load once every rank reported it (TensorRT-LLM, any TP size)."""
+    def enable_match_holds(self) -> None:
+        """A match holds the host and disk blocks it offers until the request's allocation, a new match, its
+        preemption or finish, or 64 engine steps (TensorRT-LLM's KVCacheManagerV2 allocates passes later, and the
+        stores planned in between would evict what was offered)."""
+    def held_blocks(self) -> int:
+        """Blocks held by matches not yet allocated (0 with holds off)."""
     def enable_unpaged_exclusion(self) -> None:
         """Page ids (``allocate_offer``, step records) may carry ``-1`` (TensorRT-LLM's ``BAD_PAGE_INDEX``):
         trailing ones are pages not allocated yet; a window group's leader takes the others as holes; any other

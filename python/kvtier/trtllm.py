@@ -342,6 +342,10 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
             # Page ids may carry -1 (V2 padding, a window kvtier was not told of): the leader
             # trims, takes as holes (window groups) or stops caching the request.
             leader.enable_unpaged_exclusion()
+            # KVCacheManagerV2 matches and allocates apart (kv_cache_manager_v2.py; cancel_load exists for
+            # it): the host and disk blocks a match offers are held until the allocation, so the stores
+            # planned in between cannot evict them and fail a load the match promised.
+            leader.enable_match_holds()
         self._engine.leader = self._leader
         self._engine.leaders = self.leaders
         self._engine.endpoint_set.set()

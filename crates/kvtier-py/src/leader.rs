@@ -71,6 +71,8 @@ struct Inner {
     load_verdicts: bool,
     /// `Leader::set_unpaged_exclusion`, applied when the leader is built.
     unpaged_exclusion: bool,
+    /// `Leader::enable_match_holds`, applied when the leader is built.
+    match_holds: bool,
     settings: Settings,
     pending: Option<Pending>,
     leader: Option<Leader>,
@@ -101,6 +103,9 @@ impl Inner {
         leader.set_sync_host_loads(self.sync_host_loads);
         leader.set_load_verdicts(self.load_verdicts);
         leader.set_unpaged_exclusion(self.unpaged_exclusion);
+        if self.match_holds {
+            leader.enable_match_holds();
+        }
         let (window, null_block) = self.settings.sliding_window().map_err(BridgeError::from)?;
         leader.set_window(window, null_block.map(DeviceBlockId));
         // One endpoint per process: with several KV cache groups, group 0's leader publishes (its
@@ -315,6 +320,7 @@ impl PyLeader {
             sync_host_loads,
             load_verdicts: false,
             unpaged_exclusion: false,
+            match_holds: false,
             settings,
             pending: None,
             leader: None,
@@ -615,6 +621,22 @@ impl PyLeader {
         if let Some(l) = g.leader.as_mut() {
             l.set_load_verdicts(true);
         }
+    }
+
+    /// A match holds the host and disk blocks it offers until the request's allocation
+    /// (TensorRT-LLM's KVCacheManagerV2 allocates passes later; `Leader::enable_match_holds`).
+    fn enable_match_holds(&self) {
+        let mut g = self.lock();
+        g.match_holds = true;
+        if let Some(l) = g.leader.as_mut() {
+            l.enable_match_holds();
+        }
+    }
+
+    /// Blocks held by matches not yet allocated (`Leader::held_blocks`).
+    fn held_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        let mut g = self.lock();
+        Ok(g.ready(py)?.held_blocks())
     }
 
     /// Page ids may carry `-1` (TensorRT-LLM's `BAD_PAGE_INDEX`): trailing ones are pages not

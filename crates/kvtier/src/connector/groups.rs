@@ -69,6 +69,7 @@ fn zero(
     key: &RequestKey,
 ) -> Result<usize, ConnectorError> {
     for l in leaders.iter_mut() {
+        // A miss holds nothing (the agreed calls before it may have held blocks).
         l.match_limited(
             req,
             all_tokens,

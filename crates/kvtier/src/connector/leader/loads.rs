@@ -99,9 +99,21 @@ impl TierLoad {
 impl Leader {
     /// The engine allocated `block_ids` (the request's whole table; ids already known are
     /// recognised) and accepted `num_external_tokens` (`None` = what the last match found).
-    /// Pins the sources and plans the loads for the next metadata. A block whose source has
-    /// vanished since matching is reported as a load error by every worker.
+    /// Pins the sources and plans the loads for the next metadata, then gives the match's hold
+    /// back (`holds.rs`). A block whose source has vanished since matching is reported as a load
+    /// error by every worker.
     pub fn update_state_after_alloc(
+        &mut self,
+        req: &RequestId,
+        block_ids: &[DeviceBlockId],
+        num_external_tokens: Option<usize>,
+    ) -> Result<(), ConnectorError> {
+        let planned = self.allocate_and_plan(req, block_ids, num_external_tokens);
+        self.drop_hold(req);
+        planned
+    }
+
+    fn allocate_and_plan(
         &mut self,
         req: &RequestId,
         block_ids: &[DeviceBlockId],

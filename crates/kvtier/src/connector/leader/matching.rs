@@ -1,6 +1,7 @@
 //! Matching: how many of a request's next tokens the tiers can supply.
 //!
-//! Invariants: matching is side-effect free on the pools (it looks up, never pins); a source is
+//! Invariants: matching looks the pools up and changes nothing in them, except that with match
+//! holds on it pins the host and disk blocks it offers until the allocation (`holds.rs`); a source is
 //! a consecutive run of blocks from the first block the engine does not hold, host before disk
 //! before remote, stopping at the first block no tier holds; a remote hash whose load failed
 //! is not offered; the whole prompt is never offered (the engine computes at least one token).
@@ -72,7 +73,8 @@ impl Leader {
     }
 
     /// Tokens kvtier can supply beyond the engine's `num_computed_tokens` (block aligned; 0 if
-    /// none). Side-effect free on the pools: engines may call it repeatedly. If the tiers would
+    /// none). Engines may call it repeatedly: nothing changes in the pools but the request's
+    /// match hold (`holds.rs`, when on), which each call replaces. If the tiers would
     /// cover the whole prompt the last block is left out, so the engine computes at least one
     /// token. Matching a running request means the engine preempted it (counted in
     /// `preempted_requests`); matching a finished one is an error.
@@ -191,6 +193,7 @@ impl Leader {
         let device_blocks = num_computed_tokens / bs;
         let mut external = 0;
         let mut host_only = false;
+        let mut offered: Vec<(Tier, BlockId)> = Vec::new();
         if num_computed_tokens.is_multiple_of(bs) && !refused && key.read {
             let hashes = match self.slots.get(req) {
                 Some(e) => e.slot.hashes(),
@@ -216,7 +219,13 @@ impl Leader {
                 external = (end - first) * bs;
                 let near = |t: Tier| t == Tier::Host || (self.near_remote && t == Tier::Remote);
                 host_only = sources.iter().all(|(t, _)| near(*t));
+                offered = sources;
             }
+        }
+        if count && external > 0 {
+            self.hold_match(req, &offered);
+        } else {
+            self.drop_hold(req);
         }
         let load_sync = !self.async_loads || (self.sync_host_loads && host_only);
         if let Some(e) = self.slots.get_mut(req) {

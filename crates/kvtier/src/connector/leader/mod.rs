@@ -50,6 +50,7 @@ use crate::transfer::RemoteStore;
 mod books;
 pub mod config;
 mod fences;
+mod holds;
 mod loads;
 mod matching;
 pub mod observe;
@@ -175,6 +176,8 @@ pub struct Leader {
     null_block: Option<DeviceBlockId>,
     /// Requests whose page ids had a hole this leader cannot take (`unpaged.rs`).
     unpaged: unpaged::Unpaged,
+    /// Matches' pins held until their allocation; `None`: holds are off (`holds.rs`).
+    holds: Option<holds::Holds>,
 }
 
 impl Leader {
@@ -251,6 +254,7 @@ impl Leader {
             window: None,
             null_block: None,
             unpaged: unpaged::Unpaged::default(),
+            holds: None,
         })
     }
 

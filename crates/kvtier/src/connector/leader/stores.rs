@@ -124,6 +124,7 @@ impl Leader {
         }
         self.bound_events();
         self.step += 1;
+        self.expire_holds();
         self.stats.steps += 1;
         let mut meta = std::mem::take(&mut self.outbox);
         self.fences
@@ -293,6 +294,7 @@ impl Leader {
             ));
         };
         e.slot.finish();
+        self.drop_hold(req);
         // Loads planned for it and not yet handed to a worker never run: nothing was copied.
         self.withdraw_unsent_loads(req);
         // Device blocks stay with the request while any of its copies may still land in them
@@ -327,6 +329,7 @@ impl Leader {
 
     /// The engine preempted the request and freed its device blocks; it may be matched again.
     pub fn request_preempted(&mut self, req: &RequestId) -> Result<(), ConnectorError> {
+        self.drop_hold(req);
         match self.slots.get_mut(req) {
             Some(e) => {
                 if e.slot.is_running() {

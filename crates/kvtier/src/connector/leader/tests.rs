@@ -623,3 +623,85 @@ fn cuts_of_an_offer_are_applied_at_allocation() {
     assert_eq!(l.allocate_offer(&sync, &devs).unwrap(), None);
     l.cancel_load(&"unknown".into(), 0, 4);
 }
+
+/// Stores `n` blocks of `tokens` (a finished request `id`) in the host tier, confirmed.
+fn stored(l: &mut Leader, id: &str, tokens: Vec<u32>, first_block: u32) {
+    let m = l
+        .build_step(&SchedulerStep {
+            records: vec![new_record(id, tokens, first_block)],
+            finished: vec![id.into()],
+        })
+        .unwrap();
+    confirm_all(l, &m);
+}
+
+/// TensorRT-LLM's KVCacheManagerV2 may allocate a matched request passes later, and the stores
+/// planned in between may evict what the match offered. With match holds the offered host blocks
+/// stay, so the load is planned whole; without them the same sequence fails the load (the gap
+/// the holds close, which a sliding-window group could only recover by computing into blocks
+/// without a page).
+#[test]
+fn a_held_match_survives_the_stores_planned_before_its_allocation() {
+    for holds in [false, true] {
+        let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), 4)).unwrap();
+        if holds {
+            l.enable_match_holds();
+        }
+        let prompt: Vec<u32> = (0..13).collect();
+        stored(&mut l, "fill", prompt[..12].to_vec(), 0);
+        let r: RequestId = "r".into();
+        assert_eq!(l.get_num_new_matched_tokens(&r, &prompt, 0).unwrap(), 12);
+        assert_eq!(l.held_blocks(), if holds { 3 } else { 0 });
+        // Another request's four blocks are stored before `r` is allocated: the host tier (four
+        // blocks) evicts the least recently used ones it may.
+        stored(&mut l, "other", (100..116).collect(), 10);
+        let devs: Vec<DeviceBlockId> = (20..24).map(DeviceBlockId).collect();
+        let a = l.allocate(&r, &devs, 12);
+        assert!(a.refused.is_none());
+        assert_eq!(l.held_blocks(), 0, "the allocation gives the hold back");
+        let m = l
+            .build_step(&SchedulerStep {
+                records: vec![],
+                finished: vec![],
+            })
+            .unwrap();
+        let failed: usize = m.loads.iter().map(|x| x.failed_devices.len()).sum();
+        let loaded: usize = m.loads.iter().flat_map(|x| &x.jobs).map(|j| j.len()).sum();
+        if holds {
+            assert_eq!((loaded, failed), (3, 0));
+        } else {
+            assert_eq!((loaded, failed), (0, 3));
+        }
+    }
+}
+
+/// A hold is given back by a new match, a finish, a preemption, or after `MAX_HOLD_STEPS` steps
+/// without an allocation: never kept for a request the engine dropped.
+#[test]
+fn a_match_hold_is_given_back_without_an_allocation() {
+    let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), 8)).unwrap();
+    l.enable_match_holds();
+    let prompt: Vec<u32> = (0..13).collect();
+    stored(&mut l, "fill", prompt[..12].to_vec(), 0);
+    let (a, b, c): (RequestId, RequestId, RequestId) = ("a".into(), "b".into(), "c".into());
+    assert_eq!(l.get_num_new_matched_tokens(&a, &prompt, 0).unwrap(), 12);
+    assert_eq!(l.get_num_new_matched_tokens(&a, &prompt, 0).unwrap(), 12);
+    assert_eq!(l.held_blocks(), 3, "a new match replaces the hold");
+    assert_eq!(l.get_num_new_matched_tokens(&a, &prompt, 4).unwrap(), 8);
+    assert_eq!(l.held_blocks(), 2);
+    assert_eq!(l.request_finished(&a).unwrap(), BlockReuse::Now);
+    assert_eq!(l.held_blocks(), 0);
+    l.get_num_new_matched_tokens(&b, &prompt, 0).unwrap();
+    l.request_preempted(&b).unwrap();
+    assert_eq!(l.held_blocks(), 0);
+    l.get_num_new_matched_tokens(&c, &prompt, 0).unwrap();
+    for _ in 1..holds::MAX_HOLD_STEPS {
+        l.build_step(&SchedulerStep::default()).unwrap();
+    }
+    assert_eq!(l.held_blocks(), 3);
+    l.build_step(&SchedulerStep::default()).unwrap();
+    assert_eq!(l.held_blocks(), 0);
+    // Every pin is back: the host tier's blocks can all be evicted again.
+    let host = l.tiers.host.as_ref().unwrap();
+    assert!((0..8).all(|i| host.pin_count(BlockId(i)).unwrap_or(0) == 0));
+}
