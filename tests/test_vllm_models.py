@@ -17,6 +17,7 @@ it are vLLM's null block), and a hit is claimed only when every group holds its 
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -53,6 +54,13 @@ def _kvtier(model, log, **kw):
                   kv_transfer_config=connector_config(settings={"host.num_blocks": 256}), **SPEC, **kw)
 
 
+def _hit_modes(trace) -> list:
+    """Whether each hit vLLM was offered loads asynchronously, from the engine's step trace
+    (``get_num_new_matched_tokens`` answers ``(n, load_kv_async)``; vllm_support/step_trace.py)."""
+    events = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    return [e["n"][1] for e in events if e["ev"] == "get_num_new_matched_tokens" and e["n"][0] > 0]
+
+
 def _replay_from_tier(e, want: list) -> dict:
     """Replay PHASE with vLLM's device cache emptied (the connector's tiers kept): the tokens must be vLLM alone's;
     returns the counters' growth over the replay."""
@@ -73,7 +81,8 @@ def test_a_gemma3_shaped_model_replays_exactly_with_the_hybrid_manager(tmp_path_
         want = ref.generate(PHASE, MAX_TOKENS)
         want_other = ref.generate(OTHER, MAX_TOKENS)
         want_long = ref.generate(PHASE, LONG_TOKENS)
-    with _kvtier(model, tmp_path / "kvtier.log") as e:
+    trace = tmp_path / "steps.jsonl"
+    with _kvtier(model, tmp_path / "kvtier.log", env={"KVTIER_STEP_TRACE": str(trace)}) as e:
         assert e.generate(PHASE, MAX_TOKENS) == want
         assert e.generate(OTHER, MAX_TOKENS) == want_other
         assert e.generate(PHASE, MAX_TOKENS) == want
@@ -89,6 +98,10 @@ def test_a_gemma3_shaped_model_replays_exactly_with_the_hybrid_manager(tmp_path_
         assert long["stats"]["preempted_requests"] > 0, "the workload no longer makes vLLM preempt"
     windows = [int(s["stats"][f"g{g}.window"]) for g in range(4)]
     assert sorted(windows) == [0, WINDOW, WINDOW, WINDOW], s["stats"]  # one group per layer: 1 full, 3 sliding
+    # Every group's part of every hit lies in the host tier: each loads inside the step (kvtier's match_groups joins
+    # the groups' modes), as a dense model's host hit does, not parked for an asynchronous load.
+    modes = _hit_modes(trace)
+    assert modes and not any(modes), modes
     for g, w in enumerate(windows):
         blocks, nbytes = d[f"g{g}.onboard_host_blocks"], d[f"g{g}.onboard_host_bytes"]
         # A group's block is its one layer's KV.
@@ -150,10 +163,13 @@ def test_a_gemma3_shaped_model_replays_exactly_from_disk(tmp_path_factory, tmp_p
         want = ref.generate(PHASE, MAX_TOKENS)
     settings = {"host.num_blocks": 8, "disk.num_blocks": 1024, "disk.dir": str(tmp_path / "d"),
                 "policy.disk_filter.enabled": False}
-    with Engine(model, tmp_path / "kvtier.log", kv_cache_blocks=G1_BLOCKS,
+    trace = tmp_path / "steps.jsonl"
+    with Engine(model, tmp_path / "kvtier.log", kv_cache_blocks=G1_BLOCKS, env={"KVTIER_STEP_TRACE": str(trace)},
                 kv_transfer_config=connector_config(settings=settings), **SPEC) as e:
         assert e.generate(PHASE, MAX_TOKENS) == want
         d = _replay_from_tier(e, want)
+    # A hit with any group's part on disk loads asynchronously in every group (a failed one is recomputed by request).
+    assert any(_hit_modes(trace)), _hit_modes(trace)
     sets = sorted(p.name for p in (tmp_path / "d").rglob("rank0*") if p.is_dir() or p.is_file())
     assert any("-g1" in s for s in sets), sets
     assert d["onboard_disk_blocks"] > 0, d

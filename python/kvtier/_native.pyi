@@ -277,6 +277,9 @@ class Worker:
         passed in here (accumulated) are reported loaded; None reports every finished load."""
     def enable_load_verdicts(self) -> None:
         """Report asynchronous loads only by the leader's verdicts (``get_finished_by_verdict``)."""
+    def report_sync_load_errors_only(self) -> None:
+        """``take_load_errors`` hands out only the blocks of failed loads inside the step (one KV cache group of
+        several: vLLM takes an asynchronous failure by request)."""
     def apply_load_verdicts(self, blob: bytes) -> None:
         """Verdicts from ``Leader.take_load_verdicts()`` (every rank gets the same bytes)."""
     def get_finished_by_verdict(

@@ -190,9 +190,8 @@ def _group_settings(base: dict[str, Any], groups: list[dict[str, Any]]) -> list[
         if len(groups) > 1:
             s["bytes_per_block"] = g["page_bytes"] * len(g["layers"]) * world
             s.update(kv_cache_group=i, kv_cache_groups=len(groups), kv_cache_group_kind=f"{g['kind']}:{g['window']}")
-            # Every group's leader must answer vLLM alike whether a hit loads asynchronously: per request, a host-only
-            # hit in one group could load in the step while another group's disk hit loads asynchronously.
-            s["sync_host_loads"] = False
+            # Every group's leader answers vLLM alike whether a hit loads asynchronously: in the step only when every
+            # group's part lies in the host tier alone (kvtier::connector::groups::match_groups).
         if g["window"]:
             s.update(sliding_window=g["window"], null_block=_NULL_BLOCK)
         out.append(s)

@@ -72,6 +72,11 @@ class _WorkerSide:
             # share memory (vLLM's kv_cache_tensors), each group addressing its own block ids in it.
             self._workers = [core.Worker(s, [(name, describe(kv_caches[name])) for name in layers])
                              for s, layers in zip(self._group_settings, self._group_layers)]
+            if len(self._workers) > 1:
+                # An asynchronous load's failure goes out by request (failed_recving); only a load inside the
+                # step goes out by its blocks (connector::Completions).
+                for w in self._workers:
+                    w.report_sync_load_errors_only()
             self._layer_index = {name: (g, i) for g, layers in enumerate(self._group_layers)
                                  for i, name in enumerate(layers)}
         self._worker = self._workers[0]

@@ -531,6 +531,17 @@ impl PyWorker {
         Ok(())
     }
 
+    /// Hand out only the blocks of failed loads inside the step (one KV cache group of several
+    /// under vLLM; `Worker::set_sync_load_errors_only`).
+    fn report_sync_load_errors_only(&self) -> PyResult<()> {
+        let mut g = self.lock();
+        g.worker
+            .as_mut()
+            .ok_or_else(gone)?
+            .set_sync_load_errors_only(true);
+        Ok(())
+    }
+
     /// Apply the leader's verdicts (`Leader.take_load_verdicts` bytes; empty bytes: none).
     fn apply_load_verdicts(&self, blob: &[u8]) -> PyResult<()> {
         if blob.is_empty() {

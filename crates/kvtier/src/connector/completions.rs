@@ -15,11 +15,14 @@
 //! - with one group every request a worker reports loaded or load-failed is reported in `recving`;
 //!   with several, a request is reported once every group named for it reported it, once;
 //! - device blocks of failed loads (the scheduler side's and the workers') are handed out by
-//!   [`Completions::take_load_errors`] once each, with one group only: with several, block ids are
+//!   [`Completions::take_load_errors`] once each; with several groups only those of loads inside
+//!   the step (the workers hand out no others: `Worker::set_sync_load_errors_only`): block ids are
 //!   per group and name no request (vLLM 0.32/0.33 raise on them, `Scheduler._handle_invalid_blocks`),
 //!   so a failed asynchronous load is reported by request instead, in [`Finished::failed`], when it
 //!   is reported in `recving` (vLLM's `KVConnectorTransferResults.failed_recving`: the engine
-//!   recomputes the request whole).
+//!   recomputes the request whole), and a failed load inside the step, which has no such path
+//!   (every group loads in the step only from the host tier: it fails only with the device), goes
+//!   out by its blocks, on which vLLM stops instead of computing on them.
 //!
 //! [`AllGroups`] is TensorRT-LLM's counterpart over its window groups (every group reports every
 //! request; see its invariants).
@@ -123,7 +126,9 @@ impl Completions {
             } else if f.is_async {
                 self.recv_failed.insert(f.request);
             }
-            self.failed_blocks.extend(f.blocks);
+            if self.groups == 1 || !f.is_async {
+                self.failed_blocks.extend(f.blocks);
+            }
         }
     }
 
@@ -190,17 +195,15 @@ impl Completions {
     }
 
     /// Device blocks whose loads failed since the last call: the scheduler side's and
-    /// `from_workers` (the workers' own `take_load_errors`), sorted, each once. None with several
-    /// groups (the blocks are dropped: their requests are in [`Finished::failed`]).
+    /// `from_workers` (the workers' own `take_load_errors`), sorted, each once. With several
+    /// groups only loads inside the step have any (asynchronous ones go out by request, in
+    /// [`Finished::failed`]).
     pub fn take_load_errors(
         &mut self,
         from_workers: impl IntoIterator<Item = DeviceBlockId>,
     ) -> Vec<DeviceBlockId> {
         let mut out: BTreeSet<DeviceBlockId> = self.failed_blocks.drain().collect();
         out.extend(from_workers);
-        if self.groups > 1 {
-            return Vec::new();
-        }
         out.into_iter().collect()
     }
 }
@@ -432,8 +435,14 @@ mod tests {
             failing(&[], &["r"], &["r"])
         );
         assert_eq!(c.finish(&[None, None]), finished(&[], &[]));
-        // Block ids are per group: vLLM raises on them with several groups, so none go out.
-        assert!(c.take_load_errors([DeviceBlockId(9)]).is_empty());
+        // Block ids are per group: vLLM raises on them with several groups, so an asynchronous
+        // load's go out by request only; a load inside the step has no other path.
+        assert!(c.take_load_errors([]).is_empty());
+        c.begin_step(StepNotice {
+            failed_loads: vec![failed("s", &[7], false)],
+            ..StepNotice::default()
+        });
+        assert_eq!(c.take_load_errors([]), [DeviceBlockId(7)]);
     }
 
     /// vLLM 0.32/0.33 with several KV cache groups take no failed block ids
@@ -462,9 +471,8 @@ mod tests {
             c.finish(&[None, None, report(&[], &["good", "bad"], &[])]),
             failing(&[], &["bad", "good"], &["bad"])
         );
-        assert!(c
-            .take_load_errors([DeviceBlockId(1), DeviceBlockId(2)])
-            .is_empty());
+        // The workers hand out no block of an asynchronous load with several groups.
+        assert!(c.take_load_errors([]).is_empty());
         // One group keeps block-level errors (vLLM recomputes from the first failed block).
         let mut one = Completions::new();
         assert_eq!(

@@ -6,7 +6,10 @@
 //! Invariant: a hit is claimed only when every group can supply its part of it: the engine is
 //! offered the tokens up to the largest block boundary at which every group's leader finds what
 //! that group's attention reads (the whole prefix for full attention, the window of the hit's
-//! end for a sliding window), and every group's leader records exactly that match.
+//! end for a sliding window), and every group's leader records exactly that match; every group
+//! loads it the same way: inside the engine's step only when every group's part lies in the
+//! host tier alone (a load that fails only with the device), else asynchronously (vLLM
+//! recomputes a hybrid model's failed load only by request, while it waits: `failed_recving`).
 use crate::connector::leader::{Leader, RequestKey};
 use crate::connector::ConnectorError;
 use crate::ids::RequestId;
@@ -52,6 +55,14 @@ pub fn match_groups(
                     // Unreachable while the pools do not change between the calls; a miss
                     // is always safe.
                     return zero(leaders, req, all_tokens, num_computed_tokens, key);
+                }
+            }
+            if leaders
+                .iter()
+                .any(|l| l.joint_load_mode(req) == Some(false))
+            {
+                for l in leaders.iter_mut() {
+                    l.load_asynchronously(req);
                 }
             }
             return Ok(got);

@@ -36,6 +36,7 @@ use crate::connector::ConnectorError;
 use crate::ids::{DeviceBlockId, JobId, RequestId};
 use crate::transfer::{Block, BlockTransfer, Blocks, Fence, TransferJob, TransferOutcome};
 
+mod errors;
 mod executor;
 mod layered;
 mod verdicts;
@@ -148,6 +149,8 @@ pub struct Worker {
     loads_ready: Vec<(RequestId, bool)>,
     started_loading: HashSet<RequestId>,
     load_errors: Vec<DeviceBlockId>,
+    /// `load_errors` holds only the blocks of sync loads (`errors.rs`).
+    sync_load_errors_only: bool,
     /// Requests whose sync load failed in the bound step: their stores of this step read KV
     /// computed over bad blocks and are failed instead of run.
     poisoned: HashSet<RequestId>,
@@ -211,6 +214,7 @@ impl Worker {
             loads_ready: Vec::new(),
             started_loading: HashSet::new(),
             load_errors: Vec::new(),
+            sync_load_errors_only: false,
             poisoned: HashSet::new(),
             verdicts: None,
         }
@@ -286,7 +290,7 @@ impl Worker {
         self.binds += 1;
         self.saving.extend(meta.saving.iter().cloned());
         for l in &meta.loads {
-            self.load_errors.extend_from_slice(&l.failed_devices);
+            self.note_load_errors(l.failed_devices.iter().copied(), l.sync);
             let st = self.loads.entry(l.request.clone()).or_insert(LoadState {
                 pending: 0,
                 failed: false,
@@ -493,12 +497,6 @@ impl Worker {
         out
     }
 
-    /// Device blocks whose load failed since the last call (the engine recomputes them).
-    pub fn take_load_errors(&mut self) -> Vec<DeviceBlockId> {
-        self.drain();
-        std::mem::take(&mut self.load_errors)
-    }
-
     /// Number of jobs handed out and not yet finished on this rank.
     pub fn jobs_in_flight(&self) -> usize {
         self.jobs.len()
@@ -697,11 +695,15 @@ impl Worker {
                 } else {
                     d.outcome.failed_pairs()
                 };
-                for &i in failed.iter().filter(|_| !early) {
-                    if let Some(Block::Device(dst)) = d.job.dst().get(i) {
-                        self.load_errors.push(dst);
-                    }
-                }
+                let dsts: Vec<DeviceBlockId> = failed
+                    .iter()
+                    .filter(|_| !early)
+                    .filter_map(|&i| match d.job.dst().get(i) {
+                        Some(Block::Device(dst)) => Some(dst),
+                        _ => None,
+                    })
+                    .collect();
+                self.note_load_errors(dsts, sync);
                 if sync {
                     self.sync_enqueued.remove(&d.job.id);
                     self.sync_pending = self.sync_pending.saturating_sub(1);

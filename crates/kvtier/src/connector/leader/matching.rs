@@ -193,6 +193,7 @@ impl Leader {
         let device_blocks = num_computed_tokens / bs;
         let mut external = 0;
         let mut host_only = false;
+        let mut host_tier_hit = false;
         let mut offered: Vec<(Tier, BlockId)> = Vec::new();
         if num_computed_tokens.is_multiple_of(bs) && !refused && key.read {
             let hashes = match self.slots.get(req) {
@@ -219,6 +220,7 @@ impl Leader {
                 external = (end - first) * bs;
                 let near = |t: Tier| t == Tier::Host || (self.near_remote && t == Tier::Remote);
                 host_only = sources.iter().all(|(t, _)| near(*t));
+                host_tier_hit = sources.iter().all(|(t, _)| *t == Tier::Host);
                 offered = sources;
             }
         }
@@ -230,6 +232,7 @@ impl Leader {
         let load_sync = !self.async_loads || (self.sync_host_loads && host_only);
         if let Some(e) = self.slots.get_mut(req) {
             e.load_sync = (external > 0).then_some(load_sync);
+            e.host_tier_hit = external > 0 && host_tier_hit;
             e.offer = (!load_sync && external > 0).then_some(device_blocks * bs);
             e.slot.record_match(MatchRecord {
                 device_tokens: device_blocks * bs,
@@ -241,5 +244,23 @@ impl Leader {
         }
         tracing::debug!(request = %req, num_computed_tokens, external, "matched");
         Ok(external)
+    }
+
+    /// How `req`'s last match loads when every KV cache group must load it alike
+    /// (`groups::match_groups`): `None` with nothing to load; `Some(true)` inside the step from
+    /// the host tier alone (a load that fails only with the device); `Some(false)` otherwise.
+    pub(crate) fn joint_load_mode(&self, req: &RequestId) -> Option<bool> {
+        let e = self.slots.get(req)?;
+        e.load_sync.map(|sync| sync && e.host_tier_hit)
+    }
+
+    /// Load `req`'s last match asynchronously (another group's part must load so).
+    pub(crate) fn load_asynchronously(&mut self, req: &RequestId) {
+        if let Some(e) = self.slots.get_mut(req) {
+            if e.load_sync == Some(true) {
+                e.load_sync = Some(false);
+                e.offer = e.slot.last_match().map(|m| m.device_tokens);
+            }
+        }
     }
 }

@@ -94,6 +94,9 @@ struct SlotEntry {
     /// at the match from where the hit lies (see [`Leader::set_sync_host_loads`]); `None`
     /// before any match with a hit.
     load_sync: Option<bool>,
+    /// Whether every block of the last match's hit lies in the host tier (no disk, remote or
+    /// node block): a load that fails only with the device.
+    host_tier_hit: bool,
     /// Blocks the last allocation planned to load from host, disk and remote (the request's
     /// hit sources, [`Leader::take_hit_sources`]).
     hit_blocks: [usize; 3],
@@ -115,6 +118,7 @@ impl SlotEntry {
             stores_in_flight: 0,
             loads_in_flight: 0,
             load_sync: None,
+            host_tier_hit: false,
             hit_blocks: [0; 3],
             cut: None,
             key: None,

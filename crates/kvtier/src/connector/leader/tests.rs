@@ -49,6 +49,17 @@ fn new_record(id: &str, tokens: Vec<u32>, first_block: u32) -> StepRecord {
     }
 }
 
+/// Stores the full blocks of `tokens` (a finished request `id`) in the host tier, confirmed.
+fn stored(l: &mut Leader, id: &str, tokens: Vec<u32>, first_block: u32) {
+    let m = l
+        .build_step(&SchedulerStep {
+            records: vec![new_record(id, tokens, first_block)],
+            finished: vec![id.into()],
+        })
+        .unwrap();
+    confirm_all(l, &m);
+}
+
 /// A request matched again after its allocation, before it ever ran, was restarted by the
 /// engine (vLLM: an asynchronous load failed at its first block): it is recomputed from then
 /// on, as is a request whose allocation with external tokens was refused.
@@ -56,13 +67,7 @@ fn new_record(id: &str, tokens: Vec<u32>, first_block: u32) -> StepRecord {
 fn restarted_or_refused_requests_are_recomputed() {
     let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), 16)).unwrap();
     let prompt: Vec<u32> = (0..12).collect();
-    let m = l
-        .build_step(&SchedulerStep {
-            records: vec![new_record("fill", prompt.clone(), 0)],
-            finished: vec!["fill".into()],
-        })
-        .unwrap();
-    confirm_all(&mut l, &m);
+    stored(&mut l, "fill", prompt.clone(), 0);
     let devs: Vec<DeviceBlockId> = (20..23).map(DeviceBlockId).collect();
 
     let r: RequestId = "r".into();
@@ -426,13 +431,7 @@ fn failed_loads_are_not_counted_as_hits() {
     });
     let mut l = Leader::new(cfg).unwrap();
     let prompt: Vec<u32> = (0..12).collect();
-    let m = l
-        .build_step(&SchedulerStep {
-            records: vec![new_record("fill", prompt.clone(), 0)],
-            finished: vec!["fill".into()],
-        })
-        .unwrap();
-    confirm_all(&mut l, &m);
+    stored(&mut l, "fill", prompt.clone(), 0);
     let r: RequestId = "r".into();
     assert_eq!(l.get_num_new_matched_tokens(&r, &prompt, 0).unwrap(), 8);
     let devs: Vec<DeviceBlockId> = (20..23).map(DeviceBlockId).collect();
@@ -472,13 +471,7 @@ fn failed_loads_are_not_counted_as_hits() {
 fn filled_leader() -> (Leader, Vec<u32>) {
     let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), 16)).unwrap();
     let prompt: Vec<u32> = (0..12).collect();
-    let m = l
-        .build_step(&SchedulerStep {
-            records: vec![new_record("fill", prompt.clone(), 0)],
-            finished: vec!["fill".into()],
-        })
-        .unwrap();
-    confirm_all(&mut l, &m);
+    stored(&mut l, "fill", prompt.clone(), 0);
     (l, prompt)
 }
 
@@ -622,17 +615,6 @@ fn cuts_of_an_offer_are_applied_at_allocation() {
     let sync = offer(&mut l, "sync");
     assert_eq!(l.allocate_offer(&sync, &devs).unwrap(), None);
     l.cancel_load(&"unknown".into(), 0, 4);
-}
-
-/// Stores `n` blocks of `tokens` (a finished request `id`) in the host tier, confirmed.
-fn stored(l: &mut Leader, id: &str, tokens: Vec<u32>, first_block: u32) {
-    let m = l
-        .build_step(&SchedulerStep {
-            records: vec![new_record(id, tokens, first_block)],
-            finished: vec![id.into()],
-        })
-        .unwrap();
-    confirm_all(l, &m);
 }
 
 /// TensorRT-LLM's KVCacheManagerV2 may allocate a matched request passes later, and the stores

@@ -188,3 +188,57 @@ fn the_hole_is_accepted_only_as_the_engines_null_block() {
         .check_device_ids(&r, "new_block_ids", &[hole])
         .is_err());
 }
+
+/// A leader with asynchronous loads that loads host-tier hits in the step (vLLM's default),
+/// holding `host` host blocks and `disk` disk blocks (with no host tier, stores go to disk).
+fn loading_leader(salt: u64, window: Option<usize>, host: usize, disk: usize) -> Leader {
+    let mut cfg = LeaderConfig::new(4, HashSalt(salt), host);
+    cfg.disk = config::Capacity::Blocks(disk);
+    cfg.async_loads = true;
+    let mut l = Leader::new(cfg).unwrap();
+    l.set_window(window, Some(NULL));
+    l.set_sync_host_loads(true);
+    l
+}
+
+/// Every group loads a hit the same way (vLLM takes one answer per request): in the step only
+/// when every group's part lies in the host tier alone; one group's part on disk makes every
+/// group's load asynchronous (vLLM recomputes a hybrid model's failed load only while it waits).
+#[test]
+fn every_group_loads_a_hit_alike_in_the_step_only_from_the_host_tier() {
+    let mut prompt: Vec<u32> = (0..24).collect();
+    prompt.push(99);
+    for disk_window in [false, true] {
+        let mut full = loading_leader(3, None, 64, 0);
+        let mut win = if disk_window {
+            loading_leader(4, Some(8), 0, 64)
+        } else {
+            loading_leader(4, Some(8), 64, 0)
+        };
+        filled(&mut full);
+        filled(&mut win);
+        let r: RequestId = "r".into();
+        let mut both = [&mut full, &mut win];
+        assert_eq!(
+            match_groups(&mut both, &r, &prompt, 0, &RequestKey::default()).unwrap(),
+            24
+        );
+        assert_eq!(
+            full.load_is_async(&r),
+            disk_window,
+            "disk part: {disk_window}"
+        );
+        assert_eq!(
+            win.load_is_async(&r),
+            disk_window,
+            "disk part: {disk_window}"
+        );
+        // Alone, the full group's host-tier hit loads in the step.
+        let solo: RequestId = "solo".into();
+        assert_eq!(
+            full.get_num_new_matched_tokens(&solo, &prompt, 0).unwrap(),
+            24
+        );
+        assert!(!full.load_is_async(&solo));
+    }
+}

@@ -100,7 +100,7 @@ impl Worker {
         let Some(dsts) = self.layered_dsts.remove(&job) else {
             return; // already reported
         };
-        self.load_errors.extend(dsts);
+        self.note_load_errors(dsts, true);
         if let Some(g) = self.gates.iter().find(|g| g.job == job) {
             self.poisoned.insert(g.request.clone());
         }
