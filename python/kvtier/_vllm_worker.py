@@ -96,9 +96,13 @@ class _WorkerSide:
                                set(meta.failed_loads_async))
         plans = [meta.plan, *getattr(meta, "group_plans", [])]
         self.layered_step = False
+        # Several KV cache groups: loads inside the step are ordered on the stream whole, not layer by layer, until the
+        # per-group layered path has run on a GPU (a layer a group never waits for would fail its load, and a hybrid
+        # model's failed load inside the step stops vLLM).
+        hooks = layer_hooks and len(self._workers) == 1
         for worker, plan in zip(self._all(), plans):
             if plan:
-                self._start(worker, plan, meta.sync_loads, layer_hooks)
+                self._start(worker, plan, meta.sync_loads, hooks)
 
     def _start(self, worker: Any, plan: bytes, sync_loads: bool, layer_hooks: bool) -> None:
         _trace("start_load")
