@@ -376,8 +376,9 @@ def test_kv_cache_groups_kvtier_serves_and_the_kinds_it_refuses_by_name():
     assert [s["bytes_per_block"] for s in settings] == [8192, 8192]
     assert settings[1]["sliding_window"] == 66 and settings[1]["null_block"] == 0 and "sliding_window" not in settings[0]
     # The load mode is joined per request by match_groups (in the step only when every group's part lies in the host
-    # tier), not switched off for every hybrid model.
+    # tier); asynchronous unless connector.sync_host_loads is set (the adapter's default for one group is in-step).
     assert [s["kv_cache_group"] for s in settings] == [0, 1] and "sync_host_loads" not in settings[0]
+    assert all(s["sync_host_loads_default"] is False for s in settings)
     # What stays refused, at engine start, naming the layer kind and what to do.
     for kind, words in [("MambaSpec", ["MambaSpec", "without kvtier"]),
                         ("ChunkedLocalAttentionSpec", ["ChunkedLocalAttentionSpec",

@@ -98,10 +98,9 @@ def test_a_gemma3_shaped_model_replays_exactly_with_the_hybrid_manager(tmp_path_
         assert long["stats"]["preempted_requests"] > 0, "the workload no longer makes vLLM preempt"
     windows = [int(s["stats"][f"g{g}.window"]) for g in range(4)]
     assert sorted(windows) == [0, WINDOW, WINDOW, WINDOW], s["stats"]  # one group per layer: 1 full, 3 sliding
-    # Every group's part of every hit lies in the host tier: each loads inside the step (kvtier's match_groups joins
-    # the groups' modes), as a dense model's host hit does, not parked for an asynchronous load.
+    # A hybrid model's hits load asynchronously by default (in the step only with connector.sync_host_loads: below).
     modes = _hit_modes(trace)
-    assert modes and not any(modes), modes
+    assert modes and all(modes), modes
     for g, w in enumerate(windows):
         blocks, nbytes = d[f"g{g}.onboard_host_blocks"], d[f"g{g}.onboard_host_bytes"]
         # A group's block is its one layer's KV.
@@ -119,6 +118,26 @@ def test_a_gemma3_shaped_model_replays_exactly_with_the_hybrid_manager(tmp_path_
     # Bytes per replayed token: the full layer's whole prefix and the window layers' window, (1 * 6 + 3 * 2) of the
     # 4 * 6 layer-blocks the whole prefix of every layer would be.
     assert d["onboard_host_bytes"] / replayed <= 0.5 * SPEC["bytes_per_block"] / BLOCK_SIZE, d
+
+
+def test_a_gemma3_shaped_model_loads_host_hits_in_the_step_when_asked(tmp_path_factory, tmp_path):
+    """``connector.sync_host_loads: true`` with several KV cache groups: a hit whose every group's part lies in the host
+    tier loads inside the step in every group (kvtier's match_groups joins the groups' modes), as a dense model's host
+    hit does, exactly; vLLM is answered ``(n, False)``."""
+    model = _model(tmp_path_factory, "gemma3", "SSF")
+    with Engine(model, tmp_path / "reference.log", kv_cache_blocks=G1_BLOCKS, **SPEC) as ref:
+        want = ref.generate(PHASE, MAX_TOKENS)
+        want_other = ref.generate(OTHER, MAX_TOKENS)
+    trace = tmp_path / "steps.jsonl"
+    settings = {"host.num_blocks": 256, "connector.sync_host_loads": True}
+    with Engine(model, tmp_path / "kvtier.log", kv_cache_blocks=G1_BLOCKS, env={"KVTIER_STEP_TRACE": str(trace)},
+                kv_transfer_config=connector_config(settings=settings), **SPEC) as e:
+        assert e.generate(PHASE, MAX_TOKENS) == want
+        assert e.generate(OTHER, MAX_TOKENS) == want_other
+        d = _replay_from_tier(e, want)
+    assert d["onboard_host_blocks"] > 0, d
+    modes = _hit_modes(trace)
+    assert modes and not any(modes), modes
 
 
 def test_a_mistral_shaped_model_loads_only_its_window(tmp_path_factory, tmp_path):
