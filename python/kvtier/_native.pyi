@@ -219,7 +219,7 @@ class Leader:
         """Issue one verdict per asynchronous load once every rank reported it (TensorRT-LLM, any TP size)."""
     def enable_match_holds(self) -> None:
         """A match holds the host and disk blocks it offers until the request's allocation, a new match, its
-        preemption or finish, or 64 engine steps (TensorRT-LLM's KVCacheManagerV2 allocates passes later, and the
+        preemption or finish, or 1,024 engine steps (TensorRT-LLM's KVCacheManagerV2 allocates passes later, and the
         stores planned in between would evict what was offered)."""
     def held_blocks(self) -> int:
         """Blocks held by matches not yet allocated (0 with holds off)."""

@@ -17,8 +17,12 @@ use crate::connector::leader::Leader;
 use crate::ids::{BlockId, RequestId, Tier};
 use crate::pool::Pinned;
 
-/// Engine steps after which an unallocated match's hold is given back.
-pub(super) const MAX_HOLD_STEPS: u64 = 64;
+/// Engine steps after which an unallocated match's hold is given back: long enough for a request
+/// that waits for device capacity between its match and its allocation (an executor iteration is
+/// milliseconds to tens of them: 1,024 of them are seconds), short enough that a request the
+/// engine dropped without a word pins nothing for long. Past it the match's load may fail, as
+/// without holds.
+pub(super) const MAX_HOLD_STEPS: u64 = 1024;
 
 /// The pins of one request's last match and the step it was taken in.
 #[derive(Debug)]
