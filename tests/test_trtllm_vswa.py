@@ -122,8 +122,9 @@ def test_tensor_parallel_ranks_each_read_their_share_of_the_models_kv(host_only,
     assert all(w.unrecoverable_loads == 0 and w.recomputed_loads == 0 for w in e.workers.values())
 
 
+@pytest.mark.parametrize("world", [1, 2], ids=["tp1", "tp2"])
 @pytest.mark.parametrize("windows", [ALTERNATING, [32, 64, None, 32]], ids=["window+full", "two-windows+full"])
-def test_a_match_allocated_a_pass_later_keeps_its_host_blocks(kvtier_env, windows):
+def test_a_match_allocated_a_pass_later_keeps_its_host_blocks(kvtier_env, windows, world):
     """KVCacheManagerV2 matches and allocates apart (the driver's ``alloc_delay``): replays run beside new
     prompts whose stores, planned between a replay's match and its allocation, evict host blocks (a small
     host tier), so a load the match promised would fail, and under a window its recompute writes into (or
@@ -134,7 +135,9 @@ def test_a_match_allocated_a_pass_later_keeps_its_host_blocks(kvtier_env, window
     prompts = workload(seed=5, n_docs=8, per_doc=3, lo=80, hi=140)
     fresh = workload(seed=99, n_docs=8, per_doc=3, lo=80, hi=140)
     mixed = [x for pair in zip(fresh, prompts) for x in pair]
-    e = vswa_engine(windows, num_device_blocks=48, chunk_size=32, alloc_delay=1)
+    geo = Geometry(num_layers=4, world_size=world, kv_heads=2 * world)
+    e = VswaEngine(trtllm.KvtierConnectorScheduler, trtllm.KvtierConnectorWorker, windows=windows, geo=geo,
+                   num_device_blocks=48, chunk_size=32, alloc_delay=1)
     first = [e.add_request(p, 8) for p in prompts]
     e.run()
     flush(e)
