@@ -151,6 +151,21 @@ def test_a_match_allocated_a_pass_later_keeps_its_host_blocks(kvtier_env, window
         assert leader.held_blocks() == 0
 
 
+@pytest.mark.parametrize("windows", [ALTERNATING, [48] * 4], ids=["window+full", "one-window"])
+def test_host_hits_load_in_the_step_when_asked(host_only, windows):
+    """``connector.sync_host_loads``: every group's part of a hit lies in the host tier (the only tier served under a
+    window), so every group loads it inside the step (answered ``(n, False)``; the groups' modes are joined by
+    ``match_groups``), exactly, and V2's match and allocation a pass apart changes nothing (match holds)."""
+    host_only.setenv("KVTIER_SYNC_HOST_LOADS", "true")
+    prompts = workload(lo=80, hi=140)
+    want = reference_tokens(prompts, 8)
+    e = vswa_engine(windows, num_device_blocks=24, chunk_size=32, alloc_delay=1)
+    first, second = replay(e, prompts, 8)
+    assert tokens(first) == want and tokens(second) == want
+    assert e.stats.sync_matches > 0 and e.stats.async_matches == 0, e.stats
+    assert all(l.stats()["onboard_failed"] == 0 for l in e.scheduler.leaders)
+
+
 def test_a_disk_tier_under_a_window_is_refused_at_start(kvtier_env, tmp_path):
     """A failed disk (or remote) load is recovered by recomputing the request from where kvtier's offer began, but
     KVCacheManagerV2 gave the window group no page (-1) for the blocks behind the window of the served end

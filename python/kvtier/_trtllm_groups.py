@@ -69,8 +69,8 @@ def group_settings(base: dict, windows: list, endpoints: Optional[list] = None) 
         if len(windows) > 1:
             s["channel"] = f"{base['channel']}-{_key(w)}"
             s.update(kv_cache_group=i, kv_cache_groups=len(windows), kv_cache_group_kind=f"trtllm-attention:{w}")
-            # Every group answers alike whether a hit loads asynchronously (see vllm's _group_settings).
-            s["sync_host_loads"] = False
+            # Every group answers alike whether a hit loads asynchronously: in the step (connector.sync_host_loads)
+            # only when every group's part lies in the host tier (kvtier::connector::groups::match_groups).
         if w is not None:
             s.update(sliding_window=int(w), null_block=HOLE)
         out.append(s)
