@@ -548,7 +548,11 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
             if self._rank == 0:
                 self._engine.endpoint_set.wait(120)
                 endpoints = self._engine.endpoints
-            return "zmq", list(_broadcast(endpoints))
+            endpoints = _broadcast(endpoints)  # every rank takes part, whatever rank 0 has
+            if not endpoints:
+                raise ConfigError("kvtier: rank 0's connector scheduler chose no leader endpoint within 120 s "
+                                  "(it was not built in rank 0's process, or failed first: see its log)")
+            return "zmq", list(endpoints)
         if self._rank == 0:
             return "in_process", None
         # No TensorRT-LLM, all ranks in one process: the caller carries this rank's reports,

@@ -250,6 +250,27 @@ impl FaultyTransfer {
         }
     }
 
+    /// A [`MemoryTransfer`] of `bytes_per_block`-byte blocks (`device_blocks` on the device,
+    /// `host_blocks` in the host tier) whose reads of the host blocks `fail` fail.
+    pub fn failing_host_reads(
+        bytes_per_block: usize,
+        device_blocks: usize,
+        host_blocks: usize,
+        fail: impl IntoIterator<Item = u32>,
+    ) -> Arc<Self> {
+        let faulty = Arc::new(Self::new(Arc::new(MemoryTransfer::new(
+            bytes_per_block,
+            device_blocks,
+            host_blocks,
+            0,
+        ))));
+        faulty.set_rules(FaultRules {
+            fail_src: fail.into_iter().map(|b| (Tier::Host, b)).collect(),
+            ..FaultRules::default()
+        });
+        faulty
+    }
+
     /// Replace the armed faults (jobs started from now on see them).
     pub fn set_rules(&self, rules: FaultRules) {
         if let Ok(mut r) = self.rules.lock() {

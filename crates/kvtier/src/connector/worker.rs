@@ -695,14 +695,14 @@ impl Worker {
                 } else {
                     d.outcome.failed_pairs()
                 };
-                let dsts: Vec<DeviceBlockId> = failed
+                let dst = d.job.dst();
+                let dsts = failed
                     .iter()
                     .filter(|_| !early)
-                    .filter_map(|&i| match d.job.dst().get(i) {
-                        Some(Block::Device(dst)) => Some(dst),
+                    .filter_map(|&i| match dst.get(i) {
+                        Some(Block::Device(b)) => Some(b),
                         _ => None,
-                    })
-                    .collect();
+                    });
                 self.note_load_errors(dsts, sync);
                 if sync {
                     self.sync_enqueued.remove(&d.job.id);

@@ -39,14 +39,12 @@ impl Worker {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
-    use std::collections::HashSet;
     use std::sync::mpsc::channel;
-    use std::sync::Arc;
 
     use crate::connector::messages::{RequestLoad, StepMetadata, PROTOCOL_VERSION};
-    use crate::connector::testing::{FaultRules, FaultyTransfer, MemoryTransfer};
+    use crate::connector::testing::FaultyTransfer;
     use crate::connector::worker::{Worker, WorkerLink};
-    use crate::ids::{BlockId, DeviceBlockId, JobId, Tier};
+    use crate::ids::{BlockId, DeviceBlockId, JobId};
     use crate::transfer::TransferJob;
 
     fn load(request: &str, sync: bool, job: u64, host: u32, device: u32) -> RequestLoad {
@@ -67,13 +65,7 @@ mod tests {
     #[test]
     fn only_loads_inside_the_step_are_handed_out_when_asked() {
         for sync_only in [false, true] {
-            let faulty = Arc::new(FaultyTransfer::new(Arc::new(MemoryTransfer::new(
-                8, 16, 8, 0,
-            ))));
-            faulty.set_rules(FaultRules {
-                fail_src: (0..8).map(|b| (Tier::Host, b)).collect::<HashSet<_>>(),
-                ..Default::default()
-            });
+            let faulty = FaultyTransfer::failing_host_reads(8, 16, 8, 0..8);
             let (tx, _rx) = channel();
             let mut w = Worker::new(faulty, WorkerLink::in_process(0, 1, tx));
             w.set_sync_load_errors_only(sync_only);

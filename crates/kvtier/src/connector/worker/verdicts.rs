@@ -65,29 +65,18 @@ impl Worker {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use std::collections::HashSet;
     use std::sync::mpsc::channel;
-    use std::sync::Arc;
 
     use crate::connector::messages::{LoadVerdict, RequestLoad, StepMetadata, PROTOCOL_VERSION};
-    use crate::connector::testing::{FaultRules, FaultyTransfer, MemoryTransfer};
+    use crate::connector::testing::FaultyTransfer;
     use crate::connector::worker::{Worker, WorkerLink};
-    use crate::ids::{BlockId, DeviceBlockId, JobId, RequestId, Tier};
+    use crate::ids::{BlockId, DeviceBlockId, JobId, RequestId};
     use crate::transfer::TransferJob;
 
     /// A rank-1 worker with verdicts on that ran one async host -> device load of request "r"
     /// (host blocks 0 and 1 into device blocks 2 and 3), failing `fail` host blocks.
     fn loaded(fail: &[u32]) -> Worker {
-        let faulty = Arc::new(FaultyTransfer::new(Arc::new(MemoryTransfer::new(
-            8, 4, 4, 0,
-        ))));
-        faulty.set_rules(FaultRules {
-            fail_src: fail
-                .iter()
-                .map(|&b| (Tier::Host, b))
-                .collect::<HashSet<_>>(),
-            ..Default::default()
-        });
+        let faulty = FaultyTransfer::failing_host_reads(8, 4, 4, fail.iter().copied());
         let (tx, _rx) = channel();
         let mut w = Worker::new(faulty, WorkerLink::in_process(1, 2, tx));
         w.set_load_verdicts(true);
