@@ -1,8 +1,8 @@
 """Replay TTFT and bytes loaded per replayed token for a sliding-window model on the real vLLM GPU engine (issue 25):
 vLLM alone, vLLM's native OffloadingConnector, kvtier with vLLM's hybrid KV cache manager (window-only loads) and
 kvtier with the manager off (every layer's whole prefix), and (``kvtier-sync``) kvtier loading host-tier hits inside
-the step (``connector.sync_host_loads: true``; hybrid loads are asynchronous by default), one after the other in one
-run on one GPU.
+the step (``connector.sync_host_loads: true``; hybrid loads are asynchronous by default), and (``kvtier-sync-layered``)
+those in-step loads layer by layer (``layered_group_loads``), one after the other in one run on one GPU.
 
 Model: dense Gemma-3-shaped (Llama-8B geometry: hidden 4096, 32 heads, 8 KV heads, head dim 128, bf16; 36 layers,
 five sliding-window layers of 1024 tokens to one full-attention layer, vLLM's Llama reading ``layer_types``), random
@@ -167,6 +167,9 @@ def main() -> int:
         # Host-tier hits of every group inside the step (opt-in for hybrid models until measured here).
         "kvtier-sync": dict(base, kv_transfer_config=connector_config(settings=dict(
             kt, **{"connector.sync_host_loads": True}))),
+        # The same, each attention layer waiting only for its own group's copies (`layered_group_loads`).
+        "kvtier-sync-layered": dict(base, kv_transfer_config=connector_config(settings=dict(
+            kt, **{"connector.sync_host_loads": True, "layered_group_loads": True}))),
     }
     names = a.engines.split(",")
     results = {}
@@ -195,7 +198,7 @@ def main() -> int:
         if r["kvtier_errors"]:
             ok = False
             print(f"  {name}: kvtier logged errors: {r['kvtier_errors'][:3]}")
-    for name in ("kvtier", "kvtier-nohma", "kvtier-sync"):
+    for name in ("kvtier", "kvtier-nohma", "kvtier-sync", "kvtier-sync-layered"):
         if name in results and any(sum(x["loaded_bytes"].values()) == 0 for x in results[name]["lengths"].values()):
             ok = False
             print(f"  {name}: a replay loaded nothing from kvtier")

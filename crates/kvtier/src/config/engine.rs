@@ -37,6 +37,7 @@ pub(crate) const ENGINE_KEYS: &[&str] = &[
     "finished_ids_are_saving",
     "ordered_sync_loads",
     "layered_sync_loads",
+    "layered_group_loads",
     "zmq_endpoint",
     "test_load_delay_ms",
     "role",
