@@ -100,9 +100,19 @@ fn u(v: usize) -> u64 {
     v as u64
 }
 
-/// G1 stores land in the host tier when there is one, else on disk.
+/// G1 stores land in the host tier when there is one, else on disk when there is one, else in
+/// the remote tier (a node-only engine), which `remote_put_confirmed` counts already.
 fn has_host(s: &LeaderStats) -> bool {
     s.host_capacity > 0
+}
+
+/// G1 stores that landed on disk (no host tier, a disk tier).
+fn offloaded_to_disk(s: &LeaderStats) -> u64 {
+    if has_host(s) || s.disk_capacity == 0 {
+        0
+    } else {
+        s.offload_confirmed
+    }
 }
 
 /// Every series kvtier exports, in exposition order (a family's series are adjacent).
@@ -121,7 +131,7 @@ pub const METRICS: &[Metric] = &[
         BLOCKS_HELP,
         Counter,
         &[("direction", "offload"), ("tier", "disk")],
-        |s| s.spill_disk_confirmed + if has_host(s) { 0 } else { s.offload_confirmed },
+        |s| s.spill_disk_confirmed + offloaded_to_disk(s),
     ),
     m(
         "offloaded_remote_blocks",
@@ -567,6 +577,20 @@ mod tests {
             "{text}"
         );
         assert_eq!(text.matches("# TYPE kvtier_blocks_total").count(), 1);
+    }
+
+    /// A node-only engine (no host, no disk tier) stores G1 blocks straight into the remote
+    /// tier: they count there, not on disk (the H200 node bench once showed them in both).
+    #[test]
+    fn node_only_offloads_count_in_the_remote_tier_alone() {
+        let s = LeaderStats {
+            offload_confirmed: 7,
+            remote_put_confirmed: 7,
+            ..Default::default()
+        };
+        assert_eq!(value(&s, "offloaded_host_blocks"), Some(0));
+        assert_eq!(value(&s, "offloaded_disk_blocks"), Some(0));
+        assert_eq!(value(&s, "offloaded_remote_blocks"), Some(7));
     }
 
     /// The Grafana dashboard in the repository only plots series this table exports.
