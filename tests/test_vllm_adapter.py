@@ -425,6 +425,49 @@ def test_several_groups_report_a_request_once_every_group_has():
     assert [w.waited for w in side._workers] == [[["f"]], [["f"]]]
 
 
+class _LoadingGroupWorker:
+    """One KV cache group's kvtier worker in a step with a sync load: records how the adapter starts and waits for
+    it (layered the way kvtier's worker is when it is started layered: ``has_layered_loads``)."""
+
+    def __init__(self):
+        self.started: list[bool] = []
+        self.waits: list[int | None] = []
+
+    def bind(self, plan):
+        pass
+
+    def start_load(self, stream, layered):
+        self.started.append(layered)
+
+    def has_layered_loads(self):
+        return bool(self.started and self.started[-1])
+
+    def wait_for_layer_load(self, index, stream):
+        self.waits.append(index)
+
+
+@pytest.mark.parametrize("layered_groups", [False, True])
+def test_several_groups_load_layer_by_layer_only_when_asked(layered_groups):
+    """A hybrid model's in-step loads go whole (every layer at once, before the forward pass) unless
+    ``layered_group_loads``: then each group's worker is started layered and each attention layer waits on its own
+    group's worker at its index among that group's layers (_vllm_worker.start_step, wait_for_layer)."""
+    settings = {"layered_group_loads": True} if layered_groups else {}
+    side = kv._WorkerSide([settings, settings], 16, [["l0", "l2"], ["l1", "l3"]])
+    side._workers = [_LoadingGroupWorker(), _LoadingGroupWorker()]
+    side._worker = side._workers[0]
+    side._layer_index = {"l0": (0, 0), "l2": (0, 1), "l1": (1, 0), "l3": (1, 1)}
+    side.start_step(kv.KvtierConnectorMetadata(plan=b"p0", group_plans=[b"p1"], sync_loads=True), layer_hooks=True)
+    assert [w.started for w in side._workers] == [[layered_groups], [layered_groups]]
+    assert side.layered_step is layered_groups
+    if layered_groups:
+        assert [w.waits for w in side._workers] == [[], []]  # nothing waited before the forward pass
+        for name in ("l0", "l1", "l2", "l3"):
+            side.wait_for_layer(name)
+        assert [w.waits for w in side._workers] == [[0, 1], [0, 1]]
+    else:
+        assert [w.waits for w in side._workers] == [[0], [0]]  # whole: completed in start_step
+
+
 class _GroupLeader:
     """One KV cache group's leader: records what it is given, delays the free of requests named in ``delay``."""
 
