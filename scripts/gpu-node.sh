@@ -10,7 +10,8 @@
 # verified), with GB/s against a pinned host tier moving the same blocks in the same run; then
 # transfer::cuda::gpu_tests (ordered loads seen by the engine's stream). Without a CUDA driver
 # the test prints that it skipped. Environment: KVTIER_NODE_GPU_BLOCKS (default 256), OUT (default ./gpu-node-out:
-# the report as markdown and the log).
+# the report as markdown and the log), KVTIER_NODE_HUGE=1 (as root: the store/load test again with the arena on a tmpfs
+# mounted `huge=always`, 2 MiB pages; report node-gpu-huge.md: does the page size bound the DMA rates?).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 bin=${1:-${KVTIER_IO_TESTS:-}}
@@ -36,3 +37,15 @@ grep -q "test result: ok. 1 passed" "$out/ordered-gpu.log" || { echo "the ordere
 "$bin" --exact storage::node::gpu_tests::node_loads_are_ordered_and_layered --nocapture --test-threads 1 \
   2>&1 | tee "$out/node-layered-gpu.log"
 grep -q "test result: ok. 1 passed" "$out/node-layered-gpu.log" || { echo "the node layered-load GPU test did not run" >&2; exit 1; }
+# The same store/load test with the node's arena on 2 MiB pages (a tmpfs mounted huge=always; needs root).
+if [ "${KVTIER_NODE_HUGE:-0}" = 1 ]; then
+  huge=$(mktemp -d /tmp/kvtier-huge.XXXXXX)
+  mount -t tmpfs -o huge=always,mode=0700,size=$(( (${KVTIER_NODE_GPU_BLOCKS:-256} * 2 + 64) * 2 ))M none "$huge"
+  KVTIER_NODE_SHM_DIR="$huge" KVTIER_NODE_GPU_REPORT="$out/node-gpu-huge.md" \
+    "$bin" --exact storage::node::gpu_tests::node_gpu_store_and_load_are_bit_exact_and_direct --nocapture \
+    --test-threads 1 2>&1 | tee "$out/node-gpu-huge.log" || true
+  grep ShmemHugePages /proc/meminfo || true
+  umount "$huge"; rmdir "$huge"
+  grep -q "test result: ok. 1 passed" "$out/node-gpu-huge.log" || { echo "the huge-page node GPU test did not pass" >&2; exit 1; }
+  cat "$out/node-gpu-huge.md"
+fi

@@ -117,6 +117,19 @@ fn gbps(bytes: usize, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
 
+/// A node of `n` blocks (and a few spare) with its socket in `dir` and its arena in
+/// `KVTIER_NODE_SHM_DIR` when set (`scripts/gpu-node.sh --huge`: a tmpfs mounted `huge=always`,
+/// so the arena is backed by 2 MiB pages), else `/dev/shm`, else `dir`.
+fn node_options(dir: &std::path::Path, n: u32) -> NodeOptions {
+    let mut o = NodeOptions::new(dir.join("node.sock"), (n as u64 + 8) * BPB as u64);
+    if let Some(shm) = std::env::var_os("KVTIER_NODE_SHM_DIR") {
+        o.shm_dir = shm.into();
+    } else if !std::path::Path::new("/dev/shm").is_dir() {
+        o.shm_dir = dir.to_path_buf();
+    }
+    o
+}
+
 /// Figures of one node: store, load and repeated (deduplicated) store times, blocks hashed by
 /// the engine's client and by the node.
 struct NodeRun {
@@ -140,10 +153,7 @@ fn node_run(
     from: impl Fn(u32) -> u32,
 ) -> NodeRun {
     let dir = tempfile::tempdir().unwrap();
-    let mut o = NodeOptions::new(dir.path().join("node.sock"), (n as u64 + 8) * BPB as u64);
-    if !std::path::Path::new("/dev/shm").is_dir() {
-        o.shm_dir = dir.path().to_path_buf();
-    }
+    let mut o = node_options(dir.path(), n);
     if tenants {
         o.allowed_uids = vec![crate::sys::sock::current_uid().wrapping_add(4242)];
     }
@@ -304,10 +314,7 @@ fn node_loads_are_ordered_and_layered() {
     let total = 2 * n;
     let (mem, layout) = per_layer_cache(total, 13);
     let dir = tempfile::tempdir().unwrap();
-    let mut o = NodeOptions::new(dir.path().join("node.sock"), (n as u64 + 8) * BPB as u64);
-    if !std::path::Path::new("/dev/shm").is_dir() {
-        o.shm_dir = dir.path().to_path_buf();
-    }
+    let o = node_options(dir.path(), n);
     let _node = NodeServer::start(&o).unwrap();
     let store = Arc::new(
         NodeStore::connect(_node.socket(), "gpu-layered", NodeClientOptions::default()).unwrap(),
