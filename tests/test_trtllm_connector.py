@@ -86,6 +86,9 @@ def test_tp1_onboard_from_host_and_disk(tiers, loop):
     after = stats(e)
     assert tokens(first) == want and tokens(second) == want
     assert after["onboard_disk_blocks"] > before["onboard_disk_blocks"], after
+    # Full attention: a match's hold times out (a failed load is recomputed); under windows it does not
+    # (test_trtllm_vswa.py).
+    assert [leader.match_holds_expire() for leader in e.scheduler.leaders] == [True]
 
 
 def test_saves_in_flight_keep_blocks_until_every_rank_reports(host_only):

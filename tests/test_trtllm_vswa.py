@@ -149,6 +149,9 @@ def test_a_match_allocated_a_pass_later_keeps_its_host_blocks(kvtier_env, window
         st = leader.stats()
         assert st["onboard_failed"] == 0 and st["onboard_host_blocks"] > 0, st
         assert leader.held_blocks() == 0
+        # Under windows a hold never times out (a failed load in any group rewinds the request; the Rust test
+        # a_hold_without_expiry_outlives_max_hold_steps shows what that keeps).
+        assert leader.match_holds_expire() is False
 
 
 @pytest.mark.parametrize("windows", [ALTERNATING, [48] * 4], ids=["window+full", "one-window"])

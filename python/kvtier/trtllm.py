@@ -344,8 +344,9 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
             leader.enable_unpaged_exclusion()
             # KVCacheManagerV2 matches and allocates apart (kv_cache_manager_v2.py; cancel_load exists for
             # it): the host and disk blocks a match offers are held until the allocation, so the stores
-            # planned in between cannot evict them and fail a load the match promised.
-            leader.enable_match_holds()
+            # planned in between cannot evict them and fail a load the match promised. With windows the holds
+            # never time out: a failed load in any group rewinds the request, which a window group cannot recompute.
+            leader.enable_match_holds(expire=windows is None)
         self._engine.leader = self._leader
         self._engine.leaders = self.leaders
         self._engine.endpoint_set.set()

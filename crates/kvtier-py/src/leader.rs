@@ -71,8 +71,8 @@ struct Inner {
     load_verdicts: bool,
     /// `Leader::set_unpaged_exclusion`, applied when the leader is built.
     unpaged_exclusion: bool,
-    /// `Leader::enable_match_holds`, applied when the leader is built.
-    match_holds: bool,
+    /// `Leader::enable_match_holds(expire)`, applied when the leader is built (`None`: off).
+    match_holds: Option<bool>,
     settings: Settings,
     pending: Option<Pending>,
     leader: Option<Leader>,
@@ -103,8 +103,8 @@ impl Inner {
         leader.set_sync_host_loads(self.sync_host_loads);
         leader.set_load_verdicts(self.load_verdicts);
         leader.set_unpaged_exclusion(self.unpaged_exclusion);
-        if self.match_holds {
-            leader.enable_match_holds();
+        if let Some(expire) = self.match_holds {
+            leader.enable_match_holds(expire);
         }
         let (window, null_block) = self.settings.sliding_window().map_err(BridgeError::from)?;
         leader.set_window(window, null_block.map(DeviceBlockId));
@@ -320,7 +320,7 @@ impl PyLeader {
             sync_host_loads,
             load_verdicts: false,
             unpaged_exclusion: false,
-            match_holds: false,
+            match_holds: None,
             settings,
             pending: None,
             leader: None,
@@ -624,13 +624,21 @@ impl PyLeader {
     }
 
     /// A match holds the host and disk blocks it offers until the request's allocation
-    /// (TensorRT-LLM's KVCacheManagerV2 allocates passes later; `Leader::enable_match_holds`).
-    fn enable_match_holds(&self) {
+    /// (TensorRT-LLM's KVCacheManagerV2 allocates passes later; `Leader::enable_match_holds`);
+    /// `expire=False` for a model with sliding-window layer groups (holds never time out).
+    #[pyo3(signature = (expire = true))]
+    fn enable_match_holds(&self, expire: bool) {
         let mut g = self.lock();
-        g.match_holds = true;
+        g.match_holds = Some(expire);
         if let Some(l) = g.leader.as_mut() {
-            l.enable_match_holds();
+            l.enable_match_holds(expire);
         }
+    }
+
+    /// Whether match holds are on and time out: `None` off, `True` given back after
+    /// `MAX_HOLD_STEPS` steps, `False` kept until the allocation (sliding-window models).
+    fn match_holds_expire(&self) -> Option<bool> {
+        self.lock().match_holds
     }
 
     /// Blocks held by matches not yet allocated (`Leader::held_blocks`).

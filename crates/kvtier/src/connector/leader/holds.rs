@@ -8,9 +8,11 @@
 //!
 //! Invariants: a request holds at most the pins of its last match (a new match gives the old
 //! ones back first); every hold is given back exactly once: after the allocation planned its
-//! loads, or at the request's next match, preemption or finish, or after [`MAX_HOLD_STEPS`]
-//! engine steps (a request the engine dropped without a word holds nothing for long); a remote
-//! source is never held (the store keeps it); with holds off nothing here pins.
+//! loads, or at the request's next match, preemption or finish, or, where holds expire, after
+//! [`MAX_HOLD_STEPS`] engine steps (a request the engine dropped without a word holds nothing for
+//! long); a model with a sliding-window layer group keeps its holds until one of the others
+//! (no expiry: a failed load there could only be recomputed into blocks without a page); a
+//! remote source is never held (the store keeps it); with holds off nothing here pins.
 use std::collections::HashMap;
 
 use crate::connector::leader::Leader;
@@ -35,6 +37,8 @@ struct Held {
 #[derive(Debug, Default)]
 pub(super) struct Holds {
     by_request: HashMap<RequestId, Held>,
+    /// Whether holds are given back after [`MAX_HOLD_STEPS`] steps.
+    expire: bool,
 }
 
 impl Holds {
@@ -47,9 +51,19 @@ impl Holds {
 impl Leader {
     /// Hold the host and disk blocks each match offers until the request's allocation (see the
     /// module documentation). For engines that may allocate a matched request passes later.
-    pub fn enable_match_holds(&mut self) {
-        if self.holds.is_none() {
-            self.holds = Some(Holds::default());
+    /// `expire`: give a hold back after [`MAX_HOLD_STEPS`] steps without an allocation (a full
+    /// attention model, whose failed load is recomputed); `false` for a model with sliding-window
+    /// layer groups, every group's leader alike (a failed load in any group rewinds the request,
+    /// and a window group cannot recompute behind its window).
+    pub fn enable_match_holds(&mut self, expire: bool) {
+        match self.holds.as_mut() {
+            Some(h) => h.expire = expire,
+            None => {
+                self.holds = Some(Holds {
+                    by_request: HashMap::new(),
+                    expire,
+                })
+            }
         }
     }
 
@@ -90,13 +104,13 @@ impl Leader {
     pub(super) fn expire_holds(&mut self) {
         let now = self.step;
         let old: Vec<RequestId> = match self.holds.as_ref() {
-            Some(h) => h
+            Some(h) if h.expire => h
                 .by_request
                 .iter()
                 .filter(|(_, held)| now.saturating_sub(held.step) >= MAX_HOLD_STEPS)
                 .map(|(r, _)| r.clone())
                 .collect(),
-            None => return,
+            _ => return,
         };
         for r in old {
             tracing::debug!(request = %r, "a match was not allocated in time; its hold is given back");

@@ -627,7 +627,7 @@ fn a_held_match_survives_the_stores_planned_before_its_allocation() {
     for holds in [false, true] {
         let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), 4)).unwrap();
         if holds {
-            l.enable_match_holds();
+            l.enable_match_holds(true);
         }
         let prompt: Vec<u32> = (0..13).collect();
         stored(&mut l, "fill", prompt[..12].to_vec(), 0);
@@ -662,7 +662,7 @@ fn a_held_match_survives_the_stores_planned_before_its_allocation() {
 #[test]
 fn a_match_hold_is_given_back_without_an_allocation() {
     let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), 8)).unwrap();
-    l.enable_match_holds();
+    l.enable_match_holds(true);
     let prompt: Vec<u32> = (0..13).collect();
     stored(&mut l, "fill", prompt[..12].to_vec(), 0);
     let (a, b, c): (RequestId, RequestId, RequestId) = ("a".into(), "b".into(), "c".into());
@@ -686,4 +686,30 @@ fn a_match_hold_is_given_back_without_an_allocation() {
     // Every pin is back: the host tier's blocks can all be evicted again.
     let host = l.tiers.host.as_ref().unwrap();
     assert!((0..8).all(|i| host.pin_count(BlockId(i)).unwrap_or(0) == 0));
+}
+
+/// With windows (holds that do not expire) a match waiting for its allocation longer than
+/// `MAX_HOLD_STEPS` keeps its blocks, so its load is still planned whole; it is given back at the
+/// allocation, a new match, preemption or finish like any hold.
+#[test]
+fn a_hold_without_expiry_outlives_max_hold_steps() {
+    let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), 4)).unwrap();
+    l.enable_match_holds(false);
+    let prompt: Vec<u32> = (0..13).collect();
+    stored(&mut l, "fill", prompt[..12].to_vec(), 0);
+    let r: RequestId = "r".into();
+    assert_eq!(l.get_num_new_matched_tokens(&r, &prompt, 0).unwrap(), 12);
+    for _ in 0..holds::MAX_HOLD_STEPS + 8 {
+        l.build_step(&SchedulerStep::default()).unwrap();
+    }
+    assert_eq!(l.held_blocks(), 3);
+    // Another request's stores fill the host tier meanwhile: the held blocks stay.
+    stored(&mut l, "other", (100..116).collect(), 10);
+    let devs: Vec<DeviceBlockId> = (20..24).map(DeviceBlockId).collect();
+    assert!(l.allocate(&r, &devs, 12).refused.is_none());
+    assert_eq!(l.held_blocks(), 0);
+    let m = l.build_step(&SchedulerStep::default()).unwrap();
+    let failed: usize = m.loads.iter().map(|x| x.failed_devices.len()).sum();
+    let loaded: usize = m.loads.iter().flat_map(|x| &x.jobs).map(|j| j.len()).sum();
+    assert_eq!((loaded, failed), (3, 0));
 }
