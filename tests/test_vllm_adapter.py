@@ -429,9 +429,13 @@ class _LoadingGroupWorker:
     """One KV cache group's kvtier worker in a step with a sync load: records how the adapter starts and waits for
     it (layered the way kvtier's worker is when it is started layered: ``has_layered_loads``)."""
 
-    def __init__(self):
+    def __init__(self, layered_groups: bool):
         self.started: list[bool] = []
         self.waits: list[int | None] = []
+        self._layered_groups = layered_groups
+
+    def layered_group_loads(self):
+        return self._layered_groups
 
     def bind(self, plan):
         pass
@@ -451,10 +455,8 @@ def test_several_groups_load_layer_by_layer_only_when_asked(layered_groups):
     """A hybrid model's in-step loads go whole (every layer at once, before the forward pass) unless
     ``layered_group_loads``: then each group's worker is started layered and each attention layer waits on its own
     group's worker at its index among that group's layers (_vllm_worker.start_step, wait_for_layer)."""
-    settings = {"layered_group_loads": True} if layered_groups else {}
-    side = kv._WorkerSide([settings, settings], 16, [["l0", "l2"], ["l1", "l3"]])
-    side._workers = [_LoadingGroupWorker(), _LoadingGroupWorker()]
-    side._worker = side._workers[0]
+    side = kv._WorkerSide([{}, {}], 16, [["l0", "l2"], ["l1", "l3"]])
+    side._adopt([_LoadingGroupWorker(layered_groups), _LoadingGroupWorker(layered_groups)])
     side._layer_index = {"l0": (0, 0), "l2": (0, 1), "l1": (1, 0), "l3": (1, 1)}
     side.start_step(kv.KvtierConnectorMetadata(plan=b"p0", group_plans=[b"p1"], sync_loads=True), layer_hooks=True)
     assert [w.started for w in side._workers] == [[layered_groups], [layered_groups]]

@@ -41,9 +41,9 @@ class _WorkerSide:
         # Layer name -> (group, index among its group worker's registered layers); a step's layered loads.
         self._layer_index: dict[str, tuple[int, int]] = {}
         self.layered_step = False
-        # Several KV cache groups load layer by layer only when asked (`layered_group_loads`, vLLM's extra config):
-        # opt-in until that path has run on a GPU (a layer a group never waits for would fail its load).
-        self._layered_groups = bool(self._settings.get("layered_group_loads", False))
+        # Several KV cache groups load layer by layer only when asked (`layered_group_loads`, vLLM's extra config;
+        # read from the worker, which checked it as a boolean): exact on the H200 and no faster there.
+        self._layered_groups = False
 
     def _all(self) -> list[Any]:
         """The kvtier workers, one per KV cache group (``_worker`` is group 0's)."""
@@ -82,8 +82,7 @@ class _WorkerSide:
                     w.report_sync_load_errors_only()
             self._layer_index = {name: (g, i) for g, layers in enumerate(self._group_layers)
                                  for i, name in enumerate(layers)}
-        self._worker = self._workers[0]
-        self._books.set_groups(len(self._workers))
+        self._adopt(self._workers)
         # Decided once: asking torch whether CUDA is there costs more than the rest of a decode step's hooks.
         cuda = [t for t in kv_caches.values() if getattr(t, "is_cuda", False)]
         if cuda:
@@ -92,6 +91,15 @@ class _WorkerSide:
             raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton launches on; no Stream object
             self._current_stream = (lambda: raw(dev)) if raw is not None else \
                 (lambda: torch.cuda.current_stream(dev).cuda_stream)
+
+    def _adopt(self, workers: list[Any]) -> None:
+        """Take the registered workers, one per KV cache group: the books count their groups, and whether several
+        groups layer their loads is their setting (checked as a boolean in Rust)."""
+        self._workers = workers
+        self._worker = workers[0]
+        layered = getattr(self._worker, "layered_group_loads", None)
+        self._layered_groups = bool(layered()) if layered is not None else False
+        self._books.set_groups(len(workers))
 
     def start_step(self, meta: KvtierConnectorMetadata, layer_hooks: bool = False) -> None:
         self._books.begin_step(list(meta.delayed_frees), dict(getattr(meta, "delayed_groups", {})),

@@ -174,6 +174,8 @@ pub(crate) struct PyWorker {
     num_device_blocks: usize,
     host_blocks: usize,
     disk_blocks: usize,
+    /// `layered_group_loads`, checked as a boolean when the worker is built.
+    layered_group_loads: bool,
 }
 
 impl PyWorker {
@@ -354,6 +356,7 @@ impl PyWorker {
         // Opt-in (`layered_sync_loads`, vLLM's extra config): ordered sync loads layer by layer
         // in steps the adapter starts layered (kvtier::connector::Worker::set_layered_sync_loads).
         worker.set_layered_sync_loads(settings.layered_sync_loads().map_err(BridgeError::from)?);
+        let layered_group_loads = settings.layered_group_loads().map_err(BridgeError::from)?;
         Ok(PyWorker {
             inner: Mutex::new(Inner {
                 worker: Some(worker),
@@ -366,6 +369,7 @@ impl PyWorker {
             num_device_blocks: num_blocks,
             host_blocks: caps.host_blocks,
             disk_blocks: caps.disk_blocks,
+            layered_group_loads,
         })
     }
 }
@@ -476,6 +480,11 @@ impl PyWorker {
             .ok_or_else(gone)?
             .start_load_layered(stream, layered);
         Ok(())
+    }
+
+    /// Whether a hybrid model's ordered loads may go layer by layer (`layered_group_loads`).
+    fn layered_group_loads(&self) -> bool {
+        self.layered_group_loads
     }
 
     /// Whether the bound step has layered loads (the engine must call the per-layer hooks).

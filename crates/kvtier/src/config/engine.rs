@@ -304,6 +304,12 @@ impl EngineSettings {
         Ok(self.bool("layered_sync_loads")?.unwrap_or(false))
     }
 
+    /// Whether a model with several KV cache groups may layer its ordered loads too
+    /// (`layered_group_loads`; vLLM's adapter asks the worker).
+    pub fn layered_group_loads(&self) -> Result<bool, ConfigError> {
+        Ok(self.bool("layered_group_loads")?.unwrap_or(false))
+    }
+
     /// A delay added to every load, for tests (`test_load_delay_ms`; 0 = none).
     pub fn test_load_delay_ms(&self) -> Result<Option<usize>, ConfigError> {
         Ok(self.usize("test_load_delay_ms")?.filter(|ms| *ms > 0))
@@ -363,6 +369,16 @@ mod tests {
         assert_eq!(s.link().unwrap().as_deref(), Some("zmq"));
         let s = settings(&[("block_size", Value::from(16))]);
         assert_eq!(s.block_size().unwrap(), 16);
+        // A switch is a boolean: the string "false" must not turn it on (Python's bool("false")
+        // would), and what is no boolean is refused by name.
+        let s = settings(&[("layered_group_loads", Value::from("false"))]);
+        assert!(!s.layered_group_loads().unwrap());
+        let s = settings(&[("layered_group_loads", Value::from("sometimes"))]);
+        let e = s.layered_group_loads().unwrap_err().to_string();
+        assert!(e.contains("layered_group_loads"), "{e}");
+        let s = settings(&[("layered_group_loads", Value::from(true))]);
+        assert!(s.layered_group_loads().unwrap());
+        assert!(!settings(&[]).layered_group_loads().unwrap());
     }
 
     /// The engine's `async_loads` wins over the configuration's, which wins over the
