@@ -51,7 +51,7 @@ impl Holds {
 impl Leader {
     /// Hold the host and disk blocks each match offers until the request's allocation (see the
     /// module documentation). For engines that may allocate a matched request passes later.
-    /// `expire`: give a hold back after [`MAX_HOLD_STEPS`] steps without an allocation (a full
+    /// `expire`: give a hold back after `MAX_HOLD_STEPS` (1,024) steps without an allocation (a full
     /// attention model, whose failed load is recomputed); `false` for a model with sliding-window
     /// layer groups, every group's leader alike (a failed load in any group rewinds the request,
     /// and a window group cannot recompute behind its window).
