@@ -192,7 +192,8 @@ def _group_settings(base: dict[str, Any], groups: list[dict[str, Any]]) -> list[
             s.update(kv_cache_group=i, kv_cache_groups=len(groups), kv_cache_group_kind=f"{g['kind']}:{g['window']}")
             # Every group's leader answers vLLM alike whether a hit loads asynchronously: in the step only when every
             # group's part lies in the host tier alone (kvtier::connector::groups::match_groups). Opt-in for a hybrid
-            # model (connector.sync_host_loads: true) until that path has run on a GPU; asynchronous by default.
+            # model (connector.sync_host_loads: true; on the H200 it wins at 8K and loses at 32K: docs/bench/vllm.md);
+            # asynchronous by default.
             s["sync_host_loads_default"] = False
         if g["window"]:
             s.update(sliding_window=g["window"], null_block=_NULL_BLOCK)
