@@ -454,7 +454,10 @@ class _LoadingGroupWorker:
 def test_several_groups_load_layer_by_layer_only_when_asked(layered_groups):
     """A hybrid model's in-step loads go whole (every layer at once, before the forward pass) unless
     ``layered_group_loads``: then each group's worker is started layered and each attention layer waits on its own
-    group's worker at its index among that group's layers (_vllm_worker.start_step, wait_for_layer)."""
+    group's worker at its index among that group's layers (_vllm_worker.start_step, wait_for_layer). vLLM calls
+    ``wait_for_layer_load(layer_name)`` on entry to every attention layer of a step with connector metadata
+    (vllm/model_executor/layers/attention/kv_transfer_utils.py, ``maybe_transfer_kv_layer``), by the layer's name
+    whatever its KV cache group; the test calls it so, in the model's layer order."""
     side = kv._WorkerSide([{}, {}], 16, [["l0", "l2"], ["l1", "l3"]])
     side._adopt([_LoadingGroupWorker(layered_groups), _LoadingGroupWorker(layered_groups)])
     side._layer_index = {"l0": (0, 0), "l2": (0, 1), "l1": (1, 0), "l3": (1, 1)}

@@ -118,7 +118,7 @@ fn gbps(bytes: usize, d: Duration) -> f64 {
 }
 
 /// A node of `n` blocks (and a few spare) with its socket in `dir` and its arena in
-/// `KVTIER_NODE_SHM_DIR` when set (`scripts/gpu-node.sh --huge`: a tmpfs mounted `huge=always`,
+/// `KVTIER_NODE_SHM_DIR` when set (`KVTIER_NODE_HUGE=1 scripts/gpu-node.sh`: a tmpfs mounted `huge=always`,
 /// so the arena is backed by 2 MiB pages), else `/dev/shm`, else `dir`.
 fn node_options(dir: &std::path::Path, n: u32) -> NodeOptions {
     let mut o = NodeOptions::new(dir.join("node.sock"), (n as u64 + 8) * BPB as u64);

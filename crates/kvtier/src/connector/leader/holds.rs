@@ -34,7 +34,7 @@ struct Held {
 }
 
 /// Every request's held match (see the module documentation).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct Holds {
     by_request: HashMap<RequestId, Held>,
     /// Whether holds are given back after [`MAX_HOLD_STEPS`] steps.

@@ -617,6 +617,25 @@ fn cuts_of_an_offer_are_applied_at_allocation() {
     l.cancel_load(&"unknown".into(), 0, 4);
 }
 
+/// A leader of 4-token blocks over `host_blocks` host blocks, match holds as given (`None` off,
+/// else whether they expire), holding the first 12 tokens of the 13-token prompt it returns.
+fn holding_leader(host_blocks: usize, holds: Option<bool>) -> (Leader, Vec<u32>) {
+    let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), host_blocks)).unwrap();
+    if let Some(expire) = holds {
+        l.enable_match_holds(expire);
+    }
+    let prompt: Vec<u32> = (0..13).collect();
+    stored(&mut l, "fill", prompt[..12].to_vec(), 0);
+    (l, prompt)
+}
+
+/// A step's planned loads: (blocks loaded by its jobs, blocks listed failed).
+fn load_outcome(m: &StepMetadata) -> (usize, usize) {
+    let loaded = m.loads.iter().flat_map(|x| &x.jobs).map(|j| j.len()).sum();
+    let failed = m.loads.iter().map(|x| x.failed_devices.len()).sum();
+    (loaded, failed)
+}
+
 /// TensorRT-LLM's KVCacheManagerV2 may allocate a matched request passes later, and the stores
 /// planned in between may evict what the match offered. With match holds the offered host blocks
 /// stay, so the load is planned whole; without them the same sequence fails the load (the gap
@@ -625,12 +644,7 @@ fn cuts_of_an_offer_are_applied_at_allocation() {
 #[test]
 fn a_held_match_survives_the_stores_planned_before_its_allocation() {
     for holds in [false, true] {
-        let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), 4)).unwrap();
-        if holds {
-            l.enable_match_holds(true);
-        }
-        let prompt: Vec<u32> = (0..13).collect();
-        stored(&mut l, "fill", prompt[..12].to_vec(), 0);
+        let (mut l, prompt) = holding_leader(4, holds.then_some(true));
         let r: RequestId = "r".into();
         assert_eq!(l.get_num_new_matched_tokens(&r, &prompt, 0).unwrap(), 12);
         assert_eq!(l.held_blocks(), if holds { 3 } else { 0 });
@@ -647,8 +661,7 @@ fn a_held_match_survives_the_stores_planned_before_its_allocation() {
                 finished: vec![],
             })
             .unwrap();
-        let failed: usize = m.loads.iter().map(|x| x.failed_devices.len()).sum();
-        let loaded: usize = m.loads.iter().flat_map(|x| &x.jobs).map(|j| j.len()).sum();
+        let (loaded, failed) = load_outcome(&m);
         if holds {
             assert_eq!((loaded, failed), (3, 0));
         } else {
@@ -661,10 +674,7 @@ fn a_held_match_survives_the_stores_planned_before_its_allocation() {
 /// without an allocation: never kept for a request the engine dropped.
 #[test]
 fn a_match_hold_is_given_back_without_an_allocation() {
-    let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), 8)).unwrap();
-    l.enable_match_holds(true);
-    let prompt: Vec<u32> = (0..13).collect();
-    stored(&mut l, "fill", prompt[..12].to_vec(), 0);
+    let (mut l, prompt) = holding_leader(8, Some(true));
     let (a, b, c): (RequestId, RequestId, RequestId) = ("a".into(), "b".into(), "c".into());
     assert_eq!(l.get_num_new_matched_tokens(&a, &prompt, 0).unwrap(), 12);
     assert_eq!(l.get_num_new_matched_tokens(&a, &prompt, 0).unwrap(), 12);
@@ -693,10 +703,7 @@ fn a_match_hold_is_given_back_without_an_allocation() {
 /// allocation, a new match, preemption or finish like any hold.
 #[test]
 fn a_hold_without_expiry_outlives_max_hold_steps() {
-    let mut l = Leader::new(LeaderConfig::new(4, HashSalt(3), 4)).unwrap();
-    l.enable_match_holds(false);
-    let prompt: Vec<u32> = (0..13).collect();
-    stored(&mut l, "fill", prompt[..12].to_vec(), 0);
+    let (mut l, prompt) = holding_leader(4, Some(false));
     let r: RequestId = "r".into();
     assert_eq!(l.get_num_new_matched_tokens(&r, &prompt, 0).unwrap(), 12);
     for _ in 0..holds::MAX_HOLD_STEPS + 8 {
@@ -709,7 +716,5 @@ fn a_hold_without_expiry_outlives_max_hold_steps() {
     assert!(l.allocate(&r, &devs, 12).refused.is_none());
     assert_eq!(l.held_blocks(), 0);
     let m = l.build_step(&SchedulerStep::default()).unwrap();
-    let failed: usize = m.loads.iter().map(|x| x.failed_devices.len()).sum();
-    let loaded: usize = m.loads.iter().flat_map(|x| &x.jobs).map(|j| j.len()).sum();
-    assert_eq!((loaded, failed), (3, 0));
+    assert_eq!(load_outcome(&m), (3, 0));
 }
