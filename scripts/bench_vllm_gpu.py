@@ -35,6 +35,16 @@ from vllm_support import Engine, connector_config, prompts  # noqa: E402
 
 KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
 
+# Engines that differ from ``kvtier`` only in the environment of the engine process.
+ENGINE_ENV: dict[str, dict[str, str]] = {
+    # Layered host loads through the copy engine and device staging, 512 KiB slices (issue 27: the 32K target;
+    # crates/kvtier-io/src/transfer/cuda/staged.rs), and with 1 MiB slices.
+    "kvtier-staged": {"KVTIER_LAYERED_COPY": "staged"},
+    "kvtier-staged1m": {"KVTIER_LAYERED_COPY": "staged:1024"},
+    # The kernel reading host memory at every size (the default cuts over to whole-job loads above 2 GiB).
+    "kvtier-kernel": {"KVTIER_LAYERED_COPY": "kernel"},
+}
+
 
 def write_config(d: Path) -> Path:
     d.mkdir(parents=True, exist_ok=True)
@@ -120,7 +130,7 @@ def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: i
                profile_miss: bool = False, decode_reps: int = 1, decode_batch: int = 1,
                profile_decode: bool = False, step_trace: bool = False, profile_decode_tokens: int = 64,
                warm_replay: bool = True, qa_shape: tuple[int, ...] | None = None) -> dict:
-    env = {}
+    env = dict(ENGINE_ENV.get(name.removesuffix("-nosched"), {}))
     if trace is not None:
         env["KVTIER_VLLM_TRACE"] = str(trace)
     if profile or step_trace:
@@ -364,6 +374,8 @@ def main() -> None:
         "kvtier-ordered-blnhc": dict(base, kv_transfer_config=connector_config(
             settings={**kt, "async_loads": False, "ordered_sync_loads": True, "kv_cache_layout": "BLNHC"})),
     }
+    for k in ENGINE_ENV:
+        engines[k] = dict(engines["kvtier"])
     # Every engine also without vLLM's async scheduling (its batch queue), as "<engine>-nosched".
     for k in list(engines):
         engines[f"{k}-nosched"] = dict(engines[k], async_scheduling=False)

@@ -71,7 +71,7 @@ pub use storage::disk::{
     HEADER_KEY_OFFSET, SUBDIR,
 };
 pub use storage::host::{HostOptions, HostStorage, PinMode};
-pub use transfer::cuda::CudaCopyMethod;
+pub use transfer::cuda::{CudaCopyMethod, LayeredCopy};
 pub use transfer::device::DeviceKind;
 pub use transfer::engine::{TransferEngine, TransferEngineBuilder};
 pub use transfer::layout::{BlockChunks, Chunk, DeviceLayout, Region, StridedLayout};

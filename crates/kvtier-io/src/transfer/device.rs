@@ -68,6 +68,7 @@ impl DeviceSide {
         memory: EngineMemory,
         host: Option<&HostStorage>,
         method: crate::transfer::cuda::CudaCopyMethod,
+        layered: crate::transfer::cuda::LayeredCopy,
     ) -> Result<Self, IoError> {
         let layout = Arc::clone(memory.layout());
         let kind = memory.kind();
@@ -81,6 +82,7 @@ impl DeviceSide {
                     layout.as_ref(),
                     host,
                     method,
+                    layered,
                 )?))
             }
         };

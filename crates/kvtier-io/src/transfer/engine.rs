@@ -32,7 +32,7 @@ use crate::storage::disk::{DiskOptions, DiskStorage};
 use crate::storage::host::{HostOptions, HostStorage};
 use crate::storage::node::NodeStore;
 use crate::sys::{job, mem};
-use crate::transfer::cuda::CudaCopyMethod;
+use crate::transfer::cuda::{CudaCopyMethod, LayeredCopy};
 use crate::transfer::device::{CopyDir, DeviceKind, DeviceSide, Order, Ordering};
 use crate::transfer::memory::EngineMemory;
 
@@ -48,6 +48,7 @@ pub struct TransferEngineBuilder {
     remote: Option<Arc<dyn RemoteStore>>,
     bytes_per_block: Option<usize>,
     cuda_copy: CudaCopyMethod,
+    layered_copy: LayeredCopy,
     bounce_blocks: Option<u32>,
     setup_errors: Vec<String>,
 }
@@ -73,6 +74,12 @@ impl TransferEngineBuilder {
     /// How CUDA copies move scattered chunks (default `Auto`).
     pub fn cuda_copy_method(mut self, m: CudaCopyMethod) -> Self {
         self.cuda_copy = m;
+        self
+    }
+    /// How layered loads move their bytes on CUDA (default `Auto`; `KVTIER_LAYERED_COPY`
+    /// overrides it).
+    pub fn layered_copy(mut self, m: LayeredCopy) -> Self {
+        self.layered_copy = m;
         self
     }
     /// The engine's KV memory (G1), registered: where each device block's chunks are, whether
@@ -162,6 +169,7 @@ impl TransferEngineBuilder {
                 memory,
                 self.host.as_deref(),
                 self.cuda_copy,
+                self.layered_copy,
             )?),
             None => None,
         };

@@ -17,6 +17,7 @@ use crate::storage::host::{HostOptions, HostStorage, PinMode};
 use crate::storage::node::gpu_tests::{block, per_layer_cache, BPB, CHUNK, LAYERS};
 use crate::sys::cuda::{self as cu, DeviceAlloc, Driver, Stream};
 use crate::sys::job;
+use crate::transfer::cuda::LayeredCopy;
 use crate::transfer::device::DeviceKind;
 use crate::transfer::engine::TransferEngine;
 use crate::transfer::layout::{BlockChunks, StridedLayout};
@@ -47,6 +48,15 @@ fn job(src: Tier, dst: Tier, pairs: impl Iterator<Item = (u32, u32)>) -> Transfe
 /// stream. `seen` must then hold exactly the stored blocks.
 /// A transfer engine over `layout` (device 0) with a pinned host tier of `host_blocks`.
 fn pinned_engine(layout: &StridedLayout, host_blocks: u32) -> TransferEngine {
+    pinned_engine_with(layout, host_blocks, LayeredCopy::Auto)
+}
+
+/// As [`pinned_engine`], layered loads moved the way `layered` says.
+fn pinned_engine_with(
+    layout: &StridedLayout,
+    host_blocks: u32,
+    layered: LayeredCopy,
+) -> TransferEngine {
     let host = {
         let mut o = HostOptions::new(host_blocks, BPB);
         o.pin = PinMode::Require;
@@ -58,6 +68,7 @@ fn pinned_engine(layout: &StridedLayout, host_blocks: u32) -> TransferEngine {
             job::register_own_memory(Arc::new(layout.clone()), DeviceKind::Cuda(0)),
         )
         .host(host)
+        .layered_copy(layered)
         .build()
         .unwrap()
 }
@@ -270,7 +281,10 @@ pub(crate) fn print_layered_rates(e: &TransferEngine, load: &TransferJob, what: 
 /// `enqueued`, for each layer in turn the "engine" waits on the gate for that layer only, then
 /// copies that layer's chunks of every destination block on its own stream. Every byte it read
 /// must be the stored one: a layer's event recorded before its copies (or for the wrong layer)
-/// lets the engine read the old bytes. Also prints the rate of a 1 GiB load, whole and layered.
+/// lets the engine read the old bytes. Checked for each way of moving a layered load (the
+/// kernel reading host memory; the copy engine through staging, with slice floors of 256 KiB,
+/// 512 KiB and 1 MiB), with the rate of a 1 GiB load whole and layered for each, and then of a
+/// 4 GiB load (a 32K-token Llama-3.1-8B prompt; `KVTIER_LAYERED_GPU_BIG=0` skips it).
 #[test]
 fn layered_loads_are_seen_layer_by_layer() {
     if !cu::library_present() {
@@ -278,18 +292,29 @@ fn layered_loads_are_seen_layer_by_layer() {
         return;
     }
     let _driver = Driver::open(0).unwrap();
-    let n: u32 = 512;
-    let total = 2 * n;
-    let (mem, layout) = per_layer_cache(total, 11);
-    let e = pinned_engine(&layout, n);
-    let f = e.fence(None).unwrap();
-    assert!(e
-        .execute(&job(Tier::Device, Tier::Host, (0..n).map(|b| (b, b))), &f)
-        .is_ok());
-    let expected: Vec<Vec<u8>> = (0..n).map(|i| block(&mem, &layout, i)).collect();
-    let load = job(Tier::Host, Tier::Device, (0..n).map(|i| (i, 2 * n - 1 - i)));
-    let dsts: Vec<u32> = (0..n).map(|i| 2 * n - 1 - i).collect();
-    load_layered_and_check(&e, &load, &layout, &dsts, &expected, "host tier");
-    print_layered_rates(&e, &load, "host tier");
-    println!("layered loads bit-exact, layer by layer");
+    let modes = [
+        LayeredCopy::Kernel,
+        LayeredCopy::Staged(256 << 10),
+        LayeredCopy::Staged(512 << 10),
+        LayeredCopy::Staged(1 << 20),
+    ];
+    let big = std::env::var("KVTIER_LAYERED_GPU_BIG").map_or(true, |v| v != "0");
+    for n in [512u32, 2048].into_iter().filter(|&n| n == 512 || big) {
+        let total = 2 * n;
+        let (mem, layout) = per_layer_cache(total, 11);
+        let expected: Vec<Vec<u8>> = (0..n).map(|i| block(&mem, &layout, i)).collect();
+        let load = job(Tier::Host, Tier::Device, (0..n).map(|i| (i, 2 * n - 1 - i)));
+        let dsts: Vec<u32> = (0..n).map(|i| 2 * n - 1 - i).collect();
+        for mode in modes {
+            let e = pinned_engine_with(&layout, n, mode);
+            let f = e.fence(None).unwrap();
+            assert!(e
+                .execute(&job(Tier::Device, Tier::Host, (0..n).map(|b| (b, b))), &f)
+                .is_ok());
+            let what = format!("host tier, {mode:?}, {n} blocks");
+            load_layered_and_check(&e, &load, &layout, &dsts, &expected, &what);
+            print_layered_rates(&e, &load, &what);
+        }
+    }
+    println!("layered loads bit-exact, layer by layer, every mode");
 }

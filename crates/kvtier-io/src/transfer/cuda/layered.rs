@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use kvtier::transfer::{Fence, LayerGate, TransferError};
 
-use super::{CudaFence, CudaMover, THREADS};
+use super::{staged, CudaFence, CudaMover, THREADS};
 use crate::sys::cuda::{CuResult, Driver, Event, PinnedAlloc};
 use crate::sys::job;
 use crate::transfer::device::Ordering;
@@ -40,6 +40,67 @@ const MAX_GRID: usize = 512;
 pub(crate) struct CudaLayerGate {
     driver: Arc<Driver>,
     events: Vec<Event>,
+}
+
+impl CudaLayerGate {
+    /// The gate of a job whose layer `l` is complete once `events[l]` (recorded by the job) is.
+    pub(crate) fn new(driver: Arc<Driver>, events: Vec<Event>) -> Self {
+        CudaLayerGate { driver, events }
+    }
+}
+
+/// How a layered load moves its bytes ([`CudaMover::copy_layered`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum LayeredCopy {
+    /// `Kernel` for loads up to 2 GiB, `Whole` above (measured on the H200). Overridden by
+    /// `KVTIER_LAYERED_COPY` (`kernel`, `staged`, `whole`).
+    #[default]
+    Auto,
+    /// The scatter kernel reads each layer from host memory (43.7 GB/s on the H200).
+    Kernel,
+    /// The copy engine moves each layer group's slices (at least this many bytes of a block
+    /// where it allows) into device staging, the scatter kernel writes them out (`staged.rs`;
+    /// not yet measured on a GPU: opt-in).
+    Staged(usize),
+    /// Not layered: the whole job ordered ahead of the forward pass (copy engine).
+    Whole,
+}
+
+impl LayeredCopy {
+    /// The mode named `auto`, `kernel`, `staged` (slices of at least 512 KiB), `staged:KIB`
+    /// or `whole`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "auto" => Some(Self::Auto),
+            "kernel" => Some(Self::Kernel),
+            "staged" => Some(Self::Staged(staged::MIN_SLICE)),
+            "whole" => Some(Self::Whole),
+            _ => {
+                let kib: usize = s.strip_prefix("staged:")?.parse().ok()?;
+                (kib > 0).then(|| Self::Staged(kib.saturating_mul(1024)))
+            }
+        }
+    }
+
+    /// The mode `KVTIER_LAYERED_COPY` names, if it is set (a value that names none is reported
+    /// and ignored).
+    pub(crate) fn from_env() -> Option<Self> {
+        let v = std::env::var("KVTIER_LAYERED_COPY").ok()?;
+        let m = Self::parse(&v);
+        if m.is_none() {
+            tracing::warn!(value = %v, "KVTIER_LAYERED_COPY is not auto|kernel|staged[:KIB]|whole: ignored");
+        }
+        m
+    }
+
+    /// The mode a load of `bytes` takes.
+    pub(crate) fn for_bytes(self, bytes: usize) -> Self {
+        match self {
+            Self::Auto if bytes <= LAYERED_MAX_BYTES => Self::Kernel,
+            Self::Auto => Self::Whole,
+            m => m,
+        }
+    }
 }
 
 impl LayerGate for CudaLayerGate {
@@ -109,6 +170,14 @@ pub(crate) fn layer_descriptors(
     Some(out)
 }
 
+/// Every pair of `items` failed with the CUDA error `e` (not attributable to one block).
+fn failed_all(items: &[(usize, Vec<Chunk>, usize)], e: &str) -> Vec<(usize, String)> {
+    items
+        .iter()
+        .map(|(i, _, _)| (*i, format!("CUDA: {e}")))
+        .collect()
+}
+
 impl CudaMover {
     /// A synchronous load layer by layer (see the module comment); returns the failed pairs
     /// like `copy`. Falls back to the whole-job ordered copy when the job cannot be layered.
@@ -123,12 +192,24 @@ impl CudaMover {
             (order.enqueued)(None);
             return Vec::new();
         }
-        let descs = self
-            .kernel
-            .as_ref()
-            .filter(|_| self.host_pointers && order.readable)
-            .filter(|_| items.len().saturating_mul(self.bytes_per_block) <= LAYERED_MAX_BYTES)
-            .and_then(|_| layer_descriptors(items, self.bytes_per_block, layers));
+        let bytes = items.len().saturating_mul(self.bytes_per_block);
+        let descs = match self.layered_copy.for_bytes(bytes) {
+            LayeredCopy::Staged(min_slice) => match self.staged_plan(items, layers, min_slice) {
+                Some(rounds) => {
+                    return match self.staged_inner(&rounds, layers, fence, order) {
+                        Ok(()) => Vec::new(),
+                        Err(e) => failed_all(items, &e),
+                    };
+                }
+                None => None,
+            },
+            LayeredCopy::Kernel => self
+                .kernel
+                .as_ref()
+                .filter(|_| self.host_pointers && order.readable)
+                .and_then(|_| layer_descriptors(items, self.bytes_per_block, layers)),
+            LayeredCopy::Auto | LayeredCopy::Whole => None,
+        };
         let Some(descs) = descs else {
             return self.copy(
                 items,
@@ -139,11 +220,31 @@ impl CudaMover {
         };
         match self.layered_inner(&descs, fence, order) {
             Ok(()) => Vec::new(),
-            Err(e) => items
-                .iter()
-                .map(|(i, _, _)| (*i, format!("CUDA: {e}")))
-                .collect(),
+            Err(e) => failed_all(items, &e),
         }
+    }
+
+    /// The rounds of a staged layered load of `items`, or `None` when it cannot be staged (no
+    /// kernel or staging, layers that do not split evenly, unaligned pieces).
+    fn staged_plan(
+        &self,
+        items: &[(usize, Vec<Chunk>, usize)],
+        layers: usize,
+        min_slice: usize,
+    ) -> Option<Vec<staged::StagedRound>> {
+        self.kernel.as_ref()?;
+        let base = self.h2d.lock().ok()?.staging.as_ref()?.0.addr();
+        let half = super::HALF_BLOCKS * self.bytes_per_block;
+        let layer_bytes = self.bytes_per_block.checked_div(layers)?;
+        let g = staged::group_layers(layers, layer_bytes, min_slice, half)?;
+        staged::staged_rounds(
+            items,
+            self.bytes_per_block,
+            layers,
+            g,
+            half,
+            [base, base + half as u64],
+        )
     }
 
     fn layered_inner(
@@ -204,10 +305,10 @@ impl CudaMover {
             events.push(ev);
         }
         dir.done.record(&dir.kernel)?;
-        (order.enqueued)(Some(Arc::new(CudaLayerGate {
-            driver: Arc::clone(&self.driver),
+        (order.enqueued)(Some(Arc::new(CudaLayerGate::new(
+            Arc::clone(&self.driver),
             events,
-        })));
+        ))));
         // The host blocks stay held by the job until the copies completed.
         dir.done.wait()
     }
@@ -240,6 +341,37 @@ mod tests {
             vec![0x9000, 0x1000, 32, 0x9020, 0x2000, 32, 0xA000, 0x3000, 32, 0xA020, 0x4000, 32]
         );
         assert_eq!(d[1], vec![0x9040, 0x2020, 64, 0xA040, 0x5000, 64]);
+    }
+
+    #[test]
+    fn layered_copy_modes_parse_and_pick_by_size() {
+        assert_eq!(LayeredCopy::parse("kernel"), Some(LayeredCopy::Kernel));
+        assert_eq!(LayeredCopy::parse("whole"), Some(LayeredCopy::Whole));
+        assert_eq!(LayeredCopy::parse("auto"), Some(LayeredCopy::Auto));
+        assert_eq!(
+            LayeredCopy::parse("staged"),
+            Some(LayeredCopy::Staged(512 << 10))
+        );
+        assert_eq!(
+            LayeredCopy::parse("staged:256"),
+            Some(LayeredCopy::Staged(256 << 10))
+        );
+        for bad in ["staged:0", "staged:", "staged:x", "Kernel", ""] {
+            assert_eq!(LayeredCopy::parse(bad), None, "{bad:?}");
+        }
+        // Auto: the kernel up to the cut, the whole-job copy above; explicit modes stay.
+        assert_eq!(
+            LayeredCopy::Auto.for_bytes(LAYERED_MAX_BYTES),
+            LayeredCopy::Kernel
+        );
+        assert_eq!(
+            LayeredCopy::Auto.for_bytes(LAYERED_MAX_BYTES + 1),
+            LayeredCopy::Whole
+        );
+        assert_eq!(
+            LayeredCopy::Staged(1).for_bytes(usize::MAX),
+            LayeredCopy::Staged(1)
+        );
     }
 
     #[test]

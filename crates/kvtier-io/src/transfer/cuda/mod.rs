@@ -27,6 +27,7 @@ use kvtier::transfer::{Fence, TransferError};
 use crate::transfer::device::{CopyDir, Order};
 
 mod layered;
+mod staged;
 use crate::error::IoError;
 use crate::storage::host::HostStorage;
 use crate::sys::cuda::{
@@ -34,6 +35,7 @@ use crate::sys::cuda::{
 };
 use crate::sys::job;
 use crate::transfer::layout::{BlockChunks, Chunk};
+pub use layered::LayeredCopy;
 
 /// How scattered chunks are moved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -126,6 +128,8 @@ pub(crate) struct CudaMover {
     /// and `CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`): layered loads, whose source must also be
     /// such memory ([`crate::transfer::device::Ordering::readable`]).
     host_pointers: bool,
+    /// How layered loads move their bytes (`KVTIER_LAYERED_COPY`).
+    layered_copy: LayeredCopy,
     d2h: Mutex<Dir>,
     h2d: Mutex<Dir>,
 }
@@ -136,6 +140,7 @@ impl CudaMover {
         layout: &dyn BlockChunks,
         host: Option<&HostStorage>,
         method: CudaCopyMethod,
+        layered: LayeredCopy,
     ) -> Result<Self, IoError> {
         let driver = Driver::open(ordinal).map_err(IoError::Cuda)?;
         let method = match std::env::var("KVTIER_CUDA_COPY")
@@ -213,6 +218,7 @@ impl CudaMover {
             kernel,
             batch_available,
             host_pointers,
+            layered_copy: LayeredCopy::from_env().unwrap_or(layered),
             d2h,
             h2d,
         })
@@ -746,7 +752,7 @@ mod tests {
         }
         let l =
             crate::StridedLayout::contiguous(crate::DevicePtr::new(4096).unwrap(), 2, 64).unwrap();
-        let r = CudaMover::new(0, &l, None, CudaCopyMethod::Auto);
+        let r = CudaMover::new(0, &l, None, CudaCopyMethod::Auto, LayeredCopy::Auto);
         assert!(matches!(r, Err(IoError::Cuda(_))));
     }
 }

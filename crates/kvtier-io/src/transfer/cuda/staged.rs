@@ -1,0 +1,258 @@
+//! Layered loads at the copy engine's rate (issue 27): for each group of consecutive layers, the
+//! copy engine moves that group's slice of every host block (contiguous bytes of the canonical
+//! layer-major block) into a device staging half, and the scatter kernel writes the half into
+//! the engine's chunks (device to device); a group's layers' events are recorded after the
+//! scatter of its last round, so the engine's stream, waiting on layer `l` before layer `l`'s
+//! attention, runs early layers while later groups are still on the link. The kernel-read
+//! layered path (`layered.rs`) reads host memory with the SMs at 43.7 GB/s on the H200; the
+//! copy engine runs at 53-55 GB/s (docs/bench/vllm.md), which the 32K replay target needs.
+//!
+//! Invariants: rounds alternate between the two staging halves, and a round refills a half only
+//! after the stream that copies into it waited for that half's previous scatter (`half_done`);
+//! the copies of a round and its scatter are ordered by the half's `handoff` event; layer `l`'s
+//! event is recorded after the scatter of the last round of `l`'s group, and every byte of layer
+//! `l` of every block is written by a round of that group ([`staged_rounds`] plans it; its CPU
+//! test replays the plan on bytes); the descriptors of every round are written before the first
+//! round and untouched until the job's `done` event completed (the direction's lock is held).
+use std::ops::Range;
+use std::sync::Arc;
+
+use kvtier::transfer::Fence;
+
+use super::layered::CudaLayerGate;
+use super::{coalesce, Copy, CudaFence, CudaMover, Dir, THREADS};
+use crate::sys::cuda::{CuResult, Event, PinnedAlloc};
+use crate::sys::job;
+use crate::transfer::device::Ordering;
+use crate::transfer::layout::Chunk;
+
+/// A layer group's slice of a host block is at least this many bytes where the block allows
+/// (whole-block copies run at 53-55 GB/s, 1 MiB ones at 48 GB/s, 256 KiB ones at 34 GB/s one by
+/// one: measured on the H200; batched copies do better for small slices). `KVTIER_LAYERED_COPY=
+/// staged:KIB` sets another floor for measurements.
+pub(crate) const MIN_SLICE: usize = 512 << 10;
+
+/// The layers per group: the smallest divisor `g` of `layers` whose slice (`g * layer_bytes`)
+/// is at least `min_slice` bytes (all layers when none is), never a slice larger than
+/// `half_bytes` (a staging half). `None` when not even one layer fits a half.
+pub(crate) fn group_layers(
+    layers: usize,
+    layer_bytes: usize,
+    min_slice: usize,
+    half_bytes: usize,
+) -> Option<usize> {
+    if layers == 0 || layer_bytes == 0 || layer_bytes > half_bytes {
+        return None;
+    }
+    let fits = |g: usize| g * layer_bytes <= half_bytes;
+    let divisors = (1..=layers).filter(|g| layers.is_multiple_of(*g) && fits(*g));
+    let mut best = None;
+    for g in divisors {
+        best = Some(g);
+        if g * layer_bytes >= min_slice {
+            break;
+        }
+    }
+    best
+}
+
+/// One round of a staged layered load: the copy engine's copies (host slices -> a staging
+/// half), the scatter kernel's descriptors (`src, dst, len` from that half to engine chunks),
+/// and the layers whose last round this is (their events are recorded after its scatter).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct StagedRound {
+    copies: Vec<Copy>,
+    descs: Vec<u64>,
+    ends: Option<Range<usize>>,
+}
+
+/// The rounds of a staged layered load of `items[k] = (pair, chunks of the device block, host
+/// block address)`: group by group (`g` layers each, slice `g * bytes_per_block / layers`
+/// bytes at canonical offset `group * slice` of every host block), at most `half_bytes /
+/// slice` blocks per round, round `r` staging into the half at `halves[r % 2]`. `None` when
+/// the block does not split into equal layers or a piece is not 16-byte aligned (the kernel's
+/// wide copies).
+pub(crate) fn staged_rounds(
+    items: &[(usize, Vec<Chunk>, usize)],
+    bytes_per_block: usize,
+    layers: usize,
+    g: usize,
+    half_bytes: usize,
+    halves: [u64; 2],
+) -> Option<Vec<StagedRound>> {
+    if layers == 0 || g == 0 || !layers.is_multiple_of(g) {
+        return None;
+    }
+    if !bytes_per_block.is_multiple_of(layers) {
+        return None;
+    }
+    let slice = bytes_per_block / layers * g;
+    if slice == 0 || !slice.is_multiple_of(16) || slice > half_bytes {
+        return None;
+    }
+    let per_round = half_bytes / slice;
+    // Each block's chunks cut at the group boundaries: (group, canonical offset, device addr,
+    // len), checked once.
+    let mut pieces: Vec<Vec<(usize, usize, u64, usize)>> = Vec::with_capacity(items.len());
+    for (_, chunks, host) in items {
+        if !host.is_multiple_of(16) {
+            return None;
+        }
+        let mut v = Vec::with_capacity(chunks.len());
+        let mut off = 0usize;
+        for c in chunks {
+            if !c.addr.is_multiple_of(16) || !c.len.is_multiple_of(16) {
+                return None;
+            }
+            let mut done = 0usize;
+            while done < c.len {
+                let at = off + done;
+                let group = at / slice;
+                let piece = (c.len - done).min((group + 1) * slice - at);
+                v.push((group, at, c.addr + done as u64, piece));
+                done += piece;
+            }
+            off += c.len;
+        }
+        if off != bytes_per_block {
+            return None;
+        }
+        pieces.push(v);
+    }
+    let groups = layers / g;
+    let mut rounds = Vec::new();
+    for group in 0..groups {
+        let batches = items.len().div_ceil(per_round);
+        for (b, batch) in items.chunks(per_round).enumerate() {
+            let half = halves[rounds.len() % 2];
+            let mut copies = Vec::with_capacity(batch.len());
+            let mut descs = Vec::new();
+            for (k, (_, _, host)) in batch.iter().enumerate() {
+                let slot = half + (k * slice) as u64;
+                copies.push(Copy {
+                    src: (*host + group * slice) as u64,
+                    dst: slot,
+                    len: slice,
+                });
+                for &(pg, at, dst, len) in &pieces[b * per_round + k] {
+                    if pg == group {
+                        let src = slot + (at - group * slice) as u64;
+                        descs.extend_from_slice(&[src, dst, len as u64]);
+                    }
+                }
+            }
+            let ends = (b + 1 == batches).then(|| group * g..(group + 1) * g);
+            rounds.push(StagedRound {
+                copies: coalesce(copies),
+                descs,
+                ends,
+            });
+        }
+    }
+    Some(rounds)
+}
+
+impl CudaMover {
+    /// Enqueue `rounds` (see the module comment) after `fence`, hand the engine the layer gate
+    /// and wait for the whole job's completion.
+    pub(crate) fn staged_inner(
+        &self,
+        rounds: &[StagedRound],
+        layers: usize,
+        fence: &Fence,
+        order: Ordering<'_>,
+    ) -> CuResult<()> {
+        self.driver.make_current()?;
+        let Some(kernel) = &self.kernel else {
+            return Err("kernel path not set up".into());
+        };
+        let mut guard = self
+            .h2d
+            .lock()
+            .map_err(|_| "transfer state poisoned by an earlier panic".to_string())?;
+        let dir: &mut Dir = &mut guard;
+        if let Some(f) = fence.0.as_ref().and_then(|b| b.downcast_ref::<CudaFence>()) {
+            dir.copy.wait(&f.0)?;
+            dir.kernel.wait(&f.0)?;
+        }
+        let bytes: usize = rounds.iter().map(|r| r.descs.len() * 8).sum();
+        if dir.job_descs.as_ref().is_none_or(|b| b.len() < bytes) {
+            dir.job_descs = Some(PinnedAlloc::new(bytes.next_power_of_two().max(64))?);
+        }
+        let Some(buf) = dir.job_descs.as_ref() else {
+            return Err("descriptor buffer missing".into());
+        };
+        let all: Vec<u8> = rounds
+            .iter()
+            .flat_map(|r| r.descs.iter().flat_map(|v| v.to_le_bytes()))
+            .collect();
+        // `buf` is our pinned buffer of at least `all.len()` bytes, and no kernel reads it: the
+        // job that used it last completed (its `done` was waited for under this lock).
+        job::fill_pinned(buf, &all)?;
+        let base = buf.addr() as u64;
+        let mut events: Vec<Event> = (0..layers)
+            .map(|_| Event::new(false))
+            .collect::<CuResult<_>>()?;
+        let mut first = 0u64;
+        for (r, round) in rounds.iter().enumerate() {
+            let h = r % 2;
+            // The half's previous scatter read it out before these copies refill it.
+            dir.copy.wait(&dir.half_done[h])?;
+            if self.batch_available && round.copies.len() > 1 {
+                let mut d: Vec<u64> = round.copies.iter().map(|c| c.dst).collect();
+                let mut s: Vec<u64> = round.copies.iter().map(|c| c.src).collect();
+                let mut z: Vec<usize> = round.copies.iter().map(|c| c.len).collect();
+                // Host slices of blocks this job holds, into our staging half; the job waits
+                // for `done` before it gives the blocks back.
+                job::memcpy_batch_async(
+                    &mut d,
+                    &mut s,
+                    &mut z,
+                    false,
+                    self.driver.ordinal,
+                    &dir.copy,
+                )?;
+            } else {
+                for c in &round.copies {
+                    // As above.
+                    job::memcpy_async(c.dst, c.src, c.len, &dir.copy)?;
+                }
+            }
+            dir.handoff[h].record(&dir.copy)?;
+            dir.kernel.wait(&dir.handoff[h])?;
+            let n = round.descs.len() / 3;
+            if n > 0 {
+                let grid = u32::try_from(n.min(65535)).unwrap_or(65535);
+                let count = u32::try_from(n).map_err(|e| e.to_string())?;
+                // The descriptors name our staging half and chunks of the engine's registered
+                // blocks; the descriptor buffer is pinned and device-mapped.
+                job::launch_copy_kernel(
+                    kernel,
+                    grid,
+                    THREADS,
+                    &dir.kernel,
+                    base + first * 24,
+                    count,
+                )?;
+            }
+            first += n as u64;
+            dir.half_done[h].record(&dir.kernel)?;
+            if let Some(ends) = &round.ends {
+                for ev in events.get_mut(ends.clone()).unwrap_or_default() {
+                    ev.record(&dir.kernel)?;
+                }
+            }
+        }
+        dir.done.record(&dir.kernel)?;
+        (order.enqueued)(Some(Arc::new(CudaLayerGate::new(
+            Arc::clone(&self.driver),
+            events,
+        ))));
+        // The host blocks stay held by the job until the copies completed.
+        dir.done.wait()
+    }
+}
+
+#[cfg(test)]
+#[path = "staged_tests.rs"]
+mod tests;
