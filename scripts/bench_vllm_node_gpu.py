@@ -52,6 +52,8 @@ def main() -> int:
     ap.add_argument("--host-gb", type=float, default=24.0, help="the private engine's host tier")
     ap.add_argument("--node-gb", type=float, default=24.0, help="the node's arena")
     ap.add_argument("--shm-dir", default=None, help="where the node puts its arena (default: /dev/shm)")
+    ap.add_argument("--huge-pages", choices=("advise", "collapse"), default="advise",
+                    help="the node's --huge-pages (collapse: its arena in 2 MiB pages at start)")
     ap.add_argument("--g1-gb", type=float, default=6.0)
     ap.add_argument("--dry-run-cpu", action="store_true")
     a = ap.parse_args()
@@ -69,7 +71,7 @@ def main() -> int:
         base["block_size"] = 32
     import kvtier._native as native
 
-    res: dict = {"lengths": lengths, "reps": a.reps, "host_gb": a.host_gb, "node_gb": a.node_gb, "runs": {}}
+    res: dict = {"lengths": lengths, "reps": a.reps, "host_gb": a.host_gb, "node_gb": a.node_gb, "huge_pages": a.huge_pages, "runs": {}}
     ps = {n: prompts(a.reps, n, seed=n, vocab=vocab) for n in lengths}
 
     def ms(xs: list[float]) -> list[float]:
@@ -90,7 +92,7 @@ def main() -> int:
     print(f"private: {time.time() - t0:.0f}s", flush=True)
 
     sock = str(tmp / "node" / "node.sock")
-    node = native.NodeServer(sock, int(a.node_gb * (1 << 30)), a.shm_dir)
+    node = native.NodeServer(sock, int(a.node_gb * (1 << 30)), a.shm_dir, huge_pages=a.huge_pages)
     try:
         kt = connector_config(settings={"remote.url": f"node://{sock}"})
         with open_engine(dict(base, kv_transfer_config=kt), model, tmp / "node-a.log") as ea, \

@@ -11,7 +11,11 @@
 # transfer::cuda::gpu_tests (ordered loads seen by the engine's stream). Without a CUDA driver
 # the test prints that it skipped. Environment: KVTIER_NODE_GPU_BLOCKS (default 256), OUT (default ./gpu-node-out:
 # the report as markdown and the log), KVTIER_NODE_HUGE=1 (as root: the store/load test again with the arena on a tmpfs
-# mounted `huge=always`, 2 MiB pages; report node-gpu-huge.md: does the page size bound the DMA rates?).
+# mounted `huge=always`, 2 MiB pages; report node-gpu-huge.md: does the page size bound the DMA rates?),
+# KVTIER_NODE_COLLAPSE=1 (the store/load test again with the node collapsing its /dev/shm arena into 2 MiB pages at
+# start, `kvtier node --huge-pages collapse`: report node-gpu-collapse.md), KVTIER_LAYERED=1 (transfer::cuda::gpu_tests::
+# layered_loads_are_seen_layer_by_layer: every layered-load mode, kernel and copy-engine staged, bit-exact layer by layer,
+# with 1 GiB and 4 GiB rates: layered.log).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 bin=${1:-${KVTIER_IO_TESTS:-}}
@@ -37,6 +41,20 @@ grep -q "test result: ok. 1 passed" "$out/ordered-gpu.log" || { echo "the ordere
 "$bin" --exact storage::node::gpu_tests::node_loads_are_ordered_and_layered --nocapture --test-threads 1 \
   2>&1 | tee "$out/node-layered-gpu.log"
 grep -q "test result: ok. 1 passed" "$out/node-layered-gpu.log" || { echo "the node layered-load GPU test did not run" >&2; exit 1; }
+# The same store/load test with the node collapsing its arena into 2 MiB pages at start (no root needed).
+if [ "${KVTIER_NODE_COLLAPSE:-0}" = 1 ]; then
+  KVTIER_NODE_HUGE_COLLAPSE=1 KVTIER_NODE_GPU_REPORT="$out/node-gpu-collapse.md" KVTIER_LOG=info \
+    "$bin" --exact storage::node::gpu_tests::node_gpu_store_and_load_are_bit_exact_and_direct --nocapture \
+    --test-threads 1 2>&1 | tee "$out/node-gpu-collapse.log" || true
+  grep -q "test result: ok. 1 passed" "$out/node-gpu-collapse.log" || { echo "the collapsed-arena node GPU test did not pass" >&2; exit 1; }
+  cat "$out/node-gpu-collapse.md"
+fi
+# Layered loads in every mode (kernel reads; copy engine through staging): bit-exact layer by layer, with rates.
+if [ "${KVTIER_LAYERED:-0}" = 1 ]; then
+  "$bin" --exact transfer::cuda::gpu_tests::layered_loads_are_seen_layer_by_layer --nocapture --test-threads 1 \
+    2>&1 | tee "$out/layered.log"
+  grep -q "test result: ok. 1 passed" "$out/layered.log" || { echo "the layered-load GPU test did not pass" >&2; exit 1; }
+fi
 # The same store/load test with the node's arena on 2 MiB pages (a tmpfs mounted huge=always; needs root).
 if [ "${KVTIER_NODE_HUGE:-0}" = 1 ]; then
   huge=$(mktemp -d /tmp/kvtier-huge.XXXXXX)

@@ -395,9 +395,10 @@ class NodeServer:
         share: str = "equal",
         disk_dir: Optional[str] = None,
         disk_bytes: int = 0,
+        huge_pages: str = "advise",
     ) -> None:
         """ConfigError if the socket is served by another node already or the shared memory cannot be
-        reserved."""
+        reserved, or ``huge_pages`` is not ``advise`` or ``collapse`` (``kvtier node --huge-pages``)."""
     @property
     def socket(self) -> str: ...
     def stats(self) -> dict[str, int]:

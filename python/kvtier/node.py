@@ -39,13 +39,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     p.add_argument("--disk-dir", default=None, help="the node's own disk tier behind the arena (kept across restarts)")
     p.add_argument("--disk-gb", type=float, default=0.0, help="size of the node's disk tier (decimal GB)")
+    p.add_argument("--huge-pages", choices=("advise", "collapse"), default="advise",
+                   help="how the arena gets 2 MiB pages: advise (a hint), or collapse it at start (as `kvtier node`)")
     args = p.parse_args(argv)
     if args.disk_dir is not None and not args.disk_gb > 0:
         p.error("--disk-dir needs --disk-gb > 0")
     if not args.capacity_gb > 0:
         p.error("--capacity-gb must be positive")
     server = NodeServer(
-        args.socket, int(args.capacity_gb * 1e9), args.shm_dir, args.allow_uid, args.share, args.disk_dir, int(args.disk_gb * 1e9)
+        args.socket, int(args.capacity_gb * 1e9), args.shm_dir, args.allow_uid, args.share, args.disk_dir, int(args.disk_gb * 1e9),
+        args.huge_pages,
     )
     stop = threading.Event()
     signals = []

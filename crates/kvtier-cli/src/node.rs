@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use kvtier_io::storage::node::{default_socket, NodeOptions, NodeServer, SharePolicy};
+use kvtier_io::storage::node::{default_socket, HugePages, NodeOptions, NodeServer, SharePolicy};
 
 /// `kvtier node` flags.
 #[derive(Debug, Clone, Args)]
@@ -47,6 +47,12 @@ pub struct NodeArgs {
     /// Size of the node's disk tier, in GB (decimal).
     #[arg(long, default_value_t = 0.0)]
     pub disk_gb: f64,
+    /// How the arena gets 2 MiB pages: `advise` (a hint: enough where the kernel's
+    /// shmem_enabled is not `never`, or --shm-dir is a tmpfs mounted huge=always) or `collapse`
+    /// (MADV_COLLAPSE the whole arena at start: huge pages everywhere, seconds per GiB at start on
+    /// some machines). See docs/arch/node.md.
+    #[arg(long, default_value = "advise")]
+    pub huge_pages: String,
 }
 
 /// Run the node until a signal.
@@ -69,6 +75,12 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<()> {
     opts.disk_dir = args.disk_dir.clone();
     opts.disk_bytes = (args.disk_gb * 1e9) as u64;
     opts.share = SharePolicy::parse(&args.share).map_err(|e| anyhow::anyhow!("--share {e}"))?;
+    opts.huge_pages = HugePages::parse(&args.huge_pages).with_context(|| {
+        format!(
+            "--huge-pages must be `advise` or `collapse`, got {:?}",
+            args.huge_pages
+        )
+    })?;
     let mut node = NodeServer::start(&opts)
         .with_context(|| format!("starting the kvtier node on {}", socket.display()))?;
     println!("serving {}", socket.display());

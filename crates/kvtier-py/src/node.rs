@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use kvtier_io::storage::node::{NodeOptions, NodeServer, SharePolicy};
+use kvtier_io::storage::node::{HugePages, NodeOptions, NodeServer, SharePolicy};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -23,7 +23,9 @@ pub(crate) struct PyNodeServer {
 #[pymethods]
 impl PyNodeServer {
     #[new]
-    #[pyo3(signature = (socket, capacity_bytes, shm_dir = None, allowed_uids = None, share = "equal".to_string(), disk_dir = None, disk_bytes = None))]
+    // One keyword argument per `kvtier node` flag: pyo3 maps Python's keywords onto them.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (socket, capacity_bytes, shm_dir = None, allowed_uids = None, share = "equal".to_string(), disk_dir = None, disk_bytes = None, huge_pages = "advise".to_string()))]
     fn new(
         socket: PathBuf,
         capacity_bytes: &Bound<'_, PyAny>,
@@ -32,6 +34,7 @@ impl PyNodeServer {
         share: String,
         disk_dir: Option<PathBuf>,
         disk_bytes: Option<&Bound<'_, PyAny>>,
+        huge_pages: String,
     ) -> PyResult<Self> {
         let disk_bytes: u64 = match disk_bytes {
             Some(b) => extract_arg(Family::Config, "disk_bytes", b)?,
@@ -59,6 +62,12 @@ impl PyNodeServer {
         }
         opts.disk_dir = disk_dir;
         opts.disk_bytes = disk_bytes;
+        opts.huge_pages = HugePages::parse(&huge_pages).ok_or_else(|| {
+            BridgeError::local(
+                Family::Config,
+                format!("huge_pages must be 'advise' or 'collapse', got {huge_pages:?}"),
+            )
+        })?;
         let server = NodeServer::start(&opts).map_err(|e| {
             BridgeError::local(
                 Family::Config,

@@ -68,6 +68,128 @@ unsafe impl Send for Mapping {}
 // SAFETY: as above; `&Mapping` hands out only addresses, never references to the bytes.
 unsafe impl Sync for Mapping {}
 
+/// The huge page size of transparent and shared-memory huge pages on x86-64 (and 4 KiB-page
+/// arm64).
+pub(crate) const HUGE_PAGE: usize = 2 << 20;
+
+/// `madvise(MADV_COLLAPSE)` (Linux 6.1+; the libc constant is not on every target).
+const MADV_COLLAPSE: libc::c_int = 25;
+
+/// Map `len` read-write bytes of the file `fd` shared, at a 2 MiB-aligned address, asking for
+/// huge pages: a 2 MiB page of a shared-memory file can only be mapped whole (one page-table
+/// entry) where the address is aligned like the file offset, which an unhinted `mmap` of a
+/// file does not promise when the machine's `shmem_enabled` is `never`. The caller owns the
+/// mapping and unmaps it (`len` bytes at the result).
+pub(crate) fn map_shared_aligned(len: usize, fd: libc::c_int) -> io::Result<NonNull<u8>> {
+    if cfg!(miri) {
+        return map_huge(len, libc::MAP_SHARED, fd);
+    }
+    // SAFETY: sysconf has no memory preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+    let mapped = len
+        .checked_next_multiple_of(page.max(1))
+        .and_then(|m| m.checked_add(HUGE_PAGE).map(|r| (m, r)));
+    let Some((mapped, reserve)) = mapped.filter(|_| len > 0) else {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "mapping length out of range",
+        ));
+    };
+    // SAFETY: an anonymous, inaccessible reservation with no address hint has no preconditions;
+    // checked against MAP_FAILED before use.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            reserve,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    let b = base as usize;
+    let at = b.next_multiple_of(HUGE_PAGE);
+    // SAFETY: `at..at + mapped` lies inside the reservation just made (`at - b < HUGE_PAGE`), so
+    // MAP_FIXED replaces only pages of ours; the result is checked against MAP_FAILED.
+    let p = unsafe {
+        libc::mmap(
+            at as *mut libc::c_void,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_FIXED,
+            fd,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        let e = io::Error::last_os_error();
+        // SAFETY: unmapping the whole reservation made above, nothing else.
+        unsafe { libc::munmap(base, reserve) };
+        return Err(e);
+    }
+    // SAFETY: the head `b..at` and tail `at + mapped..b + reserve` are the unused, page-aligned
+    // ends of our reservation (`at` and `mapped` are page multiples); the file mapping between
+    // them stays. madvise is a hint whose failure is harmless.
+    unsafe {
+        if at > b {
+            libc::munmap(base, at - b);
+        }
+        let tail = b + reserve - (at + mapped);
+        if tail > 0 {
+            libc::munmap((at + mapped) as *mut libc::c_void, tail);
+        }
+        libc::madvise(p, len, libc::MADV_HUGEPAGE);
+    }
+    NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))
+}
+
+/// Ask the kernel to back the 2 MiB-aligned whole huge pages of `len` bytes at `ptr` (a mapping
+/// the caller owns) with huge pages now (`MADV_COLLAPSE`: synchronous, works on shared memory
+/// whatever `shmem_enabled` says), in pieces of 64 MiB, each tried up to 3 times on a transient
+/// refusal (`EAGAIN`). Pages it cannot collapse (e.g. pinned ones) stay as they are. Returns the
+/// bytes of the pieces refused in the end and the last error, or an error when the kernel does
+/// not know the request at all (`EINVAL`: before Linux 6.1, or no THP).
+pub(crate) fn collapse_huge(
+    ptr: NonNull<u8>,
+    len: usize,
+) -> io::Result<(usize, Option<io::Error>)> {
+    const PIECE: usize = 64 << 20;
+    let start = (ptr.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
+    let end = (ptr.as_ptr() as usize + len) / HUGE_PAGE * HUGE_PAGE;
+    if end <= start || cfg!(miri) {
+        return Ok((0, None));
+    }
+    let (mut refused, mut last) = (0usize, None);
+    let mut at = start;
+    while at < end {
+        let n = PIECE.min(end - at);
+        let mut tries = 0;
+        loop {
+            // SAFETY: `at..at + n` lies inside the caller's mapping; MADV_COLLAPSE keeps the
+            // contents (the kernel copies them into the new pages) and only changes the backing.
+            let rc = unsafe { libc::madvise(at as *mut libc::c_void, n, MADV_COLLAPSE) };
+            if rc == 0 {
+                break;
+            }
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINVAL) if at == start => return Err(e),
+                Some(libc::EAGAIN) if tries < 2 => tries += 1,
+                _ => {
+                    refused += n;
+                    last = Some(e);
+                    break;
+                }
+            }
+        }
+        at += n;
+    }
+    Ok((refused, last))
+}
+
 /// `mmap` `len` read-write bytes with `flags` over `fd` (-1 for anonymous memory) at no address
 /// hint, asking for transparent huge pages (fewer page faults on first touch and fewer pages to
 /// pin). The caller owns the mapping and unmaps it.

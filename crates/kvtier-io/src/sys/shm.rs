@@ -106,7 +106,7 @@ impl Arena {
     }
 
     fn map(file: File, len: usize) -> io::Result<Self> {
-        let ptr = super::mem::map_huge(len, libc::MAP_SHARED, file.as_raw_fd())?;
+        let ptr = super::mem::map_shared_aligned(len, file.as_raw_fd())?;
         Ok(Arena {
             ptr,
             len,
@@ -125,6 +125,20 @@ impl Arena {
         d.host_register(self.ptr.as_ptr() as usize, self.len)?;
         self.cuda = Some(d);
         Ok(())
+    }
+
+    /// Back the arena with 2 MiB pages now (`MADV_COLLAPSE`; before any engine pins it): the
+    /// node's `--huge-pages collapse`. The bytes are kept. The bytes the kernel refused and its
+    /// last error (see [`super::mem::collapse_huge`]).
+    pub(crate) fn collapse_huge(&self) -> io::Result<(usize, Option<io::Error>)> {
+        super::mem::collapse_huge(self.ptr, self.len)
+    }
+
+    /// Bytes of this mapping mapped by 2 MiB page-table entries (`ShmemPmdMapped` of its
+    /// `/proc/self/smaps` entry), if the table can be read.
+    pub(crate) fn huge_mapped_bytes(&self) -> Option<u64> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        smaps_field(&smaps, self.ptr.as_ptr() as usize, "ShmemPmdMapped")
     }
 
     /// Whether the mapping is registered with CUDA.
@@ -208,6 +222,27 @@ impl Drop for Arena {
     }
 }
 
+/// The value, in bytes, of `field` (a `kB` line) in the `smaps` entry of the mapping that starts
+/// at `start`.
+fn smaps_field(smaps: &str, start: usize, field: &str) -> Option<u64> {
+    // An entry's first line is `start-end perms ...` (hex addresses); its other lines `Key: value`.
+    let range = |l: &str| -> Option<u64> {
+        let (a, b) = l.split_whitespace().next()?.split_once('-')?;
+        u64::from_str_radix(b, 16).ok()?;
+        u64::from_str_radix(a, 16).ok()
+    };
+    let mut lines = smaps
+        .lines()
+        .skip_while(|l| range(l) != Some(start as u64))
+        .skip(1);
+    let line = lines
+        .by_ref()
+        .take_while(|l| range(l).is_none())
+        .find(|l| l.split(':').next() == Some(field))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// `flock(file, op)`.
 pub(crate) fn flock(file: &File, op: libc::c_int) -> io::Result<()> {
     // SAFETY: a valid open file descriptor; no memory is passed.
@@ -263,6 +298,65 @@ mod tests {
         assert!(flock(&f, libc::LOCK_EX | libc::LOCK_NB).is_err());
         drop(a);
         assert!(flock(&f, libc::LOCK_EX | libc::LOCK_NB).is_ok());
+    }
+
+    #[test]
+    fn arenas_map_at_2mib_aligned_addresses_and_collapse_keeps_the_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let len = 3 * super::super::mem::HUGE_PAGE + 8192;
+        let a = Arena::create(&dir.path().join("arena"), len, false).unwrap();
+        assert_eq!(a.addr(0, 1).unwrap() % super::super::mem::HUGE_PAGE, 0);
+        a.write(0, b"first").unwrap();
+        a.write(len as u64 - 4, b"last").unwrap();
+        // Collapse is a request: kernels before 6.1 or without THP refuse it; the bytes stay.
+        let collapsed = a.collapse_huge().map(|(refused, _)| refused);
+        let (mut x, mut y) = ([0u8; 5], [0u8; 4]);
+        a.read(0, &mut x).unwrap();
+        a.read(len as u64 - 4, &mut y).unwrap();
+        assert_eq!((&x, &y), (b"first", b"last"));
+        if collapsed.is_ok_and(|refused| refused == 0) {
+            // /proc/self/smaps shows the whole 2 MiB pages mapped huge (tmpfs under tempdir may
+            // be another file system: only where the collapse succeeded).
+            let huge = a.huge_mapped_bytes().unwrap_or(0);
+            eprintln!("collapsed: {huge} bytes in 2 MiB pages");
+        }
+        let b = {
+            let f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(dir.path().join("arena"))
+                .unwrap();
+            Arena::from_fd(f.into(), len, super::super::sock::current_uid()).unwrap()
+        };
+        assert_eq!(b.addr(0, 1).unwrap() % super::super::mem::HUGE_PAGE, 0);
+        b.read(0, &mut x).unwrap();
+        assert_eq!(&x, b"first");
+    }
+
+    #[test]
+    fn smaps_fields_are_read_from_the_right_entry() {
+        let smaps = "\
+7f0000000000-7f0000200000 rw-s 00000000 00:1a 12 /dev/shm/a
+Size:               2048 kB
+ShmemPmdMapped:        0 kB
+VmFlags: rd wr sh mr mw me ms
+7f0000400000-7f0000800000 rw-s 00000000 00:1a 13 /dev/shm/b
+Size:               4096 kB
+ShmemPmdMapped:     4096 kB
+VmFlags: rd wr sh mr mw me ms hg
+7f0000800000-7f0000a00000 rw-p 00000000 00:00 0
+ShmemPmdMapped:     9999 kB
+";
+        assert_eq!(
+            smaps_field(smaps, 0x7f00_0040_0000, "ShmemPmdMapped"),
+            Some(4096 * 1024)
+        );
+        assert_eq!(
+            smaps_field(smaps, 0x7f00_0000_0000, "ShmemPmdMapped"),
+            Some(0)
+        );
+        assert_eq!(smaps_field(smaps, 0x7f00_0000_0000, "Missing"), None);
+        assert_eq!(smaps_field(smaps, 0x1234, "ShmemPmdMapped"), None);
     }
 
     #[test]

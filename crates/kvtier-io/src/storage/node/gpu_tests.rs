@@ -119,9 +119,14 @@ fn gbps(bytes: usize, d: Duration) -> f64 {
 
 /// A node of `n` blocks (and a few spare) with its socket in `dir` and its arena in
 /// `KVTIER_NODE_SHM_DIR` when set (`KVTIER_NODE_HUGE=1 scripts/gpu-node.sh`: a tmpfs mounted `huge=always`,
-/// so the arena is backed by 2 MiB pages), else `/dev/shm`, else `dir`.
+/// so the arena is backed by 2 MiB pages), else `/dev/shm`, else `dir`; with
+/// `KVTIER_NODE_HUGE_COLLAPSE=1` the node collapses its arena into 2 MiB pages at start
+/// (`--huge-pages collapse`).
 fn node_options(dir: &std::path::Path, n: u32) -> NodeOptions {
     let mut o = NodeOptions::new(dir.join("node.sock"), (n as u64 + 8) * BPB as u64);
+    if std::env::var("KVTIER_NODE_HUGE_COLLAPSE").is_ok_and(|v| v == "1") {
+        o.huge_pages = crate::storage::node::HugePages::Collapse;
+    }
     if let Some(shm) = std::env::var_os("KVTIER_NODE_SHM_DIR") {
         o.shm_dir = shm.into();
     } else if !std::path::Path::new("/dev/shm").is_dir() {

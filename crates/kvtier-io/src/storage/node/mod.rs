@@ -35,5 +35,7 @@ pub use protocol::{
 };
 #[cfg(any(test, feature = "testing"))]
 pub use protocol::{decode_request_stream, encode_request};
-pub use server::{NodeOptions, NodeServer, HELLO_TIMEOUT, MAX_CONNECTIONS, MAX_NAMESPACE_LEN};
+pub use server::{
+    HugePages, NodeOptions, NodeServer, HELLO_TIMEOUT, MAX_CONNECTIONS, MAX_NAMESPACE_LEN,
+};
 pub use share::{SharePolicy, SharePolicyError};

@@ -87,6 +87,34 @@ pub struct NodeOptions {
     pub max_namespace_len: usize,
     /// A connection that has not said `Hello` this long after it was accepted is closed.
     pub hello_timeout: Duration,
+    /// How the arena gets 2 MiB pages (default [`HugePages::Advise`]).
+    pub huge_pages: HugePages,
+}
+
+/// How the node asks for 2 MiB pages for its arena (docs/arch/node.md). The arena is always
+/// mapped at a 2 MiB-aligned address and advised `MADV_HUGEPAGE`, which is enough where the
+/// machine's `shmem_enabled` is `advise`, `within_size` or `always`, or the `--shm-dir` is a
+/// tmpfs mounted `huge=always`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HugePages {
+    /// Only the advice (no cost at start).
+    #[default]
+    Advise,
+    /// Also `MADV_COLLAPSE` the whole arena at start, before any engine attaches: huge pages
+    /// even where `shmem_enabled` is `never` (the common default), at a cost of seconds per GiB
+    /// at start on some machines (docs/bench/node.md). A refusal is logged, not fatal.
+    Collapse,
+}
+
+impl HugePages {
+    /// `advise` or `collapse`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "advise" => Some(Self::Advise),
+            "collapse" => Some(Self::Collapse),
+            _ => None,
+        }
+    }
 }
 
 impl NodeOptions {
@@ -105,6 +133,7 @@ impl NodeOptions {
             max_namespaces: MAX_NAMESPACES,
             max_namespace_len: MAX_NAMESPACE_LEN,
             hello_timeout: HELLO_TIMEOUT,
+            huge_pages: HugePages::Advise,
         }
     }
 }
@@ -179,6 +208,28 @@ impl NodeServer {
                 ),
             )
         })?;
+        if opts.huge_pages == HugePages::Collapse {
+            let t = std::time::Instant::now();
+            match arena.collapse_huge() {
+                Ok((0, _)) => {}
+                Ok((refused, e)) => tracing::warn!(
+                    refused,
+                    "part of the node's arena stayed on small pages: {e:?}"
+                ),
+                Err(e) => {
+                    tracing::warn!("the node's arena was not collapsed into 2 MiB pages: {e}")
+                }
+            }
+            tracing::info!(
+                seconds = t.elapsed().as_secs_f64(),
+                "arena collapse into 2 MiB pages"
+            );
+        }
+        tracing::info!(
+            bytes = cap,
+            huge_mapped = arena.huge_mapped_bytes(),
+            "node arena mapped (bytes in 2 MiB pages, where /proc/self/smaps tells)"
+        );
         let disk = match &opts.disk_dir {
             Some(d) if opts.disk_bytes > 0 => {
                 Some(Mutex::new(NodeDisk::open(d, opts.disk_bytes).map_err(
