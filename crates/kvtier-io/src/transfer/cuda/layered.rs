@@ -170,8 +170,14 @@ pub(crate) fn layer_descriptors(
     Some(out)
 }
 
-/// Every pair of `items` failed with the CUDA error `e` (not attributable to one block).
-fn failed_all(items: &[(usize, Vec<Chunk>, usize)], e: &str) -> Vec<(usize, String)> {
+/// Every pair of `items` failed with the CUDA error `e` (not attributable to one block), once
+/// what the failed load had enqueued is done (`quiesce`).
+fn failed_all(
+    mover: &CudaMover,
+    items: &[(usize, Vec<Chunk>, usize)],
+    e: &str,
+) -> Vec<(usize, String)> {
+    mover.quiesce(false);
     items
         .iter()
         .map(|(i, _, _)| (*i, format!("CUDA: {e}")))
@@ -198,7 +204,7 @@ impl CudaMover {
                 Some(rounds) => {
                     return match self.staged_inner(&rounds, layers, fence, order) {
                         Ok(()) => Vec::new(),
-                        Err(e) => failed_all(items, &e),
+                        Err(e) => failed_all(self, items, &e),
                     };
                 }
                 None => None,
@@ -220,7 +226,7 @@ impl CudaMover {
         };
         match self.layered_inner(&descs, fence, order) {
             Ok(()) => Vec::new(),
-            Err(e) => failed_all(items, &e),
+            Err(e) => failed_all(self, items, &e),
         }
     }
 

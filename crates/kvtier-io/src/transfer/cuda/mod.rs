@@ -252,10 +252,25 @@ impl CudaMover {
         }
         match self.copy_inner(items, way, fence, order) {
             Ok(()) => Vec::new(),
-            Err(e) => items
-                .iter()
-                .map(|(i, _, _)| (*i, format!("CUDA: {e}")))
-                .collect(),
+            Err(e) => {
+                self.quiesce(way.to_host());
+                items
+                    .iter()
+                    .map(|(i, _, _)| (*i, format!("CUDA: {e}")))
+                    .collect()
+            }
+        }
+    }
+
+    /// After a job failed part way: wait for what it had already enqueued on the direction's
+    /// streams, so none of its copies lands after the failure is reported (the engine then
+    /// recomputes into those blocks, or reuses them).
+    pub(crate) fn quiesce(&self, to_host: bool) {
+        let _ = self.driver.make_current();
+        let dir = if to_host { &self.d2h } else { &self.h2d };
+        if let Ok(d) = dir.lock() {
+            let _ = d.copy.synchronize();
+            let _ = d.kernel.synchronize();
         }
     }
 
