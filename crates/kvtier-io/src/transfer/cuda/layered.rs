@@ -18,8 +18,8 @@ use std::sync::Arc;
 
 use kvtier::transfer::{Fence, LayerGate, TransferError};
 
-use super::{staged, CudaFence, CudaMover, THREADS};
-use crate::sys::cuda::{CuResult, Driver, Event, PinnedAlloc};
+use super::{launch_descs, staged, CudaFence, CudaMover, Dir};
+use crate::sys::cuda::{CuResult, Driver, Event, Kernel};
 use crate::sys::job;
 use crate::transfer::device::Ordering;
 use crate::transfer::layout::Chunk;
@@ -141,33 +141,60 @@ pub(crate) fn layer_descriptors(
     }
     let mut out: Vec<Vec<u64>> = vec![Vec::with_capacity(items.len() * 6); layers];
     for (_, chunks, host) in items {
-        if !host.is_multiple_of(16) {
-            return None;
-        }
-        let mut off = 0usize; // canonical offset of the chunk's first byte
-        for c in chunks {
-            if !c.addr.is_multiple_of(16) || !c.len.is_multiple_of(16) {
-                return None;
-            }
-            let mut done = 0usize;
-            while done < c.len {
-                let at = off + done;
-                let layer = at / s;
-                let piece = (c.len - done).min((layer + 1) * s - at);
-                out.get_mut(layer)?.extend_from_slice(&[
-                    (host + at) as u64,
-                    c.addr + done as u64,
-                    piece as u64,
-                ]);
-                done += piece;
-            }
-            off += c.len;
-        }
-        if off != bytes_per_block {
-            return None;
+        for p in cut_chunks(chunks, *host, bytes_per_block, s)? {
+            out.get_mut(p.unit)?
+                .extend_from_slice(&[(host + p.at) as u64, p.addr, p.len as u64]);
         }
     }
     Some(out)
+}
+
+/// A piece of a device block's chunk within one `unit` of the canonical block.
+pub(super) struct Piece {
+    /// Which unit (layer, group of layers) of the block.
+    pub(super) unit: usize,
+    /// Canonical offset of its first byte in the block.
+    pub(super) at: usize,
+    /// Its device address.
+    pub(super) addr: u64,
+    pub(super) len: usize,
+}
+
+/// The `chunks` of one device block (host block at `host`) cut at every multiple of `unit`
+/// bytes of the canonical block, in order. `None` when the host block, a chunk's address or
+/// length is not 16-byte aligned (the kernel's wide copies), or the chunks do not add up to
+/// `bytes_per_block`.
+pub(super) fn cut_chunks(
+    chunks: &[Chunk],
+    host: usize,
+    bytes_per_block: usize,
+    unit: usize,
+) -> Option<Vec<Piece>> {
+    if !host.is_multiple_of(16) || unit == 0 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(chunks.len());
+    let mut off = 0usize; // canonical offset of the chunk's first byte
+    for c in chunks {
+        if !c.addr.is_multiple_of(16) || !c.len.is_multiple_of(16) {
+            return None;
+        }
+        let mut done = 0usize;
+        while done < c.len {
+            let at = off + done;
+            let k = at / unit;
+            let len = (c.len - done).min((k + 1) * unit - at);
+            out.push(Piece {
+                unit: k,
+                at,
+                addr: c.addr + done as u64,
+                len,
+            });
+            done += len;
+        }
+        off += c.len;
+    }
+    (off == bytes_per_block).then_some(out)
 }
 
 /// Every pair of `items` failed with the CUDA error `e` (not attributable to one block), once
@@ -259,63 +286,58 @@ impl CudaMover {
         fence: &Fence,
         order: Ordering<'_>,
     ) -> CuResult<()> {
+        self.layered_job(fence, false, order, |kernel, dir| {
+            let base = dir.fill_job_descs(descs.iter().map(Vec::as_slice))?;
+            let mut events = Vec::with_capacity(descs.len());
+            let mut first = 0u64;
+            for d in descs {
+                // Whole pieces of host tier blocks (or arena slots) held by this job, pinned and
+                // readable by kernels at their host addresses (checked at construction), into
+                // chunks of the engine's registered blocks.
+                let n = d.len() / 3;
+                launch_descs(kernel, &dir.kernel, base, first, n, MAX_GRID)?;
+                first += n as u64;
+                let ev = Event::new(false)?;
+                ev.record(&dir.kernel)?;
+                events.push(ev);
+            }
+            Ok(events)
+        })
+    }
+
+    /// A layered load on the host-to-device direction, locked for the job: its kernel stream
+    /// (and its copy stream with `copy_too`) waits for `fence`, `enqueue` enqueues the job and
+    /// returns one event per layer, recorded after that layer's last write; the job's `done`
+    /// follows on the kernel stream, the engine gets the gate of those events, and this waits
+    /// for `done` (the job's host blocks stay held until then).
+    pub(super) fn layered_job(
+        &self,
+        fence: &Fence,
+        copy_too: bool,
+        order: Ordering<'_>,
+        enqueue: impl FnOnce(&Kernel, &mut Dir) -> CuResult<Vec<Event>>,
+    ) -> CuResult<()> {
         self.driver.make_current()?;
         let Some(kernel) = &self.kernel else {
             return Err("kernel path not set up".into());
         };
-        let mut dir = self
+        let mut guard = self
             .h2d
             .lock()
             .map_err(|_| "transfer state poisoned by an earlier panic".to_string())?;
+        let dir: &mut Dir = &mut guard;
         if let Some(f) = fence.0.as_ref().and_then(|b| b.downcast_ref::<CudaFence>()) {
+            if copy_too {
+                dir.copy.wait(&f.0)?;
+            }
             dir.kernel.wait(&f.0)?;
         }
-        let bytes: usize = descs.iter().map(|d| d.len() * 8).sum();
-        if dir.job_descs.as_ref().is_none_or(|b| b.len() < bytes) {
-            dir.job_descs = Some(PinnedAlloc::new(bytes.next_power_of_two())?);
-        }
-        let Some(buf) = dir.job_descs.as_ref() else {
-            return Err("descriptor buffer missing".into());
-        };
-        let all: Vec<u8> = descs
-            .iter()
-            .flat_map(|d| d.iter().flat_map(|v| v.to_le_bytes()))
-            .collect();
-        // `buf` is our pinned buffer of at least `all.len()` bytes, and no kernel reads it: the
-        // job that used it last completed (its `done` was waited for under this lock).
-        job::fill_pinned(buf, &all)?;
-        let base = buf.addr() as u64;
-        let mut events = Vec::with_capacity(descs.len());
-        let mut first = 0u64;
-        for d in descs {
-            let n = d.len() / 3;
-            if n > 0 {
-                let grid = u32::try_from(n.min(MAX_GRID)).unwrap_or(1);
-                let count = u32::try_from(n).map_err(|e| e.to_string())?;
-                // The descriptors name whole pieces of host tier blocks held by this job
-                // (pinned and registered, readable by kernels at their host addresses: checked
-                // at construction) and chunks of the engine's registered blocks; the descriptor
-                // buffer is pinned and device-mapped.
-                job::launch_copy_kernel(
-                    kernel,
-                    grid,
-                    THREADS,
-                    &dir.kernel,
-                    base + first * 24,
-                    count,
-                )?;
-            }
-            first += n as u64;
-            let ev = Event::new(false)?;
-            ev.record(&dir.kernel)?;
-            events.push(ev);
-        }
+        let events = enqueue(kernel, dir)?;
         dir.done.record(&dir.kernel)?;
         (order.enqueued)(Some(Arc::new(CudaLayerGate::new(
             Arc::clone(&self.driver),
             events,
         ))));
-        // The host blocks stay held by the job until the copies completed.
         dir.done.wait()
     }
 }

@@ -118,6 +118,51 @@ struct Dir {
     done: Event,
 }
 
+impl Dir {
+    /// Write every round's descriptors, in order, into the job descriptor buffer (grown on
+    /// demand) and return its device-mapped address. Callers hold the direction's lock, and the
+    /// job that used the buffer last completed: every job waits for its `done` before it lets
+    /// the lock go.
+    fn fill_job_descs<'a>(
+        &mut self,
+        rounds: impl Iterator<Item = &'a [u64]> + Clone,
+    ) -> CuResult<u64> {
+        let bytes: usize = rounds.clone().map(|d| d.len() * 8).sum();
+        if self.job_descs.as_ref().is_none_or(|b| b.len() < bytes) {
+            self.job_descs = Some(PinnedAlloc::new(bytes.next_power_of_two().max(64))?);
+        }
+        let Some(buf) = self.job_descs.as_ref() else {
+            return Err("descriptor buffer missing".into());
+        };
+        let all: Vec<u8> = rounds
+            .flat_map(|d| d.iter().flat_map(|v| v.to_le_bytes()))
+            .collect();
+        // `buf` is our pinned buffer of at least `all.len()` bytes, and no kernel reads it (above).
+        job::fill_pinned(buf, &all)?;
+        Ok(buf.addr() as u64)
+    }
+}
+
+/// Launch the copy kernel on `stream` over the `n` descriptors from number `first` of the
+/// pinned, device-mapped buffer at `base`, on at most `max_grid` thread blocks. The descriptors
+/// name memory the job holds (its staging, the host blocks or arena slots it leased, the
+/// engine's registered chunks).
+fn launch_descs(
+    kernel: &Kernel,
+    stream: &Stream,
+    base: u64,
+    first: u64,
+    n: usize,
+    max_grid: usize,
+) -> CuResult<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let grid = u32::try_from(n.min(max_grid)).unwrap_or(1);
+    let count = u32::try_from(n).map_err(|e| e.to_string())?;
+    job::launch_copy_kernel(kernel, grid, THREADS, stream, base + first * 24, count)
+}
+
 pub(crate) struct CudaMover {
     driver: Arc<Driver>,
     bytes_per_block: usize,
@@ -421,21 +466,7 @@ impl CudaMover {
             })
             .collect();
         if !paced {
-            let bytes: usize = rounds.iter().map(|(d, _)| d.len() * 8).sum();
-            if dir.job_descs.as_ref().is_none_or(|b| b.len() < bytes) {
-                dir.job_descs = Some(PinnedAlloc::new(bytes.next_power_of_two())?);
-            }
-            let Some(buf) = dir.job_descs.as_ref() else {
-                return Err("descriptor buffer missing".into());
-            };
-            let all: Vec<u8> = rounds
-                .iter()
-                .flat_map(|(d, _)| d.iter().flat_map(|v| v.to_le_bytes()))
-                .collect();
-            // `buf` is our pinned buffer of at least `all.len()` bytes, and no kernel reads it:
-            // the job that used it last completed (`copy_inner` waits for `done` before it
-            // unlocks `dir`).
-            job::fill_pinned(buf, &all)?;
+            dir.fill_job_descs(rounds.iter().map(|(d, _)| d.as_slice()))?;
         }
         let (Some((_, descs)), dir) = (&dir.staging, &*dir) else {
             return Err("kernel path not set up".into());

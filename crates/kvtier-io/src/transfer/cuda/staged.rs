@@ -15,13 +15,12 @@
 //! test replays the plan on bytes); the descriptors of every round are written before the first
 //! round and untouched until the job's `done` event completed (the direction's lock is held).
 use std::ops::Range;
-use std::sync::Arc;
 
 use kvtier::transfer::Fence;
 
-use super::layered::CudaLayerGate;
-use super::{coalesce, Copy, CudaFence, CudaMover, Dir, THREADS};
-use crate::sys::cuda::{CuResult, Event, PinnedAlloc};
+use super::layered::{cut_chunks, Piece};
+use super::{coalesce, launch_descs, Copy, CudaMover};
+use crate::sys::cuda::{CuResult, Event, Stream};
 use crate::sys::job;
 use crate::transfer::device::Ordering;
 use crate::transfer::layout::Chunk;
@@ -91,33 +90,10 @@ pub(crate) fn staged_rounds(
         return None;
     }
     let per_round = half_bytes / slice;
-    // Each block's chunks cut at the group boundaries: (group, canonical offset, device addr,
-    // len), checked once.
-    let mut pieces: Vec<Vec<(usize, usize, u64, usize)>> = Vec::with_capacity(items.len());
+    // Each block's chunks cut at the group boundaries, checked once.
+    let mut pieces: Vec<Vec<Piece>> = Vec::with_capacity(items.len());
     for (_, chunks, host) in items {
-        if !host.is_multiple_of(16) {
-            return None;
-        }
-        let mut v = Vec::with_capacity(chunks.len());
-        let mut off = 0usize;
-        for c in chunks {
-            if !c.addr.is_multiple_of(16) || !c.len.is_multiple_of(16) {
-                return None;
-            }
-            let mut done = 0usize;
-            while done < c.len {
-                let at = off + done;
-                let group = at / slice;
-                let piece = (c.len - done).min((group + 1) * slice - at);
-                v.push((group, at, c.addr + done as u64, piece));
-                done += piece;
-            }
-            off += c.len;
-        }
-        if off != bytes_per_block {
-            return None;
-        }
-        pieces.push(v);
+        pieces.push(cut_chunks(chunks, *host, bytes_per_block, slice)?);
     }
     let groups = layers / g;
     let mut rounds = Vec::new();
@@ -134,11 +110,9 @@ pub(crate) fn staged_rounds(
                     dst: slot,
                     len: slice,
                 });
-                for &(pg, at, dst, len) in &pieces[b * per_round + k] {
-                    if pg == group {
-                        let src = slot + (at - group * slice) as u64;
-                        descs.extend_from_slice(&[src, dst, len as u64]);
-                    }
+                for p in pieces[b * per_round + k].iter().filter(|p| p.unit == group) {
+                    let src = slot + (p.at - group * slice) as u64;
+                    descs.extend_from_slice(&[src, p.addr, p.len as u64]);
                 }
             }
             let ends = (b + 1 == batches).then(|| group * g..(group + 1) * g);
@@ -162,94 +136,51 @@ impl CudaMover {
         fence: &Fence,
         order: Ordering<'_>,
     ) -> CuResult<()> {
-        self.driver.make_current()?;
-        let Some(kernel) = &self.kernel else {
-            return Err("kernel path not set up".into());
-        };
-        let mut guard = self
-            .h2d
-            .lock()
-            .map_err(|_| "transfer state poisoned by an earlier panic".to_string())?;
-        let dir: &mut Dir = &mut guard;
-        if let Some(f) = fence.0.as_ref().and_then(|b| b.downcast_ref::<CudaFence>()) {
-            dir.copy.wait(&f.0)?;
-            dir.kernel.wait(&f.0)?;
-        }
-        let bytes: usize = rounds.iter().map(|r| r.descs.len() * 8).sum();
-        if dir.job_descs.as_ref().is_none_or(|b| b.len() < bytes) {
-            dir.job_descs = Some(PinnedAlloc::new(bytes.next_power_of_two().max(64))?);
-        }
-        let Some(buf) = dir.job_descs.as_ref() else {
-            return Err("descriptor buffer missing".into());
-        };
-        let all: Vec<u8> = rounds
-            .iter()
-            .flat_map(|r| r.descs.iter().flat_map(|v| v.to_le_bytes()))
-            .collect();
-        // `buf` is our pinned buffer of at least `all.len()` bytes, and no kernel reads it: the
-        // job that used it last completed (its `done` was waited for under this lock).
-        job::fill_pinned(buf, &all)?;
-        let base = buf.addr() as u64;
-        let mut events: Vec<Event> = (0..layers)
-            .map(|_| Event::new(false))
-            .collect::<CuResult<_>>()?;
-        let mut first = 0u64;
-        for (r, round) in rounds.iter().enumerate() {
-            let h = r % 2;
-            // The half's previous scatter read it out before these copies refill it.
-            dir.copy.wait(&dir.half_done[h])?;
-            if self.batch_available && round.copies.len() > 1 {
-                let mut d: Vec<u64> = round.copies.iter().map(|c| c.dst).collect();
-                let mut s: Vec<u64> = round.copies.iter().map(|c| c.src).collect();
-                let mut z: Vec<usize> = round.copies.iter().map(|c| c.len).collect();
-                // Host slices of blocks this job holds, into our staging half; the job waits
-                // for `done` before it gives the blocks back.
-                job::memcpy_batch_async(
-                    &mut d,
-                    &mut s,
-                    &mut z,
-                    false,
-                    self.driver.ordinal,
-                    &dir.copy,
-                )?;
-            } else {
-                for c in &round.copies {
-                    // As above.
-                    job::memcpy_async(c.dst, c.src, c.len, &dir.copy)?;
+        self.layered_job(fence, true, order, |kernel, dir| {
+            let base = dir.fill_job_descs(rounds.iter().map(|r| r.descs.as_slice()))?;
+            let mut events: Vec<Event> = (0..layers)
+                .map(|_| Event::new(false))
+                .collect::<CuResult<_>>()?;
+            let mut first = 0u64;
+            for (r, round) in rounds.iter().enumerate() {
+                let h = r % 2;
+                // The half's previous scatter read it out before these copies refill it.
+                dir.copy.wait(&dir.half_done[h])?;
+                self.stage_copies(&round.copies, &dir.copy)?;
+                dir.handoff[h].record(&dir.copy)?;
+                dir.kernel.wait(&dir.handoff[h])?;
+                // From our staging half into chunks of the engine's registered blocks.
+                let n = round.descs.len() / 3;
+                launch_descs(kernel, &dir.kernel, base, first, n, 65535)?;
+                first += n as u64;
+                dir.half_done[h].record(&dir.kernel)?;
+                if let Some(ends) = &round.ends {
+                    for ev in events.get_mut(ends.clone()).unwrap_or_default() {
+                        ev.record(&dir.kernel)?;
+                    }
                 }
             }
-            dir.handoff[h].record(&dir.copy)?;
-            dir.kernel.wait(&dir.handoff[h])?;
-            let n = round.descs.len() / 3;
-            if n > 0 {
-                let grid = u32::try_from(n.min(65535)).unwrap_or(65535);
-                let count = u32::try_from(n).map_err(|e| e.to_string())?;
-                // The descriptors name our staging half and chunks of the engine's registered
-                // blocks; the descriptor buffer is pinned and device-mapped.
-                job::launch_copy_kernel(
-                    kernel,
-                    grid,
-                    THREADS,
-                    &dir.kernel,
-                    base + first * 24,
-                    count,
-                )?;
+            Ok(events)
+        })
+    }
+
+    /// Enqueue a round's host -> staging copies on `stream`: one batched call where the driver
+    /// has it, else one copy each.
+    fn stage_copies(&self, copies: &[Copy], stream: &Stream) -> CuResult<()> {
+        if self.batch_available && copies.len() > 1 {
+            let mut d: Vec<u64> = copies.iter().map(|c| c.dst).collect();
+            let mut s: Vec<u64> = copies.iter().map(|c| c.src).collect();
+            let mut z: Vec<usize> = copies.iter().map(|c| c.len).collect();
+            // Host slices of blocks this job holds, into our staging half; the job waits for
+            // `done` before it gives the blocks back.
+            job::memcpy_batch_async(&mut d, &mut s, &mut z, false, self.driver.ordinal, stream)
+        } else {
+            for c in copies {
+                // As above.
+                job::memcpy_async(c.dst, c.src, c.len, stream)?;
             }
-            first += n as u64;
-            dir.half_done[h].record(&dir.kernel)?;
-            if let Some(ends) = &round.ends {
-                for ev in events.get_mut(ends.clone()).unwrap_or_default() {
-                    ev.record(&dir.kernel)?;
-                }
-            }
+            Ok(())
         }
-        dir.done.record(&dir.kernel)?;
-        (order.enqueued)(Some(Arc::new(CudaLayerGate::new(
-            Arc::clone(&self.driver),
-            events,
-        ))));
-        // The host blocks stay held by the job until the copies completed.
-        dir.done.wait()
     }
 }
 
