@@ -257,6 +257,11 @@ fn a_private_node_serves_its_own_uid_without_hashing() {
     assert_eq!(out, block(2));
     assert_eq!(a.blocks_hashed(), 0);
     assert_eq!(n.stats().verified, 0);
+    // The round trips of those operations were timed (the GPU test reports them apart).
+    let rtt = a.round_trip_time();
+    assert!(rtt > std::time::Duration::ZERO, "{rtt:?}");
+    a.contains(&[SequenceHash(1)]).unwrap();
+    assert!(a.round_trip_time() > rtt, "a new round trip adds to the total");
 }
 
 #[test]

@@ -72,6 +72,8 @@ pub(super) struct Conn {
     stream: UnixStream,
     /// Hash what this connection stores and loads (see the module docs).
     pub(super) verify: bool,
+    /// Time spent in round trips since the connection was last pooled.
+    waited: std::time::Duration,
 }
 
 /// The node tier as this process sees it (see the module docs).
@@ -87,6 +89,8 @@ pub struct NodeStore {
     cuda: Mutex<Option<i32>>,
     /// Blocks this process hashed (stores committed with a checksum, loads verified).
     pub(super) hashed: AtomicU64,
+    /// Nanoseconds spent in round trips on connections handed back to the pool.
+    waited_ns: AtomicU64,
 }
 
 impl std::fmt::Debug for NodeStore {
@@ -141,6 +145,7 @@ fn hello(
     let mut conn = Conn {
         stream,
         verify: true,
+        waited: std::time::Duration::ZERO,
     };
     let reply = conn.call(&Request::Hello {
         version: NODE_PROTOCOL_VERSION,
@@ -188,12 +193,15 @@ fn arena_id(fd: &OwnedFd) -> Result<ArenaId, RemoteError> {
 
 impl Conn {
     fn call(&mut self, req: &Request) -> Result<Reply, RemoteError> {
+        let t = std::time::Instant::now();
         write_frame(&mut self.stream, req).map_err(|e| unavailable("send", e))?;
-        match read_frame(&mut self.stream) {
+        let out = match read_frame(&mut self.stream) {
             Ok(Some(r)) => Ok(r),
             Ok(None) => Err(unavailable("receive", "the node closed the connection")),
             Err(e) => Err(unavailable("receive", e)),
-        }
+        };
+        self.waited += t.elapsed();
+        out
     }
 
     /// `items` in requests of at most [`MAX_BATCH`] (one round trip each), the answers of each
@@ -288,7 +296,15 @@ impl NodeStore {
             idle: Mutex::new(Vec::new()),
             cuda: Mutex::new(None),
             hashed: AtomicU64::new(0),
+            waited_ns: AtomicU64::new(0),
         }
+    }
+
+    /// Time this process spent waiting for the node's answers (sending a request until its
+    /// reply arrived), on connections handed back after their operations: where a job's time
+    /// goes besides its copies and checksums.
+    pub fn round_trip_time(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.waited_ns.load(Ordering::Relaxed))
     }
 
     /// Blocks this process hashed so far (puts committed with a checksum, gets verified): none
@@ -319,7 +335,9 @@ impl NodeStore {
             .is_some_and(|(_, a)| a.cuda_registered())
     }
 
-    pub(super) fn pool(&self, c: Conn) {
+    pub(super) fn pool(&self, mut c: Conn) {
+        let ns = u64::try_from(std::mem::take(&mut c.waited).as_nanos()).unwrap_or(u64::MAX);
+        self.waited_ns.fetch_add(ns, Ordering::Relaxed);
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         if idle.len() < self.opts.pool {
             idle.push(c);
