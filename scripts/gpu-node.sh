@@ -15,7 +15,7 @@
 # KVTIER_NODE_COLLAPSE=1 (the store/load test again with the node collapsing its /dev/shm arena into 2 MiB pages at
 # start, `kvtier node --huge-pages collapse`: report node-gpu-collapse.md), KVTIER_LAYERED=1 (transfer::cuda::gpu_tests::
 # layered_loads_are_seen_layer_by_layer: every layered-load mode, kernel and copy-engine staged, bit-exact layer by layer,
-# with 1 GiB and 4 GiB rates: layered.log).
+# with 1 GiB and 4 GiB rates: layered.log), KVTIER_NODE_BIG_JOBS=1 (the store/load test in jobs of 512 blocks).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 bin=${1:-${KVTIER_IO_TESTS:-}}
@@ -41,6 +41,15 @@ grep -q "test result: ok. 1 passed" "$out/ordered-gpu.log" || { echo "the ordere
 "$bin" --exact storage::node::gpu_tests::node_loads_are_ordered_and_layered --nocapture --test-threads 1 \
   2>&1 | tee "$out/node-layered-gpu.log"
 grep -q "test result: ok. 1 passed" "$out/node-layered-gpu.log" || { echo "the node layered-load GPU test did not run" >&2; exit 1; }
+# The same store/load test in jobs of 512 blocks (a vLLM prefill step of 8,192 tokens; the default is 64): how much
+# of the node's gap to the host tier is its per-job round trips (KVTIER_NODE_BIG_JOBS=1; report node-gpu-512.md).
+if [ "${KVTIER_NODE_BIG_JOBS:-0}" = 1 ]; then
+  KVTIER_NODE_GPU_JOB=512 KVTIER_NODE_GPU_REPORT="$out/node-gpu-512.md" \
+    "$bin" --exact storage::node::gpu_tests::node_gpu_store_and_load_are_bit_exact_and_direct --nocapture \
+    --test-threads 1 2>&1 | tee "$out/node-gpu-512.log" || true
+  grep -q "test result: ok. 1 passed" "$out/node-gpu-512.log" || { echo "the 512-block-job node GPU test did not pass" >&2; exit 1; }
+  cat "$out/node-gpu-512.md"
+fi
 # The same store/load test with the node collapsing its arena into 2 MiB pages at start (no root needed).
 if [ "${KVTIER_NODE_COLLAPSE:-0}" = 1 ]; then
   KVTIER_NODE_HUGE_COLLAPSE=1 KVTIER_NODE_GPU_REPORT="$out/node-gpu-collapse.md" KVTIER_LOG=info \

@@ -261,7 +261,10 @@ fn a_private_node_serves_its_own_uid_without_hashing() {
     let rtt = a.round_trip_time();
     assert!(rtt > std::time::Duration::ZERO, "{rtt:?}");
     a.contains(&[SequenceHash(1)]).unwrap();
-    assert!(a.round_trip_time() > rtt, "a new round trip adds to the total");
+    assert!(
+        a.round_trip_time() > rtt,
+        "a new round trip adds to the total"
+    );
 }
 
 #[test]

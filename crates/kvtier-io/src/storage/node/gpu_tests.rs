@@ -29,6 +29,16 @@ pub(crate) const LAYERS: usize = 32;
 pub(crate) const CHUNK: usize = 32 << 10;
 pub(crate) const BPB: usize = LAYERS * 2 * CHUNK; // 2 MiB, Llama-3.1-8B bf16
 const PER_JOB: usize = 64;
+
+/// Pairs per job: `KVTIER_NODE_GPU_JOB` when set (a vLLM prefill step of 8,192 tokens stores 512
+/// blocks of 16 tokens at once), else [`PER_JOB`].
+fn per_job() -> usize {
+    std::env::var("KVTIER_NODE_GPU_JOB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or(PER_JOB)
+}
 /// The key of the one block the first (attaching) job stores.
 const WARM_KEY: u128 = u128::MAX - 7;
 
@@ -77,11 +87,11 @@ pub(crate) fn block(mem: &DeviceAlloc, layout: &StridedLayout, b: u32) -> Vec<u8
     out
 }
 
-/// Jobs of `PER_JOB` pairs; a remote block's key is `keys[n]`, `n` the device block of its pair.
+/// Jobs of [`per_job`] pairs; a remote block's key is `keys[n]`, `n` the device block of its pair.
 fn jobs(pairs: &[(u32, u32)], src: Tier, dst: Tier, keys: &[u128]) -> Vec<TransferJob> {
     let key = |n: u32| keys[n as usize];
     pairs
-        .chunks(PER_JOB)
+        .chunks(per_job())
         .enumerate()
         .map(|(j, c)| {
             // The remote side is numbered as its device block (the key's index).
@@ -195,7 +205,7 @@ fn node_run(
     );
     assert_eq!(
         e.node_direct_jobs() as usize,
-        1 + st.len().div_ceil(PER_JOB)
+        1 + st.len().div_ceil(per_job())
     );
     assert_eq!(node.stats().puts, n as u64 + 1);
     let ld: Vec<(u32, u32)> = (0..n).map(|i| (0, n + i)).collect();
@@ -300,7 +310,7 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
          |---|---|---|---|---|---|---|---|---|\n\
          | pinned host tier | {hsb:.1} GB/s | 1.00 | {hlb:.1} GB/s | 1.00 | | | | |\n\
          {}{}\n{n} blocks of 2 MiB (vLLM per-layer layout, 64 chunks of 32 KiB), jobs of \
-         {PER_JOB}, node protocol {}: one round trip per phase per job. Private node: no \
+         {}, node protocol {}: one round trip per phase per job. Private node: no \
          hashing; multi-tenant node (`--allow-uid`): the engine hashes each block after a \
          store's copy and before a load's, the node re-hashes at commit, in parallel. A repeated \
          store is deduplicated (no copy). The first job (one block) maps the node's arena and registers \
@@ -309,6 +319,7 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
          column's ratios leave them out (what the copies and checksums alone ran at).\n",
         row("node, private", &private),
         row("node, multi-tenant", &shared),
+        per_job(),
         super::NODE_PROTOCOL_VERSION,
     );
     println!("{report}");
