@@ -49,7 +49,7 @@ impl CudaLayerGate {
     }
 }
 
-/// How a layered load moves its bytes ([`CudaMover::copy_layered`]).
+/// How a layered load (a synchronous load the engine waits for layer by layer) moves its bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum LayeredCopy {
     /// `Kernel` for loads up to 2 GiB, `Whole` above (measured on the H200). Overridden by
