@@ -247,3 +247,36 @@ def test_remote_faults_recompute(model, reference, tmp_path):
     # recompute instead of loading it again (vLLM 0.32 drains the queue of block-holding requests first, so a
     # request cycling through load -> fail -> match there starves every other request).
     assert s["load_restarts"] > 0, s
+
+
+def test_a_short_disk_tail_is_recomputed_in_the_step(model, tmp_path):
+    """Issue 27 ("a short hit must not cost extra scheduler steps"): a prompt whose first blocks are in the host
+    tier and whose last ones only on disk loads its host part inside the step and vLLM recomputes the tail
+    (``recompute_tail_blocks``, 8 by default under vLLM), instead of waiting for an asynchronous load of the whole
+    hit; with ``recompute_tail_blocks: 0`` the disk tail is loaded (asynchronously). Outputs equal vLLM alone's."""
+    p = prompts(1, 224, seed=11)[0]  # 7 full blocks
+    q = p[:4 * BLOCK_SIZE] + prompts(1, 96, seed=12)[0]  # shares p's first 4 blocks, 3 of its own
+    with Engine(model, tmp_path / "ref.log", kv_cache_blocks=G1_BLOCKS) as e:
+        want = e.generate([p], MAX_TOKENS)
+    deltas = {}
+    for tail in (None, 0):
+        settings = {"host.num_blocks": 8, "disk.num_blocks": 256, "disk.dir": str(tmp_path / f"disk{tail}"),
+                    "policy.disk_filter.enabled": False}
+        if tail is not None:
+            settings["recompute_tail_blocks"] = tail
+        with Engine(model, tmp_path / f"tail{tail}.log", kv_cache_blocks=G1_BLOCKS,
+                    kv_transfer_config=connector_config(settings=settings)) as e:
+            assert e.generate([p], MAX_TOKENS) == want
+            assert e.drain()
+            # q's prefix loads from the host tier (so p's first blocks are its most recently used), then q's own
+            # blocks push p's later blocks out of the 8-block host tier (they stay on disk).
+            assert e.reset_prefix_cache()
+            e.generate([q], MAX_TOKENS)
+            assert e.drain()
+            before = _clean(e)
+            assert e.reset_prefix_cache()
+            assert e.generate([p], MAX_TOKENS) == want, f"recompute_tail_blocks {tail}"
+            after = _clean(e)
+        deltas[tail] = {t: after[f"onboard_{t}_blocks"] - before[f"onboard_{t}_blocks"] for t in ("host", "disk")}
+    assert deltas[0]["disk"] > 0 and deltas[0]["host"] > 0, f"the replay was not a host + disk hit: {deltas}"
+    assert deltas[None]["disk"] == 0 and deltas[None]["host"] > 0, f"the disk tail was loaded: {deltas}"

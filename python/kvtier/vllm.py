@@ -137,6 +137,11 @@ def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None"
     # (kvtier's `connector.sync_host_loads`, Leader::set_sync_host_loads; issue 27: an asynchronous load costs vLLM
     # extra scheduler steps). Disk and remote hits stay asynchronous.
     extra["sync_host_loads_default"] = True
+    # A hit that starts in the host tier and ends with at most this many blocks only on disk (or a remote store)
+    # offers just its host part, loaded in the step, and vLLM recomputes the few others in that same step, instead
+    # of the whole hit waiting for an asynchronous load (Leader::set_recompute_tail; issue 27: on the H200 an
+    # asynchronous load cost 15.7 ms at 8K, recomputing 8 blocks of 16 tokens at the end of a long prompt a few).
+    extra["recompute_tail_blocks_default"] = 8
     extra.setdefault("ordered_sync_loads", True)
     # ... and layer by layer where vLLM calls its per-layer hooks (eager and piecewise CUDA-graph steps): the forward
     # pass of layer l runs while layer l + 1 is copied (Worker::set_layered_sync_loads; issue 27).

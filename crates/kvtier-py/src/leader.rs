@@ -67,6 +67,8 @@ struct Inner {
     world_size: u32,
     async_loads: bool,
     sync_host_loads: bool,
+    /// `Leader::set_recompute_tail`, applied when the leader is built.
+    recompute_tail: usize,
     /// `Leader::set_load_verdicts`, applied when the leader is built.
     load_verdicts: bool,
     /// `Leader::set_unpaged_exclusion`, applied when the leader is built.
@@ -101,6 +103,7 @@ impl Inner {
             .leader(remote, self.async_loads)
             .map_err(crate::vllm_support::bridge)?;
         leader.set_sync_host_loads(self.sync_host_loads);
+        leader.set_recompute_tail(self.recompute_tail);
         leader.set_load_verdicts(self.load_verdicts);
         leader.set_unpaged_exclusion(self.unpaged_exclusion);
         if let Some(expire) = self.match_holds {
@@ -302,6 +305,9 @@ impl PyLeader {
         let world_size = settings.world_size().map_err(BridgeError::from)?;
         let async_loads = settings.async_loads().map_err(BridgeError::from)?;
         let sync_host_loads = settings.sync_host_loads().map_err(BridgeError::from)?;
+        let recompute_tail = settings
+            .recompute_tail_blocks()
+            .map_err(BridgeError::from)?;
         let total = settings.bytes_per_block().map_err(BridgeError::from)?;
         let num_device_blocks = settings.num_device_blocks().map_err(BridgeError::from)?;
         let timeout = settings.timeout();
@@ -318,6 +324,7 @@ impl PyLeader {
             world_size,
             async_loads,
             sync_host_loads,
+            recompute_tail,
             load_verdicts: false,
             unpaged_exclusion: false,
             match_holds: None,

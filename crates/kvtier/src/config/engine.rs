@@ -38,6 +38,8 @@ pub(crate) const ENGINE_KEYS: &[&str] = &[
     "ordered_sync_loads",
     "layered_sync_loads",
     "layered_group_loads",
+    "recompute_tail_blocks",
+    "recompute_tail_blocks_default",
     "zmq_endpoint",
     "test_load_delay_ms",
     "role",
@@ -160,6 +162,17 @@ impl EngineSettings {
             .or(self.config.connector.sync_host_loads)
             .or(self.bool("sync_host_loads_default")?)
             .unwrap_or(false))
+    }
+
+    /// How many blocks outside the host tier, after a host-tier prefix, a hit may end with and
+    /// still load that prefix inside the step, leaving them to be recomputed
+    /// (`crate::connector::Leader::set_recompute_tail`): the `recompute_tail_blocks` key, else
+    /// the adapter's `recompute_tail_blocks_default`, else 0 (off).
+    pub fn recompute_tail_blocks(&self) -> Result<usize, ConfigError> {
+        Ok(self
+            .usize("recompute_tail_blocks")?
+            .or(self.usize("recompute_tail_blocks_default")?)
+            .unwrap_or(0))
     }
 
     /// Tokens per block: the `block_size` key, else the configuration's; 1..=`u32::MAX`.
@@ -371,6 +384,25 @@ mod tests {
         assert_eq!(s.block_size().unwrap(), 16);
         // A switch is a boolean: the string "false" must not turn it on (Python's bool("false")
         // would), and what is no boolean is refused by name.
+        let s = settings(&[("recompute_tail_blocks", Value::from(8))]);
+        assert_eq!(s.recompute_tail_blocks().unwrap(), 8);
+        let s = settings(&[
+            ("recompute_tail_blocks_default", Value::from(16)),
+            ("recompute_tail_blocks", Value::from(0)),
+        ]);
+        assert_eq!(
+            s.recompute_tail_blocks().unwrap(),
+            0,
+            "the user's 0 turns it off"
+        );
+        let s = settings(&[("recompute_tail_blocks_default", Value::from(16))]);
+        assert_eq!(s.recompute_tail_blocks().unwrap(), 16);
+        assert_eq!(settings(&[]).recompute_tail_blocks().unwrap(), 0);
+        let e = settings(&[("recompute_tail_blocks", Value::from(-1))])
+            .recompute_tail_blocks()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("recompute_tail_blocks"), "{e}");
         let s = settings(&[("layered_group_loads", Value::from("false"))]);
         assert!(!s.layered_group_loads().unwrap());
         let s = settings(&[("layered_group_loads", Value::from("sometimes"))]);

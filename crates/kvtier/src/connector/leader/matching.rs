@@ -210,15 +210,26 @@ impl Leader {
                 cap = cap.min(l / bs);
             }
             if cap > first {
+                let near = |t: Tier| t == Tier::Host || (self.near_remote && t == Tier::Remote);
                 let (end, sources) = match self.window {
                     None => {
-                        let sources = self.find_sources(&hashes[first..cap]);
+                        let mut sources = self.find_sources(&hashes[first..cap]);
+                        // A near prefix and a short far tail: offer the prefix, in the step.
+                        let lead = sources.iter().take_while(|(t, _)| near(*t)).count();
+                        let tail = sources.len() - lead;
+                        if self.async_loads
+                            && self.sync_host_loads
+                            && lead > 0
+                            && tail > 0
+                            && tail <= self.recompute_tail
+                        {
+                            sources.truncate(lead);
+                        }
                         (first + sources.len(), sources)
                     }
                     Some(_) => self.window_sources(hashes, first, cap),
                 };
                 external = (end - first) * bs;
-                let near = |t: Tier| t == Tier::Host || (self.near_remote && t == Tier::Remote);
                 host_only = sources.iter().all(|(t, _)| near(*t));
                 host_tier_hit = sources.iter().all(|(t, _)| *t == Tier::Host);
                 offered = sources;

@@ -153,6 +153,9 @@ pub struct Leader {
     /// The remote tier is this machine's node tier: its hits count as host hits for
     /// `sync_host_loads` ([`Leader::set_near_remote`]).
     near_remote: bool,
+    /// With `sync_host_loads`: a hit whose host part is a prefix followed by at most this many
+    /// blocks elsewhere offers only that prefix, in the step ([`Leader::set_recompute_tail`]).
+    recompute_tail: usize,
     priority: Priority,
     /// Engine-supplied retention priority of device blocks (TensorRT-LLM `RequestData.priorities`),
     /// set when a block is reported and used when it is stored; absent = `priority`.
@@ -237,6 +240,7 @@ impl Leader {
             stores: cfg.stores,
             async_loads: cfg.async_loads,
             sync_host_loads: false,
+            recompute_tail: 0,
             near_remote: false,
             priority: cfg.priority,
             block_priorities: HashMap::new(),
@@ -281,6 +285,18 @@ impl Leader {
     /// adapter turns it on (`connector.sync_host_loads`).
     pub fn set_sync_host_loads(&mut self, on: bool) {
         self.sync_host_loads = on;
+    }
+
+    /// With [`Self::set_sync_host_loads`], a hit whose leading blocks lie in the host tier (or
+    /// the node tier, [`Self::set_near_remote`]) and whose other blocks, after them, are at most
+    /// `blocks` offers only the leading part, loaded inside the step, and leaves the tail to the
+    /// engine to recompute in that same step, instead of loading the whole hit asynchronously
+    /// (which costs vLLM the steps of an asynchronous load for the whole request, while
+    /// recomputing a few blocks costs a few more tokens of a forward pass it runs anyway; #27,
+    /// "a short hit must not cost extra scheduler steps"). Not with sliding windows (their
+    /// offers follow the window). 0 (the default) turns it off.
+    pub fn set_recompute_tail(&mut self, blocks: usize) {
+        self.recompute_tail = blocks;
     }
 
     /// The remote tier is this machine's node tier (`node://`): its arena is host memory the
