@@ -51,7 +51,7 @@ pub struct NodeArgs {
     /// shmem_enabled is not `never`, or --shm-dir is a tmpfs mounted huge=always) or `collapse`
     /// (MADV_COLLAPSE the whole arena at start: huge pages everywhere, seconds per GiB at start on
     /// some machines). See docs/arch/node.md.
-    #[arg(long, default_value = "advise")]
+    #[arg(long, default_value = "advise", value_parser = ["advise", "collapse"])]
     pub huge_pages: String,
 }
 
