@@ -51,8 +51,13 @@ pub struct NodeArgs {
     /// shmem_enabled is not `never`, or --shm-dir is a tmpfs mounted huge=always) or `collapse`
     /// (MADV_COLLAPSE the whole arena at start: huge pages everywhere, seconds per GiB at start on
     /// some machines). See docs/arch/node.md.
-    #[arg(long, default_value = "advise", value_parser = ["advise", "collapse"])]
-    pub huge_pages: String,
+    #[arg(long, default_value = "advise", value_parser = huge_pages_arg)]
+    pub huge_pages: HugePages,
+}
+
+/// `--huge-pages`: `advise` or `collapse` (anything else is a usage error).
+fn huge_pages_arg(s: &str) -> Result<HugePages, String> {
+    HugePages::parse(s).ok_or_else(|| "expected `advise` or `collapse`".to_string())
 }
 
 /// Run the node until a signal.
@@ -75,12 +80,7 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<()> {
     opts.disk_dir = args.disk_dir.clone();
     opts.disk_bytes = (args.disk_gb * 1e9) as u64;
     opts.share = SharePolicy::parse(&args.share).map_err(|e| anyhow::anyhow!("--share {e}"))?;
-    opts.huge_pages = HugePages::parse(&args.huge_pages).with_context(|| {
-        format!(
-            "--huge-pages must be `advise` or `collapse`, got {:?}",
-            args.huge_pages
-        )
-    })?;
+    opts.huge_pages = args.huge_pages;
     let mut node = NodeServer::start(&opts)
         .with_context(|| format!("starting the kvtier node on {}", socket.display()))?;
     println!("serving {}", socket.display());

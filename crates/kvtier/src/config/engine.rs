@@ -382,8 +382,7 @@ mod tests {
         assert_eq!(s.link().unwrap().as_deref(), Some("zmq"));
         let s = settings(&[("block_size", Value::from(16))]);
         assert_eq!(s.block_size().unwrap(), 16);
-        // A switch is a boolean: the string "false" must not turn it on (Python's bool("false")
-        // would), and what is no boolean is refused by name.
+        // A count: the user's value, else the adapter's default, else off; no negative counts.
         let s = settings(&[("recompute_tail_blocks", Value::from(8))]);
         assert_eq!(s.recompute_tail_blocks().unwrap(), 8);
         let s = settings(&[
@@ -403,6 +402,8 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("recompute_tail_blocks"), "{e}");
+        // A switch is a boolean: the string "false" must not turn it on (Python's bool("false")
+        // would), and what is no boolean is refused by name.
         let s = settings(&[("layered_group_loads", Value::from("false"))]);
         assert!(!s.layered_group_loads().unwrap());
         let s = settings(&[("layered_group_loads", Value::from("sometimes"))]);

@@ -215,15 +215,12 @@ impl Leader {
                     None => {
                         let mut sources = self.find_sources(&hashes[first..cap]);
                         // A near prefix and a short far tail: offer the prefix, in the step.
-                        let lead = sources.iter().take_while(|(t, _)| near(*t)).count();
-                        let tail = sources.len() - lead;
-                        if self.async_loads
-                            && self.sync_host_loads
-                            && lead > 0
-                            && tail > 0
-                            && tail <= self.recompute_tail
-                        {
-                            sources.truncate(lead);
+                        if self.async_loads && self.sync_host_loads && self.recompute_tail > 0 {
+                            let lead = sources.iter().take_while(|(t, _)| near(*t)).count();
+                            let tail = sources.len() - lead;
+                            if lead > 0 && tail > 0 && tail <= self.recompute_tail {
+                                sources.truncate(lead);
+                            }
                         }
                         (first + sources.len(), sources)
                     }
