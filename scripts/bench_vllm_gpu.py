@@ -274,6 +274,32 @@ def fio_read(fio: str, folder: Path, size: int) -> dict:
     raise RuntimeError("fio failed: " + "; ".join(errors))
 
 
+LINK_PROBE = r"""
+import statistics, sys, time, torch
+n = int(sys.argv[1])
+src = torch.empty(n, dtype=torch.uint8, pin_memory=True); src.fill_(7)
+dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+rates = []
+for _ in range(6):
+    torch.cuda.synchronize(); t = time.perf_counter()
+    dst.copy_(src, non_blocking=True); torch.cuda.synchronize()
+    rates.append(n / (time.perf_counter() - t) / 1e9)
+print(statistics.median(rates[1:]), max(rates[1:]))
+"""
+
+
+def link_rate(size: int = 2 << 30) -> dict:
+    """The link's host -> device rate in this run (issue 27: a replay against "the same run's copy time, bytes /
+    measured link rate"): one copy of ``size`` bytes from pinned host memory into device memory by the copy engine
+    (torch's ``copy_``), 5 timed after a warm one, in a process of its own before any engine starts; GB/s median and
+    best."""
+    r = subprocess.run([sys.executable, "-c", LINK_PROBE, str(size)], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise RuntimeError(f"link probe failed: {r.stderr.strip()[-500:]}")
+    med, best = (float(x) for x in r.stdout.split())
+    return {"bytes": size, "gb_s": med, "best_gb_s": best}
+
+
 def timeline(trace: Path) -> list[str]:
     """Per replayed request: match -> alloc -> start_load -> loaded -> finished, in ms from the match."""
     if not trace.exists():
@@ -401,6 +427,14 @@ def main() -> None:
                   f"({min(ra):.3f}-{max(ra):.3f})   {res['same_tokens'][n]}")
         return
     results = []
+    link = None
+    if not a.dry_run_cpu:
+        try:
+            link = link_rate()
+            print(f"link: pinned host -> device {link['gb_s']:.1f} GB/s (median of 5 x {link['bytes'] >> 30} GiB, best "
+                  f"{link['best_gb_s']:.1f})", flush=True)
+        except (OSError, RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
+            print(f"link probe failed: {e}", flush=True)
     for name in a.engines.split(","):
         trace = tmp / f"{name}.trace" if a.trace and name.startswith("kvtier") else None
         try:
@@ -414,6 +448,8 @@ def main() -> None:
             continue
         if trace is not None:
             r["timeline"] = timeline(trace)
+        if link is not None:
+            r["link"] = link
         results.append(r)
         print(f"{name}: start {r['start_s']:.0f}s, wall {r['wall_s']:.0f}s", flush=True)
         # After every engine: a run cut short by its time limit keeps the engines that finished.
@@ -431,6 +467,15 @@ def main() -> None:
             r["decode_tokens"] == ref["decode_tokens"]
         print(f"{r['name']:14s}{cells}   {r['decode_tok_s']:10.1f}  {same}")
     print("link-bound    " + "".join(f"{1000 * n * KV_BYTES_PER_TOKEN / 55e9:>12.1f}          " for n in lengths))
+    if link is not None:
+        # The copy the replay cannot avoid: the prompt's full blocks (the last partial block is recomputed).
+        copy = {n: 1000 * (n // 16 * 16 - (16 if n % 16 == 0 else 0)) * KV_BYTES_PER_TOKEN / (link["gb_s"] * 1e9)
+                for n in lengths}
+        print(f"copy at the measured {link['gb_s']:.1f} GB/s" + "".join(f"{copy[n]:>12.1f}          " for n in lengths))
+        print("replay / that copy")
+        for r in results:
+            print(f"{r['name']:14s}" + "".join(
+                f"{statistics.median(r['lengths'][n]['replay_ms']) / copy[n]:>12.2f}          " for n in lengths))
     step = ref.get("single_step_ms")
     if step:
         print(f"replay / (link-bound + one request's decode step): with {ref['name']}'s step ({step:.1f} ms) "
