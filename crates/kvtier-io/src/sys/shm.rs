@@ -127,11 +127,11 @@ impl Arena {
         Ok(())
     }
 
-    /// Back the arena with 2 MiB pages now (`MADV_COLLAPSE`; before any engine pins it): the
-    /// node's `--huge-pages collapse`. The bytes are kept. The bytes the kernel refused and its
-    /// last error (see [`super::mem::collapse_huge`]).
-    pub(crate) fn collapse_huge(&self) -> io::Result<(usize, Option<io::Error>)> {
-        super::mem::collapse_huge(self.ptr, self.len)
+    /// Back the arena with 2 MiB pages now (`MADV_COLLAPSE`; before any engine pins it), on up
+    /// to `threads` threads: the node's `--huge-pages collapse`. The bytes are kept. The bytes the
+    /// kernel refused and its last error (see [`super::mem::collapse_huge`]).
+    pub(crate) fn collapse_huge(&self, threads: usize) -> io::Result<(usize, Option<io::Error>)> {
+        super::mem::collapse_huge(self.ptr, self.len, threads)
     }
 
     /// Bytes of this mapping mapped by 2 MiB page-table entries (`ShmemPmdMapped` of its
@@ -300,6 +300,49 @@ mod tests {
         assert!(flock(&f, libc::LOCK_EX | libc::LOCK_NB).is_ok());
     }
 
+    /// A collapse over several 64 MiB pieces taken by several threads keeps every piece's bytes
+    /// and, where the kernel did it all, maps every whole 2 MiB page huge (shared memory only:
+    /// `/dev/shm`, where the machine has one).
+    #[test]
+    fn a_threaded_collapse_keeps_every_piece_and_maps_it_huge() {
+        let shm = std::path::Path::new("/dev/shm");
+        if !shm.is_dir() {
+            eprintln!("no /dev/shm: skipped");
+            return;
+        }
+        let dir = tempfile::tempdir_in(shm).unwrap();
+        let len = 3 * (64 << 20) + 4 * super::super::mem::HUGE_PAGE + 4096;
+        let a = Arena::create(&dir.path().join("arena"), len, false).unwrap();
+        let marks: Vec<u64> = (0..8).map(|k| (k * (len as u64 - 8)) / 7).collect();
+        for (k, &at) in marks.iter().enumerate() {
+            a.write(at, &(k as u64 * 0x0101_0101_0101).to_le_bytes())
+                .unwrap();
+        }
+        let collapsed = a.collapse_huge(3);
+        for (k, &at) in marks.iter().enumerate() {
+            let mut x = [0u8; 8];
+            a.read(at, &mut x).unwrap();
+            assert_eq!(
+                u64::from_le_bytes(x),
+                k as u64 * 0x0101_0101_0101,
+                "mark {k} at {at}"
+            );
+        }
+        match (collapsed, a.huge_mapped_bytes()) {
+            (Ok((0, None)), Some(huge)) => {
+                let whole =
+                    (len / super::super::mem::HUGE_PAGE * super::super::mem::HUGE_PAGE) as u64;
+                assert_eq!(
+                    huge, whole,
+                    "every whole 2 MiB page of the arena mapped huge"
+                );
+            }
+            (r, huge) => {
+                eprintln!("collapse not done here ({r:?}, {huge:?} bytes huge): bytes checked only")
+            }
+        }
+    }
+
     #[test]
     fn arenas_map_at_2mib_aligned_addresses_and_collapse_keeps_the_bytes() {
         let dir = tempfile::tempdir().unwrap();
@@ -309,7 +352,7 @@ mod tests {
         a.write(0, b"first").unwrap();
         a.write(len as u64 - 4, b"last").unwrap();
         // Collapse is a request: kernels before 6.1 or without THP refuse it; the bytes stay.
-        let collapsed = a.collapse_huge().map(|(refused, _)| refused);
+        let collapsed = a.collapse_huge(4).map(|(refused, _)| refused);
         let (mut x, mut y) = ([0u8; 5], [0u8; 4]);
         a.read(0, &mut x).unwrap();
         a.read(len as u64 - 4, &mut y).unwrap();

@@ -210,7 +210,9 @@ impl NodeServer {
         })?;
         if opts.huge_pages == HugePages::Collapse {
             let t = std::time::Instant::now();
-            match arena.collapse_huge() {
+            // One thread per core: the kernel's copy runs on the thread that asks.
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            match arena.collapse_huge(threads) {
                 Ok((0, _)) => {}
                 Ok((refused, e)) => tracing::warn!(
                     refused,
