@@ -228,6 +228,7 @@ impl CudaMover {
                 "copy method `batch` needs a CUDA 12.8+ driver".into(),
             ));
         }
+        let descs = initial_job_descs(layout);
         let dir = |with_staging: bool| -> CuResult<Dir> {
             let staging = if with_staging {
                 let dev = (DeviceAlloc::new(2 * HALF_BLOCKS * bytes_per_block))?;
@@ -239,8 +240,14 @@ impl CudaMover {
             Ok(Dir {
                 copy: (Stream::new(false))?,
                 kernel: (Stream::new(true))?,
+                // Sized up front: growing it later frees the old buffer, and cuMemFreeHost
+                // waits for the whole device, in the middle of a step.
+                job_descs: if with_staging {
+                    Some(PinnedAlloc::new(descs)?)
+                } else {
+                    None
+                },
                 staging,
-                job_descs: None,
                 half_done: [(Event::new(false))?, (Event::new(false))?],
                 handoff: [(Event::new(false))?, (Event::new(false))?],
                 done: (Event::new(false))?,
@@ -571,6 +578,23 @@ fn round(
         copies.push(Copy { src, dst, len: bpb });
     }
     (d, coalesce(copies))
+}
+
+/// The kernel paths' job descriptor buffer allocated when the engine is built: room for the
+/// descriptors of a job of every device block, or of 4 GiB of blocks if that is fewer (a 32K
+/// prompt of an 8B model), each block cut into at most its chunks plus its layers (24 bytes a
+/// descriptor); at least 64 KiB, at most 16 MiB. A larger job grows it then.
+fn initial_job_descs(layout: &dyn BlockChunks) -> usize {
+    const MOST: usize = 16 << 20;
+    let bpb = layout.bytes_per_block().max(1);
+    let blocks = (layout.num_blocks() as usize)
+        .min((4usize << 30) / bpb)
+        .max(1);
+    let per_block = (max_chunks(layout) + layout.layers().unwrap_or(0)) * 24;
+    blocks
+        .saturating_mul(per_block)
+        .next_power_of_two()
+        .clamp(64 << 10, MOST)
 }
 
 fn max_chunks(layout: &dyn BlockChunks) -> usize {

@@ -156,3 +156,27 @@ fn cuda_engine_without_driver_is_a_clean_error() {
     let r = CudaMover::new(0, &l, None, CudaCopyMethod::Auto, LayeredCopy::Auto);
     assert!(matches!(r, Err(IoError::Cuda(_))));
 }
+
+/// The job descriptor buffer is allocated with the engine, big enough for a 32K prompt of an
+/// 8B-shaped model, so no load of that size grows it (a growth frees the old buffer, and
+/// cuMemFreeHost waits for the whole device).
+#[test]
+fn the_job_descriptor_buffer_fits_a_32k_prompt_from_the_start() {
+    use crate::transfer::layout::StridedLayout;
+    // Llama-3.1-8B shape, vLLM per-layer layout: 32 layers, 16-token blocks of 32 KiB per K or V
+    // plane (2 MiB a block), 50,000 blocks of G1.
+    let bases: Vec<crate::transfer::memory::DevicePtr> = (0..32u64)
+        .map(|l| crate::transfer::memory::DevicePtr::new(0x1_0000_0000 + l * (4 << 30)).unwrap())
+        .collect();
+    let big = StridedLayout::kv_per_layer(&bases, 50_000, 32 << 10).unwrap();
+    let n = initial_job_descs(&big);
+    // A 32K prompt: 2,048 blocks, each cut into at most its 64 chunks and 32 layers.
+    assert!(n >= 2048 * (64 + 32) * 24, "{n} bytes");
+    assert!(n <= 16 << 20, "{n} bytes");
+    // A tiny cache gets the floor, not a 4 GiB-of-blocks buffer.
+    let tiny = StridedLayout::kv_per_layer(&bases[..4], 16, 4096).unwrap();
+    assert_eq!(initial_job_descs(&tiny), 64 << 10);
+    // Many small blocks: capped.
+    let many = StridedLayout::kv_per_layer(&bases, 1_000_000, 64).unwrap();
+    assert_eq!(initial_job_descs(&many), 16 << 20);
+}
