@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from vllm_support import Engine, connector_config, prompts  # noqa: E402
 
 KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
+BLOCK_TOKENS = 16  # vLLM's block size in every engine of this bench
 
 # Engines that differ from ``kvtier`` only in the environment of the engine process.
 ENGINE_ENV: dict[str, dict[str, str]] = {
@@ -373,7 +374,7 @@ def main() -> None:
         subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_llama.py"), str(model)], check=True,
                        stdout=subprocess.DEVNULL)
         vocab = 2000
-    base = dict(block_size=16, max_model_len=max(lengths) + 1024, max_num_seqs=4, load_format="dummy",
+    base = dict(block_size=BLOCK_TOKENS, max_model_len=max(lengths) + 1024, max_num_seqs=4, load_format="dummy",
                 g1_gb=a.g1_gb, gpu_memory_utilization=0.9,
                 max_num_batched_tokens=8192, enforce_eager=True)
     kt = {"host.gb": a.host_gb}
@@ -469,8 +470,8 @@ def main() -> None:
     print("link-bound    " + "".join(f"{1000 * n * KV_BYTES_PER_TOKEN / 55e9:>12.1f}          " for n in lengths))
     if link is not None:
         # The copy the replay cannot avoid: the prompt's full blocks (the last partial block is recomputed).
-        copy = {n: 1000 * (n // 16 * 16 - (16 if n % 16 == 0 else 0)) * KV_BYTES_PER_TOKEN / (link["gb_s"] * 1e9)
-                for n in lengths}
+        full = {n: (n - 1) // BLOCK_TOKENS * BLOCK_TOKENS for n in lengths}  # vLLM computes the last token
+        copy = {n: 1000 * full[n] * KV_BYTES_PER_TOKEN / (link["gb_s"] * 1e9) for n in lengths}
         print(f"copy at the measured {link['gb_s']:.1f} GB/s" + "".join(f"{copy[n]:>12.1f}          " for n in lengths))
         print("replay / that copy")
         for r in results:

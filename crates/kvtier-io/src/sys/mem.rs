@@ -72,6 +72,9 @@ unsafe impl Sync for Mapping {}
 /// arm64).
 pub(crate) const HUGE_PAGE: usize = 2 << 20;
 
+/// `collapse_huge` asks for this many bytes at a time (a unit of work for one thread).
+const COLLAPSE_PIECE: usize = 64 << 20;
+
 /// `madvise(MADV_COLLAPSE)` (Linux 6.1+; the libc constant is not on every target).
 const MADV_COLLAPSE: libc::c_int = 25;
 
@@ -159,14 +162,13 @@ pub(crate) fn collapse_huge(
     len: usize,
     threads: usize,
 ) -> io::Result<(usize, Option<io::Error>)> {
-    const PIECE: usize = 64 << 20;
     let start = (ptr.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
     let end = (ptr.as_ptr() as usize + len) / HUGE_PAGE * HUGE_PAGE;
     if end <= start || cfg!(miri) {
         return Ok((0, None));
     }
     // The first piece alone: a kernel that does not know the request says so once.
-    let first = PIECE.min(end - start);
+    let first = COLLAPSE_PIECE.min(end - start);
     if let Err(e) = collapse_piece(start, first) {
         if e.raw_os_error() == Some(libc::EINVAL) {
             return Err(e);
@@ -178,15 +180,14 @@ pub(crate) fn collapse_huge(
 
 /// The pieces of `at..end` collapsed by `threads` threads, each taking the next piece.
 fn collapse_rest(at: usize, end: usize, threads: usize) -> io::Result<(usize, Option<io::Error>)> {
-    const PIECE: usize = 64 << 20;
     let next = std::sync::atomic::AtomicUsize::new(at);
     let refused = std::sync::Mutex::new((0usize, None::<io::Error>));
     let work = || loop {
-        let at = next.fetch_add(PIECE, std::sync::atomic::Ordering::Relaxed);
+        let at = next.fetch_add(COLLAPSE_PIECE, std::sync::atomic::Ordering::Relaxed);
         if at >= end {
             return;
         }
-        let n = PIECE.min(end - at);
+        let n = COLLAPSE_PIECE.min(end - at);
         if let Err(e) = collapse_piece(at, n) {
             let mut r = refused.lock().unwrap_or_else(|p| p.into_inner());
             r.0 += n;
