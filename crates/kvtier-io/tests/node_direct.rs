@@ -43,13 +43,18 @@ fn store(n: &NodeServer) -> Arc<NodeStore> {
 }
 
 fn engine(cache: &PerLayerCache, node: Arc<NodeStore>) -> TransferEngine {
+    engine_with(cache, node, 2)
+}
+
+/// An engine whose bounce buffers hold `bounce` blocks (a staged job goes in slices of half).
+fn engine_with(cache: &PerLayerCache, node: Arc<NodeStore>, bounce: u32) -> TransferEngine {
     TransferEngine::builder()
         .device(
             // SAFETY: the cache outlives the engine; the test touches it only between jobs.
             unsafe { EngineMemory::new(Arc::new(cache.layout()), DeviceKind::Cpu) },
         )
         .remote(node)
-        .bounce_blocks(2)
+        .bounce_blocks(bounce)
         .build()
         .unwrap()
 }
@@ -87,9 +92,10 @@ fn blocks_go_device_to_arena_and_back_to_another_engine_bit_exact() {
 }
 
 /// One round trip per phase per job (the node counts requests): a store is `Reserve` +
-/// `Finish`, a load `Lease` + `EndLeases`, a deduplicated store `Reserve` alone. Hashing only
-/// on a multi-tenant node: the writer after its copy, the node at commit, the reader before
-/// its copy.
+/// `Finish`, a load `Lease` + `EndLeases`, a deduplicated store `Reserve` alone. A private node
+/// takes the direct path and hashes nothing; a multi-tenant node's jobs are staged (one slice
+/// here: bounce halves of a whole job), hashed by the writer before its copy, by the node at
+/// commit and by the reader over its private copy.
 fn round_trip(tenants: bool) {
     let dir = tempfile::tempdir().unwrap();
     let n = node_with(dir.path(), 32, tenants);
@@ -98,8 +104,9 @@ fn round_trip(tenants: bool) {
         a_cache.write(b, &pattern(b, BPB));
     }
     let a_node = store(&n);
-    let a = engine(&a_cache, a_node.clone());
+    let a = engine_with(&a_cache, a_node.clone(), 2 * BLOCKS);
     let devs: Vec<u32> = (0..BLOCKS).collect();
+    let direct = u64::from(!tenants);
     let keys: Vec<u128> = devs.iter().map(|&b| key(b)).collect();
     let rt = n.stats().requests;
     assert_eq!(
@@ -107,7 +114,7 @@ fn round_trip(tenants: bool) {
         TransferOutcome::Ok
     );
     assert_eq!(n.stats().requests - rt, 2, "round trips of a store job");
-    assert_eq!(a.node_direct_jobs(), 1, "not the direct path");
+    assert_eq!(a.node_direct_jobs(), direct, "tenants: {tenants}");
     assert_eq!(n.stats().puts, BLOCKS as u64);
     let hashes = if tenants { BLOCKS as u64 } else { 0 };
     assert_eq!(a_node.blocks_hashed(), hashes, "tenants: {tenants}");
@@ -134,7 +141,7 @@ fn round_trip(tenants: bool) {
         b_cache.write(b, &[0x5A; BPB]);
     }
     let b_node = store(&n);
-    let e2 = engine(&b_cache, b_node.clone());
+    let e2 = engine_with(&b_cache, b_node.clone(), 2 * BLOCKS);
     let rev: Vec<u32> = (0..BLOCKS).rev().collect();
     let rt = n.stats().requests;
     assert_eq!(
@@ -146,7 +153,7 @@ fn round_trip(tenants: bool) {
     for (k, &d) in rev.iter().enumerate() {
         assert_eq!(b_cache.read(d), pattern(k as u32, BPB), "device block {d}");
     }
-    assert_eq!(e2.node_direct_jobs(), 1);
+    assert_eq!(e2.node_direct_jobs(), direct, "tenants: {tenants}");
     // Every lease ended: the whole arena can be evicted for another namespace's puts.
     let other = NodeStore::connect(n.socket(), "other", NodeClientOptions::default()).unwrap();
     for k in 0..32u128 {

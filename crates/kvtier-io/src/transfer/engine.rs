@@ -550,6 +550,9 @@ impl TransferEngine {
                 let Some(remote) = &self.remote else {
                     return Self::far_tier_missing(Tier::Remote, items, res, ok);
                 };
+                if let Some(node) = self.node_store() {
+                    return self.node_far_leg(node, keys, to_far, items, res, ok);
+                }
                 for (k, &(i, h)) in items.iter().enumerate() {
                     // The key names the block in the store.
                     let Some(&key) = keys.get(i) else {
@@ -576,6 +579,43 @@ impl TransferEngine {
                 for &(i, _) in items {
                     res.fail(i, "internal: far leg to a near tier");
                 }
+            }
+        }
+        ok
+    }
+
+    /// The far leg of a staged device <-> node job: the slice's blocks put or got in one batch
+    /// (`storage::node::staged`: one round trip per phase, checksums of private bytes only).
+    fn node_far_leg(
+        &self,
+        node: &NodeStore,
+        keys: &[kvtier::hash::SequenceHash],
+        to_far: bool,
+        items: &[(usize, usize)],
+        res: &mut Results,
+        mut ok: Vec<bool>,
+    ) -> Vec<bool> {
+        let mut batch: Vec<(usize, u128, usize)> = Vec::with_capacity(items.len());
+        for (k, &(i, h)) in items.iter().enumerate() {
+            match keys.get(i) {
+                Some(key) => batch.push((k, key.0, h)),
+                None => res.fail(i, "internal: no remote key for the pair"),
+            }
+        }
+        let ks: Vec<u128> = batch.iter().map(|b| b.1).collect();
+        let addrs: Vec<usize> = batch.iter().map(|b| b.2).collect();
+        // Each `addrs` entry is a whole bounce block: held read-only by a store's far leg,
+        // owned exclusively by a load's (the staged path's invariants).
+        let out = if to_far {
+            node.put_staged(&ks, &addrs, self.bytes_per_block)
+        } else {
+            node.get_staged(&ks, &addrs, self.bytes_per_block)
+        };
+        let op = if to_far { "put" } else { "get" };
+        for (&(k, _, _), r) in batch.iter().zip(out) {
+            match r {
+                Ok(()) => ok[k] = true,
+                Err(why) => res.fail(items[k].0, format!("remote {op}: {why}")),
             }
         }
         ok

@@ -5,29 +5,25 @@
 //! Invariants:
 //! - one round trip per phase per job (per [`MAX_BATCH`](super::protocol::MAX_BATCH) pairs of
 //!   a longer job); a load adds one `EndLeases` before its copy only when some lease failed its
-//!   size or checksum, so a damaged block is dropped at the node before the copy runs;
+//!   size check;
 //! - every reservation and lease of a job is on one connection;
-//! - on a verifying connection (`Conn::verify`, see `client.rs`) the slots a load leased are
-//!   hashed and checked against their committed checksums before any byte is copied out (a
-//!   failed pair never touches its device block), and the slots a store copied are hashed
-//!   after the copy, before `Finish`, both in parallel (`hash.rs`); a private node's own-uid
-//!   connection hashes nothing;
+//! - only a connection that verifies nothing (a private node's own-uid client, see `client.rs`)
+//!   goes direct: a checksum of an arena slot proves nothing about the bytes a DMA moves a moment
+//!   earlier or later, since every client maps the whole arena and another tenant may write any
+//!   slot between the two. A verifying connection's jobs are staged (`staged.rs`), where every
+//!   checksum is taken of private memory;
 //! - a pair counts done only when the node answered it: `Present` to its reservation, or
 //!   `Done` to its commit or end of lease on the connection that holds it. A connection that
 //!   fails midway (the node then detached this client, so its slots may be reused) is not
 //!   pooled again, and every pair still open fails with the reason, never reported done.
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
-
 use kvtier::hash::SequenceHash;
 use kvtier::transfer::RemoteError;
 
 use super::client::{Conn, NodeStore};
-use super::hash::{slot_checksums, Slot};
 use super::protocol::{GetAnswer, ItemAnswer, LeaseEnd, PutAnswer, PutEnd};
 use crate::sys::shm::Arena;
 
-/// One pair of a direct job: done, or why not.
+/// One pair of a direct or staged job: done, or why not.
 pub(crate) type PairResult = Result<(), String>;
 
 /// Items a direct job's device leg copies: `(index into the job's keys, arena address)`;
@@ -57,63 +53,58 @@ fn fail_open(out: &mut [PairResult], pairs: impl Iterator<Item = usize>, e: &Rem
     }
 }
 
+/// A slot the node granted: `(pair, reservation or lease id, offset)`.
+pub(super) type Grant = (usize, u64, u64);
+
 impl NodeStore {
     /// A connection for a direct job of `n` pairs, or the job's early answer: every pair failed
-    /// (the node is unreachable) or `None` (`need_cuda` and the arena is not registered with
-    /// CUDA: the caller stages the job).
+    /// (the node is unreachable) or `None` (the caller stages the job: the connection verifies,
+    /// or `need_cuda` and the arena is not registered with CUDA).
     fn direct_conn(
         &self,
         n: usize,
         need_cuda: bool,
-    ) -> Result<(Conn, Arc<Arena>), Option<Vec<PairResult>>> {
-        let (c, arena) = self
-            .conn()
-            .map_err(|e| Some(vec![Err(format!("node: {e}")); n]))?;
-        if need_cuda && !arena.cuda_registered() {
+    ) -> Result<(Conn, std::sync::Arc<Arena>), Option<Vec<PairResult>>> {
+        let (c, arena) = self.job_conn(n).map_err(Some)?;
+        if c.verify || (need_cuda && !arena.cuda_registered()) {
             self.pool(c);
             return Err(None);
         }
         Ok((c, arena))
     }
 
-    /// Hash `slots` for a verifying connection, counted.
-    fn hash(&self, arena: &Arena, slots: &[Slot]) -> Vec<std::io::Result<u64>> {
-        self.hashed.fetch_add(slots.len() as u64, Ordering::Relaxed);
-        slot_checksums(arena, slots)
+    /// A connection for a job of `n` pairs, or every pair failed (the node is unreachable).
+    pub(super) fn job_conn(
+        &self,
+        n: usize,
+    ) -> Result<(Conn, std::sync::Arc<Arena>), Vec<PairResult>> {
+        self.conn().map_err(|e| vec![Err(format!("node: {e}")); n])
     }
 
-    /// Device -> arena for `keys` (blocks of `bytes`): reserve a slot per key, let `copy` fill
-    /// the slots, then commit each slot copied (with its checksum on a verifying connection)
-    /// or abort it. `None` when the direct path cannot serve this job (`need_cuda` and the
-    /// arena is not registered with CUDA): the caller stages it instead. A key the node already
-    /// holds is done without a copy; a full node fails the pair (the store is skipped).
-    pub(crate) fn store_direct(
-        &self,
+    /// `Reserve` of `keys` (blocks of `bytes`): the slots granted and addressable, as
+    /// `(grant, address)`; a key the node holds already is done, a full node fails its pair, a
+    /// slot outside the mapping fails its pair and is aborted (`aborts`). `Err`: the round trip
+    /// failed (every pair failed, the connection dropped).
+    pub(super) fn reserve_slots(
+        c: &mut Conn,
+        arena: &Arena,
         keys: &[u128],
         bytes: usize,
-        need_cuda: bool,
-        copy: Box<DeviceLeg<'_>>,
-    ) -> Option<Vec<PairResult>> {
-        let (mut c, arena) = match self.direct_conn(keys.len(), need_cuda) {
-            Ok(x) => x,
-            Err(early) => return early,
-        };
-        let mut out: Vec<PairResult> = vec![Ok(()); keys.len()];
+        out: &mut [PairResult],
+        aborts: &mut Vec<PutEnd>,
+    ) -> Result<Vec<(Grant, usize)>, ()> {
         let answers = match c.reserve(bytes as u64, keys) {
             Ok(a) => a,
-            Err(e) => return Some(vec![Err(format!("node: {e}")); keys.len()]),
+            Err(e) => {
+                out.iter_mut().for_each(|o| *o = Err(format!("node: {e}")));
+                return Err(());
+            }
         };
-        // (pair, reservation id, offset) of the slots granted and addressable.
-        let mut grants: Vec<(usize, u64, u64)> = Vec::new();
-        let mut items: Vec<(usize, usize)> = Vec::new();
-        let mut aborts: Vec<PutEnd> = Vec::new();
+        let mut grants = Vec::new();
         for (k, a) in answers.into_iter().enumerate() {
             match a {
                 PutAnswer::Slot { id, offset } => match arena.addr(offset, bytes) {
-                    Ok(addr) => {
-                        grants.push((k, id, offset));
-                        items.push((k, addr));
-                    }
+                    Ok(addr) => grants.push(((k, id, offset), addr)),
                     Err(e) => {
                         out[k] = Err(format!("node slot: {e}"));
                         aborts.push(PutEnd::Abort(id));
@@ -123,53 +114,27 @@ impl NodeStore {
                 PutAnswer::Full => out[k] = Err("the kvtier node is full; store skipped".into()),
             }
         }
-        copy_leg(&mut out, &items, copy);
-        let hashed: Vec<bool> = grants
-            .iter()
-            .map(|g| c.verify && out[g.0].is_ok())
-            .collect();
-        let slots: Vec<Slot> = grants
-            .iter()
-            .zip(&hashed)
-            .filter(|(_, h)| **h)
-            .map(|(&(k, _, offset), _)| (keys[k], offset, bytes))
-            .collect();
-        let mut sums = self.hash(&arena, &slots).into_iter();
-        // ends[i] is pair commits[i]'s commit (or abort); the early aborts follow.
-        let mut ends: Vec<PutEnd> = Vec::with_capacity(grants.len() + aborts.len());
-        let mut commits: Vec<usize> = Vec::with_capacity(grants.len());
-        for (&(k, id, _), &h) in grants.iter().zip(&hashed) {
-            let end = if out[k].is_err() {
-                PutEnd::Abort(id)
-            } else if !h {
-                PutEnd::Commit { id, checksum: None }
-            } else {
-                match sums.next() {
-                    Some(Ok(sum)) => PutEnd::Commit {
-                        id,
-                        checksum: Some(sum),
-                    },
-                    Some(Err(e)) => {
-                        out[k] = Err(format!("node slot: {e}"));
-                        PutEnd::Abort(id)
-                    }
-                    None => {
-                        out[k] = Err("node slot: not hashed".into());
-                        PutEnd::Abort(id)
-                    }
-                }
-            };
-            ends.push(end);
-            commits.push(k);
-        }
-        ends.extend(aborts);
+        Ok(grants)
+    }
+
+    /// `Finish` of a job's reservations: `ends[i]` ends pair `pairs[i]`'s reservation (a commit,
+    /// or an abort of a pair already failed); the ends after `pairs.len()` are early aborts. A
+    /// commit the node refuses fails its pair; a broken connection fails every open pair and is
+    /// not pooled.
+    pub(super) fn finish_job(
+        &self,
+        mut c: Conn,
+        ends: &[PutEnd],
+        pairs: &[usize],
+        out: &mut [PairResult],
+    ) {
         if ends.is_empty() {
             self.pool(c);
-            return Some(out);
+            return;
         }
-        match c.finish(&ends) {
+        match c.finish(ends) {
             Ok(answers) => {
-                for ((end, answer), &k) in ends.iter().zip(&answers).zip(&commits) {
+                for ((end, answer), &k) in ends.iter().zip(&answers).zip(pairs) {
                     let committed = matches!(end, PutEnd::Commit { .. });
                     if committed && *answer != ItemAnswer::Done && out[k].is_ok() {
                         out[k] = Err(format!("node commit refused: {answer:?}"));
@@ -178,35 +143,30 @@ impl NodeStore {
                 self.pool(c);
             }
             // Not pooled: the node detached this connection, its reservations vanished.
-            Err(e) => fail_open(&mut out, grants.iter().map(|g| g.0), &e),
+            Err(e) => fail_open(out, pairs.iter().copied(), &e),
         }
-        Some(out)
     }
 
-    /// Arena -> device for `keys`: lease each block, check it (size; on a verifying connection
-    /// its arena bytes against the checksum its writer committed, a mismatch dropping it at the
-    /// node), let `copy` move the slots that passed to the device, then end the leases. A pair
-    /// counts only when its lease was still held when its copy finished (the node answered its
-    /// end of lease `Done`). `None` as in [`Self::store_direct`].
-    pub(crate) fn load_direct(
-        &self,
+    /// `Lease` of `keys` (blocks of `bytes`): the leases of the right size and addressable, as
+    /// `(grant, address, checksum)`; a missing key fails its pair, a lease of another size or
+    /// outside the mapping fails its pair and is ended at once (`early`). `Err`: the round trip
+    /// failed (every pair failed, the connection dropped).
+    pub(super) fn lease_slots(
+        c: &mut Conn,
+        arena: &Arena,
         keys: &[u128],
         bytes: usize,
-        need_cuda: bool,
-        copy: Box<DeviceLeg<'_>>,
-    ) -> Option<Vec<PairResult>> {
-        let (mut c, arena) = match self.direct_conn(keys.len(), need_cuda) {
-            Ok(x) => x,
-            Err(early) => return early,
-        };
-        let mut out: Vec<PairResult> = vec![Ok(()); keys.len()];
+        out: &mut [PairResult],
+        early: &mut Vec<LeaseEnd>,
+    ) -> Result<Vec<(Grant, usize, Option<u64>)>, ()> {
         let answers = match c.lease(keys) {
             Ok(a) => a,
-            Err(e) => return Some(vec![Err(format!("node: {e}")); keys.len()]),
+            Err(e) => {
+                out.iter_mut().for_each(|o| *o = Err(format!("node: {e}")));
+                return Err(());
+            }
         };
-        // (pair, lease id, offset, address, checksum) of the leases of the right size.
-        let mut pending: Vec<(usize, u64, u64, usize, Option<u64>)> = Vec::new();
-        let mut early: Vec<LeaseEnd> = Vec::new();
+        let mut leased = Vec::new();
         for (k, a) in answers.into_iter().enumerate() {
             let key = keys[k];
             match a {
@@ -235,7 +195,7 @@ impl NodeStore {
                             .map_err(|e| format!("node slot: {e}"))
                     };
                     match addr {
-                        Ok(a) => pending.push((k, id, offset, a, checksum)),
+                        Ok(a) => leased.push(((k, id, offset), a, checksum)),
                         Err(why) => {
                             out[k] = Err(why);
                             early.push(LeaseEnd::Done(id));
@@ -244,79 +204,110 @@ impl NodeStore {
                 }
             }
         }
-        let verdicts: Vec<Result<(), (LeaseEnd, String)>> = if c.verify {
-            let slots: Vec<Slot> = pending.iter().map(|p| (keys[p.0], p.2, bytes)).collect();
-            let sums = self.hash(&arena, &slots);
-            pending
-                .iter()
-                .zip(sums)
-                .map(|(&(k, id, _, _, want), got)| {
-                    let corrupt = |why: &str| {
-                        RemoteError::Corrupt {
-                            key: SequenceHash(keys[k]),
-                            reason: why.into(),
-                        }
-                        .to_string()
-                    };
-                    match (want, got) {
-                        (Some(w), Ok(g)) if w == g => Ok(()),
-                        (Some(_), Ok(_)) => Err((
-                            LeaseEnd::Damaged(id),
-                            corrupt("the node's copy does not match its checksum"),
-                        )),
-                        (None, Ok(_)) => Err((
-                            LeaseEnd::Done(id),
-                            corrupt("the node committed it without a checksum"),
-                        )),
-                        (_, Err(e)) => Err((LeaseEnd::Done(id), format!("node slot: {e}"))),
-                    }
-                })
-                .collect()
-        } else {
-            pending.iter().map(|_| Ok(())).collect()
-        };
-        // (pair, lease id) of the leases to copy from and end after the copy.
-        let mut open: Vec<(usize, u64)> = Vec::with_capacity(pending.len());
-        let mut items: Vec<(usize, usize)> = Vec::with_capacity(pending.len());
-        for (&(k, id, _, addr, _), v) in pending.iter().zip(verdicts) {
-            match v {
-                Ok(()) => {
-                    open.push((k, id));
-                    items.push((k, addr));
-                }
-                Err((end, why)) => {
-                    out[k] = Err(why);
-                    early.push(end);
-                }
-            }
-        }
-        // Failed leases end (damaged blocks are dropped) before the copy; their answers do not
-        // matter (those pairs failed already).
-        if !early.is_empty() {
-            if let Err(e) = c.end_leases(&early) {
-                fail_open(&mut out, open.iter().map(|o| o.0), &e);
-                return Some(out);
-            }
-        }
-        copy_leg(&mut out, &items, copy);
-        if open.is_empty() {
+        Ok(leased)
+    }
+
+    /// `EndLeases` of a job: `ends[i]` ends pair `pairs[i]`'s lease; the ends after
+    /// `pairs.len()` are of pairs failed already. A pair whose end the node does not answer
+    /// `Done` fails (its lease ended before the copy did); a broken connection fails every open
+    /// pair (the bytes are not trusted) and is not pooled.
+    pub(super) fn end_job(
+        &self,
+        mut c: Conn,
+        ends: &[LeaseEnd],
+        pairs: &[usize],
+        out: &mut [PairResult],
+    ) {
+        if ends.is_empty() {
             self.pool(c);
-            return Some(out);
+            return;
         }
-        let ends: Vec<LeaseEnd> = open.iter().map(|&(_, id)| LeaseEnd::Done(id)).collect();
-        match c.end_leases(&ends) {
+        match c.end_leases(ends) {
             Ok(answers) => {
-                for (&(k, _), answer) in open.iter().zip(&answers) {
+                for (&k, answer) in pairs.iter().zip(&answers) {
                     if *answer != ItemAnswer::Done && out[k].is_ok() {
                         out[k] = Err(format!("node end of lease: {answer:?}"));
                     }
                 }
                 self.pool(c);
             }
-            // After a break the lease may have ended while the copy ran: the bytes are not
-            // trusted.
-            Err(e) => fail_open(&mut out, open.iter().map(|o| o.0), &e),
+            Err(e) => fail_open(out, pairs.iter().copied(), &e),
         }
+    }
+
+    /// Device -> arena for `keys` (blocks of `bytes`): reserve a slot per key, let `copy` fill
+    /// the slots, then commit each slot copied or abort it. `None` when the direct path cannot
+    /// serve this job (see [`Self::direct_conn`]): the caller stages it instead. A key the node
+    /// already holds is done without a copy; a full node fails the pair (the store is skipped).
+    pub(crate) fn store_direct(
+        &self,
+        keys: &[u128],
+        bytes: usize,
+        need_cuda: bool,
+        copy: Box<DeviceLeg<'_>>,
+    ) -> Option<Vec<PairResult>> {
+        let (mut c, arena) = match self.direct_conn(keys.len(), need_cuda) {
+            Ok(x) => x,
+            Err(early) => return early,
+        };
+        let mut out: Vec<PairResult> = vec![Ok(()); keys.len()];
+        let mut aborts = Vec::new();
+        let Ok(grants) = Self::reserve_slots(&mut c, &arena, keys, bytes, &mut out, &mut aborts)
+        else {
+            return Some(out);
+        };
+        let items: Vec<(usize, usize)> = grants.iter().map(|&((k, _, _), a)| (k, a)).collect();
+        copy_leg(&mut out, &items, copy);
+        let pairs: Vec<usize> = grants.iter().map(|g| g.0 .0).collect();
+        let mut ends: Vec<PutEnd> = grants
+            .iter()
+            .map(|&((k, id, _), _)| match out[k] {
+                Ok(()) => PutEnd::Commit { id, checksum: None },
+                Err(_) => PutEnd::Abort(id),
+            })
+            .collect();
+        ends.extend(aborts);
+        self.finish_job(c, &ends, &pairs, &mut out);
+        Some(out)
+    }
+
+    /// Arena -> device for `keys`: lease each block, check its size, let `copy` move the leased
+    /// slots to the device, then end the leases. A pair counts only when its lease was still
+    /// held when its copy finished (the node answered its end of lease `Done`). `None` as in
+    /// [`Self::store_direct`].
+    pub(crate) fn load_direct(
+        &self,
+        keys: &[u128],
+        bytes: usize,
+        need_cuda: bool,
+        copy: Box<DeviceLeg<'_>>,
+    ) -> Option<Vec<PairResult>> {
+        let (mut c, arena) = match self.direct_conn(keys.len(), need_cuda) {
+            Ok(x) => x,
+            Err(early) => return early,
+        };
+        let mut out: Vec<PairResult> = vec![Ok(()); keys.len()];
+        let mut early = Vec::new();
+        let Ok(leased) = Self::lease_slots(&mut c, &arena, keys, bytes, &mut out, &mut early)
+        else {
+            return Some(out);
+        };
+        let pairs: Vec<usize> = leased.iter().map(|l| l.0 .0).collect();
+        // Failed leases end before the copy; their answers do not matter (those pairs failed
+        // already).
+        if !early.is_empty() {
+            if let Err(e) = c.end_leases(&early) {
+                fail_open(&mut out, pairs.iter().copied(), &e);
+                return Some(out);
+            }
+        }
+        let items: Vec<(usize, usize)> = leased.iter().map(|&((k, _, _), a, _)| (k, a)).collect();
+        copy_leg(&mut out, &items, copy);
+        let ends: Vec<LeaseEnd> = leased
+            .iter()
+            .map(|&((_, id, _), _, _)| LeaseEnd::Done(id))
+            .collect();
+        self.end_job(c, &ends, &pairs, &mut out);
         Some(out)
     }
 }

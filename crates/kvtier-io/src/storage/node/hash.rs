@@ -1,12 +1,13 @@
-//! Checksums of arena slots, a batch at a time and in parallel: the client hashes the slots of
-//! a store after its copy and those of a load before its copy, the node re-hashes the slots of
-//! a `Finish` (outside the books' lock), each only where the trust model asks for it
-//! (docs/arch/node.md, Trust).
+//! Checksums of arena slots and other per-block work of a batch, in parallel: the node
+//! re-hashes the slots of a `Finish` (outside the books' lock); the client's staged paths
+//! (`staged.rs`) copy and hash each block of a slice; each hash only where the trust model asks
+//! for it (docs/arch/node.md, Trust).
 //!
-//! Invariants: one result per slot, in the slots' order, each [`Arena::checksum`] of that slot
-//! (`protocol::block_checksum` of its bytes, bound to its key); at most [`MAX_THREADS`] threads,
-//! all joined before the call returns; a thread that cannot be started leaves its share to the
-//! caller's thread (never a panic).
+//! Invariants: one result per item, in the items' order ([`slot_checksums`]: each
+//! [`Arena::checksum`] of that slot, `protocol::block_checksum` of its bytes bound to its key);
+//! at most [`MAX_THREADS`] threads, all joined before the call returns; a thread that cannot be
+//! started leaves its share to the caller's thread, one that panicked fails its share (never a
+//! panic).
 use std::io;
 use std::sync::OnceLock;
 
@@ -24,33 +25,48 @@ pub(crate) type Slot = (u128, u64, usize);
 /// The checksum of each slot, in order (see the module docs).
 pub(crate) fn slot_checksums(arena: &Arena, slots: &[Slot]) -> Vec<io::Result<u64>> {
     let total: usize = slots.iter().map(|s| s.2).sum();
-    let threads = cores().min(slots.len());
+    par_map(slots, total, |&(key, offset, bytes)| {
+        arena.checksum(key, offset, bytes)
+    })
+}
+
+/// `f` of each item, in order: on up to [`MAX_THREADS`] threads when the items cover at least
+/// [`PARALLEL_FROM`] bytes in all (`total`), else on the caller's thread. A share whose thread
+/// panicked is an error for each of its items; a thread that cannot be started leaves its share
+/// to the caller's thread.
+pub(crate) fn par_map<T: Sync, R: Send>(
+    items: &[T],
+    total: usize,
+    f: impl Fn(&T) -> io::Result<R> + Sync,
+) -> Vec<io::Result<R>> {
+    let threads = cores().min(items.len());
     if threads <= 1 || total < PARALLEL_FROM {
-        return hash_all(arena, slots);
+        return items.iter().map(&f).collect();
     }
-    let per = slots.len().div_ceil(threads);
+    let per = items.len().div_ceil(threads);
+    let f = &f;
     std::thread::scope(|s| {
         let mut parts = Vec::new();
-        // The first share is hashed here, the others on their own threads.
-        let mut chunks = slots.chunks(per);
+        // The first share runs here, the others on their own threads.
+        let mut chunks = items.chunks(per);
         let first = chunks.next().unwrap_or(&[]);
         for c in chunks {
             let h = std::thread::Builder::new()
                 .name("kvtier-node-hash".into())
-                .spawn_scoped(s, move || hash_all(arena, c));
+                .spawn_scoped(s, move || c.iter().map(f).collect::<Vec<_>>());
             parts.push((c, h));
         }
-        let mut out = hash_all(arena, first);
+        let mut out: Vec<io::Result<R>> = first.iter().map(f).collect();
         for (c, h) in parts {
             match h {
                 Ok(h) => match h.join() {
                     Ok(v) => out.extend(v),
                     Err(_) => out.extend(
                         c.iter()
-                            .map(|_| Err(io::Error::other("a checksum thread panicked"))),
+                            .map(|_| Err(io::Error::other("a node worker thread panicked"))),
                     ),
                 },
-                Err(_) => out.extend(hash_all(arena, c)),
+                Err(_) => out.extend(c.iter().map(f)),
             }
         }
         out
@@ -66,13 +82,6 @@ fn cores() -> usize {
             .map_or(1, |n| n.get())
             .min(MAX_THREADS)
     })
-}
-
-fn hash_all(arena: &Arena, slots: &[Slot]) -> Vec<io::Result<u64>> {
-    slots
-        .iter()
-        .map(|&(key, offset, bytes)| arena.checksum(key, offset, bytes))
-        .collect()
 }
 
 #[cfg(test)]

@@ -23,6 +23,7 @@ mod listen;
 mod protocol;
 mod server;
 mod share;
+mod staged;
 
 pub use books::{
     AttachRefused, BlockCopy, Books, ClientId, NodeStats, PutRefused, SlotGrant, MAX_NAMESPACES,
