@@ -314,4 +314,4 @@ impl NodeStore {
 
 #[cfg(test)]
 #[path = "batch_tests.rs"]
-mod tests;
+pub(super) mod tests;

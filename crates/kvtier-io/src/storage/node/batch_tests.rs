@@ -12,7 +12,9 @@ use crate::storage::node::{
     NodeClientOptions, NodeOptions, NodeServer, NodeStore, MAX_BATCH as BATCH,
 };
 
-fn node(dir: &std::path::Path, capacity: u64, tenants: bool) -> NodeServer {
+/// A node of `capacity` bytes in `dir`: private, or multi-tenant (`tenants`: another uid allowed,
+/// so every connection verifies). Shared with `staged_tests.rs`.
+pub(crate) fn node(dir: &std::path::Path, capacity: u64, tenants: bool) -> NodeServer {
     let mut o = NodeOptions::new(dir.join("node.sock"), capacity);
     o.shm_dir = dir.to_path_buf();
     if tenants {
@@ -21,7 +23,7 @@ fn node(dir: &std::path::Path, capacity: u64, tenants: bool) -> NodeServer {
     NodeServer::start(&o).unwrap()
 }
 
-fn client(n: &NodeServer) -> NodeStore {
+pub(crate) fn client(n: &NodeServer) -> NodeStore {
     NodeStore::connect(n.socket(), "m", NodeClientOptions::default()).unwrap()
 }
 

@@ -8,20 +8,7 @@ use std::sync::Arc;
 use kvtier::hash::SequenceHash;
 use kvtier::transfer::RemoteStore;
 
-use crate::storage::node::{NodeClientOptions, NodeOptions, NodeServer, NodeStore};
-
-fn node(dir: &std::path::Path, capacity: u64, tenants: bool) -> NodeServer {
-    let mut o = NodeOptions::new(dir.join("node.sock"), capacity);
-    o.shm_dir = dir.to_path_buf();
-    if tenants {
-        o.allowed_uids = vec![crate::sys::sock::current_uid().wrapping_add(4242)];
-    }
-    NodeServer::start(&o).unwrap()
-}
-
-fn client(n: &NodeServer) -> NodeStore {
-    NodeStore::connect(n.socket(), "m", NodeClientOptions::default()).unwrap()
-}
+use crate::storage::node::batch::tests::{client, node};
 
 fn block(key: u128, bytes: usize) -> Vec<u8> {
     (0..bytes)
