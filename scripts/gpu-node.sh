@@ -6,8 +6,8 @@
 # (default: $KVTIER_IO_TESTS, else the newest target/release/deps/kvtier_io-*). It runs
 # storage::node::gpu_tests: a GPU KV cache (vLLM per-layer layout, 2 MiB blocks) stored through a node tier
 # (device -> arena slot by DMA, the arena registered with cuMemHostRegister) and loaded back into other blocks,
-# compared bit-exact, through a private node (no hashing) and a multi-tenant one (--allow-uid: every block
-# verified), with GB/s against a pinned host tier moving the same blocks in the same run; then
+# compared bit-exact, by a client of the node's uid (direct, no hashing) and a verifying one (verify=1, as toward
+# a node of another uid: staged, every block hashed), with GB/s against a pinned host tier moving the same blocks in the same run; then
 # transfer::cuda::gpu_tests (ordered loads seen by the engine's stream). Without a CUDA driver
 # the test prints that it skipped. Environment: KVTIER_NODE_GPU_BLOCKS (default 256), OUT (default ./gpu-node-out:
 # the report as markdown and the log), KVTIER_NODE_HUGE=1 (as root: the store/load test again with the arena on a tmpfs

@@ -40,8 +40,9 @@ def model(tmp_path_factory) -> Path:
     return make_model(tmp_path_factory.mktemp("model") / "tiny-llama", seed=0)
 
 
-def _engine(model: Path, log: Path, socket: str) -> Engine:
-    settings = {"remote.url": f"node://{socket}"}  # node-only: no host.num_blocks / host.gb
+def _engine(model: Path, log: Path, socket: str, verify: bool = False) -> Engine:
+    url = f"node://{socket}" + ("?verify=1" if verify else "")
+    settings = {"remote.url": url}  # node-only: no host.num_blocks / host.gb
     return Engine(model, log, kv_cache_blocks=G1_BLOCKS, kv_transfer_config=connector_config(settings=settings))
 
 
@@ -113,8 +114,8 @@ def test_a_node_too_small_degrades_to_misses(model, tmp_path):
 
 
 def test_damaged_node_blocks_are_recomputed_in_the_step(model, tmp_path):
-    """A node shared with another uid (``allowed_uids``: every block verified) whose arena bytes were changed after
-    the first engine stored them: the second engine's hits load inside the step (node hits count as host hits,
+    """Engines that verify every block (``node://...?verify=1``) on a node whose arena bytes were changed after the
+    first engine stored them: the second engine's hits load inside the step (node hits count as host hits,
     ``Leader::set_near_remote``), every damaged block fails its check before a byte reaches the engine, the load is
     reported failed in that step and vLLM recomputes: outputs identical to vLLM alone, the damage counted, the
     damaged blocks dropped from the node."""
@@ -123,9 +124,9 @@ def test_damaged_node_blocks_are_recomputed_in_the_step(model, tmp_path):
     sock = str(tmp_path / "node" / "node.sock")
     shm = tmp_path / "shm"
     shm.mkdir()
-    node = _native.NodeServer(sock, 64 << 20, str(shm), allowed_uids=[os.getuid() + 4242])
+    node = _native.NodeServer(sock, 64 << 20, str(shm))
     try:
-        with _engine(model, tmp_path / "a.log", sock) as a:
+        with _engine(model, tmp_path / "a.log", sock, verify=True) as a:
             assert a.generate(PHASE, MAX_TOKENS) == want
             assert a.drain(), "engine A's stores to the node did not finish"
         stored = node.stats()
@@ -137,7 +138,7 @@ def test_damaged_node_blocks_are_recomputed_in_the_step(model, tmp_path):
             chunk = b"\x5a" * (1 << 20)
             for _ in range(0, size, len(chunk)):
                 f.write(chunk)
-        with _engine(model, tmp_path / "b.log", sock) as b:
+        with _engine(model, tmp_path / "b.log", sock, verify=True) as b:
             assert b.generate(PHASE, MAX_TOKENS) == want
             s = b.stats()["stats"]
             e = b.stats()["kvtier_errors"]

@@ -31,7 +31,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="Unix socket engines attach to (default: per user, as `kvtier node`'s)")
     p.add_argument("--capacity-gb", type=float, default=4.0, help="shared host memory for blocks (decimal GB)")
     p.add_argument("--shm-dir", default=None, help="tmpfs directory of the shared arena (default /dev/shm)")
-    p.add_argument("--allow-uid", type=int, action="append", default=[], help="another user id allowed to attach")
+    p.add_argument(
+        "--allow-uid",
+        type=int,
+        action="append",
+        default=[],
+        help="another user id allowed to attach (it gets an arena of its own: the capacity is split evenly)",
+    )
     p.add_argument(
         "--share",
         default="equal",

@@ -30,7 +30,8 @@ pub struct NodeArgs {
     #[arg(long, default_value = "/dev/shm")]
     pub shm_dir: PathBuf,
     /// Other user ids allowed to attach (the node's own user always may); their engines add
-    /// `node_uid=<this node's uid>` to their node:// URL. Each uid gets namespaces of its own.
+    /// `node_uid=<this node's uid>` to their node:// URL. Each uid gets namespaces and an arena
+    /// of its own (the capacity is split evenly between the node's uid and these).
     #[arg(long = "allow-uid", value_name = "UID")]
     pub allow_uids: Vec<u32>,
     /// Close a connection idle this long (seconds).

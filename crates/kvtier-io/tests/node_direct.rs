@@ -24,22 +24,22 @@ const BPB: usize = LAYERS * 2 * CHUNK;
 const BLOCKS: u32 = 10;
 
 fn node(dir: &Path, blocks: u64) -> NodeServer {
-    node_with(dir, blocks, false)
-}
-
-/// A private node, or (`tenants`) one another uid may attach to (`--allow-uid`), whose blocks
-/// are verified at commit and before every load.
-fn node_with(dir: &Path, blocks: u64, tenants: bool) -> NodeServer {
     let mut o = NodeOptions::new(dir.join("node.sock"), blocks * BPB as u64);
     o.shm_dir = dir.to_path_buf();
-    if tenants {
-        o.allowed_uids = vec![4242];
-    }
     NodeServer::start(&o).unwrap()
 }
 
 fn store(n: &NodeServer) -> Arc<NodeStore> {
-    Arc::new(NodeStore::connect(n.socket(), "m", NodeClientOptions::default()).unwrap())
+    store_with(n, false)
+}
+
+/// A client of `n`; `verify`: one that checks every block (`node://...?verify=1`).
+fn store_with(n: &NodeServer, verify: bool) -> Arc<NodeStore> {
+    let opts = NodeClientOptions {
+        verify,
+        ..NodeClientOptions::default()
+    };
+    Arc::new(NodeStore::connect(n.socket(), "m", opts).unwrap())
 }
 
 fn engine(cache: &PerLayerCache, node: Arc<NodeStore>) -> TransferEngine {
@@ -86,27 +86,27 @@ fn key(b: u32) -> u128 {
 
 #[test]
 fn blocks_go_device_to_arena_and_back_to_another_engine_bit_exact() {
-    for tenants in [false, true] {
-        round_trip(tenants);
+    for verify in [false, true] {
+        round_trip(verify);
     }
 }
 
 /// One round trip per phase per job (the node counts requests): a store is `Reserve` +
 /// `Finish`, a load `Lease` + `EndLeases`, a deduplicated store `Reserve` alone. A private node
-/// takes the direct path and hashes nothing; a multi-tenant node's jobs are staged (one slice
+/// takes the direct path and hashes nothing; a verifying connection's jobs are staged (one slice
 /// here: bounce halves of a whole job), hashed by the writer before its copy, by the node at
 /// commit and by the reader over its private copy.
-fn round_trip(tenants: bool) {
+fn round_trip(verify: bool) {
     let dir = tempfile::tempdir().unwrap();
-    let n = node_with(dir.path(), 32, tenants);
+    let n = node(dir.path(), 32);
     let mut a_cache = PerLayerCache::new(LAYERS, BLOCKS, CHUNK);
     for b in 0..BLOCKS {
         a_cache.write(b, &pattern(b, BPB));
     }
-    let a_node = store(&n);
+    let a_node = store_with(&n, verify);
     let a = engine_with(&a_cache, a_node.clone(), 2 * BLOCKS);
     let devs: Vec<u32> = (0..BLOCKS).collect();
-    let direct = u64::from(!tenants);
+    let direct = u64::from(!verify);
     let keys: Vec<u128> = devs.iter().map(|&b| key(b)).collect();
     let rt = n.stats().requests;
     assert_eq!(
@@ -114,11 +114,11 @@ fn round_trip(tenants: bool) {
         TransferOutcome::Ok
     );
     assert_eq!(n.stats().requests - rt, 2, "round trips of a store job");
-    assert_eq!(a.node_direct_jobs(), direct, "tenants: {tenants}");
+    assert_eq!(a.node_direct_jobs(), direct, "verify: {verify}");
     assert_eq!(n.stats().puts, BLOCKS as u64);
-    let hashes = if tenants { BLOCKS as u64 } else { 0 };
-    assert_eq!(a_node.blocks_hashed(), hashes, "tenants: {tenants}");
-    assert_eq!(n.stats().verified, hashes, "tenants: {tenants}");
+    let hashes = if verify { BLOCKS as u64 } else { 0 };
+    assert_eq!(a_node.blocks_hashed(), hashes, "verify: {verify}");
+    assert_eq!(n.stats().verified, hashes, "verify: {verify}");
     // The arena holds the exact bytes (read by a plain client, verified against its checksum).
     let probe = store(&n);
     let mut buf = vec![0u8; BPB];
@@ -140,7 +140,7 @@ fn round_trip(tenants: bool) {
     for b in 0..BLOCKS {
         b_cache.write(b, &[0x5A; BPB]);
     }
-    let b_node = store(&n);
+    let b_node = store_with(&n, verify);
     let e2 = engine_with(&b_cache, b_node.clone(), 2 * BLOCKS);
     let rev: Vec<u32> = (0..BLOCKS).rev().collect();
     let rt = n.stats().requests;
@@ -149,11 +149,11 @@ fn round_trip(tenants: bool) {
         TransferOutcome::Ok
     );
     assert_eq!(n.stats().requests - rt, 2, "round trips of a load job");
-    assert_eq!(b_node.blocks_hashed(), hashes, "tenants: {tenants}");
+    assert_eq!(b_node.blocks_hashed(), hashes, "verify: {verify}");
     for (k, &d) in rev.iter().enumerate() {
         assert_eq!(b_cache.read(d), pattern(k as u32, BPB), "device block {d}");
     }
-    assert_eq!(e2.node_direct_jobs(), direct, "tenants: {tenants}");
+    assert_eq!(e2.node_direct_jobs(), direct, "verify: {verify}");
     // Every lease ended: the whole arena can be evicted for another namespace's puts.
     let other = NodeStore::connect(n.socket(), "other", NodeClientOptions::default()).unwrap();
     for k in 0..32u128 {
@@ -166,15 +166,15 @@ fn round_trip(tenants: bool) {
 
 #[test]
 fn failed_pairs_fail_alone_and_never_touch_their_device_block() {
-    // Multi-tenant: the patched block below is caught by the reader's check (a private node's
-    // reader trusts its own uid's bytes: see node_tier.rs).
+    // A verifying engine: the patched block below is caught by the reader's check (a reader
+    // that does not verify trusts its own uid's bytes: see node_tier.rs).
     let dir = tempfile::tempdir().unwrap();
-    let n = node_with(dir.path(), 16, true);
+    let n = node(dir.path(), 16);
     let mut cache = PerLayerCache::new(LAYERS, BLOCKS, CHUNK);
     for b in 0..BLOCKS {
         cache.write(b, &pattern(b + 7, BPB));
     }
-    let e = engine(&cache, store(&n));
+    let e = engine(&cache, store_with(&n, true));
     // Store 0..6; device block 99 does not exist: that pair fails and nothing becomes visible.
     let devs = [0, 1, 2, 3, 4, 99];
     let keys: Vec<u128> = (0..6).map(key).collect();

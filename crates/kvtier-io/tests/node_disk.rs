@@ -130,16 +130,18 @@ fn a_damaged_disk_block_is_a_miss_never_bytes() {
 }
 
 #[test]
-fn a_block_damaged_in_the_arena_of_a_multi_tenant_node_is_not_spilled() {
-    // A multi-tenant node's blocks carry the checksum verified at commit, checked again at
-    // spill time. (A private node's blocks carry none: their bytes, written by the node's own
-    // uid, are spilled as they are and checksummed by the disk tier then.)
+fn a_block_damaged_in_the_arena_is_not_spilled_when_it_carries_a_checksum() {
+    // A verifying client's blocks carry the checksum verified at commit, checked again at
+    // spill time. (Other blocks carry none: their bytes, written by the arena's one uid, are
+    // spilled as they are and checksummed by the disk tier then.)
     use std::os::unix::fs::FileExt;
     let dir = tempfile::tempdir().unwrap();
-    let mut o = opts(dir.path(), 2, 16);
-    o.allowed_uids = vec![4242];
-    let n = NodeServer::start(&o).unwrap();
-    let a = client(&n, "m");
+    let n = node(dir.path(), 2, 16);
+    let verifying = NodeClientOptions {
+        verify: true,
+        ..NodeClientOptions::default()
+    };
+    let a = NodeStore::connect(n.socket(), "m", verifying).unwrap();
     a.put(SequenceHash(1), &block(1)).unwrap();
     a.put(SequenceHash(2), &block(2)).unwrap();
     // A rogue writer flips a byte of block 1 in the arena.

@@ -22,16 +22,17 @@ fn node(dir: &Path, blocks: u64) -> NodeServer {
     NodeServer::start(&o).unwrap()
 }
 
-/// A node other users may attach to (`--allow-uid`): every block is verified.
-fn shared_node(dir: &Path, blocks: u64) -> NodeServer {
-    let mut o = NodeOptions::new(dir.join("node.sock"), blocks * BLOCK as u64);
-    o.shm_dir = dir.to_path_buf();
-    o.allowed_uids = vec![4242];
-    NodeServer::start(&o).unwrap()
-}
-
 fn engine(n: &NodeServer, ns: &str) -> NodeStore {
     NodeStore::connect(n.socket(), ns, NodeClientOptions::default()).unwrap()
+}
+
+/// An engine that checks every block (`node://...?verify=1`).
+fn verifying_engine(n: &NodeServer, ns: &str) -> NodeStore {
+    let opts = NodeClientOptions {
+        verify: true,
+        ..NodeClientOptions::default()
+    };
+    NodeStore::connect(n.socket(), ns, opts).unwrap()
 }
 
 fn block(key: u128) -> Vec<u8> {
@@ -200,7 +201,8 @@ fn patch_block_1(n: &NodeServer, dir: &Path) {
     let arena = std::fs::read_dir(dir)
         .unwrap()
         .flatten()
-        .find(|e| e.file_name().to_string_lossy().ends_with(".arena"))
+        // The arena of the node's own uid (its first tenant).
+        .find(|e| e.file_name().to_string_lossy().ends_with("-0.arena"))
         .unwrap()
         .path();
     let f = std::fs::OpenOptions::new()
@@ -212,10 +214,10 @@ fn patch_block_1(n: &NodeServer, dir: &Path) {
 }
 
 #[test]
-fn a_block_patched_in_the_arena_of_a_multi_tenant_node_is_refused_and_dropped() {
+fn a_block_patched_in_the_arena_is_refused_and_dropped_by_a_verifying_engine() {
     let dir = tempfile::tempdir().unwrap();
-    let n = shared_node(dir.path(), 4);
-    let a = engine(&n, "m");
+    let n = node(dir.path(), 4);
+    let a = verifying_engine(&n, "m");
     a.put(SequenceHash(1), &block(1)).unwrap();
     a.put(SequenceHash(2), &block(2)).unwrap();
     patch_block_1(&n, dir.path());
@@ -242,12 +244,16 @@ fn a_block_patched_in_the_arena_of_a_multi_tenant_node_is_refused_and_dropped() 
 }
 
 #[test]
-fn a_private_node_serves_its_own_uid_without_hashing() {
-    // Only this user can write a private node's arena, and it can write the engine's memory as
+fn a_node_serves_its_own_uid_without_hashing() {
+    // Only this user can write this user's arena, and it can write the engine's memory as
     // well: the bytes are trusted as they are (docs/arch/node.md, Trust). A block patched by
-    // this user is served as patched; nothing is hashed, by the clients or the node.
+    // this user is served as patched; nothing is hashed, by the clients or the node. The same
+    // on a node other uids attach to: they have arenas of their own.
     let dir = tempfile::tempdir().unwrap();
-    let n = node(dir.path(), 4);
+    let mut o = NodeOptions::new(dir.path().join("node.sock"), 8 * BLOCK as u64);
+    o.shm_dir = dir.path().to_path_buf();
+    o.allowed_uids = vec![4242];
+    let n = NodeServer::start(&o).unwrap();
     let a = engine(&n, "m");
     a.put(SequenceHash(1), &block(1)).unwrap();
     a.put(SequenceHash(2), &block(2)).unwrap();

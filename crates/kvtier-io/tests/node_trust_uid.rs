@@ -69,7 +69,34 @@ fn trust_lines(mut c: Child) -> Vec<String> {
         .collect()
 }
 
-/// Role: a client of uid `nobody` that stores block 1 under `m` and looks for block 2.
+/// The node arenas mapped in this process, and whether any holds `bytes` (read through
+/// `/proc/self/mem`, as any process may read its own mappings).
+fn scan_arenas(bytes: &[u8]) -> (usize, bool) {
+    use std::os::unix::fs::FileExt;
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let mem = std::fs::File::open("/proc/self/mem").unwrap();
+    let mut mapped = 0;
+    let mut found = false;
+    for l in maps
+        .lines()
+        .filter(|l| l.contains("kvtier-node-") && l.ends_with(".arena"))
+    {
+        let range = l.split_whitespace().next().unwrap();
+        let (a, b) = range.split_once('-').unwrap();
+        let (a, b) = (
+            u64::from_str_radix(a, 16).unwrap(),
+            u64::from_str_radix(b, 16).unwrap(),
+        );
+        let mut buf = vec![0u8; (b - a) as usize];
+        mem.read_exact_at(&mut buf, a).unwrap();
+        mapped += 1;
+        found |= buf.windows(bytes.len()).any(|w| w == bytes);
+    }
+    (mapped, found)
+}
+
+/// Role: a client of uid `nobody` that stores block 1 under `m`, looks for block 2 through the
+/// node and through the arena memory it was given.
 #[test]
 fn child_client() {
     if env("KVTIER_TRUST_ROLE").as_deref() != Some("child_client") {
@@ -89,6 +116,10 @@ fn child_client() {
                 "TRUST:sees-2={}",
                 s.contains(&[SequenceHash(2)]).unwrap()[0]
             );
+            // What an attacker would do next: read every arena mapped in this process.
+            let (mapped, found) = scan_arenas(&block(2));
+            println!("TRUST:arenas-mapped={mapped}");
+            println!("TRUST:reads-2={found}");
         }
         Err(e) => println!("TRUST:refused {e}"),
     }
@@ -173,9 +204,17 @@ fn allowed_tenants_attach_in_namespaces_of_their_own_and_others_are_refused() {
         ("KVTIER_TRUST_NODE_UID", "0".to_string()),
     ];
     let lines = trust_lines(as_nobody("child_client", &vars));
+    // nobody cannot see root's block through the node, nor read it in memory: its arena is
+    // its own (planted: every uid passed the node's own arena: reads-2=true).
     assert_eq!(
         lines,
-        vec!["attached", "put=true", "sees-2=false"],
+        vec![
+            "attached",
+            "put=true",
+            "sees-2=false",
+            "arenas-mapped=1",
+            "reads-2=false"
+        ],
         "{lines:?}"
     );
     // nobody's `m` is not root's `m`, both ways.

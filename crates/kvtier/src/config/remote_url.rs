@@ -8,9 +8,10 @@
 //!   `redis` crate's own `db`, `user`, `pass` options apply);
 //! - `dir:///absolute/path`: one file per block under a (shared) directory;
 //! - `node:///absolute/socket`: this machine's node tier (`kvtier node`), one host cache shared
-//!   by every engine process here (options `io_timeout_ms`, default 2000, `pool`, default 4, and
+//!   by every engine process here (options `io_timeout_ms`, default 2000, `pool`, default 4,
 //!   `node_uid`, a uid whose node this engine attaches to besides its own; repeatable, or
-//!   comma-separated).
+//!   comma-separated, and `verify`, a boolean, default off: check every block against a checksum
+//!   of its writer's private bytes even on a node of this uid).
 //!
 //! kvtier's options go in the query string: `connect_timeout_ms`, `io_timeout_ms`, `pool`,
 //! `ttl_s`, `backoff_ms`, `cluster` (Redis) and `fsync` (dir); the `redis` crate's `protocol` and
@@ -62,6 +63,10 @@ pub enum RemoteBackend {
         /// default: only a node of the engine's own uid).
         #[serde(default)]
         node_uids: Vec<u32>,
+        /// Check every block against its writer's checksum even on a node of the engine's own
+        /// uid (`verify`; a node of another uid is always checked).
+        #[serde(default)]
+        verify: bool,
     },
 }
 
@@ -285,9 +290,14 @@ fn parse_node(url: &str) -> Result<RemoteBackend, String> {
     let mut io_timeout = Duration::from_secs(2);
     let mut pool = 4usize;
     let mut node_uids = Vec::new();
+    let mut verify = false;
     for (k, v) in query_pairs(query)? {
         match k.as_str() {
             "io_timeout_ms" => io_timeout = Duration::from_millis(opt_num(&k, &v)?),
+            "verify" => {
+                verify =
+                    parse_bool(&v).ok_or_else(|| format!("option verify={v}: {}", bool_reason(&v)))?
+            }
             "node_uid" => {
                 for u in v.split(',') {
                     node_uids.push(
@@ -303,7 +313,7 @@ fn parse_node(url: &str) -> Result<RemoteBackend, String> {
             }
             _ => {
                 return Err(format!(
-                    "unknown option `{k}` in `{url}` (node:// takes io_timeout_ms, pool, node_uid)"
+                    "unknown option `{k}` in `{url}` (node:// takes io_timeout_ms, pool, node_uid, verify)"
                 ))
             }
         }
@@ -316,6 +326,7 @@ fn parse_node(url: &str) -> Result<RemoteBackend, String> {
         io_timeout,
         pool,
         node_uids,
+        verify,
     })
 }
 
@@ -508,5 +519,17 @@ mod tests {
         let t = RemoteTarget::parse("node:///run/k/node.sock").unwrap();
         assert!(matches!(t.backend, RemoteBackend::Node { node_uids, .. } if node_uids.is_empty()));
         assert!(err("node:///s?node_uid=root").contains("not a uid"));
+    }
+
+    #[test]
+    fn node_verify_is_a_boolean_off_by_default() {
+        let verify = |url: &str| match RemoteTarget::parse(url).unwrap().backend {
+            RemoteBackend::Node { verify, .. } => verify,
+            other => panic!("not a node: {other:?}"),
+        };
+        assert!(!verify("node:///run/k/node.sock"));
+        assert!(verify("node:///run/k/node.sock?verify=1"));
+        assert!(!verify("node:///run/k/node.sock?verify=false"));
+        assert!(err("node:///s?verify=maybe").contains("verify"));
     }
 }

@@ -12,19 +12,20 @@ use crate::storage::node::{
     NodeClientOptions, NodeOptions, NodeServer, NodeStore, MAX_BATCH as BATCH,
 };
 
-/// A node of `capacity` bytes in `dir`: private, or multi-tenant (`tenants`: another uid allowed,
-/// so every connection verifies). Shared with `staged_tests.rs`.
-pub(crate) fn node(dir: &std::path::Path, capacity: u64, tenants: bool) -> NodeServer {
+/// A node of `capacity` bytes in `dir`. Shared with `staged_tests.rs`.
+pub(crate) fn node(dir: &std::path::Path, capacity: u64) -> NodeServer {
     let mut o = NodeOptions::new(dir.join("node.sock"), capacity);
     o.shm_dir = dir.to_path_buf();
-    if tenants {
-        o.allowed_uids = vec![crate::sys::sock::current_uid().wrapping_add(4242)];
-    }
     NodeServer::start(&o).unwrap()
 }
 
-pub(crate) fn client(n: &NodeServer) -> NodeStore {
-    NodeStore::connect(n.socket(), "m", NodeClientOptions::default()).unwrap()
+/// A client of `n`; `verify`: one that checks every block (`NodeClientOptions::verify`).
+pub(crate) fn client(n: &NodeServer, verify: bool) -> NodeStore {
+    let opts = NodeClientOptions {
+        verify,
+        ..NodeClientOptions::default()
+    };
+    NodeStore::connect(n.socket(), "m", opts).unwrap()
 }
 
 /// A device leg that copies nothing and fails nothing.
@@ -35,8 +36,8 @@ fn no_copy() -> Box<DeviceLeg<'static>> {
 #[test]
 fn a_connection_broken_between_reserve_and_finish_fails_every_open_store() {
     let dir = tempfile::tempdir().unwrap();
-    let mut n = node(dir.path(), 16 * 64, false);
-    let s = client(&n);
+    let mut n = node(dir.path(), 16 * 64);
+    let s = client(&n, false);
     s.put(SequenceHash(5), &[5u8; 64]).unwrap();
     let keys: Vec<u128> = (0..6).collect();
     let mut copied = 0;
@@ -60,8 +61,8 @@ fn a_connection_broken_between_reserve_and_finish_fails_every_open_store() {
 #[test]
 fn a_connection_broken_during_the_copy_fails_every_open_load() {
     let dir = tempfile::tempdir().unwrap();
-    let mut n = node(dir.path(), 16 * 64, false);
-    let s = client(&n);
+    let mut n = node(dir.path(), 16 * 64);
+    let s = client(&n, false);
     for k in 0..4u128 {
         s.put(SequenceHash(k), &[k as u8; 64]).unwrap();
     }
@@ -87,8 +88,8 @@ fn a_connection_broken_during_the_copy_fails_every_open_load() {
 #[test]
 fn a_job_longer_than_a_batch_takes_one_round_trip_per_batch_and_phase() {
     let dir = tempfile::tempdir().unwrap();
-    let n = node(dir.path(), 2 * BATCH as u64 + 8, false);
-    let s = client(&n);
+    let n = node(dir.path(), 2 * BATCH as u64 + 8);
+    let s = client(&n, false);
     let keys: Vec<u128> = (0..BATCH as u128 + 1).collect();
     let before = n.stats().requests;
     let out = s.store_direct(&keys, 2, false, no_copy()).unwrap();
@@ -103,15 +104,15 @@ fn a_job_longer_than_a_batch_takes_one_round_trip_per_batch_and_phase() {
 
 #[test]
 fn a_private_node_goes_direct_hashing_nothing_and_a_verifying_connection_never_does() {
-    for tenants in [false, true] {
+    for verify in [false, true] {
         let dir = tempfile::tempdir().unwrap();
-        let n = node(dir.path(), 16 * 64, tenants);
-        let s = client(&n);
+        let n = node(dir.path(), 16 * 64);
+        let s = client(&n, verify);
         let keys: Vec<u128> = (0..8).collect();
         let before = n.stats().requests;
         let stored = s.store_direct(&keys, 64, false, no_copy());
         let loaded = s.load_direct(&keys, 64, false, no_copy());
-        if tenants {
+        if verify {
             // A slot's checksum says nothing about what a DMA moves a moment apart from it.
             assert!(
                 stored.is_none() && loaded.is_none(),
@@ -127,7 +128,7 @@ fn a_private_node_goes_direct_hashing_nothing_and_a_verifying_connection_never_d
             assert!(loaded.unwrap().iter().all(|r| r.is_ok()));
             assert_eq!(n.stats().requests - before, 4, "one round trip per phase");
         }
-        assert_eq!(s.blocks_hashed(), 0, "tenants: {tenants}");
-        assert_eq!(n.stats().verified, 0, "tenants: {tenants}");
+        assert_eq!(s.blocks_hashed(), 0, "verify: {verify}");
+        assert_eq!(n.stats().verified, 0, "verify: {verify}");
     }
 }

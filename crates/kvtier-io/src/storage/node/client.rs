@@ -9,9 +9,11 @@
 //!   enough and open read-write: it never opens a path a node names;
 //! - a pooled connection the node has closed (idle timeout, protocol error) is seen closed
 //!   before use and replaced, so it costs no `io_timeout` wait;
-//! - a connection *verifies* unless its node said `Welcome { private: true }` and runs as this
-//!   process's own uid (`SO_PEERCRED`): only then is every process that can write the arena of
-//!   this user, whom the engine trusts anyway (docs/arch/node.md, Trust). A verifying
+//! - a connection *verifies* unless its node said `Welcome { private: true }` (the arena it
+//!   passed is written by no uid but this process's and the node's: every node of this version
+//!   says so, with one arena per uid) and runs as this process's own uid (`SO_PEERCRED`), and
+//!   `verify` is off: only then is every process that can write the arena of this user, whom the
+//!   engine trusts anyway (docs/arch/node.md, Trust). A verifying
 //!   connection commits each put with its checksum and accepts a read only when the bytes'
 //!   checksum, bound to the key, matches what the writer committed; a mismatch drops the block
 //!   at the node and is an error (the engine recomputes), never wrong bytes;
@@ -53,6 +55,12 @@ pub struct NodeClientOptions {
     /// Users besides this process's own whose node it attaches to (`node_uid` in the
     /// `node://` URL); a listener of any other uid is refused.
     pub node_uids: Vec<u32>,
+    /// Verify every block even on a node of this uid (`verify` in the `node://` URL): each
+    /// put committed with the checksum of its private source, each get checked over its
+    /// private copy. Against memory corruption; a hash pass per block on each side, and the
+    /// staged path instead of direct DMA. Set it on every engine of a namespace: a verifying
+    /// reader refuses a block committed without a checksum.
+    pub verify: bool,
 }
 
 impl Default for NodeClientOptions {
@@ -61,6 +69,7 @@ impl Default for NodeClientOptions {
             io_timeout: Duration::from_secs(2),
             pool: 4,
             node_uids: Vec::new(),
+            verify: false,
         }
     }
 }
@@ -157,7 +166,7 @@ fn hello(
             private,
         } => {
             // A node of another uid is never trusted as private, whatever it says.
-            conn.verify = !(private && node_uid == sock::current_uid());
+            conn.verify = opts.verify || !(private && node_uid == sock::current_uid());
             let fd = sock::recv_fd(&conn.stream).map_err(|e| unavailable("hello", e))?;
             let w = Welcome {
                 fd,

@@ -2,8 +2,9 @@
 //! in vLLM's per-layer layout are stored through the node (device -> arena slot by DMA, the
 //! arena registered with `cuMemHostRegister`) and loaded back (arena -> device) into other
 //! blocks, compared bit-exact with the GPU's own bytes, and timed against a plain pinned host
-//! tier (device <-> `HostStorage`, pinned) moving the same blocks in the same run; once through
-//! a private node (no hashing) and once through a multi-tenant one (`--allow-uid`: verified).
+//! tier (device <-> `HostStorage`, pinned) moving the same blocks in the same run; once by an
+//! engine that trusts its own uid's arena (direct DMA, no hashing) and once by one that verifies
+//! every block (`verify`, as toward a node of another uid: staged, hashed).
 //!
 //! Run on a GPU machine: `scripts/gpu-node.sh` (the lib test binary, built with `--release`).
 //! `KVTIER_NODE_GPU_BLOCKS` (default 256 blocks of 2 MiB) sets the size; the figures are
@@ -159,26 +160,25 @@ struct NodeRun {
     node_hashes: u64,
 }
 
-/// Blocks 0..n stored through a fresh node (private, or multi-tenant with `tenants`: another
-/// uid allowed, so every block is verified) and loaded back into blocks n..2n, block n + i
+/// Blocks 0..n stored through a fresh node by an engine whose client trusts its own uid's arena,
+/// or (`verify`) checks every block (`node://...?verify=1`, as toward a node of another uid) and loaded back into blocks n..2n, block n + i
 /// getting block `from(i)`; checked bit-exact.
 fn node_run(
     mem: &DeviceAlloc,
     layout: &StridedLayout,
     keys: &[u128],
     n: u32,
-    tenants: bool,
+    verify: bool,
     from: impl Fn(u32) -> u32,
 ) -> NodeRun {
     let dir = tempfile::tempdir().unwrap();
-    let mut o = node_options(dir.path(), n);
-    if tenants {
-        o.allowed_uids = vec![crate::sys::sock::current_uid().wrapping_add(4242)];
-    }
+    let o = node_options(dir.path(), n);
     let node = NodeServer::start(&o).unwrap();
-    let store = Arc::new(
-        NodeStore::connect(node.socket(), "gpu-test", NodeClientOptions::default()).unwrap(),
-    );
+    let opts = NodeClientOptions {
+        verify,
+        ..NodeClientOptions::default()
+    };
+    let store = Arc::new(NodeStore::connect(node.socket(), "gpu-test", opts).unwrap());
     let e = TransferEngine::builder()
         .device(
             // The test's device allocation outlives the engine; only its jobs touch it.
@@ -203,13 +203,13 @@ fn node_run(
         e.node_arena_registered(),
         "the arena was not registered with CUDA (see the log)"
     );
-    // A multi-tenant node's jobs are staged (checksums of private copies only).
-    let direct = if tenants {
+    // A verifying client's jobs are staged (checksums of private copies only).
+    let direct = if verify {
         0
     } else {
         1 + st.len().div_ceil(per_job())
     };
-    assert_eq!(e.node_direct_jobs() as usize, direct, "tenants: {tenants}");
+    assert_eq!(e.node_direct_jobs() as usize, direct, "verify: {verify}");
     assert_eq!(node.stats().puts, n as u64 + 1);
     let ld: Vec<(u32, u32)> = (0..n).map(|i| (0, n + i)).collect();
     let mut ld_keys = keys.to_vec();
@@ -223,7 +223,7 @@ fn node_run(
         assert_eq!(
             block(mem, layout, n + i),
             block(mem, layout, from(i)),
-            "device block {} after the node round trip (tenants: {tenants})",
+            "device block {} after the node round trip (verify: {verify})",
             n + i
         );
     }
@@ -261,8 +261,8 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
         .collect();
     let bytes = n as usize * BPB;
 
-    // A private node (no hashing), loaded reversed; then a multi-tenant one (every block
-    // hashed by the engine and the node), loaded in order, so each run writes other bytes.
+    // A trusting client (no hashing), loaded reversed; then a verifying one (every block hashed
+    // by the engine and the node), loaded in order, so each run writes other bytes.
     let private = node_run(&mem, &layout, &keys, n, false, |i| n - 1 - i);
     assert_eq!((private.client_hashes, private.node_hashes), (0, 0));
     let shared = node_run(&mem, &layout, &keys, n, true, |i| i);
@@ -313,16 +313,16 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
          |---|---|---|---|---|---|---|---|---|\n\
          | pinned host tier | {hsb:.1} GB/s | 1.00 | {hlb:.1} GB/s | 1.00 | | | | |\n\
          {}{}\n{n} blocks of 2 MiB (vLLM per-layer layout, 64 chunks of 32 KiB), jobs of \
-         {}, node protocol {}: one round trip per phase per job. Private node: direct \
-         DMA between device and arena, no hashing; multi-tenant node (`--allow-uid`): staged \
-         through the engine's pinned bounce buffer, the engine hashing each block's private bytes \
+         {}, node protocol {}: one round trip per phase per job. Node, own uid: direct \
+         DMA between device and arena, no hashing; verifying client (`verify=1`, as toward a node \
+         of another uid): staged through the engine's pinned bounce buffer, the engine hashing each block's private bytes \
          (a store's source, a load's copy) and the node re-hashing at commit, in parallel. A repeated \
          store is deduplicated (no copy). The first job (one block) maps the node's arena and registers \
          it with CUDA, timed apart (the host tier pins its memory when the engine is built). Round trips: \
          the engine's time waiting for the node's answers inside the timed store and load; the last \
          column's ratios leave them out (what the copies and checksums alone ran at).\n",
-        row("node, private", &private),
-        row("node, multi-tenant", &shared),
+        row("node, own uid", &private),
+        row("node, verifying client", &shared),
         per_job(),
         super::NODE_PROTOCOL_VERSION,
     );

@@ -24,6 +24,7 @@ mod protocol;
 mod server;
 mod share;
 mod staged;
+mod tenants;
 
 pub use books::{
     AttachRefused, BlockCopy, Books, ClientId, NodeStats, PutRefused, SlotGrant, MAX_NAMESPACES,

@@ -136,8 +136,6 @@ pub enum ItemAnswer {
     Unknown,
     /// The slot's bytes do not match the checksum committed: the reservation was dropped.
     Mismatch,
-    /// A commit without a checksum on a node that is not private: the reservation was dropped.
-    ChecksumRequired,
 }
 
 /// Node -> client. `Welcome` and `Refused` stay variants 0 and 1 in every version.
@@ -214,6 +212,9 @@ pub(super) fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> io::Resu
     w.flush()
 }
 
+/// Bytes of a frame's body allocated before they arrive (see [`read_frame_max`]).
+const READ_AHEAD: usize = 32 << 10;
+
 /// Read one frame of at most [`MAX_FRAME`] bytes (`Ok(None)` at a clean end of stream before a
 /// frame starts).
 pub(super) fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read) -> io::Result<Option<T>> {
@@ -238,9 +239,10 @@ pub(super) fn read_frame_max<T: for<'de> Deserialize<'de>>(
             format!("node frame of {n} bytes exceeds {max}"),
         ));
     }
-    // Grown as bytes arrive (read_to_end doubles from a small start): a peer that declares a
-    // long frame and sends nothing costs nothing.
-    let mut body = Vec::new();
+    // At most READ_AHEAD bytes up front (a batch of a few thousand items in one read call,
+    // where growing from nothing took a read call per doubling), then grown as bytes arrive: a
+    // peer that declares a long frame and sends nothing costs at most READ_AHEAD.
+    let mut body = Vec::with_capacity(n.min(READ_AHEAD));
     r.take(n as u64).read_to_end(&mut body)?;
     if body.len() != n {
         return Err(io::ErrorKind::UnexpectedEof.into());
@@ -360,7 +362,6 @@ mod tests {
                 ItemAnswer::Done,
                 ItemAnswer::Unknown,
                 ItemAnswer::Mismatch,
-                ItemAnswer::ChecksumRequired,
             ]),
         ];
         for r in &replies {

@@ -1,22 +1,22 @@
-//! The node service (`kvtier node`): owns the shared arena and its books, and serves attached
-//! engine processes over a Unix socket, one thread per connection.
+//! The node service (`kvtier node`): owns the arenas (one per tenant uid, `tenants.rs`) and their
+//! books, and serves attached engine processes over a Unix socket, one thread per connection.
 //!
 //! Invariants:
 //! - the socket is created in a directory of the node's own uid that nobody else can write
 //!   (`listen.rs`), mode 0600 (0666 in a 0711 directory with `allowed_uids`), and every peer
 //!   is checked with `SO_PEERCRED`: only this user and the uids in `allowed_uids` attach;
 //!   anyone else is refused with a (rate-limited) log line;
-//! - a client's namespace is qualified by its uid (`<uid>/<declared>`): tenants of different
-//!   uids never see each other's blocks; the arena reaches a client only as a descriptor passed
-//!   after `Welcome`, never as a path;
+//! - a client's namespace is qualified by its uid (`<uid>/<declared>`) and lives in its uid's
+//!   arena and books: tenants of different uids never see each other's blocks, through the
+//!   protocol or through memory; that arena reaches a client only as a descriptor passed after
+//!   `Welcome`, never as a path;
 //! - bounded: at most `max_connections` connections (more are closed at once), frames of at
 //!   most [`MAX_HELLO_FRAME`] bytes before `Hello` and `MAX_FRAME` after, read as they arrive;
 //!   `Hello` within `hello_timeout`; namespaces of at most `max_namespace_len` bytes and
 //!   `max_namespaces` in all (unused ones are forgotten);
-//! - the node is *private* when no uid but its own may attach (no `allowed_uids` besides it):
-//!   it says so in `Welcome`, and accepts commits without a checksum (every process that can
-//!   write the arena is of its uid, trusted alike); a multi-tenant node refuses them
-//!   (`ChecksumRequired`, the reservation dropped);
+//! - every arena is written only by clients of one uid and by the node, so every `Welcome` says
+//!   `private` and a commit without a checksum is published as written (those writers are
+//!   trusted alike);
 //! - a block committed with a checksum becomes visible only if the bytes in its slot at commit
 //!   time hash to it: the node re-hashes a `Finish`'s slots in parallel outside the books' lock
 //!   (the slots are this connection's reservations, handed to no one else meanwhile) and
@@ -50,6 +50,7 @@ use super::protocol::{block_checksum, read_frame, read_frame_max, write_frame};
 use super::protocol::{GetAnswer, ItemAnswer, LeaseEnd, PutAnswer, PutEnd, Reply, Request};
 use super::protocol::{MAX_BATCH, MAX_HELLO_FRAME, NODE_PROTOCOL_VERSION};
 use super::share::SharePolicy;
+use super::tenants::{Tenant, Tenants};
 use crate::sys::shm::Arena;
 use crate::sys::sock;
 
@@ -139,17 +140,13 @@ impl NodeOptions {
 }
 
 struct Shared {
-    books: Mutex<Books>,
-    /// The disk tier behind the arena; locked only while `books` is held (lock order: books,
-    /// then disk), so an evicted block is copied out before its slot's new writer hears of it.
+    /// One arena and books per uid that may attach.
+    tenants: Tenants,
+    /// The disk tier behind the arenas; locked only while some tenant's `books` is held (lock
+    /// order: books, then disk), so an evicted block is copied out before its slot's new writer
+    /// hears of it.
     disk: Option<Mutex<NodeDisk>>,
-    arena: Arena,
-    arena_path: PathBuf,
-    arena_bytes: u64,
     stop: AtomicBool,
-    allowed: Vec<u32>,
-    /// No uid but the node's own may attach (see the module docs).
-    private: bool,
     /// Requests served after `Hello`.
     requests: AtomicU64,
     /// Commits whose slot was hashed against the committed checksum.
@@ -173,7 +170,7 @@ impl std::fmt::Debug for NodeServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NodeServer")
             .field("socket", &self.socket)
-            .field("arena", &self.shared.arena_path)
+            .field("arena", &self.shared.tenants.first_path())
             .finish()
     }
 }
@@ -185,8 +182,6 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl NodeServer {
     /// Create the arena, bind the socket and start serving.
     pub fn start(opts: &NodeOptions) -> io::Result<NodeServer> {
-        let cap = usize::try_from(opts.capacity)
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "capacity too large"))?;
         let shared_mode = !opts.allowed_uids.is_empty();
         let dir = match opts.socket.parent() {
             Some(d) if !d.as_os_str().is_empty() => d,
@@ -195,43 +190,6 @@ impl NodeServer {
         listen::prepare_dir(dir, shared_mode)?;
         listen::reclaim_stale_socket(&opts.socket)?;
         listen::reclaim_stale_arenas(&opts.shm_dir);
-        let arena_path = opts
-            .shm_dir
-            .join(format!("kvtier-node-{}.arena", std::process::id()));
-        let arena = Arena::create(&arena_path, cap, true).map_err(|e| {
-            io::Error::new(
-                e.kind(),
-                format!(
-                    "cannot reserve {} bytes of shared memory at {}: {e}",
-                    opts.capacity,
-                    arena_path.display()
-                ),
-            )
-        })?;
-        if opts.huge_pages == HugePages::Collapse {
-            let t = std::time::Instant::now();
-            // One thread per core: the kernel's copy runs on the thread that asks.
-            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-            match arena.collapse_huge(threads) {
-                Ok((0, _)) => {}
-                Ok((refused, e)) => tracing::warn!(
-                    refused,
-                    "part of the node's arena stayed on small pages: {e:?}"
-                ),
-                Err(e) => {
-                    tracing::warn!("the node's arena was not collapsed into 2 MiB pages: {e}")
-                }
-            }
-            tracing::info!(
-                seconds = t.elapsed().as_secs_f64(),
-                "arena collapse into 2 MiB pages"
-            );
-        }
-        tracing::info!(
-            bytes = cap,
-            huge_mapped = arena.huge_mapped_bytes(),
-            "node arena mapped (bytes in 2 MiB pages, where /proc/self/smaps tells)"
-        );
         let disk = match &opts.disk_dir {
             Some(d) if opts.disk_bytes > 0 => {
                 Some(Mutex::new(NodeDisk::open(d, opts.disk_bytes).map_err(
@@ -240,22 +198,15 @@ impl NodeServer {
             }
             _ => None,
         };
-        let mut books = Books::with_policy(opts.capacity, opts.share.clone());
-        books.set_keep_evicted(disk.is_some());
-        books.set_max_namespaces(opts.max_namespaces);
+        let tenants = Tenants::create(opts, disk.is_some())?;
         let listener = UnixListener::bind(&opts.socket)?;
         let mode = if shared_mode { 0o666 } else { 0o600 };
         std::fs::set_permissions(&opts.socket, std::fs::Permissions::from_mode(mode))?;
         listener.set_nonblocking(true)?;
         let shared = Arc::new(Shared {
-            books: Mutex::new(books),
+            tenants,
             disk,
-            arena,
-            arena_path: arena_path.clone(),
-            arena_bytes: opts.capacity,
             stop: AtomicBool::new(false),
-            allowed: opts.allowed_uids.clone(),
-            private: opts.allowed_uids.iter().all(|u| *u == sock::current_uid()),
             requests: AtomicU64::new(0),
             verified: AtomicU64::new(0),
             idle: opts.idle_timeout,
@@ -268,7 +219,7 @@ impl NodeServer {
         let accept = std::thread::Builder::new()
             .name("kvtier-node".into())
             .spawn(move || accept_loop(&listener, &s))?;
-        tracing::info!(socket = %opts.socket.display(), arena = %arena_path.display(), capacity = opts.capacity, private = shared.private, "kvtier node serving");
+        tracing::info!(socket = %opts.socket.display(), capacity = opts.capacity, tenants = 1 + opts.allowed_uids.len(), "kvtier node serving");
         Ok(NodeServer {
             shared,
             socket: opts.socket.clone(),
@@ -283,7 +234,7 @@ impl NodeServer {
 
     /// The node's counters.
     pub fn stats(&self) -> super::books::NodeStats {
-        stats(&self.shared, &lock(&self.shared.books))
+        stats(&self.shared)
     }
 
     /// Stop accepting, close every connection and remove the socket and the arena file;
@@ -302,16 +253,20 @@ impl NodeServer {
             join_by(h, deadline);
         }
         if let Some(d) = &self.shared.disk {
-            // The arena dies with the node: its blocks go to disk (verified), for the next one.
-            let books = lock(&self.shared.books);
-            let mut disk = lock(d);
-            for b in books.committed() {
-                spill_one(&self.shared.arena, &mut disk, &b);
+            // The arenas die with the node: their blocks go to disk (verified), for the next one.
+            for t in self.shared.tenants.iter() {
+                let books = lock(&t.books);
+                let mut disk = lock(d);
+                for b in books.committed() {
+                    spill_one(&t.arena, &mut disk, &b);
+                }
             }
-            disk.sync();
+            lock(d).sync();
         }
         let _ = std::fs::remove_file(&self.socket);
-        let _ = std::fs::remove_file(&self.shared.arena_path);
+        for t in self.shared.tenants.iter() {
+            let _ = std::fs::remove_file(&t.arena_path);
+        }
     }
 }
 
@@ -333,12 +288,11 @@ fn join_by(h: JoinHandle<()>, deadline: Instant) {
 }
 
 fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
-    let me = sock::current_uid();
     while !shared.stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((stream, _)) => {
                 let uid = match sock::peer_uid(&stream) {
-                    Ok(u) if u == me || shared.allowed.contains(&u) => u,
+                    Ok(u) if shared.tenants.of(u).is_some() => u,
                     Ok(u) => {
                         kvtier::warn_limited!(
                             uid = u,
@@ -420,6 +374,10 @@ fn serve(stream: UnixStream, uid: u32, shared: &Shared) {
 }
 
 fn serve_frames(stream: &UnixStream, uid: u32, shared: &Shared) {
+    // Checked at accept: every peer served has a tenant.
+    let Some(tenant) = shared.tenants.of(uid) else {
+        return;
+    };
     let mut client: Option<ClientId> = None;
     let hello_by = Instant::now() + shared.hello_timeout;
     while !shared.stop.load(Ordering::SeqCst) {
@@ -445,12 +403,12 @@ fn serve_frames(stream: &UnixStream, uid: u32, shared: &Shared) {
         if attached {
             shared.requests.fetch_add(1, Ordering::Relaxed);
         }
-        let reply = handle(shared, uid, &mut client, req);
+        let reply = handle(shared, tenant, &mut client, req);
         if write_frame(&mut &*stream, &reply).is_err() {
             break;
         }
         if matches!(reply, Reply::Welcome { .. })
-            && sock::send_fd(stream, shared.arena.fd()).is_err()
+            && sock::send_fd(stream, tenant.arena.fd()).is_err()
         {
             break;
         }
@@ -459,14 +417,17 @@ fn serve_frames(stream: &UnixStream, uid: u32, shared: &Shared) {
         }
     }
     if let Some(id) = client {
-        lock(&shared.books).detach(id);
+        lock(&tenant.books).detach(id);
     }
 }
 
-fn handle(shared: &Shared, uid: u32, client: &mut Option<ClientId>, req: Request) -> Reply {
+/// One request of a connection of `tenant`'s uid.
+fn handle(shared: &Shared, tenant: &Tenant, client: &mut Option<ClientId>, req: Request) -> Reply {
     let Some(id) = *client else {
         return match req {
-            Request::Hello { version, namespace } => hello(shared, uid, client, version, namespace),
+            Request::Hello { version, namespace } => {
+                hello(shared, tenant, client, version, namespace)
+            }
             _ => Reply::Refused("the first message must be Hello".into()),
         };
     };
@@ -483,9 +444,9 @@ fn handle(shared: &Shared, uid: u32, client: &mut Option<ClientId>, req: Request
     }
     match req {
         Request::Hello { .. } => Reply::Refused("already attached".into()),
-        Request::Finish(ends) => finish(shared, id, &ends),
+        Request::Finish(ends) => finish(shared, tenant, id, &ends),
         Request::Contains(keys) => {
-            let books = lock(&shared.books);
+            let books = lock(&tenant.books);
             let mut present = books.contains(id, &keys);
             if let (Some(d), Some(ns)) = (&shared.disk, books.namespace_of(id)) {
                 let disk = lock(d);
@@ -495,14 +456,14 @@ fn handle(shared: &Shared, uid: u32, client: &mut Option<ClientId>, req: Request
             }
             Reply::Present(present)
         }
-        Request::Reserve { bytes, .. } if bytes == 0 || bytes > shared.arena_bytes => {
+        Request::Reserve { bytes, .. } if bytes == 0 || bytes > tenant.arena_bytes => {
             Reply::Refused(format!(
                 "a block of {bytes} bytes does not fit this node's {} bytes",
-                shared.arena_bytes
+                tenant.arena_bytes
             ))
         }
         Request::Reserve { bytes, keys } => {
-            let mut books = lock(&shared.books);
+            let mut books = lock(&tenant.books);
             let answers = keys
                 .iter()
                 .map(|&key| match books.begin_put(id, key, bytes) {
@@ -515,17 +476,17 @@ fn handle(shared: &Shared, uid: u32, client: &mut Option<ClientId>, req: Request
                 })
                 .collect();
             // Before the reply: no writer knows the evicted blocks' slots yet.
-            spill_evicted(shared, &mut books);
+            spill_evicted(shared, tenant, &mut books);
             Reply::Reserved(answers)
         }
         Request::Lease(keys) => {
-            let mut books = lock(&shared.books);
+            let mut books = lock(&tenant.books);
             let answers = keys
                 .iter()
                 .map(|&key| {
                     match books
                         .begin_get(id, key)
-                        .or_else(|| promote(shared, &mut books, id, key))
+                        .or_else(|| promote(shared, tenant, &mut books, id, key))
                     {
                         Some(g) => GetAnswer::Lease {
                             id: g.id,
@@ -540,7 +501,7 @@ fn handle(shared: &Shared, uid: u32, client: &mut Option<ClientId>, req: Request
             Reply::Leased(answers)
         }
         Request::EndLeases(ends) => {
-            let mut books = lock(&shared.books);
+            let mut books = lock(&tenant.books);
             let answers = ends
                 .iter()
                 .map(|end| {
@@ -566,14 +527,14 @@ fn handle(shared: &Shared, uid: u32, client: &mut Option<ClientId>, req: Request
                 .collect();
             Reply::Items(answers)
         }
-        Request::Stats => stats_reply(&stats(shared, &lock(&shared.books))),
+        Request::Stats => stats_reply(&stats(shared)),
     }
 }
 
 /// `Hello`: the version and the namespace are checked, the client attached and welcomed.
 fn hello(
     shared: &Shared,
-    uid: u32,
+    tenant: &Tenant,
     client: &mut Option<ClientId>,
     version: u32,
     namespace: String,
@@ -591,13 +552,14 @@ fn hello(
             namespace.len()
         ));
     }
-    match lock(&shared.books).attach(uid, &namespace) {
+    match lock(&tenant.books).attach(tenant.uid, &namespace) {
         Ok(c) => *client = Some(c),
         Err(e) => return Reply::Refused(e.to_string()),
     }
     Reply::Welcome {
-        arena_bytes: shared.arena_bytes,
-        private: shared.private,
+        arena_bytes: tenant.arena_bytes,
+        // This uid's arena: no other uid's process can write it (`tenants.rs`).
+        private: true,
     }
 }
 
@@ -606,14 +568,14 @@ fn hello(
 /// client's reservations: no one else is handed them meanwhile, and only this connection's
 /// thread can end them); then, under one lock again, each is published only if its bytes
 /// match its checksum (otherwise dropped). A commit without a checksum is published as
-/// written on a private node and refused on a multi-tenant one. One answer per item, in order.
-fn finish(shared: &Shared, client: ClientId, ends: &[PutEnd]) -> Reply {
+/// written (the arena's writers are of one uid). One answer per item, in order.
+fn finish(shared: &Shared, tenant: &Tenant, client: ClientId, ends: &[PutEnd]) -> Reply {
     let mut answers = vec![ItemAnswer::Done; ends.len()];
     // (answer index, reservation id, checksum committed) of the commits to verify.
     let mut check: Vec<(usize, u64, u64)> = Vec::new();
     let mut slots = Vec::new();
     {
-        let mut books = lock(&shared.books);
+        let mut books = lock(&tenant.books);
         for (i, end) in ends.iter().enumerate() {
             match *end {
                 PutEnd::Abort(put) => books.abort_put(client, put),
@@ -627,14 +589,10 @@ fn finish(shared: &Shared, client: ClientId, ends: &[PutEnd]) -> Reply {
                             check.push((i, put, sum));
                             slots.push((key, offset, n));
                         }
-                        (None, _) if shared.private => {
+                        (None, _) => {
                             if !books.commit_put(client, put, None) {
                                 answers[i] = ItemAnswer::Unknown;
                             }
-                        }
-                        (None, _) => {
-                            books.abort_put(client, put);
-                            answers[i] = ItemAnswer::ChecksumRequired;
                         }
                         (Some(_), Err(_)) => {
                             books.abort_put(client, put);
@@ -648,11 +606,11 @@ fn finish(shared: &Shared, client: ClientId, ends: &[PutEnd]) -> Reply {
     if check.is_empty() {
         return Reply::Items(answers);
     }
-    let actual = slot_checksums(&shared.arena, &slots);
+    let actual = slot_checksums(&tenant.arena, &slots);
     shared
         .verified
         .fetch_add(check.len() as u64, Ordering::Relaxed);
-    let mut books = lock(&shared.books);
+    let mut books = lock(&tenant.books);
     for ((i, put, sum), got) in check.into_iter().zip(actual) {
         if got.ok() != Some(sum) {
             books.abort_put(client, put);
@@ -689,9 +647,12 @@ fn stats_reply(s: &NodeStats) -> Reply {
     }
 }
 
-/// The books' counters plus the disk tier's.
-fn stats(shared: &Shared, books: &Books) -> NodeStats {
-    let mut s = books.stats();
+/// Every tenant's books' counters, summed, plus the disk tier's.
+fn stats(shared: &Shared) -> NodeStats {
+    let mut s = NodeStats::default();
+    for t in shared.tenants.iter() {
+        s.add(&lock(&t.books).stats());
+    }
     s.requests = shared.requests.load(Ordering::Relaxed);
     s.verified = shared.verified.load(Ordering::Relaxed);
     if let Some(d) = &shared.disk {
@@ -705,7 +666,7 @@ fn stats(shared: &Shared, books: &Books) -> NodeStats {
 
 /// Copy the blocks just evicted from the arena to the disk tier (under the books' lock: their
 /// slots' new writers have not been told yet).
-fn spill_evicted(shared: &Shared, books: &mut Books) {
+fn spill_evicted(shared: &Shared, tenant: &Tenant, books: &mut Books) {
     let Some(d) = &shared.disk else { return };
     let evicted = books.take_evicted();
     if evicted.is_empty() {
@@ -713,7 +674,7 @@ fn spill_evicted(shared: &Shared, books: &mut Books) {
     }
     let mut disk = lock(d);
     for b in &evicted {
-        spill_one(&shared.arena, &mut disk, b);
+        spill_one(&tenant.arena, &mut disk, b);
     }
 }
 
@@ -738,21 +699,27 @@ fn spill_one(arena: &Arena, disk: &mut NodeDisk, b: &BlockCopy) {
 
 /// An arena miss served from the disk tier: the block is read (verified by the disk tier) into
 /// a slot reserved for `client`, committed, then leased to it like any arena block.
-fn promote(shared: &Shared, books: &mut Books, client: ClientId, key: u128) -> Option<SlotGrant> {
+fn promote(
+    shared: &Shared,
+    tenant: &Tenant,
+    books: &mut Books,
+    client: ClientId,
+    key: u128,
+) -> Option<SlotGrant> {
     let d = shared.disk.as_ref()?;
     let dkey = disk_key(books.namespace_of(client)?, key);
     let bytes = lock(d).block_bytes_of(dkey)?;
     let g = books.begin_put(client, key, bytes as u64);
-    spill_evicted(shared, books);
+    spill_evicted(shared, tenant, books);
     let g = g.ok()?;
     let mut buf = vec![0u8; bytes];
-    let read = lock(d).read(dkey, &mut buf) && shared.arena.write(g.offset, &buf).is_ok();
+    let read = lock(d).read(dkey, &mut buf) && tenant.arena.write(g.offset, &buf).is_ok();
     if !read {
         books.abort_put(client, g.id);
         return None;
     }
-    // Verified by the disk tier; a multi-tenant node's readers verify it again from the arena.
-    let sum = (!shared.private).then(|| block_checksum(key, &buf));
-    books.commit_put(client, g.id, sum);
+    // Verified by the disk tier; committed with its checksum for a reader that verifies (one
+    // of another uid than the node's: `client.rs`).
+    books.commit_put(client, g.id, Some(block_checksum(key, &buf)));
     books.begin_get(client, key)
 }

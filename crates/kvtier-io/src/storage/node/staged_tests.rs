@@ -1,6 +1,6 @@
 //! The staged paths against a real node: bit-exact batches in one round trip per phase, who
-//! hashes what, a block changed after its commit failed and dropped, and a tenant writing a
-//! slot while it is put or got: whatever it writes never reaches a reader as a verified block.
+//! hashes what, a block changed after its commit failed and dropped, and another writer of a
+//! slot while it is put or got: whatever it writes never reaches a verifying reader.
 #![allow(clippy::unwrap_used)]
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -23,10 +23,10 @@ fn addrs(blocks: &[Vec<u8>]) -> Vec<usize> {
 #[test]
 fn staged_batches_are_bit_exact_in_one_round_trip_per_phase() {
     const BYTES: usize = 4096;
-    for tenants in [false, true] {
+    for verify in [false, true] {
         let dir = tempfile::tempdir().unwrap();
-        let n = node(dir.path(), 16 * BYTES as u64, tenants);
-        let s = client(&n);
+        let n = node(dir.path(), 16 * BYTES as u64);
+        let s = client(&n, verify);
         let keys: Vec<u128> = (0..8).collect();
         let src: Vec<Vec<u8>> = keys.iter().map(|&k| block(k, BYTES)).collect();
         let before = n.stats().requests;
@@ -47,9 +47,9 @@ fn staged_batches_are_bit_exact_in_one_round_trip_per_phase() {
             out[8].as_ref().unwrap_err().contains("not present"),
             "{out:?}"
         );
-        let (client_hashes, node_hashes) = if tenants { (16, 8) } else { (0, 0) };
-        assert_eq!(s.blocks_hashed(), client_hashes, "tenants: {tenants}");
-        assert_eq!(n.stats().verified, node_hashes, "tenants: {tenants}");
+        let (client_hashes, node_hashes) = if verify { (16, 8) } else { (0, 0) };
+        assert_eq!(s.blocks_hashed(), client_hashes, "verify: {verify}");
+        assert_eq!(n.stats().verified, node_hashes, "verify: {verify}");
     }
 }
 
@@ -57,15 +57,15 @@ fn staged_batches_are_bit_exact_in_one_round_trip_per_phase() {
 fn a_block_changed_after_its_commit_fails_alone_and_is_dropped() {
     const BYTES: usize = 4096;
     let dir = tempfile::tempdir().unwrap();
-    let n = node(dir.path(), 4 * BYTES as u64, true);
-    let s = client(&n);
+    let n = node(dir.path(), 4 * BYTES as u64);
+    let s = client(&n, true);
     let keys = [1u128, 2];
     let src: Vec<Vec<u8>> = keys.iter().map(|&k| block(k, BYTES)).collect();
     assert!(s
         .put_staged(&keys, &addrs(&src), BYTES)
         .iter()
         .all(|r| r.is_ok()));
-    // Another tenant changes every byte of the arena but block 2's (found by its content).
+    // Another writer changes every byte of the arena but block 2's (found by its content).
     let (c, arena) = s.conn().unwrap();
     s.pool(c);
     let mut whole = vec![0u8; 4 * BYTES];
@@ -89,27 +89,28 @@ fn a_block_changed_after_its_commit_fails_alone_and_is_dropped() {
     );
 }
 
-/// Another tenant (here: a thread writing through this process's mapping, as any attached
-/// client can) writes the one slot of a one-block arena while blocks are put and got. A put
-/// that succeeds and a get that succeeds must hand on exactly the engine's bytes: checksums are
-/// taken of private memory. Planted: hashing the arena slot after a put's copy, or before a
-/// get's copy, lets the tenant's bytes through as verified.
+/// Another writer (here: a thread writing through this process's mapping, as any client of the
+/// arena's uid could, or a memory fault) writes the one slot of a one-block arena while blocks
+/// are put and got on a verifying connection. A put that succeeds and a get that succeeds must
+/// hand on exactly the engine's bytes: checksums are taken of private memory. Planted: hashing
+/// the arena slot after a put's copy, or before a get's copy, lets the other bytes through as
+/// verified.
 #[test]
-fn a_tenant_writing_a_slot_during_puts_and_gets_never_reaches_a_reader() {
+fn a_slot_written_during_puts_and_gets_never_reaches_a_verifying_reader() {
     const BYTES: usize = 64 << 10;
     const ROUNDS: usize = 300;
     let dir = tempfile::tempdir().unwrap();
-    let n = node(dir.path(), BYTES as u64, true);
-    let s = client(&n);
+    let n = node(dir.path(), BYTES as u64);
+    let s = client(&n, true);
     let good = block(7, BYTES);
     let bad = vec![0xA5u8; BYTES];
     let (c, arena) = s.conn().unwrap();
     s.pool(c);
-    // 0: quiet; 1: the tenant writes its bytes over and over; 2: it alternates them with the
+    // 0: quiet; 1: the other writer writes its bytes over and over; 2: it alternates them with the
     // good ones (a slot that looks right when hashed and wrong when copied, or the reverse).
     let mode = Arc::new(std::sync::atomic::AtomicU8::new(0));
     let stop = Arc::new(AtomicBool::new(false));
-    let tenant = {
+    let writer = {
         let (mode, stop, arena, bad, good) = (
             mode.clone(),
             stop.clone(),
@@ -143,13 +144,13 @@ fn a_tenant_writing_a_slot_during_puts_and_gets_never_reaches_a_reader() {
             puts_ok += 1;
             assert!(
                 got == good,
-                "round {round}: a tenant's bytes were committed as verified"
+                "round {round}: another writer's bytes were committed as verified"
             );
         }
         // A clean block, then gets under alternating writes.
         arena.write(0, &good).unwrap();
         let present = s.contains(&[SequenceHash(7)]).unwrap()[0];
-        // (A put may still meet a late write of the tenant's, on a busy machine: then the
+        // (A put may still meet a late write of the other writer's, on a busy machine: then the
         // round's gets find no block, which is fine.)
         if !present && s.put_staged(&[7], &[good.as_ptr() as usize], BYTES)[0].is_err() {
             continue;
@@ -161,11 +162,11 @@ fn a_tenant_writing_a_slot_during_puts_and_gets_never_reaches_a_reader() {
             gets_ok += 1;
             assert!(
                 got == good,
-                "round {round}: a get handed on a tenant's bytes as verified"
+                "round {round}: a get handed on another writer's bytes as verified"
             );
         }
     }
     stop.store(true, Ordering::Relaxed);
-    tenant.join().unwrap();
+    writer.join().unwrap();
     eprintln!("{puts_ok} puts and {gets_ok} gets of {ROUNDS} rounds verified under writes");
 }

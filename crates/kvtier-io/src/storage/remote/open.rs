@@ -132,11 +132,13 @@ fn open_target(
             io_timeout,
             pool,
             node_uids,
+            verify,
         } => {
             let opts = NodeClientOptions {
                 io_timeout: *io_timeout,
                 pool: *pool,
                 node_uids: node_uids.clone(),
+                verify: *verify,
             };
             Ok(Arc::new(NodeStore::lazy(socket, namespace, opts)))
         }

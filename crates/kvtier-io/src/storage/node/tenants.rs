@@ -1,0 +1,158 @@
+//! The node's arenas, one per tenant: the node's own uid has one and each `--allow-uid` uid
+//! another, each a 0600 shared-memory file of the node's uid with books of its own. The
+//! capacity is split evenly between them.
+//!
+//! Invariants: a connection is bound to the arena of its peer's uid (`SO_PEERCRED`, checked at
+//! accept) and is passed that arena's descriptor alone, so a process can map, read and write
+//! only its own uid's arena: a tenant can neither read another uid's blocks nor write a byte of
+//! them (docs/arch/node.md, Trust 6). Every block, reservation and lease lives in the books of
+//! its arena. Every arena is therefore written only by clients of one uid and by the node, which
+//! is why each `Welcome` says `private` (Trust 9). A uid listed twice, or the node's own uid in
+//! `--allow-uid`, has one arena.
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use super::books::{Books, NodeStats};
+use super::server::{HugePages, NodeOptions};
+use crate::sys::shm::Arena;
+use crate::sys::sock;
+
+/// One uid's arena and its books.
+pub(super) struct Tenant {
+    pub(super) uid: u32,
+    pub(super) books: Mutex<Books>,
+    pub(super) arena: Arena,
+    pub(super) arena_path: PathBuf,
+    pub(super) arena_bytes: u64,
+}
+
+/// Every tenant of a node, the node's own uid first.
+pub(super) struct Tenants {
+    list: Vec<Tenant>,
+}
+
+impl Tenants {
+    /// An arena and books for the node's uid and for each allowed uid, in `opts.shm_dir`.
+    /// `keep_evicted`: the books keep evicted blocks for the node's disk tier.
+    pub(super) fn create(opts: &NodeOptions, keep_evicted: bool) -> io::Result<Self> {
+        let me = sock::current_uid();
+        let mut uids = vec![me];
+        for &u in &opts.allowed_uids {
+            if !uids.contains(&u) {
+                uids.push(u);
+            }
+        }
+        let share = opts.capacity / uids.len() as u64;
+        let mut list = Vec::with_capacity(uids.len());
+        for (i, &uid) in uids.iter().enumerate() {
+            let path = opts
+                .shm_dir
+                .join(format!("kvtier-node-{}-{i}.arena", std::process::id()));
+            let arena = create_arena(&path, share, opts.huge_pages)?;
+            let mut books = Books::with_policy(share, opts.share.clone());
+            books.set_keep_evicted(keep_evicted);
+            books.set_max_namespaces(opts.max_namespaces);
+            list.push(Tenant {
+                uid,
+                books: Mutex::new(books),
+                arena,
+                arena_path: path,
+                arena_bytes: share,
+            });
+        }
+        Ok(Tenants { list })
+    }
+
+    /// The tenant of `uid`, if it may attach.
+    pub(super) fn of(&self, uid: u32) -> Option<&Tenant> {
+        self.list.iter().find(|t| t.uid == uid)
+    }
+
+    /// Every tenant, the node's own uid first.
+    pub(super) fn iter(&self) -> impl Iterator<Item = &Tenant> {
+        self.list.iter()
+    }
+
+    /// The node's own arena's path (for logs).
+    pub(super) fn first_path(&self) -> Option<&Path> {
+        self.list.first().map(|t| t.arena_path.as_path())
+    }
+}
+
+impl NodeStats {
+    /// Adds `o`'s counters to these (a node's tenants' books, summed).
+    pub(super) fn add(&mut self, o: &NodeStats) {
+        let NodeStats {
+            clients,
+            blocks,
+            bytes_used,
+            capacity,
+            puts,
+            puts_full,
+            gets,
+            get_misses,
+            evictions,
+            abandoned_puts,
+            disk_blocks,
+            disk_spills,
+            disk_hits,
+            requests,
+            verified,
+        } = *o;
+        self.clients += clients;
+        self.blocks += blocks;
+        self.bytes_used += bytes_used;
+        self.capacity += capacity;
+        self.puts += puts;
+        self.puts_full += puts_full;
+        self.gets += gets;
+        self.get_misses += get_misses;
+        self.evictions += evictions;
+        self.abandoned_puts += abandoned_puts;
+        self.disk_blocks += disk_blocks;
+        self.disk_spills += disk_spills;
+        self.disk_hits += disk_hits;
+        self.requests += requests;
+        self.verified += verified;
+    }
+}
+
+/// A locked arena of `bytes` at `path`, collapsed into 2 MiB pages when `huge` asks for it.
+fn create_arena(path: &Path, bytes: u64, huge: HugePages) -> io::Result<Arena> {
+    let len = usize::try_from(bytes)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "capacity too large"))?;
+    let arena = Arena::create(path, len, true).map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!(
+                "cannot reserve {bytes} bytes of shared memory at {}: {e}",
+                path.display()
+            ),
+        )
+    })?;
+    if huge == HugePages::Collapse {
+        let t = std::time::Instant::now();
+        // One thread per core: the kernel's copy runs on the thread that asks.
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        match arena.collapse_huge(threads) {
+            Ok((0, _)) => {}
+            Ok((refused, e)) => tracing::warn!(
+                refused,
+                "part of the node's arena stayed on small pages: {e:?}"
+            ),
+            Err(e) => tracing::warn!("the node's arena was not collapsed into 2 MiB pages: {e}"),
+        }
+        tracing::info!(
+            seconds = t.elapsed().as_secs_f64(),
+            "arena collapse into 2 MiB pages"
+        );
+    }
+    tracing::info!(
+        bytes,
+        path = %path.display(),
+        huge_mapped = arena.huge_mapped_bytes(),
+        "node arena mapped (bytes in 2 MiB pages, where /proc/self/smaps tells)"
+    );
+    Ok(arena)
+}
