@@ -25,7 +25,11 @@
 //!   weights of the namespaces attached; [`SharePolicy`], equal weights by default), so one
 //!   engine filling the node cannot push out another's blocks below its share;
 //! - slots never overlap and never exceed the arena (`offset + class bytes <= capacity`).
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+// Fast, per-process seeded hashing: the keys are sequence hashes a client sends, and a tenant's
+// books are its own (`tenants.rs`), so a client that chose colliding keys would slow its own uid.
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 
 use super::alloc::Extents;
 use super::share::SharePolicy;
@@ -105,8 +109,9 @@ struct Reservation {
 struct Client {
     ns: NsId,
     bytes: u64,
-    leases: Vec<u64>,
-    reservations: Vec<u64>,
+    /// Lease ids (block ids) it holds, with how many times (a block may be leased twice).
+    leases: HashMap<u64, u32>,
+    reservations: HashSet<u64>,
 }
 
 /// A committed block as the node's disk tier needs it (evicted, or left at shutdown).
@@ -313,8 +318,8 @@ impl Books {
             Client {
                 ns,
                 bytes: 0,
-                leases: Vec::new(),
-                reservations: Vec::new(),
+                leases: HashMap::new(),
+                reservations: HashSet::new(),
             },
         );
         self.stats.clients = self.clients.len() as u64;
@@ -358,8 +363,10 @@ impl Books {
                 self.stats.abandoned_puts += 1;
             }
         }
-        for l in c.leases {
-            self.release_lease(l);
+        for (l, n) in c.leases {
+            for _ in 0..n {
+                self.release_lease(l);
+            }
         }
         if let Some(n) = self.namespaces.get_mut(&c.ns) {
             n.clients = n.clients.saturating_sub(1);
@@ -412,7 +419,7 @@ impl Books {
         );
         self.writing.insert((ns, key), id);
         if let Some(c) = self.clients.get_mut(&client) {
-            c.reservations.push(id);
+            c.reservations.insert(id);
         }
         Ok(SlotGrant {
             id,
@@ -435,7 +442,7 @@ impl Books {
         };
         self.writing.remove(&(r.ns, r.key));
         if let Some(c) = self.clients.get_mut(&client) {
-            c.reservations.retain(|x| *x != id);
+            c.reservations.remove(&id);
             c.bytes += r.bytes;
         }
         self.tick += 1;
@@ -476,7 +483,7 @@ impl Books {
             self.writing.remove(&(r.ns, r.key));
             self.space.give(r.offset, r.bytes);
             if let Some(c) = self.clients.get_mut(&client) {
-                c.reservations.retain(|x| *x != id);
+                c.reservations.remove(&id);
             }
         }
     }
@@ -503,7 +510,7 @@ impl Books {
             checksum: b.checksum,
         };
         if let Some(c) = self.clients.get_mut(&client) {
-            c.leases.push(id);
+            *c.leases.entry(id).or_default() += 1;
         }
         Some(grant)
     }
@@ -514,10 +521,13 @@ impl Books {
         let Some(c) = self.clients.get_mut(&client) else {
             return false;
         };
-        let Some(pos) = c.leases.iter().position(|x| *x == id) else {
+        let Some(n) = c.leases.get_mut(&id) else {
             return false;
         };
-        c.leases.swap_remove(pos);
+        *n -= 1;
+        if *n == 0 {
+            c.leases.remove(&id);
+        }
         self.release_lease(id);
         true
     }
@@ -529,7 +539,7 @@ impl Books {
         if !self
             .clients
             .get(&client)
-            .is_some_and(|c| c.leases.contains(&id))
+            .is_some_and(|c| c.leases.contains_key(&id))
         {
             return false;
         }
@@ -603,8 +613,8 @@ impl Books {
             if !self.namespaces.contains_key(&c.ns) {
                 return Err("a client's namespace is forgotten".into());
             }
-            for l in &c.leases {
-                *leases.entry(*l).or_default() += 1;
+            for (l, n) in &c.leases {
+                *leases.entry(*l).or_default() += n;
             }
             for r in &c.reservations {
                 if !self.reservations.contains_key(r) {
