@@ -404,6 +404,7 @@ class NodeServer:
     def stats(self) -> dict[str, int]:
         """clients, blocks, bytes_used, capacity, puts, puts_full, gets, get_misses, evictions,
         abandoned_puts, disk_blocks, disk_spills, disk_hits, requests (round trips after Hello),
-        verified (commits the node hashed: 0 on a private node)."""
+        verified (commits the node hashed: those of clients that verify, i.e. of another uid or with
+        ``verify=1``). With ``allowed_uids`` each uid gets an arena of its own, the capacity split evenly."""
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop within ``timeout`` seconds; removes the socket and the arena. Idempotent."""
