@@ -229,6 +229,14 @@ fn each_uid_has_an_arena_of_its_own_and_the_capacity_is_split() {
     assert_eq!(held, vec![true, false, false], "{arenas:?}");
     // A uid's arena holds only its own share: a block bigger than the share is refused.
     assert!(e.put(SequenceHash(2), &vec![0u8; 4 * BLOCK]).is_err());
+    // A capacity too small to split is a clear error, not a node of empty arenas.
+    let d2 = tempfile::tempdir().unwrap();
+    let mut tiny = opts(d2.path(), 0);
+    tiny.capacity = 2;
+    tiny.allowed_uids = vec![4242, 4243];
+    let err = NodeServer::start(&tiny).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput, "{err}");
+    assert!(err.to_string().contains("split between 3 users"), "{err}");
 }
 
 #[test]

@@ -44,6 +44,17 @@ impl Tenants {
             }
         }
         let share = opts.capacity / uids.len() as u64;
+        if share == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "a capacity of {} bytes split between {} users (the node's and --allow-uid) \
+                     leaves none to each",
+                    opts.capacity,
+                    uids.len()
+                ),
+            ));
+        }
         let mut list = Vec::with_capacity(uids.len());
         for (i, &uid) in uids.iter().enumerate() {
             let path = opts
