@@ -381,7 +381,9 @@ impl NodeStore {
         }
         let mut mapped = map_arena(welcome)?;
         let cuda = *self.cuda.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(ordinal) = cuda {
+        // A verifying connection's jobs are staged (checksums of private bytes only: `staged.rs`),
+        // so its process has no use for the arena pinned and registered.
+        if let Some(ordinal) = cuda.filter(|_| !c.verify) {
             match mapped.register_cuda(ordinal) {
                 Ok(()) => tracing::info!(ordinal, "node arena registered with CUDA"),
                 Err(e) => {
