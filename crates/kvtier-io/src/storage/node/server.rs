@@ -13,7 +13,7 @@
 //! - bounded: at most `max_connections` connections (more are closed at once), frames of at
 //!   most [`MAX_HELLO_FRAME`] bytes before `Hello` and `MAX_FRAME` after, read as they arrive;
 //!   `Hello` within `hello_timeout`; namespaces of at most `max_namespace_len` bytes and
-//!   `max_namespaces` in all (unused ones are forgotten);
+//!   `max_namespaces` per uid's arena (unused ones are forgotten);
 //! - every arena is written only by clients of one uid and by the node, so every `Welcome` says
 //!   `private` and a commit without a checksum is published as written (those writers are
 //!   trusted alike);
@@ -82,7 +82,7 @@ pub struct NodeOptions {
     pub disk_bytes: u64,
     /// Connections served at once; more are closed at once (default [`MAX_CONNECTIONS`]).
     pub max_connections: usize,
-    /// Namespaces held at once (default [`MAX_NAMESPACES`]).
+    /// Namespaces held at once in each uid's arena (default [`MAX_NAMESPACES`]).
     pub max_namespaces: usize,
     /// Longest namespace a client may declare, in bytes (default [`MAX_NAMESPACE_LEN`]).
     pub max_namespace_len: usize,
