@@ -362,3 +362,50 @@ fn sync_node_loads_are_ordered_only_when_every_pair_is_leased() {
     assert!(!called, "a node load with a missing block was ordered");
     assert_eq!(out.failed_pairs(), vec![4]);
 }
+
+/// A host tier in front of the node: the leader's host -> remote and remote -> host jobs are
+/// batched by the staged paths (one round trip per phase per job, not per block), bit-exact.
+#[test]
+fn host_tier_jobs_to_and_from_the_node_take_one_round_trip_per_phase() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), 32);
+    let host = Arc::new(HostStorage::new(&HostOptions::new(2 * BLOCKS, BPB)).unwrap());
+    for b in 0..BLOCKS {
+        host.write_block(b, &pattern(b + 3, BPB)).unwrap();
+    }
+    let e = TransferEngine::builder()
+        .host(host.clone())
+        .remote(store(&n))
+        .build()
+        .unwrap();
+    let out: Vec<(u32, u32)> = (0..BLOCKS).map(|b| (b, b)).collect();
+    let rt = n.stats().requests;
+    let j = common::keyed_by(Tier::Host, Tier::Remote, &out, |b| key(b));
+    assert_eq!(run(&e, &j), TransferOutcome::Ok);
+    assert_eq!(
+        n.stats().requests - rt,
+        2,
+        "Reserve + Finish for the whole job"
+    );
+    assert_eq!(n.stats().puts, BLOCKS as u64);
+    // Back into other host blocks, reversed.
+    let back: Vec<(u32, u32)> = (0..BLOCKS).map(|b| (b, 2 * BLOCKS - 1 - b)).collect();
+    let rt = n.stats().requests;
+    let j = common::keyed_by(Tier::Remote, Tier::Host, &back, |b| key(b));
+    assert_eq!(run(&e, &j), TransferOutcome::Ok);
+    assert_eq!(
+        n.stats().requests - rt,
+        2,
+        "Lease + EndLeases for the whole job"
+    );
+    let mut buf = vec![0u8; BPB];
+    for b in 0..BLOCKS {
+        host.read_block(2 * BLOCKS - 1 - b, &mut buf).unwrap();
+        assert_eq!(
+            buf,
+            pattern(b + 3, BPB),
+            "host block {}",
+            2 * BLOCKS - 1 - b
+        );
+    }
+}
