@@ -380,7 +380,7 @@ fn host_tier_jobs_to_and_from_the_node_take_one_round_trip_per_phase() {
         .unwrap();
     let out: Vec<(u32, u32)> = (0..BLOCKS).map(|b| (b, b)).collect();
     let rt = n.stats().requests;
-    let j = common::keyed_by(Tier::Host, Tier::Remote, &out, |b| key(b));
+    let j = common::keyed_by(Tier::Host, Tier::Remote, &out, key);
     assert_eq!(run(&e, &j), TransferOutcome::Ok);
     assert_eq!(
         n.stats().requests - rt,
@@ -391,7 +391,7 @@ fn host_tier_jobs_to_and_from_the_node_take_one_round_trip_per_phase() {
     // Back into other host blocks, reversed.
     let back: Vec<(u32, u32)> = (0..BLOCKS).map(|b| (b, 2 * BLOCKS - 1 - b)).collect();
     let rt = n.stats().requests;
-    let j = common::keyed_by(Tier::Remote, Tier::Host, &back, |b| key(b));
+    let j = common::keyed_by(Tier::Remote, Tier::Host, &back, key);
     assert_eq!(run(&e, &j), TransferOutcome::Ok);
     assert_eq!(
         n.stats().requests - rt,
