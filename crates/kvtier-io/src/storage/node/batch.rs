@@ -7,15 +7,17 @@
 //!   a longer job); a load adds one `EndLeases` before its copy only when some lease failed its
 //!   size check;
 //! - every reservation and lease of a job is on one connection;
-//! - only a connection that verifies nothing (a private node's own-uid client, see `client.rs`)
-//!   goes direct: a checksum of an arena slot proves nothing about the bytes a DMA moves a moment
-//!   earlier or later, since every client maps the whole arena and another tenant may write any
+//! - only a connection that verifies nothing (a client of the node's own uid without `verify`,
+//!   see `client.rs`) goes direct: a checksum of an arena slot proves nothing about the bytes a
+//!   DMA moves a moment earlier or later, since any process that maps the arena may write the
 //!   slot between the two. A verifying connection's jobs are staged (`staged.rs`), where every
 //!   checksum is taken of private memory;
 //! - a pair counts done only when the node answered it: `Present` to its reservation, or
 //!   `Done` to its commit or end of lease on the connection that holds it. A connection that
 //!   fails midway (the node then detached this client, so its slots may be reused) is not
 //!   pooled again, and every pair still open fails with the reason, never reported done.
+use std::sync::Arc;
+
 use kvtier::hash::SequenceHash;
 use kvtier::transfer::RemoteError;
 
@@ -64,7 +66,7 @@ impl NodeStore {
         &self,
         n: usize,
         need_cuda: bool,
-    ) -> Result<(Conn, std::sync::Arc<Arena>), Option<Vec<PairResult>>> {
+    ) -> Result<(Conn, Arc<Arena>), Option<Vec<PairResult>>> {
         let (c, arena) = self.job_conn(n).map_err(Some)?;
         if c.verify || (need_cuda && !arena.cuda_registered()) {
             self.pool(c);
@@ -74,10 +76,7 @@ impl NodeStore {
     }
 
     /// A connection for a job of `n` pairs, or every pair failed (the node is unreachable).
-    pub(super) fn job_conn(
-        &self,
-        n: usize,
-    ) -> Result<(Conn, std::sync::Arc<Arena>), Vec<PairResult>> {
+    pub(super) fn job_conn(&self, n: usize) -> Result<(Conn, Arc<Arena>), Vec<PairResult>> {
         self.conn().map_err(|e| vec![Err(format!("node: {e}")); n])
     }
 

@@ -219,7 +219,7 @@ impl NodeServer {
         let accept = std::thread::Builder::new()
             .name("kvtier-node".into())
             .spawn(move || accept_loop(&listener, &s))?;
-        tracing::info!(socket = %opts.socket.display(), capacity = opts.capacity, tenants = 1 + opts.allowed_uids.len(), "kvtier node serving");
+        tracing::info!(socket = %opts.socket.display(), capacity = opts.capacity, tenants = shared.tenants.iter().count(), "kvtier node serving");
         Ok(NodeServer {
             shared,
             socket: opts.socket.clone(),

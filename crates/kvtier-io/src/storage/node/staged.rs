@@ -7,9 +7,9 @@
 //!
 //! Invariants:
 //! - every checksum is taken of private memory: a put's of its source before it is copied into
-//!   the slot, a get's of the copy it made. Every client maps the whole arena, so a tenant may
-//!   write any slot at any time; hashing a slot and then moving its bytes would check one set of
-//!   bytes and move another. Here a put's checksum is of the bytes the engine computed, and the
+//!   the slot, a get's of the copy it made. Any process that maps the arena (a client of its
+//!   uid; memory damage alike) may write any slot at any time; hashing a slot and then moving its
+//!   bytes would check one set of bytes and move another. Here a put's checksum is of the bytes the engine computed, and the
 //!   node re-hashes the slot at `Finish` against it (a write by anyone else in between:
 //!   `Mismatch`, never published); a get's bytes that reach the device are the ones checked;
 //! - a get that fails its check ends its lease `Damaged` (the node drops the block at once) and

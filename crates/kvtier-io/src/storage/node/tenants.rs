@@ -55,12 +55,21 @@ impl Tenants {
                 ),
             ));
         }
-        let mut list = Vec::with_capacity(uids.len());
+        let mut list: Vec<Tenant> = Vec::with_capacity(uids.len());
         for (i, &uid) in uids.iter().enumerate() {
             let path = opts
                 .shm_dir
                 .join(format!("kvtier-node-{}-{i}.arena", std::process::id()));
-            let arena = create_arena(&path, share, opts.huge_pages)?;
+            let arena = match create_arena(&path, share, opts.huge_pages) {
+                Ok(a) => a,
+                Err(e) => {
+                    // The arenas made so far go with the failed start (their files too).
+                    for t in &list {
+                        let _ = std::fs::remove_file(&t.arena_path);
+                    }
+                    return Err(e);
+                }
+            };
             let mut books = Books::with_policy(share, opts.share.clone());
             books.set_keep_evicted(keep_evicted);
             books.set_max_namespaces(opts.max_namespaces);
