@@ -44,6 +44,11 @@ ENGINE_ENV: dict[str, dict[str, str]] = {
     "kvtier-staged1m": {"KVTIER_LAYERED_COPY": "staged:1024"},
     # The kernel reading host memory at every size (the default cuts over to whole-job loads above 2 GiB).
     "kvtier-kernel": {"KVTIER_LAYERED_COPY": "kernel"},
+    # Staging halves of 64 blocks (128 MiB) instead of 8: an ordered load of 4 GiB in 32 rounds instead of 256
+    # (crates/kvtier-io/src/transfer/cuda/mod.rs, KVTIER_STAGING_HALF_BLOCKS), whole-job and staged layered.
+    "kvtier-hb64": {"KVTIER_STAGING_HALF_BLOCKS": "64"},
+    "kvtier-staged-hb64": {"KVTIER_LAYERED_COPY": "staged", "KVTIER_STAGING_HALF_BLOCKS": "64"},
+    "kvtier-staged256-hb64": {"KVTIER_LAYERED_COPY": "staged:256", "KVTIER_STAGING_HALF_BLOCKS": "64"},
 }
 
 

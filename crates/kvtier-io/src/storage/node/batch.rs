@@ -33,7 +33,11 @@ pub(crate) type PairResult = Result<(), String>;
 pub(crate) type DeviceLeg<'a> = dyn FnOnce(&[(usize, usize)]) -> Vec<(usize, String)> + 'a;
 
 /// The device leg over `items` (none: no call), failing the pairs it reports.
-fn copy_leg(out: &mut [PairResult], items: &[(usize, usize)], copy: Box<DeviceLeg<'_>>) {
+pub(super) fn copy_leg(
+    out: &mut [PairResult],
+    items: &[(usize, usize)],
+    copy: impl FnOnce(&[(usize, usize)]) -> Vec<(usize, String)>,
+) {
     if items.is_empty() {
         return;
     }
@@ -45,7 +49,7 @@ fn copy_leg(out: &mut [PairResult], items: &[(usize, usize)], copy: Box<DeviceLe
 }
 
 /// Fails each of `pairs` still counted done: the connection broke before the node answered.
-fn fail_open(out: &mut [PairResult], pairs: impl Iterator<Item = usize>, e: &RemoteError) {
+pub(super) fn fail_open(out: &mut [PairResult], pairs: impl Iterator<Item = usize>, e: &RemoteError) {
     for k in pairs {
         if let Some(o) = out.get_mut(k) {
             if o.is_ok() {
@@ -55,14 +59,29 @@ fn fail_open(out: &mut [PairResult], pairs: impl Iterator<Item = usize>, e: &Rem
     }
 }
 
+/// Fails each of `pairs` still counted done whose end the node answered other than `Done`
+/// (`answers[i]` is pair `pairs[i]`'s; a pair already failed, e.g. aborted, stays as it is).
+pub(super) fn ended(answers: &[ItemAnswer], pairs: &[usize], out: &mut [PairResult], what: &str) {
+    for (&k, answer) in pairs.iter().zip(answers) {
+        if let Some(o) = out.get_mut(k) {
+            if *answer != ItemAnswer::Done && o.is_ok() {
+                *o = Err(format!("{what}: {answer:?}"));
+            }
+        }
+    }
+}
+
 /// A slot the node granted: `(pair, reservation or lease id, offset)`.
 pub(super) type Grant = (usize, u64, u64);
+
+/// A lease of the right size inside the mapping: `(grant, address, checksum)`.
+pub(super) type Leased = (Grant, usize, Option<u64>);
 
 impl NodeStore {
     /// A connection for a direct job of `n` pairs, or the job's early answer: every pair failed
     /// (the node is unreachable) or `None` (the caller stages the job: the connection verifies,
     /// or `need_cuda` and the arena is not registered with CUDA).
-    fn direct_conn(
+    pub(super) fn direct_conn(
         &self,
         n: usize,
         need_cuda: bool,
@@ -92,15 +111,28 @@ impl NodeStore {
         out: &mut [PairResult],
         aborts: &mut Vec<PutEnd>,
     ) -> Result<Vec<(Grant, usize)>, ()> {
-        let answers = match c.reserve(bytes as u64, keys) {
-            Ok(a) => a,
+        match c.reserve(bytes as u64, keys) {
+            Ok(a) => Ok(Self::reserved_slots(a, arena, bytes, 0, out, aborts)),
             Err(e) => {
                 out.iter_mut().for_each(|o| *o = Err(format!("node: {e}")));
-                return Err(());
+                Err(())
             }
-        };
+        }
+    }
+
+    /// The grants of a `Reserve` answered `answers`, whose first key is pair `base`: as
+    /// [`Self::reserve_slots`].
+    pub(super) fn reserved_slots(
+        answers: Vec<PutAnswer>,
+        arena: &Arena,
+        bytes: usize,
+        base: usize,
+        out: &mut [PairResult],
+        aborts: &mut Vec<PutEnd>,
+    ) -> Vec<(Grant, usize)> {
         let mut grants = Vec::new();
-        for (k, a) in answers.into_iter().enumerate() {
+        for (i, a) in answers.into_iter().enumerate() {
+            let k = base + i;
             match a {
                 PutAnswer::Slot { id, offset } => match arena.addr(offset, bytes) {
                     Ok(addr) => grants.push(((k, id, offset), addr)),
@@ -113,7 +145,7 @@ impl NodeStore {
                 PutAnswer::Full => out[k] = Err("the kvtier node is full; store skipped".into()),
             }
         }
-        Ok(grants)
+        grants
     }
 
     /// `Finish` of a job's reservations: `ends[i]` ends pair `pairs[i]`'s reservation (a commit,
@@ -133,12 +165,7 @@ impl NodeStore {
         }
         match c.finish(ends) {
             Ok(answers) => {
-                for ((end, answer), &k) in ends.iter().zip(&answers).zip(pairs) {
-                    let committed = matches!(end, PutEnd::Commit { .. });
-                    if committed && *answer != ItemAnswer::Done && out[k].is_ok() {
-                        out[k] = Err(format!("node commit refused: {answer:?}"));
-                    }
-                }
+                ended(&answers, pairs, out, "node commit refused");
                 self.pool(c);
             }
             // Not pooled: the node detached this connection, its reservations vanished.
@@ -157,17 +184,31 @@ impl NodeStore {
         bytes: usize,
         out: &mut [PairResult],
         early: &mut Vec<LeaseEnd>,
-    ) -> Result<Vec<(Grant, usize, Option<u64>)>, ()> {
-        let answers = match c.lease(keys) {
-            Ok(a) => a,
+    ) -> Result<Vec<Leased>, ()> {
+        match c.lease(keys) {
+            Ok(a) => Ok(Self::leased_slots(a, arena, keys, bytes, 0, out, early)),
             Err(e) => {
                 out.iter_mut().for_each(|o| *o = Err(format!("node: {e}")));
-                return Err(());
+                Err(())
             }
-        };
+        }
+    }
+
+    /// The leases of a `Lease` of `keys` (whose first is pair `base`) answered `answers`: as
+    /// [`Self::lease_slots`].
+    pub(super) fn leased_slots(
+        answers: Vec<GetAnswer>,
+        arena: &Arena,
+        keys: &[u128],
+        bytes: usize,
+        base: usize,
+        out: &mut [PairResult],
+        early: &mut Vec<LeaseEnd>,
+    ) -> Vec<Leased> {
         let mut leased = Vec::new();
-        for (k, a) in answers.into_iter().enumerate() {
-            let key = keys[k];
+        for (i, a) in answers.into_iter().enumerate() {
+            let k = base + i;
+            let key = keys[i];
             match a {
                 GetAnswer::Missing => {
                     out[k] = Err(RemoteError::Missing {
@@ -203,7 +244,7 @@ impl NodeStore {
                 }
             }
         }
-        Ok(leased)
+        leased
     }
 
     /// `EndLeases` of a job: `ends[i]` ends pair `pairs[i]`'s lease; the ends after
@@ -223,51 +264,11 @@ impl NodeStore {
         }
         match c.end_leases(ends) {
             Ok(answers) => {
-                for (&k, answer) in pairs.iter().zip(&answers) {
-                    if *answer != ItemAnswer::Done && out[k].is_ok() {
-                        out[k] = Err(format!("node end of lease: {answer:?}"));
-                    }
-                }
+                ended(&answers, pairs, out, "node end of lease");
                 self.pool(c);
             }
             Err(e) => fail_open(out, pairs.iter().copied(), &e),
         }
-    }
-
-    /// Device -> arena for `keys` (blocks of `bytes`): reserve a slot per key, let `copy` fill
-    /// the slots, then commit each slot copied or abort it. `None` when the direct path cannot
-    /// serve this job (see [`Self::direct_conn`]): the caller stages it instead. A key the node
-    /// already holds is done without a copy; a full node fails the pair (the store is skipped).
-    pub(crate) fn store_direct(
-        &self,
-        keys: &[u128],
-        bytes: usize,
-        need_cuda: bool,
-        copy: Box<DeviceLeg<'_>>,
-    ) -> Option<Vec<PairResult>> {
-        let (mut c, arena) = match self.direct_conn(keys.len(), need_cuda) {
-            Ok(x) => x,
-            Err(early) => return early,
-        };
-        let mut out: Vec<PairResult> = vec![Ok(()); keys.len()];
-        let mut aborts = Vec::new();
-        let Ok(grants) = Self::reserve_slots(&mut c, &arena, keys, bytes, &mut out, &mut aborts)
-        else {
-            return Some(out);
-        };
-        let items: Vec<(usize, usize)> = grants.iter().map(|&((k, _, _), a)| (k, a)).collect();
-        copy_leg(&mut out, &items, copy);
-        let pairs: Vec<usize> = grants.iter().map(|g| g.0 .0).collect();
-        let mut ends: Vec<PutEnd> = grants
-            .iter()
-            .map(|&((k, id, _), _)| match out[k] {
-                Ok(()) => PutEnd::Commit { id, checksum: None },
-                Err(_) => PutEnd::Abort(id),
-            })
-            .collect();
-        ends.extend(aborts);
-        self.finish_job(c, &ends, &pairs, &mut out);
-        Some(out)
     }
 
     /// Arena -> device for `keys`: lease each block, check its size, let `copy` move the leased

@@ -202,8 +202,23 @@ fn arena_id(fd: &OwnedFd) -> Result<ArenaId, RemoteError> {
 
 impl Conn {
     fn call(&mut self, req: &Request) -> Result<Reply, RemoteError> {
+        self.send(req)?;
+        self.recv()
+    }
+
+    /// Send `req` without reading its answer: the node answers a connection's requests in the
+    /// order they came, so a caller may send the next request before it reads this one's
+    /// answer ([`Self::recv`]), and the node works on it meanwhile.
+    pub(super) fn send(&mut self, req: &Request) -> Result<(), RemoteError> {
         let t = std::time::Instant::now();
-        write_frame(&mut self.stream, req).map_err(|e| unavailable("send", e))?;
+        let out = write_frame(&mut self.stream, req).map_err(|e| unavailable("send", e));
+        self.waited += t.elapsed();
+        out
+    }
+
+    /// The answer to the oldest request sent and not answered yet.
+    pub(super) fn recv(&mut self) -> Result<Reply, RemoteError> {
+        let t = std::time::Instant::now();
         let out = match read_frame(&mut self.stream) {
             Ok(Some(r)) => Ok(r),
             Ok(None) => Err(unavailable("receive", "the node closed the connection")),
@@ -211,6 +226,24 @@ impl Conn {
         };
         self.waited += t.elapsed();
         out
+    }
+
+    /// The answer to one batch request of `n` items sent earlier, checked to be one answer per
+    /// item: anything else is an error that ends the connection.
+    pub(super) fn recv_items<A>(
+        &mut self,
+        op: &'static str,
+        n: usize,
+        answers: impl Fn(Reply) -> Result<Vec<A>, Reply>,
+    ) -> Result<Vec<A>, RemoteError> {
+        match answers(self.recv()?) {
+            Ok(v) if v.len() == n => Ok(v),
+            Ok(v) => Err(unavailable(
+                op,
+                format!("{} answers to {} items", v.len(), n),
+            )),
+            Err(other) => Err(unexpected(op, &other)),
+        }
     }
 
     /// `items` in requests of at most [`MAX_BATCH`] (one round trip each), the answers of each
@@ -224,16 +257,8 @@ impl Conn {
     ) -> Result<Vec<A>, RemoteError> {
         let mut out = Vec::with_capacity(items.len());
         for chunk in items.chunks(MAX_BATCH) {
-            match answers(self.call(&request(chunk.to_vec()))?) {
-                Ok(v) if v.len() == chunk.len() => out.extend(v),
-                Ok(v) => {
-                    return Err(unavailable(
-                        op,
-                        format!("{} answers to {} items", v.len(), chunk.len()),
-                    ))
-                }
-                Err(other) => return Err(unexpected(op, &other)),
-            }
+            self.send(&request(chunk.to_vec()))?;
+            out.extend(self.recv_items(op, chunk.len(), &answers)?);
         }
         Ok(out)
     }

@@ -1,7 +1,8 @@
 //! The transfer engine's node path: with the node tier as the remote store, device <-> remote
-//! jobs copy between the engine's blocks and arena slots directly (stores: one `Reserve`, the
-//! copy, one `Finish`; loads: one `Lease`, the checks a verifying connection makes, the copy,
-//! one `EndLeases`: `batch.rs`), with no staging buffer in between. On a CUDA
+//! jobs copy between the engine's blocks and arena slots directly (stores: `Reserve`, the
+//! copy, `Finish`; loads: `Lease`, the copy, `EndLeases`; in parts whose round trips run beside
+//! each other's copies, `pipeline.rs`, except an ordered load: one part, `batch.rs`), with no
+//! staging buffer in between. On a CUDA
 //! engine the arena mapping is registered with the driver (`NodeStore::use_cuda`), so those
 //! copies are DMA; when it is not registered the job returns `None` and the engine stages it
 //! through its bounce buffer as for any remote store.
@@ -51,23 +52,32 @@ pub(crate) fn run(
         o.readable = true;
         o
     });
-    let device_leg = |items: &[(usize, usize)]| -> Vec<(usize, String)> {
+    let dir = if store { "device read" } else { "device write" };
+    let leg = |items: &[(usize, usize)], order: Order<'_>| -> Vec<(usize, String)> {
         let dev_items: Vec<(usize, u32, usize)> = items
             .iter()
             .filter_map(|&(k, addr)| Some((k, devs.get(k)?.0, addr)))
             .collect();
-        let dir = if store { "device read" } else { "device write" };
-        // Every pair leased and passed its checks: nothing has failed before the copy.
-        let order = order.filter(|_| items.len() == whole);
         dev.copy(&dev_items, way, fence, order)
             .into_iter()
             .map(|(k, why)| (k, format!("{dir}: {why}")))
             .collect()
     };
-    let out = if store {
-        node.store_direct(&keys, bytes, need_cuda, Box::new(device_leg))?
-    } else {
-        node.load_direct(&keys, bytes, need_cuda, Box::new(device_leg))?
+    let out = match order {
+        // Every pair leased and passed its checks before the one ordered copy (else the order
+        // is dropped and the engine waits for the outcome).
+        Some(o) => node.load_direct(
+            &keys,
+            bytes,
+            need_cuda,
+            Box::new(|items: &[(usize, usize)]| {
+                let o = Some(o).filter(|_| items.len() == whole);
+                leg(items, o)
+            }),
+        )?,
+        // Stores and unordered loads in parts: the node's round trips beside the copies.
+        None if store => node.store_direct(&keys, bytes, need_cuda, &mut |i| leg(i, None))?,
+        None => node.load_in_parts(&keys, bytes, need_cuda, &mut |i| leg(i, None))?,
     };
     let op = if store { "node put" } else { "node get" };
     for (k, r) in out.into_iter().enumerate() {

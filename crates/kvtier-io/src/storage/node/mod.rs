@@ -20,6 +20,7 @@ mod disk;
 pub(crate) mod gpu_tests;
 mod hash;
 mod listen;
+mod pipeline;
 mod protocol;
 mod server;
 mod share;

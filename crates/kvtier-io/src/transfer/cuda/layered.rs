@@ -267,7 +267,7 @@ impl CudaMover {
     ) -> Option<Vec<staged::StagedRound>> {
         self.kernel.as_ref()?;
         let base = self.h2d.lock().ok()?.staging.as_ref()?.0.addr();
-        let half = super::HALF_BLOCKS * self.bytes_per_block;
+        let half = self.half_blocks * self.bytes_per_block;
         let layer_bytes = self.bytes_per_block.checked_div(layers)?;
         let g = staged::group_layers(layers, layer_bytes, min_slice, half)?;
         staged::staged_rounds(

@@ -68,8 +68,28 @@ impl CudaCopyMethod {
 
 /// Chunks at least this large (on average) go straight through the copy engine.
 const LARGE_CHUNK: usize = 512 * 1024;
-/// Blocks per staging half.
+/// Blocks per staging half, unless `KVTIER_STAGING_HALF_BLOCKS` names another count (1 to
+/// [`MAX_HALF_BLOCKS`], for measurements: each round of an ordered load costs the copy engine
+/// stream waits, so larger halves mean fewer rounds for the same bytes).
 const HALF_BLOCKS: usize = 8;
+/// The largest staging half `KVTIER_STAGING_HALF_BLOCKS` may ask for (512 MiB per half for
+/// Llama-3.1-8B's 2 MiB blocks).
+const MAX_HALF_BLOCKS: usize = 256;
+
+/// The blocks per staging half: `KVTIER_STAGING_HALF_BLOCKS` when it names 1 to
+/// [`MAX_HALF_BLOCKS`], else [`HALF_BLOCKS`] (a value out of range is reported and ignored).
+fn half_blocks_from_env() -> usize {
+    let Ok(v) = std::env::var("KVTIER_STAGING_HALF_BLOCKS") else {
+        return HALF_BLOCKS;
+    };
+    match v.parse::<usize>() {
+        Ok(n) if (1..=MAX_HALF_BLOCKS).contains(&n) => n,
+        _ => {
+            tracing::warn!(value = %v, max = MAX_HALF_BLOCKS, "KVTIER_STAGING_HALF_BLOCKS is not a block count in range: ignored");
+            HALF_BLOCKS
+        }
+    }
+}
 const THREADS: u32 = 256;
 
 const KERNEL_SRC: &str = r#"
@@ -108,7 +128,7 @@ struct Copy {
 struct Dir {
     copy: Stream,
     kernel: Stream,
-    /// Kernel path: device staging (2 halves of HALF_BLOCKS blocks) and pinned descriptors.
+    /// Kernel path: device staging (2 halves of `half_blocks` blocks) and pinned descriptors.
     staging: Option<(DeviceAlloc, [PinnedAlloc; 2])>,
     /// Kernel path, ordered jobs: every round's descriptors of the current job (pinned,
     /// device-mapped; grown on demand, reused only by a later job).
@@ -166,6 +186,8 @@ fn launch_descs(
 pub(crate) struct CudaMover {
     driver: Arc<Driver>,
     bytes_per_block: usize,
+    /// Blocks per staging half ([`half_blocks_from_env`]).
+    half_blocks: usize,
     method: CudaCopyMethod,
     kernel: Option<Kernel>,
     batch_available: bool,
@@ -229,10 +251,11 @@ impl CudaMover {
             ));
         }
         let descs = initial_job_descs(layout);
+        let half_blocks = half_blocks_from_env();
         let dir = |with_staging: bool| -> CuResult<Dir> {
             let staging = if with_staging {
-                let dev = (DeviceAlloc::new(2 * HALF_BLOCKS * bytes_per_block))?;
-                let nd = HALF_BLOCKS * max_chunks(layout) * 24;
+                let dev = (DeviceAlloc::new(2 * half_blocks * bytes_per_block))?;
+                let nd = half_blocks * max_chunks(layout) * 24;
                 Some((dev, [(PinnedAlloc::new(nd))?, (PinnedAlloc::new(nd))?]))
             } else {
                 None
@@ -260,12 +283,14 @@ impl CudaMover {
             ?method,
             kernel = kernel.is_some(),
             batch = batch_available,
+            half_blocks,
             "CUDA transfers ready"
         );
         let host_pointers = driver.host_pointers_usable();
         Ok(CudaMover {
             driver,
             bytes_per_block,
+            half_blocks,
             method,
             kernel,
             batch_available,
@@ -465,10 +490,10 @@ impl CudaMover {
         let bpb = self.bytes_per_block;
         let base = stage.addr();
         let rounds: Vec<(Vec<u64>, Vec<Copy>)> = items
-            .chunks(HALF_BLOCKS)
+            .chunks(self.half_blocks)
             .enumerate()
             .map(|(r, group)| {
-                let half = base + ((r % 2) * HALF_BLOCKS * bpb) as u64;
+                let half = base + ((r % 2) * self.half_blocks * bpb) as u64;
                 round(group, half, bpb, way)
             })
             .collect();
