@@ -49,7 +49,11 @@ pub(super) fn copy_leg(
 }
 
 /// Fails each of `pairs` still counted done: the connection broke before the node answered.
-pub(super) fn fail_open(out: &mut [PairResult], pairs: impl Iterator<Item = usize>, e: &RemoteError) {
+pub(super) fn fail_open(
+    out: &mut [PairResult],
+    pairs: impl Iterator<Item = usize>,
+    e: &RemoteError,
+) {
     for k in pairs {
         if let Some(o) = out.get_mut(k) {
             if o.is_ok() {

@@ -98,9 +98,7 @@ fn a_job_longer_than_a_batch_takes_one_round_trip_per_batch_and_phase() {
     let keys: Vec<u128> = (0..BATCH as u128 + 1).collect();
     let before = n.stats().requests;
     // Stores go in parts (`pipeline.rs`): 4 of 1,025 pairs, one Reserve and one Finish each.
-    let out = s
-        .store_direct(&keys, 2, false, &mut no_copy_parts)
-        .unwrap();
+    let out = s.store_direct(&keys, 2, false, &mut no_copy_parts).unwrap();
     assert!(out.iter().all(|r| r.is_ok()), "{:?}", &out[..4]);
     assert_eq!(n.stats().requests - before, 8, "4 Reserve + 4 Finish");
     assert_eq!(n.stats().puts, keys.len() as u64);

@@ -39,8 +39,8 @@ use kvtier::hash::SequenceHash;
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
 
 use super::protocol::{
-    block_checksum, read_frame, write_frame, GetAnswer, ItemAnswer, LeaseEnd, PutAnswer, PutEnd,
-    Reply, Request, MAX_BATCH, NODE_PROTOCOL_VERSION,
+    block_checksum, read_frame, spin_readable, write_frame, GetAnswer, ItemAnswer, LeaseEnd,
+    PutAnswer, PutEnd, Reply, Request, CLIENT_SPIN, MAX_BATCH, NODE_PROTOCOL_VERSION,
 };
 use crate::sys::shm::Arena;
 use crate::sys::sock;
@@ -219,6 +219,7 @@ impl Conn {
     /// The answer to the oldest request sent and not answered yet.
     pub(super) fn recv(&mut self) -> Result<Reply, RemoteError> {
         let t = std::time::Instant::now();
+        spin_readable(&self.stream, CLIENT_SPIN);
         let out = match read_frame(&mut self.stream) {
             Ok(Some(r)) => Ok(r),
             Ok(None) => Err(unavailable("receive", "the node closed the connection")),

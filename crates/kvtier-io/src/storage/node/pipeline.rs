@@ -295,7 +295,11 @@ fn run_parts<P: Phases>(
 
 /// Read the answer to `cl`'s closing request (one answer per end sent) and fail each of its
 /// pairs not ended `Done`.
-fn read_ends<P: Phases>(c: &mut Conn, cl: &Closing, out: &mut [PairResult]) -> Result<(), RemoteError> {
+fn read_ends<P: Phases>(
+    c: &mut Conn,
+    cl: &Closing,
+    out: &mut [PairResult],
+) -> Result<(), RemoteError> {
     let answers = c.recv_items(P::REFUSED, cl.ends, |r| match r {
         Reply::Items(v) => Ok(v),
         other => Err(other),

@@ -50,7 +50,11 @@ fn a_job_in_parts_is_bit_exact_with_one_round_trip_per_part_and_phase() {
     assert!(out.iter().all(|r| r.is_ok()), "{out:?}");
     let want: Vec<Vec<usize>> = (0..4).map(|p| (p * 150..(p + 1) * 150).collect()).collect();
     assert_eq!(parts, want, "four parts in order, each copied once");
-    assert_eq!(n.stats().requests - before, 8, "a Reserve and a Finish per part");
+    assert_eq!(
+        n.stats().requests - before,
+        8,
+        "a Reserve and a Finish per part"
+    );
     assert_eq!(n.stats().puts, N as u64);
 
     // Loaded in parts (reversed keys), every byte the one stored under its key.
@@ -70,7 +74,11 @@ fn a_job_in_parts_is_bit_exact_with_one_round_trip_per_part_and_phase() {
     for (k, key) in back.iter().enumerate() {
         assert_eq!(got[k], block(*key, BYTES), "pair {k} (key {key:#x})");
     }
-    assert_eq!(n.stats().requests - before, 8, "a Lease and an EndLeases per part");
+    assert_eq!(
+        n.stats().requests - before,
+        8,
+        "a Lease and an EndLeases per part"
+    );
     assert_eq!(n.stats().gets, N as u64);
 }
 
@@ -111,12 +119,22 @@ fn a_connection_broken_midway_fails_every_pair_the_node_did_not_answer_done() {
         } else {
             s.store_direct(&keys, 64, false, &mut leg).unwrap()
         };
-        assert!((3..=4).contains(&calls), "{calls} parts copied (load: {load})");
+        assert!(
+            (3..=4).contains(&calls),
+            "{calls} parts copied (load: {load})"
+        );
         let failed = |r: &PairResult| r.as_ref().is_err_and(|e| e.contains("node"));
         for (k, r) in out.iter().enumerate() {
             match k / 128 {
-                0 | 1 => assert_eq!(*r, Ok(()), "pair {k}: its part was answered done (load: {load})"),
-                _ => assert!(failed(r), "pair {k} reported done after the break (load: {load}): {r:?}"),
+                0 | 1 => assert_eq!(
+                    *r,
+                    Ok(()),
+                    "pair {k}: its part was answered done (load: {load})"
+                ),
+                _ => assert!(
+                    failed(r),
+                    "pair {k} reported done after the break (load: {load}): {r:?}"
+                ),
             }
         }
     }

@@ -12,6 +12,8 @@
 //! every version, so a peer of another version is refused with a reason. The node's `Welcome`
 //! is followed by one byte carrying the arena's file descriptor (`SCM_RIGHTS`).
 use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -210,6 +212,34 @@ pub(super) fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> io::Resu
     buf.extend_from_slice(&body);
     w.write_all(&buf)?;
     w.flush()
+}
+
+/// How long a client polls for the node's answer before it sleeps in `read` ([`spin_readable`]).
+pub(super) const CLIENT_SPIN: Duration = Duration::from_micros(200);
+/// How long a node's connection polls for the next request after an answer.
+pub(super) const NODE_SPIN: Duration = Duration::from_micros(50);
+
+/// Wait up to `spin` for bytes (or the end) to read on `stream`, polling without sleeping and
+/// yielding the CPU between polls: a reader asleep in `read` pays the scheduler's wake-up on
+/// every frame, most of a node round trip's cost (perf of `benches/node_batch.rs`: wake-ups and
+/// task switches, not the books). Whether something is there (the stream stays blocking: each
+/// poll is one non-blocking peek).
+pub(super) fn spin_readable(stream: &UnixStream, spin: Duration) -> bool {
+    let sock = socket2::SockRef::from(stream);
+    let t = Instant::now();
+    let mut b = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+    loop {
+        match sock.recv_with_flags(&mut b, libc::MSG_PEEK | libc::MSG_DONTWAIT) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if t.elapsed() >= spin {
+                    return false;
+                }
+                std::thread::yield_now();
+            }
+            // Bytes, the end, or an error: the blocking read sees it.
+            _ => return true,
+        }
+    }
 }
 
 /// Bytes of a frame's body allocated before they arrive (see [`read_frame_max`]).

@@ -46,9 +46,9 @@ use super::books::{BlockCopy, Books, ClientId, NodeStats, PutRefused, SlotGrant,
 use super::disk::{disk_key, NodeDisk};
 use super::hash::slot_checksums;
 use super::listen;
-use super::protocol::{block_checksum, read_frame, read_frame_max, write_frame};
+use super::protocol::{block_checksum, read_frame, read_frame_max, spin_readable, write_frame};
 use super::protocol::{GetAnswer, ItemAnswer, LeaseEnd, PutAnswer, PutEnd, Reply, Request};
-use super::protocol::{MAX_BATCH, MAX_HELLO_FRAME, NODE_PROTOCOL_VERSION};
+use super::protocol::{MAX_BATCH, MAX_HELLO_FRAME, NODE_PROTOCOL_VERSION, NODE_SPIN};
 use super::share::SharePolicy;
 use super::tenants::{Tenant, Tenants};
 use crate::sys::shm::Arena;
@@ -389,7 +389,10 @@ fn serve_frames(stream: &UnixStream, uid: u32, shared: &Shared) {
                 },
                 MAX_HELLO_FRAME,
             ),
-            Some(_) => read_frame(&mut &*stream),
+            Some(_) => {
+                spin_readable(stream, NODE_SPIN);
+                read_frame(&mut &*stream)
+            }
         };
         let req: Request = match read {
             Ok(Some(r)) => r,
