@@ -40,6 +40,28 @@ fn per_job() -> usize {
         .filter(|&n: &usize| n > 0)
         .unwrap_or(PER_JOB)
 }
+/// Each store and load is timed this many times (`KVTIER_NODE_GPU_REPS`, default 3; stores under
+/// fresh keys each time, so none is deduplicated), the median reported, for the node and the
+/// host tier alike.
+fn reps() -> usize {
+    std::env::var("KVTIER_NODE_GPU_REPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or(3)
+}
+
+/// The median of `times` (the upper one of an even count).
+fn median(mut times: Vec<Duration>) -> Duration {
+    times.sort();
+    times.get(times.len() / 2).copied().unwrap_or_default()
+}
+
+/// `keys` as rep `r` stores them (rep 0: as given).
+fn rep_keys(keys: &[u128], r: usize) -> Vec<u128> {
+    keys.iter().map(|k| k ^ ((r as u128) << 96)).collect()
+}
+
 /// The key of the one block the first (attaching) job stores.
 const WARM_KEY: u128 = u128::MAX - 7;
 
@@ -194,11 +216,20 @@ fn node_run(
         &e,
         &jobs(&[(0, 0)], Tier::Device, Tier::Remote, &[WARM_KEY]),
     );
-    // Store: device blocks 0..n -> the node.
+    // Store: device blocks 0..n -> the node, `reps()` times under fresh keys (the node evicts
+    // earlier reps' blocks as it fills); the last rep's keys are loaded.
     let st: Vec<(u32, u32)> = (0..n).map(|b| (b, 0)).collect();
+    let reps = reps();
     let rtt0 = store.round_trip_time();
-    let t_store = timed(&e, &jobs(&st, Tier::Device, Tier::Remote, keys));
-    let store_rtt = store.round_trip_time() - rtt0;
+    let mut stores = Vec::new();
+    let mut last = keys.to_vec();
+    for r in 0..reps {
+        last = rep_keys(keys, r);
+        stores.push(timed(&e, &jobs(&st, Tier::Device, Tier::Remote, &last)));
+    }
+    let keys = last.as_slice();
+    let store_rtt = (store.round_trip_time() - rtt0) / reps as u32;
+    let t_store = median(stores);
     // A verifying client's jobs are staged (checksums of private copies only): its arena is
     // not registered.
     assert_eq!(
@@ -209,18 +240,21 @@ fn node_run(
     let direct = if verify {
         0
     } else {
-        1 + st.len().div_ceil(per_job())
+        1 + reps * st.len().div_ceil(per_job())
     };
     assert_eq!(e.node_direct_jobs() as usize, direct, "verify: {verify}");
-    assert_eq!(node.stats().puts, n as u64 + 1);
+    assert_eq!(node.stats().puts, (reps * n as usize) as u64 + 1);
     let ld: Vec<(u32, u32)> = (0..n).map(|i| (0, n + i)).collect();
     let mut ld_keys = keys.to_vec();
     for i in 0..n {
         ld_keys[(n + i) as usize] = keys[from(i) as usize];
     }
     let rtt0 = store.round_trip_time();
-    let t_load = timed(&e, &jobs(&ld, Tier::Remote, Tier::Device, &ld_keys));
-    let load_rtt = store.round_trip_time() - rtt0;
+    let loads: Vec<Duration> = (0..reps)
+        .map(|_| timed(&e, &jobs(&ld, Tier::Remote, Tier::Device, &ld_keys)))
+        .collect();
+    let load_rtt = (store.round_trip_time() - rtt0) / reps as u32;
+    let t_load = median(loads);
     for i in (0..n).step_by((n as usize / 32).max(1)) {
         assert_eq!(
             block(mem, layout, n + i),
@@ -268,11 +302,12 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
     let private = node_run(&mem, &layout, &keys, n, false, |i| n - 1 - i);
     assert_eq!((private.client_hashes, private.node_hashes), (0, 0));
     let shared = node_run(&mem, &layout, &keys, n, true, |i| i);
-    // The engine hashes each block it stores (the attach block and n) and each it loads (n: the
-    // attach block is never loaded); the node verifies each commit (n + 1).
+    // The engine hashes each block it stores (the attach block and n per rep) and each it loads
+    // (n per rep: the attach block is never loaded); the node verifies each commit.
+    let r = reps() as u64;
     assert_eq!(
         (shared.client_hashes, shared.node_hashes),
-        (2 * n as u64 + 1, n as u64 + 1)
+        (2 * r * n as u64 + 1, r * n as u64 + 1)
     );
 
     // Baseline in the same run: a pinned host tier of n blocks, same layout, same jobs.
@@ -288,9 +323,11 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
         .build()
         .unwrap();
     let hs: Vec<(u32, u32)> = (0..n).map(|b| (b, b)).collect();
-    let t_hstore = timed(&h, &jobs(&hs, Tier::Device, Tier::Host, &keys));
+    let hjobs = jobs(&hs, Tier::Device, Tier::Host, &keys);
+    let t_hstore = median((0..reps()).map(|_| timed(&h, &hjobs)).collect());
     let hl: Vec<(u32, u32)> = (0..n).map(|i| (n - 1 - i, n + i)).collect();
-    let t_hload = timed(&h, &jobs(&hl, Tier::Host, Tier::Device, &keys));
+    let hjobs = jobs(&hl, Tier::Host, Tier::Device, &keys);
+    let t_hload = median((0..reps()).map(|_| timed(&h, &hjobs)).collect());
     for i in (0..n).step_by((n as usize / 32).max(1)) {
         assert_eq!(block(&mem, &layout, n + i), block(&mem, &layout, n - 1 - i));
     }
@@ -315,7 +352,8 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
          |---|---|---|---|---|---|---|---|---|\n\
          | pinned host tier | {hsb:.1} GB/s | 1.00 | {hlb:.1} GB/s | 1.00 | | | | |\n\
          {}{}\n{n} blocks of 2 MiB (vLLM per-layer layout, 64 chunks of 32 KiB), jobs of \
-         {}, node protocol {}: one round trip per phase per job. Node, own uid: direct \
+         {}, node protocol {}, median of {} timings of each store and load (stores under fresh keys); \
+         direct jobs of 256 blocks or more go in parts whose round trips run beside other parts' copies. Node, own uid: direct \
          DMA between device and arena, no hashing; verifying client (`verify=1`, as toward a node \
          of another uid): staged through the engine's pinned bounce buffer, the engine hashing each block's private bytes \
          (a store's source, a load's copy) and the node re-hashing at commit, in parallel. A repeated \
@@ -327,6 +365,7 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
         row("node, verifying client", &shared),
         per_job(),
         super::NODE_PROTOCOL_VERSION,
+        reps(),
     );
     println!("{report}");
     if let Ok(p) = std::env::var("KVTIER_NODE_GPU_REPORT") {
