@@ -54,6 +54,11 @@ pub struct NodeArgs {
     /// some machines). See docs/arch/node.md.
     #[arg(long, default_value = "advise", value_parser = huge_pages_arg)]
     pub huge_pages: HugePages,
+    /// How long each connection polls for its engine's next request after an answer, in
+    /// microseconds, before it sleeps (0: never polls). A request inside it costs no wake-up;
+    /// each connection keeps a CPU busy while it polls. See docs/arch/node.md.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(0..=100_000))]
+    pub poll_us: u64,
 }
 
 /// `--huge-pages`: `advise` or `collapse` (anything else is a usage error).
@@ -82,6 +87,7 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<()> {
     opts.disk_bytes = (args.disk_gb * 1e9) as u64;
     opts.share = SharePolicy::parse(&args.share).map_err(|e| anyhow::anyhow!("--share {e}"))?;
     opts.huge_pages = args.huge_pages;
+    opts.poll = std::time::Duration::from_micros(args.poll_us);
     let mut node = NodeServer::start(&opts)
         .with_context(|| format!("starting the kvtier node on {}", socket.display()))?;
     println!("serving {}", socket.display());

@@ -157,6 +157,13 @@ fn gbps(bytes: usize, d: Duration) -> f64 {
 /// (`--huge-pages collapse`).
 fn node_options(dir: &std::path::Path, n: u32) -> NodeOptions {
     let mut o = NodeOptions::new(dir.join("node.sock"), (n as u64 + 8) * BPB as u64);
+    // The node's poll window (`kvtier node --poll-us`), for measurements.
+    if let Some(us) = std::env::var("KVTIER_NODE_POLL_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        o.poll = Duration::from_micros(us);
+    }
     if std::env::var("KVTIER_NODE_HUGE_COLLAPSE").is_ok_and(|v| v == "1") {
         o.huge_pages = crate::storage::node::HugePages::Collapse;
     }

@@ -34,7 +34,7 @@ pub use client::{NodeClientOptions, NodeStore};
 pub use listen::default_socket;
 pub use protocol::{
     block_checksum, GetAnswer, ItemAnswer, LeaseEnd, PutAnswer, PutEnd, Reply, Request, MAX_BATCH,
-    MAX_FRAME, MAX_HELLO_FRAME, NODE_PROTOCOL_VERSION,
+    MAX_FRAME, MAX_HELLO_FRAME, NODE_POLL, NODE_PROTOCOL_VERSION,
 };
 #[cfg(any(test, feature = "testing"))]
 pub use protocol::{decode_request_stream, encode_request};

@@ -216,8 +216,9 @@ pub(super) fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> io::Resu
 
 /// How long a client polls for the node's answer before it sleeps in `read` ([`spin_readable`]).
 pub(super) const CLIENT_SPIN: Duration = Duration::from_micros(200);
-/// How long a node's connection polls for the next request after an answer.
-pub(super) const NODE_SPIN: Duration = Duration::from_micros(50);
+/// How long a node's connection polls for the next request after an answer, by default
+/// (`NodeOptions::poll`, `kvtier node --poll-us`).
+pub const NODE_POLL: Duration = Duration::from_micros(50);
 
 /// Wait up to `spin` for bytes (or the end) to read on `stream`, polling without sleeping and
 /// yielding the CPU between polls: a reader asleep in `read` pays the scheduler's wake-up on

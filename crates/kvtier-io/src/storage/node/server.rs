@@ -48,7 +48,7 @@ use super::hash::slot_checksums;
 use super::listen;
 use super::protocol::{block_checksum, read_frame, read_frame_max, spin_readable, write_frame};
 use super::protocol::{GetAnswer, ItemAnswer, LeaseEnd, PutAnswer, PutEnd, Reply, Request};
-use super::protocol::{MAX_BATCH, MAX_HELLO_FRAME, NODE_PROTOCOL_VERSION, NODE_SPIN};
+use super::protocol::{MAX_BATCH, MAX_HELLO_FRAME, NODE_POLL, NODE_PROTOCOL_VERSION};
 use super::share::SharePolicy;
 use super::tenants::{Tenant, Tenants};
 use crate::sys::shm::Arena;
@@ -90,6 +90,10 @@ pub struct NodeOptions {
     pub hello_timeout: Duration,
     /// How the arena gets 2 MiB pages (default [`HugePages::Advise`]).
     pub huge_pages: HugePages,
+    /// How long a connection polls for the client's next request after each answer before it
+    /// sleeps in `read` (default [`NODE_POLL`]): a request that arrives within it costs no
+    /// wake-up; each connection burns a CPU while it polls.
+    pub poll: Duration,
 }
 
 /// How the node asks for 2 MiB pages for its arena (docs/arch/node.md). The arena is always
@@ -135,6 +139,7 @@ impl NodeOptions {
             max_namespace_len: MAX_NAMESPACE_LEN,
             hello_timeout: HELLO_TIMEOUT,
             huge_pages: HugePages::Advise,
+            poll: NODE_POLL,
         }
     }
 }
@@ -152,6 +157,8 @@ struct Shared {
     /// Commits whose slot was hashed against the committed checksum.
     verified: AtomicU64,
     idle: Duration,
+    /// [`NodeOptions::poll`].
+    poll: Duration,
     hello_timeout: Duration,
     max_connections: usize,
     max_namespace_len: usize,
@@ -210,6 +217,7 @@ impl NodeServer {
             requests: AtomicU64::new(0),
             verified: AtomicU64::new(0),
             idle: opts.idle_timeout,
+            poll: opts.poll,
             hello_timeout: opts.hello_timeout,
             max_connections: opts.max_connections.max(1),
             max_namespace_len: opts.max_namespace_len,
@@ -390,7 +398,7 @@ fn serve_frames(stream: &UnixStream, uid: u32, shared: &Shared) {
                 MAX_HELLO_FRAME,
             ),
             Some(_) => {
-                spin_readable(stream, NODE_SPIN);
+                spin_readable(stream, shared.poll);
                 read_frame(&mut &*stream)
             }
         };
