@@ -80,15 +80,20 @@ pub(crate) fn run_requests(ring: Option<&mut Ring>, reqs: &[IoReq]) -> Vec<io::R
     }
 }
 
-/// Copy `bytes` to the start of the pinned buffer `buf`, which no kernel reads meanwhile (the
-/// job that used it last completed).
-pub(crate) fn fill_pinned(buf: &PinnedAlloc, bytes: &[u8]) -> CuResult<()> {
-    if bytes.len() > buf.len() {
+/// Copy `words` (in the device's byte order: little-endian, as x86-64 and aarch64 hosts store
+/// them) into the pinned buffer `buf` at byte offset `at`, which no kernel reads meanwhile (the
+/// job that used it last completed). One memory copy: no byte-by-byte conversion (that was 22 ms
+/// of CPU for a 4 GiB load's 3 MiB of descriptors, on the critical path of a replay).
+pub(crate) fn fill_pinned_words(buf: &PinnedAlloc, at: usize, words: &[u64]) -> CuResult<()> {
+    const _: () = assert!(cfg!(target_endian = "little"), "descriptors are little-endian");
+    let len = std::mem::size_of_val(words);
+    if at.checked_add(len).is_none_or(|end| end > buf.len()) {
         return Err("pinned buffer too small".into());
     }
-    // SAFETY: `buf` is our pinned allocation of at least `bytes.len()` bytes (checked), idle on
-    // the device (the caller waited for its last use), distinct from `bytes`.
-    unsafe { mem::copy(bytes.as_ptr() as usize, buf.addr(), bytes.len()) };
+    // SAFETY: `buf` is our pinned allocation of at least `at + len` bytes (checked), idle on the
+    // device (the caller waited for its last use), distinct from `words`; a little-endian host
+    // lays `words` out as the bytes the kernel reads.
+    unsafe { mem::copy(words.as_ptr() as usize, buf.addr() + at, len) };
     Ok(())
 }
 

@@ -154,11 +154,12 @@ impl Dir {
         let Some(buf) = self.job_descs.as_ref() else {
             return Err("descriptor buffer missing".into());
         };
-        let all: Vec<u8> = rounds
-            .flat_map(|d| d.iter().flat_map(|v| v.to_le_bytes()))
-            .collect();
-        // `buf` is our pinned buffer of at least `all.len()` bytes, and no kernel reads it (above).
-        job::fill_pinned(buf, &all)?;
+        // `buf` is our pinned buffer of at least `bytes` bytes, and no kernel reads it (above).
+        let mut at = 0;
+        for d in rounds {
+            job::fill_pinned_words(buf, at, d)?;
+            at += d.len() * 8;
+        }
         Ok(buf.addr() as u64)
     }
 }
@@ -513,13 +514,10 @@ impl CudaMover {
                 // descriptors are free.
                 dir.half_done[h].wait()?;
                 let dbuf = &descs[h];
-                if d.len() * 8 > dbuf.len() {
-                    return Err("descriptor buffer too small".into());
-                }
-                let dbytes: Vec<u8> = d.iter().flat_map(|v| v.to_le_bytes()).collect();
-                // `dbuf` is our pinned buffer of at least `dbytes.len()` bytes and the GPU is
+                // `dbuf` is our pinned buffer (its size checked by the call) and the GPU is
                 // done with it (`half_done[h]` synchronised above).
-                job::fill_pinned(dbuf, &dbytes)?;
+                job::fill_pinned_words(dbuf, 0, d)
+                    .map_err(|_| "descriptor buffer too small".to_string())?;
                 dbuf.addr() as u64
             } else {
                 // The half's previous round finished with it before this round refills it: its
