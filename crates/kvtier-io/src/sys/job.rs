@@ -85,7 +85,10 @@ pub(crate) fn run_requests(ring: Option<&mut Ring>, reqs: &[IoReq]) -> Vec<io::R
 /// job that used it last completed). One memory copy: no byte-by-byte conversion (that was 22 ms
 /// of CPU for a 4 GiB load's 3 MiB of descriptors, on the critical path of a replay).
 pub(crate) fn fill_pinned_words(buf: &PinnedAlloc, at: usize, words: &[u64]) -> CuResult<()> {
-    const _: () = assert!(cfg!(target_endian = "little"), "descriptors are little-endian");
+    const _: () = assert!(
+        cfg!(target_endian = "little"),
+        "descriptors are little-endian"
+    );
     let len = std::mem::size_of_val(words);
     if at.checked_add(len).is_none_or(|end| end > buf.len()) {
         return Err("pinned buffer too small".into());
