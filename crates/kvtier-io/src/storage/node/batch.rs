@@ -1,11 +1,12 @@
-//! The node client's direct paths, used by the transfer engine (`direct.rs`) to copy between
-//! device blocks and arena slots with no staging copy: a job's stores are one `Reserve`, the
-//! device copy, one `Finish`; its loads one `Lease`, the device copy, one `EndLeases`.
+//! The node client's direct paths' phases, used by the transfer engine (`direct.rs`) to copy
+//! between device blocks and arena slots with no staging copy: the slots a `Reserve` or `Lease`
+//! granted, the ends of a `Finish` or `EndLeases`, and the ordered load (one `Lease`, the device
+//! copy, one `EndLeases`); stores and unordered loads run these phases in parts (`pipeline.rs`).
 //!
 //! Invariants:
-//! - one round trip per phase per job (per [`MAX_BATCH`](super::protocol::MAX_BATCH) pairs of
-//!   a longer job); a load adds one `EndLeases` before its copy only when some lease failed its
-//!   size check;
+//! - an ordered load takes one round trip per phase (per [`MAX_BATCH`](super::protocol::MAX_BATCH)
+//!   pairs of a longer job) and adds one `EndLeases` before its copy only when some lease failed
+//!   its size check;
 //! - every reservation and lease of a job is on one connection;
 //! - only a connection that verifies nothing (a client of the node's own uid without `verify`,
 //!   see `client.rs`) goes direct: a checksum of an arena slot proves nothing about the bytes a
