@@ -18,10 +18,9 @@ use kvtier::connector::zmq::LeaderChannel;
 use kvtier::connector::ConnectorError;
 use kvtier::ids::{DeviceBlockId, RequestId, Tier};
 use kvtier::pool::PoolEvent;
+use kvtier_io::metrics_http::StatsPublisher;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
-
-use kvtier_io::metrics_http::StatsPublisher;
 
 use crate::errors::{extract_arg, extract_opt_arg, BridgeError, BridgeResult, Family};
 use crate::records::{page_ids, record_from_py};
