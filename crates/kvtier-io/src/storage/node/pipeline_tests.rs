@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use super::*;
-use crate::storage::node::batch::tests::{client, node};
+use crate::storage::node::batch::tests::{client, no_copy_parts, node};
 
 fn block(key: u128, bytes: usize) -> Vec<u8> {
     (0..bytes)
@@ -92,7 +92,7 @@ fn a_connection_broken_midway_fails_every_pair_the_node_did_not_answer_done() {
         let keys: Vec<u128> = (0..N as u128).collect();
         if load {
             assert!(s
-                .store_direct(&keys, 64, false, &mut no_copy)
+                .store_direct(&keys, 64, false, &mut no_copy_parts)
                 .unwrap()
                 .iter()
                 .all(|r| r.is_ok()));
@@ -138,8 +138,4 @@ fn a_connection_broken_midway_fails_every_pair_the_node_did_not_answer_done() {
             }
         }
     }
-}
-
-fn no_copy(_: &[(usize, usize)]) -> Vec<(usize, String)> {
-    Vec::new()
 }

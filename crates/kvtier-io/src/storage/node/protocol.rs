@@ -223,9 +223,9 @@ pub const NODE_POLL: Duration = Duration::from_micros(50);
 /// Wait up to `spin` for bytes (or the end) to read on `stream`, polling without sleeping and
 /// yielding the CPU between polls: a reader asleep in `read` pays the scheduler's wake-up on
 /// every frame, most of a node round trip's cost (perf of `benches/node_batch.rs`: wake-ups and
-/// task switches, not the books). Whether something is there (the stream stays blocking: each
-/// poll is one non-blocking peek).
-pub(super) fn spin_readable(stream: &UnixStream, spin: Duration) -> bool {
+/// task switches, not the books). The stream stays blocking: each poll is one non-blocking peek,
+/// and the caller's blocking read follows either way.
+pub(super) fn spin_readable(stream: &UnixStream, spin: Duration) {
     let sock = socket2::SockRef::from(stream);
     let t = Instant::now();
     let mut b = [std::mem::MaybeUninit::<u8>::uninit(); 1];
@@ -233,12 +233,12 @@ pub(super) fn spin_readable(stream: &UnixStream, spin: Duration) -> bool {
         match sock.recv_with_flags(&mut b, libc::MSG_PEEK | libc::MSG_DONTWAIT) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 if t.elapsed() >= spin {
-                    return false;
+                    return;
                 }
                 std::thread::yield_now();
             }
             // Bytes, the end, or an error: the blocking read sees it.
-            _ => return true,
+            _ => return,
         }
     }
 }

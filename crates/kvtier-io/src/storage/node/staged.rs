@@ -9,9 +9,10 @@
 //! - every checksum is taken of private memory: a put's of its source before it is copied into
 //!   the slot, a get's of the copy it made. Any process that maps the arena (a client of its
 //!   uid; memory damage alike) may write any slot at any time; hashing a slot and then moving its
-//!   bytes would check one set of bytes and move another. Here a put's checksum is of the bytes the engine computed, and the
-//!   node re-hashes the slot at `Finish` against it (a write by anyone else in between:
-//!   `Mismatch`, never published); a get's bytes that reach the device are the ones checked;
+//!   bytes would check one set of bytes and move another. Here a put's checksum is of the bytes
+//!   the engine computed, and the node re-hashes the slot at `Finish` against it (a write by
+//!   anyone else in between: `Mismatch`, never published); a get's bytes that reach the device
+//!   are the ones checked;
 //! - a get that fails its check ends its lease `Damaged` (the node drops the block at once) and
 //!   is failed; its private copy is never handed on (the engine copies only pairs reported done);
 //! - a pair counts done only as in `batch.rs`: the node answered its commit or end of lease

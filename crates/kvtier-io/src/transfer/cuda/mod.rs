@@ -514,10 +514,9 @@ impl CudaMover {
                 // descriptors are free.
                 dir.half_done[h].wait()?;
                 let dbuf = &descs[h];
-                // `dbuf` is our pinned buffer (its size checked by the call) and the GPU is
+                // `dbuf` is our pinned buffer (its size checked by the call), and the GPU is
                 // done with it (`half_done[h]` synchronised above).
-                job::fill_pinned_words(dbuf, 0, d)
-                    .map_err(|_| "descriptor buffer too small".to_string())?;
+                job::fill_pinned_words(dbuf, 0, d)?;
                 dbuf.addr() as u64
             } else {
                 // The half's previous round finished with it before this round refills it: its
