@@ -107,6 +107,7 @@ impl PyNodeServer {
                 ("disk_hits", s.disk_hits),
                 ("requests", s.requests),
                 ("verified", s.verified),
+                ("bytes_granted", s.bytes_granted),
             ] {
                 d.set_item(k, v)?;
             }

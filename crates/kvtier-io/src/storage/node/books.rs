@@ -9,13 +9,18 @@
 //! - the arena is carved into slots by byte range ([`Extents`]): a range freed by blocks of
 //!   one size is reused by blocks of any size;
 //! - a *reservation* is a slot a client is writing (`begin_put` .. `commit_put`); a *lease* is a
-//!   slot a client is reading (`begin_get` .. `end_get`).
+//!   slot a client is reading (`begin_get` .. `end_get`);
+//! - a *grant* is a reservation taken before its key is known (`grant`), so a client can copy
+//!   a block into it and publish it in one round trip (`name_grant`, then `commit_put`); an
+//!   unnamed grant is invisible, cannot be committed, and counts against the client's
+//!   [`MAX_GRANTS`] and the node's [`GRANT_SHARE`] of the arena (idle clients' grants hold at
+//!   most that much of the cache).
 //!
 //! Invariants (checked by the tests and the property test below):
 //! - a block is visible (`contains`, `begin_get`) only after its writer committed it: a client
 //!   that disconnects mid-write (`detach`) leaves nothing visible and its slot is free again;
-//! - a leased or reserved slot is never evicted nor handed to anyone else; a client's leases and
-//!   reservations end when it detaches (a crashed engine leaks nothing);
+//! - a leased or reserved slot is never evicted nor handed to anyone else; a client's leases,
+//!   reservations and grants end when it detaches (a crashed engine leaks nothing);
 //! - keys live in their namespace: a lookup in one namespace never sees another's blocks; a
 //!   namespace with no client and no block is forgotten, and at most `max_namespaces` exist;
 //! - a block reported damaged is invisible at once (leases held on it keep its slot, which is
@@ -51,6 +56,12 @@ pub enum AttachRefused {
 /// Default cap on namespaces the books hold at once.
 pub const MAX_NAMESPACES: usize = 1024;
 
+/// Most unnamed grants one client holds at once.
+pub const MAX_GRANTS: u32 = 1024;
+
+/// Unnamed grants of all clients together hold at most `capacity / GRANT_SHARE` bytes.
+pub const GRANT_SHARE: u64 = 8;
+
 #[derive(Clone, Debug)]
 struct Namespace {
     /// `<owner uid>/<declared name>`.
@@ -66,6 +77,18 @@ pub enum PutRefused {
     Present,
     /// No free, bumpable or evictable slot of this size: the put is skipped (a miss later).
     Full,
+}
+
+/// What naming a grant did ([`Books::name_grant`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Named {
+    /// The grant now reserves its key: commit or abort it as any reservation.
+    Reserved,
+    /// The key is stored (or being written) in the client's namespace already: the grant is
+    /// given back (its slot freed) and there is nothing to commit.
+    Present,
+    /// The client holds no unnamed grant of that id: nothing changed.
+    Unknown,
 }
 
 /// A slot handed out for reading or writing.
@@ -100,7 +123,8 @@ struct Block {
 struct Reservation {
     client: ClientId,
     ns: NsId,
-    key: u128,
+    /// `None` while an unnamed grant.
+    key: Option<u128>,
     offset: u64,
     bytes: u64,
 }
@@ -112,6 +136,8 @@ struct Client {
     /// Lease ids (block ids) it holds, with how many times (a block may be leased twice).
     leases: HashMap<u64, u32>,
     reservations: HashSet<u64>,
+    /// Of those, unnamed grants.
+    grants: u32,
 }
 
 /// A committed block as the node's disk tier needs it (evicted, or left at shutdown).
@@ -163,6 +189,8 @@ pub struct NodeStats {
     /// Commits whose slot the node hashed against the committed checksum (counted by the
     /// server).
     pub verified: u64,
+    /// Arena bytes held by unnamed grants now (slots clients hold for their next stores).
+    pub bytes_granted: u64,
 }
 
 /// The books of one node tier (see the module docs).
@@ -320,6 +348,7 @@ impl Books {
                 bytes: 0,
                 leases: HashMap::new(),
                 reservations: HashSet::new(),
+                grants: 0,
             },
         );
         self.stats.clients = self.clients.len() as u64;
@@ -358,9 +387,14 @@ impl Books {
         };
         for r in c.reservations {
             if let Some(res) = self.reservations.remove(&r) {
-                self.writing.remove(&(res.ns, res.key));
                 self.space.give(res.offset, res.bytes);
-                self.stats.abandoned_puts += 1;
+                match res.key {
+                    Some(key) => {
+                        self.writing.remove(&(res.ns, key));
+                        self.stats.abandoned_puts += 1;
+                    }
+                    None => self.stats.bytes_granted -= res.bytes,
+                }
             }
         }
         for (l, n) in c.leases {
@@ -412,7 +446,7 @@ impl Books {
             Reservation {
                 client,
                 ns,
-                key,
+                key: Some(key),
                 offset,
                 bytes,
             },
@@ -433,14 +467,17 @@ impl Books {
     /// not hashed, a private node's trusted writer): the block becomes visible. Returns false
     /// for an unknown reservation (or another client's).
     pub fn commit_put(&mut self, client: ClientId, id: u64, checksum: Option<u64>) -> bool {
-        match self.reservations.get(&id) {
-            Some(r) if r.client == client => {}
+        let key = match self.reservations.get(&id) {
+            Some(r) if r.client == client => match r.key {
+                Some(key) => key,
+                None => return false, // an unnamed grant: nothing to publish it under
+            },
             _ => return false,
-        }
+        };
         let Some(r) = self.reservations.remove(&id) else {
             return false;
         };
-        self.writing.remove(&(r.ns, r.key));
+        self.writing.remove(&(r.ns, key));
         if let Some(c) = self.clients.get_mut(&client) {
             c.reservations.remove(&id);
             c.bytes += r.bytes;
@@ -448,7 +485,7 @@ impl Books {
         self.tick += 1;
         let block = Block {
             ns: r.ns,
-            key: r.key,
+            key,
             offset: r.offset,
             bytes: r.bytes,
             checksum,
@@ -457,7 +494,7 @@ impl Books {
             dead: false,
         };
         self.lru.insert((self.tick, id), ());
-        self.index.insert((r.ns, r.key), id);
+        self.index.insert((r.ns, key), id);
         *self.ns_bytes.entry(r.ns).or_default() += r.bytes;
         self.blocks.insert(id, block);
         self.stats.puts += 1;
@@ -466,10 +503,11 @@ impl Books {
         true
     }
 
-    /// `(key, offset, bytes)` of reservation `id` if `client` holds it.
+    /// `(key, offset, bytes)` of reservation `id` if `client` holds it (named: an unnamed
+    /// grant has no key to commit under).
     pub fn reservation(&self, client: ClientId, id: u64) -> Option<(u128, u64, u64)> {
         let r = self.reservations.get(&id)?;
-        (r.client == client).then_some((r.key, r.offset, r.bytes))
+        (r.client == client).then_some((r.key?, r.offset, r.bytes))
     }
 
     /// The reservation `id` will not be committed (the writer failed): its slot is free again.
@@ -480,12 +518,86 @@ impl Books {
             }
         }
         if let Some(r) = self.reservations.remove(&id) {
-            self.writing.remove(&(r.ns, r.key));
             self.space.give(r.offset, r.bytes);
-            if let Some(c) = self.clients.get_mut(&client) {
+            let mut c = self.clients.get_mut(&client);
+            match r.key {
+                Some(key) => {
+                    self.writing.remove(&(r.ns, key));
+                }
+                None => {
+                    self.stats.bytes_granted -= r.bytes;
+                    if let Some(c) = c.as_deref_mut() {
+                        c.grants = c.grants.saturating_sub(1);
+                    }
+                }
+            }
+            if let Some(c) = c {
                 c.reservations.remove(&id);
             }
         }
+    }
+
+    /// A slot of `bytes` for the client's next put, before its key is known (an unnamed
+    /// grant: invisible, never evicted, freed by `abort_put` or when the client detaches).
+    /// `Full` when the client holds [`MAX_GRANTS`] already, when granting it would take the
+    /// node's grants beyond `capacity / GRANT_SHARE`, or when no slot can be freed.
+    pub fn grant(&mut self, client: ClientId, bytes: u64) -> Result<SlotGrant, PutRefused> {
+        let Some(c) = self.clients.get(&client) else {
+            return Err(PutRefused::Full);
+        };
+        let ns = c.ns;
+        let room = self.capacity / GRANT_SHARE;
+        if bytes == 0 || c.grants >= MAX_GRANTS || self.stats.bytes_granted + bytes > room {
+            return Err(PutRefused::Full);
+        }
+        let Some(offset) = self.take_slot(ns, bytes) else {
+            return Err(PutRefused::Full);
+        };
+        let id = self.id();
+        self.reservations.insert(
+            id,
+            Reservation {
+                client,
+                ns,
+                key: None,
+                offset,
+                bytes,
+            },
+        );
+        self.stats.bytes_granted += bytes;
+        if let Some(c) = self.clients.get_mut(&client) {
+            c.reservations.insert(id);
+            c.grants += 1;
+        }
+        Ok(SlotGrant {
+            id,
+            offset,
+            bytes,
+            checksum: None,
+        })
+    }
+
+    /// Name the client's unnamed grant `id` with `key`: it becomes a reservation of that key
+    /// (commit it with [`Books::commit_put`]), unless the key is stored or being written in the
+    /// client's namespace already, when the grant is given back.
+    pub fn name_grant(&mut self, client: ClientId, id: u64, key: u128) -> Named {
+        let (ns, bytes) = match self.reservations.get(&id) {
+            Some(r) if r.client == client && r.key.is_none() => (r.ns, r.bytes),
+            _ => return Named::Unknown,
+        };
+        if self.index.contains_key(&(ns, key)) || self.writing.contains_key(&(ns, key)) {
+            self.abort_put(client, id);
+            return Named::Present;
+        }
+        if let Some(r) = self.reservations.get_mut(&id) {
+            r.key = Some(key);
+        }
+        self.writing.insert((ns, key), id);
+        self.stats.bytes_granted -= bytes;
+        if let Some(c) = self.clients.get_mut(&client) {
+            c.grants = c.grants.saturating_sub(1);
+        }
+        Named::Reserved
     }
 
     /// Lease the block of `key` for reading: it cannot be evicted until [`Books::end_get`].
@@ -570,114 +682,6 @@ impl Books {
     /// The counters now.
     pub fn stats(&self) -> NodeStats {
         self.stats
-    }
-
-    /// Checks the books against the module invariants, as a whole: every byte of the arena is
-    /// free, a block's or a reservation's, exactly once; the index, the LRU, the per-namespace
-    /// byte counts, the leases and the counters agree with the blocks; no namespace is held
-    /// unused and at most `max_namespaces` are. For tests and the `node_books` fuzz target
-    /// (linear in the books' size). Feature `testing`.
-    #[cfg(any(test, feature = "testing"))]
-    pub fn check(&self) -> Result<(), String> {
-        let mut ranges: Vec<(u64, u64, &str)> = self
-            .space
-            .extents()
-            .into_iter()
-            .map(|(o, l)| (o, l, "free"))
-            .collect();
-        ranges.extend(self.blocks.values().map(|b| (b.offset, b.bytes, "block")));
-        ranges.extend(
-            self.reservations
-                .values()
-                .map(|r| (r.offset, r.bytes, "reservation")),
-        );
-        ranges.sort_unstable();
-        let mut at = 0u64;
-        for (o, l, what) in &ranges {
-            if *o != at || *l == 0 {
-                return Err(format!(
-                    "{what} {o}+{l} where byte {at} was expected (overlap or hole)"
-                ));
-            }
-            at = o.checked_add(*l).ok_or("range overflows")?;
-        }
-        if at != self.capacity {
-            return Err(format!(
-                "ranges end at {at}, the arena at {}",
-                self.capacity
-            ));
-        }
-        let mut ns_bytes: HashMap<NsId, u64> = HashMap::new();
-        let mut leases: HashMap<u64, u32> = HashMap::new();
-        for c in self.clients.values() {
-            if !self.namespaces.contains_key(&c.ns) {
-                return Err("a client's namespace is forgotten".into());
-            }
-            for (l, n) in &c.leases {
-                *leases.entry(*l).or_default() += n;
-            }
-            for r in &c.reservations {
-                if !self.reservations.contains_key(r) {
-                    return Err(format!("client lists reservation {r} the books lack"));
-                }
-            }
-        }
-        for (id, b) in &self.blocks {
-            *ns_bytes.entry(b.ns).or_default() += b.bytes;
-            if leases.get(id).copied().unwrap_or(0) != b.leases {
-                return Err(format!(
-                    "block {id} counts {} leases, its clients {:?}",
-                    b.leases,
-                    leases.get(id)
-                ));
-            }
-            let indexed = self.index.get(&(b.ns, b.key)) == Some(id);
-            let in_lru = self.lru.contains_key(&(b.tick, *id));
-            if b.dead == indexed || b.dead == in_lru {
-                return Err(format!(
-                    "block {id}: dead {}, indexed {indexed}, in LRU {in_lru}",
-                    b.dead
-                ));
-            }
-            if b.dead && b.leases == 0 {
-                return Err(format!("dead block {id} with no lease is not freed"));
-            }
-        }
-        if self.index.len() + self.blocks.values().filter(|b| b.dead).count() != self.blocks.len()
-            || self.lru.len() != self.index.len()
-        {
-            return Err("index or LRU names blocks that are not live".into());
-        }
-        for (ns, n) in &self.namespaces {
-            let held = ns_bytes.get(ns).copied().unwrap_or(0);
-            if self.ns_bytes.get(ns).copied().unwrap_or(0) != held {
-                return Err(format!(
-                    "namespace {} counts {:?} bytes, holds {held}",
-                    n.name,
-                    self.ns_bytes.get(ns)
-                ));
-            }
-            let clients = self.clients.values().filter(|c| c.ns == *ns).count() as u32;
-            if n.clients != clients || (clients == 0 && held == 0) {
-                return Err(format!(
-                    "namespace {}: {} clients counted, {clients} attached, {held} bytes",
-                    n.name, n.clients
-                ));
-            }
-        }
-        if self.namespaces.len() > self.max_namespaces {
-            return Err("more namespaces than allowed".into());
-        }
-        let used: u64 = self.blocks.values().map(|b| b.bytes).sum();
-        if self.stats.bytes_used != used || self.stats.blocks != self.blocks.len() as u64 {
-            return Err(format!(
-                "counters say {} bytes in {} blocks, the books {used} in {}",
-                self.stats.bytes_used,
-                self.stats.blocks,
-                self.blocks.len()
-            ));
-        }
-        Ok(())
     }
 
     /// A free range of `bytes`, evicting to make one: first a victim of the same size (its
@@ -768,6 +772,10 @@ impl Books {
         self.forget_if_unused(b.ns);
     }
 }
+
+#[cfg(any(test, feature = "testing"))]
+#[path = "books_check.rs"]
+mod check;
 
 #[cfg(test)]
 #[path = "books_tests.rs"]

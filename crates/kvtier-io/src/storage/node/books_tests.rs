@@ -123,6 +123,8 @@ enum Op {
     Abort(u8),
     Get(u8, u8),
     EndGet(u8),
+    Grant(u8, u8),
+    Name(u8, u8),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -134,6 +136,8 @@ fn op() -> impl Strategy<Value = Op> {
         (0u8..8).prop_map(Op::Abort),
         (0u8..4, 0u8..6).prop_map(|(c, k)| Op::Get(c, k)),
         (0u8..8).prop_map(Op::EndGet),
+        (0u8..4, 1u8..3).prop_map(|(c, s)| Op::Grant(c, s)),
+        (0u8..8, 0u8..6).prop_map(|(g, k)| Op::Name(g, k)),
     ]
 }
 
@@ -142,9 +146,10 @@ proptest! {
     /// nothing exceeds the arena.
     #[test]
     fn slots_never_overlap_and_leases_pin(ops in proptest::collection::vec(op(), 1..200)) {
-        let mut b = Books::new(64);
+        let mut b = Books::new(128);
         let mut clients: Vec<ClientId> = Vec::new();
         let mut puts: Vec<(ClientId, u64)> = Vec::new();
+        let mut grants: Vec<(ClientId, u64)> = Vec::new();
         let mut leases: Vec<(ClientId, u64, u128)> = Vec::new();
         for o in ops {
             match o {
@@ -153,6 +158,7 @@ proptest! {
                     b.detach(c);
                     clients.retain(|x| *x != c);
                     leases.retain(|l| l.0 != c);
+                    grants.retain(|g| g.0 != c);
                 },
                 Op::BeginPut(i, k, s) => if let Some(&c) = clients.get(i as usize) {
                     if let Ok(g) = b.begin_put(c, k as u128, 8 * s as u64) { puts.push((c, g.id)); }
@@ -172,6 +178,20 @@ proptest! {
                     let (c, id, _) = leases.remove(i as usize % leases.len());
                     b.end_get(c, id);
                 },
+                Op::Grant(i, s) => if let Some(&c) = clients.get(i as usize) {
+                    if let Ok(g) = b.grant(c, 8 * s as u64) {
+                        prop_assert!(!b.commit_put(c, g.id, None), "an unnamed grant committed");
+                        grants.push((c, g.id));
+                    }
+                },
+                Op::Name(i, k) => if !grants.is_empty() {
+                    let (c, id) = grants.remove(i as usize % grants.len());
+                    match b.name_grant(c, id, k as u128) {
+                        Named::Reserved => puts.push((c, id)),
+                        Named::Present => prop_assert!(b.reservation(c, id).is_none()),
+                        Named::Unknown => prop_assert!(false, "a held grant is unknown"),
+                    }
+                },
             }
             if let Err(e) = b.check() {
                 prop_assert!(false, "books inconsistent: {e}");
@@ -188,7 +208,7 @@ proptest! {
                 prop_assert!(w[0].0 + w[0].1 <= w[1].0, "overlap {:?}", w);
             }
             if let Some(last) = ranges.last() {
-                prop_assert!(last.0 + last.1 <= 64);
+                prop_assert!(last.0 + last.1 <= 128);
             }
         }
     }
@@ -280,4 +300,65 @@ fn namespaces_are_per_owner_capped_and_forgotten_when_unused() {
     assert_eq!(b.namespace_count(), 1);
     let again = b.attach(0, "m").unwrap();
     assert_eq!(b.contains(again, &[1]), vec![true]);
+}
+
+#[test]
+fn a_grant_is_invisible_until_named_and_committed_and_only_its_client_names_it() {
+    let mut b = Books::new(800);
+    let w = b.attach(0, "m").unwrap();
+    let r = b.attach(0, "m").unwrap();
+    let g = b.grant(w, 40).unwrap();
+    assert_eq!(b.stats().bytes_granted, 40);
+    assert!(!b.commit_put(w, g.id, None), "an unnamed grant has no key");
+    assert_eq!(b.reservation(w, g.id), None);
+    assert_eq!(b.name_grant(r, g.id, 1), Named::Unknown, "another client's grant");
+    assert_eq!(b.name_grant(w, g.id, 1), Named::Reserved);
+    assert_eq!(b.name_grant(w, g.id, 2), Named::Unknown, "named once");
+    assert_eq!(b.stats().bytes_granted, 0);
+    assert_eq!(b.contains(r, &[1]), vec![false], "named, not committed");
+    assert_eq!(b.begin_put(r, 1, 40), Err(PutRefused::Present), "being written");
+    assert!(b.commit_put(w, g.id, None));
+    assert_eq!(b.contains(r, &[1]), vec![true]);
+    assert_eq!(b.begin_get(r, 1).map(|l| l.offset), Some(g.offset));
+    // A key stored already: the grant goes back, its slot is free.
+    let g2 = b.grant(w, 40).unwrap();
+    assert_eq!(b.name_grant(w, g2.id, 1), Named::Present);
+    assert_eq!(b.stats().bytes_granted, 0);
+    assert_eq!(b.name_grant(w, g2.id, 3), Named::Unknown, "given back");
+    b.check().unwrap();
+    // Grants vanish with their client, counted as no abandoned put; named ones are.
+    let g3 = b.grant(w, 40).unwrap();
+    let g4 = b.grant(w, 40).unwrap();
+    assert_eq!(b.name_grant(w, g4.id, 4), Named::Reserved);
+    b.detach(w);
+    assert_eq!(b.stats().abandoned_puts, 1);
+    assert_eq!(b.stats().bytes_granted, 0);
+    assert_eq!(b.contains(r, &[4]), vec![false]);
+    let _ = g3;
+    b.check().unwrap();
+}
+
+#[test]
+fn grants_are_capped_per_client_and_in_all() {
+    // capacity / GRANT_SHARE = 100 bytes of grants in all.
+    let mut b = Books::new(100 * GRANT_SHARE);
+    let c = b.attach(0, "m").unwrap();
+    let d = b.attach(0, "m").unwrap();
+    assert!(b.grant(c, 60).is_ok());
+    assert_eq!(b.grant(d, 60), Err(PutRefused::Full), "over the node's share");
+    let g = b.grant(d, 40).unwrap();
+    assert_eq!(b.grant(c, 1), Err(PutRefused::Full));
+    b.abort_put(d, g.id);
+    assert!(b.grant(c, 1).is_ok(), "an aborted grant's bytes count no more");
+    assert_eq!(b.stats().puts_full, 0, "a refused grant is no refused put");
+    // MAX_GRANTS per client.
+    let mut e = Books::new(u64::from(MAX_GRANTS + 1) * GRANT_SHARE);
+    let c = e.attach(0, "m").unwrap();
+    for _ in 0..MAX_GRANTS {
+        e.grant(c, 1).unwrap();
+    }
+    assert_eq!(e.grant(c, 1), Err(PutRefused::Full));
+    let d = e.attach(0, "m").unwrap();
+    assert!(e.grant(d, 1).is_ok(), "another client has its own count");
+    e.check().unwrap();
 }

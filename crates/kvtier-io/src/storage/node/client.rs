@@ -456,6 +456,7 @@ impl NodeStore {
                 disk_hits,
                 requests,
                 verified,
+                bytes_granted,
             } => Ok(vec![
                 ("clients", clients),
                 ("blocks", blocks),
@@ -472,6 +473,7 @@ impl NodeStore {
                 ("disk_hits", disk_hits),
                 ("requests", requests),
                 ("verified", verified),
+                ("bytes_granted", bytes_granted),
             ]),
             other => Err(unexpected("stats", &other)),
         }

@@ -28,7 +28,8 @@ mod staged;
 mod tenants;
 
 pub use books::{
-    AttachRefused, BlockCopy, Books, ClientId, NodeStats, PutRefused, SlotGrant, MAX_NAMESPACES,
+    AttachRefused, BlockCopy, Books, ClientId, Named, NodeStats, PutRefused, SlotGrant,
+    GRANT_SHARE, MAX_GRANTS, MAX_NAMESPACES,
 };
 pub use client::{NodeClientOptions, NodeStore};
 pub use listen::default_socket;

@@ -18,8 +18,9 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 /// Version of this protocol; a client of another version is refused at `Hello` (v4: batched
-/// reserve/finish and lease/end, optional checksums, `Welcome::private`).
-pub const NODE_PROTOCOL_VERSION: u32 = 4;
+/// reserve/finish and lease/end, optional checksums, `Welcome::private`; v5: `Grant` and
+/// `PutEnd::Publish`, slots granted before their keys are known).
+pub const NODE_PROTOCOL_VERSION: u32 = 5;
 
 /// Largest frame either side accepts (a `Contains` of 64k keys fits).
 pub const MAX_FRAME: usize = 4 << 20;
@@ -28,7 +29,7 @@ pub const MAX_FRAME: usize = 4 << 20;
 /// namespace fits).
 pub const MAX_HELLO_FRAME: usize = 1 << 10;
 
-/// Most items in one `Reserve`, `Finish`, `Lease` or `EndLeases`: the node refuses a longer
+/// Most items in one `Reserve`, `Grant`, `Finish`, `Lease` or `EndLeases`: the node refuses a longer
 /// batch (its work and its reply per request stay bounded), and clients split longer jobs into
 /// batches of this many (each reply fits a frame: at most ~45 bytes an item).
 pub const MAX_BATCH: usize = 4096;
@@ -66,6 +67,16 @@ pub enum Request {
     EndLeases(Vec<LeaseEnd>),
     /// The node's counters (answered `Stats`).
     Stats,
+    /// Grant up to `count` slots of `bytes` for this client's next puts, before their keys are
+    /// known (answered `Granted`, possibly fewer: the node caps what a client and all clients
+    /// hold); each is published with `PutEnd::Publish` or given back with `PutEnd::Abort`,
+    /// and vanishes when the connection ends. At most [`MAX_BATCH`].
+    Grant {
+        /// Bytes of each slot.
+        bytes: u64,
+        /// Slots wanted.
+        count: u32,
+    },
 }
 
 /// The end of one reservation, in a `Finish`.
@@ -80,8 +91,20 @@ pub enum PutEnd {
         /// [`block_checksum`] of the bytes written, if the writer computed it.
         checksum: Option<u64>,
     },
-    /// Give up reservation `id` (the write failed): the block stays absent.
+    /// Give up reservation or grant `id` (the write failed, or the slot is not wanted): the
+    /// block stays absent and the slot is free.
     Abort(u64),
+    /// Publish grant `id` (`Request::Grant`) as the block of `key`, as `Commit` does (with a
+    /// checksum, only if the slot's bytes hash to it). Answered `Done` also when the key is
+    /// stored (or being written) already: the grant is then given back, nothing published.
+    Publish {
+        /// The grant's id.
+        id: u64,
+        /// The block's content key.
+        key: u128,
+        /// [`block_checksum`] of the bytes written, if the writer computed it.
+        checksum: Option<u64>,
+    },
 }
 
 /// The end of one lease, in an `EndLeases`.
@@ -195,7 +218,11 @@ pub enum Reply {
         requests: u64,
         /// Commits whose slot the node hashed against the committed checksum.
         verified: u64,
+        /// Arena bytes held by slots granted and not yet published.
+        bytes_granted: u64,
     },
+    /// For `Grant`: `(grant id, arena offset)` of each slot granted (at most `count`).
+    Granted(Vec<(u64, u64)>),
 }
 
 /// Write one frame.

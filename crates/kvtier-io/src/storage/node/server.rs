@@ -42,7 +42,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::books::{BlockCopy, Books, ClientId, NodeStats, PutRefused, SlotGrant, MAX_NAMESPACES};
+use super::books::MAX_NAMESPACES;
+use super::books::{BlockCopy, Books, ClientId, Named, NodeStats, PutRefused, SlotGrant};
 use super::disk::{disk_key, NodeDisk};
 use super::hash::slot_checksums;
 use super::listen;
@@ -446,6 +447,7 @@ fn handle(shared: &Shared, tenant: &Tenant, client: &mut Option<ClientId>, req: 
         Request::Reserve { keys, .. } | Request::Lease(keys) => keys.len(),
         Request::Finish(v) => v.len(),
         Request::EndLeases(v) => v.len(),
+        Request::Grant { count, .. } => *count as usize,
         _ => 0,
     };
     if items > MAX_BATCH {
@@ -467,7 +469,9 @@ fn handle(shared: &Shared, tenant: &Tenant, client: &mut Option<ClientId>, req: 
             }
             Reply::Present(present)
         }
-        Request::Reserve { bytes, .. } if bytes == 0 || bytes > tenant.arena_bytes => {
+        Request::Reserve { bytes, .. } | Request::Grant { bytes, .. }
+            if bytes == 0 || bytes > tenant.arena_bytes =>
+        {
             Reply::Refused(format!(
                 "a block of {bytes} bytes does not fit this node's {} bytes",
                 tenant.arena_bytes
@@ -489,6 +493,16 @@ fn handle(shared: &Shared, tenant: &Tenant, client: &mut Option<ClientId>, req: 
             // Before the reply: no writer knows the evicted blocks' slots yet.
             spill_evicted(shared, tenant, &mut books);
             Reply::Reserved(answers)
+        }
+        Request::Grant { bytes, count } => {
+            let mut books = lock(&tenant.books);
+            let granted = (0..count)
+                .map_while(|_| books.grant(id, bytes).ok())
+                .map(|g| (g.id, g.offset))
+                .collect();
+            // As for `Reserve`: evicted blocks leave for the disk before a writer knows a slot.
+            spill_evicted(shared, tenant, &mut books);
+            Reply::Granted(granted)
         }
         Request::Lease(keys) => {
             let mut books = lock(&tenant.books);
@@ -588,28 +602,39 @@ fn finish(shared: &Shared, tenant: &Tenant, client: ClientId, ends: &[PutEnd]) -
     {
         let mut books = lock(&tenant.books);
         for (i, end) in ends.iter().enumerate() {
-            match *end {
-                PutEnd::Abort(put) => books.abort_put(client, put),
-                PutEnd::Commit { id: put, checksum } => {
-                    let Some((key, offset, bytes)) = books.reservation(client, put) else {
+            let (put, checksum) = match *end {
+                PutEnd::Abort(put) => {
+                    books.abort_put(client, put);
+                    continue;
+                }
+                PutEnd::Commit { id, checksum } => (id, checksum),
+                PutEnd::Publish { id, key, checksum } => match books.name_grant(client, id, key) {
+                    Named::Reserved => (id, checksum),
+                    // Done: the node holds the key (the grant went back).
+                    Named::Present => continue,
+                    Named::Unknown => {
                         answers[i] = ItemAnswer::Unknown;
                         continue;
-                    };
-                    match (checksum, usize::try_from(bytes)) {
-                        (Some(sum), Ok(n)) => {
-                            check.push((i, put, sum));
-                            slots.push((key, offset, n));
-                        }
-                        (None, _) => {
-                            if !books.commit_put(client, put, None) {
-                                answers[i] = ItemAnswer::Unknown;
-                            }
-                        }
-                        (Some(_), Err(_)) => {
-                            books.abort_put(client, put);
-                            answers[i] = ItemAnswer::Mismatch;
-                        }
                     }
+                },
+            };
+            let Some((key, offset, bytes)) = books.reservation(client, put) else {
+                answers[i] = ItemAnswer::Unknown;
+                continue;
+            };
+            match (checksum, usize::try_from(bytes)) {
+                (Some(sum), Ok(n)) => {
+                    check.push((i, put, sum));
+                    slots.push((key, offset, n));
+                }
+                (None, _) => {
+                    if !books.commit_put(client, put, None) {
+                        answers[i] = ItemAnswer::Unknown;
+                    }
+                }
+                (Some(_), Err(_)) => {
+                    books.abort_put(client, put);
+                    answers[i] = ItemAnswer::Mismatch;
                 }
             }
         }
@@ -655,6 +680,7 @@ fn stats_reply(s: &NodeStats) -> Reply {
         disk_hits: s.disk_hits,
         requests: s.requests,
         verified: s.verified,
+        bytes_granted: s.bytes_granted,
     }
 }
 

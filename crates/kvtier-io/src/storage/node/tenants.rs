@@ -119,6 +119,7 @@ impl NodeStats {
             disk_hits,
             requests,
             verified,
+            bytes_granted,
         } = *o;
         self.clients += clients;
         self.blocks += blocks;
@@ -135,6 +136,7 @@ impl NodeStats {
         self.disk_hits += disk_hits;
         self.requests += requests;
         self.verified += verified;
+        self.bytes_granted += bytes_granted;
     }
 }
 
