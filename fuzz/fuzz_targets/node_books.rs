@@ -1,12 +1,13 @@
 //! The node tier's books (`kvtier_io::storage::node::Books`, the state machine `kvtier node` runs for
 //! every client request) under arbitrary sequences of attach, detach, put (begin, commit,
-//! abort), get (begin, end), damage reports and lookups, from any clients and users, with
+//! abort), grants (taken before their key, named, committed or given back), get (begin, end),
+//! damage reports and lookups, from any clients and users, with
 //! block sizes that differ and do not fit: never panics, and after every operation
 //! `Books::check` holds (each arena byte free or owned exactly once, index, LRU, leases,
 //! namespaces and counters consistent); a committed block is visible to its namespace at once
 //! and to no other user's namespace; a reserved key is never visible.
 #![no_main]
-use kvtier_io::storage::node::{Books, ClientId};
+use kvtier_io::storage::node::{Books, ClientId, Named};
 use libfuzzer_sys::fuzz_target;
 
 const CAPACITY: u64 = 256;
@@ -19,12 +20,13 @@ fuzz_target!(|data: &[u8]| {
     let mut clients: Vec<(ClientId, u32, u8)> = Vec::new();
     let mut puts: Vec<(ClientId, u64, u128)> = Vec::new();
     let mut leases: Vec<(ClientId, u64)> = Vec::new();
+    let mut grants: Vec<(ClientId, u64)> = Vec::new();
     // Every (owner, namespace, key) ever committed.
     let mut committed: Vec<(u32, u8, u128)> = Vec::new();
     for op in data.chunks_exact(4) {
         let (a, x, y) = (op[1], op[2], op[3]);
         let pick = |n: usize| (a as usize) % n.max(1);
-        match op[0] % 10 {
+        match op[0] % 12 {
             0 => {
                 let (owner, ns) = (u32::from(x % 2), y % 4);
                 let name = ["m", "n", "o", ""][ns as usize];
@@ -37,6 +39,7 @@ fuzz_target!(|data: &[u8]| {
                 b.detach(c);
                 puts.retain(|p| p.0 != c);
                 leases.retain(|l| l.0 != c);
+                grants.retain(|g| g.0 != c);
             }
             2 if !clients.is_empty() => {
                 let (c, _, _) = clients[pick(clients.len())];
@@ -93,6 +96,29 @@ fuzz_target!(|data: &[u8]| {
                 if !leases.iter().any(|l| l.0 == c && l.1 == id) {
                     assert!(!b.drop_block(c, id));
                     assert!(!b.end_get(c, id), "a lease nobody holds ended");
+                }
+            }
+            9 if !clients.is_empty() => {
+                let (c, _, _) = clients[pick(clients.len())];
+                let bytes = [8u64, 16, 24, 32, 0, CAPACITY][y as usize % 6];
+                if let Ok(g) = b.grant(c, bytes) {
+                    assert!(g.offset + g.bytes <= CAPACITY);
+                    assert!(!b.commit_put(c, g.id, None), "an unnamed grant committed");
+                    grants.push((c, g.id));
+                }
+            }
+            10 if !grants.is_empty() => {
+                let (c, id) = grants.remove(pick(grants.len()));
+                let key = u128::from(x % 16);
+                let held = b.contains(c, &[key])[0];
+                match b.name_grant(c, id, key) {
+                    Named::Reserved => {
+                        assert!(!held, "a held key was named");
+                        assert!(!b.contains(c, &[key])[0], "a named grant is visible");
+                        puts.push((c, id, key));
+                    }
+                    Named::Present => {}
+                    Named::Unknown => panic!("a held grant is unknown"),
                 }
             }
             _ => {

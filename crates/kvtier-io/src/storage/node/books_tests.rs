@@ -311,12 +311,20 @@ fn a_grant_is_invisible_until_named_and_committed_and_only_its_client_names_it()
     assert_eq!(b.stats().bytes_granted, 40);
     assert!(!b.commit_put(w, g.id, None), "an unnamed grant has no key");
     assert_eq!(b.reservation(w, g.id), None);
-    assert_eq!(b.name_grant(r, g.id, 1), Named::Unknown, "another client's grant");
+    assert_eq!(
+        b.name_grant(r, g.id, 1),
+        Named::Unknown,
+        "another client's grant"
+    );
     assert_eq!(b.name_grant(w, g.id, 1), Named::Reserved);
     assert_eq!(b.name_grant(w, g.id, 2), Named::Unknown, "named once");
     assert_eq!(b.stats().bytes_granted, 0);
     assert_eq!(b.contains(r, &[1]), vec![false], "named, not committed");
-    assert_eq!(b.begin_put(r, 1, 40), Err(PutRefused::Present), "being written");
+    assert_eq!(
+        b.begin_put(r, 1, 40),
+        Err(PutRefused::Present),
+        "being written"
+    );
     assert!(b.commit_put(w, g.id, None));
     assert_eq!(b.contains(r, &[1]), vec![true]);
     assert_eq!(b.begin_get(r, 1).map(|l| l.offset), Some(g.offset));
@@ -345,11 +353,18 @@ fn grants_are_capped_per_client_and_in_all() {
     let c = b.attach(0, "m").unwrap();
     let d = b.attach(0, "m").unwrap();
     assert!(b.grant(c, 60).is_ok());
-    assert_eq!(b.grant(d, 60), Err(PutRefused::Full), "over the node's share");
+    assert_eq!(
+        b.grant(d, 60),
+        Err(PutRefused::Full),
+        "over the node's share"
+    );
     let g = b.grant(d, 40).unwrap();
     assert_eq!(b.grant(c, 1), Err(PutRefused::Full));
     b.abort_put(d, g.id);
-    assert!(b.grant(c, 1).is_ok(), "an aborted grant's bytes count no more");
+    assert!(
+        b.grant(c, 1).is_ok(),
+        "an aborted grant's bytes count no more"
+    );
     assert_eq!(b.stats().puts_full, 0, "a refused grant is no refused put");
     // MAX_GRANTS per client.
     let mut e = Books::new(u64::from(MAX_GRANTS + 1) * GRANT_SHARE);

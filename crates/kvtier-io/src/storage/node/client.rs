@@ -38,6 +38,7 @@ use std::time::Duration;
 use kvtier::hash::SequenceHash;
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
 
+use super::granted::Granted;
 use super::protocol::{
     block_checksum, read_frame, spin_readable, write_frame, GetAnswer, ItemAnswer, LeaseEnd,
     PutAnswer, PutEnd, Reply, Request, CLIENT_SPIN, MAX_BATCH, NODE_PROTOCOL_VERSION,
@@ -83,6 +84,8 @@ pub(super) struct Conn {
     pub(super) verify: bool,
     /// Time spent in round trips since the connection was last pooled.
     waited: std::time::Duration,
+    /// Slots the node granted this connection for its next stores (`granted.rs`).
+    pub(super) granted: Granted,
 }
 
 /// The node tier as this process sees it (see the module docs).
@@ -155,6 +158,7 @@ fn hello(
         stream,
         verify: true,
         waited: std::time::Duration::ZERO,
+        granted: Granted::default(),
     };
     let reply = conn.call(&Request::Hello {
         version: NODE_PROTOCOL_VERSION,
@@ -167,6 +171,7 @@ fn hello(
         } => {
             // A node of another uid is never trusted as private, whatever it says.
             conn.verify = opts.verify || !(private && node_uid == sock::current_uid());
+            conn.granted.arena_bytes = arena_bytes;
             let fd = sock::recv_fd(&conn.stream).map_err(|e| unavailable("hello", e))?;
             let w = Welcome {
                 fd,
@@ -216,8 +221,25 @@ impl Conn {
         out
     }
 
-    /// The answer to the oldest request sent and not answered yet.
+    /// The answer to the oldest request sent and not answered yet, after the answers to the
+    /// `Grant`s sent before it (their slots join the pool).
     pub(super) fn recv(&mut self) -> Result<Reply, RemoteError> {
+        self.settle()?;
+        self.read_reply()
+    }
+
+    /// Read the answers to the `Grant`s sent and not answered yet: their slots join the pool.
+    pub(super) fn settle(&mut self) -> Result<(), RemoteError> {
+        while let Some(asked) = self.granted.next_owed() {
+            let mut reply = self.read_reply()?;
+            if !self.granted.take_reply(asked, &mut reply) {
+                return Err(unexpected("grant", &reply));
+            }
+        }
+        Ok(())
+    }
+
+    fn read_reply(&mut self) -> Result<Reply, RemoteError> {
         let t = std::time::Instant::now();
         spin_readable(&self.stream, CLIENT_SPIN);
         let out = match read_frame(&mut self.stream) {
@@ -235,15 +257,16 @@ impl Conn {
         &mut self,
         op: &'static str,
         n: usize,
-        answers: impl Fn(Reply) -> Result<Vec<A>, Reply>,
+        answers: impl Fn(&mut Reply) -> Option<Vec<A>>,
     ) -> Result<Vec<A>, RemoteError> {
-        match answers(self.recv()?) {
-            Ok(v) if v.len() == n => Ok(v),
-            Ok(v) => Err(unavailable(
+        let mut reply = self.recv()?;
+        match answers(&mut reply) {
+            Some(v) if v.len() == n => Ok(v),
+            Some(v) => Err(unavailable(
                 op,
                 format!("{} answers to {} items", v.len(), n),
             )),
-            Err(other) => Err(unexpected(op, &other)),
+            None => Err(unexpected(op, &reply)),
         }
     }
 
@@ -254,7 +277,7 @@ impl Conn {
         op: &'static str,
         items: &[I],
         request: impl Fn(Vec<I>) -> Request,
-        answers: impl Fn(Reply) -> Result<Vec<A>, Reply>,
+        answers: impl Fn(&mut Reply) -> Option<Vec<A>>,
     ) -> Result<Vec<A>, RemoteError> {
         let mut out = Vec::with_capacity(items.len());
         for chunk in items.chunks(MAX_BATCH) {
@@ -275,8 +298,8 @@ impl Conn {
             keys,
             |keys| Request::Reserve { bytes, keys },
             |r| match r {
-                Reply::Reserved(v) => Ok(v),
-                other => Err(other),
+                Reply::Reserved(v) => Some(std::mem::take(v)),
+                _ => None,
             },
         )
     }
@@ -284,24 +307,24 @@ impl Conn {
     /// Commit or abort reservations.
     pub(super) fn finish(&mut self, ends: &[PutEnd]) -> Result<Vec<ItemAnswer>, RemoteError> {
         self.batch("finish", ends, Request::Finish, |r| match r {
-            Reply::Items(v) => Ok(v),
-            other => Err(other),
+            Reply::Items(v) => Some(std::mem::take(v)),
+            _ => None,
         })
     }
 
     /// Lease the blocks of `keys`.
     pub(super) fn lease(&mut self, keys: &[u128]) -> Result<Vec<GetAnswer>, RemoteError> {
         self.batch("lease", keys, Request::Lease, |r| match r {
-            Reply::Leased(v) => Ok(v),
-            other => Err(other),
+            Reply::Leased(v) => Some(std::mem::take(v)),
+            _ => None,
         })
     }
 
     /// End leases (or report them damaged).
     pub(super) fn end_leases(&mut self, ends: &[LeaseEnd]) -> Result<Vec<ItemAnswer>, RemoteError> {
         self.batch("end of lease", ends, Request::EndLeases, |r| match r {
-            Reply::Items(v) => Ok(v),
-            other => Err(other),
+            Reply::Items(v) => Some(std::mem::take(v)),
+            _ => None,
         })
     }
 }
@@ -384,7 +407,11 @@ impl NodeStore {
     pub(super) fn conn(&self) -> Result<(Conn, Arc<Arena>), RemoteError> {
         loop {
             let pooled = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
-            let Some(c) = pooled else { break };
+            let Some(mut c) = pooled else { break };
+            // The answers it is owed are read first: a node that closed it fails that read.
+            if c.granted.owes() && c.settle().is_err() {
+                continue;
+            }
             if sock::peer_closed(&c.stream) {
                 continue; // closed by the node (idle timeout, error): dropped, never waited on
             }

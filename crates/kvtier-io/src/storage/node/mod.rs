@@ -18,6 +18,7 @@ pub(crate) mod direct;
 mod disk;
 #[cfg(test)]
 pub(crate) mod gpu_tests;
+mod granted;
 mod hash;
 mod listen;
 mod pipeline;

@@ -15,6 +15,7 @@
 //! read, and ended only after its copy returned.
 use super::batch::{copy_leg, ended, fail_open, Grant, PairResult};
 use super::client::{Conn, NodeStore};
+use super::granted::store_granted;
 use super::protocol::{LeaseEnd, PutEnd, Reply, Request, MAX_BATCH};
 use crate::sys::shm::Arena;
 use kvtier::transfer::RemoteError;
@@ -91,8 +92,8 @@ impl Phases for Stores {
         early: &mut Vec<PutEnd>,
     ) -> Result<Vec<(Grant, usize)>, RemoteError> {
         let answers = c.recv_items("reserve", keys.len(), |r| match r {
-            Reply::Reserved(v) => Ok(v),
-            other => Err(other),
+            Reply::Reserved(v) => Some(std::mem::take(v)),
+            _ => None,
         })?;
         Ok(NodeStore::reserved_slots(
             answers, arena, self.bytes, base, out, early,
@@ -135,8 +136,8 @@ impl Phases for Loads {
         early: &mut Vec<LeaseEnd>,
     ) -> Result<Vec<(Grant, usize)>, RemoteError> {
         let answers = c.recv_items("lease", keys.len(), |r| match r {
-            Reply::Leased(v) => Ok(v),
-            other => Err(other),
+            Reply::Leased(v) => Some(std::mem::take(v)),
+            _ => None,
         })?;
         let leased = NodeStore::leased_slots(answers, arena, keys, self.bytes, base, out, early);
         Ok(leased.into_iter().map(|(g, a, _)| (g, a)).collect())
@@ -164,6 +165,9 @@ impl NodeStore {
     /// a slot per key, let `copy` fill the slots, commit each slot copied or abort it. `None`
     /// when the direct path cannot serve this job (`batch.rs`, `direct_conn`): the caller stages
     /// it. A key the node holds already is done without a copy; a full node fails the pair.
+    ///
+    /// A connection that holds a granted slot per key copies into those and publishes them in
+    /// one round trip (`granted.rs`); after the store it asks the node to top its grants up.
     pub(crate) fn store_direct(
         &self,
         keys: &[u128],
@@ -171,7 +175,34 @@ impl NodeStore {
         need_cuda: bool,
         copy: &mut PartLeg<'_>,
     ) -> Option<Vec<PairResult>> {
-        self.in_parts(&Stores { bytes }, keys, need_cuda, copy)
+        let (mut c, arena) = match self.direct_conn(keys.len(), need_cuda) {
+            Ok(x) => x,
+            Err(early) => return early,
+        };
+        let mut out: Vec<PairResult> = vec![Ok(()); keys.len()];
+        if keys.is_empty() {
+            self.pool(c);
+            return Some(out);
+        }
+        let done = match c.granted.take(bytes as u64, keys.len()) {
+            Some(slots) => store_granted(&mut c, &arena, keys, bytes, slots, &mut out, copy),
+            None => run_parts(
+                &Stores { bytes },
+                &mut c,
+                &arena,
+                &parts(keys),
+                &mut out,
+                copy,
+            ),
+        };
+        // A broken connection is not pooled (the node detached it: its grants vanished).
+        if done.is_ok() {
+            let refill = c.granted.refill(bytes as u64, keys.len());
+            if refill.is_none_or(|r| c.send(&r).is_ok()) {
+                self.pool(c);
+            }
+        }
+        Some(out)
     }
 
     /// Arena -> device for `keys` in parts (a load the engine does not order; an ordered one
@@ -204,19 +235,22 @@ impl NodeStore {
             self.pool(c);
             return Some(out);
         }
-        let len = part_len(keys.len());
-        let parts: Vec<(usize, &[u128])> = keys
-            .chunks(len)
-            .enumerate()
-            .map(|(i, k)| (i * len, k))
-            .collect();
         // A broken connection is not pooled: the node detached it (its reservations and
         // leases vanished with it); every pair still open failed in `run_parts`.
-        if run_parts(job, &mut c, &arena, &parts, &mut out, copy).is_ok() {
+        if run_parts(job, &mut c, &arena, &parts(keys), &mut out, copy).is_ok() {
             self.pool(c);
         }
         Some(out)
     }
+}
+
+/// `keys` cut into parts of [`part_len`] keys: `(index of the first, the part's keys)`.
+fn parts(keys: &[u128]) -> Vec<(usize, &[u128])> {
+    let len = part_len(keys.len());
+    keys.chunks(len)
+        .enumerate()
+        .map(|(i, k)| (i * len, k))
+        .collect()
 }
 
 /// The parts of a job in turn on `c` (see the module docs); `Err` when the connection broke
@@ -301,8 +335,8 @@ fn read_ends<P: Phases>(
     out: &mut [PairResult],
 ) -> Result<(), RemoteError> {
     let answers = c.recv_items(P::REFUSED, cl.ends, |r| match r {
-        Reply::Items(v) => Ok(v),
-        other => Err(other),
+        Reply::Items(v) => Some(std::mem::take(v)),
+        _ => None,
     })?;
     ended(&answers, &cl.pairs, out, P::REFUSED);
     Ok(())

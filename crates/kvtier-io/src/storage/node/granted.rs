@@ -1,0 +1,226 @@
+//! Stores into slots granted ahead: a direct store whose connection holds enough granted slots
+//! (`Request::Grant`, slots the node hands out before their keys are known) copies the blocks
+//! into them at once and publishes them (`PutEnd::Publish`) in one round trip, instead of the
+//! two of `Reserve` .. `Finish`. After each direct store the connection asks for slots to top
+//! its pool up again; that request's answer is read when the connection is next used, so the
+//! node grants them while the engine computes (measured: docs/bench/node.md).
+//!
+//! Invariants:
+//! - a granted slot is copied into only after the node's `Granted` naming it was read on this
+//!   connection (its offset checked inside the arena), by the one job that took it from the
+//!   pool, and published only after its copy returned; a slot whose copy failed goes back to
+//!   the pool unpublished (the next copy into it writes the whole block);
+//! - a pair counts done only when the node answered its publish `Done` (published, or the key
+//!   held already); a connection that breaks fails every pair not answered done and is not
+//!   pooled again (the node then frees its grants);
+//! - the answer to a `Grant` is read before any later answer on its connection
+//!   (`Conn::recv` reads what it owes first), so answers are never taken for another request's;
+//! - bounded: a pool holds at most [`POOL_MAX`] slots per block size, topped up to the largest
+//!   job of at most that many pairs seen on the connection, and the node caps what one client
+//!   and all clients hold (`MAX_GRANTS`, `GRANT_SHARE` in `books.rs`).
+use std::collections::VecDeque;
+
+use kvtier::transfer::RemoteError;
+
+use super::batch::{copy_leg, ended, fail_open, PairResult};
+use super::client::Conn;
+use super::pipeline::{part_len, PartLeg};
+use super::protocol::{PutEnd, Reply, Request};
+use crate::sys::shm::Arena;
+
+/// Most granted slots a connection keeps per block size.
+pub(super) const POOL_MAX: usize = 256;
+
+/// The granted slots of one block size.
+#[derive(Debug)]
+struct Pool {
+    bytes: u64,
+    /// `(grant id, arena offset)`, unused yet.
+    slots: Vec<(u64, u64)>,
+    /// Slots asked for and not answered yet.
+    asked: usize,
+    /// The largest job (of at most [`POOL_MAX`] pairs) stored with blocks of this size.
+    want: usize,
+}
+
+/// A connection's granted slots and the `Grant` answers it still has to read.
+#[derive(Debug, Default)]
+pub(super) struct Granted {
+    /// Bytes of the node's arena (a grant must lie inside it).
+    pub(super) arena_bytes: u64,
+    pools: Vec<Pool>,
+    /// `(bytes, count)` of each `Grant` sent and not answered yet, oldest first.
+    owed: VecDeque<(u64, u32)>,
+}
+
+impl Granted {
+    fn pool(&mut self, bytes: u64) -> &mut Pool {
+        let i = match self.pools.iter().position(|p| p.bytes == bytes) {
+            Some(i) => i,
+            None => {
+                self.pools.push(Pool {
+                    bytes,
+                    slots: Vec::new(),
+                    asked: 0,
+                    want: 0,
+                });
+                self.pools.len() - 1
+            }
+        };
+        &mut self.pools[i]
+    }
+
+    /// The oldest `Grant` whose answer is still to be read, if any.
+    pub(super) fn next_owed(&mut self) -> Option<(u64, u32)> {
+        self.owed.pop_front()
+    }
+
+    /// Whether a `Grant`'s answer is still to be read.
+    pub(super) fn owes(&self) -> bool {
+        !self.owed.is_empty()
+    }
+
+    /// Take `reply`, the answer to the `Grant` of `count` slots of `bytes`: its slots join the
+    /// pool. False when it is not a `Granted` of at most `count` slots inside the arena (the
+    /// connection must end).
+    pub(super) fn take_reply(&mut self, (bytes, count): (u64, u32), reply: &mut Reply) -> bool {
+        let arena = self.arena_bytes;
+        let inside =
+            |&(_, off): &(u64, u64)| off.checked_add(bytes).is_some_and(|end| end <= arena);
+        match reply {
+            Reply::Granted(v) if v.len() <= count as usize && v.iter().all(inside) => {
+                let p = self.pool(bytes);
+                p.asked = p.asked.saturating_sub(count as usize);
+                p.slots.append(v);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// `n` granted slots of `bytes`, if the pool holds that many.
+    pub(super) fn take(&mut self, bytes: u64, n: usize) -> Option<Vec<(u64, u64)>> {
+        let p = self.pool(bytes);
+        let at = p.slots.len().checked_sub(n)?;
+        Some(p.slots.split_off(at))
+    }
+
+    /// The request that tops the pool of `bytes` up after a store of `n` pairs, if it needs
+    /// any (the answer is then owed).
+    pub(super) fn refill(&mut self, bytes: u64, n: usize) -> Option<Request> {
+        let p = self.pool(bytes);
+        if n <= POOL_MAX {
+            p.want = p.want.max(n);
+        }
+        let count = p
+            .want
+            .checked_sub(p.slots.len() + p.asked)
+            .filter(|&c| c > 0)?;
+        p.asked += count;
+        let count = u32::try_from(count).ok()?;
+        self.owed.push_back((bytes, count));
+        Some(Request::Grant { bytes, count })
+    }
+
+    /// Slots of `bytes` taken and not published (their copies failed): back to the pool.
+    fn give_back(&mut self, bytes: u64, slots: Vec<(u64, u64)>) {
+        self.pool(bytes).slots.extend(slots);
+    }
+}
+
+/// A `Finish` sent and not answered yet: the pairs it publishes, in order.
+struct Publishing {
+    pairs: Vec<usize>,
+    /// Items sent (the publishes, then early aborts, which have no pair).
+    ends: usize,
+}
+
+/// Device -> arena for `keys` into `slots` (one granted slot per key, taken from `c`'s pool),
+/// in parts: each part's publishes are sent as soon as its copy returned, the answers read at
+/// the end. `Err` when the connection broke (every pair not answered done failed).
+pub(super) fn store_granted(
+    c: &mut Conn,
+    arena: &Arena,
+    keys: &[u128],
+    bytes: usize,
+    slots: Vec<(u64, u64)>,
+    out: &mut [PairResult],
+    copy: &mut PartLeg<'_>,
+) -> Result<(), ()> {
+    let n = keys.len();
+    let len = part_len(n);
+    let mut back = Vec::new();
+    let mut sent: Vec<Publishing> = Vec::new();
+    // Every pair but those of the first `answered` publishes sent fails: the connection broke.
+    let broke = |out: &mut [PairResult], sent: &[Publishing], answered: usize, e: RemoteError| {
+        let done: Vec<usize> = sent[..answered]
+            .iter()
+            .flat_map(|p| p.pairs.clone())
+            .collect();
+        fail_open(out, (0..n).filter(|k| !done.contains(k)), &e);
+    };
+    for (i, chunk) in slots.chunks(len).enumerate() {
+        let base = i * len;
+        let mut items = Vec::with_capacity(chunk.len());
+        let mut aborts = Vec::new();
+        for (j, &(id, offset)) in chunk.iter().enumerate() {
+            match arena.addr(offset, bytes) {
+                Ok(a) => items.push((base + j, a)),
+                Err(e) => {
+                    out[base + j] = Err(format!("node slot: {e}"));
+                    aborts.push(PutEnd::Abort(id));
+                }
+            }
+        }
+        copy_leg(out, &items, &mut *copy);
+        let mut pairs = Vec::with_capacity(chunk.len());
+        let mut ends = Vec::with_capacity(chunk.len());
+        for (j, &(id, offset)) in chunk.iter().enumerate() {
+            let k = base + j;
+            match &out[k] {
+                Ok(()) => {
+                    pairs.push(k);
+                    ends.push(PutEnd::Publish {
+                        id,
+                        key: keys[k],
+                        checksum: None,
+                    });
+                }
+                Err(_) if !aborts.contains(&PutEnd::Abort(id)) => back.push((id, offset)),
+                Err(_) => {}
+            }
+        }
+        ends.extend(aborts);
+        if ends.is_empty() {
+            continue;
+        }
+        let count = ends.len();
+        if let Err(e) = c.send(&Request::Finish(ends)) {
+            broke(out, &sent, 0, e);
+            return Err(());
+        }
+        sent.push(Publishing { pairs, ends: count });
+    }
+    for (i, p) in sent.iter().enumerate() {
+        if let Err(e) = read_published(c, p, out) {
+            broke(out, &sent, i, e);
+            return Err(());
+        }
+    }
+    c.granted.give_back(bytes as u64, back);
+    Ok(())
+}
+
+/// Read the answer to `p`'s `Finish` and fail each of its pairs not answered `Done`.
+fn read_published(c: &mut Conn, p: &Publishing, out: &mut [PairResult]) -> Result<(), RemoteError> {
+    let answers = c.recv_items("node publish", p.ends, |r| match r {
+        Reply::Items(v) => Some(std::mem::take(v)),
+        _ => None,
+    })?;
+    ended(&answers, &p.pairs, out, "node publish refused");
+    Ok(())
+}
+
+#[cfg(test)]
+#[path = "granted_tests.rs"]
+mod tests;
