@@ -3,6 +3,12 @@
 //! the same process (no round trips; the baseline), in jobs of 64 and 512 pairs (a vLLM prefill
 //! step of 1K and 8K tokens of 16-token blocks). Ratio = node job / host tier job.
 //!
+//! `store/node, between steps` times the same stores with an untimed pause of [`STEP_GAP`]
+//! after each, as an engine's stores come once per forward step: the node then has answered
+//! the connection's `Grant` before the next store, which goes through granted slots in one
+//! round trip (`storage/node/granted.rs`); back to back, each store also waits for the node to
+//! serve the previous one's `Grant`.
+//!
 //! Run: `cargo bench -p kvtier-io --bench node_batch`.
 // `criterion_main!` generates an undocumented `pub fn main`.
 #![allow(missing_docs)]
@@ -25,6 +31,8 @@ const LAYERS: usize = 2;
 const CHUNK: usize = 1024;
 const BPB: usize = LAYERS * 2 * CHUNK;
 const BLOCKS: u32 = 512;
+/// Untimed pause after each store of `store/node, between steps`.
+const STEP_GAP: std::time::Duration = std::time::Duration::from_micros(300);
 
 fn device(cache: &PerLayerCache) -> EngineMemory {
     // SAFETY: the cache outlives the engine; only the engine's jobs touch it.
@@ -67,6 +75,23 @@ fn bench(c: &mut Criterion) {
                 });
                 let f = to_node.fence(None).unwrap();
                 assert!(to_node.execute(&j, &f).is_ok());
+            })
+        });
+        g.bench_function(BenchmarkId::new("store", "node, between steps"), |b| {
+            b.iter_custom(|iters| {
+                let mut timed = std::time::Duration::ZERO;
+                for _ in 0..iters {
+                    round += 1;
+                    let j = keyed_by(Tier::Device, Tier::Remote, &pairs, |n| {
+                        (round << 32) | u128::from(n)
+                    });
+                    let t = std::time::Instant::now();
+                    let f = to_node.fence(None).unwrap();
+                    assert!(to_node.execute(&j, &f).is_ok());
+                    timed += t.elapsed();
+                    std::thread::sleep(STEP_GAP);
+                }
+                timed
             })
         });
         g.bench_function(BenchmarkId::new("store", "host tier"), |b| {
