@@ -567,3 +567,82 @@ fn a_second_block_size_reuses_the_ranges_of_the_first() {
         }
     }
 }
+
+#[test]
+fn grants_are_bounded_bound_to_their_connection_and_never_replace_a_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = NodeServer::start(&opts(dir.path(), 64)).unwrap();
+    let mut a = raw(&n, "m");
+    let mut b = raw(&n, "m");
+    let bytes = BLOCK as u64;
+    // Bounded: a batch past MAX_BATCH, no bytes or more than the arena are refused whole; a
+    // Grant gets at most 1/8 of the arena (8 of 64 blocks), however many it asks for.
+    for (bytes, count) in [(bytes, MAX_BATCH as u32 + 1), (0, 1), (65 * bytes, 1)] {
+        let r = send(&mut a, &Request::Grant { bytes, count });
+        assert!(
+            matches!(r, Some(Reply::Refused(_))),
+            "{bytes} x {count}: {r:?}"
+        );
+    }
+    let Some(Reply::Granted(granted)) = send(&mut a, &Request::Grant { bytes, count: 64 }) else {
+        panic!("no grant");
+    };
+    assert_eq!(granted.len(), 8);
+    assert_eq!(n.stats().bytes_granted, 8 * bytes);
+    let Some(Reply::Granted(none)) = send(&mut b, &Request::Grant { bytes, count: 1 }) else {
+        panic!("no answer");
+    };
+    assert!(none.is_empty(), "the node's share of grants is held");
+    // Another connection can neither publish nor abort a grant it does not hold.
+    let (id, _) = granted[0];
+    let r = send(
+        &mut b,
+        &Request::Finish(vec![PutEnd::Publish {
+            id,
+            key: 1,
+            checksum: None,
+        }]),
+    );
+    assert_eq!(r, Some(Reply::Items(vec![ItemAnswer::Unknown])));
+    send(&mut b, &Request::Finish(vec![PutEnd::Abort(id)]));
+    // An unnamed grant cannot be committed, so it never becomes a block without a key.
+    let r = send(
+        &mut a,
+        &Request::Finish(vec![PutEnd::Commit { id, checksum: None }]),
+    );
+    assert_eq!(r, Some(Reply::Items(vec![ItemAnswer::Unknown])));
+    // A key stored already is answered done and keeps its bytes.
+    let s = engine(&n, "m");
+    s.put(SequenceHash(7), &block(7)).unwrap();
+    let r = send(
+        &mut a,
+        &Request::Finish(vec![PutEnd::Publish {
+            id,
+            key: 7,
+            checksum: None,
+        }]),
+    );
+    assert_eq!(r, Some(Reply::Items(vec![ItemAnswer::Done])));
+    let mut got = vec![0u8; BLOCK];
+    s.get(SequenceHash(7), &mut got).unwrap();
+    assert_eq!(got, block(7));
+    // A publish with a checksum the slot's bytes do not match publishes nothing.
+    let (id, _) = granted[1];
+    let end = PutEnd::Publish {
+        id,
+        key: 8,
+        checksum: Some(block_checksum(8, &block(8))),
+    };
+    let r = send(&mut a, &Request::Finish(vec![end]));
+    assert_eq!(r, Some(Reply::Items(vec![ItemAnswer::Mismatch])));
+    assert_eq!(s.contains(&[SequenceHash(8)]).unwrap(), vec![false]);
+    // The grants a connection holds vanish with it.
+    assert_eq!(n.stats().bytes_granted, 6 * bytes);
+    drop(a);
+    wait_until("the grants freed", || n.stats().bytes_granted == 0);
+    assert_eq!(
+        n.stats().abandoned_puts,
+        0,
+        "unnamed grants are no abandoned puts"
+    );
+}

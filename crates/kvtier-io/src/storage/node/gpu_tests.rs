@@ -270,7 +270,7 @@ fn node_run(
             n + i
         );
     }
-    // A second store of the same blocks is deduplicated (no copy).
+    // A second store of the same blocks is deduplicated (nothing published).
     let t_dedup = timed(&e, &jobs(&st, Tier::Device, Tier::Remote, keys));
     NodeRun {
         attach: t_attach,
@@ -364,7 +364,10 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
          DMA between device and arena, no hashing; verifying client (`verify=1`, as toward a node \
          of another uid): staged through the engine's pinned bounce buffer, the engine hashing each block's private bytes \
          (a store's source, a load's copy) and the node re-hashing at commit, in parallel. A repeated \
-         store is deduplicated (no copy). The first job (one block) maps the node's arena and registers \
+         store is deduplicated (nothing published; no copy where it reserves by key, a copy into its \
+         granted slots where a connection stores through grants, jobs of at most 256). From the second \
+         job of at most 256 blocks on, a direct store copies into slots the node granted ahead and \
+         publishes them in one round trip. The first job (one block) maps the node's arena and registers \
          it with CUDA, timed apart (the host tier pins its memory when the engine is built). Round trips: \
          the engine's time waiting for the node's answers inside the timed store and load; the last \
          column's ratios leave them out (what the copies and checksums alone ran at).\n",
