@@ -440,27 +440,38 @@ impl Books {
             self.stats.puts_full += 1;
             return Err(PutRefused::Full);
         };
+        let g = self.reserve(client, ns, Some(key), offset, bytes);
+        self.writing.insert((ns, key), g.id);
+        Ok(g)
+    }
+
+    /// A reservation of `offset`, `bytes` for `client`, of `key` (`None`: a grant).
+    fn reserve(
+        &mut self,
+        client: ClientId,
+        ns: NsId,
+        key: Option<u128>,
+        offset: u64,
+        bytes: u64,
+    ) -> SlotGrant {
         let id = self.id();
-        self.reservations.insert(
-            id,
-            Reservation {
-                client,
-                ns,
-                key: Some(key),
-                offset,
-                bytes,
-            },
-        );
-        self.writing.insert((ns, key), id);
+        let r = Reservation {
+            client,
+            ns,
+            key,
+            offset,
+            bytes,
+        };
+        self.reservations.insert(id, r);
         if let Some(c) = self.clients.get_mut(&client) {
             c.reservations.insert(id);
         }
-        Ok(SlotGrant {
+        SlotGrant {
             id,
             offset,
             bytes,
             checksum: None,
-        })
+        }
     }
 
     /// The client finished writing reservation `id`, whose bytes hash to `checksum` (`None`:
@@ -553,28 +564,12 @@ impl Books {
         let Some(offset) = self.take_slot(ns, bytes) else {
             return Err(PutRefused::Full);
         };
-        let id = self.id();
-        self.reservations.insert(
-            id,
-            Reservation {
-                client,
-                ns,
-                key: None,
-                offset,
-                bytes,
-            },
-        );
+        let g = self.reserve(client, ns, None, offset, bytes);
         self.stats.bytes_granted += bytes;
         if let Some(c) = self.clients.get_mut(&client) {
-            c.reservations.insert(id);
             c.grants += 1;
         }
-        Ok(SlotGrant {
-            id,
-            offset,
-            bytes,
-            checksum: None,
-        })
+        Ok(g)
     }
 
     /// Name the client's unnamed grant `id` with `key`: it becomes a reservation of that key

@@ -175,15 +175,11 @@ impl NodeStore {
         need_cuda: bool,
         copy: &mut PartLeg<'_>,
     ) -> Option<Vec<PairResult>> {
-        let (mut c, arena) = match self.direct_conn(keys.len(), need_cuda) {
+        let (mut c, arena) = match self.parts_conn(keys.len(), need_cuda) {
             Ok(x) => x,
             Err(early) => return early,
         };
         let mut out: Vec<PairResult> = vec![Ok(()); keys.len()];
-        if keys.is_empty() {
-            self.pool(c);
-            return Some(out);
-        }
         let done = match c.granted.take(bytes as u64, keys.len()) {
             Some(slots) => store_granted(&mut c, &arena, keys, bytes, slots, &mut out, copy),
             None => run_parts(
@@ -219,6 +215,20 @@ impl NodeStore {
         self.in_parts(&Loads { bytes }, keys, need_cuda, copy)
     }
 
+    /// As `direct_conn` for a job of `n` pairs; a job of none is answered at once.
+    fn parts_conn(
+        &self,
+        n: usize,
+        need_cuda: bool,
+    ) -> Result<(Conn, std::sync::Arc<Arena>), Option<Vec<PairResult>>> {
+        let (c, arena) = self.direct_conn(n, need_cuda)?;
+        if n == 0 {
+            self.pool(c);
+            return Err(Some(Vec::new()));
+        }
+        Ok((c, arena))
+    }
+
     fn in_parts<P: Phases>(
         &self,
         job: &P,
@@ -226,15 +236,11 @@ impl NodeStore {
         need_cuda: bool,
         copy: &mut PartLeg<'_>,
     ) -> Option<Vec<PairResult>> {
-        let (mut c, arena) = match self.direct_conn(keys.len(), need_cuda) {
+        let (mut c, arena) = match self.parts_conn(keys.len(), need_cuda) {
             Ok(x) => x,
             Err(early) => return early,
         };
         let mut out: Vec<PairResult> = vec![Ok(()); keys.len()];
-        if keys.is_empty() {
-            self.pool(c);
-            return Some(out);
-        }
         // A broken connection is not pooled: the node detached it (its reservations and
         // leases vanished with it); every pair still open failed in `run_parts`.
         if run_parts(job, &mut c, &arena, &parts(keys), &mut out, copy).is_ok() {
