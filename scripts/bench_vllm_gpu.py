@@ -49,6 +49,9 @@ ENGINE_ENV: dict[str, dict[str, str]] = {
     "kvtier-hb64": {"KVTIER_STAGING_HALF_BLOCKS": "64"},
     "kvtier-staged-hb64": {"KVTIER_LAYERED_COPY": "staged", "KVTIER_STAGING_HALF_BLOCKS": "64"},
     "kvtier-staged256-hb64": {"KVTIER_LAYERED_COPY": "staged:256", "KVTIER_STAGING_HALF_BLOCKS": "64"},
+    # Each round's slices of consecutive host blocks in one 2D copy (cuMemcpy2DAsync), one layer per group.
+    "kvtier-staged2d": {"KVTIER_LAYERED_COPY": "staged2d:64"},
+    "kvtier-staged2d-hb64": {"KVTIER_LAYERED_COPY": "staged2d:64", "KVTIER_STAGING_HALF_BLOCKS": "64"},
 }
 
 

@@ -445,6 +445,43 @@ pub(crate) unsafe fn memcpy_async(dst: u64, src: u64, len: usize, stream: &Strea
     }
 }
 
+/// Enqueue a 2D copy: `height` rows of `width` bytes, row `i` from `src + i * spitch` to
+/// `dst + i * dpitch` (addresses by unified addressing: device or registered host memory). The
+/// copy engine walks the rows itself: one call, not one per row.
+///
+/// # Safety
+/// As [`memcpy_async`] for every row.
+pub(crate) unsafe fn memcpy_2d_async(
+    dst: u64,
+    dpitch: usize,
+    src: u64,
+    spitch: usize,
+    (width, height): (usize, usize),
+    stream: &Stream,
+) -> CuResult<()> {
+    let p = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+        srcHost: std::ptr::null(),
+        srcDevice: src,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: spitch,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: dpitch,
+        WidthInBytes: width,
+        Height: height,
+    };
+    // SAFETY: `p` is a live local the driver reads during the call; memory validity is
+    // forwarded to the caller.
+    unsafe { check(sys::cuMemcpy2DAsync_v2(&p, stream.raw), "cuMemcpy2DAsync") }
+}
+
 /// Synchronous copy (tests and benchmarks).
 ///
 /// # Safety

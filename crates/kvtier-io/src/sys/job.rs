@@ -121,6 +121,20 @@ pub(crate) fn memcpy_async(dst: u64, src: u64, len: usize, stream: &Stream) -> C
     unsafe { cu::memcpy_async(dst, src, len, stream) }
 }
 
+/// Enqueue `height` rows of `width` bytes, row `i` from `src + i * spitch` to
+/// `dst + i * dpitch`, in one call (`cuMemcpy2DAsync`), as [`memcpy_async`] each row.
+pub(crate) fn memcpy_2d_async(
+    dst: u64,
+    dpitch: usize,
+    src: u64,
+    spitch: usize,
+    shape: (usize, usize),
+    stream: &Stream,
+) -> CuResult<()> {
+    // SAFETY: as in `memcpy_async`, for every row.
+    unsafe { cu::memcpy_2d_async(dst, dpitch, src, spitch, shape, stream) }
+}
+
 /// Enqueue many copies in one call (`cuMemcpyBatchAsync`), as [`memcpy_async`] each.
 pub(crate) fn memcpy_batch_async(
     dsts: &mut [u64],

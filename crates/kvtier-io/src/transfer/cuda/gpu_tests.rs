@@ -282,7 +282,8 @@ pub(crate) fn print_layered_rates(e: &TransferEngine, load: &TransferJob, what: 
 /// copies that layer's chunks of every destination block on its own stream. Every byte it read
 /// must be the stored one: a layer's event recorded before its copies (or for the wrong layer)
 /// lets the engine read the old bytes. Checked for each way of moving a layered load (the
-/// kernel reading host memory; the copy engine through staging, with slice floors of 256 KiB,
+/// kernel reading host memory; the copy engine through staging (one copy per slice, and 2D runs
+/// of slices with floors of 64 KiB and 512 KiB), with slice floors of 256 KiB,
 /// 512 KiB and 1 MiB), with the rate of a 1 GiB load whole and layered for each, and then of a
 /// 4 GiB load (a 32K-token Llama-3.1-8B prompt; `KVTIER_LAYERED_GPU_BIG=0` skips it).
 #[test]
@@ -297,6 +298,8 @@ fn layered_loads_are_seen_layer_by_layer() {
         LayeredCopy::Staged(256 << 10),
         LayeredCopy::Staged(512 << 10),
         LayeredCopy::Staged(1 << 20),
+        LayeredCopy::Staged2d(64 << 10),
+        LayeredCopy::Staged2d(512 << 10),
     ];
     let big = std::env::var("KVTIER_LAYERED_GPU_BIG").map_or(true, |v| v != "0");
     for n in [512u32, 2048].into_iter().filter(|&n| n == 512 || big) {

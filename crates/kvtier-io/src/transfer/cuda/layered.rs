@@ -62,22 +62,39 @@ pub enum LayeredCopy {
     /// where it allows) into device staging, the scatter kernel writes them out (`staged.rs`;
     /// not yet measured on a GPU: opt-in).
     Staged(usize),
+    /// As `Staged`, each round's slices of host blocks at a constant stride moved by one 2D
+    /// copy (`cuMemcpy2DAsync`: the copy engine walks the rows) instead of one copy each
+    /// (`staged.rs`, [`super::staged::runs_2d`]; opt-in, for measurements).
+    Staged2d(usize),
     /// Not layered: the whole job ordered ahead of the forward pass (copy engine).
     Whole,
 }
 
 impl LayeredCopy {
-    /// The mode named `auto`, `kernel`, `staged` (slices of at least 512 KiB), `staged:KIB`
-    /// or `whole`.
+    /// The mode named `auto`, `kernel`, `staged` (slices of at least 512 KiB), `staged:KIB`,
+    /// `staged2d`, `staged2d:KIB` or `whole`.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "auto" => Some(Self::Auto),
             "kernel" => Some(Self::Kernel),
             "staged" => Some(Self::Staged(staged::MIN_SLICE)),
+            "staged2d" => Some(Self::Staged2d(staged::MIN_SLICE)),
             "whole" => Some(Self::Whole),
             _ => {
-                let kib: usize = s.strip_prefix("staged:")?.parse().ok()?;
-                (kib > 0).then(|| Self::Staged(kib.saturating_mul(1024)))
+                let (two_d, kib) = match s.strip_prefix("staged2d:") {
+                    Some(k) => (true, k),
+                    None => (false, s.strip_prefix("staged:")?),
+                };
+                let bytes = kib
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|k| *k > 0)?
+                    .saturating_mul(1024);
+                Some(if two_d {
+                    Self::Staged2d(bytes)
+                } else {
+                    Self::Staged(bytes)
+                })
             }
         }
     }
@@ -88,7 +105,7 @@ impl LayeredCopy {
         let v = std::env::var("KVTIER_LAYERED_COPY").ok()?;
         let m = Self::parse(&v);
         if m.is_none() {
-            tracing::warn!(value = %v, "KVTIER_LAYERED_COPY is not auto|kernel|staged[:KIB]|whole: ignored");
+            tracing::warn!(value = %v, "KVTIER_LAYERED_COPY is not auto|kernel|staged[2d][:KIB]|whole: ignored");
         }
         m
     }
@@ -227,15 +244,18 @@ impl CudaMover {
         }
         let bytes = items.len().saturating_mul(self.bytes_per_block);
         let descs = match self.layered_copy.for_bytes(bytes) {
-            LayeredCopy::Staged(min_slice) => match self.staged_plan(items, layers, min_slice) {
-                Some(rounds) => {
-                    return match self.staged_inner(&rounds, layers, fence, order) {
-                        Ok(()) => Vec::new(),
-                        Err(e) => failed_all(self, items, &e),
-                    };
+            m @ (LayeredCopy::Staged(min_slice) | LayeredCopy::Staged2d(min_slice)) => {
+                match self.staged_plan(items, layers, min_slice) {
+                    Some(rounds) => {
+                        let two_d = matches!(m, LayeredCopy::Staged2d(_));
+                        return match self.staged_inner(&rounds, layers, fence, order, two_d) {
+                            Ok(()) => Vec::new(),
+                            Err(e) => failed_all(self, items, &e),
+                        };
+                    }
+                    None => None,
                 }
-                None => None,
-            },
+            }
             LayeredCopy::Kernel => self
                 .kernel
                 .as_ref()
@@ -384,7 +404,23 @@ mod tests {
             LayeredCopy::parse("staged:256"),
             Some(LayeredCopy::Staged(256 << 10))
         );
-        for bad in ["staged:0", "staged:", "staged:x", "Kernel", ""] {
+        assert_eq!(
+            LayeredCopy::parse("staged2d"),
+            Some(LayeredCopy::Staged2d(512 << 10))
+        );
+        assert_eq!(
+            LayeredCopy::parse("staged2d:64"),
+            Some(LayeredCopy::Staged2d(64 << 10))
+        );
+        for bad in [
+            "staged:0",
+            "staged:",
+            "staged:x",
+            "staged2d:0",
+            "staged2:",
+            "Kernel",
+            "",
+        ] {
             assert_eq!(LayeredCopy::parse(bad), None, "{bad:?}");
         }
         // Auto: the kernel up to the cut, the whole-job copy above; explicit modes stay.

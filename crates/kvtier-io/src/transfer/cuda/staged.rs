@@ -135,6 +135,7 @@ impl CudaMover {
         layers: usize,
         fence: &Fence,
         order: Ordering<'_>,
+        two_d: bool,
     ) -> CuResult<()> {
         self.layered_job(fence, true, order, |kernel, dir| {
             let base = dir.fill_job_descs(rounds.iter().map(|r| r.descs.as_slice()))?;
@@ -146,7 +147,11 @@ impl CudaMover {
                 let h = r % 2;
                 // The half's previous scatter read it out before these copies refill it.
                 dir.copy.wait(&dir.half_done[h])?;
-                self.stage_copies(&round.copies, &dir.copy)?;
+                if two_d {
+                    stage_runs_2d(&round.copies, &dir.copy)?;
+                } else {
+                    self.stage_copies(&round.copies, &dir.copy)?;
+                }
                 dir.handoff[h].record(&dir.copy)?;
                 dir.kernel.wait(&dir.handoff[h])?;
                 // From our staging half into chunks of the engine's registered blocks.
@@ -182,6 +187,66 @@ impl CudaMover {
             Ok(())
         }
     }
+}
+
+/// Copies at a constant source stride into contiguous destination bytes: `height` rows of
+/// `width` bytes, row `i` from `src + i * spitch` to `dst + i * width`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Run2d {
+    src: u64,
+    dst: u64,
+    width: usize,
+    spitch: usize,
+    height: usize,
+}
+
+/// `copies` (in order) as 2D runs: a copy joins the run before it when it has the run's width,
+/// lands right after the run's last row, and starts the run's stride (set by its second row, at
+/// least the width: rows never overlap) after the run's last row's source.
+pub(crate) fn runs_2d(copies: &[Copy]) -> Vec<Run2d> {
+    let mut out: Vec<Run2d> = Vec::new();
+    for c in copies {
+        if let Some(r) = out.last_mut() {
+            let next_dst = r.dst + (r.height * r.width) as u64;
+            let last_src = r.src + ((r.height - 1) * r.spitch) as u64;
+            let stride = c.src.checked_sub(last_src).map(|s| s as usize);
+            let fits = c.len == r.width && c.dst == next_dst;
+            match stride {
+                Some(s) if fits && r.height == 1 && s >= r.width => {
+                    r.spitch = s;
+                    r.height = 2;
+                    continue;
+                }
+                Some(s) if fits && r.height > 1 && s == r.spitch => {
+                    r.height += 1;
+                    continue;
+                }
+                _ => {}
+            }
+        }
+        out.push(Run2d {
+            src: c.src,
+            dst: c.dst,
+            width: c.len,
+            spitch: c.len,
+            height: 1,
+        });
+    }
+    out
+}
+
+/// Enqueue `copies` on `stream` as 2D runs ([`runs_2d`]): one call per run.
+fn stage_runs_2d(copies: &[Copy], stream: &Stream) -> CuResult<()> {
+    for r in runs_2d(copies) {
+        // Host slices of blocks this job holds, into our staging half; the job waits for
+        // `done` before it gives the blocks back.
+        if r.height == 1 {
+            job::memcpy_async(r.dst, r.src, r.width, stream)?;
+        } else {
+            job::memcpy_2d_async(r.dst, r.width, r.src, r.spitch, (r.width, r.height), stream)?;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

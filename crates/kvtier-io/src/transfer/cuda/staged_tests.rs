@@ -63,13 +63,36 @@ fn host_layer(mem: &[u8], item: &(usize, Vec<Chunk>, usize), l: usize) -> Vec<u8
 
 /// Replay `rounds` on bytes; `Err` names the first layer whose event came before its bytes.
 fn replay(rounds: &[StagedRound], items: &[(usize, Vec<Chunk>, usize)]) -> Result<(), String> {
+    replay_with(rounds, items, false)
+}
+
+/// As [`replay`], each round's copies moved as [`runs_2d`] (row by row, as the copy engine
+/// moves a 2D copy) when `two_d`.
+fn replay_with(
+    rounds: &[StagedRound],
+    items: &[(usize, Vec<Chunk>, usize)],
+    two_d: bool,
+) -> Result<(), String> {
     let mut mem = mem_with_host_bytes(items);
     let mut ended = [false; LAYERS];
     for (r, round) in rounds.iter().enumerate() {
-        for c in &round.copies {
-            let (s, d) = (c.src as usize, c.dst as usize);
-            let bytes = mem[s..s + c.len].to_vec();
-            mem[d..d + c.len].copy_from_slice(&bytes);
+        let rows: Vec<(usize, usize, usize)> = if two_d {
+            runs_2d(&round.copies)
+                .iter()
+                .flat_map(|r| {
+                    (0..r.height).map(move |i| {
+                        let s = r.src as usize + i * r.spitch;
+                        (s, r.dst as usize + i * r.width, r.width)
+                    })
+                })
+                .collect()
+        } else {
+            let c = round.copies.iter();
+            c.map(|c| (c.src as usize, c.dst as usize, c.len)).collect()
+        };
+        for (s, d, n) in rows {
+            let bytes = mem[s..s + n].to_vec();
+            mem[d..d + n].copy_from_slice(&bytes);
         }
         for d in round.descs.chunks(3) {
             let (s, t, n) = (d[0] as usize, d[1] as usize, d[2] as usize);
@@ -239,4 +262,77 @@ fn unaligned_or_uneven_blocks_are_not_staged() {
         staged_rounds(&short, BPB, LAYERS, 2, 4096, h).is_none(),
         "chunks short of a block"
     );
+}
+
+#[test]
+fn runs_2d_join_rows_at_one_stride_into_contiguous_bytes_only() {
+    let c = |src: u64, dst: u64, len: usize| Copy { src, dst, len };
+    let run = |src: u64, dst: u64, width: usize, spitch: usize, height: usize| Run2d {
+        src,
+        dst,
+        width,
+        spitch,
+        height,
+    };
+    // Slices of consecutive host blocks (stride 100) into contiguous staging: one run.
+    let rows = [c(10, 0, 20), c(110, 20, 20), c(210, 40, 20), c(310, 60, 20)];
+    assert_eq!(runs_2d(&rows), vec![run(10, 0, 20, 100, 4)]);
+    // Another stride, a gap in the staging bytes, another width, or rows that would overlap
+    // start a new run.
+    let rows = [c(10, 0, 20), c(110, 20, 20), c(250, 40, 20), c(350, 60, 20)];
+    assert_eq!(
+        runs_2d(&rows),
+        vec![run(10, 0, 20, 100, 2), run(250, 40, 20, 100, 2)]
+    );
+    let rows = [c(10, 0, 20), c(110, 24, 20)];
+    assert_eq!(
+        runs_2d(&rows),
+        vec![run(10, 0, 20, 20, 1), run(110, 24, 20, 20, 1)]
+    );
+    let rows = [c(10, 0, 20), c(110, 20, 16)];
+    assert_eq!(
+        runs_2d(&rows),
+        vec![run(10, 0, 20, 20, 1), run(110, 20, 16, 16, 1)]
+    );
+    let rows = [c(10, 0, 20), c(20, 20, 20)];
+    assert_eq!(runs_2d(&rows).len(), 2, "a stride shorter than a row");
+    let rows = [c(110, 0, 20), c(10, 20, 20)];
+    assert_eq!(runs_2d(&rows).len(), 2, "a row behind the last");
+    assert!(runs_2d(&[]).is_empty());
+}
+
+#[test]
+fn a_staged_load_moved_in_2d_runs_writes_what_its_copies_write() {
+    // Host slots out of order (few runs), rising with gaps (runs cut where the stride
+    // changes) and in order (one run per round).
+    let at = |slots: [usize; NB]| -> Vec<(usize, Vec<Chunk>, usize)> {
+        (0..NB)
+            .map(|i| {
+                (
+                    i,
+                    chunks(DEV_BLOCKS - 1 - 2 * i),
+                    HOST as usize + slots[i] * BPB,
+                )
+            })
+            .collect()
+    };
+    let cases = [
+        (items(), false),
+        (at([0, 1, 3, 4, 5, 8, 10]), false),
+        (at([0, 1, 2, 3, 4, 5, 6]), true),
+    ];
+    for (items, ordered) in cases {
+        for g in [1, 2, 4] {
+            let slice = g * (BPB / LAYERS);
+            let half = 3 * slice;
+            let halves = [STAGE, STAGE + half as u64];
+            let rounds = staged_rounds(&items, BPB, LAYERS, g, half, halves).unwrap();
+            replay_with(&rounds, &items, true).unwrap();
+            if ordered {
+                for r in &rounds {
+                    assert_eq!(runs_2d(&r.copies).len(), 1, "g {g}: {:?}", r.copies);
+                }
+            }
+        }
+    }
 }
