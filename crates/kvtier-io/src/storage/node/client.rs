@@ -103,6 +103,8 @@ pub struct NodeStore {
     pub(super) hashed: AtomicU64,
     /// Nanoseconds spent in round trips on connections handed back to the pool.
     waited_ns: AtomicU64,
+    /// Direct stores that went through granted slots (one round trip: `granted.rs`).
+    pub(super) stores_granted: AtomicU64,
 }
 
 impl std::fmt::Debug for NodeStore {
@@ -355,6 +357,7 @@ impl NodeStore {
             cuda: Mutex::new(None),
             hashed: AtomicU64::new(0),
             waited_ns: AtomicU64::new(0),
+            stores_granted: AtomicU64::new(0),
         }
     }
 
@@ -369,6 +372,12 @@ impl NodeStore {
     /// on a private node of its own uid.
     pub fn blocks_hashed(&self) -> u64 {
         self.hashed.load(Ordering::Relaxed)
+    }
+
+    /// Direct store jobs so far that copied into slots granted ahead and published them in one
+    /// round trip (the others reserved by key first).
+    pub fn stores_granted(&self) -> u64 {
+        self.stores_granted.load(Ordering::Relaxed)
     }
 
     /// Register every arena this process maps (the current one, and a restarted node's) with

@@ -187,6 +187,8 @@ struct NodeRun {
     dedup: Duration,
     client_hashes: u64,
     node_hashes: u64,
+    /// Store jobs through slots granted ahead (one round trip each).
+    granted: u64,
 }
 
 /// Blocks 0..n stored through a fresh node by an engine whose client trusts its own uid's arena,
@@ -250,6 +252,14 @@ fn node_run(
         1 + reps * st.len().div_ceil(per_job())
     };
     assert_eq!(e.node_direct_jobs() as usize, direct, "verify: {verify}");
+    // A direct store of at most 256 blocks goes through granted slots once the connection holds
+    // them (from the second job on); a verifying client's stores are staged, by key.
+    let granted = store.stores_granted();
+    if verify || per_job() > 256 {
+        assert_eq!(granted, 0, "verify: {verify}");
+    } else {
+        assert!(granted > 0, "no store went through grants");
+    }
     assert_eq!(node.stats().puts, (reps * n as usize) as u64 + 1);
     let ld: Vec<(u32, u32)> = (0..n).map(|i| (0, n + i)).collect();
     let mut ld_keys = keys.to_vec();
@@ -279,6 +289,7 @@ fn node_run(
         store_rtt,
         load_rtt,
         dedup: t_dedup,
+        granted: store.stores_granted(),
         client_hashes: store.blocks_hashed(),
         node_hashes: node.stats().verified,
     }
@@ -376,6 +387,10 @@ fn node_gpu_store_and_load_are_bit_exact_and_direct() {
         per_job(),
         super::NODE_PROTOCOL_VERSION,
         reps(),
+    );
+    let report = format!(
+        "{report}Store jobs through granted slots (one round trip): {} (node, own uid), {} (verifying).\n",
+        private.granted, shared.granted
     );
     println!("{report}");
     if let Ok(p) = std::env::var("KVTIER_NODE_GPU_REPORT") {

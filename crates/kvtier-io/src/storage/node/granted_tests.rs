@@ -102,6 +102,7 @@ fn a_store_into_granted_slots_is_bit_exact_in_one_round_trip() {
     let (out, calls) = store(&s, &second, 0);
     assert!(out.iter().all(|r| r.is_ok()), "{out:?}");
     assert_eq!(calls, vec![64], "one copy of every pair");
+    assert_eq!(s.stores_granted(), 1);
     // No Reserve: the publishes (one round trip) and the Grant that tops the pool up again.
     wait_granted(&n, 64 * BYTES as u64);
     assert_eq!(n.stats().requests - before, 2);

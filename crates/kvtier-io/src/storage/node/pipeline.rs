@@ -181,7 +181,11 @@ impl NodeStore {
         };
         let mut out: Vec<PairResult> = vec![Ok(()); keys.len()];
         let done = match c.granted.take(bytes as u64, keys.len()) {
-            Some(slots) => store_granted(&mut c, &arena, keys, bytes, slots, &mut out, copy),
+            Some(slots) => {
+                self.stores_granted
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                store_granted(&mut c, &arena, keys, bytes, slots, &mut out, copy)
+            }
             None => run_parts(
                 &Stores { bytes },
                 &mut c,
