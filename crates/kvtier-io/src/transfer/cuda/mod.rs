@@ -36,6 +36,8 @@ use crate::sys::cuda::{
 use crate::sys::job;
 use crate::transfer::layout::{BlockChunks, Chunk};
 pub use layered::LayeredCopy;
+#[cfg(any(test, feature = "testing"))]
+pub use staged::PlanInput;
 
 /// How scattered chunks are moved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

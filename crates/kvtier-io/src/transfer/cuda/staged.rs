@@ -96,6 +96,9 @@ pub(crate) fn staged_rounds(
         pieces.push(cut_chunks(chunks, *host, bytes_per_block, slice)?);
     }
     let groups = layers / g;
+    // `cut_chunks` gives each block's pieces in canonical order, so by unit: group `u`'s pieces
+    // of block `i` start where group `u - 1`'s ended (`next[i]`).
+    let mut next = vec![0usize; items.len()];
     let mut rounds = Vec::new();
     for group in 0..groups {
         let batches = items.len().div_ceil(per_round);
@@ -110,9 +113,13 @@ pub(crate) fn staged_rounds(
                     dst: slot,
                     len: slice,
                 });
-                for p in pieces[b * per_round + k].iter().filter(|p| p.unit == group) {
+                let i = b * per_round + k;
+                let from = next[i];
+                let ours = pieces[i][from..].iter().take_while(|p| p.unit == group);
+                for p in ours {
                     let src = slot + (p.at - group * slice) as u64;
                     descs.extend_from_slice(&[src, p.addr, p.len as u64]);
+                    next[i] += 1;
                 }
             }
             let ends = (b + 1 == batches).then(|| group * g..(group + 1) * g);
@@ -186,6 +193,57 @@ impl CudaMover {
             }
             Ok(())
         }
+    }
+}
+
+/// A staged layered load's input for the `layered_plan` benchmark: `blocks` loaded blocks of
+/// `layers` layers in vLLM's per-layer layout (a K and a V chunk of `chunk` bytes per layer,
+/// each in its own plane of device blocks), host slots in order. Feature `testing`.
+#[cfg(any(test, feature = "testing"))]
+pub struct PlanInput {
+    items: Vec<(usize, Vec<Chunk>, usize)>,
+    bytes_per_block: usize,
+    layers: usize,
+}
+
+#[cfg(any(test, feature = "testing"))]
+impl PlanInput {
+    /// See the type.
+    pub fn per_layer(blocks: usize, layers: usize, chunk: usize) -> Self {
+        let planes = 2 * layers;
+        let items = (0..blocks)
+            .map(|b| {
+                let chunks = (0..planes)
+                    .map(|p| Chunk {
+                        addr: (1u64 << 40) + ((p * blocks + b) * chunk) as u64,
+                        len: chunk,
+                    })
+                    .collect();
+                (b, chunks, (1usize << 36) + b * planes * chunk)
+            })
+            .collect();
+        PlanInput {
+            items,
+            bytes_per_block: planes * chunk,
+            layers,
+        }
+    }
+
+    /// The rounds of its staged load, `g` layers per group, halves of `half` bytes: how many,
+    /// and their copies and descriptors in all (`None`: not plannable).
+    pub fn plan(&self, g: usize, half: usize) -> Option<(usize, usize, usize)> {
+        let halves = [1u64 << 44, (1u64 << 44) + half as u64];
+        let r = staged_rounds(
+            &self.items,
+            self.bytes_per_block,
+            self.layers,
+            g,
+            half,
+            halves,
+        )?;
+        let copies = r.iter().map(|r| r.copies.len()).sum();
+        let descs = r.iter().map(|r| r.descs.len() / 3).sum();
+        Some((r.len(), copies, descs))
     }
 }
 
