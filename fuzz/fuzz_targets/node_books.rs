@@ -100,7 +100,7 @@ fuzz_target!(|data: &[u8]| {
             }
             9 if !clients.is_empty() => {
                 let (c, _, _) = clients[pick(clients.len())];
-                let bytes = [8u64, 16, 24, 32, 0, CAPACITY][y as usize % 6];
+                let bytes = [8u64, 16, 24, 32, 0, CAPACITY, u64::MAX][y as usize % 7];
                 if let Ok(g) = b.grant(c, bytes) {
                     assert!(g.offset + g.bytes <= CAPACITY);
                     assert!(!b.commit_put(c, g.id, None), "an unnamed grant committed");

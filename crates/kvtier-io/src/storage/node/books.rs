@@ -558,7 +558,8 @@ impl Books {
         };
         let ns = c.ns;
         let room = self.capacity / GRANT_SHARE;
-        if bytes == 0 || c.grants >= MAX_GRANTS || self.stats.bytes_granted + bytes > room {
+        let over = self.stats.bytes_granted.checked_add(bytes).is_none_or(|t| t > room);
+        if bytes == 0 || c.grants >= MAX_GRANTS || over {
             return Err(PutRefused::Full);
         }
         let Some(offset) = self.take_slot(ns, bytes) else {

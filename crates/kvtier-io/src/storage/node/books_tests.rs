@@ -366,6 +366,7 @@ fn grants_are_capped_per_client_and_in_all() {
         "an aborted grant's bytes count no more"
     );
     assert_eq!(b.stats().puts_full, 0, "a refused grant is no refused put");
+    assert_eq!(b.grant(c, u64::MAX), Err(PutRefused::Full), "no overflow");
     // MAX_GRANTS per client.
     let mut e = Books::new(u64::from(MAX_GRANTS + 1) * GRANT_SHARE);
     let c = e.attach(0, "m").unwrap();
