@@ -88,11 +88,18 @@ fuzz_target!(|data: &[u8]| {
                 // Foreign ids: another client's reservation, a lease nobody holds.
                 let c = clients.get(pick(clients.len())).map_or(9999, |c| c.0);
                 let id = u64::from(x) | (u64::from(y) << 8);
-                let held = puts.iter().map(|p| (p.0, p.1)).chain(grants.iter().copied());
+                let held = puts
+                    .iter()
+                    .map(|p| (p.0, p.1))
+                    .chain(grants.iter().copied());
                 let holders: Vec<ClientId> = held.filter(|h| h.1 == id).map(|h| h.0).collect();
                 if holders.iter().all(|h| *h != c) {
                     assert!(!b.commit_put(c, id, None));
-                    assert_eq!(b.name_grant(c, id, 0), Named::Unknown, "a foreign grant named");
+                    assert_eq!(
+                        b.name_grant(c, id, 0),
+                        Named::Unknown,
+                        "a foreign grant named"
+                    );
                     b.abort_put(c, id);
                 }
                 if !leases.iter().any(|l| l.0 == c && l.1 == id) {

@@ -558,7 +558,11 @@ impl Books {
         };
         let ns = c.ns;
         let room = self.capacity / GRANT_SHARE;
-        let over = self.stats.bytes_granted.checked_add(bytes).is_none_or(|t| t > room);
+        let over = self
+            .stats
+            .bytes_granted
+            .checked_add(bytes)
+            .is_none_or(|t| t > room);
         if bytes == 0 || c.grants >= MAX_GRANTS || over {
             return Err(PutRefused::Full);
         }
