@@ -64,7 +64,7 @@ pub enum LayeredCopy {
     Staged(usize),
     /// As `Staged`, each round's slices of host blocks at a constant stride moved by one 2D
     /// copy (`cuMemcpy2DAsync`: the copy engine walks the rows) instead of one copy each
-    /// (`staged.rs`, [`super::staged::runs_2d`]; opt-in, for measurements).
+    /// (`staged.rs`, `runs_2d`; opt-in, for measurements).
     Staged2d(usize),
     /// Not layered: the whole job ordered ahead of the forward pass (copy engine).
     Whole,
