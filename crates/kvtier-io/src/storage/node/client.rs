@@ -40,8 +40,8 @@ use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
 
 use super::granted::Granted;
 use super::protocol::{
-    block_checksum, read_frame, spin_readable, write_frame, GetAnswer, ItemAnswer, LeaseEnd,
-    PutAnswer, PutEnd, Reply, Request, CLIENT_SPIN, MAX_BATCH, NODE_PROTOCOL_VERSION,
+    block_checksum, read_frame, readable_now, spin_readable, write_frame, GetAnswer, ItemAnswer,
+    LeaseEnd, PutAnswer, PutEnd, Reply, Request, CLIENT_SPIN, MAX_BATCH, NODE_PROTOCOL_VERSION,
 };
 use crate::sys::shm::Arena;
 use crate::sys::sock;
@@ -232,7 +232,21 @@ impl Conn {
 
     /// Read the answers to the `Grant`s sent and not answered yet: their slots join the pool.
     pub(super) fn settle(&mut self) -> Result<(), RemoteError> {
+        self.settle_while(|_| true)
+    }
+
+    /// As [`Self::settle`], only the answers that have started to arrive: a connection the node
+    /// closed is an error, one whose answers are still on their way is left owing them.
+    pub(super) fn settle_arrived(&mut self) -> Result<(), RemoteError> {
+        self.settle_while(readable_now)
+    }
+
+    fn settle_while(&mut self, go: impl Fn(&UnixStream) -> bool) -> Result<(), RemoteError> {
         while let Some(asked) = self.granted.next_owed() {
+            if !go(&self.stream) {
+                self.granted.unread(asked);
+                return Ok(());
+            }
             let mut reply = self.read_reply()?;
             if !self.granted.take_reply(asked, &mut reply) {
                 return Err(unexpected("grant", &reply));
@@ -417,11 +431,13 @@ impl NodeStore {
         loop {
             let pooled = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
             let Some(mut c) = pooled else { break };
-            // The answers it is owed are read first: a node that closed it fails that read.
-            if c.granted.owes() && c.settle().is_err() {
+            // The answers it is owed that have arrived are read first (a node that closed it
+            // fails that read); one still owing answers on their way is not idle, so not closed
+            // for idleness, and any later read sees a close.
+            if c.granted.owes() && c.settle_arrived().is_err() {
                 continue;
             }
-            if sock::peer_closed(&c.stream) {
+            if !c.granted.owes() && sock::peer_closed(&c.stream) {
                 continue; // closed by the node (idle timeout, error): dropped, never waited on
             }
             let arena = self.arena.read().unwrap_or_else(|p| p.into_inner());

@@ -2,8 +2,9 @@
 //! (`Request::Grant`, slots the node hands out before their keys are known) copies the blocks
 //! into them at once and publishes them (`PutEnd::Publish`) in one round trip, instead of the
 //! two of `Reserve` .. `Finish`. After each direct store the connection asks for slots to top
-//! its pool up again; that request's answer is read when the connection is next used, so the
-//! node grants them while the engine computes (measured: docs/bench/node.md).
+//! its pool up again, to twice its largest such job: that request's answer is read when it has
+//! arrived or is needed, so the node grants while the engine computes or copies, and a store
+//! never waits for the grants the store before it asked for (measured: docs/bench/node.md).
 //!
 //! Invariants:
 //! - a granted slot is copied into only after the node's `Granted` naming it was read on this
@@ -15,8 +16,8 @@
 //!   pooled again (the node then frees its grants);
 //! - the answer to a `Grant` is read before any later answer on its connection
 //!   (`Conn::recv` reads what it owes first), so answers are never taken for another request's;
-//! - bounded: a pool holds at most [`POOL_MAX`] slots per block size, topped up to the largest
-//!   job of at most that many pairs seen on the connection, and the node caps what one client
+//! - bounded: only jobs of at most [`JOB_MAX`] pairs use grants; a pool holds at most twice the
+//!   largest such job seen on the connection per block size, and the node caps what one client
 //!   and all clients hold (`MAX_GRANTS`, `GRANT_SHARE` in `books.rs`).
 use std::collections::VecDeque;
 
@@ -28,8 +29,9 @@ use super::pipeline::{part_len, PartLeg};
 use super::protocol::{PutEnd, Reply, Request};
 use crate::sys::shm::Arena;
 
-/// Most granted slots a connection keeps per block size.
-pub(super) const POOL_MAX: usize = 256;
+/// Largest direct store (pairs) that goes through granted slots; a connection keeps at most
+/// twice this many per block size.
+pub(super) const JOB_MAX: usize = 256;
 
 /// The granted slots of one block size.
 #[derive(Debug)]
@@ -39,7 +41,7 @@ struct Pool {
     slots: Vec<(u64, u64)>,
     /// Slots asked for and not answered yet.
     asked: usize,
-    /// The largest job (of at most [`POOL_MAX`] pairs) stored with blocks of this size.
+    /// Twice the largest job (of at most [`JOB_MAX`] pairs) stored with blocks of this size.
     want: usize,
 }
 
@@ -80,6 +82,11 @@ impl Granted {
         !self.owed.is_empty()
     }
 
+    /// The oldest `Grant` whose answer is still to be read, put back (not read after all).
+    pub(super) fn unread(&mut self, asked: (u64, u32)) {
+        self.owed.push_front(asked);
+    }
+
     /// Take `reply`, the answer to the `Grant` of `count` slots of `bytes`: its slots join the
     /// pool. False when it is not a `Granted` of at most `count` slots inside the arena (the
     /// connection must end).
@@ -98,6 +105,13 @@ impl Granted {
         }
     }
 
+    /// Whether the pool of `bytes` holds `n` slots.
+    pub(super) fn has(&self, bytes: u64, n: usize) -> bool {
+        self.pools
+            .iter()
+            .any(|p| p.bytes == bytes && p.slots.len() >= n)
+    }
+
     /// `n` granted slots of `bytes`, if the pool holds that many.
     pub(super) fn take(&mut self, bytes: u64, n: usize) -> Option<Vec<(u64, u64)>> {
         let p = self.pool(bytes);
@@ -109,8 +123,8 @@ impl Granted {
     /// any (the answer is then owed).
     pub(super) fn refill(&mut self, bytes: u64, n: usize) -> Option<Request> {
         let p = self.pool(bytes);
-        if n <= POOL_MAX {
-            p.want = p.want.max(n);
+        if n <= JOB_MAX {
+            p.want = p.want.max(2 * n);
         }
         let count = p
             .want

@@ -2,11 +2,14 @@
 //! slot per pair, so the next store of as many pairs sends no `Reserve` (one round trip) and is
 //! bit-exact; a key held already is done without replacing the stored bytes; a failed copy
 //! publishes nothing; a connection broken before the publishes were answered fails every pair;
-//! a bad `Granted` ends the connection; the pool is bounded.
+//! a bad `Granted` ends the connection; the pool is bounded; a store does not wait for the grants
+//! the store before it asked for.
 #![allow(clippy::unwrap_used)]
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier::hash::SequenceHash;
@@ -95,8 +98,8 @@ fn a_store_into_granted_slots_is_bit_exact_in_one_round_trip() {
     let before = n.stats().requests;
     let (out, _) = store(&s, &first, 0);
     assert!(out.iter().all(|r| r.is_ok()));
-    // Reserve, Finish, then a Grant of 64 slots answered while the engine does other work.
-    wait_granted(&n, 64 * BYTES as u64);
+    // Reserve, Finish, then a Grant of twice the job answered while the engine does other work.
+    wait_granted(&n, 128 * BYTES as u64);
     assert_eq!(n.stats().requests - before, 3);
     let before = n.stats().requests;
     let (out, calls) = store(&s, &second, 0);
@@ -104,7 +107,7 @@ fn a_store_into_granted_slots_is_bit_exact_in_one_round_trip() {
     assert_eq!(calls, vec![64], "one copy of every pair");
     assert_eq!(s.stores_granted(), 1);
     // No Reserve: the publishes (one round trip) and the Grant that tops the pool up again.
-    wait_granted(&n, 64 * BYTES as u64);
+    wait_granted(&n, 128 * BYTES as u64);
     assert_eq!(n.stats().requests - before, 2);
     assert_eq!(n.stats().puts, 128);
     let all: Vec<u128> = first.iter().chain(&second).copied().collect();
@@ -136,7 +139,7 @@ fn a_failed_copy_publishes_nothing_and_its_slot_stays_granted() {
     let n = node(dir.path(), 64 * 16 * BYTES as u64);
     let s = client(&n, false);
     assert!(store(&s, &[1, 2, 3, 4], 0).0.iter().all(|r| r.is_ok()));
-    wait_granted(&n, 4 * BYTES as u64);
+    wait_granted(&n, 8 * BYTES as u64);
     let keys: Vec<u128> = vec![10, 11, 12, 13];
     let mut leg = |items: &[(usize, usize)]| {
         assert_eq!(items.len(), 4);
@@ -147,8 +150,8 @@ fn a_failed_copy_publishes_nothing_and_its_slot_stays_granted() {
     assert!(out.iter().enumerate().all(|(k, r)| k == 2 || r.is_ok()));
     let held = s.contains(&keys.iter().map(|k| SequenceHash(*k)).collect::<Vec<_>>());
     assert_eq!(held.unwrap(), vec![true, true, false, true]);
-    // Its slot went back to the pool: one granted slot kept, three asked for again.
-    wait_granted(&n, 4 * BYTES as u64);
+    // Its slot went back to the pool: five granted slots kept, three asked for again.
+    wait_granted(&n, 8 * BYTES as u64);
 }
 
 #[test]
@@ -157,7 +160,7 @@ fn a_connection_broken_before_the_publishes_were_answered_fails_every_pair() {
     let mut n = node(dir.path(), 64 * 16 * BYTES as u64);
     let s = client(&n, false);
     assert!(store(&s, &[1, 2, 3, 4], 0).0.iter().all(|r| r.is_ok()));
-    wait_granted(&n, 4 * BYTES as u64);
+    wait_granted(&n, 8 * BYTES as u64);
     let mut leg = |_: &[(usize, usize)]| {
         n.shutdown(Duration::from_secs(2));
         Vec::new()
@@ -179,24 +182,24 @@ fn pools_are_bounded_and_grow_to_the_largest_job() {
     let n = node(dir.path(), 1024 * 16 * BYTES as u64);
     let s = client(&n, false);
     // A job longer than a pool holds asks for no grant.
-    let big: Vec<u128> = (0..POOL_MAX as u128 + 1).collect();
+    let big: Vec<u128> = (0..JOB_MAX as u128 + 1).collect();
     assert!(store(&s, &big, 0).0.iter().all(|r| r.is_ok()));
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(n.stats().bytes_granted, 0);
     let a: Vec<u128> = (1000..1008).collect();
     assert!(store(&s, &a, 0).0.iter().all(|r| r.is_ok()));
-    wait_granted(&n, 8 * BYTES as u64);
-    // A larger job than the pool: reserved as before, then the pool grows to it.
+    wait_granted(&n, 16 * BYTES as u64);
+    // A larger job than the pool: reserved as before, then the pool grows to twice it.
     let b: Vec<u128> = (2000..2020).collect();
     let before = n.stats().requests;
     assert!(store(&s, &b, 0).0.iter().all(|r| r.is_ok()));
-    wait_granted(&n, 20 * BYTES as u64);
+    wait_granted(&n, 40 * BYTES as u64);
     assert_eq!(n.stats().requests - before, 3, "Reserve, Finish, Grant");
-    // A smaller one takes from the pool, which is topped up to the largest job again.
+    // A smaller one takes from the pool, which is topped up to twice the largest job again.
     let c: Vec<u128> = (3000..3005).collect();
     let (out, _) = store(&s, &c, 0);
     assert!(out.iter().all(|r| r.is_ok()));
-    wait_granted(&n, 20 * BYTES as u64);
+    wait_granted(&n, 40 * BYTES as u64);
 }
 
 #[test]
@@ -292,4 +295,60 @@ fn a_node_that_dies_after_reading_the_publishes_fails_every_pair() {
             "pair {k} reported done, never answered: {r:?}"
         );
     }
+}
+
+#[test]
+fn a_store_does_not_wait_for_the_grants_the_store_before_it_asked_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let answered = Arc::new(AtomicBool::new(false));
+    let (flag, mut grants, mut next) = (Arc::clone(&answered), 0, 100u64);
+    let sock = scripted_node(dir.path(), 64 * BYTES as u64, move |req| match req {
+        Request::Reserve { keys, .. } => Some(Reply::Reserved(
+            (0..keys.len() as u64)
+                .map(|i| PutAnswer::Slot {
+                    id: i + 1,
+                    offset: i * BYTES as u64,
+                })
+                .collect(),
+        )),
+        Request::Grant { count, .. } => {
+            grants += 1;
+            // The second Grant (after the first store through grants) is slow to answer.
+            if grants == 2 {
+                std::thread::sleep(Duration::from_secs(2));
+                flag.store(true, Ordering::SeqCst);
+            }
+            let slots = (0..u64::from(*count)).map(|_| {
+                next += 1;
+                (next, (next % 32 + 16) * BYTES as u64)
+            });
+            Some(Reply::Granted(slots.collect()))
+        }
+        Request::Finish(ends) => Some(Reply::Items(vec![ItemAnswer::Done; ends.len()])),
+        _ => None,
+    });
+    let s = NodeStore::connect(&sock, "m", NodeClientOptions::default()).unwrap();
+    // Reserved (no grants yet); then through grants, which asks for more (answered late).
+    assert!(store(&s, &[1, 2, 3, 4], 0).0.iter().all(|r| r.is_ok()));
+    assert!(store(&s, &[5, 6, 7, 8], 0).0.iter().all(|r| r.is_ok()));
+    assert_eq!(s.stores_granted(), 1);
+    // The pool still holds a job's worth: the copy starts before the late answer came.
+    let (c, arena) = s.job_conn(1).unwrap();
+    s.pool(c);
+    let mut early = None;
+    let mut leg = |items: &[(usize, usize)]| {
+        early = Some(!answered.load(Ordering::SeqCst));
+        let _ = (&arena, items);
+        Vec::new()
+    };
+    let out = s
+        .store_direct(&[9, 10, 11, 12], BYTES, false, &mut leg)
+        .unwrap();
+    assert!(out.iter().all(|r| r.is_ok()), "{out:?}");
+    assert_eq!(s.stores_granted(), 2);
+    assert_eq!(
+        early,
+        Some(true),
+        "the copy waited for the grants it did not need"
+    );
 }

@@ -270,6 +270,17 @@ pub(super) fn spin_readable(stream: &UnixStream, spin: Duration) {
     }
 }
 
+/// Whether reading `stream` now would not block: bytes have arrived, or the end, or an error
+/// (which the read then reports).
+pub(super) fn readable_now(stream: &UnixStream) -> bool {
+    let sock = socket2::SockRef::from(stream);
+    let mut b = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+    !matches!(
+        sock.recv_with_flags(&mut b, libc::MSG_PEEK | libc::MSG_DONTWAIT),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock
+    )
+}
+
 /// Bytes of a frame's body allocated before they arrive (see [`read_frame_max`]).
 const READ_AHEAD: usize = 32 << 10;
 
