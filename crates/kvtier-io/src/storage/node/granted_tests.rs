@@ -76,6 +76,25 @@ fn load(s: &NodeStore, keys: &[u128]) -> Vec<Result<Vec<u8>, String>> {
         .collect()
 }
 
+/// A scripted node's answer to a `Reserve` of `n` keys: slots 0..n, ids 1..=n.
+fn reserved(n: usize) -> Reply {
+    let slot = |i: u64| PutAnswer::Slot {
+        id: i + 1,
+        offset: i * BYTES as u64,
+    };
+    Reply::Reserved((0..n as u64).map(slot).collect())
+}
+
+/// Every pair failed for the node, none reported done.
+fn all_failed(out: &[PairResult]) {
+    for (k, r) in out.iter().enumerate() {
+        assert!(
+            r.as_ref().is_err_and(|e| e.contains("node")),
+            "pair {k} reported done, never answered: {r:?}"
+        );
+    }
+}
+
 fn wait_granted(n: &NodeServer, bytes: u64) {
     let t = Instant::now();
     while n.stats().bytes_granted != bytes {
@@ -168,12 +187,7 @@ fn a_connection_broken_before_the_publishes_were_answered_fails_every_pair() {
     let out = s
         .store_direct(&[7, 8, 9, 10], BYTES, false, &mut leg)
         .unwrap();
-    for (k, r) in out.iter().enumerate() {
-        assert!(
-            r.as_ref().is_err_and(|e| e.contains("node")),
-            "pair {k} reported done after the break: {r:?}"
-        );
-    }
+    all_failed(&out);
 }
 
 #[test]
@@ -266,14 +280,7 @@ fn scripted_node(
 fn a_node_that_dies_after_reading_the_publishes_fails_every_pair() {
     let dir = tempfile::tempdir().unwrap();
     let sock = scripted_node(dir.path(), 64 * BYTES as u64, |req| match req {
-        Request::Reserve { keys, .. } => Some(Reply::Reserved(
-            (0..keys.len() as u64)
-                .map(|i| PutAnswer::Slot {
-                    id: i + 1,
-                    offset: i * BYTES as u64,
-                })
-                .collect(),
-        )),
+        Request::Reserve { keys, .. } => Some(reserved(keys.len())),
         Request::Grant { count, .. } => Some(Reply::Granted(
             (0..u64::from(*count))
                 .map(|i| (100 + i, (8 + i) * BYTES as u64))
@@ -303,14 +310,7 @@ fn a_store_does_not_wait_for_the_grants_the_store_before_it_asked_for() {
     let answered = Arc::new(AtomicBool::new(false));
     let (flag, mut grants, mut next) = (Arc::clone(&answered), 0, 100u64);
     let sock = scripted_node(dir.path(), 64 * BYTES as u64, move |req| match req {
-        Request::Reserve { keys, .. } => Some(Reply::Reserved(
-            (0..keys.len() as u64)
-                .map(|i| PutAnswer::Slot {
-                    id: i + 1,
-                    offset: i * BYTES as u64,
-                })
-                .collect(),
-        )),
+        Request::Reserve { keys, .. } => Some(reserved(keys.len())),
         Request::Grant { count, .. } => {
             grants += 1;
             // The second Grant (after the first store through grants) is slow to answer.
