@@ -8,7 +8,8 @@
 //!   that node passed (`SCM_RIGHTS`) after checking it is a regular file of that uid, large
 //!   enough and open read-write: it never opens a path a node names;
 //! - a pooled connection the node has closed (idle timeout, protocol error) is seen closed
-//!   before use and replaced, so it costs no `io_timeout` wait;
+//!   before use and replaced, so it costs no `io_timeout` wait (one still owed `Grant` answers
+//!   on their way is not idle; a close then shows in the reads that follow: `granted.rs`);
 //! - a connection *verifies* unless its node said `Welcome { private: true }` (the arena it
 //!   passed is written by no uid but this process's and the node's: every node of this version
 //!   says so, with one arena per uid) and runs as this process's own uid (`SO_PEERCRED`), and
@@ -24,7 +25,8 @@
 //!   `RemoteError::Unavailable` (misses and skipped stores), never a hang; a full node gives a
 //!   skipped store;
 //! - a put or get is one round trip per phase (`Reserve`, `Finish`; `Lease`, `EndLeases`), a
-//!   batch of one; the direct paths (`batch.rs`) batch a whole job per phase;
+//!   batch of one; the direct paths (`batch.rs`) batch a whole job per phase, and a direct store
+//!   into slots granted ahead is one round trip (`granted.rs`);
 //! - any reply that is not the one expected, with one answer per item, ends the connection
 //!   (not pooled again; the node then drops its reservations and leases).
 use std::os::fd::OwnedFd;
