@@ -156,10 +156,10 @@ pub(crate) fn recv_fd(sock: &impl AsRawFd) -> io::Result<OwnedFd> {
     }
 }
 
-/// Whether the peer of a connected stream socket has closed or shut down its side (a pending
-/// end of stream or error), checked without blocking and without consuming data. Unexpected
-/// unread bytes count as closed too: such a connection is out of step.
-pub(crate) fn peer_closed(sock: &impl AsRawFd) -> bool {
+/// Whether reading the stream socket now would not block: bytes have arrived, or the peer's end
+/// of stream, or an error (which the read then reports); checked without consuming data. On a
+/// connection that expects nothing, any of them means it is closed or out of step.
+pub(crate) fn readable_now(sock: &impl AsRawFd) -> bool {
     let mut b = [0u8; 1];
     // SAFETY: `b` is a live local of the length passed.
     let n = unsafe {
@@ -196,12 +196,12 @@ mod tests {
         let got = recv_fd(&b).unwrap();
         let m = std::fs::File::from(got).metadata().unwrap();
         assert_eq!(m.len(), 0);
-        assert!(!peer_closed(&b));
+        assert!(!readable_now(&b));
         // A byte without a descriptor is refused.
         (&a).write_all(b"x").unwrap();
         assert!(recv_fd(&b).is_err());
         assert_eq!(peer_uid(&a).unwrap(), current_uid());
         a.shutdown(std::net::Shutdown::Both).unwrap();
-        assert!(peer_closed(&b));
+        assert!(readable_now(&b));
     }
 }

@@ -42,8 +42,8 @@ use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
 
 use super::granted::Granted;
 use super::protocol::{
-    block_checksum, read_frame, readable_now, spin_readable, write_frame, GetAnswer, ItemAnswer,
-    LeaseEnd, PutAnswer, PutEnd, Reply, Request, CLIENT_SPIN, MAX_BATCH, NODE_PROTOCOL_VERSION,
+    block_checksum, read_frame, spin_readable, write_frame, GetAnswer, ItemAnswer, LeaseEnd,
+    PutAnswer, PutEnd, Reply, Request, CLIENT_SPIN, MAX_BATCH, NODE_PROTOCOL_VERSION,
 };
 use crate::sys::shm::Arena;
 use crate::sys::sock;
@@ -240,7 +240,7 @@ impl Conn {
     /// As [`Self::settle`], only the answers that have started to arrive: a connection the node
     /// closed is an error, one whose answers are still on their way is left owing them.
     pub(super) fn settle_arrived(&mut self) -> Result<(), RemoteError> {
-        self.settle_while(readable_now)
+        self.settle_while(sock::readable_now)
     }
 
     fn settle_while(&mut self, go: impl Fn(&UnixStream) -> bool) -> Result<(), RemoteError> {
@@ -439,7 +439,7 @@ impl NodeStore {
             if c.granted.owes() && c.settle_arrived().is_err() {
                 continue;
             }
-            if !c.granted.owes() && sock::peer_closed(&c.stream) {
+            if !c.granted.owes() && sock::readable_now(&c.stream) {
                 continue; // closed by the node (idle timeout, error): dropped, never waited on
             }
             let arena = self.arena.read().unwrap_or_else(|p| p.into_inner());

@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::sys::sock;
+
 /// Version of this protocol; a client of another version is refused at `Hello` (v4: batched
 /// reserve/finish and lease/end, optional checksums, `Welcome::private`; v5: `Grant` and
 /// `PutEnd::Publish`, slots granted before their keys are known).
@@ -253,32 +255,11 @@ pub const NODE_POLL: Duration = Duration::from_micros(50);
 /// task switches, not the books). The stream stays blocking: each poll is one non-blocking peek,
 /// and the caller's blocking read follows either way.
 pub(super) fn spin_readable(stream: &UnixStream, spin: Duration) {
-    let sock = socket2::SockRef::from(stream);
     let t = Instant::now();
-    let mut b = [std::mem::MaybeUninit::<u8>::uninit(); 1];
-    loop {
-        match sock.recv_with_flags(&mut b, libc::MSG_PEEK | libc::MSG_DONTWAIT) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if t.elapsed() >= spin {
-                    return;
-                }
-                std::thread::yield_now();
-            }
-            // Bytes, the end, or an error: the blocking read sees it.
-            _ => return,
-        }
+    // Bytes, the end, or an error: the blocking read sees it.
+    while !sock::readable_now(stream) && t.elapsed() < spin {
+        std::thread::yield_now();
     }
-}
-
-/// Whether reading `stream` now would not block: bytes have arrived, or the end, or an error
-/// (which the read then reports).
-pub(super) fn readable_now(stream: &UnixStream) -> bool {
-    let sock = socket2::SockRef::from(stream);
-    let mut b = [std::mem::MaybeUninit::<u8>::uninit(); 1];
-    !matches!(
-        sock.recv_with_flags(&mut b, libc::MSG_PEEK | libc::MSG_DONTWAIT),
-        Err(e) if e.kind() == io::ErrorKind::WouldBlock
-    )
 }
 
 /// Bytes of a frame's body allocated before they arrive (see [`read_frame_max`]).
