@@ -244,13 +244,9 @@ impl Conn {
     }
 
     fn settle_while(&mut self, go: impl Fn(&UnixStream) -> bool) -> Result<(), RemoteError> {
-        while let Some(asked) = self.granted.next_owed() {
-            if !go(&self.stream) {
-                self.granted.unread(asked);
-                return Ok(());
-            }
+        while self.granted.owes() && go(&self.stream) {
             let mut reply = self.read_reply()?;
-            if !self.granted.take_reply(asked, &mut reply) {
+            if !self.granted.take_reply(&mut reply) {
                 return Err(unexpected("grant", &reply));
             }
         }

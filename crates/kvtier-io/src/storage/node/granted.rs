@@ -39,8 +39,6 @@ struct Pool {
     bytes: u64,
     /// `(grant id, arena offset)`, unused yet.
     slots: Vec<(u64, u64)>,
-    /// Slots asked for and not answered yet.
-    asked: usize,
     /// Twice the largest job (of at most [`JOB_MAX`] pairs) stored with blocks of this size.
     want: usize,
 }
@@ -63,7 +61,6 @@ impl Granted {
                 self.pools.push(Pool {
                     bytes,
                     slots: Vec::new(),
-                    asked: 0,
                     want: 0,
                 });
                 self.pools.len() - 1
@@ -72,33 +69,30 @@ impl Granted {
         &mut self.pools[i]
     }
 
-    /// The oldest `Grant` whose answer is still to be read, if any.
-    pub(super) fn next_owed(&mut self) -> Option<(u64, u32)> {
-        self.owed.pop_front()
-    }
-
     /// Whether a `Grant`'s answer is still to be read.
     pub(super) fn owes(&self) -> bool {
         !self.owed.is_empty()
     }
 
-    /// The oldest `Grant` whose answer is still to be read, put back (not read after all).
-    pub(super) fn unread(&mut self, asked: (u64, u32)) {
-        self.owed.push_front(asked);
+    /// Slots of `bytes` asked for and not answered yet.
+    fn asked(&self, bytes: u64) -> usize {
+        let of = self.owed.iter().filter(|(b, _)| *b == bytes);
+        of.map(|(_, n)| *n as usize).sum()
     }
 
-    /// Take `reply`, the answer to the `Grant` of `count` slots of `bytes`: its slots join the
-    /// pool. False when it is not a `Granted` of at most `count` slots inside the arena (the
-    /// connection must end).
-    pub(super) fn take_reply(&mut self, (bytes, count): (u64, u32), reply: &mut Reply) -> bool {
+    /// Take `reply`, the answer to the oldest `Grant` still owed: its slots join the pool.
+    /// False when it is not a `Granted` of at most the slots asked for, each inside the arena
+    /// (the connection must end).
+    pub(super) fn take_reply(&mut self, reply: &mut Reply) -> bool {
+        let Some((bytes, count)) = self.owed.pop_front() else {
+            return false;
+        };
         let arena = self.arena_bytes;
         let inside =
             |&(_, off): &(u64, u64)| off.checked_add(bytes).is_some_and(|end| end <= arena);
         match reply {
             Reply::Granted(v) if v.len() <= count as usize && v.iter().all(inside) => {
-                let p = self.pool(bytes);
-                p.asked = p.asked.saturating_sub(count as usize);
-                p.slots.append(v);
+                self.pool(bytes).slots.append(v);
                 true
             }
             _ => false,
@@ -106,7 +100,7 @@ impl Granted {
     }
 
     /// Whether the pool of `bytes` holds `n` slots.
-    pub(super) fn has(&self, bytes: u64, n: usize) -> bool {
+    fn has(&self, bytes: u64, n: usize) -> bool {
         self.pools
             .iter()
             .any(|p| p.bytes == bytes && p.slots.len() >= n)
@@ -114,7 +108,7 @@ impl Granted {
 
     /// `n` granted slots of `bytes`, if the pool holds that many.
     pub(super) fn take(&mut self, bytes: u64, n: usize) -> Option<Vec<(u64, u64)>> {
-        let p = self.pool(bytes);
+        let p = self.pools.iter_mut().find(|p| p.bytes == bytes)?;
         let at = p.slots.len().checked_sub(n)?;
         Some(p.slots.split_off(at))
     }
@@ -122,15 +116,15 @@ impl Granted {
     /// The request that tops the pool of `bytes` up after a store of `n` pairs, if it needs
     /// any (the answer is then owed).
     pub(super) fn refill(&mut self, bytes: u64, n: usize) -> Option<Request> {
+        let asked = self.asked(bytes);
         let p = self.pool(bytes);
         if n <= JOB_MAX {
             p.want = p.want.max(2 * n);
         }
         let count = p
             .want
-            .checked_sub(p.slots.len() + p.asked)
+            .checked_sub(p.slots.len() + asked)
             .filter(|&c| c > 0)?;
-        p.asked += count;
         let count = u32::try_from(count).ok()?;
         self.owed.push_back((bytes, count));
         Some(Request::Grant { bytes, count })
@@ -139,6 +133,25 @@ impl Granted {
     /// Slots of `bytes` taken and not published (their copies failed): back to the pool.
     fn give_back(&mut self, bytes: u64, slots: Vec<(u64, u64)>) {
         self.pool(bytes).slots.extend(slots);
+    }
+}
+
+impl Conn {
+    /// A granted slot of `bytes` per pair of a direct store of `n` pairs, reading the `Grant`
+    /// answers still owed when the pool is short; `None` when the store reserves by key instead
+    /// (longer than [`JOB_MAX`], or too few slots granted). `Err`: the connection broke.
+    pub(super) fn granted_slots(
+        &mut self,
+        bytes: u64,
+        n: usize,
+    ) -> Result<Option<Vec<(u64, u64)>>, RemoteError> {
+        if n > JOB_MAX {
+            return Ok(None);
+        }
+        if !self.granted.has(bytes, n) && self.granted.owes() {
+            self.settle()?;
+        }
+        Ok(self.granted.take(bytes, n))
     }
 }
 

@@ -222,23 +222,32 @@ fn a_grant_answer_that_is_not_one_ends_the_connection() {
         arena_bytes: 1000,
         ..Granted::default()
     };
+    // The answer to a Grant of `asked` (bytes, count), owed when it comes.
+    let mut answer = |asked: (u64, u32), mut r: Reply| {
+        g.owed.push_back(asked);
+        g.take_reply(&mut r)
+    };
     let ok = (0u64, 900u64);
-    assert!(g.take_reply((100, 2), &mut Reply::Granted(vec![ok])));
+    assert!(answer((100, 2), Reply::Granted(vec![ok])));
     assert!(
-        !g.take_reply((100, 2), &mut Reply::Granted(vec![(1, 901)])),
+        !answer((100, 2), Reply::Granted(vec![(1, 901)])),
         "past the arena"
     );
     assert!(
-        !g.take_reply((100, 2), &mut Reply::Granted(vec![(1, u64::MAX)])),
+        !answer((100, 2), Reply::Granted(vec![(1, u64::MAX)])),
         "overflow"
     );
     assert!(
-        !g.take_reply((100, 1), &mut Reply::Granted(vec![ok, ok])),
+        !answer((100, 1), Reply::Granted(vec![ok, ok])),
         "more than asked"
     );
     assert!(
-        !g.take_reply((100, 1), &mut Reply::Items(Vec::new())),
+        !answer((100, 1), Reply::Items(Vec::new())),
         "another answer"
+    );
+    assert!(
+        !g.take_reply(&mut Reply::Granted(vec![ok])),
+        "an answer nothing asked for"
     );
     assert_eq!(g.take(100, 1), Some(vec![ok]));
     assert_eq!(g.take(100, 1), None);

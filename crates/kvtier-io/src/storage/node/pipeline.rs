@@ -15,7 +15,7 @@
 //! read, and ended only after its copy returned.
 use super::batch::{copy_leg, ended, fail_open, Grant, PairResult};
 use super::client::{Conn, NodeStore};
-use super::granted::{store_granted, JOB_MAX};
+use super::granted::store_granted;
 use super::protocol::{LeaseEnd, PutEnd, Reply, Request, MAX_BATCH};
 use crate::sys::shm::Arena;
 use kvtier::transfer::RemoteError;
@@ -180,16 +180,15 @@ impl NodeStore {
             Err(early) => return early,
         };
         let mut out: Vec<PairResult> = vec![Ok(()); keys.len()];
-        // Too few slots pooled: the grants still owed may bring them.
-        let short = !c.granted.has(bytes as u64, keys.len());
-        if short && keys.len() <= JOB_MAX && c.granted.owes() {
-            if let Err(e) = c.settle() {
+        let granted = match c.granted_slots(bytes as u64, keys.len()) {
+            Ok(g) => g,
+            Err(e) => {
                 // Not pooled: the connection broke (nothing of this job was sent).
                 fail_open(&mut out, 0..keys.len(), &e);
                 return Some(out);
             }
-        }
-        let done = match c.granted.take(bytes as u64, keys.len()) {
+        };
+        let done = match granted {
             Some(slots) => {
                 self.stores_granted
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
