@@ -393,7 +393,8 @@ impl Books {
                         self.writing.remove(&(res.ns, key));
                         self.stats.abandoned_puts += 1;
                     }
-                    None => self.stats.bytes_granted -= res.bytes,
+                    // The client's own count went with it.
+                    None => self.ungrant(client, res.bytes),
                 }
             }
         }
@@ -530,21 +531,24 @@ impl Books {
         }
         if let Some(r) = self.reservations.remove(&id) {
             self.space.give(r.offset, r.bytes);
-            let mut c = self.clients.get_mut(&client);
             match r.key {
                 Some(key) => {
                     self.writing.remove(&(r.ns, key));
                 }
-                None => {
-                    self.stats.bytes_granted -= r.bytes;
-                    if let Some(c) = c.as_deref_mut() {
-                        c.grants = c.grants.saturating_sub(1);
-                    }
-                }
+                None => self.ungrant(client, r.bytes),
             }
-            if let Some(c) = c {
+            if let Some(c) = self.clients.get_mut(&client) {
                 c.reservations.remove(&id);
             }
+        }
+    }
+
+    /// One unnamed grant of `bytes` of `client` is one no more (named, aborted, or its client
+    /// detached).
+    fn ungrant(&mut self, client: ClientId, bytes: u64) {
+        self.stats.bytes_granted -= bytes;
+        if let Some(c) = self.clients.get_mut(&client) {
+            c.grants = c.grants.saturating_sub(1);
         }
     }
 
@@ -593,10 +597,7 @@ impl Books {
             r.key = Some(key);
         }
         self.writing.insert((ns, key), id);
-        self.stats.bytes_granted -= bytes;
-        if let Some(c) = self.clients.get_mut(&client) {
-            c.grants = c.grants.saturating_sub(1);
-        }
+        self.ungrant(client, bytes);
         Named::Reserved
     }
 
