@@ -371,6 +371,15 @@ mod tests {
             Request::Lease(vec![2, 3]),
             Request::EndLeases(vec![LeaseEnd::Done(8), LeaseEnd::Damaged(9)]),
             Request::Stats,
+            Request::Grant {
+                bytes: u64::MAX,
+                count: u32::MAX,
+            },
+            Request::Finish(vec![PutEnd::Publish {
+                id: 6,
+                key: u128::MAX,
+                checksum: Some(7),
+            }]),
         ];
         for r in &reqs {
             let mut buf = Vec::new();
@@ -413,6 +422,7 @@ mod tests {
                 ItemAnswer::Unknown,
                 ItemAnswer::Mismatch,
             ]),
+            Reply::Granted(vec![(1, u64::MAX), (u64::MAX, 0)]),
         ];
         for r in &replies {
             let mut buf = Vec::new();
@@ -431,6 +441,8 @@ mod tests {
             MAX_BATCH
         ]);
         write_frame(&mut Vec::new(), &big).unwrap();
+        let granted = Reply::Granted(vec![(u64::MAX, u64::MAX); MAX_BATCH]);
+        write_frame(&mut Vec::new(), &granted).unwrap();
         let reserve = Request::Reserve {
             bytes: u64::MAX,
             keys: vec![u128::MAX; MAX_BATCH],

@@ -81,20 +81,12 @@ impl LayeredCopy {
             "staged2d" => Some(Self::Staged2d(staged::MIN_SLICE)),
             "whole" => Some(Self::Whole),
             _ => {
-                let (two_d, kib) = match s.strip_prefix("staged2d:") {
-                    Some(k) => (true, k),
-                    None => (false, s.strip_prefix("staged:")?),
+                let (mode, kib): (fn(usize) -> Self, _) = match s.strip_prefix("staged2d:") {
+                    Some(k) => (Self::Staged2d, k),
+                    None => (Self::Staged, s.strip_prefix("staged:")?),
                 };
-                let bytes = kib
-                    .parse::<usize>()
-                    .ok()
-                    .filter(|k| *k > 0)?
-                    .saturating_mul(1024);
-                Some(if two_d {
-                    Self::Staged2d(bytes)
-                } else {
-                    Self::Staged(bytes)
-                })
+                let kib = kib.parse::<usize>().ok().filter(|k| *k > 0)?;
+                Some(mode(kib.saturating_mul(1024)))
             }
         }
     }
