@@ -10,7 +10,8 @@ Modelled (file: tensorrt_llm/_torch/pyexecutor/...):
   ``register_kv_caches(pool)`` (V1) or ``register_kv_cache_layout(layout)`` (KVCacheManagerV2,
   ``connectors/kv_cache_layout.py``) on every rank in parallel, then ``wait_for_initialization``;
 * layer hooks (``connectors/kv_cache_connector.py`` ``layer_pre_hook``/``layer_post_hook``) only
-  where they run: ``layer_hooks="eager"`` every forward; ``"graphs"`` (default) not under CUDA-graph
+  where they run: ``layer_hooks="eager"`` every forward (``cuda_graph_config=None``: no CUDA
+  graph); ``"graphs"`` (default, TorchLlmArgs' default ``CudaGraphConfig``) not under CUDA-graph
   replay of decode-only batches nor for a batch whose context chunks are one token each
   (``model_engine.py`` ``_make_single_token_context_graph_batch``); ``"none"`` never (1.4 installs
   none when ``requires_layerwise_transfer_hooks()`` is False). ``start_load_kv`` runs only when
@@ -129,6 +130,8 @@ class FakeTrtllmEngine:
         local = self.comm.local
         self.args = {r: LlmArgs(geo.tokens_per_block, geo.world_size, r, model) for r in local}
         for a in self.args.values():
+            if layer_hooks == "eager":
+                a.cuda_graph_config = None  # no CUDA graph: every forward runs the layer hooks
             if configure is not None:
                 configure(a)
         self.pools = self._make_pools(pool_kind, num_device_blocks)

@@ -179,6 +179,18 @@ class LlmArgs:
         self.scheduler_config = None
         self.kv_cache_config = _KvCacheConfig(tokens_per_block)
         self.parallel_config = _ParallelConfig(world_size, rank)
+        # TorchLlmArgs' defaults: CUDA graphs on (``Field(default_factory=CudaGraphConfig)``), no
+        # torch.compile. An engine that runs every forward eagerly has ``cuda_graph_config=None``.
+        self.cuda_graph_config: Any = _CudaGraphConfig()
+        self.torch_compile_config = None
+
+
+class _CudaGraphConfig:
+    """``CudaGraphConfig`` (``llmapi/llm_args.py``): graphs of decode-only batches."""
+
+    def __init__(self) -> None:
+        self.batch_sizes = None
+        self.enable_padding = False
 
 
 @dataclass(frozen=True)

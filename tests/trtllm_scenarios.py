@@ -35,7 +35,7 @@ def engine(pool_kind: str = "numpy", scheduler: Optional[type] = None, worker: O
         scheduler or trtllm.KvtierConnectorScheduler,
         worker or trtllm.KvtierConnectorWorker,
         pool_kind=pool_kind,
-        stream_factory=stream_factory(pool_kind),
+        stream_factory=kw.pop("stream_factory", None) or stream_factory(pool_kind),
         **kw,
     )
 

@@ -5,9 +5,11 @@ that carries kvtier's settings to spawned ranks. Re-exported by :mod:`kvtier.trt
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-from typing import Any, Optional
+import sys
+from typing import Any, Optional, Sequence
 
 from ._native import ConfigError
 
@@ -130,3 +132,35 @@ def connector_yaml(connector: Optional[str], role: str = "agg") -> str:
     if not opts:
         return "\n".join(head) + "\n" if role == "decode" else ""
     return "\n".join(head + _yaml(opts)) + "\n"
+
+
+def layer_hooks_always_run(llm_args: Any) -> bool:
+    """Whether every forward of this engine runs its decoder layers' hooks (``wait_for_layer_load``
+    before each layer): no CUDA graph of any kind and no ``torch.compile``. A captured graph replays
+    without Python, so without the hooks (``model_engine.py``: decode batches, one-token context
+    batches ``_make_single_token_context_graph_batch``, prefill graphs ``prefill_cuda_graph_backend``,
+    ``torch_compile_config`` piecewise graphs); hooks are installed on every ``DecoderLayer``
+    (``py_executor.py``) and, from 1.4, only if ``requires_layerwise_transfer_hooks()``."""
+    if getattr(llm_args, "cuda_graph_config", None) is not None:
+        return False
+    if getattr(llm_args, "torch_compile_config", None) is not None:
+        return False
+    prefill = getattr(llm_args, "prefill_cuda_graph_backend", None)
+    name = getattr(prefill, "value", prefill)
+    return name is None or str(name).lower() in ("disabled", "none", "off")
+
+
+def cli(argv: Optional[Sequence[str]], description: str) -> int:
+    """``python -m kvtier.trtllm config``: print the YAML block for ``--extra_llm_api_options``."""
+    parser = argparse.ArgumentParser(prog="python -m kvtier.trtllm", description=description)
+    sub = parser.add_subparsers(dest="command", required=True)
+    cfg = sub.add_parser("config", help="print the YAML block for trtllm-serve --extra_llm_api_options")
+    cfg.add_argument("--connector", default="kvtier", help=f"one of {', '.join(CONNECTOR_NAMES)} (default kvtier)")
+    cfg.add_argument("--role", default="agg", help="agg (default), prefill or decode (disaggregated serving)")
+    args = parser.parse_args(argv)
+    try:
+        sys.stdout.write(connector_yaml(args.connector, args.role))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

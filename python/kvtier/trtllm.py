@@ -26,9 +26,12 @@ Invariants kept here:
 * engine start: the forward-pass callable and every worker hook are no-ops until
   ``register_kv_caches`` / ``register_kv_cache_layout`` (KV-cache estimation and warmup forwards
   call the callable first: ``py_executor_creator.py``, ``model_engine.py``);
-* no load depends on a layer hook: ``start_load_kv`` returns only after the step's synchronous
-  loads are in device memory (the copies are CPU-synchronised), so CUDA-graph replay and the
-  single-token context graph, which skip ``wait_for_layer_load``, read loaded KV;
+* a load depends on a layer hook only where every forward runs the hooks (no CUDA graph, no
+  ``torch.compile``: :func:`layer_hooks_always_run`): there synchronous loads go layer by layer
+  and ``wait_for_layer_load`` makes the forward's stream wait for each layer; elsewhere
+  ``start_load_kv`` returns only after the step's synchronous loads are in device memory, so
+  CUDA-graph replay and the single-token context graph, which skip ``wait_for_layer_load``, read
+  loaded KV;
 * nothing raises inside an executor hook because of a failed load (``_handle_errors`` would fail
   every active request, and on TP > 1 the other ranks would hang in collectives); configurations
   whose failed loads cannot be recomputed are refused at construction instead (``_refusals``);
@@ -43,7 +46,6 @@ Invariants kept here:
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import logging
@@ -504,6 +506,10 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         #: Sliding windows: one native worker per layer group (``_trtllm_groups.WorkerGroups``).
         self._windows = _groups.engine_windows(llm_args)
         self._groups: Any = None
+        #: Sync loads go layer by layer on the forward's stream where every forward runs the layer
+        #: hooks (one layer group): layer l computes while later layers are copied.
+        self._layered = self._windows is None and layer_hooks_always_run(llm_args)
+        self._layered_step = False  # the bound step's loads go layer by layer
 
     @property
     def native(self) -> Any:
@@ -532,8 +538,9 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         return [self._worker] if self._worker is not None else []
 
     def requires_layerwise_transfer_hooks(self) -> bool:
-        # 1.4 (connectors/kv_cache_connector.py): kvtier moves whole blocks at batch boundaries.
-        return False
+        # 1.4 (connectors/kv_cache_connector.py): only an engine whose every forward runs the hooks
+        # loads layer by layer; elsewhere kvtier moves whole blocks at batch boundaries.
+        return self._layered
 
     # ----- registration ------------------------------------------------------------------------
 
@@ -569,6 +576,9 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
             layout=layout,
             # TensorRT-LLM passes get_finished only requests whose request_finished returned True.
             finished_ids_are_saving=True,
+            # Eager engines: sync loads ordered on the forward's stream, layer by layer.
+            ordered_sync_loads=self._layered,
+            layered_sync_loads=self._layered,
         )
         if endpoints:
             settings["zmq_endpoint"] = endpoints[0]
@@ -623,17 +633,21 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         self._metadata = None
 
     def start_load_kv(self, stream: Any) -> None:
-        """Starts the step's loads and returns once its synchronous loads are in device memory, so
-        the forward reads them whichever layer hooks run (CUDA-graph replay runs none)."""
+        """Starts the step's loads: layer by layer where every forward runs the layer hooks, else
+        returns once they are in device memory (ordered: once the stream waits for them), so the
+        forward reads them whichever hooks run (CUDA-graph replay runs none)."""
         w = self._worker
+        self._layered_step = False
         if w is None:
             return
         handle = stream_handle(stream)
         if self._groups is not None:
             self._groups.start_load(handle)
         else:
-            w.start_load(handle)
-            w.wait_for_layer_load(0, handle)
+            w.start_load(handle, self._layered)
+            self._layered_step = self._layered and bool(w.has_layered_loads())
+            if not self._layered_step:
+                w.wait_for_layer_load(0, handle)
         self._collect_errors()
 
     def _collect_errors(self) -> None:
@@ -646,12 +660,20 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
             logger.warning("kvtier: loads into device blocks %s failed on rank %d", failed, self._rank)
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
-        return None  # loads completed in start_load_kv
+        """Layered step: the stream waits for layer ``layer_idx``'s copies (the pool's layer: PP and
+        layers without KV are refused). Otherwise the loads completed in start_load_kv."""
+        if not self._layered_step or self._worker is None:
+            return
+        try:
+            self._worker.wait_for_layer_load(int(layer_idx), stream_handle(stream))
+        except Exception as e:  # never raise in a hook (_handle_errors would fail every request)
+            logger.error("kvtier: wait_for_layer_load(%s) failed on rank %d: %s", layer_idx, self._rank, e)
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         return None  # whole blocks across layers, issued at the end of the forward pass
 
     def wait_for_save(self, stream: Any) -> None:
+        self._layered_step = False
         if self._groups is not None:
             self._groups.forward_done(stream_handle(stream))
         elif self._worker is not None:
@@ -662,6 +684,7 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         start on: before registration (KV-cache estimation, warmup) it does nothing."""
 
         def forward_pass_done() -> None:
+            self._layered_step = False
             w = self._groups or self._worker
             if w is not None:
                 w.forward_done(current_stream_handle())
@@ -761,24 +784,15 @@ from ._trtllm_config import (  # noqa: E402,F401  (public API of kvtier.trtllm)
     build_kv_connector_config,
     build_llm_kwargs,
     connector_yaml,
+    cli,
     export_settings_for_ranks,
+    layer_hooks_always_run,
     llm_options,
 )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.trtllm", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    cfg = sub.add_parser("config", help="print the YAML block for trtllm-serve --extra_llm_api_options")
-    cfg.add_argument("--connector", default="kvtier", help=f"one of {', '.join(CONNECTOR_NAMES)} (default kvtier)")
-    cfg.add_argument("--role", default="agg", help="agg (default), prefill or decode (disaggregated serving)")
-    args = parser.parse_args(argv)
-    try:
-        sys.stdout.write(connector_yaml(args.connector, args.role))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return cli(argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

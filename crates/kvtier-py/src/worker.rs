@@ -149,10 +149,38 @@ impl BlockTransfer for DelayedLoads {
         job: &kvtier::transfer::TransferJob,
         fence: &kvtier::transfer::Fence,
     ) -> kvtier::transfer::TransferOutcome {
+        self.delay_load(job);
+        self.inner.execute(job, fence)
+    }
+    fn execute_ordered(
+        &self,
+        job: &kvtier::transfer::TransferJob,
+        fence: &kvtier::transfer::Fence,
+        engine_stream: u64,
+        enqueued: &mut dyn FnMut(),
+    ) -> kvtier::transfer::TransferOutcome {
+        self.delay_load(job);
+        self.inner
+            .execute_ordered(job, fence, engine_stream, enqueued)
+    }
+    fn execute_layered(
+        &self,
+        job: &kvtier::transfer::TransferJob,
+        fence: &kvtier::transfer::Fence,
+        engine_stream: u64,
+        enqueued: &mut dyn FnMut(Option<Arc<dyn kvtier::transfer::LayerGate>>),
+    ) -> kvtier::transfer::TransferOutcome {
+        self.delay_load(job);
+        self.inner
+            .execute_layered(job, fence, engine_stream, enqueued)
+    }
+}
+
+impl DelayedLoads {
+    fn delay_load(&self, job: &kvtier::transfer::TransferJob) {
         if job.dst_tier() == kvtier::ids::Tier::Device {
             std::thread::sleep(self.delay);
         }
-        self.inner.execute(job, fence)
     }
 }
 

@@ -1,6 +1,6 @@
 //! The engine's side (G1): copies between a device block's chunks and a contiguous host block.
 //! CPU engines (vLLM's CPU build, kvtier's reference engine) register CPU memory: then a copy is
-//! a memcpy per chunk. CUDA engines register GPU memory: then copies go through [`crate::transfer::cuda`].
+//! a memcpy per chunk (layer by layer for a layered load: [`crate::transfer::cpu_layered`]). CUDA engines register GPU memory: then copies go through [`crate::transfer::cuda`].
 //!
 //! Invariant: device memory is borrowed from the engine, never freed here, and only touched
 //! after the job's fence; the side holds the [`EngineMemory`] it was opened over (its owners
@@ -11,7 +11,7 @@ use kvtier::transfer::{Fence, LayerGate, TransferError};
 
 use crate::error::IoError;
 use crate::storage::host::HostStorage;
-use crate::sys::{job, mem};
+use crate::transfer::cpu_layered;
 use crate::transfer::layout::{BlockChunks, Chunk};
 use crate::transfer::memory::EngineMemory;
 
@@ -136,29 +136,18 @@ impl DeviceSide {
             "device copy resolved"
         );
         match &self.mover {
-            Mover::Cpu => {
-                for (_, chunks, host) in &resolved {
-                    let mut off = 0usize;
-                    for c in chunks {
-                        let (src, dst) = if to_host {
-                            (c.addr as usize, host + off)
-                        } else {
-                            (host + off, c.addr as usize)
-                        };
-                        // `c` is a chunk of a device block of the `EngineMemory` this
-                        // side holds (CPU memory, allocated while it lives: its `# Safety`, or its
-                        // safe constructor's bound check and owners), `host + off` lies inside one host
-                        // block (chunks sum to the block size, checked at build); the job owns
-                        // the destination and holds the source read-only.
-                        job::copy_stream(src, dst, c.len);
-                        off += c.len;
+            Mover::Cpu => match (order.filter(|_| failed.is_empty()), self.layout.layers()) {
+                (Some(o), Some(layers)) if o.layered && !to_host => {
+                    let bpb = self.layout.bytes_per_block();
+                    cpu_layered::load_layered(&resolved, bpb, layers, o);
+                }
+                (order, _) => {
+                    cpu_layered::copy_whole(&resolved, to_host);
+                    if let Some(o) = order {
+                        (o.enqueued)(None);
                     }
                 }
-                mem::store_fence();
-                if let (Some(o), true) = (order, failed.is_empty()) {
-                    (o.enqueued)(None);
-                }
-            }
+            },
             Mover::Cuda(c) => {
                 let order = order.filter(|_| failed.is_empty());
                 let layers = self.layout.layers();

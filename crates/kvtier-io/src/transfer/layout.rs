@@ -179,6 +179,55 @@ impl BlockChunks for DeviceLayout {
     }
 }
 
+/// A piece of a device block's chunk within one `unit` of the canonical block.
+pub(crate) struct Piece {
+    /// Which unit (layer, group of layers) of the block.
+    pub(crate) unit: usize,
+    /// Canonical offset of its first byte in the block.
+    pub(crate) at: usize,
+    /// Its device address.
+    pub(crate) addr: u64,
+    pub(crate) len: usize,
+}
+
+/// The `chunks` of one device block (host block at `host`) cut at every multiple of `unit`
+/// bytes of the canonical block, in order. `None` when the host block, a chunk's address or
+/// length is not a multiple of `align` (the CUDA kernel's wide copies need 16; a memcpy 1), or
+/// the chunks do not add up to `bytes_per_block`.
+pub(crate) fn cut_chunks(
+    chunks: &[Chunk],
+    host: usize,
+    bytes_per_block: usize,
+    unit: usize,
+    align: usize,
+) -> Option<Vec<Piece>> {
+    if align == 0 || !host.is_multiple_of(align) || unit == 0 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(chunks.len());
+    let mut off = 0usize; // canonical offset of the chunk's first byte
+    for c in chunks {
+        if !c.addr.is_multiple_of(align as u64) || !c.len.is_multiple_of(align) {
+            return None;
+        }
+        let mut done = 0usize;
+        while done < c.len {
+            let at = off + done;
+            let k = at / unit;
+            let len = (c.len - done).min((k + 1) * unit - at);
+            out.push(Piece {
+                unit: k,
+                at,
+                addr: c.addr + done as u64,
+                len,
+            });
+            done += len;
+        }
+        off += c.len;
+    }
+    (off == bytes_per_block).then_some(out)
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {

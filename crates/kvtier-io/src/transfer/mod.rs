@@ -5,6 +5,7 @@
 //! Invariant: nothing here contains an `unsafe` block; copies through raw addresses go through
 //! `sys`'s wrappers, whose contracts the registration of an
 //! [`EngineMemory`](crate::EngineMemory) establishes.
+pub(crate) mod cpu_layered;
 pub mod cuda;
 pub(crate) mod device;
 pub(crate) mod engine;

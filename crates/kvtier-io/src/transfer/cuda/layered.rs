@@ -22,7 +22,10 @@ use super::{launch_descs, staged, CudaFence, CudaMover, Dir};
 use crate::sys::cuda::{CuResult, Driver, Event, Kernel};
 use crate::sys::job;
 use crate::transfer::device::Ordering;
-use crate::transfer::layout::Chunk;
+use crate::transfer::layout::{cut_chunks, Chunk};
+
+/// The kernel's wide copies need every piece, and its host and device addresses, on this boundary.
+pub(crate) const KERNEL_ALIGN: usize = 16;
 
 /// Loads larger than this go the whole-job ordered way (copy engine, link rate) instead. The
 /// kernel's reads of host memory run below the copy engine's rate (H200, PCIe Gen5: 43.7 GB/s for
@@ -150,60 +153,12 @@ pub(crate) fn layer_descriptors(
     }
     let mut out: Vec<Vec<u64>> = vec![Vec::with_capacity(items.len() * 6); layers];
     for (_, chunks, host) in items {
-        for p in cut_chunks(chunks, *host, bytes_per_block, s)? {
+        for p in cut_chunks(chunks, *host, bytes_per_block, s, KERNEL_ALIGN)? {
             out.get_mut(p.unit)?
                 .extend_from_slice(&[(host + p.at) as u64, p.addr, p.len as u64]);
         }
     }
     Some(out)
-}
-
-/// A piece of a device block's chunk within one `unit` of the canonical block.
-pub(super) struct Piece {
-    /// Which unit (layer, group of layers) of the block.
-    pub(super) unit: usize,
-    /// Canonical offset of its first byte in the block.
-    pub(super) at: usize,
-    /// Its device address.
-    pub(super) addr: u64,
-    pub(super) len: usize,
-}
-
-/// The `chunks` of one device block (host block at `host`) cut at every multiple of `unit`
-/// bytes of the canonical block, in order. `None` when the host block, a chunk's address or
-/// length is not 16-byte aligned (the kernel's wide copies), or the chunks do not add up to
-/// `bytes_per_block`.
-pub(super) fn cut_chunks(
-    chunks: &[Chunk],
-    host: usize,
-    bytes_per_block: usize,
-    unit: usize,
-) -> Option<Vec<Piece>> {
-    if !host.is_multiple_of(16) || unit == 0 {
-        return None;
-    }
-    let mut out = Vec::with_capacity(chunks.len());
-    let mut off = 0usize; // canonical offset of the chunk's first byte
-    for c in chunks {
-        if !c.addr.is_multiple_of(16) || !c.len.is_multiple_of(16) {
-            return None;
-        }
-        let mut done = 0usize;
-        while done < c.len {
-            let at = off + done;
-            let k = at / unit;
-            let len = (c.len - done).min((k + 1) * unit - at);
-            out.push(Piece {
-                unit: k,
-                at,
-                addr: c.addr + done as u64,
-                len,
-            });
-            done += len;
-        }
-        off += c.len;
-    }
-    (off == bytes_per_block).then_some(out)
 }
 
 /// Every pair of `items` failed with the CUDA error `e` (not attributable to one block), once

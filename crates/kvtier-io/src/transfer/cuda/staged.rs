@@ -18,12 +18,13 @@ use std::ops::Range;
 
 use kvtier::transfer::Fence;
 
-use super::layered::{cut_chunks, Piece};
+use super::layered::KERNEL_ALIGN;
 use super::{coalesce, launch_descs, Copy, CudaMover};
 use crate::sys::cuda::{CuResult, Event, Stream};
 use crate::sys::job;
 use crate::transfer::device::Ordering;
 use crate::transfer::layout::Chunk;
+use crate::transfer::layout::{cut_chunks, Piece};
 
 /// A layer group's slice of a host block is at least this many bytes where the block allows
 /// (whole-block copies run at 53-55 GB/s, 1 MiB ones at 48 GB/s, 256 KiB ones at 34 GB/s one by
@@ -93,7 +94,13 @@ pub(crate) fn staged_rounds(
     // Each block's chunks cut at the group boundaries, checked once.
     let mut pieces: Vec<Vec<Piece>> = Vec::with_capacity(items.len());
     for (_, chunks, host) in items {
-        pieces.push(cut_chunks(chunks, *host, bytes_per_block, slice)?);
+        pieces.push(cut_chunks(
+            chunks,
+            *host,
+            bytes_per_block,
+            slice,
+            KERNEL_ALIGN,
+        )?);
     }
     let groups = layers / g;
     // `cut_chunks` gives each block's pieces in canonical order, so by unit: group `u`'s pieces
