@@ -105,3 +105,16 @@ def test_layer_hooks_always_run_only_without_graphs_or_compile(args, runs):
     for k, v in args.items():
         setattr(a, k, v)
     assert trtllm.layer_hooks_always_run(a) is runs
+
+
+def test_kv_cache_manager_v2_loads_whole_even_when_eager(sync_host):
+    """A V2 ``KvCacheLayout``'s regions need not be one per decoder layer (the index
+    ``wait_for_layer_load`` gets): its loads stay whole and complete in ``start_load_kv``."""
+    worker = counting_worker()
+    ps = prompts(6, one_token_tail=False)
+    e = engine(geo=GEO1, num_device_blocks=40, layer_hooks="eager", loop="plain", manager="v2", worker=worker,
+               stream_factory=lambda: 0)
+    _, second = run_twice(e, ps, 3)
+    assert tokens(second) == reference_tokens(ps, 3)
+    assert e.stats.sync_matches > 0
+    assert worker.layered_steps == 0

@@ -538,8 +538,7 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         return [self._worker] if self._worker is not None else []
 
     def requires_layerwise_transfer_hooks(self) -> bool:
-        # 1.4 (connectors/kv_cache_connector.py): only an engine whose every forward runs the hooks
-        # loads layer by layer; elsewhere kvtier moves whole blocks at batch boundaries.
+        # 1.4 (connectors/kv_cache_connector.py): hooks only where loads go layer by layer.
         return self._layered
 
     # ----- registration ------------------------------------------------------------------------
@@ -602,6 +601,7 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
     def register_kv_cache_layout(self, layout: Any) -> None:
         """KVCacheManagerV2 (``connectors/kv_cache_layout.py``): one full-attention layer group with
         shard-specific regions, or one layer group per window (``_trtllm_layout``)."""
+        self._layered = False  # whole loads: regions need not be one per decoder layer
         if self._windows is not None:
             # One native worker per group, in kvtier's order.
             tensors, order = _layout.group_tensors(layout, self._windows, self._tpb)
