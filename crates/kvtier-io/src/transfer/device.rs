@@ -1,6 +1,7 @@
 //! The engine's side (G1): copies between a device block's chunks and a contiguous host block.
 //! CPU engines (vLLM's CPU build, kvtier's reference engine) register CPU memory: then a copy is
-//! a memcpy per chunk (layer by layer for a layered load: [`crate::transfer::cpu_layered`]). CUDA engines register GPU memory: then copies go through [`crate::transfer::cuda`].
+//! a memcpy per chunk (layer by layer for a layered load: [`crate::transfer::cpu_layered`]).
+//! CUDA engines register GPU memory: then copies go through [`crate::transfer::cuda`].
 //!
 //! Invariant: device memory is borrowed from the engine, never freed here, and only touched
 //! after the job's fence; the side holds the [`EngineMemory`] it was opened over (its owners
