@@ -35,12 +35,12 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvtier::hash::SequenceHash;
 use kvtier::transfer::{RemoteError, RemoteStore, TransferError};
 
-use super::granted::Granted;
+use super::granted::{self, Granted};
 use super::protocol::{
     block_checksum, read_frame, spin_readable, write_frame, GetAnswer, ItemAnswer, LeaseEnd,
     PutAnswer, PutEnd, Reply, Request, CLIENT_SPIN, MAX_BATCH, NODE_PROTOCOL_VERSION,
@@ -58,6 +58,9 @@ pub struct NodeClientOptions {
     /// Users besides this process's own whose node it attaches to (`node_uid` in the
     /// `node://` URL); a listener of any other uid is refused.
     pub node_uids: Vec<u32>,
+    /// A connection left unused this long gives the slots the node granted it back (default
+    /// 5 s): an engine that stops storing does not keep arena space from the node's cache.
+    pub grants_idle: Duration,
     /// Verify every block even on a node of this uid (`verify` in the `node://` URL): each
     /// put committed with the checksum of its private source, each get checked over its
     /// private copy. Against memory corruption; a hash pass per block on each side, and the
@@ -71,6 +74,7 @@ impl Default for NodeClientOptions {
         NodeClientOptions {
             io_timeout: Duration::from_secs(2),
             pool: 4,
+            grants_idle: Duration::from_secs(5),
             node_uids: Vec::new(),
             verify: false,
         }
@@ -88,6 +92,8 @@ pub(super) struct Conn {
     waited: std::time::Duration,
     /// Slots the node granted this connection for its next stores (`granted.rs`).
     pub(super) granted: Granted,
+    /// When it was last handed back to the store's pool.
+    pub(super) pooled_at: Instant,
 }
 
 /// The node tier as this process sees it (see the module docs).
@@ -98,7 +104,10 @@ pub struct NodeStore {
     /// The node's arena and its identity (a restarted node has a new one, mapped on
     /// reconnect); `None` until the first connection succeeds.
     arena: RwLock<Option<(ArenaId, Arc<Arena>)>>,
-    idle: Mutex<Vec<Conn>>,
+    idle: Arc<Mutex<Vec<Conn>>>,
+    /// Stops the thread that gives idle connections' grants back (`granted::spawn_returns`)
+    /// when the store is dropped.
+    _returns: Option<std::sync::mpsc::Sender<()>>,
     /// CUDA device whose context registers each arena mapping (set by a CUDA transfer engine).
     cuda: Mutex<Option<i32>>,
     /// Blocks this process hashed (stores committed with a checksum, loads verified).
@@ -163,6 +172,7 @@ fn hello(
         verify: true,
         waited: std::time::Duration::ZERO,
         granted: Granted::default(),
+        pooled_at: Instant::now(),
     };
     let reply = conn.call(&Request::Hello {
         version: NODE_PROTOCOL_VERSION,
@@ -360,12 +370,15 @@ impl NodeStore {
     /// A handle that attaches on first use (a node that is down at engine start only makes
     /// the first operations miss).
     pub fn lazy(socket: &Path, namespace: &str, opts: NodeClientOptions) -> NodeStore {
+        let idle = Arc::new(Mutex::new(Vec::new()));
+        let returns = granted::spawn_returns(Arc::downgrade(&idle), opts.grants_idle);
         NodeStore {
             socket: socket.to_owned(),
             namespace: namespace.to_owned(),
             opts,
             arena: RwLock::new(None),
-            idle: Mutex::new(Vec::new()),
+            idle,
+            _returns: returns,
             cuda: Mutex::new(None),
             hashed: AtomicU64::new(0),
             waited_ns: AtomicU64::new(0),
@@ -417,6 +430,7 @@ impl NodeStore {
     pub(super) fn pool(&self, mut c: Conn) {
         let ns = u64::try_from(std::mem::take(&mut c.waited).as_nanos()).unwrap_or(u64::MAX);
         self.waited_ns.fetch_add(ns, Ordering::Relaxed);
+        c.pooled_at = Instant::now();
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         if idle.len() < self.opts.pool {
             idle.push(c);

@@ -18,8 +18,14 @@
 //!   (`Conn::recv` reads what it owes first), so answers are never taken for another request's;
 //! - bounded: only jobs of at most [`JOB_MAX`] pairs use grants; a pool holds at most twice the
 //!   largest such job seen on the connection per block size, and the node caps what one client
-//!   and all clients hold (`MAX_GRANTS`, `GRANT_SHARE` in `books.rs`).
+//!   and all clients hold (`MAX_GRANTS`, `GRANT_SHARE` in `books.rs`);
+//! - idle grants go back: a connection left in the store's pool for `grants_idle` gives every
+//!   slot it holds back to the node (`Finish` of aborts, [`return_idle_grants`]), taken out of
+//!   the pool meanwhile so no store copies into a slot being given back; an engine that stops
+//!   storing holds no arena space beyond that. The pools' sizes are kept: the next store
+//!   reserves by key and asks for its grants again.
 use std::collections::VecDeque;
+use std::time::Duration;
 
 use kvtier::transfer::RemoteError;
 
@@ -133,6 +139,84 @@ impl Granted {
     /// Slots of `bytes` taken and not published (their copies failed): back to the pool.
     fn give_back(&mut self, bytes: u64, slots: Vec<(u64, u64)>) {
         self.pool(bytes).slots.extend(slots);
+    }
+
+    /// Whether any pool holds a slot, or a `Grant` is still to be answered.
+    pub(super) fn holds_any(&self) -> bool {
+        self.owes() || self.pools.iter().any(|p| !p.slots.is_empty())
+    }
+
+    /// Every unused slot's grant id, taken out of the pools (their sizes kept).
+    fn drain(&mut self) -> Vec<u64> {
+        let slots = self.pools.iter_mut().flat_map(|p| p.slots.drain(..));
+        slots.map(|(id, _)| id).collect()
+    }
+}
+
+impl Conn {
+    /// Give every slot granted to this connection back to the node, once the `Grant` answers
+    /// owed are read. `Err`: the connection broke (the node frees its grants as it ends).
+    pub(super) fn return_grants(&mut self) -> Result<(), RemoteError> {
+        self.settle()?;
+        let ends: Vec<PutEnd> = self
+            .granted
+            .drain()
+            .into_iter()
+            .map(PutEnd::Abort)
+            .collect();
+        if !ends.is_empty() {
+            self.finish(&ends)?;
+        }
+        Ok(())
+    }
+}
+
+/// Give back the grants of the connections of `idle` (a store's pool) left there for at least
+/// `after`: each is taken out of the pool while it does, and pooled again unless it broke.
+pub(super) fn return_idle_grants(idle: &std::sync::Mutex<Vec<Conn>>, after: Duration) {
+    let lock = || idle.lock().unwrap_or_else(|p| p.into_inner());
+    let stale: Vec<Conn> = {
+        let mut pool = lock();
+        let (stale, fresh) = std::mem::take(&mut *pool)
+            .into_iter()
+            .partition(|c| c.granted.holds_any() && c.pooled_at.elapsed() >= after);
+        *pool = fresh;
+        stale
+    };
+    for mut c in stale {
+        match c.return_grants() {
+            Ok(()) => lock().push(c),
+            Err(e) => tracing::debug!("node connection dropped while giving grants back: {e}"),
+        }
+    }
+}
+
+/// The thread that gives idle connections' grants back, every `after / 2` (at least 10 ms, at
+/// most 1 s), until its store is dropped (the returned sender with it).
+pub(super) fn spawn_returns(
+    idle: std::sync::Weak<std::sync::Mutex<Vec<Conn>>>,
+    after: Duration,
+) -> Option<std::sync::mpsc::Sender<()>> {
+    let (stop, stopped) = std::sync::mpsc::channel::<()>();
+    let tick = (after / 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
+    let spawned = std::thread::Builder::new()
+        .name("kvtier-node-grants".into())
+        .spawn(move || loop {
+            if !matches!(
+                stopped.recv_timeout(tick),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+            ) {
+                return;
+            }
+            let Some(idle) = idle.upgrade() else { return };
+            return_idle_grants(&idle, after);
+        });
+    match spawned {
+        Ok(_) => Some(stop),
+        Err(e) => {
+            tracing::warn!("no thread to give idle node grants back ({e}); they go back when connections close");
+            None
+        }
     }
 }
 

@@ -361,3 +361,42 @@ fn a_store_does_not_wait_for_the_grants_the_store_before_it_asked_for() {
         "the copy waited for the grants it did not need"
     );
 }
+
+#[test]
+fn a_connection_left_idle_gives_its_grants_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), 64 * 16 * BYTES as u64);
+    let opts = NodeClientOptions {
+        grants_idle: Duration::from_secs(1),
+        ..NodeClientOptions::default()
+    };
+    let s = NodeStore::connect(n.socket(), "m", opts).unwrap();
+    let first: Vec<u128> = (0..64).collect();
+    let (out, _) = store(&s, &first, 0);
+    assert!(out.iter().all(|r| r.is_ok()));
+    // The grants the store asked for arrive, then go back once the connection sat idle.
+    let t = Instant::now();
+    let mut most = 0;
+    while n.stats().bytes_granted != 0 || most == 0 {
+        most = most.max(n.stats().bytes_granted);
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "granted {most} bytes; none given back"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(most, 128 * BYTES as u64);
+    // The connection is pooled again and stores as before (reserving by key: no slots left).
+    let second: Vec<u128> = (100..164).collect();
+    let (out, calls) = store(&s, &second, 1);
+    assert!(out.iter().all(|r| r.is_ok()), "{out:?}");
+    assert_eq!(calls, vec![64]);
+    assert_eq!(s.stores_granted(), 0);
+    assert_eq!(n.stats().clients, 1, "the pooled connection was dropped");
+    for (k, got) in first.iter().zip(load(&s, &first)) {
+        assert_eq!(got.unwrap(), block(*k, 0), "key {k}");
+    }
+    for (k, got) in second.iter().zip(load(&s, &second)) {
+        assert_eq!(got.unwrap(), block(*k, 1), "key {k}");
+    }
+}

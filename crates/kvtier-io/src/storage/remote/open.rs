@@ -139,6 +139,7 @@ fn open_target(
                 pool: *pool,
                 node_uids: node_uids.clone(),
                 verify: *verify,
+                ..NodeClientOptions::default()
             };
             Ok(Arc::new(NodeStore::lazy(socket, namespace, opts)))
         }
