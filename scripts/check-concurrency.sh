@@ -11,10 +11,10 @@ cd "$(dirname "$0")/.."
 target=${CARGO_TARGET_DIR:-$PWD/target}
 export MIRIFLAGS="${MIRIFLAGS:--Zmiri-permissive-provenance -Zmiri-disable-isolation}"
 
-echo "== miri: kvtier-io unit tests (aligned buffers, streaming copies, host tier mapping)"
+echo "== miri: kvtier-io unit tests (aligned buffers, streaming copies, host tier mapping, layered CPU loads)"
 CARGO_TARGET_DIR=$target/miri cargo +nightly miri test -p kvtier-io --lib -- \
   sys::mem storage::host::tests::blocks_round_trip storage::host::tests::impossible_size \
-  transfer::layout::
+  transfer::layout:: transfer::cpu_layered::
 
 echo "== miri: kvtier-io transfer engine, device <-> host <-> remote on CPU memory"
 CARGO_TARGET_DIR=$target/miri cargo +nightly miri test -p kvtier-io \

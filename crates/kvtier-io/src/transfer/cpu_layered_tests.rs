@@ -15,24 +15,42 @@ fn setup(dev: &mut [u8], host: &[u8]) -> Vec<(usize, Vec<Chunk>, usize)> {
     ]
 }
 
-fn host_bytes() -> Vec<u8> {
-    (0..128u32).map(|i| (i * 7 + 1) as u8).collect()
+/// `(host blocks, zeroed device buffer, what one whole copy leaves in it, the pairs)`.
+struct Fixture {
+    _host: Vec<u8>,
+    dev: Vec<u8>,
+    whole: Vec<u8>,
+    resolved: Vec<(usize, Vec<Chunk>, usize)>,
+}
+
+fn fixture() -> Fixture {
+    let host: Vec<u8> = (0..128u32).map(|i| (i * 7 + 1) as u8).collect();
+    let mut dev = vec![0u8; 256];
+    let resolved = setup(&mut dev, &host);
+    let mut whole = vec![0u8; 256];
+    copy_whole(&setup(&mut whole, &host), false);
+    Fixture {
+        _host: host,
+        dev,
+        whole,
+        resolved,
+    }
+}
+
+/// What the device buffer at `addr` holds now.
+fn seen(addr: usize) -> Vec<u8> {
+    crate::sys::job::with_bytes(addr, 256, |b| b.to_vec())
 }
 
 #[test]
 fn a_layered_load_hands_the_gate_over_first_and_lands_bit_exact() {
-    let host = host_bytes();
-    let mut dev = vec![0u8; 256];
-    let resolved = setup(&mut dev, &host);
-    let mut whole_dev = vec![0u8; 256];
-    copy_whole(&setup(&mut whole_dev, &host), false);
-    let dev_addr = dev.as_ptr() as usize;
+    let f = fixture();
+    let dev_addr = f.dev.as_ptr() as usize;
     let mut gate: Option<Arc<dyn LayerGate>> = None;
     let mut untouched_at_handover = false;
     let mut enqueued = |g: Option<Arc<dyn LayerGate>>| {
         // Nothing is copied yet when the engine is told to go on.
-        let seen = crate::sys::job::with_bytes(dev_addr, 256, |b| b.to_vec());
-        untouched_at_handover = seen.iter().all(|&b| b == 0);
+        untouched_at_handover = seen(dev_addr).iter().all(|&b| b == 0);
         gate = g;
     };
     let order = Ordering {
@@ -41,7 +59,7 @@ fn a_layered_load_hands_the_gate_over_first_and_lands_bit_exact() {
         readable: false,
         enqueued: &mut enqueued,
     };
-    load_layered(&resolved, 64, 2, order);
+    load_layered(&f.resolved, 64, 2, order);
     assert!(untouched_at_handover);
     let gate = gate.expect("a layered load hands over a gate");
     assert_eq!(gate.layers(), 2);
@@ -52,25 +70,21 @@ fn a_layered_load_hands_the_gate_over_first_and_lands_bit_exact() {
         Err(TransferError::Other(_))
     ));
     assert_eq!(
-        dev, whole_dev,
+        seen(dev_addr),
+        f.whole,
         "layer by layer lands the same bytes as one whole copy"
     );
-    assert!(dev.iter().any(|&b| b != 0));
+    assert!(f.whole.iter().any(|&b| b != 0));
 }
 
 #[test]
 fn blocks_that_do_not_split_into_the_layers_are_copied_whole_without_a_gate() {
-    let host = host_bytes();
-    let mut dev = vec![0u8; 256];
-    let resolved = setup(&mut dev, &host);
-    let mut whole_dev = vec![0u8; 256];
-    copy_whole(&setup(&mut whole_dev, &host), false);
-    let dev_addr = dev.as_ptr() as usize;
+    let f = fixture();
+    let dev_addr = f.dev.as_ptr() as usize;
     let mut handed: Option<Option<Arc<dyn LayerGate>>> = None;
     let mut complete_at_handover = false;
     let mut enqueued = |g: Option<Arc<dyn LayerGate>>| {
-        complete_at_handover =
-            crate::sys::job::with_bytes(dev_addr, 256, |b| b.to_vec()) == whole_dev;
+        complete_at_handover = seen(dev_addr) == f.whole;
         handed = Some(g);
     };
     let order = Ordering {
@@ -79,7 +93,7 @@ fn blocks_that_do_not_split_into_the_layers_are_copied_whole_without_a_gate() {
         readable: false,
         enqueued: &mut enqueued,
     };
-    load_layered(&resolved, 64, 3, order); // 64 bytes do not split into 3 layers
+    load_layered(&f.resolved, 64, 3, order); // 64 bytes do not split into 3 layers
     assert!(matches!(handed, Some(None)));
     assert!(
         complete_at_handover,
@@ -87,13 +101,19 @@ fn blocks_that_do_not_split_into_the_layers_are_copied_whole_without_a_gate() {
     );
 }
 
-#[test]
-fn a_waiter_returns_only_once_its_layer_is_in() {
+/// A gate of three layers and the progress its copy reports to.
+fn three_layers() -> (Arc<Progress>, CpuLayerGate) {
     let progress = Arc::new(Progress::default());
     let gate = CpuLayerGate {
         progress: Arc::clone(&progress),
         layers: 3,
     };
+    (progress, gate)
+}
+
+#[test]
+fn a_waiter_returns_only_once_its_layer_is_in() {
+    let (progress, gate) = three_layers();
     let (tx, rx) = channel();
     std::thread::scope(|s| {
         s.spawn(|| tx.send(gate.wait_layer(1, 0).is_ok()).unwrap());
@@ -113,11 +133,7 @@ fn a_waiter_returns_only_once_its_layer_is_in() {
 
 #[test]
 fn a_copy_that_stops_early_fails_its_waiters_instead_of_hanging_them() {
-    let progress = Arc::new(Progress::default());
-    let gate = CpuLayerGate {
-        progress: Arc::clone(&progress),
-        layers: 3,
-    };
+    let (progress, gate) = three_layers();
     let (tx, rx) = channel();
     std::thread::scope(|s| {
         s.spawn(|| tx.send(gate.wait_layer(2, 0).is_ok()).unwrap());
