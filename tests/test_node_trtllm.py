@@ -46,3 +46,29 @@ def test_node_only_engines_share_blocks_by_model(node):
     assert tokens(first) == tokens(again) == reference_tokens(prompts, 3, seed=1)
     ns = node.stats()
     assert ns["puts"] > 0 and ns["gets"] > 0, ns
+
+
+def test_a_node_that_dies_between_match_and_load_costs_a_recompute_never_wrong_kv(node, kvtier_env):
+    """TensorRT-LLM cannot recompute a failed synchronous load (docs/arch/trtllm.md): a hit from the node tier
+    loads asynchronously even with ``connector.sync_host_loads`` (which loads *host* hits in the step), so a node
+    that dies after the match is a failed asynchronous load, rewound by its verdict and recomputed."""
+    from kvtier import trtllm
+
+    kvtier_env.setenv("KVTIER_SYNC_HOST_LOADS", "true")
+    prompts = workload(seed=43, n_docs=3, per_doc=1)
+    produced: set = set()
+    a = engine(geo=GEO1, num_device_blocks=40, produced=produced)
+    [a.add_request(p, 3) for p in prompts]
+    a.run()
+    assert stats(a)["remote_put_confirmed"] > 0, stats(a)
+
+    class NodeDiesAfterTheMatch(trtllm.KvtierConnectorWorker):
+        def start_load_kv(self, stream):
+            node.shutdown()  # the scheduler matched this step's hits on the node; now it is gone
+            super().start_load_kv(stream)
+
+    c = engine(geo=GEO1, num_device_blocks=40, produced=produced, worker=NodeDiesAfterTheMatch)
+    again = [c.add_request(p, 3) for p in prompts]
+    c.run()
+    assert c.stats.matched_tokens > 0
+    assert tokens(again) == reference_tokens(prompts, 3)

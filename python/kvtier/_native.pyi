@@ -217,6 +217,9 @@ class Leader:
         """Job reports from ``Worker.take_reports()`` (link "engine")."""
     def enable_load_verdicts(self) -> None:
         """Issue one verdict per asynchronous load once every rank reported it (TensorRT-LLM, any TP size)."""
+    def load_remote_hits_async(self) -> None:
+        """Hits touching the remote tier load asynchronously even when it is the node tier (an engine that cannot
+        recompute a failed synchronous load: TensorRT-LLM)."""
     def enable_match_holds(self) -> None:
         """A match holds the host and disk blocks it offers until the request's allocation, a new match, its
         preemption or finish, or 1,024 engine steps (TensorRT-LLM's KVCacheManagerV2 allocates passes later, and the

@@ -338,9 +338,9 @@ class KvtierConnectorScheduler(_SchedulerBase):  # type: ignore[misc, valid-type
         else:
             self._leader = _native.Leader(settings)
         for leader in self.leaders:
-            # Every rank (one or several) reports an async load only by the leader's verdict
-            # (get_finished), which names the recompute token of a failed one.
+            # Every rank reports an async load only by the leader's verdict (its recompute token if failed);
             leader.enable_load_verdicts()
+            leader.load_remote_hits_async()  # and a failed sync load has none: node hits load async too
             # Page ids may carry -1 (V2 padding, a window kvtier was not told of): the leader
             # trims, takes as holes (window groups) or stops caching the request.
             leader.enable_unpaged_exclusion()

@@ -74,6 +74,8 @@ struct Inner {
     unpaged_exclusion: bool,
     /// `Leader::enable_match_holds(expire)`, applied when the leader is built (`None`: off).
     match_holds: Option<bool>,
+    /// `Leader::set_near_remote(false)` when the leader is built (`load_remote_hits_async`).
+    remote_hits_async: bool,
     settings: Settings,
     pending: Option<Pending>,
     leader: Option<Leader>,
@@ -107,6 +109,9 @@ impl Inner {
         leader.set_unpaged_exclusion(self.unpaged_exclusion);
         if let Some(expire) = self.match_holds {
             leader.enable_match_holds(expire);
+        }
+        if self.remote_hits_async {
+            leader.set_near_remote(false);
         }
         let (window, null_block) = self.settings.sliding_window().map_err(BridgeError::from)?;
         leader.set_window(window, null_block.map(DeviceBlockId));
@@ -327,6 +332,7 @@ impl PyLeader {
             load_verdicts: false,
             unpaged_exclusion: false,
             match_holds: None,
+            remote_hits_async: false,
             settings,
             pending: None,
             leader: None,
@@ -626,6 +632,18 @@ impl PyLeader {
         g.load_verdicts = true;
         if let Some(l) = g.leader.as_mut() {
             l.set_load_verdicts(true);
+        }
+    }
+
+    /// Hits that touch the remote tier load asynchronously even when it is the node tier (whose
+    /// hits otherwise count as host hits with `sync_host_loads`): for an engine that cannot
+    /// recompute a failed synchronous load (TensorRT-LLM), where a node that dies between the
+    /// match and the load must cost a recompute, never a forward over unloaded blocks.
+    fn load_remote_hits_async(&self) {
+        let mut g = self.lock();
+        g.remote_hits_async = true;
+        if let Some(l) = g.leader.as_mut() {
+            l.set_near_remote(false);
         }
     }
 
