@@ -38,6 +38,9 @@ fn store(n: &NodeServer) -> Arc<NodeStore> {
 fn store_with(n: &NodeServer, verify: bool) -> Arc<NodeStore> {
     let opts = NodeClientOptions {
         verify,
+        // These tests count the node's requests and granted bytes: idle grants stay (only
+        // `a_connection_left_idle_gives_its_grants_back` has them given back).
+        grants_idle: std::time::Duration::from_secs(3600),
         ..NodeClientOptions::default()
     };
     Arc::new(NodeStore::connect(n.socket(), "m", opts).unwrap())

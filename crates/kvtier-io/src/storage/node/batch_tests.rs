@@ -23,6 +23,9 @@ pub(crate) fn node(dir: &std::path::Path, capacity: u64) -> NodeServer {
 pub(crate) fn client(n: &NodeServer, verify: bool) -> NodeStore {
     let opts = NodeClientOptions {
         verify,
+        // These tests count the node's requests and granted bytes: idle grants stay (only
+        // `a_connection_left_idle_gives_its_grants_back` has them given back).
+        grants_idle: std::time::Duration::from_secs(3600),
         ..NodeClientOptions::default()
     };
     NodeStore::connect(n.socket(), "m", opts).unwrap()

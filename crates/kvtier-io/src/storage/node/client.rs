@@ -371,7 +371,7 @@ impl NodeStore {
     /// the first operations miss).
     pub fn lazy(socket: &Path, namespace: &str, opts: NodeClientOptions) -> NodeStore {
         let idle = Arc::new(Mutex::new(Vec::new()));
-        let returns = granted::spawn_returns(Arc::downgrade(&idle), opts.grants_idle);
+        let returns = granted::spawn_returns(Arc::downgrade(&idle), opts.grants_idle, opts.pool);
         NodeStore {
             socket: socket.to_owned(),
             namespace: namespace.to_owned(),

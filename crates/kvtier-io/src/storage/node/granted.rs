@@ -171,9 +171,10 @@ impl Conn {
     }
 }
 
-/// Give back the grants of the connections of `idle` (a store's pool) left there for at least
-/// `after`: each is taken out of the pool while it does, and pooled again unless it broke.
-pub(super) fn return_idle_grants(idle: &std::sync::Mutex<Vec<Conn>>, after: Duration) {
+/// Give back the grants of the connections of `idle` (a store's pool of at most `cap`) left
+/// there for at least `after`: each is taken out of the pool while it does, and pooled again
+/// unless it broke or the pool filled up meanwhile.
+pub(super) fn return_idle_grants(idle: &std::sync::Mutex<Vec<Conn>>, after: Duration, cap: usize) {
     let lock = || idle.lock().unwrap_or_else(|p| p.into_inner());
     let stale: Vec<Conn> = {
         let mut pool = lock();
@@ -185,17 +186,23 @@ pub(super) fn return_idle_grants(idle: &std::sync::Mutex<Vec<Conn>>, after: Dura
     };
     for mut c in stale {
         match c.return_grants() {
-            Ok(()) => lock().push(c),
+            Ok(()) => {
+                let mut pool = lock();
+                if pool.len() < cap {
+                    pool.push(c);
+                }
+            }
             Err(e) => tracing::debug!("node connection dropped while giving grants back: {e}"),
         }
     }
 }
 
-/// The thread that gives idle connections' grants back, every `after / 2` (at least 10 ms, at
-/// most 1 s), until its store is dropped (the returned sender with it).
+/// The thread that gives idle connections' grants back (pool of at most `cap`), every `after / 2`
+/// (at least 10 ms, at most 1 s), until its store is dropped (the returned sender with it).
 pub(super) fn spawn_returns(
     idle: std::sync::Weak<std::sync::Mutex<Vec<Conn>>>,
     after: Duration,
+    cap: usize,
 ) -> Option<std::sync::mpsc::Sender<()>> {
     let (stop, stopped) = std::sync::mpsc::channel::<()>();
     let tick = (after / 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
@@ -209,7 +216,7 @@ pub(super) fn spawn_returns(
                 return;
             }
             let Some(idle) = idle.upgrade() else { return };
-            return_idle_grants(&idle, after);
+            return_idle_grants(&idle, after, cap);
         });
     match spawned {
         Ok(_) => Some(stop),

@@ -386,13 +386,12 @@ fn a_connection_left_idle_gives_its_grants_back() {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(most, 128 * BYTES as u64);
-    // The connection is pooled again and stores as before (reserving by key: no slots left).
+    // Stores go on as before (reserving by key: no slots left).
     let second: Vec<u128> = (100..164).collect();
     let (out, calls) = store(&s, &second, 1);
     assert!(out.iter().all(|r| r.is_ok()), "{out:?}");
     assert_eq!(calls, vec![64]);
     assert_eq!(s.stores_granted(), 0);
-    assert_eq!(n.stats().clients, 1, "the pooled connection was dropped");
     for (k, got) in first.iter().zip(load(&s, &first)) {
         assert_eq!(got.unwrap(), block(*k, 0), "key {k}");
     }
