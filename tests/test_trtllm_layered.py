@@ -76,6 +76,28 @@ def test_an_eager_engine_loads_layer_by_layer_and_every_forward_reads_loaded_kv(
         assert not w.native.take_load_errors()
 
 
+@pytest.mark.parametrize("sync_host_loads", [None, "false"])
+def test_an_eager_engine_loads_host_hits_in_the_step_by_default(kvtier_env, sync_host_loads):
+    """Default settings (asynchronous loads): an eager engine loads host-tier hits in the step, layer by layer;
+    with ``connector.sync_host_loads`` off every hit loads asynchronously and no layer hook is asked for."""
+    kvtier_env.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "256")
+    kvtier_env.setenv("TRTLLM_KVTIER_TEST_LOAD_DELAY_MS", "150")
+    if sync_host_loads is not None:
+        kvtier_env.setenv("KVTIER_SYNC_HOST_LOADS", sync_host_loads)
+    worker = counting_worker()
+    ps = prompts(7, one_token_tail=False)
+    e = engine(geo=GEO1, num_device_blocks=40, layer_hooks="eager", loop="overlap", worker=worker,
+               stream_factory=lambda: 0)
+    _, second = run_twice(e, ps, 3)
+    assert tokens(second) == reference_tokens(ps, 3)
+    if sync_host_loads is None:
+        assert e.layerwise is True and worker.layered_steps > 0
+        assert e.stats.sync_matches > 0 and e.stats.async_matches == 0, e.stats
+    else:
+        assert e.layerwise is False and worker.layered_steps == 0
+        assert e.stats.sync_matches == 0 and e.stats.async_matches > 0, e.stats
+
+
 @pytest.mark.parametrize("pool", POOLS)
 def test_an_engine_with_cuda_graphs_loads_whole_before_the_forward(sync_host, pool):
     """Replays leave one context token: those batches run in the decode graph, without hooks."""

@@ -33,7 +33,7 @@ def metrics_table() -> list[dict[str, Any]]:
 
 def configured_tiers(settings: Optional[dict] = None) -> dict:
     """Which tiers and load mode the settings configure, building nothing: keys "host", "disk",
-    "remote" (configured at a non-zero size / with a URL) and "async_loads"."""
+    "remote" (configured at a non-zero size / with a URL), "async_loads" and "sync_host_loads"."""
 
 class TensorDesc:
     """A plain description of an engine tensor; build it with ``kvtier.describe(obj)``, which sets

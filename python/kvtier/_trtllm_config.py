@@ -164,3 +164,17 @@ def cli(argv: Optional[Sequence[str]], description: str) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def loads_go_layer_by_layer(llm_args: Any) -> bool:
+    """Whether this engine's synchronous loads go layer by layer (ordered on the forward's stream, each
+    layer waited for in ``wait_for_layer_load``): every forward runs the layer hooks
+    (:func:`layer_hooks_always_run`), on the V1 KV cache manager (its pool's layers are the decoder
+    layers; a V2 ``KvCacheLayout``'s regions need not be) with one layer group (no sliding windows). Such
+    an engine also loads host-tier hits in the step by default (``connector.sync_host_loads``): the
+    executor thread does not wait for them, and the forward of each layer runs while later ones are
+    copied, where an asynchronous load parks the request for at least one more iteration."""
+    from ._trtllm_refusals import engine_windows, uses_kv_cache_manager_v2
+
+    return (layer_hooks_always_run(llm_args) and not uses_kv_cache_manager_v2(llm_args)
+            and engine_windows(llm_args) is None)

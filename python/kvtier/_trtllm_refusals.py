@@ -255,9 +255,12 @@ def _refusals(llm_args: Any, tiers: dict) -> list[str]:
     return out
 
 
-def _check(llm_args: Any, settings: dict) -> None:
-    problems = _refusals(llm_args, dict(_native.configured_tiers(settings)))
+def _check(llm_args: Any, settings: dict) -> dict:
+    """Refuse what kvtier cannot serve; the configured tiers and load modes otherwise."""
+    tiers = dict(_native.configured_tiers(settings))
+    problems = _refusals(llm_args, tiers)
     if problems:
         raise ConfigError("kvtier cannot run with this TensorRT-LLM configuration: " + "; ".join(problems))
+    return tiers
 
 

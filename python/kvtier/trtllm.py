@@ -26,12 +26,9 @@ Invariants kept here:
 * engine start: the forward-pass callable and every worker hook are no-ops until
   ``register_kv_caches`` / ``register_kv_cache_layout`` (KV-cache estimation and warmup forwards
   call the callable first: ``py_executor_creator.py``, ``model_engine.py``);
-* a load depends on a layer hook only where every forward runs the hooks (no CUDA graph, no
-  ``torch.compile``: :func:`layer_hooks_always_run`): there synchronous loads go layer by layer
-  and ``wait_for_layer_load`` makes the forward's stream wait for each layer; elsewhere
-  ``start_load_kv`` returns only after the step's synchronous loads are in device memory, so
-  CUDA-graph replay and the single-token context graph, which skip ``wait_for_layer_load``, read
-  loaded KV;
+* a load depends on a layer hook only where every forward runs the hooks (``loads_go_layer_by_layer``:
+  no CUDA graph, no ``torch.compile``, the V1 pool); elsewhere ``start_load_kv`` returns once the
+  step's sync loads are in device memory, so CUDA-graph replay, which skips the hooks, reads them;
 * nothing raises inside an executor hook because of a failed load (``_handle_errors`` would fail
   every active request, and on TP > 1 the other ranks would hang in collectives); configurations
   whose failed loads cannot be recomputed are refused at construction instead (``_refusals``);
@@ -292,8 +289,9 @@ def _settings(llm_args: Any, **extra: Any) -> dict[str, Any]:
     s: dict[str, Any] = {
         "block_size": _tokens_per_block(llm_args),
         "world_size": _world_size(llm_args),
-        # Async loads (a failed one is recomputed) unless configured otherwise.
-        "async_loads_default": True,
+        # Async loads (a failed one is recomputed) unless configured; host hits in the step where
+        "async_loads_default": True,  # they go layer by layer (eager engines)
+        "sync_host_loads_default": loads_go_layer_by_layer(llm_args),
         "channel": _channel(),
         "salt": engine_salt(llm_args),
     }
@@ -498,7 +496,7 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         self._metadata: Any = None
         self._rank = _rank(llm_args)
         self._tpb = _tokens_per_block(llm_args)
-        _check(llm_args, _settings(llm_args))
+        tiers = _check(llm_args, _settings(llm_args))
         # Failed async loads become recomputes by the leader's verdicts (any TP size): every rank
         # rewinds its own copy of the request to the verdict's token (_get_finished_by_verdict).
         self._engine = _Engine.of(_channel())
@@ -508,7 +506,7 @@ class KvtierConnectorWorker(_WorkerBase):  # type: ignore[misc, valid-type]
         self._groups: Any = None
         #: Sync loads go layer by layer on the forward's stream where every forward runs the layer
         #: hooks (one layer group): layer l computes while later layers are copied.
-        self._layered = self._windows is None and layer_hooks_always_run(llm_args)
+        self._layered = loads_go_layer_by_layer(llm_args) and (tiers["sync_host_loads"] or not tiers["async_loads"])
         self._layered_step = False  # the bound step's loads go layer by layer
 
     @property
@@ -788,6 +786,7 @@ from ._trtllm_config import (  # noqa: E402,F401  (public API of kvtier.trtllm)
     export_settings_for_ranks,
     layer_hooks_always_run,
     llm_options,
+    loads_go_layer_by_layer,
 )
 
 

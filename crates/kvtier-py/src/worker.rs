@@ -449,6 +449,10 @@ pub(crate) fn configured_tiers(
         "async_loads",
         settings.async_loads().map_err(BridgeError::from)?,
     )?;
+    d.set_item(
+        "sync_host_loads",
+        settings.sync_host_loads().map_err(BridgeError::from)?,
+    )?;
     Ok(d.unbind())
 }
 
