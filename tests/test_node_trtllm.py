@@ -72,3 +72,38 @@ def test_a_node_that_dies_between_match_and_load_costs_a_recompute_never_wrong_k
     c.run()
     assert c.stats.matched_tokens > 0
     assert tokens(again) == reference_tokens(prompts, 3)
+
+
+@pytest.mark.parametrize("die", [False, True])
+def test_tp2_node_only_engines_share_blocks_and_survive_the_node(node, die):
+    """TP=2 (both ranks in this process, each rank its own share of every block on the node): a fresh engine is
+    served the blocks another stored; with the node gone between the match and the load, every rank recomputes
+    from the same token (the leader's verdict) and the tokens stay exact."""
+    from kvtier import trtllm
+    from trtllm_driver import Geometry
+
+    geo = Geometry(world_size=2, kv_heads=4)
+    prompts = workload(seed=47, n_docs=3, per_doc=1)
+    produced: set = set()
+    a = engine(geo=geo, num_device_blocks=40, produced=produced)
+    [a.add_request(p, 3) for p in prompts]
+    a.run()
+    assert stats(a)["remote_put_confirmed"] > 0, stats(a)
+
+    class NodeDiesAfterTheMatch(trtllm.KvtierConnectorWorker):
+        def start_load_kv(self, stream):
+            if die:
+                node.shutdown()
+            super().start_load_kv(stream)
+
+    c = engine(geo=geo, num_device_blocks=40, produced=produced, worker=NodeDiesAfterTheMatch)
+    again = [c.add_request(p, 3) for p in prompts]
+    c.run()
+    assert c.stats.matched_tokens > 0
+    assert tokens(again) == reference_tokens(prompts, 3)
+    recomputed = {w.recomputed_loads for w in c.workers.values()}
+    assert len(recomputed) == 1, recomputed  # every rank rewound alike
+    if die:
+        assert recomputed.pop() > 0
+    else:
+        assert stats(c)["onboard_remote_blocks"] > 0 and recomputed.pop() == 0
