@@ -21,7 +21,7 @@ import pytest
 import kvtier
 from kvtier import trtllm
 from trtllm_driver import VOCAB
-from trtllm_scenarios import GEO1, cuda_available, engine, reference_tokens, run_twice, tokens
+from trtllm_scenarios import GEO1, cuda_available, engine, flush, reference_tokens, run_twice, tokens
 
 pytestmark = pytest.mark.skipif(not hasattr(kvtier._native, "Worker"), reason="native connector not built")
 
@@ -140,3 +140,32 @@ def test_kv_cache_manager_v2_loads_whole_even_when_eager(sync_host):
     assert tokens(second) == reference_tokens(ps, 3)
     assert e.stats.sync_matches > 0
     assert worker.layered_steps == 0
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_requests_cancelled_during_a_layered_step_keep_their_blocks_until_the_copies_end(sync_host, world):
+    """Two requests are cancelled right after the step that loaded them layer by layer (TensorRT-LLM terminates a
+    cancelled request between iterations: ``py_executor.py``): their blocks are not freed while a copy into them
+    may run (the driver fails the run otherwise); the others' tokens are exact, at TP=1 and TP=2 (every rank
+    layered)."""
+    from trtllm_driver import Geometry
+
+    worker = counting_worker()
+    ps = prompts(8, one_token_tail=False)
+    e = engine(geo=Geometry(world_size=world, kv_heads=2 * world), num_device_blocks=40, layer_hooks="eager",
+               worker=worker, stream_factory=lambda: 0)
+    first = [e.add_request(p, 3) for p in ps]
+    e.run()
+    flush(e)
+    for w in e.workers.values():
+        w.native.wait_idle()
+    e.relay_reports()
+    victims = [e.add_request(p, 3) for p in ps]
+    e.step()
+    assert worker.layered_steps > 0
+    for r in victims[:2]:
+        e.abort(r.request_id)
+    e.run()
+    assert not e.tables and not e.saving and not e.loading
+    assert tokens(first) == reference_tokens(ps, 3)
+    assert tokens(victims[2:]) == reference_tokens(ps[2:], 3)
