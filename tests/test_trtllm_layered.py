@@ -169,3 +169,26 @@ def test_requests_cancelled_during_a_layered_step_keep_their_blocks_until_the_co
     assert not e.tables and not e.saving and not e.loading
     assert tokens(first) == reference_tokens(ps, 3)
     assert tokens(victims[2:]) == reference_tokens(ps[2:], 3)
+
+
+def test_an_eager_engine_with_a_disk_tier_layers_host_hits_and_parks_disk_hits(kvtier_env):
+    """Host hits load in the step layer by layer; hits that reach the disk tier load asynchronously (a disk read
+    can fail, and TensorRT-LLM cannot recompute a failed synchronous load); every token exact."""
+    kvtier_env.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "100")
+    kvtier_env.setenv("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "512")
+    kvtier_env.setenv("DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER", "true")
+    kvtier_env.setenv("TRTLLM_KVTIER_TEST_LOAD_DELAY_MS", "50")
+    worker = counting_worker()
+    old, new = prompts(9, one_token_tail=False), prompts(10, one_token_tail=False)
+    e = engine(geo=GEO1, num_device_blocks=40, layer_hooks="eager", loop="overlap", worker=worker,
+               stream_factory=lambda: 0)
+    for batch in (old, new):  # each pushed out of G1 by unrelated requests; `old` then out of the host tier too
+        [e.add_request(p, 3) for p in batch]
+        e.run()
+        flush(e)
+    back = new + old  # the host tier's hits first (loading `old` from disk evicts host blocks)
+    second = [e.add_request(p, 3) for p in back]
+    e.run()
+    assert tokens(second) == reference_tokens(back, 3)
+    assert e.stats.sync_matches > 0 and e.stats.async_matches > 0, e.stats
+    assert worker.layered_steps > 0
