@@ -7,18 +7,14 @@
 //! `zmq_endpoint` is configured (waiting up to `connector.leader_worker_timeout_secs`, without
 //! the GIL). Job reports are applied before every call: from the in-process channel, and from
 //! `apply_reports` blobs. One mutex guards the whole state; engines call from one thread.
-use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use kvtier::connector::leader::{promised_blocks, Leader, LeaderStats, RequestKey};
 use kvtier::connector::messages::{ClusterLayout, LoadVerdicts, WorkerReport, PROTOCOL_VERSION};
 use kvtier::connector::step::SchedulerStep;
 use kvtier::connector::zmq::LeaderChannel;
-use kvtier::connector::ConnectorError;
 use kvtier::ids::{DeviceBlockId, RequestId, Tier};
 use kvtier::pool::PoolEvent;
-use kvtier_io::metrics_http::StatsPublisher;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
@@ -26,6 +22,9 @@ use crate::errors::{extract_arg, extract_opt_arg, BridgeError, BridgeResult, Fam
 use crate::records::{page_ids, record_from_py};
 use crate::rendezvous::Rendezvous;
 use crate::settings::Settings;
+
+mod build;
+use build::{Inner, Pending};
 
 /// Encodes job reports for the engine's own worker -> scheduler channel (`link = "engine"`).
 pub(crate) fn encode_reports(reports: &[WorkerReport]) -> BridgeResult<Vec<u8>> {
@@ -47,45 +46,6 @@ fn decode_reports(blob: &[u8]) -> BridgeResult<Vec<WorkerReport>> {
     Ok(reports)
 }
 
-/// Where the ranks' layout comes from when the settings do not give `bytes_per_block`.
-enum Pending {
-    /// Rank 0's worker in this process registers it.
-    InProcess {
-        rendezvous: Arc<Rendezvous>,
-        timeout: Duration,
-    },
-    /// Every rank says hello over ZeroMQ; the handshake runs on its own thread from construction.
-    Zmq {
-        handshake: Receiver<Result<ClusterLayout, ConnectorError>>,
-        timeout: Duration,
-    },
-}
-
-struct Inner {
-    block_size: usize,
-    world_size: u32,
-    async_loads: bool,
-    sync_host_loads: bool,
-    /// `Leader::set_recompute_tail`, applied when the leader is built.
-    recompute_tail: usize,
-    /// `Leader::set_load_verdicts`, applied when the leader is built.
-    load_verdicts: bool,
-    /// `Leader::set_unpaged_exclusion`, applied when the leader is built.
-    unpaged_exclusion: bool,
-    /// `Leader::enable_match_holds(expire)`, applied when the leader is built (`None`: off).
-    match_holds: Option<bool>,
-    /// `Leader::set_near_remote(false)` when the leader is built (`load_remote_hits_async`).
-    remote_hits_async: bool,
-    settings: Settings,
-    pending: Option<Pending>,
-    leader: Option<Leader>,
-    reports: Option<Receiver<WorkerReport>>,
-    zmq: Option<Arc<LeaderChannel>>,
-    /// Snapshots for the process's metrics endpoint (`metrics.enabled`).
-    metrics: Option<StatsPublisher>,
-    shut_down: bool,
-}
-
 /// The scheduler-side connector (see `_native.pyi`).
 #[pyclass(name = "Leader", module = "kvtier._native")]
 pub(crate) struct PyLeader {
@@ -93,136 +53,6 @@ pub(crate) struct PyLeader {
     block_size: usize,
     async_loads: bool,
     sync_host_loads: bool,
-}
-
-impl Inner {
-    /// Everything through the composition root, as in every other engine.
-    fn build(&mut self, layout: ClusterLayout) -> BridgeResult<()> {
-        let plan = crate::vllm_support::composition(&self.settings, layout)?;
-        let remote = plan.remote_store().map_err(crate::vllm_support::bridge)?;
-        let mut leader = plan
-            .leader(remote, self.async_loads)
-            .map_err(crate::vllm_support::bridge)?;
-        leader.set_sync_host_loads(self.sync_host_loads);
-        leader.set_recompute_tail(self.recompute_tail);
-        leader.set_load_verdicts(self.load_verdicts);
-        leader.set_unpaged_exclusion(self.unpaged_exclusion);
-        if let Some(expire) = self.match_holds {
-            leader.enable_match_holds(expire);
-        }
-        if self.remote_hits_async {
-            leader.set_near_remote(false);
-        }
-        let (window, null_block) = self.settings.sliding_window().map_err(BridgeError::from)?;
-        leader.set_window(window, null_block.map(DeviceBlockId));
-        // One endpoint per process: with several KV cache groups, group 0's leader publishes (its
-        // requests' counters are the engine's; its blocks and bytes are group 0's).
-        let group = self.settings.kv_cache_group().map_err(BridgeError::from)?;
-        if self.metrics.is_none() && group.is_none_or(|(index, _, _)| index == 0) {
-            self.metrics = plan.metrics().map_err(crate::vllm_support::bridge)?;
-        }
-        if let Some(p) = &self.metrics {
-            p.publish(leader.stats());
-        }
-        self.leader = Some(leader);
-        Ok(())
-    }
-
-    /// The Rust leader, built on first use from the in-process workers' layouts if needed.
-    fn ready(&mut self, py: Python<'_>) -> BridgeResult<&mut Leader> {
-        if self.shut_down {
-            return Err(BridgeError::local(
-                Family::Connector,
-                "the leader was shut down",
-            ));
-        }
-        if self.leader.is_none() {
-            match self.pending.take() {
-                None => {
-                    return Err(BridgeError::local(
-                        Family::Connector,
-                        "leader has no layout source",
-                    ))
-                }
-                Some(Pending::InProcess {
-                    rendezvous,
-                    timeout,
-                }) => {
-                    let rv = Arc::clone(&rendezvous);
-                    let layouts = py.detach(|| rv.wait_for(0, timeout));
-                    let Some(layouts) = layouts else {
-                        self.pending = Some(Pending::InProcess {
-                            rendezvous,
-                            timeout,
-                        });
-                        return Err(BridgeError::local(
-                            Family::Connector,
-                            format!(
-                                "no kvtier worker of rank 0 registered its KV cache in this process within {}s \
-                                 (connector.leader_worker_timeout_secs); the scheduler needs rank 0's worker in its process",
-                                timeout.as_secs()
-                            ),
-                        ));
-                    };
-                    let r0 = &layouts[0];
-                    if r0.block_size as usize != self.block_size {
-                        return Err(BridgeError::local(
-                            Family::Connector,
-                            format!(
-                                "rank 0 registered {} tokens per block, the leader was configured with {}",
-                                r0.block_size, self.block_size
-                            ),
-                        ));
-                    }
-                    // Tensor-parallel shards are equal: every rank holds rank 0's bytes per block.
-                    let layout = ClusterLayout {
-                        block_size: r0.block_size,
-                        num_device_blocks: r0.num_device_blocks,
-                        bytes_per_block: vec![r0.bytes_per_block; self.world_size as usize],
-                    };
-                    self.reports = rendezvous.take_receiver();
-                    self.build(layout)?;
-                }
-                Some(Pending::Zmq { handshake, timeout }) => {
-                    let (handshake, got) = py.detach(move || {
-                        let got = handshake.recv_timeout(timeout + Duration::from_secs(5));
-                        (handshake, got)
-                    });
-                    let layout = match got {
-                        Ok(Ok(l)) => l,
-                        Ok(Err(e)) => return Err(e.into()),
-                        Err(_) => {
-                            self.pending = Some(Pending::Zmq { handshake, timeout });
-                            return Err(BridgeError::local(
-                                Family::Connector,
-                                format!(
-                                    "the ranks did not all connect over ZeroMQ within {}s (connector.leader_worker_timeout_secs)",
-                                    timeout.as_secs()
-                                ),
-                            ));
-                        }
-                    };
-                    self.build(layout)?;
-                    if let (Some(ch), Some(l)) = (&self.zmq, &self.leader) {
-                        ch.attach(l.report_sender())?;
-                    }
-                }
-            }
-        }
-        let leader = self
-            .leader
-            .as_mut()
-            .ok_or_else(|| BridgeError::local(Family::Connector, "leader not built"))?;
-        if let Some(rx) = &self.reports {
-            while let Ok(r) = rx.try_recv() {
-                leader.apply_report(r);
-            }
-        }
-        if let Some(p) = &self.metrics {
-            p.publish(leader.stats());
-        }
-        Ok(leader)
-    }
 }
 
 /// The stats dict: every series of the one counter table, by its key.
