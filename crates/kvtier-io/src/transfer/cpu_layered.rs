@@ -16,8 +16,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use kvtier::transfer::{LayerGate, TransferError};
 
 use crate::sys::{job, mem};
-use crate::transfer::device::Ordering;
-use crate::transfer::layout::{cut_chunks, Chunk};
+use crate::transfer::device::{copy_whole, Ordering};
+use crate::transfer::layout::{split_layers, Chunk};
 
 /// How far a layered CPU load has come.
 #[derive(Default)]
@@ -139,47 +139,24 @@ pub(crate) fn load_layered(
     }
 }
 
-/// Each layer's copies `(src, dst, len)`: layer `l` is bytes `[l * s, (l + 1) * s)` of every
-/// host block (`s = bytes_per_block / layers`). `None` when the blocks do not split so.
+/// Each layer's copies `(src, dst, len)` (`layout::split_layers`). `None` when the blocks do not
+/// split into equal layers.
 fn plan(
     resolved: &[(usize, Vec<Chunk>, usize)],
     bytes_per_block: usize,
     layers: usize,
 ) -> Option<Vec<Vec<(usize, usize, usize)>>> {
-    if layers == 0 || !bytes_per_block.is_multiple_of(layers) {
-        return None;
-    }
-    let s = bytes_per_block / layers;
-    let mut out = vec![Vec::with_capacity(resolved.len()); layers];
-    for (_, chunks, host) in resolved {
-        for p in cut_chunks(chunks, *host, bytes_per_block, s, 1)? {
-            out.get_mut(p.unit)?
-                .push((host + p.at, p.addr as usize, p.len));
-        }
-    }
-    Some(out)
-}
-
-/// Copy whole host blocks into device blocks (or the reverse, `to_host`), chunk by chunk.
-pub(crate) fn copy_whole(resolved: &[(usize, Vec<Chunk>, usize)], to_host: bool) {
-    for (_, chunks, host) in resolved {
-        let mut off = 0usize;
-        for c in chunks {
-            let (src, dst) = if to_host {
-                (c.addr as usize, host + off)
-            } else {
-                (host + off, c.addr as usize)
-            };
-            // `c` is a chunk of a device block of the `EngineMemory` the device side holds (CPU
-            // memory, allocated while it lives: its `# Safety`, or its safe constructor's bound
-            // check and owners), `host + off` lies inside one host block (chunks sum to the block
-            // size, checked at build); the job owns the destination and holds the source
-            // read-only.
-            job::copy_stream(src, dst, c.len);
-            off += c.len;
-        }
-    }
-    mem::store_fence();
+    let empty = Vec::with_capacity(resolved.len());
+    split_layers(
+        resolved,
+        bytes_per_block,
+        layers,
+        1,
+        empty,
+        |v, host, dev, len| {
+            v.push((host, dev as usize, len));
+        },
+    )
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ use kvtier::transfer::{Fence, LayerGate, TransferError};
 
 use crate::error::IoError;
 use crate::storage::host::HostStorage;
+use crate::sys::{job, mem};
 use crate::transfer::cpu_layered;
 use crate::transfer::layout::{BlockChunks, Chunk};
 use crate::transfer::memory::EngineMemory;
@@ -109,7 +110,8 @@ impl DeviceSide {
     /// Copy `items[k] = (pair index, device block, host block address)` in the direction given;
     /// returns the failed pair indices with reasons. `order` (synchronous loads): the engine's
     /// stream and the call telling the caller it may go on, made only if no pair has failed by
-    /// then (CUDA: once the stream waits for the copies; CPU: once they are done).
+    /// then (CUDA: once the stream waits for the copies; CPU: once they are done, or, for a
+    /// layered load, with its gate before the first copy).
     pub(crate) fn copy(
         &self,
         items: &[(usize, u32, usize)],
@@ -136,30 +138,50 @@ impl DeviceSide {
             resolve_us = prep.elapsed().as_micros() as u64,
             "device copy resolved"
         );
+        let order = order.filter(|_| failed.is_empty());
+        let layers = self.layout.layers().filter(|_| !to_host);
         match &self.mover {
-            Mover::Cpu => match (order.filter(|_| failed.is_empty()), self.layout.layers()) {
-                (Some(o), Some(layers)) if o.layered && !to_host => {
+            Mover::Cpu => match (order, layers) {
+                (Some(o), Some(layers)) if o.layered => {
                     let bpb = self.layout.bytes_per_block();
                     cpu_layered::load_layered(&resolved, bpb, layers, o);
                 }
                 (order, _) => {
-                    cpu_layered::copy_whole(&resolved, to_host);
+                    copy_whole(&resolved, to_host);
                     if let Some(o) = order {
                         (o.enqueued)(None);
                     }
                 }
             },
-            Mover::Cuda(c) => {
-                let order = order.filter(|_| failed.is_empty());
-                let layers = self.layout.layers();
-                match (order, layers) {
-                    (Some(o), Some(layers)) if o.layered && !to_host => {
-                        failed.extend(c.copy_layered(&resolved, layers, fence, o));
-                    }
-                    (order, _) => failed.extend(c.copy(&resolved, way, fence, order)),
+            Mover::Cuda(c) => match (order, layers) {
+                (Some(o), Some(layers)) if o.layered => {
+                    failed.extend(c.copy_layered(&resolved, layers, fence, o));
                 }
-            }
+                (order, _) => failed.extend(c.copy(&resolved, way, fence, order)),
+            },
         }
         failed
     }
+}
+
+/// Copy whole host blocks into device blocks (or the reverse, `to_host`), chunk by chunk.
+pub(crate) fn copy_whole(resolved: &[(usize, Vec<Chunk>, usize)], to_host: bool) {
+    for (_, chunks, host) in resolved {
+        let mut off = 0usize;
+        for c in chunks {
+            let (src, dst) = if to_host {
+                (c.addr as usize, host + off)
+            } else {
+                (host + off, c.addr as usize)
+            };
+            // `c` is a chunk of a device block of the `EngineMemory` the device side holds (CPU
+            // memory, allocated while it lives: its `# Safety`, or its safe constructor's bound
+            // check and owners), `host + off` lies inside one host block (chunks sum to the block
+            // size, checked at build); the job owns the destination and holds the source
+            // read-only.
+            job::copy_stream(src, dst, c.len);
+            off += c.len;
+        }
+    }
+    mem::store_fence();
 }

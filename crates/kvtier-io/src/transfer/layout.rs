@@ -228,6 +228,35 @@ pub(crate) fn cut_chunks(
     (off == bytes_per_block).then_some(out)
 }
 
+/// Each block of `items` (`(pair, chunks of the device block, host block address)`) cut into
+/// `layers` equal layers of its canonical bytes (layer `l` is bytes `[l * s, (l + 1) * s)`,
+/// `s = bytes_per_block / layers`): `push(&mut out[l], host address, device address, len)` for
+/// every piece, in order, starting from `empty` per layer. `None` when the blocks do not split
+/// into equal layers with every piece a multiple of `align`.
+pub(crate) fn split_layers<T: Clone>(
+    items: &[(usize, Vec<Chunk>, usize)],
+    bytes_per_block: usize,
+    layers: usize,
+    align: usize,
+    empty: T,
+    mut push: impl FnMut(&mut T, usize, u64, usize),
+) -> Option<Vec<T>> {
+    if layers == 0 || align == 0 || !bytes_per_block.is_multiple_of(layers) {
+        return None;
+    }
+    let s = bytes_per_block / layers;
+    if !s.is_multiple_of(align) {
+        return None;
+    }
+    let mut out = vec![empty; layers];
+    for (_, chunks, host) in items {
+        for p in cut_chunks(chunks, *host, bytes_per_block, s, align)? {
+            push(out.get_mut(p.unit)?, host + p.at, p.addr, p.len);
+        }
+    }
+    Some(out)
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {

@@ -22,7 +22,7 @@ use super::{launch_descs, staged, CudaFence, CudaMover, Dir};
 use crate::sys::cuda::{CuResult, Driver, Event, Kernel};
 use crate::sys::job;
 use crate::transfer::device::Ordering;
-use crate::transfer::layout::{cut_chunks, Chunk};
+use crate::transfer::layout::{split_layers, Chunk};
 
 /// The kernel's wide copies need every piece, and its host and device addresses, on this boundary.
 pub(crate) const KERNEL_ALIGN: usize = 16;
@@ -144,21 +144,17 @@ pub(crate) fn layer_descriptors(
     bytes_per_block: usize,
     layers: usize,
 ) -> Option<Vec<Vec<u64>>> {
-    if layers == 0 || !bytes_per_block.is_multiple_of(layers) {
-        return None;
-    }
-    let s = bytes_per_block / layers;
-    if !s.is_multiple_of(16) {
-        return None;
-    }
-    let mut out: Vec<Vec<u64>> = vec![Vec::with_capacity(items.len() * 6); layers];
-    for (_, chunks, host) in items {
-        for p in cut_chunks(chunks, *host, bytes_per_block, s, KERNEL_ALIGN)? {
-            out.get_mut(p.unit)?
-                .extend_from_slice(&[(host + p.at) as u64, p.addr, p.len as u64]);
-        }
-    }
-    Some(out)
+    let empty = Vec::with_capacity(items.len() * 6);
+    split_layers(
+        items,
+        bytes_per_block,
+        layers,
+        KERNEL_ALIGN,
+        empty,
+        |d, host, dev, len| {
+            d.extend_from_slice(&[host as u64, dev, len as u64]);
+        },
+    )
 }
 
 /// Every pair of `items` failed with the CUDA error `e` (not attributable to one block), once
