@@ -12,6 +12,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from ._native import ConfigError
+from ._trtllm_refusals import engine_windows, uses_kv_cache_manager_v2
 
 #: The oldest TensorRT-LLM whose ``RequestData`` carries ``num_scheduled_tokens``.
 MIN_TRTLLM_VERSION = "1.2.0rc2"
@@ -174,7 +175,5 @@ def loads_go_layer_by_layer(llm_args: Any) -> bool:
     an engine also loads host-tier hits in the step by default (``connector.sync_host_loads``): the
     executor thread does not wait for them, and the forward of each layer runs while later ones are
     copied, where an asynchronous load parks the request for at least one more iteration."""
-    from ._trtllm_refusals import engine_windows, uses_kv_cache_manager_v2
-
     return (layer_hooks_always_run(llm_args) and not uses_kv_cache_manager_v2(llm_args)
             and engine_windows(llm_args) is None)

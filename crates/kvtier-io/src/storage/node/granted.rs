@@ -153,24 +153,6 @@ impl Granted {
     }
 }
 
-impl Conn {
-    /// Give every slot granted to this connection back to the node, once the `Grant` answers
-    /// owed are read. `Err`: the connection broke (the node frees its grants as it ends).
-    pub(super) fn return_grants(&mut self) -> Result<(), RemoteError> {
-        self.settle()?;
-        let ends: Vec<PutEnd> = self
-            .granted
-            .drain()
-            .into_iter()
-            .map(PutEnd::Abort)
-            .collect();
-        if !ends.is_empty() {
-            self.finish(&ends)?;
-        }
-        Ok(())
-    }
-}
-
 /// Give back the grants of the connections of `idle` (a store's pool of at most `cap`) left
 /// there for at least `after`: each is taken out of the pool while it does, and pooled again
 /// unless it broke or the pool filled up meanwhile.
@@ -228,6 +210,22 @@ pub(super) fn spawn_returns(
 }
 
 impl Conn {
+    /// Give every slot granted to this connection back to the node, once the `Grant` answers
+    /// owed are read. `Err`: the connection broke (the node frees its grants as it ends).
+    pub(super) fn return_grants(&mut self) -> Result<(), RemoteError> {
+        self.settle()?;
+        let ends: Vec<PutEnd> = self
+            .granted
+            .drain()
+            .into_iter()
+            .map(PutEnd::Abort)
+            .collect();
+        if !ends.is_empty() {
+            self.finish(&ends)?;
+        }
+        Ok(())
+    }
+
     /// A granted slot of `bytes` per pair of a direct store of `n` pairs, reading the `Grant`
     /// answers still owed when the pool is short; `None` when the store reserves by key instead
     /// (longer than [`JOB_MAX`], or too few slots granted). `Err`: the connection broke.
