@@ -200,33 +200,37 @@ fn each_uid_has_an_arena_of_its_own_and_the_capacity_is_split() {
     let mut o = opts(dir.path(), 9);
     o.allowed_uids = vec![4242, 4243, 4242, my_uid(dir.path())];
     let n = NodeServer::start(&o).unwrap();
-    let mut arenas: Vec<PathBuf> = std::fs::read_dir(dir.path())
+    // The node's own uid's arena is a 0600 file; each other uid's a memfd (no path) whose size
+    // is sealed: a tenant, which holds it read-write, cannot truncate it under the node.
+    let files: Vec<PathBuf> = std::fs::read_dir(dir.path())
         .unwrap()
         .flatten()
         .map(|e| e.path())
         .filter(|p| p.to_string_lossy().ends_with(".arena"))
         .collect();
-    arenas.sort();
-    assert_eq!(arenas.len(), 3, "{arenas:?}");
-    for a in &arenas {
-        let m = std::fs::metadata(a).unwrap();
-        assert_eq!(
-            (m.len(), m.mode() & 0o777),
-            (3 * BLOCK as u64, 0o600),
-            "{a:?}"
-        );
+    assert_eq!(files.len(), 1, "{files:?}");
+    let m = std::fs::metadata(&files[0]).unwrap();
+    assert_eq!((m.len(), m.mode() & 0o777), (3 * BLOCK as u64, 0o600));
+    let arenas = n.arena_files().unwrap();
+    assert_eq!(arenas.len(), 3);
+    for (i, a) in arenas.iter().enumerate() {
+        assert_eq!(a.metadata().unwrap().len(), 3 * BLOCK as u64, "arena {i}");
+        if i > 0 {
+            assert!(a.set_len(0).is_err(), "arena {i} is sealed");
+            assert!(a.set_len(4 * BLOCK as u64).is_err(), "arena {i} is sealed");
+        }
     }
     assert_eq!(n.stats().capacity, 9 * BLOCK as u64);
     let e = engine(&n, "m");
     e.put(SequenceHash(1), &block(1)).unwrap();
-    let holds = |p: &Path| {
-        std::fs::read(p)
-            .unwrap()
-            .windows(BLOCK)
-            .any(|w| w == block(1).as_slice())
+    let holds = |f: &std::fs::File| {
+        use std::os::unix::fs::FileExt;
+        let mut buf = vec![0u8; 3 * BLOCK];
+        f.read_exact_at(&mut buf, 0).unwrap();
+        buf.windows(BLOCK).any(|w| w == block(1).as_slice())
     };
-    let held: Vec<bool> = arenas.iter().map(|p| holds(p)).collect();
-    assert_eq!(held, vec![true, false, false], "{arenas:?}");
+    let held: Vec<bool> = arenas.iter().map(holds).collect();
+    assert_eq!(held, vec![true, false, false]);
     // A uid's arena holds only its own share: a block bigger than the share is refused.
     assert!(e.put(SequenceHash(2), &vec![0u8; 4 * BLOCK]).is_err());
     // A capacity too small to split is a clear error, not a node of empty arenas.

@@ -77,10 +77,9 @@ fn scan_arenas(bytes: &[u8]) -> (usize, bool) {
     let mem = std::fs::File::open("/proc/self/mem").unwrap();
     let mut mapped = 0;
     let mut found = false;
-    for l in maps
-        .lines()
-        .filter(|l| l.contains("kvtier-node-") && l.ends_with(".arena"))
-    {
+    for l in maps.lines().filter(|l| {
+        l.contains("kvtier-node-") && l.trim_end_matches(" (deleted)").ends_with(".arena")
+    }) {
         let range = l.split_whitespace().next().unwrap();
         let (a, b) = range.split_once('-').unwrap();
         let (a, b) = (
@@ -123,6 +122,45 @@ fn child_client() {
         }
         Err(e) => println!("TRUST:refused {e}"),
     }
+}
+
+/// Role: a tenant of uid `nobody` that stores block 1, then tries to truncate the arena it
+/// was passed (which would fault the node's mapping of it: SIGBUS, the node gone for everyone).
+#[test]
+fn child_truncator() {
+    if env("KVTIER_TRUST_ROLE").as_deref() != Some("child_truncator") {
+        return;
+    }
+    let opts = NodeClientOptions {
+        node_uids: vec![0],
+        ..NodeClientOptions::default()
+    };
+    let s = NodeStore::connect(Path::new(&env("KVTIER_TRUST_SOCK").unwrap()), "m", opts).unwrap();
+    println!("TRUST:put={}", s.put(SequenceHash(1), &block(1)).is_ok());
+    println!("TRUST:truncated={}", s.truncate_arena(0).is_ok());
+}
+
+/// Role: a tenant of uid `nobody` that attaches `KVTIER_TRUST_CONNS` times and holds every
+/// connection until its stdin closes (one more is tried and reported).
+#[test]
+fn child_hog() {
+    if env("KVTIER_TRUST_ROLE").as_deref() != Some("child_hog") {
+        return;
+    }
+    let sock = env("KVTIER_TRUST_SOCK").unwrap();
+    let n: usize = env("KVTIER_TRUST_CONNS").unwrap().parse().unwrap();
+    let opts = NodeClientOptions {
+        node_uids: vec![0],
+        pool: 1,
+        ..NodeClientOptions::default()
+    };
+    let held: Vec<NodeStore> = (0..n)
+        .map(|_| NodeStore::connect(Path::new(&sock), "m", opts.clone()).unwrap())
+        .collect();
+    let more = NodeStore::connect(Path::new(&sock), "m", opts).is_ok();
+    println!("TRUST:holding={} one-more={more}", held.len());
+    std::io::stdout().flush().unwrap();
+    let _ = std::io::stdin().read_to_end(&mut Vec::new());
 }
 
 /// Role: a node of uid `nobody` in `KVTIER_TRUST_DIR` that lets root attach, until its stdin
@@ -242,4 +280,68 @@ fn allowed_tenants_attach_in_namespaces_of_their_own_and_others_are_refused() {
     // The node itself is fine.
     let mut s = UnixStream::connect(n2.socket()).unwrap();
     s.write_all(&[0]).unwrap();
+}
+
+/// A tenant holds the arena's descriptor read-write; truncating it would make the node's next
+/// touch of it (a checksum at commit, a spill to disk) fault and kill the node for every
+/// tenant. The node seals every other uid's arena against it.
+#[test]
+fn a_tenant_cannot_truncate_its_arena_under_the_node() {
+    let dir = tempfile::tempdir().unwrap();
+    if !root(dir.path()) {
+        return;
+    }
+    chmod(dir.path(), 0o700);
+    let mut o = NodeOptions::new(dir.path().join("node.sock"), 8 * BLOCK as u64);
+    o.shm_dir = dir.path().to_path_buf();
+    o.allowed_uids = vec![NOBODY];
+    o.disk_dir = Some(dir.path().join("disk"));
+    o.disk_bytes = 1 << 20;
+    let mut n = NodeServer::start(&o).unwrap();
+    let vars = [("KVTIER_TRUST_SOCK", n.socket().display().to_string())];
+    let lines = trust_lines(as_nobody("child_truncator", &vars));
+    assert_eq!(lines, vec!["put=true", "truncated=false"], "{lines:?}");
+    // The node still reads that arena: the shutdown spills nobody's block to disk.
+    let mine = NodeStore::connect(n.socket(), "m", NodeClientOptions::default()).unwrap();
+    mine.put(SequenceHash(2), &block(2)).unwrap();
+    drop(mine);
+    n.shutdown(Duration::from_secs(2));
+    assert_eq!(n.stats().disk_blocks, 2, "both tenants' blocks spilled");
+}
+
+/// The connection cap is per uid: a tenant that holds as many connections as it may locks out
+/// neither the node's own uid nor anyone else.
+#[test]
+fn one_tenants_connections_do_not_lock_out_another_uid() {
+    let dir = tempfile::tempdir().unwrap();
+    if !root(dir.path()) {
+        return;
+    }
+    chmod(dir.path(), 0o700);
+    let mut o = NodeOptions::new(dir.path().join("node.sock"), 8 * BLOCK as u64);
+    o.shm_dir = dir.path().to_path_buf();
+    o.allowed_uids = vec![NOBODY];
+    o.max_connections = 3;
+    let n = NodeServer::start(&o).unwrap();
+    let vars = [
+        ("KVTIER_TRUST_SOCK", n.socket().display().to_string()),
+        ("KVTIER_TRUST_CONNS", "3".to_string()),
+    ];
+    let mut child = as_nobody("child_hog", &vars);
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("TRUST:holding") {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "the hog did not attach"
+        );
+    }
+    assert!(line.contains("holding=3 one-more=false"), "{line}");
+    // Root's engine attaches while nobody holds its whole quota.
+    let mine = NodeStore::connect(n.socket(), "m", NodeClientOptions::default()).unwrap();
+    mine.put(SequenceHash(2), &block(2)).unwrap();
+    assert_eq!(mine.contains(&[SequenceHash(2)]).unwrap(), vec![true]);
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
 }

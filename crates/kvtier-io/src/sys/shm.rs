@@ -11,7 +11,12 @@
 //!   because other processes write them. Which process writes which range when is the node's
 //!   books' business (one writer per reserved slot; leased slots are never rewritten);
 //! - a client maps only a descriptor that is a regular file of the node's uid, large enough and
-//!   open read-write ([`Arena::from_fd`]), checked before `mmap`;
+//!   open read-write ([`Arena::from_fd`]), checked before `mmap`; from a node of another uid,
+//!   only a tmpfs file sealed against shrinking (`F_SEAL_SHRINK`), so that node cannot truncate
+//!   it under the engine's mapping (a SIGBUS, a crash, where a bad block must be a miss);
+//! - an arena passed to another uid is a sealed memfd ([`Arena::create_sealed`]): its size is
+//!   sealed (`F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`) before any process gets it, so no
+//!   process it was passed to can truncate it under the node's mapping;
 //! - the node holds an exclusive `flock` on its arena file for its lifetime, so a file whose lock
 //!   is free belongs to a node that died and may be removed;
 //! - an engine process on a CUDA machine may register its mapping with the driver
@@ -19,7 +24,7 @@
 //!   registration is undone before the mapping is unmapped.
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
@@ -68,13 +73,66 @@ impl Arena {
         Self::map(file, len)
     }
 
+    /// Create an arena of `len` bytes with no path (`memfd_create`, named `name` in
+    /// `/proc/*/maps`), its space reserved and its size sealed (`F_SEAL_SHRINK | F_SEAL_GROW |
+    /// F_SEAL_SEAL`) before it is mapped or passed anywhere: a process it is passed to (a
+    /// tenant of another uid) can write its bytes but cannot truncate it, which would make every
+    /// other mapping of it fault (SIGBUS) beyond the new end.
+    pub(crate) fn create_sealed(name: &str, len: usize) -> io::Result<Self> {
+        if len == 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty arena"));
+        }
+        let cname = std::ffi::CString::new(name)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL in the name"))?;
+        const MFD_NOEXEC_SEAL: libc::c_uint = 0x0008;
+        let base = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+        // Not executable where the kernel knows the flag (6.3+; `vm.memfd_noexec = 2` requires
+        // it); older kernels refuse it with EINVAL and get the plain flags.
+        let mut fd = -1;
+        for flags in [base | MFD_NOEXEC_SEAL, base] {
+            // SAFETY: `cname` is a live NUL-terminated string; no other memory is passed.
+            fd = unsafe { libc::memfd_create(cname.as_ptr(), flags) };
+            if fd >= 0 || io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
+                break;
+            }
+        }
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just returned by memfd_create and is owned by nothing else.
+        let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        let off_len = libc::off_t::try_from(len)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "arena too large"))?;
+        // SAFETY: a valid open file descriptor; no memory is passed.
+        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, off_len) };
+        if rc != 0 {
+            return Err(io::Error::from_raw_os_error(rc));
+        }
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: F_ADD_SEALS on a valid open descriptor; no memory is passed.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Self::map(file, len)
+    }
+
     /// Map the arena a node passed as a descriptor (an attached engine process): accepted only
     /// when it is a regular file owned by `owner` (the node's uid, from `SO_PEERCRED`), holding
-    /// at least `len` bytes, and open for reading and writing. No path is opened.
-    pub(crate) fn from_fd(fd: OwnedFd, len: usize, owner: u32) -> io::Result<Self> {
+    /// at least `len` bytes, and open for reading and writing; with `sealed` (a node of
+    /// another uid), only a tmpfs file sealed against shrinking, so that node cannot truncate it
+    /// under this mapping. No path is opened.
+    pub(crate) fn from_fd(fd: OwnedFd, len: usize, owner: u32, sealed: bool) -> io::Result<Self> {
         let file = File::from(fd);
         let m = file.metadata()?;
         let bad = |why: String| io::Error::new(io::ErrorKind::PermissionDenied, why);
+        if sealed && !sealed_tmpfs(&file) {
+            return Err(bad(
+                "the arena passed by a node of another uid is not a tmpfs file \
+                 sealed against shrinking (F_SEAL_SHRINK): it could be truncated under this \
+                 process's mapping"
+                    .into(),
+            ));
+        }
         if !m.file_type().is_file() {
             return Err(bad("the arena passed is not a regular file".into()));
         }
@@ -98,6 +156,19 @@ impl Arena {
             ));
         }
         Self::map(file, len)
+    }
+
+    /// Truncate the arena's file to `len` bytes, as a hostile holder of its descriptor would
+    /// (tests only: a sealed arena refuses).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn truncate_file(&self, len: u64) -> io::Result<()> {
+        self._file.set_len(len)
+    }
+
+    /// Another descriptor of the arena's file (tests only).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn file(&self) -> io::Result<File> {
+        self._file.try_clone()
     }
 
     /// The arena file's descriptor (the node passes it to each client with `SCM_RIGHTS`).
@@ -243,6 +314,22 @@ fn smaps_field(smaps: &str, start: usize, field: &str) -> Option<u64> {
     kib.checked_mul(1024)
 }
 
+/// Whether `file` is on tmpfs (so a page of it is never missing for lack of reserved huge
+/// pages, as on hugetlbfs) and sealed against shrinking.
+fn sealed_tmpfs(file: &File) -> bool {
+    // SAFETY: F_GET_SEALS on a valid open descriptor; no memory is passed. A file that cannot
+    // be sealed answers -1 (EINVAL).
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return false;
+    }
+    // SAFETY: statfs is plain data, filled by the kernel for a valid descriptor.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a live local of the type fstatfs fills.
+    let rc = unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) };
+    rc == 0 && st.f_type == libc::TMPFS_MAGIC
+}
+
 /// `flock(file, op)`.
 pub(crate) fn flock(file: &File, op: libc::c_int) -> io::Result<()> {
     // SAFETY: a valid open file descriptor; no memory is passed.
@@ -268,7 +355,7 @@ mod tests {
                 .write(true)
                 .open(&path)
                 .unwrap();
-            Arena::from_fd(f.into(), len, super::super::sock::current_uid())
+            Arena::from_fd(f.into(), len, super::super::sock::current_uid(), false)
         };
         let b = open(8192).unwrap();
         a.write(4000, b"shared bytes").unwrap();
@@ -284,11 +371,14 @@ mod tests {
             .write(true)
             .open(&path)
             .unwrap();
-        let e = Arena::from_fd(f.into(), 8192, other).unwrap_err();
+        let e = Arena::from_fd(f.into(), 8192, other, false).unwrap_err();
         assert!(e.to_string().contains("owned by"), "{e}");
         let ro = File::open(&path).unwrap();
         let uid = super::super::sock::current_uid();
-        assert!(Arena::from_fd(ro.into(), 8192, uid).is_err(), "read-only");
+        assert!(
+            Arena::from_fd(ro.into(), 8192, uid, false).is_err(),
+            "read-only"
+        );
         assert!(
             Arena::create(&path, 8192, true).is_err(),
             "never clobbers an arena"
@@ -343,6 +433,47 @@ mod tests {
         }
     }
 
+    /// An arena passed to another uid cannot be truncated by anyone who holds it (which would
+    /// fault every other mapping: SIGBUS), and a client of a node of another uid maps only such
+    /// a sealed arena.
+    #[test]
+    fn a_sealed_arena_cannot_be_truncated_and_only_sealed_ones_pass_as_sealed() {
+        let uid = super::super::sock::current_uid();
+        let a = Arena::create_sealed("kvtier-node-test.arena", 8192).unwrap();
+        a.write(8000, b"end").unwrap();
+        // What a process it was passed to holds: a read-write descriptor of the same file.
+        let reopen = || {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(format!("/proc/self/fd/{}", a.fd()))
+                .unwrap()
+        };
+        let f = reopen();
+        assert_eq!(f.metadata().unwrap().len(), 8192);
+        assert!(f.set_len(0).is_err(), "shrinking is sealed");
+        assert!(f.set_len(1 << 20).is_err(), "growing is sealed");
+        assert_eq!(f.metadata().unwrap().len(), 8192);
+        let b = Arena::from_fd(f.into(), 8192, uid, true).unwrap();
+        let mut out = [0u8; 3];
+        b.read(8000, &mut out).unwrap();
+        assert_eq!(&out, b"end");
+        // A plain file (which its holder could truncate) is refused where a seal is required.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("arena");
+        let _plain = Arena::create(&path, 8192, false).unwrap();
+        let open = || {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .unwrap()
+        };
+        let e = Arena::from_fd(open().into(), 8192, uid, true).unwrap_err();
+        assert!(e.to_string().contains("sealed"), "{e}");
+        assert!(Arena::from_fd(open().into(), 8192, uid, false).is_ok());
+    }
+
     #[test]
     fn arenas_map_at_2mib_aligned_addresses_and_collapse_keeps_the_bytes() {
         let dir = tempfile::tempdir().unwrap();
@@ -369,7 +500,7 @@ mod tests {
                 .write(true)
                 .open(dir.path().join("arena"))
                 .unwrap();
-            Arena::from_fd(f.into(), len, super::super::sock::current_uid()).unwrap()
+            Arena::from_fd(f.into(), len, super::super::sock::current_uid(), false).unwrap()
         };
         assert_eq!(b.addr(0, 1).unwrap() % super::super::mem::HUGE_PAGE, 0);
         b.read(0, &mut x).unwrap();

@@ -205,7 +205,9 @@ fn hello(
 fn map_arena(w: Welcome) -> Result<Arena, RemoteError> {
     let len = usize::try_from(w.bytes)
         .map_err(|_| RemoteError::Config("the node's arena does not fit this process".into()))?;
-    Arena::from_fd(w.fd, len, w.node_uid)
+    // A node of another uid could truncate an unsealed arena under this mapping (SIGBUS).
+    let sealed = w.node_uid != sock::current_uid();
+    Arena::from_fd(w.fd, len, w.node_uid, sealed)
         .map_err(|e| RemoteError::Config(format!("cannot map the node's arena: {e}")))
 }
 
@@ -416,6 +418,15 @@ impl NodeStore {
             *arena = None;
             self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
         }
+    }
+
+    /// Truncate the arena this process was passed to `len` bytes, as a hostile tenant would
+    /// (tests only): refused for an arena the node sealed. Attaches first if needed.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn truncate_arena(&self, len: u64) -> std::io::Result<()> {
+        let (c, arena) = self.conn().map_err(std::io::Error::other)?;
+        self.pool(c);
+        arena.truncate_file(len)
     }
 
     /// Whether the arena mapped now is registered with CUDA (false before the first attach).

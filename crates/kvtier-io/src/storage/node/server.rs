@@ -10,7 +10,7 @@
 //!   arena and books: tenants of different uids never see each other's blocks, through the
 //!   protocol or through memory; that arena reaches a client only as a descriptor passed after
 //!   `Welcome`, never as a path;
-//! - bounded: at most `max_connections` connections (more are closed at once), frames of at
+//! - bounded: at most `max_connections` connections per uid (more are closed at once), frames of at
 //!   most [`MAX_HELLO_FRAME`] bytes before `Hello` and `MAX_FRAME` after, read as they arrive;
 //!   `Hello` within `hello_timeout`; namespaces of at most `max_namespace_len` bytes and
 //!   `max_namespaces` per uid's arena (unused ones are forgotten);
@@ -55,7 +55,7 @@ use super::tenants::{Tenant, Tenants};
 use crate::sys::shm::Arena;
 use crate::sys::sock;
 
-/// Default cap on concurrent connections.
+/// Default cap on concurrent connections of one uid.
 pub const MAX_CONNECTIONS: usize = 256;
 /// Default cap on a namespace's length, in bytes.
 pub const MAX_NAMESPACE_LEN: usize = 256;
@@ -81,7 +81,8 @@ pub struct NodeOptions {
     pub disk_dir: Option<PathBuf>,
     /// Bytes of that disk tier (0: no disk tier).
     pub disk_bytes: u64,
-    /// Connections served at once; more are closed at once (default [`MAX_CONNECTIONS`]).
+    /// Connections of one uid served at once; more of that uid are closed at once (default
+    /// [`MAX_CONNECTIONS`]), so one tenant cannot lock the others out.
     pub max_connections: usize,
     /// Namespaces held at once in each uid's arena (default [`MAX_NAMESPACES`]).
     pub max_namespaces: usize,
@@ -163,8 +164,9 @@ struct Shared {
     hello_timeout: Duration,
     max_connections: usize,
     max_namespace_len: usize,
-    /// Connection threads and a handle on their sockets (shut down to end them).
-    conns: Mutex<Vec<(JoinHandle<()>, UnixStream)>>,
+    /// Connection threads, a handle on their sockets (shut down to end them) and their peers'
+    /// uids (each uid may hold `max_connections`).
+    conns: Mutex<Vec<(JoinHandle<()>, UnixStream, u32)>>,
 }
 
 /// A running node service (see the module docs).
@@ -241,6 +243,12 @@ impl NodeServer {
         &self.socket
     }
 
+    /// A descriptor of each uid's arena file, the node's own uid first (tests only).
+    #[cfg(any(test, feature = "testing"))]
+    pub fn arena_files(&self) -> io::Result<Vec<std::fs::File>> {
+        self.shared.tenants.iter().map(|t| t.arena.file()).collect()
+    }
+
     /// The node's counters.
     pub fn stats(&self) -> super::books::NodeStats {
         stats(&self.shared)
@@ -255,10 +263,10 @@ impl NodeServer {
             join_by(h, deadline);
         }
         let conns: Vec<_> = std::mem::take(&mut *lock(&self.shared.conns));
-        for (_, s) in &conns {
+        for (_, s, _) in &conns {
             let _ = s.shutdown(Shutdown::Both);
         }
-        for (h, _) in conns {
+        for (h, _, _) in conns {
             join_by(h, deadline);
         }
         if let Some(d) = &self.shared.disk {
@@ -273,8 +281,13 @@ impl NodeServer {
             lock(d).sync();
         }
         let _ = std::fs::remove_file(&self.socket);
-        for t in self.shared.tenants.iter() {
-            let _ = std::fs::remove_file(&t.arena_path);
+        for p in self
+            .shared
+            .tenants
+            .iter()
+            .filter_map(|t| t.arena_path.as_ref())
+        {
+            let _ = std::fs::remove_file(p);
         }
     }
 }
@@ -317,12 +330,14 @@ fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
                     }
                 };
                 let mut conns = lock(&shared.conns);
-                conns.retain(|(h, _)| !h.is_finished());
-                if conns.len() >= shared.max_connections {
+                conns.retain(|(h, _, _)| !h.is_finished());
+                // Per uid: a tenant that opens connections by the hundred locks out no other.
+                if conns.iter().filter(|c| c.2 == uid).count() >= shared.max_connections {
                     drop(conns);
                     kvtier::warn_limited!(
+                        uid,
                         max = shared.max_connections,
-                        "kvtier node: too many connections; closed a new one"
+                        "kvtier node: too many connections of one user; closed a new one"
                     );
                     let _ = stream.shutdown(Shutdown::Both);
                     continue;
@@ -335,7 +350,7 @@ fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
                     .name("kvtier-node-conn".into())
                     .spawn(move || serve(stream, uid, &s))
                 {
-                    Ok(h) => conns.push((h, handle)),
+                    Ok(h) => conns.push((h, handle, uid)),
                     Err(e) => {
                         let _ = handle.shutdown(Shutdown::Both);
                         tracing::warn!(error = %e, "kvtier node: cannot start a connection thread")

@@ -1,6 +1,8 @@
 //! The node's arenas, one per tenant: the node's own uid has one and each `--allow-uid` uid
-//! another, each a 0600 shared-memory file of the node's uid with books of its own. The
-//! capacity is split evenly between them.
+//! another, each a shared-memory file of the node's uid with books of its own. The capacity is
+//! split evenly between them. The node's own uid's arena is a 0600 file in `--shm-dir`; an
+//! allowed uid's is a memfd (no path) whose size is sealed before it is passed, so a tenant
+//! cannot truncate it under the node's mapping (a SIGBUS would end the node for every tenant).
 //!
 //! Invariants: a connection is bound to the arena of its peer's uid (`SO_PEERCRED`, checked at
 //! accept) and is passed that arena's descriptor alone, so a process can map, read and write
@@ -23,7 +25,8 @@ pub(super) struct Tenant {
     pub(super) uid: u32,
     pub(super) books: Mutex<Books>,
     pub(super) arena: Arena,
-    pub(super) arena_path: PathBuf,
+    /// The arena's file (the node's own uid's; another uid's has no path).
+    pub(super) arena_path: Option<PathBuf>,
     pub(super) arena_bytes: u64,
 }
 
@@ -57,15 +60,17 @@ impl Tenants {
         }
         let mut list: Vec<Tenant> = Vec::with_capacity(uids.len());
         for (i, &uid) in uids.iter().enumerate() {
-            let path = opts
-                .shm_dir
-                .join(format!("kvtier-node-{}-{i}.arena", std::process::id()));
-            let arena = match create_arena(&path, share, opts.huge_pages) {
+            let name = format!("kvtier-node-{}-{i}.arena", std::process::id());
+            // Another uid's arena is sealed (see the module docs); the node's own uid may signal
+            // the node anyway, so its arena stays a file in `--shm-dir` (which may be a tmpfs
+            // mounted huge=always).
+            let path = (uid == me).then(|| opts.shm_dir.join(&name));
+            let arena = match create_arena(path.as_deref(), &name, share, opts.huge_pages) {
                 Ok(a) => a,
                 Err(e) => {
                     // The arenas made so far go with the failed start (their files too).
-                    for t in &list {
-                        let _ = std::fs::remove_file(&t.arena_path);
+                    for p in list.iter().filter_map(|t| t.arena_path.as_ref()) {
+                        let _ = std::fs::remove_file(p);
                     }
                     return Err(e);
                 }
@@ -96,7 +101,7 @@ impl Tenants {
 
     /// The node's own arena's path (for logs).
     pub(super) fn first_path(&self) -> Option<&Path> {
-        self.list.first().map(|t| t.arena_path.as_path())
+        self.list.first().and_then(|t| t.arena_path.as_deref())
     }
 }
 
@@ -140,17 +145,20 @@ impl NodeStats {
     }
 }
 
-/// A locked arena of `bytes` at `path`, collapsed into 2 MiB pages when `huge` asks for it.
-fn create_arena(path: &Path, bytes: u64, huge: HugePages) -> io::Result<Arena> {
+/// An arena of `bytes`: a locked file at `path`, or a sealed memfd named `name` without one;
+/// collapsed into 2 MiB pages when `huge` asks for it.
+fn create_arena(path: Option<&Path>, name: &str, bytes: u64, huge: HugePages) -> io::Result<Arena> {
     let len = usize::try_from(bytes)
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "capacity too large"))?;
-    let arena = Arena::create(path, len, true).map_err(|e| {
+    let made = match path {
+        Some(p) => Arena::create(p, len, true),
+        None => Arena::create_sealed(name, len),
+    };
+    let shown = path.map_or_else(|| format!("memfd:{name}"), |p| p.display().to_string());
+    let arena = made.map_err(|e| {
         io::Error::new(
             e.kind(),
-            format!(
-                "cannot reserve {bytes} bytes of shared memory at {}: {e}",
-                path.display()
-            ),
+            format!("cannot reserve {bytes} bytes of shared memory at {shown}: {e}"),
         )
     })?;
     if huge == HugePages::Collapse {
@@ -172,7 +180,7 @@ fn create_arena(path: &Path, bytes: u64, huge: HugePages) -> io::Result<Arena> {
     }
     tracing::info!(
         bytes,
-        path = %path.display(),
+        path = %shown,
         huge_mapped = arena.huge_mapped_bytes(),
         "node arena mapped (bytes in 2 MiB pages, where /proc/self/smaps tells)"
     );
