@@ -52,6 +52,9 @@ ENGINE_ENV: dict[str, dict[str, str]] = {
     # Each round's slices of consecutive host blocks in one 2D copy (cuMemcpy2DAsync), one layer per group.
     "kvtier-staged2d": {"KVTIER_LAYERED_COPY": "staged2d:64"},
     "kvtier-staged2d-hb64": {"KVTIER_LAYERED_COPY": "staged2d:64", "KVTIER_STAGING_HALF_BLOCKS": "64"},
+    # The same with groups of 8 layers (512 KiB slices of each block: wide rows for the 2D copy).
+    "kvtier-staged2d512": {"KVTIER_LAYERED_COPY": "staged2d"},
+    "kvtier-staged2d512-hb64": {"KVTIER_LAYERED_COPY": "staged2d", "KVTIER_STAGING_HALF_BLOCKS": "64"},
 }
 
 
