@@ -201,8 +201,12 @@ fn patch_block_1(n: &NodeServer, dir: &Path) {
     let arena = std::fs::read_dir(dir)
         .unwrap()
         .flatten()
-        // The arena of the node's own uid (its first tenant).
-        .find(|e| e.file_name().to_string_lossy().ends_with("-0.arena"))
+        // The arena of the node's own uid (its first tenant; the only one with a file).
+        .find(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.starts_with(&format!("kvtier-node-{}-0-", std::process::id()))
+                && name.ends_with(".arena")
+        })
         .unwrap()
         .path();
     let f = std::fs::OpenOptions::new()

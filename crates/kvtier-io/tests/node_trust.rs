@@ -243,6 +243,54 @@ fn each_uid_has_an_arena_of_its_own_and_the_capacity_is_split() {
     assert!(err.to_string().contains("split between 3 users"), "{err}");
 }
 
+/// The node's own arena file has a name no one can guess (docs/arch/node.md, Definitions):
+/// another user who takes every name they could predict (`kvtier-node-<pid>-<index>.arena`,
+/// the pid being public) does not keep the node from starting, and two nodes of one process
+/// share a `--shm-dir`. A directory stands in for the other user's file: the exclusive create
+/// fails on either, the node's reclaim of dead nodes' arenas removes neither, and it needs no
+/// second user.
+#[test]
+fn a_planted_arena_name_does_not_keep_the_node_from_starting() {
+    let dir = tempfile::tempdir().unwrap();
+    let pid = std::process::id();
+    for i in 0..4 {
+        let planted = dir.path().join(format!("kvtier-node-{pid}-{i}.arena"));
+        std::fs::create_dir(planted).unwrap();
+    }
+    let n = NodeServer::start(&opts(dir.path(), 4)).unwrap();
+    let mut o2 = opts(dir.path(), 4);
+    o2.socket = dir.path().join("node2.sock");
+    let n2 = NodeServer::start(&o2).unwrap();
+    for (node, key) in [(&n, 1), (&n2, 2)] {
+        let e = engine(node, "m");
+        e.put(SequenceHash(key), &block(key)).unwrap();
+        let mut out = vec![0u8; BLOCK];
+        e.get(SequenceHash(key), &mut out).unwrap();
+        assert_eq!(out, block(key));
+    }
+    let files: Vec<(String, std::fs::Metadata)> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .flatten()
+        .map(|e| {
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                e.metadata().unwrap(),
+            )
+        })
+        .filter(|(name, m)| name.ends_with(".arena") && m.is_file())
+        .collect();
+    assert_eq!(files.len(), 2, "one arena per node");
+    let random = |name: &str| {
+        let rest = name.strip_prefix(&format!("kvtier-node-{pid}-0-"))?;
+        let hex = rest.strip_suffix(".arena")?;
+        (hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit())).then_some(())
+    };
+    for (name, m) in &files {
+        assert!(random(name).is_some(), "{name}: 64 random bits in the name");
+        assert_eq!((m.mode() & 0o777, m.uid()), (0o600, my_uid(dir.path())));
+    }
+}
+
 #[test]
 fn connections_beyond_the_cap_are_closed_at_once() {
     let dir = tempfile::tempdir().unwrap();
@@ -608,7 +656,9 @@ fn grants_are_bounded_bound_to_their_connection_and_never_replace_a_block() {
         }]),
     );
     assert_eq!(r, Some(Reply::Items(vec![ItemAnswer::Unknown])));
-    send(&mut b, &Request::Finish(vec![PutEnd::Abort(id)]));
+    let r = send(&mut b, &Request::Finish(vec![PutEnd::Abort(id)]));
+    assert_eq!(r, Some(Reply::Items(vec![ItemAnswer::Unknown])));
+    assert_eq!(n.stats().bytes_granted, 8 * bytes, "the grant is still a's");
     // An unnamed grant cannot be committed, so it never becomes a block without a key.
     let r = send(
         &mut a,
@@ -649,4 +699,39 @@ fn grants_are_bounded_bound_to_their_connection_and_never_replace_a_block() {
         0,
         "unnamed grants are no abandoned puts"
     );
+}
+
+/// A reservation is ended only by the connection that holds it: another connection's `Abort`
+/// of it is `Unknown` (as its `Commit` or `Publish` is) and changes nothing; so is an `Abort`
+/// of an id never handed out or ended already. Only an abort that freed a slot is `Done`.
+#[test]
+fn an_abort_of_a_reservation_the_connection_does_not_hold_is_unknown() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = NodeServer::start(&opts(dir.path(), 4)).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(arena_file(dir.path()))
+        .unwrap();
+    let mut a = raw(&n, "m");
+    let mut b = raw(&n, "m");
+    let (id, offset) = reserve(&mut a, 5);
+    assert_eq!(finish(&mut b, PutEnd::Abort(id)), ItemAnswer::Unknown);
+    assert_eq!(
+        finish(&mut a, PutEnd::Abort(id + 1000)),
+        ItemAnswer::Unknown
+    );
+    // `a`'s reservation stands: it commits, and the block is served.
+    f.write_all_at(&block(5), offset).unwrap();
+    let commit = PutEnd::Commit { id, checksum: None };
+    assert_eq!(finish(&mut a, commit), ItemAnswer::Done);
+    let reader = engine(&n, "m");
+    let mut out = vec![0u8; BLOCK];
+    reader.get(SequenceHash(5), &mut out).unwrap();
+    assert_eq!(out, block(5));
+    // The holder's abort is done once, then unknown; the key was never stored.
+    let (id6, _) = reserve(&mut a, 6);
+    assert_eq!(finish(&mut b, PutEnd::Abort(id6)), ItemAnswer::Unknown);
+    assert_eq!(finish(&mut a, PutEnd::Abort(id6)), ItemAnswer::Done);
+    assert_eq!(finish(&mut a, PutEnd::Abort(id6)), ItemAnswer::Unknown);
+    assert_eq!(reader.contains(&[SequenceHash(6)]).unwrap(), vec![false]);
 }

@@ -523,24 +523,30 @@ impl Books {
     }
 
     /// The reservation `id` will not be committed (the writer failed): its slot is free again.
-    pub fn abort_put(&mut self, client: ClientId, id: u64) {
-        if let Some(r) = self.reservations.get(&id) {
-            if r.client != client {
-                return;
-            }
+    /// `false`, and nothing changed, when `client` holds no reservation `id` (another
+    /// client's, one ended already, or none ever).
+    pub fn abort_put(&mut self, client: ClientId, id: u64) -> bool {
+        if self
+            .reservations
+            .get(&id)
+            .is_none_or(|r| r.client != client)
+        {
+            return false;
         }
-        if let Some(r) = self.reservations.remove(&id) {
-            self.space.give(r.offset, r.bytes);
-            match r.key {
-                Some(key) => {
-                    self.writing.remove(&(r.ns, key));
-                }
-                None => self.ungrant(client, r.bytes),
+        let Some(r) = self.reservations.remove(&id) else {
+            return false;
+        };
+        self.space.give(r.offset, r.bytes);
+        match r.key {
+            Some(key) => {
+                self.writing.remove(&(r.ns, key));
             }
-            if let Some(c) = self.clients.get_mut(&client) {
-                c.reservations.remove(&id);
-            }
+            None => self.ungrant(client, r.bytes),
         }
+        if let Some(c) = self.clients.get_mut(&client) {
+            c.reservations.remove(&id);
+        }
+        true
     }
 
     /// One unnamed grant of `bytes` of `client` is one no more (named, aborted, or its client

@@ -619,7 +619,11 @@ fn finish(shared: &Shared, tenant: &Tenant, client: ClientId, ends: &[PutEnd]) -
         for (i, end) in ends.iter().enumerate() {
             let (put, checksum) = match *end {
                 PutEnd::Abort(put) => {
-                    books.abort_put(client, put);
+                    // Another connection's reservation is no more this one's to end than to
+                    // commit: unknown, and left alone.
+                    if !books.abort_put(client, put) {
+                        answers[i] = ItemAnswer::Unknown;
+                    }
                     continue;
                 }
                 PutEnd::Commit { id, checksum } => (id, checksum),

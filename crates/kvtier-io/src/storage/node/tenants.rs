@@ -3,6 +3,11 @@
 //! split evenly between them. The node's own uid's arena is a 0600 file in `--shm-dir`; an
 //! allowed uid's is a memfd (no path) whose size is sealed before it is passed, so a tenant
 //! cannot truncate it under the node's mapping (a SIGBUS would end the node for every tenant).
+//! Arena names are `kvtier-node-<pid>-<index>-<64 random bits, hex>.arena`: the file is created
+//! exclusively (`O_EXCL`), so a name another user could guess (the pid is public) would let them
+//! plant a file there and keep the node from starting; a name found taken is tried again with
+//! fresh random bits, [`ARENA_NAME_TRIES`] times in all (this also keeps two nodes of one
+//! process on one `--shm-dir` apart).
 //!
 //! Invariants: a connection is bound to the arena of its peer's uid (`SO_PEERCRED`, checked at
 //! accept) and is passed that arena's descriptor alone, so a process can map, read and write
@@ -19,6 +24,10 @@ use super::books::{Books, NodeStats};
 use super::server::{HugePages, NodeOptions};
 use crate::sys::shm::Arena;
 use crate::sys::sock;
+
+/// Random names tried for the node's own arena file before its start fails (a name is taken
+/// only when a file holds it already: 64 random bits make a second collision unheard of).
+const ARENA_NAME_TRIES: usize = 8;
 
 /// One uid's arena and its books.
 pub(super) struct Tenant {
@@ -60,13 +69,19 @@ impl Tenants {
         }
         let mut list: Vec<Tenant> = Vec::with_capacity(uids.len());
         for (i, &uid) in uids.iter().enumerate() {
-            let name = format!("kvtier-node-{}-{i}.arena", std::process::id());
             // Another uid's arena is sealed (see the module docs); the node's own uid may signal
             // the node anyway, so its arena stays a file in `--shm-dir` (which may be a tmpfs
             // mounted huge=always).
-            let path = (uid == me).then(|| opts.shm_dir.join(&name));
-            let arena = match create_arena(path.as_deref(), &name, share, opts.huge_pages) {
-                Ok(a) => a,
+            let made = if uid == me {
+                create_own_arena(&opts.shm_dir, share, opts.huge_pages, || arena_name(i))
+                    .map(|(a, p)| (a, Some(p)))
+            } else {
+                arena_name(i).and_then(|name| {
+                    create_arena(None, &name, share, opts.huge_pages).map(|a| (a, None))
+                })
+            };
+            let (arena, path) = match made {
+                Ok(x) => x,
                 Err(e) => {
                     // The arenas made so far go with the failed start (their files too).
                     for p in list.iter().filter_map(|t| t.arena_path.as_ref()) {
@@ -145,6 +160,40 @@ impl NodeStats {
     }
 }
 
+/// A fresh arena name for tenant `index` (see the module docs).
+fn arena_name(index: usize) -> io::Result<String> {
+    let r = getrandom::u64()
+        .map_err(|e| io::Error::other(format!("no random bits for the arena's name: {e}")))?;
+    Ok(format!(
+        "kvtier-node-{}-{index}-{r:016x}.arena",
+        std::process::id()
+    ))
+}
+
+/// The node's own uid's arena of `bytes`: a new file in `dir` named by `name` (a fresh random
+/// name at each call: [`arena_name`]), another name tried while one is taken, up to
+/// [`ARENA_NAME_TRIES`] in all (see the module docs). The arena and its path.
+fn create_own_arena(
+    dir: &Path,
+    bytes: u64,
+    huge: HugePages,
+    mut name: impl FnMut() -> io::Result<String>,
+) -> io::Result<(Arena, PathBuf)> {
+    let mut left = ARENA_NAME_TRIES;
+    loop {
+        left -= 1;
+        let name = name()?;
+        let path = dir.join(&name);
+        match create_arena(Some(&path), &name, bytes, huge) {
+            Ok(a) => return Ok((a, path)),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && left > 0 => {
+                tracing::warn!(path = %path.display(), "the arena's name is taken; trying another");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// An arena of `bytes`: a locked file at `path`, or a sealed memfd named `name` without one;
 /// collapsed into 2 MiB pages when `huge` asks for it.
 fn create_arena(path: Option<&Path>, name: &str, bytes: u64, huge: HugePages) -> io::Result<Arena> {
@@ -185,4 +234,57 @@ fn create_arena(path: Option<&Path>, name: &str, bytes: u64, huge: HugePages) ->
         "node arena mapped (bytes in 2 MiB pages, where /proc/self/smaps tells)"
     );
     Ok(arena)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// A taken name (here a directory: the exclusive create fails on any entry) is passed over
+    /// for the next one; the start fails only once [`ARENA_NAME_TRIES`] names were all taken.
+    #[test]
+    fn a_taken_arena_name_is_tried_again_a_bounded_number_of_times() {
+        let dir = tempfile::tempdir().unwrap();
+        let names: Vec<String> = (0..=ARENA_NAME_TRIES)
+            .map(|k| format!("kvtier-node-test-{k}.arena"))
+            .collect();
+        for taken in &names[..ARENA_NAME_TRIES - 1] {
+            std::fs::create_dir(dir.path().join(taken)).unwrap();
+        }
+        let mut next = names.iter().cloned();
+        let mut calls = 0;
+        let mut name = || {
+            calls += 1;
+            next.next().ok_or_else(|| io::Error::other("out of names"))
+        };
+        let (a, path) = create_own_arena(dir.path(), 4096, HugePages::Advise, &mut name).unwrap();
+        assert_eq!(path, dir.path().join(&names[ARENA_NAME_TRIES - 1]));
+        assert_eq!(calls, ARENA_NAME_TRIES);
+        drop(a);
+        // Every name taken: refused after the last try, never looping on.
+        std::fs::create_dir(dir.path().join(&names[ARENA_NAME_TRIES])).unwrap();
+        let mut calls = 0;
+        let mut names = names.iter().skip(1).cloned();
+        let e = create_own_arena(dir.path(), 4096, HugePages::Advise, || {
+            calls += 1;
+            names.next().ok_or_else(|| io::Error::other("out of names"))
+        })
+        .map(|_| ())
+        .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::AlreadyExists, "{e}");
+        assert_eq!(calls, ARENA_NAME_TRIES);
+    }
+
+    #[test]
+    fn arena_names_are_random_and_found_by_the_stale_arena_reclaim() {
+        let (a, b) = (arena_name(0).unwrap(), arena_name(0).unwrap());
+        assert_ne!(a, b);
+        let prefix = format!("kvtier-node-{}-0-", std::process::id());
+        for n in [&a, &b] {
+            // `listen::reclaim_stale_arenas` matches this prefix and suffix.
+            assert!(n.starts_with(&prefix) && n.ends_with(".arena"), "{n}");
+            assert_eq!(n.len(), prefix.len() + 16 + ".arena".len(), "{n}");
+        }
+    }
 }
