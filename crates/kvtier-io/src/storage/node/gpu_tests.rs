@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use kvtier::transfer::{BlockTransfer, TransferJob};
 use kvtier::{JobId, Tier};
 
-use super::{NodeClientOptions, NodeOptions, NodeServer, NodeStore};
+use super::{NodeClientOptions, NodeOptions, NodeServer, NodeStore, GRANT_SHARE};
 use crate::storage::host::{HostOptions, HostStorage, PinMode};
 use crate::sys::cuda::{self as cu, DeviceAlloc, Driver};
 use crate::sys::job;
@@ -156,7 +156,11 @@ fn gbps(bytes: usize, d: Duration) -> f64 {
 /// `KVTIER_NODE_HUGE_COLLAPSE=1` the node collapses its arena into 2 MiB pages at start
 /// (`--huge-pages collapse`).
 fn node_options(dir: &std::path::Path, n: u32) -> NodeOptions {
-    let mut o = NodeOptions::new(dir.join("node.sock"), (n as u64 + 8) * BPB as u64);
+    // Room for `n` blocks (and a few spare) beside the grants the node may hand out (at most
+    // `capacity / GRANT_SHARE`): without it the slots granted ahead evict the first blocks of
+    // the last rep before they are loaded.
+    let blocks = (n as u64 + 8) * GRANT_SHARE / (GRANT_SHARE - 1) + 1;
+    let mut o = NodeOptions::new(dir.join("node.sock"), blocks * BPB as u64);
     // The node's poll window (`kvtier node --poll-us`), for measurements.
     if let Some(us) = std::env::var("KVTIER_NODE_POLL_US")
         .ok()
