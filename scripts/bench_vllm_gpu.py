@@ -176,6 +176,9 @@ def run_engine(name: str, model: Path, logdir: Path, lengths: list[int], reps: i
             e.drain(120)
             before = e.stats().get("stats", {})
             hit = evict_and_replay(e, ps)
+            # The counters of the last replay's load may land a step later: drained first, so they count here (read
+            # right away, 8K and 32K runs of 2026-12-05/06 showed one replay's bytes of two at replay times alike).
+            e.drain(120)
             after = e.stats().get("stats", {})
             out["lengths"][n] = {"miss_ms": [1000 * s for s in miss["seconds"]],
                                  "replay_ms": [1000 * s for s in hit["seconds"]],
