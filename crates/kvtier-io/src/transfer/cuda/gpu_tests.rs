@@ -284,7 +284,8 @@ pub(crate) fn print_layered_rates(e: &TransferEngine, load: &TransferJob, what: 
 /// lets the engine read the old bytes. Checked for each way of moving a layered load (the
 /// kernel reading host memory; the copy engine through staging (one copy per slice, and 2D runs
 /// of slices with floors of 64 KiB and 512 KiB), with slice floors of 256 KiB,
-/// 512 KiB and 1 MiB), with the rate of a 1 GiB load whole and layered for each, and then of a
+/// 512 KiB and 1 MiB; host slices straight into the chunks by 2D copies, with a load in order
+/// as well, since the reversed one falls back to the kernel), with the rate of a 1 GiB load whole and layered for each, and then of a
 /// 4 GiB load (a 32K-token Llama-3.1-8B prompt; `KVTIER_LAYERED_GPU_BIG=0` skips it).
 #[test]
 fn layered_loads_are_seen_layer_by_layer() {
@@ -300,6 +301,9 @@ fn layered_loads_are_seen_layer_by_layer() {
         LayeredCopy::Staged(1 << 20),
         LayeredCopy::Staged2d(64 << 10),
         LayeredCopy::Staged2d(512 << 10),
+        // This load's device ids run against its host slots (no 2D runs): it goes the kernel's
+        // way; the in-order load below takes the direct path.
+        LayeredCopy::Direct2d,
     ];
     let big = std::env::var("KVTIER_LAYERED_GPU_BIG").map_or(true, |v| v != "0");
     for n in [512u32, 2048].into_iter().filter(|&n| n == 512 || big) {
@@ -317,6 +321,15 @@ fn layered_loads_are_seen_layer_by_layer() {
             let what = format!("host tier, {mode:?}, {n} blocks");
             load_layered_and_check(&e, &load, &layout, &dsts, &expected, &what);
             print_layered_rates(&e, &load, &what);
+            if mode == LayeredCopy::Direct2d {
+                // Host i -> device block n + i: slots and ids both consecutive, one 2D copy per
+                // plane and layer.
+                let ids: Vec<u32> = (n..2 * n).collect();
+                let direct = job(Tier::Host, Tier::Device, (0..n).map(|i| (i, n + i)));
+                let what = format!("host tier, Direct2d in order, {n} blocks");
+                load_layered_and_check(&e, &direct, &layout, &ids, &expected, &what);
+                print_layered_rates(&e, &direct, &what);
+            }
         }
     }
     println!("layered loads bit-exact, layer by layer, every mode");

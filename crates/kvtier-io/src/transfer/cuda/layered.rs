@@ -56,7 +56,7 @@ impl CudaLayerGate {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum LayeredCopy {
     /// `Kernel` for loads up to 2 GiB, `Whole` above (measured on the H200). Overridden by
-    /// `KVTIER_LAYERED_COPY` (`kernel`, `staged`, `whole`).
+    /// `KVTIER_LAYERED_COPY` (`kernel`, `staged`, `staged2d`, `direct2d`, `whole`).
     #[default]
     Auto,
     /// The scatter kernel reads each layer from host memory (43.7 GB/s on the H200).
@@ -69,19 +69,25 @@ pub enum LayeredCopy {
     /// copy (`cuMemcpy2DAsync`: the copy engine walks the rows) instead of one copy each
     /// (`staged.rs`, `runs_2d`; opt-in, for measurements).
     Staged2d(usize),
+    /// No staging, no kernel: each layer's pieces copied from host blocks straight into the
+    /// engine's chunks, one 2D copy per run of host slots and device blocks at constant strides
+    /// (`direct2d.rs`); a job of too many short runs (or that does not split into equal layers)
+    /// goes the `Kernel` way. Opt-in, not yet measured on a GPU.
+    Direct2d,
     /// Not layered: the whole job ordered ahead of the forward pass (copy engine).
     Whole,
 }
 
 impl LayeredCopy {
     /// The mode named `auto`, `kernel`, `staged` (slices of at least 512 KiB), `staged:KIB`,
-    /// `staged2d`, `staged2d:KIB` or `whole`.
+    /// `staged2d`, `staged2d:KIB`, `direct2d` or `whole`.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "auto" => Some(Self::Auto),
             "kernel" => Some(Self::Kernel),
             "staged" => Some(Self::Staged(staged::MIN_SLICE)),
             "staged2d" => Some(Self::Staged2d(staged::MIN_SLICE)),
+            "direct2d" => Some(Self::Direct2d),
             "whole" => Some(Self::Whole),
             _ => {
                 let (mode, kib): (fn(usize) -> Self, _) = match s.strip_prefix("staged2d:") {
@@ -100,7 +106,7 @@ impl LayeredCopy {
         let v = std::env::var("KVTIER_LAYERED_COPY").ok()?;
         let m = Self::parse(&v);
         if m.is_none() {
-            tracing::warn!(value = %v, "KVTIER_LAYERED_COPY is not auto|kernel|staged[2d][:KIB]|whole: ignored");
+            tracing::warn!(value = %v, "KVTIER_LAYERED_COPY is not auto|kernel|staged[2d][:KIB]|direct2d|whole: ignored");
         }
         m
     }
@@ -186,7 +192,21 @@ impl CudaMover {
             return Vec::new();
         }
         let bytes = items.len().saturating_mul(self.bytes_per_block);
-        let descs = match self.layered_copy.for_bytes(bytes) {
+        let mut mode = self.layered_copy.for_bytes(bytes);
+        if mode == LayeredCopy::Direct2d {
+            // A job the direct way cannot take (or would take in too many short copies) goes the
+            // kernel's way.
+            match self.direct2d_job_plan(items, layers) {
+                Some(plan) => {
+                    return match self.direct2d_inner(&plan, layers, fence, order) {
+                        Ok(()) => Vec::new(),
+                        Err(e) => failed_all(self, items, &e),
+                    };
+                }
+                None => mode = LayeredCopy::Kernel,
+            }
+        }
+        let descs = match mode {
             m @ (LayeredCopy::Staged(min_slice) | LayeredCopy::Staged2d(min_slice)) => {
                 match self.staged_plan(items, layers, min_slice) {
                     Some(rounds) => {
@@ -204,7 +224,7 @@ impl CudaMover {
                 .as_ref()
                 .filter(|_| self.host_pointers && order.readable)
                 .and_then(|_| layer_descriptors(items, self.bytes_per_block, layers)),
-            LayeredCopy::Auto | LayeredCopy::Whole => None,
+            LayeredCopy::Auto | LayeredCopy::Whole | LayeredCopy::Direct2d => None,
         };
         let Some(descs) = descs else {
             return self.copy(
@@ -355,12 +375,14 @@ mod tests {
             LayeredCopy::parse("staged2d:64"),
             Some(LayeredCopy::Staged2d(64 << 10))
         );
+        assert_eq!(LayeredCopy::parse("direct2d"), Some(LayeredCopy::Direct2d));
         for bad in [
             "staged:0",
             "staged:",
             "staged:x",
             "staged2d:0",
             "staged2:",
+            "direct2d:64",
             "Kernel",
             "",
         ] {
@@ -378,6 +400,10 @@ mod tests {
         assert_eq!(
             LayeredCopy::Staged(1).for_bytes(usize::MAX),
             LayeredCopy::Staged(1)
+        );
+        assert_eq!(
+            LayeredCopy::Direct2d.for_bytes(usize::MAX),
+            LayeredCopy::Direct2d
         );
     }
 

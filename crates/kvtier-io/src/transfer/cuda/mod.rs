@@ -26,6 +26,7 @@ use kvtier::transfer::{Fence, TransferError};
 
 use crate::transfer::device::{CopyDir, Order};
 
+mod direct2d;
 mod layered;
 mod staged;
 use crate::error::IoError;
