@@ -224,16 +224,22 @@ fn a_client_refuses_a_node_of_another_uid_unless_named_by_node_uid() {
     assert!(child.wait().unwrap().success());
 }
 
+/// A node of 8 blocks in `dir` (made private) that lets `nobody` attach.
+fn nobody_allowed(dir: &std::path::Path) -> NodeOptions {
+    chmod(dir, 0o700);
+    let mut o = NodeOptions::new(dir.join("node.sock"), 8 * BLOCK as u64);
+    o.shm_dir = dir.to_path_buf();
+    o.allowed_uids = vec![NOBODY];
+    o
+}
+
 #[test]
 fn allowed_tenants_attach_in_namespaces_of_their_own_and_others_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     if !root(dir.path()) {
         return;
     }
-    chmod(dir.path(), 0o700);
-    let mut o = NodeOptions::new(dir.path().join("node.sock"), 8 * BLOCK as u64);
-    o.shm_dir = dir.path().to_path_buf();
-    o.allowed_uids = vec![NOBODY];
+    let mut o = nobody_allowed(dir.path());
     let n = NodeServer::start(&o).unwrap();
     let mine = NodeStore::connect(n.socket(), "m", NodeClientOptions::default()).unwrap();
     mine.put(SequenceHash(2), &block(2)).unwrap();
@@ -291,10 +297,7 @@ fn a_tenant_cannot_truncate_its_arena_under_the_node() {
     if !root(dir.path()) {
         return;
     }
-    chmod(dir.path(), 0o700);
-    let mut o = NodeOptions::new(dir.path().join("node.sock"), 8 * BLOCK as u64);
-    o.shm_dir = dir.path().to_path_buf();
-    o.allowed_uids = vec![NOBODY];
+    let mut o = nobody_allowed(dir.path());
     o.disk_dir = Some(dir.path().join("disk"));
     o.disk_bytes = 1 << 20;
     let mut n = NodeServer::start(&o).unwrap();
@@ -317,10 +320,7 @@ fn one_tenants_connections_do_not_lock_out_another_uid() {
     if !root(dir.path()) {
         return;
     }
-    chmod(dir.path(), 0o700);
-    let mut o = NodeOptions::new(dir.path().join("node.sock"), 8 * BLOCK as u64);
-    o.shm_dir = dir.path().to_path_buf();
-    o.allowed_uids = vec![NOBODY];
+    let mut o = nobody_allowed(dir.path());
     o.max_connections = 3;
     let n = NodeServer::start(&o).unwrap();
     let vars = [
