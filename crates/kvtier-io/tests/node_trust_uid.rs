@@ -239,7 +239,7 @@ fn allowed_tenants_attach_in_namespaces_of_their_own_and_others_are_refused() {
     if !root(dir.path()) {
         return;
     }
-    let mut o = nobody_allowed(dir.path());
+    let o = nobody_allowed(dir.path());
     let n = NodeServer::start(&o).unwrap();
     let mine = NodeStore::connect(n.socket(), "m", NodeClientOptions::default()).unwrap();
     mine.put(SequenceHash(2), &block(2)).unwrap();
