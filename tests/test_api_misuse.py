@@ -189,3 +189,91 @@ def test_a_bogus_cuda_pointer_is_refused_not_a_poisoned_context(kvtier_env):
         with pytest.raises(kvtier.KvtierError, match="not its device's memory"):
             _native.Worker(s, bogus)
     _native.Worker(s, describe(pool)).shutdown()
+
+
+class _LyingSequence:
+    """A sequence whose ``__len__`` claims far more items than it yields: PyO3's own extraction reserved that many
+    before reading one (an allocation failure aborted the process, a ``PanicException`` past isize::MAX)."""
+
+    def __init__(self, n, item=1):
+        self.n, self.item = n, item
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i >= 2:
+            raise IndexError(i)
+        return self.item
+
+
+def test_a_sequence_that_lies_about_its_length_is_refused_not_an_abort(kvtier_env):
+    ld = leader()
+    _, w = worker()
+    for n in (2**40, 2**62):
+        for call, name in [
+            (lambda: ld.get_num_new_matched_tokens("r", _LyingSequence(n), 0), "tokens"),
+            (lambda: ld.update_state_after_alloc("r", _LyingSequence(n), 0), "block_ids"),
+            (lambda: ld.allocate_offer("r", _LyingSequence(n)), "block_ids"),
+            (lambda: ld.build_step(_LyingSequence(n, ("r", [1], [0], 0, 1))), "records"),
+            (lambda: ld.build_step([], _LyingSequence(n, "r")), "finished"),
+            (lambda: _native.StepRecord("r", _LyingSequence(n), [0], 0, 1), "new_tokens"),
+            (lambda: _native.match_groups([ld], "r", _LyingSequence(n), 0), "tokens"),
+            (lambda: w.get_finished(_LyingSequence(n, "r")), "finished"),
+            (lambda: w.wait_for_requests(_LyingSequence(n, "r")), "request_ids"),
+        ]:
+            with pytest.raises(kvtier.ConnectorError, match=rf"{name}: \d+ items is more than kvtier takes"):
+                call()
+    # A lazy sequence of 10**10 tokens is refused by its length, without reading it.
+    with pytest.raises(kvtier.ConnectorError, match="tokens: 10000000000 items"):
+        ld.get_num_new_matched_tokens("r", range(10**10), 0)
+    # Sequences that tell the truth still work: lists, tuples, NumPy arrays, ranges.
+    assert ld.get_num_new_matched_tokens("r", np.arange(2 * BS), 0) == 0
+    assert ld.get_num_new_matched_tokens("q", range(2 * BS), 0) == 0
+    assert w.get_finished(("x",), started_loading=[]) == ([], [], [])
+    w.shutdown()
+
+
+def test_a_bad_item_of_a_long_sequence_is_named_by_its_index_not_the_whole_repr(kvtier_env):
+    ld = leader()
+    tokens = [1] * 1_000_000
+    tokens[-1] = -1
+    with pytest.raises(kvtier.ConnectorError) as e:
+        ld.get_num_new_matched_tokens("r", tokens, 0)
+    assert str(e.value) == "tokens: -1 at index 999999 is out of range (a non-negative integer is expected)"
+    with pytest.raises(TypeError, match="argument 'block_ids': item 1: 'float' object"):
+        ld.update_state_after_alloc("r", [0, 1.5])
+    # A huge scalar is shown cut short, not as its whole repr.
+    with pytest.raises(kvtier.ConnectorError) as e:
+        ld.get_num_new_matched_tokens("r", [1], 10**1000)
+    assert len(str(e.value)) < 200
+    # take_hit_sources's count was a bare OverflowError.
+    with pytest.raises(kvtier.ConnectorError, match="num_external_tokens: -1 is out of range"):
+        ld.take_hit_sources("r", -1)
+
+
+def test_settings_that_contain_themselves_are_config_errors_not_a_stack_overflow(kvtier_env):
+    """A self-referential or deeply nested list or dict in the settings (vLLM's kv_connector_extra_config) was
+    converted recursively until the engine's thread overflowed its stack (SIGSEGV)."""
+    loop = []
+    loop.append(loop)
+    d = {}
+    d["a"] = d
+    deep = []
+    for _ in range(100_000):
+        deep = [deep]
+    for value in (loop, d, deep):
+        with pytest.raises(kvtier.ConfigError, match="nests deeper than 32 lists or dicts"):
+            leader(**{"host.junk": value})
+        with pytest.raises(kvtier.ConfigError, match="nests deeper than 32"):
+            _native.configured_tiers({"x": value})
+
+
+def test_kvtier_config_naming_a_device_or_a_fifo_is_a_config_error(kvtier_env, tmp_path):
+    """``KVTIER_CONFIG=/dev/zero`` was read until memory ran out; a FIFO blocked the engine's start in ``open``."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", str(fifo), str(tmp_path)):
+        kvtier_env.setenv("KVTIER_CONFIG", path)
+        with pytest.raises(kvtier.ConfigError, match="not a regular file"):
+            leader()

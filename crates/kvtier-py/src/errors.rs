@@ -235,7 +235,7 @@ where
     match obj.extract::<T>().map_err(Into::<PyErr>::into) {
         Ok(v) => Ok(v),
         Err(e) if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) => {
-            let shown = obj.repr().map(|r| r.to_string()).unwrap_or_default();
+            let shown = crate::seq::shown(obj);
             Err(new_err(
                 family,
                 format!("{name}: {shown} is out of range (a non-negative integer is expected)"),

@@ -21,6 +21,7 @@ use pyo3::types::{PyBytes, PyDict, PyTuple};
 use crate::errors::{extract_arg, extract_opt_arg, BridgeError, BridgeResult, Family};
 use crate::records::{page_ids, record_from_py};
 use crate::rendezvous::Rendezvous;
+use crate::seq::{extract_opt_seq, extract_seq};
 use crate::settings::Settings;
 
 mod build;
@@ -77,9 +78,12 @@ impl PyLeader {
     fn step_metadata<'py>(
         &self,
         py: Python<'py>,
-        records: Vec<Bound<'py, PyAny>>,
-        finished: Vec<String>,
+        records: &Bound<'py, PyAny>,
+        finished: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(Bound<'py, PyBytes>, Vec<String>)> {
+        let c = Family::Connector;
+        let records: Vec<Bound<'py, PyAny>> = extract_seq(c, "records", records)?;
+        let finished: Vec<String> = extract_opt_seq(c, "finished", finished)?.unwrap_or_default();
         let mut step = SchedulerStep {
             records: Vec::with_capacity(records.len()),
             finished: finished.into_iter().map(RequestId::from).collect(),
@@ -89,7 +93,7 @@ impl PyLeader {
         for r in &records {
             step.records.push(record_from_py(r)?);
             let p = match r.cast::<PyTuple>() {
-                Ok(t) if t.len() == 9 => t.get_item(8)?.extract::<Option<Vec<u32>>>()?,
+                Ok(t) if t.len() == 9 => extract_opt_seq(c, "priorities", Some(&t.get_item(8)?))?,
                 _ => None,
             };
             priorities.push(p);
@@ -262,7 +266,7 @@ impl PyLeader {
     ) -> PyResult<usize> {
         // Integers extracted here so that a negative one is a ConnectorError naming it (#13).
         let c = Family::Connector;
-        let tokens: Vec<u32> = extract_arg(c, "tokens", tokens)?;
+        let tokens: Vec<u32> = extract_seq(c, "tokens", tokens)?;
         let num_computed_tokens: usize =
             extract_arg(c, "num_computed_tokens", num_computed_tokens)?;
         let key = RequestKey {
@@ -291,7 +295,7 @@ impl PyLeader {
         num_external_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let c = Family::Connector;
-        let block_ids: Vec<u32> = extract_arg(c, "block_ids", block_ids)?;
+        let block_ids: Vec<u32> = extract_seq(c, "block_ids", block_ids)?;
         let num_external_tokens: Option<usize> =
             extract_opt_arg(c, "num_external_tokens", num_external_tokens)?;
         let ids: Vec<DeviceBlockId> = block_ids.into_iter().map(DeviceBlockId).collect();
@@ -313,7 +317,7 @@ impl PyLeader {
         num_external_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<(Vec<u32>, Option<String>)> {
         let c = Family::Connector;
-        let block_ids: Vec<u32> = extract_arg(c, "block_ids", block_ids)?;
+        let block_ids: Vec<u32> = extract_seq(c, "block_ids", block_ids)?;
         let num_external_tokens: usize =
             extract_arg(c, "num_external_tokens", num_external_tokens)?;
         let ids: Vec<DeviceBlockId> = block_ids.into_iter().map(DeviceBlockId).collect();
@@ -381,8 +385,13 @@ impl PyLeader {
         &self,
         py: Python<'_>,
         request_id: String,
-        num_external_tokens: usize,
+        num_external_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<(&'static str, usize)>> {
+        let num_external_tokens: usize = extract_arg(
+            Family::Connector,
+            "num_external_tokens",
+            num_external_tokens,
+        )?;
         let mut g = self.lock();
         Ok(g.ready(py)?
             .take_hit_sources(&RequestId::from(request_id), num_external_tokens)
@@ -391,24 +400,24 @@ impl PyLeader {
             .collect())
     }
 
-    #[pyo3(signature = (records, finished = Vec::new()))]
+    #[pyo3(signature = (records, finished = None))]
     fn build_step<'py>(
         &self,
         py: Python<'py>,
-        records: Vec<Bound<'py, PyAny>>,
-        finished: Vec<String>,
+        records: &Bound<'py, PyAny>,
+        finished: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         Ok(self.step_metadata(py, records, finished)?.0)
     }
 
     /// `build_step`, plus the step's reuse fences: the finished requests whose jobs the
     /// workers must wait for before anything of the step writes device blocks.
-    #[pyo3(signature = (records, finished = Vec::new()))]
+    #[pyo3(signature = (records, finished = None))]
     fn build_step_with_fences<'py>(
         &self,
         py: Python<'py>,
-        records: Vec<Bound<'py, PyAny>>,
-        finished: Vec<String>,
+        records: &Bound<'py, PyAny>,
+        finished: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(Bound<'py, PyBytes>, Vec<String>)> {
         self.step_metadata(py, records, finished)
     }
@@ -610,7 +619,7 @@ impl PyLeader {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn match_groups(
     py: Python<'_>,
-    leaders: Vec<PyRef<'_, PyLeader>>,
+    leaders: &Bound<'_, PyAny>,
     request_id: String,
     tokens: &Bound<'_, PyAny>,
     num_computed_tokens: &Bound<'_, PyAny>,
@@ -619,7 +628,8 @@ pub(crate) fn match_groups(
     read: bool,
 ) -> PyResult<usize> {
     let c = Family::Connector;
-    let tokens: Vec<u32> = extract_arg(c, "tokens", tokens)?;
+    let leaders: Vec<PyRef<'_, PyLeader>> = extract_seq(c, "leaders", leaders)?;
+    let tokens: Vec<u32> = extract_seq(c, "tokens", tokens)?;
     let num_computed_tokens: usize = extract_arg(c, "num_computed_tokens", num_computed_tokens)?;
     for (i, a) in leaders.iter().enumerate() {
         if leaders[..i].iter().any(|b| std::ptr::eq(&**a, &**b)) {

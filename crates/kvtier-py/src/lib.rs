@@ -35,6 +35,7 @@ pub(crate) mod node;
 pub(crate) mod promises;
 pub(crate) mod records;
 pub(crate) mod rendezvous;
+pub(crate) mod seq;
 pub(crate) mod settings;
 pub mod tensor;
 pub(crate) mod vllm_support;

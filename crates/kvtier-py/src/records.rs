@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
 use crate::errors::{extract_arg, Family};
+use crate::seq::extract_seq;
 
 /// One scheduled request in one step (see `_native.pyi`).
 #[pyclass(name = "StepRecord", module = "kvtier._native")]
@@ -40,8 +41,8 @@ impl PyStepRecord {
         // Integers are extracted here, not by PyO3, so that a negative count is a kvtier
         // ConnectorError naming the argument rather than a bare OverflowError.
         let c = Family::Connector;
-        let new_tokens: Vec<u32> = extract_arg(c, "new_tokens", new_tokens)?;
-        let new_block_ids: Vec<u32> = extract_arg(c, "new_block_ids", new_block_ids)?;
+        let new_tokens: Vec<u32> = extract_seq(c, "new_tokens", new_tokens)?;
+        let new_block_ids: Vec<u32> = extract_seq(c, "new_block_ids", new_block_ids)?;
         let num_computed_tokens = extract_arg(c, "num_computed_tokens", num_computed_tokens)?;
         let num_scheduled_tokens = extract_arg(c, "num_scheduled_tokens", num_scheduled_tokens)?;
         let num_draft_tokens = match num_draft_tokens {
@@ -105,7 +106,7 @@ pub(crate) fn page_ids(
     name: &str,
     obj: &Bound<'_, PyAny>,
 ) -> PyResult<Vec<DeviceBlockId>> {
-    let raw: Vec<i64> = extract_arg(family, name, obj)?;
+    let raw: Vec<i64> = crate::seq::extract_seq(family, name, obj)?;
     raw.into_iter()
         .map(|b| match b {
             -1 => Ok(HOLE),
@@ -155,7 +156,7 @@ pub(crate) fn record_from_py(obj: &Bound<'_, PyAny>) -> PyResult<StepRecord> {
         let c = Family::Connector;
         return Ok(StepRecord {
             request_id: RequestId::new(t.get_item(0)?.str()?.to_str()?),
-            new_tokens: extract_arg(c, "new_tokens", &t.get_item(1)?)?,
+            new_tokens: extract_seq(c, "new_tokens", &t.get_item(1)?)?,
             new_block_ids: page_ids(c, "new_block_ids", &t.get_item(2)?)?,
             num_computed_tokens: extract_arg(c, "num_computed_tokens", &t.get_item(3)?)?,
             num_scheduled_tokens: extract_arg(c, "num_scheduled_tokens", &t.get_item(4)?)?,
@@ -196,7 +197,7 @@ pub(crate) fn record_from_py(obj: &Bound<'_, PyAny>) -> PyResult<StepRecord> {
     let request_id: String = req("request_id")?.str()?.to_string();
     Ok(StepRecord {
         request_id: RequestId::from(request_id),
-        new_tokens: extract_arg(c, "new_tokens", &req("new_tokens")?)?,
+        new_tokens: extract_seq(c, "new_tokens", &req("new_tokens")?)?,
         new_block_ids: page_ids(c, "new_block_ids", &req("new_block_ids")?)?,
         num_computed_tokens: extract_arg(c, "num_computed_tokens", &req("num_computed_tokens")?)?,
         num_scheduled_tokens: extract_arg(

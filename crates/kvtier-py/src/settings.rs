@@ -52,9 +52,23 @@ fn bad(key: &str, reason: impl std::fmt::Display) -> BridgeError {
     BridgeError::local(Family::Config, format!("{key}: {reason}"))
 }
 
+/// How deep a setting's lists and dicts may nest: a self-referential list (`x.append(x)`) or a
+/// deeply nested one overflowed the stack of the engine's thread (SIGSEGV) before this bound.
+pub(crate) const MAX_DEPTH: usize = 32;
+
 /// Converts a Python value (None, bool, int, float, str, list/tuple, dict) to JSON.
 pub(crate) fn to_json(key: &str, v: &Bound<'_, PyAny>) -> BridgeResult<serde_json::Value> {
+    to_json_at(key, v, 0)
+}
+
+fn to_json_at(key: &str, v: &Bound<'_, PyAny>, depth: usize) -> BridgeResult<serde_json::Value> {
     use serde_json::Value;
+    if depth > MAX_DEPTH {
+        return Err(bad(
+            key,
+            format!("nests deeper than {MAX_DEPTH} lists or dicts (or contains itself)"),
+        ));
+    }
     if v.is_none() {
         return Ok(Value::Null);
     }
@@ -79,14 +93,14 @@ pub(crate) fn to_json(key: &str, v: &Bound<'_, PyAny>) -> BridgeResult<serde_jso
         for (k, val) in d.iter() {
             let k: String = k.str().map_err(|e| bad(key, e))?.to_string();
             let sub = format!("{key}.{k}");
-            map.insert(k, to_json(&sub, &val)?);
+            map.insert(k, to_json_at(&sub, &val, depth + 1)?);
         }
         return Ok(Value::Object(map));
     }
     if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
         let mut out = Vec::new();
         for item in v.try_iter().map_err(|e| bad(key, e))? {
-            out.push(to_json(key, &item.map_err(|e| bad(key, e))?)?);
+            out.push(to_json_at(key, &item.map_err(|e| bad(key, e))?, depth + 1)?);
         }
         return Ok(Value::Array(out));
     }

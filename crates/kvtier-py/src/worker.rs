@@ -31,6 +31,7 @@ use pyo3::types::{PyBytes, PyDict, PyTuple};
 use crate::errors::{extract_opt_arg, timeout_arg, BridgeError, BridgeResult, Family};
 use crate::leader::encode_reports;
 use crate::rendezvous::Rendezvous;
+use crate::seq::{extract_opt_seq, extract_seq};
 use crate::settings::Settings;
 use crate::tensor::TensorDesc;
 
@@ -463,6 +464,20 @@ fn gone() -> PyErr {
 /// `(saved, loaded, [(request, recompute_from)])` of `get_finished_by_verdict`.
 type ByVerdict = (Vec<String>, Vec<String>, Vec<(String, u64)>);
 
+/// `get_finished`'s request ids, read with a bound ([`crate::seq`]).
+type FinishedArgs = (Vec<String>, Option<Vec<String>>);
+
+fn finished_args(
+    finished: &Bound<'_, PyAny>,
+    started_loading: Option<&Bound<'_, PyAny>>,
+) -> PyResult<FinishedArgs> {
+    let c = Family::Connector;
+    Ok((
+        extract_seq(c, "finished", finished)?,
+        extract_opt_seq(c, "started_loading", started_loading)?,
+    ))
+}
+
 fn ids(v: Vec<RequestId>) -> Vec<String> {
     v.into_iter().map(|r| r.to_string()).collect()
 }
@@ -557,9 +572,10 @@ impl PyWorker {
     #[pyo3(signature = (finished, started_loading = None))]
     fn get_finished(
         &self,
-        finished: Vec<String>,
-        started_loading: Option<Vec<String>>,
+        finished: &Bound<'_, PyAny>,
+        started_loading: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<(Vec<String>, Vec<String>, Vec<String>)> {
+        let (finished, started_loading) = finished_args(finished, started_loading)?;
         let r = self.finished_report(finished, started_loading)?;
         Ok((ids(r.saved), ids(r.loaded), ids(r.load_failed)))
     }
@@ -604,10 +620,11 @@ impl PyWorker {
     #[pyo3(signature = (finished, started_loading = None, rewindable = None))]
     fn get_finished_by_verdict(
         &self,
-        finished: Vec<String>,
-        started_loading: Option<Vec<String>>,
+        finished: &Bound<'_, PyAny>,
+        started_loading: Option<&Bound<'_, PyAny>>,
         rewindable: Option<std::collections::HashSet<String>>,
     ) -> PyResult<ByVerdict> {
+        let (finished, started_loading) = finished_args(finished, started_loading)?;
         let mut r = self.finished_report(finished, started_loading)?;
         if let Some(can) = rewindable {
             self.lock()
@@ -664,7 +681,8 @@ impl PyWorker {
 
     /// Wait for the jobs of these requests only (vLLM's handle_preemptions: their device blocks
     /// are about to be reused); other requests' copies keep running.
-    fn wait_for_requests(&self, py: Python<'_>, request_ids: Vec<String>) -> PyResult<()> {
+    fn wait_for_requests(&self, py: Python<'_>, request_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let request_ids: Vec<String> = extract_seq(Family::Connector, "request_ids", request_ids)?;
         let reqs: Vec<RequestId> = request_ids.into_iter().map(RequestId::from).collect();
         py.detach(|| {
             let mut g = self.lock();

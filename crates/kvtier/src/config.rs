@@ -391,9 +391,28 @@ impl KvtierConfig {
     }
 }
 
+/// The largest configuration file kvtier reads (a TOML file of settings is a few KiB).
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// A configuration file's text: a regular file of at most [`MAX_CONFIG_BYTES`]. `/dev/zero` was read
+/// until memory ran out, and a FIFO blocked the engine's start forever on `open`.
 fn read_file(path: &Path) -> Result<String, ConfigError> {
-    std::fs::read_to_string(path).map_err(|e| ConfigError::File {
+    use std::io::Read;
+    let err = |reason: String| ConfigError::File {
         path: path.display().to_string(),
-        reason: e.to_string(),
-    })
+        reason,
+    };
+    let meta = std::fs::metadata(path).map_err(|e| err(e.to_string()))?;
+    if !meta.is_file() {
+        return Err(err("not a regular file".into()));
+    }
+    let file = std::fs::File::open(path).map_err(|e| err(e.to_string()))?;
+    let mut text = String::new();
+    file.take(MAX_CONFIG_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| err(e.to_string()))?;
+    if text.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(err(format!("larger than {MAX_CONFIG_BYTES} bytes")));
+    }
+    Ok(text)
 }

@@ -305,6 +305,26 @@ fn load_reads_the_file_named_by_kvtier_config() {
     );
 }
 
+/// `KVTIER_CONFIG` naming something that is not a small regular file is an error naming it, never
+/// a read until memory runs out (`/dev/zero`) or an `open` that blocks forever (a FIFO).
+#[test]
+fn kvtier_config_is_a_small_regular_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("big.toml");
+    std::fs::write(&big, format!("# {}\n", "x".repeat(2 << 20))).unwrap();
+    for (path, reason) in [
+        ("/dev/zero", "not a regular file"),
+        (dir.path().to_str().unwrap(), "not a regular file"),
+        (big.to_str().unwrap(), "larger than"),
+    ] {
+        let e = KvtierConfig::load(&env(&[("KVTIER_CONFIG", path)]), None).unwrap_err();
+        assert!(
+            matches!(e, ConfigError::File { path: ref p, reason: ref r } if p == path && r.contains(reason)),
+            "{path}: {e}"
+        );
+    }
+}
+
 #[test]
 fn capacity_in_decimal_gb_over_all_ranks() {
     let c = KvtierConfig::build(
