@@ -277,3 +277,11 @@ def test_kvtier_config_naming_a_device_or_a_fifo_is_a_config_error(kvtier_env, t
         kvtier_env.setenv("KVTIER_CONFIG", path)
         with pytest.raises(kvtier.ConfigError, match="not a regular file"):
             leader()
+
+
+def test_a_tensor_desc_whose_bytes_overflow_is_a_layout_error():
+    """``TensorDesc.nbytes`` multiplied the shape unchecked: a PanicException (dev builds) or a wrapped count."""
+    with pytest.raises(kvtier.LayoutError, match="more than 2\\*\\*64 bytes"):
+        kvtier.TensorDesc(0x1000, [2**62, 2**62], [2, 2], 2, "float16").nbytes
+    assert kvtier.TensorDesc(0x1000, [2**62, 2**62, 0], [2, 2, 2], 2, "float16").nbytes == 0
+    assert kvtier.TensorDesc(0x1000, [4, 8], [16, 2], 2, "float16").nbytes == 64

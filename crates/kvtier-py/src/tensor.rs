@@ -285,10 +285,25 @@ impl TensorDesc {
         self.owner.is_some()
     }
 
-    /// Total bytes spanned by the elements (0 for an empty tensor).
+    /// Total bytes spanned by the elements (0 for an empty tensor); a shape whose bytes overflow
+    /// 64 bits is a `LayoutError` (it panicked, and wrapped in release builds).
     #[getter]
-    fn nbytes(&self) -> usize {
-        self.shape.iter().product::<usize>() * self.itemsize
+    fn nbytes(&self) -> PyResult<usize> {
+        if self.shape.contains(&0) {
+            return Ok(0);
+        }
+        self.shape
+            .iter()
+            .try_fold(self.itemsize, |n, &d| n.checked_mul(d))
+            .ok_or_else(|| {
+                crate::errors::new_err(
+                    crate::errors::Family::Layout,
+                    format!(
+                        "shape {:?} of {}-byte items is more than 2**64 bytes",
+                        self.shape, self.itemsize
+                    ),
+                )
+            })
     }
 
     fn __repr__(&self) -> String {
