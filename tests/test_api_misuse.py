@@ -5,6 +5,7 @@ raises a bare OverflowError."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 
 import numpy as np
@@ -285,3 +286,123 @@ def test_a_tensor_desc_whose_bytes_overflow_is_a_layout_error():
         kvtier.TensorDesc(0x1000, [2**62, 2**62], [2, 2], 2, "float16").nbytes
     assert kvtier.TensorDesc(0x1000, [2**62, 2**62, 0], [2, 2, 2], 2, "float16").nbytes == 0
     assert kvtier.TensorDesc(0x1000, [4, 8], [16, 2], 2, "float16").nbytes == 64
+
+
+_LIAR = """
+class L:
+    def __init__(self, item): self.item = item
+    def __len__(self): return 2**40
+    def __getitem__(self, i):
+        if i >= 2: raise IndexError(i)
+        return self.item
+"""
+
+
+def _probe(body):
+    """Runs ``body`` (``_native`` and ``kvtier`` imported, ``L`` a lying sequence class) in a child interpreter: an
+    abort there fails the test instead of killing pytest. Returns the child's stdout."""
+    import subprocess
+    import sys
+
+    code = "import kvtier\nfrom kvtier import _native\n" + _LIAR + body
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"child died ({r.returncode}): {r.stderr[-2000:]}"
+    return r.stdout
+
+
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        ("_native.Completions().begin_step(L('r'), {}, {}, {}, set())", "delayed_frees"),
+        ("_native.Completions().begin_step(range(10**10), {}, {}, {}, set())", "delayed_frees"),
+        ("_native.Completions().begin_step([], {'r': L(0)}, {}, {}, set())", "delayed_groups\\['r'\\]"),
+        ("_native.Completions().begin_step([], {}, {'r': range(10**10)}, {}, set())", "recv_groups\\['r'\\]"),
+        ("_native.Completions().begin_step([], {}, {}, {'r': L(0)}, set())", "failed_loads\\['r'\\]"),
+        ("_native.Completions().finish(L(None))", "reports"),
+        ("_native.Completions().finish([(L('r'), [], [])])", "reports\\[0\\]\\[0\\]"),
+        ("_native.Completions().take_load_errors(L(0))", "from_workers"),
+        ("_native.AllGroups(2).finish([([], range(10**10), [])])", "reports\\[0\\]\\[1\\]"),
+        ("_native.AllGroups(2).finish_by_verdict(L(None), set())", "reports"),
+        ("_native.Promises().received(L('r'))", "request_ids"),
+        ("_native.Promises().received(range(10**10))", "request_ids"),
+        ("_native.Promises().allocated('r', 0, False, 1, True, L(0), [])", "loading"),
+        ("_native.Promises().allocated('r', 0, False, 1, True, [], range(10**10))", "failed"),
+        ("_native.Promises().delay_free('r', L(0), False)", "groups"),
+        ("kvtier.TensorDesc(0x1000, L(1), [2], 2, 'float16')", "shape"),
+        ("_native.TensorDesc.contiguous_strides(range(10**10), 2)", "shape"),
+    ],
+)
+def test_books_refuse_a_sequence_that_lies_about_its_length(call, name):
+    """``Completions``/``Promises``/``AllGroups``/``TensorDesc`` still took PyO3 ``Vec`` arguments: a lying
+    ``__len__`` or ``range(10**10)`` aborted the process (allocation failure) or raised PanicException."""
+    err = "kvtier.LayoutError" if "TensorDesc" in call else "kvtier.ConnectorError"
+    out = _probe(f"""
+try:
+    {call}
+except {err} as e:
+    print("refused:", e)
+""")
+    assert re.search(rf"refused: {name}: \d+ items is more than kvtier takes", out), out
+
+
+def test_books_still_take_honest_sequences():
+    c = _native.Completions()
+    c.set_groups(2)
+    c.begin_step(["a"], {"a": [0, 1]}, {"b": (0, 1)}, {"c": np.array([3], np.uint32)}, {"c"})
+    assert c.finish([(["a"], [], []), None]) == (None, {"c"}, {"c"})  # c's async load failed
+    assert c.take_load_errors((7,)) >= {7}
+    p = _native.Promises()
+    p.allocated("r", 16, True, 1, True, [0], [])
+    p.received(("r",))
+    p.delay_free("r", range(1), False)
+    assert _native.AllGroups(2).finish([None, ([], [], [])]) == ([], [], [])
+    with pytest.raises(TypeError, match="argument 'delayed_groups'"):
+        c.begin_step([], [("a", [0])], {}, {}, set())
+
+
+def test_zero_bytes_per_block_is_a_config_error_not_a_wait():
+    """``bytes_per_block: 0`` was taken as "not given": the leader then waited the whole leader-worker timeout for an
+    in-process worker's layout."""
+    out = _probe("""
+import time
+t = time.monotonic()
+try:
+    _native.Leader({"block_size": 16, "bytes_per_block": 0, "num_device_blocks": 64, "host.num_blocks": 8,
+                    "connector.leader_worker_timeout_secs": 5})
+except kvtier.ConfigError as e:
+    print("refused:", e)
+print("took", time.monotonic() - t)
+""")
+    assert re.search(r"refused: .*bytes_per_block.*0 is not a block size", out), out
+    assert float(out.rsplit("took", 1)[1]) < 2, out
+
+
+def test_cancel_load_with_start_past_end_is_a_connector_error(kvtier_env):
+    ld = leader()
+    with pytest.raises(kvtier.ConnectorError, match="start 12 is past end 8"):
+        ld.cancel_load("r", 12, 8)
+    ld.cancel_load("r", 8, 8)
+    ld.cancel_load("r", 0, 4)
+
+
+def test_tensor_desc_negative_numbers_are_layout_errors():
+    """A negative shape entry or ``device_index=-1`` raised a bare OverflowError."""
+    with pytest.raises(kvtier.LayoutError, match=r"shape: -4 at index 1 is out of range"):
+        kvtier.TensorDesc(0x1000, [4, -4], [16, 2], 2, "float16")
+    with pytest.raises(kvtier.LayoutError, match=r"device_index: -1 is out of range"):
+        kvtier.TensorDesc(0x1000, [4, 8], [16, 2], 2, "float16", "cuda", -1)
+    with pytest.raises(kvtier.LayoutError, match=r"itemsize: -2 is out of range"):
+        kvtier.TensorDesc(0x1000, [4, 8], [16, 2], -2, "float16")
+    with pytest.raises(kvtier.LayoutError, match=r"shape: -1 at index 0"):
+        _native.TensorDesc.contiguous_strides([-1], 2)
+    assert kvtier.TensorDesc(0x1000, [4, 8], [16, 2], 2, "float16", "cuda", 1).device_index == 1
+
+
+def test_kv_cache_group_counts_are_bounded():
+    """``AllGroups(n)`` and ``Completions.set_groups(n)`` took n = 2**40 unbounded."""
+    for make in (lambda n: _native.AllGroups(n), lambda n: _native.Completions().set_groups(n)):
+        with pytest.raises(kvtier.ConnectorError, match=r"1099511627776 KV cache groups is more than kvtier takes \(at most 64\)"):
+            make(2**40)
+        with pytest.raises(kvtier.ConnectorError, match="n: -1 is out of range|groups: -1 is out of range"):
+            make(-1)
+        make(64)

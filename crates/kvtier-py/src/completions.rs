@@ -12,8 +12,18 @@ use kvtier::connector::{
 use kvtier::ids::{DeviceBlockId, RequestId};
 use pyo3::prelude::*;
 
+use crate::errors::{BridgeError, Family};
+use crate::seq::{extract_seq, extract_seq_map, extract_triples};
+
 /// One group's `Worker.get_finished` answer: `(saved, loaded, load_failed)`.
 type Report = (Vec<String>, Vec<String>, Vec<String>);
+
+/// `(finished_sending, finished_recving, failed_recving)` as the engine hears them.
+type Engine = (
+    Option<HashSet<String>>,
+    Option<HashSet<String>>,
+    HashSet<String>,
+);
 
 /// One group's `Worker.get_finished_by_verdict` answer: `(saved, loaded, recompute)`.
 type VerdictReport = (Vec<String>, Vec<String>, Vec<(String, u64)>);
@@ -53,20 +63,22 @@ pub(crate) struct PyAllGroups {
 #[pymethods]
 impl PyAllGroups {
     #[new]
-    fn py_new(groups: usize) -> Self {
-        Self {
-            books: AllGroups::new(groups),
+    fn py_new(groups: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let groups: usize = crate::errors::extract_arg(Family::Connector, "groups", groups)?;
+        Ok(Self {
+            books: AllGroups::new(groups).map_err(BridgeError::from)?,
             recovery: LoadRecovery::default(),
-        }
+        })
     }
 
     /// `(saved, loaded, load_failed)` that every group has now reported, from each group's
     /// `Worker.get_finished` answer (`None` where it could not answer).
-    fn finish(&mut self, reports: Vec<Option<Report>>) -> (Vec<String>, Vec<String>, Vec<String>) {
+    fn finish(&mut self, reports: &Bound<'_, PyAny>) -> PyResult<Report> {
+        let reports: Vec<Option<Report>> = extract_triples(Family::Connector, "reports", reports)?;
         let reports: Vec<Option<FinishedReport>> =
             reports.into_iter().map(|r| r.map(report)).collect();
         let f = self.books.finish(&reports);
-        (strings(f.saved), strings(f.loaded), strings(f.load_failed))
+        Ok((strings(f.saved), strings(f.loaded), strings(f.load_failed)))
     }
 
     /// Load verdicts on: `(saved, loaded, [(request, recompute_from)])` that every group has now
@@ -75,9 +87,11 @@ impl PyAllGroups {
     /// counted in `load_recovery`) unless its request is in `rewindable`.
     fn finish_by_verdict(
         &mut self,
-        reports: Vec<Option<VerdictReport>>,
+        reports: &Bound<'_, PyAny>,
         rewindable: HashSet<String>,
-    ) -> VerdictReport {
+    ) -> PyResult<VerdictReport> {
+        let reports: Vec<Option<VerdictReport>> =
+            extract_triples(Family::Connector, "reports", reports)?;
         let reports: Vec<Option<FinishedReport>> = reports
             .into_iter()
             .map(|r| {
@@ -100,7 +114,7 @@ impl PyAllGroups {
             .into_iter()
             .map(|(q, t)| (q.to_string(), t))
             .collect();
-        (strings(f.saved), strings(f.loaded), recompute)
+        Ok((strings(f.saved), strings(f.loaded), recompute))
     }
 
     /// `(recomputed, unrecoverable)` of `finish_by_verdict` (see `Worker.load_recovery`).
@@ -129,20 +143,27 @@ impl PyCompletions {
     }
 
     /// The engine runs `n` KV cache groups (one kvtier worker each).
-    fn set_groups(&mut self, n: usize) {
-        self.books.set_groups(n);
+    fn set_groups(&mut self, n: &Bound<'_, PyAny>) -> PyResult<()> {
+        let n: usize = crate::errors::extract_arg(Family::Connector, "n", n)?;
+        Ok(self.books.set_groups(n).map_err(BridgeError::from)?)
     }
 
     /// One step's metadata, before its loads start.
     #[pyo3(signature = (delayed_frees, delayed_groups, recv_groups, failed_loads, failed_async))]
     fn begin_step(
         &mut self,
-        delayed_frees: Vec<String>,
-        delayed_groups: HashMap<String, Vec<usize>>,
-        recv_groups: HashMap<String, Vec<usize>>,
-        failed_loads: HashMap<String, Vec<u32>>,
+        delayed_frees: &Bound<'_, PyAny>,
+        delayed_groups: &Bound<'_, PyAny>,
+        recv_groups: &Bound<'_, PyAny>,
+        failed_loads: &Bound<'_, PyAny>,
         failed_async: HashSet<String>,
-    ) {
+    ) -> PyResult<()> {
+        let c = Family::Connector;
+        let delayed_frees: Vec<String> = extract_seq(c, "delayed_frees", delayed_frees)?;
+        let delayed_groups = extract_seq_map(c, "delayed_groups", delayed_groups)?;
+        let recv_groups = extract_seq_map(c, "recv_groups", recv_groups)?;
+        let failed_loads: HashMap<String, Vec<u32>> =
+            extract_seq_map(c, "failed_loads", failed_loads)?;
         let failed_loads = failed_loads
             .into_iter()
             .map(|(q, blocks)| FailedLoad {
@@ -157,19 +178,14 @@ impl PyCompletions {
             recv_groups: groups(recv_groups),
             failed_loads,
         });
+        Ok(())
     }
 
     /// `(finished_sending, finished_recving, failed_recving)`, the first two `None` when empty,
     /// from every group's worker's answer (`None` where it could not answer); `failed_recving`
     /// (several groups only) names the loads of `finished_recving` that failed.
-    fn finish(
-        &mut self,
-        reports: Vec<Option<Report>>,
-    ) -> (
-        Option<HashSet<String>>,
-        Option<HashSet<String>>,
-        HashSet<String>,
-    ) {
+    fn finish(&mut self, reports: &Bound<'_, PyAny>) -> PyResult<Engine> {
+        let reports: Vec<Option<Report>> = extract_triples(Family::Connector, "reports", reports)?;
         let reports: Vec<Option<FinishedReport>> = reports
             .into_iter()
             .map(|r| {
@@ -183,16 +199,18 @@ impl PyCompletions {
             .collect();
         let f = self.books.finish(&reports);
         let failed = f.failed.iter().map(|q| q.to_string()).collect();
-        (set(f.sending), set(f.recving), failed)
+        Ok((set(f.sending), set(f.recving), failed))
     }
 
     /// Device blocks whose loads failed since the last call: the scheduler side's and
     /// `from_workers` (the workers' own `take_load_errors`).
-    fn take_load_errors(&mut self, from_workers: Vec<u32>) -> HashSet<u32> {
-        self.books
+    fn take_load_errors(&mut self, from_workers: &Bound<'_, PyAny>) -> PyResult<HashSet<u32>> {
+        let from_workers: Vec<u32> = extract_seq(Family::Connector, "from_workers", from_workers)?;
+        Ok(self
+            .books
             .take_load_errors(from_workers.into_iter().map(DeviceBlockId))
             .into_iter()
             .map(|b| b.0)
-            .collect()
+            .collect())
     }
 }

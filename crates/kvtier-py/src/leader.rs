@@ -353,9 +353,9 @@ impl PyLeader {
         let start: usize = extract_arg(c, "start", start)?;
         let end: usize = extract_arg(c, "end", end)?;
         let mut g = self.lock();
-        g.ready(py)?
-            .cancel_load(&RequestId::from(request_id), start, end);
-        Ok(())
+        Ok(g.ready(py)?
+            .cancel_load(&RequestId::from(request_id), start, end)
+            .map_err(BridgeError::from)?)
     }
 
     /// `update_state_after_alloc` taking the last offer less the engine's cut: returns the

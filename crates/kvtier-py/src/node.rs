@@ -42,7 +42,7 @@ impl PyNodeServer {
         };
         let capacity_bytes: u64 = extract_arg(Family::Config, "capacity_bytes", capacity_bytes)?;
         let allowed_uids: Vec<u32> = match allowed_uids {
-            Some(u) => extract_arg(Family::Config, "allowed_uids", u)?,
+            Some(u) => crate::seq::extract_seq(Family::Config, "allowed_uids", u)?,
             None => Vec::new(),
         };
         if capacity_bytes == 0 {

@@ -10,6 +10,9 @@ use kvtier::connector::{Allocation, HitSplit, Promises};
 use kvtier::ids::{DeviceBlockId, RequestId};
 use pyo3::prelude::*;
 
+use crate::errors::Family;
+use crate::seq::extract_seq;
+
 /// `(sync_loads, delayed_frees, failed_loads, failed_async, recv_groups, delayed_groups)`.
 type Outbox = (
     bool,
@@ -48,10 +51,12 @@ impl PyPromises {
         is_async: bool,
         groups: usize,
         complete: bool,
-        loading: Vec<usize>,
-        failed: Vec<u32>,
+        loading: &Bound<'_, PyAny>,
+        failed: &Bound<'_, PyAny>,
         hit_sources: Option<HitSplit>,
-    ) {
+    ) -> PyResult<()> {
+        let loading: Vec<usize> = extract_seq(Family::Connector, "loading", loading)?;
+        let failed: Vec<u32> = extract_seq(Family::Connector, "failed", failed)?;
         self.books.allocated(Allocation {
             request: RequestId::from(request_id),
             external_tokens,
@@ -62,6 +67,7 @@ impl PyPromises {
             failed: failed.into_iter().map(DeviceBlockId).collect(),
             hit_sources,
         });
+        Ok(())
     }
 
     /// Group 0's hit sources taken at allocation, once (None: ask its leader).
@@ -86,9 +92,11 @@ impl PyPromises {
     }
 
     /// The engine is told these requests were received.
-    fn received(&mut self, request_ids: Vec<String>) {
+    fn received(&mut self, request_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let request_ids: Vec<String> = extract_seq(Family::Connector, "request_ids", request_ids)?;
         let ids: Vec<RequestId> = request_ids.into_iter().map(RequestId::from).collect();
         self.books.received(&ids);
+        Ok(())
     }
 
     /// The request finished; True while the engine still waits for its `finished_recving`.
@@ -97,8 +105,15 @@ impl PyPromises {
     }
 
     /// The finished request's blocks stay with the engine until its stores are done.
-    fn delay_free(&mut self, request_id: String, groups: Vec<usize>, several: bool) {
+    fn delay_free(
+        &mut self,
+        request_id: String,
+        groups: &Bound<'_, PyAny>,
+        several: bool,
+    ) -> PyResult<()> {
+        let groups: Vec<usize> = extract_seq(Family::Connector, "groups", groups)?;
         self.books
             .delay_free(RequestId::from(request_id), groups, several);
+        Ok(())
     }
 }

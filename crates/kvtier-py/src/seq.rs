@@ -8,6 +8,8 @@
 //! one by one, and a sequence of more than [`MAX_ITEMS`] items is a kvtier error naming the
 //! argument. An item that does not convert is named by its index, its value shown at most
 //! [`SHOWN`] characters long (not the whole sequence's repr).
+use std::collections::HashMap;
+
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 
@@ -124,4 +126,74 @@ where
         Some(o) if !o.is_none() => extract_seq(family, name, o).map(Some),
         _ => Ok(None),
     }
+}
+
+/// A dict of sequences by request id (`{request: [group or block, ...]}`), each value read by
+/// [`extract_seq`] and named `name[request]`. A dict's own size is its real one (never a
+/// `__len__` it defines), so only its values need the bound.
+pub(crate) fn extract_seq_map<'py, T>(
+    family: Family,
+    name: &str,
+    obj: &Bound<'py, PyAny>,
+) -> PyResult<HashMap<String, Vec<T>>>
+where
+    T: pyo3::conversion::FromPyObjectOwned<'py>,
+{
+    let d = obj.cast::<PyDict>().map_err(|_| {
+        pyo3::exceptions::PyTypeError::new_err(format!(
+            "argument '{name}': '{}' is not a dict",
+            type_name(obj)
+        ))
+    })?;
+    let mut out = HashMap::with_capacity(d.len().min(RESERVE));
+    for (k, v) in d.iter() {
+        let key: String = k.extract().map_err(|_| {
+            pyo3::exceptions::PyTypeError::new_err(format!(
+                "argument '{name}': key {} is not a str",
+                shown(&k)
+            ))
+        })?;
+        let item = format!("{name}[{}]", shown(&k));
+        out.insert(key, extract_seq(family, &item, &v)?);
+    }
+    Ok(out)
+}
+
+/// One `(a, b, c)` triple of sequences per KV cache group, `None` where the group could not
+/// answer (the workers' `get_finished` answers), each sequence read by [`extract_seq`].
+pub(crate) type Triples<A, B, C> = Vec<Option<(Vec<A>, Vec<B>, Vec<C>)>>;
+
+/// [`Triples`] from argument `name` (a sequence of `None` or 3-item sequences).
+pub(crate) fn extract_triples<'py, A, B, C>(
+    family: Family,
+    name: &str,
+    obj: &Bound<'py, PyAny>,
+) -> PyResult<Triples<A, B, C>>
+where
+    A: pyo3::conversion::FromPyObjectOwned<'py>,
+    B: pyo3::conversion::FromPyObjectOwned<'py>,
+    C: pyo3::conversion::FromPyObjectOwned<'py>,
+{
+    let items: Vec<Bound<'py, PyAny>> = extract_seq(family, name, obj)?;
+    let mut out = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        if item.is_none() {
+            out.push(None);
+            continue;
+        }
+        let at = format!("{name}[{i}]");
+        let parts: Vec<Bound<'py, PyAny>> = extract_seq(family, &at, item)?;
+        let [a, b, c] = parts.as_slice() else {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "argument '{at}': expected None or 3 sequences, got {} items",
+                parts.len()
+            )));
+        };
+        out.push(Some((
+            extract_seq(family, &format!("{at}[0]"), a)?,
+            extract_seq(family, &format!("{at}[1]"), b)?,
+            extract_seq(family, &format!("{at}[2]"), c)?,
+        )));
+    }
+    Ok(out)
 }

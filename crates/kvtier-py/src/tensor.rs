@@ -201,18 +201,27 @@ impl TensorDesc {
 #[pymethods]
 impl TensorDesc {
     #[new]
-    #[pyo3(signature = (data_ptr, shape, strides, itemsize, dtype, device = "cpu", device_index = 0, owner = None))]
+    #[pyo3(signature = (data_ptr, shape, strides, itemsize, dtype, device = "cpu", device_index = None, owner = None))]
     #[allow(clippy::too_many_arguments)]
     fn py_new(
-        data_ptr: u64,
-        shape: Vec<usize>,
-        strides: Vec<i64>,
-        itemsize: usize,
+        data_ptr: &Bound<'_, PyAny>,
+        shape: &Bound<'_, PyAny>,
+        strides: &Bound<'_, PyAny>,
+        itemsize: &Bound<'_, PyAny>,
         dtype: String,
         device: &str,
-        device_index: u32,
+        device_index: Option<&Bound<'_, PyAny>>,
         owner: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
+        // Negative or oversized numbers are LayoutErrors naming the argument (a bare
+        // OverflowError before); sequences are read with a bound (`crate::seq`).
+        let l = Family::Layout;
+        let data_ptr: u64 = crate::errors::extract_arg(l, "data_ptr", data_ptr)?;
+        let shape: Vec<usize> = crate::seq::extract_seq(l, "shape", shape)?;
+        let strides: Vec<i64> = crate::seq::extract_seq(l, "strides", strides)?;
+        let itemsize: usize = crate::errors::extract_arg(l, "itemsize", itemsize)?;
+        let device_index: u32 =
+            crate::errors::extract_opt_arg(l, "device_index", device_index)?.unwrap_or(0);
         let device = DeviceKind::parse(device).ok_or_else(|| {
             crate::errors::new_err(
                 Family::Layout,
@@ -236,8 +245,13 @@ impl TensorDesc {
     /// Byte strides of a C-contiguous tensor of `shape` with elements of `itemsize` bytes.
     #[staticmethod]
     #[pyo3(name = "contiguous_strides")]
-    fn py_contiguous_strides(shape: Vec<usize>, itemsize: usize) -> Vec<i64> {
-        Self::contiguous_strides(&shape, itemsize)
+    fn py_contiguous_strides(
+        shape: &Bound<'_, PyAny>,
+        itemsize: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<i64>> {
+        let shape: Vec<usize> = crate::seq::extract_seq(Family::Layout, "shape", shape)?;
+        let itemsize: usize = crate::errors::extract_arg(Family::Layout, "itemsize", itemsize)?;
+        Ok(Self::contiguous_strides(&shape, itemsize))
     }
 
     /// Checks this as TensorRT-LLM's primary pool tensor and returns its geometry as a dict

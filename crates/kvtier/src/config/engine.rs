@@ -84,7 +84,11 @@ impl EngineSettings {
             }
         }
         let config = KvtierConfig::load(env, Some(&Value::Object(engine)))?;
-        Ok(EngineSettings { keys, config })
+        let settings = EngineSettings { keys, config };
+        // Checked here, not first when read: an explicit 0 was taken as "not given" and the
+        // leader waited the whole leader-worker timeout for an in-process worker's layout.
+        settings.bytes_per_block()?;
+        Ok(settings)
     }
 
     fn get(&self, key: &str) -> Option<&Value> {
@@ -226,9 +230,16 @@ impl EngineSettings {
         self.string("salt")
     }
 
-    /// Bytes of one block over every rank (`bytes_per_block`).
+    /// Bytes of one block over every rank (`bytes_per_block`); absent: learnt from the workers'
+    /// layouts. An explicit 0 is refused (a block holds bytes).
     pub fn bytes_per_block(&self) -> Result<Option<usize>, ConfigError> {
-        self.usize("bytes_per_block")
+        match self.usize("bytes_per_block")? {
+            Some(0) => Err(bad(
+                "bytes_per_block",
+                "0 is not a block size (omit the key to take it from the workers' layouts)",
+            )),
+            v => Ok(v),
+        }
     }
 
     /// The engine's device blocks (`num_device_blocks`), at most `u32::MAX`.
@@ -356,6 +367,25 @@ mod tests {
             map.insert((*k).to_string(), v.clone());
         }
         EngineSettings::load(map, &HashMap::new()).unwrap()
+    }
+
+    /// An explicit `bytes_per_block: 0` was taken as "not given" (the leader then waited the
+    /// leader-worker timeout for an in-process worker): refused when the settings are built.
+    #[test]
+    fn zero_bytes_per_block_is_refused_at_load() {
+        let mut map = serde_json::Map::new();
+        map.insert("bytes_per_block".into(), Value::from(0));
+        map.insert("host.num_blocks".into(), Value::from(4));
+        let e = EngineSettings::load(map, &HashMap::new())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("bytes_per_block") && e.contains("0 is not"),
+            "{e}"
+        );
+        let s = settings(&[("bytes_per_block", Value::from(4096))]);
+        assert_eq!(s.bytes_per_block().unwrap(), Some(4096));
+        assert_eq!(settings(&[]).bytes_per_block().unwrap(), None);
     }
 
     /// Regression (#28): `block_size = 2**32 + 16` became 16 (silent truncation to 32 bits),

@@ -32,7 +32,24 @@ use std::collections::BTreeSet;
 
 use crate::connector::fasthash::{FastMap, FastSet};
 use crate::connector::worker::FinishedReport;
+use crate::connector::ConnectorError;
 use crate::ids::{DeviceBlockId, RequestId};
+
+/// The most KV cache groups the books take. An engine runs a handful (vLLM's hybrid KV cache
+/// manager: one per attention kind, e.g. full and sliding window; TensorRT-LLM: one per distinct
+/// attention window), each one kvtier worker and one pass over every report; 64 is far above any
+/// model's, and a count past it is a caller's bug (e.g. a token or byte count passed as a count).
+pub const MAX_GROUPS: usize = 64;
+
+/// `n` groups as the books keep them (at least one), or the refusal of more than [`MAX_GROUPS`].
+fn checked_groups(n: usize) -> Result<usize, ConnectorError> {
+    if n > MAX_GROUPS {
+        return Err(ConnectorError::Config(format!(
+            "{n} KV cache groups is more than kvtier takes (at most {MAX_GROUPS})"
+        )));
+    }
+    Ok(n.max(1))
+}
 
 /// A load the scheduler side promised the engine and then failed itself (no worker loads it).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -101,9 +118,11 @@ impl Completions {
         }
     }
 
-    /// The engine runs `n` KV cache groups (one worker each).
-    pub fn set_groups(&mut self, n: usize) {
-        self.groups = n.max(1);
+    /// The engine runs `n` KV cache groups (one worker each); more than [`MAX_GROUPS`] is
+    /// refused, the books unchanged.
+    pub fn set_groups(&mut self, n: usize) -> Result<(), ConnectorError> {
+        self.groups = checked_groups(n)?;
+        Ok(())
     }
 
     /// Take one step's metadata (before its loads start).
@@ -228,15 +247,15 @@ pub struct AllGroups {
 }
 
 impl AllGroups {
-    /// Books over `groups` workers (at least one).
-    pub fn new(groups: usize) -> Self {
-        AllGroups {
-            groups: groups.max(1),
+    /// Books over `groups` workers (at least one); more than [`MAX_GROUPS`] is refused.
+    pub fn new(groups: usize) -> Result<Self, ConnectorError> {
+        Ok(AllGroups {
+            groups: checked_groups(groups)?,
             saved: FastMap::default(),
             over: FastMap::default(),
             failed: FastSet::default(),
             recompute: FastMap::default(),
-        }
+        })
     }
 
     /// `reports[g]`: group `g`'s worker's `get_finished` answer (`None`: it could not answer).
@@ -294,6 +313,7 @@ impl AllGroups {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -324,7 +344,7 @@ mod tests {
 
     fn groups(n: usize) -> Completions {
         let mut c = Completions::new();
-        c.set_groups(n);
+        c.set_groups(n).unwrap();
         c
     }
 
@@ -486,7 +506,7 @@ mod tests {
     /// fails the load; a group repeating itself does not stand in for another.
     #[test]
     fn all_groups_report_once_every_group_did_and_any_failure_fails() {
-        let mut a = AllGroups::new(2);
+        let mut a = AllGroups::new(2).unwrap();
         assert_eq!(
             a.finish(&[report(&["s"], &["l"], &["f"]), None]),
             FinishedReport::default()
@@ -513,7 +533,7 @@ mod tests {
     /// in `recompute` with the lowest token any group named, never as loaded.
     #[test]
     fn all_groups_recompute_from_the_lowest_token_any_group_named() {
-        let mut a = AllGroups::new(3);
+        let mut a = AllGroups::new(3).unwrap();
         let with = |loaded: &[&str], recompute: &[(&str, u64)]| {
             Some(FinishedReport {
                 loaded: ids(loaded),
@@ -531,5 +551,14 @@ mod tests {
             FinishedReport::default(),
             "reported once"
         );
+    }
+
+    #[test]
+    fn more_groups_than_the_bound_are_refused() {
+        assert!(AllGroups::new(MAX_GROUPS).is_ok());
+        assert!(AllGroups::new(MAX_GROUPS + 1).is_err());
+        let mut c = Completions::new();
+        assert!(c.set_groups(1 << 40).is_err());
+        assert!(c.set_groups(MAX_GROUPS).is_ok());
     }
 }

@@ -12,11 +12,25 @@ use crate::ids::{DeviceBlockId, RequestId};
 
 impl Leader {
     /// The engine will not consume tokens `[start, end)` of the request's last offer (see the
-    /// module documentation); an unknown request is left alone.
-    pub fn cancel_load(&mut self, req: &RequestId, start: usize, end: usize) {
+    /// module documentation); an unknown request is left alone. A cut that ends before it starts
+    /// is refused ([`ConnectorError::InvalidInput`] naming both values), nothing changed.
+    pub fn cancel_load(
+        &mut self,
+        req: &RequestId,
+        start: usize,
+        end: usize,
+    ) -> Result<(), ConnectorError> {
+        if start > end {
+            return Err(ConnectorError::InvalidInput {
+                request: req.to_string(),
+                field: "cancel_load",
+                reason: format!("start {start} is past end {end}"),
+            });
+        }
         if let Some(e) = self.slots.get_mut(req) {
             e.cut = Some((start, end));
         }
+        Ok(())
     }
 
     /// The engine allocated `block_ids` without naming the external tokens it accepted

@@ -596,17 +596,17 @@ fn cuts_of_an_offer_are_applied_at_allocation() {
     assert_eq!(l.take_hit_sources(&plain, 100), vec![(Tier::Host, 12)]);
 
     let tail = offer(&mut l, "tail");
-    l.cancel_load(&tail, 8, 12);
+    l.cancel_load(&tail, 8, 12).unwrap();
     assert_eq!(l.allocate_offer(&tail, &devs).unwrap(), Some(0));
     assert_eq!(l.take_hit_sources(&tail, 100), vec![(Tier::Host, 8)]);
 
     let head = offer(&mut l, "head");
-    l.cancel_load(&head, 0, 4);
+    l.cancel_load(&head, 0, 4).unwrap();
     assert_eq!(l.allocate_offer(&head, &devs).unwrap(), Some(4));
     assert_eq!(l.take_hit_sources(&head, 100), vec![(Tier::Host, 8)]);
 
     let again = offer(&mut l, "again");
-    l.cancel_load(&again, 8, 12);
+    l.cancel_load(&again, 8, 12).unwrap();
     offer(&mut l, "again");
     assert_eq!(l.allocate_offer(&again, &devs).unwrap(), Some(0));
     assert_eq!(l.take_hit_sources(&again, 100), vec![(Tier::Host, 12)]);
@@ -614,7 +614,7 @@ fn cuts_of_an_offer_are_applied_at_allocation() {
     l.async_loads = false;
     let sync = offer(&mut l, "sync");
     assert_eq!(l.allocate_offer(&sync, &devs).unwrap(), None);
-    l.cancel_load(&"unknown".into(), 0, 4);
+    l.cancel_load(&"unknown".into(), 0, 4).unwrap();
 }
 
 /// A leader of 4-token blocks over `host_blocks` host blocks, match holds as given (`None` off,
