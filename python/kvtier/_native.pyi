@@ -57,7 +57,7 @@ class TensorDesc:
         itemsize: int,
         dtype: str,
         device: str = "cpu",
-        device_index: int = 0,
+        device_index: int | None = None,
         owner: object | None = None,
     ) -> None: ...
     @staticmethod
