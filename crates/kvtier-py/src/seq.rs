@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use crate::errors::{new_err, Family};
 
@@ -80,6 +80,14 @@ where
     };
     if hint > MAX_ITEMS {
         return Err(too_long(&hint));
+    }
+    // An exact list or tuple's length is its real item count (no `__len__` of a subclass to lie):
+    // PyO3's own conversion, faster, reserves exactly that; an item that does not convert is read
+    // again below, where the error names it.
+    if obj.is_exact_instance_of::<PyList>() || obj.is_exact_instance_of::<PyTuple>() {
+        if let Ok(v) = obj.extract::<Vec<T>>() {
+            return Ok(v);
+        }
     }
     let mut out = Vec::with_capacity(hint.min(RESERVE));
     for (i, item) in obj.try_iter()?.enumerate() {
