@@ -136,6 +136,21 @@ where
     }
 }
 
+/// [`extract_seq`] of a part of argument `name`; the part's own name (`item`, e.g. `name[key]`) is
+/// built only when the part does not convert, read again to name it in the error (these run on
+/// every step: no formatting on the way that succeeds).
+fn extract_named<'py, T>(
+    family: Family,
+    name: &str,
+    obj: &Bound<'py, PyAny>,
+    item: impl FnOnce() -> String,
+) -> PyResult<Vec<T>>
+where
+    T: pyo3::conversion::FromPyObjectOwned<'py>,
+{
+    extract_seq(family, name, obj).or_else(|_| extract_seq(family, &item(), obj))
+}
+
 /// A dict of sequences by request id (`{request: [group or block, ...]}`), each value read by
 /// [`extract_seq`] and named `name[request]`. A dict's own size is its real one (never a
 /// `__len__` it defines), so only its values need the bound.
@@ -161,8 +176,8 @@ where
                 shown(&k)
             ))
         })?;
-        let item = format!("{name}[{}]", shown(&k));
-        out.insert(key, extract_seq(family, &item, &v)?);
+        let seq = extract_named(family, name, &v, || format!("{name}[{}]", shown(&k)))?;
+        out.insert(key, seq);
     }
     Ok(out)
 }
@@ -189,18 +204,19 @@ where
             out.push(None);
             continue;
         }
-        let at = format!("{name}[{i}]");
-        let parts: Vec<Bound<'py, PyAny>> = extract_seq(family, &at, item)?;
+        let at = || format!("{name}[{i}]");
+        let parts: Vec<Bound<'py, PyAny>> = extract_named(family, name, item, at)?;
         let [a, b, c] = parts.as_slice() else {
             return Err(pyo3::exceptions::PyTypeError::new_err(format!(
-                "argument '{at}': expected None or 3 sequences, got {} items",
+                "argument '{}': expected None or 3 sequences, got {} items",
+                at(),
                 parts.len()
             )));
         };
         out.push(Some((
-            extract_seq(family, &format!("{at}[0]"), a)?,
-            extract_seq(family, &format!("{at}[1]"), b)?,
-            extract_seq(family, &format!("{at}[2]"), c)?,
+            extract_named(family, name, a, || format!("{}[0]", at()))?,
+            extract_named(family, name, b, || format!("{}[1]", at()))?,
+            extract_named(family, name, c, || format!("{}[2]", at()))?,
         )));
     }
     Ok(out)
