@@ -55,10 +55,9 @@ ENGINE_ENV: dict[str, dict[str, str]] = {
     # The same with groups of 8 layers (512 KiB slices of each block: wide rows for the 2D copy).
     "kvtier-staged2d512": {"KVTIER_LAYERED_COPY": "staged2d"},
     "kvtier-staged2d512-hb64": {"KVTIER_LAYERED_COPY": "staged2d", "KVTIER_STAGING_HALF_BLOCKS": "64"},
-    # No staging, no kernel: each layer's host slices straight into vLLM's K/V planes, one 2D copy per run (direct2d.rs;
-    # the default above 2 GiB since 2026-12-06, the kernel below), here at every size.
+    # No staging, no kernel: each layer's host slices straight into vLLM's K/V planes, one 2D copy per run (direct2d.rs).
     "kvtier-direct2d": {"KVTIER_LAYERED_COPY": "direct2d"},
-    # Not layered: the whole job ordered ahead of the forward pass at every size (the default above 2 GiB before direct2d).
+    # Not layered: the whole job ordered ahead of the forward pass at every size (the default above 2 GiB).
     "kvtier-whole": {"KVTIER_LAYERED_COPY": "whole"},
 }
 

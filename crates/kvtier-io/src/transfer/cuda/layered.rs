@@ -8,9 +8,8 @@
 //!
 //! Invariants: a layered load is used only when kernels may read its source at its host
 //! addresses (pinned, registered, `CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`), every piece is
-//! 16-byte aligned and the job is at most [`LAYERED_MAX_BYTES`] (a larger job is layered only by
-//! the copy engine's 2D copies, `direct2d.rs`), else the job goes the whole-job ordered way (the
-//! gate handed to the engine is then `None`); the kernels run after the job's
+//! 16-byte aligned and the job is at most [`LAYERED_MAX_BYTES`], else the job goes the whole-job
+//! ordered way (the gate handed to the engine is then `None`); the kernels run after the job's
 //! fence (a stream wait, not a CPU wait); layer `l`'s event is recorded after the launch that
 //! writes every byte of layer `l` and of no later layer; each job has its own events, so a gate
 //! handed to the engine is never re-recorded; the descriptors stay untouched until the job's
@@ -56,10 +55,8 @@ impl CudaLayerGate {
 /// How a layered load (a synchronous load the engine waits for layer by layer) moves its bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum LayeredCopy {
-    /// `Kernel` for loads up to 2 GiB; above, `Direct2d`, or `Whole` when the job does not go the
-    /// direct way (the kernel's host reads are slower than the whole-job copy there; measured on
-    /// the H200). Overridden by `KVTIER_LAYERED_COPY` (`kernel`, `staged`, `staged2d`,
-    /// `direct2d`, `whole`).
+    /// `Kernel` for loads up to 2 GiB, `Whole` above (measured on the H200). Overridden by
+    /// `KVTIER_LAYERED_COPY` (`kernel`, `staged`, `staged2d`, `direct2d`, `whole`).
     #[default]
     Auto,
     /// The scatter kernel reads each layer from host memory (43.7 GB/s on the H200).
@@ -75,8 +72,7 @@ pub enum LayeredCopy {
     /// No staging, no kernel: each layer's pieces copied from host blocks straight into the
     /// engine's chunks, one 2D copy per run of host slots and device blocks at constant strides
     /// (`direct2d.rs`); a job of too many short runs (or that does not split into equal layers)
-    /// goes the way `Auto` takes a job of its size that is not direct: `Kernel` up to
-    /// [`LAYERED_MAX_BYTES`], `Whole` above.
+    /// goes the `Kernel` way. Opt-in, not yet measured on a GPU.
     Direct2d,
     /// Not layered: the whole job ordered ahead of the forward pass (copy engine).
     Whole,
@@ -119,17 +115,8 @@ impl LayeredCopy {
     pub(crate) fn for_bytes(self, bytes: usize) -> Self {
         match self {
             Self::Auto if bytes <= LAYERED_MAX_BYTES => Self::Kernel,
-            Self::Auto => Self::Direct2d,
+            Self::Auto => Self::Whole,
             m => m,
-        }
-    }
-
-    /// The mode a load of `bytes` takes when the direct way refuses it.
-    pub(crate) fn not_direct(bytes: usize) -> Self {
-        if bytes <= LAYERED_MAX_BYTES {
-            Self::Kernel
-        } else {
-            Self::Whole
         }
     }
 }
@@ -208,7 +195,7 @@ impl CudaMover {
         let mut mode = self.layered_copy.for_bytes(bytes);
         if mode == LayeredCopy::Direct2d {
             // A job the direct way cannot take (or would take in too many short copies) goes the
-            // kernel's way, or above the kernel's size the whole-job way.
+            // kernel's way.
             match self.direct2d_job_plan(items, layers) {
                 Some(plan) => {
                     return match self.direct2d_inner(&plan, layers, fence, order) {
@@ -216,7 +203,7 @@ impl CudaMover {
                         Err(e) => failed_all(self, items, &e),
                     };
                 }
-                None => mode = LayeredCopy::not_direct(bytes),
+                None => mode = LayeredCopy::Kernel,
             }
         }
         let descs = match mode {
@@ -401,22 +388,13 @@ mod tests {
         ] {
             assert_eq!(LayeredCopy::parse(bad), None, "{bad:?}");
         }
-        // Auto: the kernel up to the cut, the direct 2D copies above (the whole-job copy where
-        // those refuse a job); explicit modes stay.
+        // Auto: the kernel up to the cut, the whole-job copy above; explicit modes stay.
         assert_eq!(
             LayeredCopy::Auto.for_bytes(LAYERED_MAX_BYTES),
             LayeredCopy::Kernel
         );
         assert_eq!(
             LayeredCopy::Auto.for_bytes(LAYERED_MAX_BYTES + 1),
-            LayeredCopy::Direct2d
-        );
-        assert_eq!(
-            LayeredCopy::not_direct(LAYERED_MAX_BYTES),
-            LayeredCopy::Kernel
-        );
-        assert_eq!(
-            LayeredCopy::not_direct(LAYERED_MAX_BYTES + 1),
             LayeredCopy::Whole
         );
         assert_eq!(
