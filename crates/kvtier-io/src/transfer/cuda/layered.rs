@@ -300,6 +300,7 @@ impl CudaMover {
         order: Ordering<'_>,
         enqueue: impl FnOnce(&Kernel, &mut Dir) -> CuResult<Vec<Event>>,
     ) -> CuResult<()> {
+        let entered = std::time::Instant::now();
         self.driver.make_current()?;
         let Some(kernel) = &self.kernel else {
             return Err("kernel path not set up".into());
@@ -317,6 +318,12 @@ impl CudaMover {
         }
         let events = enqueue(kernel, dir)?;
         dir.done.record(&dir.kernel)?;
+        // Profiling aid: how long the engine's forward pass waited for the gate.
+        tracing::debug!(
+            enqueue_us = entered.elapsed().as_micros() as u64,
+            layers = events.len(),
+            "layered load enqueued"
+        );
         (order.enqueued)(Some(Arc::new(CudaLayerGate::new(
             Arc::clone(&self.driver),
             events,

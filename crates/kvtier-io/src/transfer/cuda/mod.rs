@@ -466,6 +466,11 @@ impl CudaMover {
             // The engine passed the stream its next work (the forward pass) runs on, a live
             // stream of this device's primary context, or 0 (`execute_ordered`).
             job::engine_stream_wait(&dir.done, o.stream)?;
+            // Profiling aid: how long the engine's forward pass waited for the ordered load.
+            tracing::debug!(
+                enqueue_us = entered.elapsed().as_micros() as u64,
+                "ordered load enqueued"
+            );
             (o.enqueued)(None);
         }
         // The host blocks stay held by the job until the copies completed.
