@@ -8,8 +8,9 @@
 //!
 //! Invariants: a layered load is used only when kernels may read its source at its host
 //! addresses (pinned, registered, `CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`), every piece is
-//! 16-byte aligned and the job is at most [`LAYERED_MAX_BYTES`], else the job goes the whole-job
-//! ordered way (the gate handed to the engine is then `None`); the kernels run after the job's
+//! 16-byte aligned and the job is at most [`LAYERED_MAX_BYTES`] (a larger job goes the staged way,
+//! `staged.rs`, when `Auto`), else the job goes the whole-job ordered way (the gate handed to the
+//! engine is then `None`); the kernels run after the job's
 //! fence (a stream wait, not a CPU wait); layer `l`'s event is recorded after the launch that
 //! writes every byte of layer `l` and of no later layer; each job has its own events, so a gate
 //! handed to the engine is never re-recorded; the descriptors stay untouched until the job's
@@ -27,12 +28,15 @@ use crate::transfer::layout::{split_layers, Chunk};
 /// The kernel's wide copies need every piece, and its host and device addresses, on this boundary.
 pub(crate) const KERNEL_ALIGN: usize = 16;
 
-/// Loads larger than this go the whole-job ordered way (copy engine, link rate) instead. The
-/// kernel's reads of host memory run below the copy engine's rate (H200, PCIe Gen5: 43.7 GB/s for
-/// a 1 GiB layered load, against 53-55 GB/s), which costs more than the overlap gains on long
-/// prompts: vLLM 0.33, Llama-3.1-8B shape, eager, replay TTFT layered / whole: 23.7 / 29.5 ms at
-/// 2K (256 MiB), 35.0 / 43.4 ms at 8K (1 GiB), 121.5 / 116.2 ms at 32K (4 GiB)
-/// (docs/bench/vllm.md); the crossover lies near 2 GiB.
+/// `Auto` loads larger than this go the staged way (copy engine into device staging, then the
+/// scatter kernel) instead of the kernel's. The kernel's reads of host memory run below the copy
+/// engine's rate (H200, PCIe Gen5: 43.7 GB/s for a 1 GiB layered load, H100 29.5-32.1, against
+/// 53-55 GB/s), which costs more than the overlap gains on long prompts: vLLM 0.33,
+/// Llama-3.1-8B shape, eager, H200, replay TTFT layered / whole: 23.7 / 29.5 ms at 2K (256 MiB),
+/// 35.0 / 43.4 ms at 8K (1 GiB), 121.5 / 116.2 ms at 32K (4 GiB) (docs/bench/vllm.md); the
+/// crossover lies near 2 GiB. At 32K the staged way beat the whole-job copy on the H100 in
+/// vLLM 0.33 and 0.32 (100.6 / 100.7 ms against 106.1 / 105.4, same runs) and on the H200
+/// (1.51x of the copy against 1.57x, 2026-12-05).
 pub(crate) const LAYERED_MAX_BYTES: usize = 2 << 30;
 
 /// At most this many thread blocks per layer's launch: enough reads in flight to fill the link
@@ -55,7 +59,8 @@ impl CudaLayerGate {
 /// How a layered load (a synchronous load the engine waits for layer by layer) moves its bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum LayeredCopy {
-    /// `Kernel` for loads up to 2 GiB, `Whole` above (measured on the H200). Overridden by
+    /// `Kernel` for loads up to 2 GiB, `Staged` (512 KiB slices) above (measured on the H200 and
+    /// the H100; a job the staged way cannot plan goes whole). Overridden by
     /// `KVTIER_LAYERED_COPY` (`kernel`, `staged`, `staged2d`, `direct2d`, `whole`).
     #[default]
     Auto,
@@ -63,7 +68,7 @@ pub enum LayeredCopy {
     Kernel,
     /// The copy engine moves each layer group's slices (at least this many bytes of a block
     /// where it allows) into device staging, the scatter kernel writes them out (`staged.rs`;
-    /// not yet measured on a GPU: opt-in).
+    /// `Auto`'s way above 2 GiB).
     Staged(usize),
     /// As `Staged`, each round's slices of host blocks at a constant stride moved by one 2D
     /// copy (`cuMemcpy2DAsync`: the copy engine walks the rows) instead of one copy each
@@ -115,7 +120,7 @@ impl LayeredCopy {
     pub(crate) fn for_bytes(self, bytes: usize) -> Self {
         match self {
             Self::Auto if bytes <= LAYERED_MAX_BYTES => Self::Kernel,
-            Self::Auto => Self::Whole,
+            Self::Auto => Self::Staged(staged::MIN_SLICE),
             m => m,
         }
     }
@@ -395,14 +400,14 @@ mod tests {
         ] {
             assert_eq!(LayeredCopy::parse(bad), None, "{bad:?}");
         }
-        // Auto: the kernel up to the cut, the whole-job copy above; explicit modes stay.
+        // Auto: the kernel up to the cut, the staged copy above; explicit modes stay.
         assert_eq!(
             LayeredCopy::Auto.for_bytes(LAYERED_MAX_BYTES),
             LayeredCopy::Kernel
         );
         assert_eq!(
             LayeredCopy::Auto.for_bytes(LAYERED_MAX_BYTES + 1),
-            LayeredCopy::Whole
+            LayeredCopy::Staged(512 << 10)
         );
         assert_eq!(
             LayeredCopy::Staged(1).for_bytes(usize::MAX),
