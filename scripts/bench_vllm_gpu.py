@@ -42,10 +42,10 @@ ENGINE_ENV: dict[str, dict[str, str]] = {
     # crates/kvtier-io/src/transfer/cuda/staged.rs), and with 1 MiB slices.
     "kvtier-staged": {"KVTIER_LAYERED_COPY": "staged"},
     "kvtier-staged1m": {"KVTIER_LAYERED_COPY": "staged:1024"},
-    # The kernel reading host memory at every size (the default cuts over to whole-job loads above 2 GiB).
+    # The kernel reading host memory at every size (the default cuts over to staged loads above 2 GiB).
     "kvtier-kernel": {"KVTIER_LAYERED_COPY": "kernel"},
     # Staging halves of 64 blocks (128 MiB) instead of 8: an ordered load of 4 GiB in 32 rounds instead of 256
-    # (crates/kvtier-io/src/transfer/cuda/mod.rs, KVTIER_STAGING_HALF_BLOCKS), whole-job and staged layered.
+    # (crates/kvtier-io/src/transfer/cuda/mod.rs, KVTIER_STAGING_HALF_BLOCKS), with the default modes and staged at every size.
     "kvtier-hb64": {"KVTIER_STAGING_HALF_BLOCKS": "64"},
     "kvtier-staged-hb64": {"KVTIER_LAYERED_COPY": "staged", "KVTIER_STAGING_HALF_BLOCKS": "64"},
     "kvtier-staged256-hb64": {"KVTIER_LAYERED_COPY": "staged:256", "KVTIER_STAGING_HALF_BLOCKS": "64"},
@@ -57,7 +57,8 @@ ENGINE_ENV: dict[str, dict[str, str]] = {
     "kvtier-staged2d512-hb64": {"KVTIER_LAYERED_COPY": "staged2d", "KVTIER_STAGING_HALF_BLOCKS": "64"},
     # No staging, no kernel: each layer's host slices straight into vLLM's K/V planes, one 2D copy per run (direct2d.rs).
     "kvtier-direct2d": {"KVTIER_LAYERED_COPY": "direct2d"},
-    # Not layered: the whole job ordered ahead of the forward pass at every size (the default above 2 GiB).
+    # Not layered: the whole job ordered ahead of the forward pass at every size (the default above 2 GiB until
+    # 2026-12-06, now staged).
     "kvtier-whole": {"KVTIER_LAYERED_COPY": "whole"},
 }
 

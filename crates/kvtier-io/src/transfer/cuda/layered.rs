@@ -6,12 +6,14 @@
 //! that layer's attention ([`CudaLayerGate`]), so copies of later layers run beside the forward
 //! pass of earlier ones (vLLM's `wait_for_layer_load`).
 //!
-//! Invariants: a layered load is used only when kernels may read its source at its host
-//! addresses (pinned, registered, `CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`), every piece is
-//! 16-byte aligned and the job is at most [`LAYERED_MAX_BYTES`] (a larger job goes the staged way,
-//! `staged.rs`, when `Auto`), else the job goes the whole-job ordered way (the gate handed to the
-//! engine is then `None`); the kernels run after the job's
-//! fence (a stream wait, not a CPU wait); layer `l`'s event is recorded after the launch that
+//! Which way a layered load goes is its [`LayeredCopy`] (`Auto`: this kernel up to
+//! [`KERNEL_MAX_BYTES`], the copy engine through device staging above, `staged.rs`).
+//!
+//! Invariants: the kernel-read way is used only when kernels may read the source at its host
+//! addresses (pinned, registered, `CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`) and every piece is
+//! 16-byte aligned; a job no layered way can plan goes the whole-job ordered way (the gate handed
+//! to the engine is then `None`); the kernels run after the job's fence (a stream wait, not a CPU
+//! wait); layer `l`'s event is recorded after the launch that
 //! writes every byte of layer `l` and of no later layer; each job has its own events, so a gate
 //! handed to the engine is never re-recorded; the descriptors stay untouched until the job's
 //! `done` event completed (the direction's lock is held until then).
@@ -37,7 +39,7 @@ pub(crate) const KERNEL_ALIGN: usize = 16;
 /// crossover lies near 2 GiB. At 32K the staged way beat the whole-job copy on the H100 in
 /// vLLM 0.33 and 0.32 (100.6 / 100.7 ms against 106.1 / 105.4, same runs) and on the H200
 /// (1.51x of the copy against 1.57x, 2026-12-05).
-pub(crate) const LAYERED_MAX_BYTES: usize = 2 << 30;
+pub(crate) const KERNEL_MAX_BYTES: usize = 2 << 30;
 
 /// At most this many thread blocks per layer's launch: enough reads in flight to fill the link
 /// from host memory, few enough to leave the SMs to the forward pass.
@@ -77,7 +79,8 @@ pub enum LayeredCopy {
     /// No staging, no kernel: each layer's pieces copied from host blocks straight into the
     /// engine's chunks, one 2D copy per run of host slots and device blocks at constant strides
     /// (`direct2d.rs`); a job of too many short runs (or that does not split into equal layers)
-    /// goes the `Kernel` way. Opt-in, not yet measured on a GPU.
+    /// goes the `Kernel` way. Opt-in: in vLLM a replay's device ids descend against its
+    /// ascending host slots, so no runs form (measured on the H100, docs/bench/vllm.md).
     Direct2d,
     /// Not layered: the whole job ordered ahead of the forward pass (copy engine).
     Whole,
@@ -119,7 +122,7 @@ impl LayeredCopy {
     /// The mode a load of `bytes` takes.
     pub(crate) fn for_bytes(self, bytes: usize) -> Self {
         match self {
-            Self::Auto if bytes <= LAYERED_MAX_BYTES => Self::Kernel,
+            Self::Auto if bytes <= KERNEL_MAX_BYTES => Self::Kernel,
             Self::Auto => Self::Staged(staged::MIN_SLICE),
             m => m,
         }
@@ -402,11 +405,11 @@ mod tests {
         }
         // Auto: the kernel up to the cut, the staged copy above; explicit modes stay.
         assert_eq!(
-            LayeredCopy::Auto.for_bytes(LAYERED_MAX_BYTES),
+            LayeredCopy::Auto.for_bytes(KERNEL_MAX_BYTES),
             LayeredCopy::Kernel
         );
         assert_eq!(
-            LayeredCopy::Auto.for_bytes(LAYERED_MAX_BYTES + 1),
+            LayeredCopy::Auto.for_bytes(KERNEL_MAX_BYTES + 1),
             LayeredCopy::Staged(512 << 10)
         );
         assert_eq!(
