@@ -118,7 +118,9 @@ def test_a_gemma3_shaped_model_replays_exactly_with_the_hybrid_manager(tmp_path_
             assert len(PHASE) <= loads <= len(PHASE) + d.get("preempted_requests", 0), (g, d)
         else:  # the whole prefix, less what vLLM's device cache still had (the shared 64-token prefix)
             assert blocks >= (HIT_BLOCKS - 2) * len(PHASE), (g, d)
-    replayed = HIT_BLOCKS * BLOCK_SIZE * len(PHASE)
+    # Tokens replayed: each prompt's hit once, plus once more for each request vLLM preempted and loaded again (a
+    # clean-clone CI run under load reloaded one: counted per prompt only, it read 1162.7 bytes per token > 1024).
+    replayed = HIT_BLOCKS * BLOCK_SIZE * (len(PHASE) + d.get("preempted_requests", 0))
     # Bytes per replayed token: the full layer's whole prefix and the window layers' window, (1 * 6 + 3 * 2) of the
     # 4 * 6 layer-blocks the whole prefix of every layer would be.
     assert d["onboard_host_bytes"] / replayed <= 0.5 * SPEC["bytes_per_block"] / BLOCK_SIZE, d
