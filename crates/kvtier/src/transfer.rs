@@ -470,7 +470,10 @@ pub trait BlockTransfer: Send + Sync {
     /// by layer of the engine's layout and, instead of making `engine_stream` wait for the whole
     /// job, hands `enqueued` a [`LayerGate`] with which the engine's stream waits for one layer's
     /// copies right before that layer's attention reads them (vLLM's `wait_for_layer_load`),
-    /// so the copy of layer `l + 1` runs beside the forward pass of layer `l`. `enqueued(None)`
+    /// so the copy of layer `l + 1` runs beside the forward pass of layer `l`. The gate may come
+    /// before the job enqueued its copies (a long load's enqueue blocks on the driver's launch
+    /// queue), so the engine waits on it from its own thread, never inside `enqueued`
+    /// (which runs on the job's thread). `enqueued(None)`
     /// means what `execute_ordered`'s `enqueued` means: the stream already waits for every copy.
     /// The same rules as `execute_ordered` otherwise; the default is `execute_ordered`.
     fn execute_layered(
@@ -490,8 +493,10 @@ pub trait BlockTransfer: Send + Sync {
 pub trait LayerGate: Send + Sync {
     /// Number of layers the gate covers.
     fn layers(&self) -> usize;
-    /// Make `engine_stream` wait for every copy of `layer` (cheap: a device-side wait, the CPU
-    /// does not block). A layer `>= layers()` is an error.
+    /// Make `engine_stream` wait for every copy of `layer`: a device-side wait, once the
+    /// implementation has enqueued that layer's copies (the gate may come before they are: the
+    /// CPU then blocks until they are, never past that). A layer `>= layers()`, or one whose
+    /// copies were never enqueued (the load failed), is an error.
     fn wait_layer(&self, layer: usize, engine_stream: u64) -> Result<(), TransferError>;
 }
 

@@ -23,7 +23,7 @@
 use kvtier::transfer::Fence;
 
 use super::CudaMover;
-use crate::sys::cuda::{CuResult, Event};
+use crate::sys::cuda::CuResult;
 use crate::sys::job;
 use crate::transfer::device::Ordering;
 use crate::transfer::layout::{cut_chunks, Chunk};
@@ -230,10 +230,7 @@ impl CudaMover {
         fence: &Fence,
         order: Ordering<'_>,
     ) -> CuResult<()> {
-        self.layered_job(fence, true, order, |_, dir| {
-            let events: Vec<Event> = (0..layers)
-                .map(|_| Event::new(false))
-                .collect::<CuResult<_>>()?;
+        self.layered_job(fence, true, layers, order, |_, dir, events| {
             for step in &plan.steps {
                 match *step {
                     // Pieces of host blocks (or arena slots) this job holds, into chunks of the
@@ -246,16 +243,13 @@ impl CudaMover {
                         let shape = (c.width, c.height);
                         job::memcpy_2d_async(c.dst, c.dpitch, c.src, c.spitch, shape, &dir.copy)?;
                     }
-                    Step::LayerDone(l) => {
-                        let ev = events.get(l).ok_or("layer out of range in a direct plan")?;
-                        ev.record(&dir.copy)?;
-                    }
+                    Step::LayerDone(l) => events.record(l, &dir.copy)?,
                 }
             }
             // `done` is recorded on the kernel stream: it follows the last copy.
             dir.handoff[0].record(&dir.copy)?;
             dir.kernel.wait(&dir.handoff[0])?;
-            Ok(events)
+            Ok(())
         })
     }
 }

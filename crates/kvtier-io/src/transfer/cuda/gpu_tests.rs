@@ -195,11 +195,14 @@ fn device_pointers_are_checked_with_the_driver() {
     println!("device pointer check: device memory passes, invented/host/freed refused");
 }
 
-/// Play the engine of a layered load: `execute_layered(load)` on a stream of its own; in
-/// `enqueued`, for each layer in turn, wait on the gate for that layer only, then copy that
-/// layer's chunks of every destination block (`dsts[i]`, pair `i`) to a buffer on that stream.
+/// Play the engine of a layered load: `execute_layered(load)` on a stream of its own; the gate
+/// `enqueued` hands over goes to an "engine" thread (as the worker's note does: the gate comes
+/// before the job enqueued its copies, and a wait blocks until that layer's are), which for each
+/// layer in turn waits on the gate for that layer only, then copies that layer's chunks of every
+/// destination block (`dsts[i]`, pair `i`) to a buffer on that stream.
 /// Every byte read must be the stored one (`expected[i]`): a layer's event recorded before its
-/// copies (or for the wrong layer) lets the engine read the old bytes. `what` names the source.
+/// copies (or for the wrong layer), or a wait that passes before the event is recorded, lets the
+/// engine read the old bytes. `what` names the source.
 pub(crate) fn load_layered_and_check(
     e: &TransferEngine,
     load: &TransferJob,
@@ -212,24 +215,34 @@ pub(crate) fn load_layered_and_check(
     let seen = DeviceAlloc::new(dsts.len() * BPB).unwrap();
     let layer_bytes = BPB / LAYERS;
     let f = e.fence(Some(engine.raw() as u64)).unwrap();
-    let mut layers_seen = 0;
-    let out = e.execute_layered(load, &f, engine.raw() as u64, &mut |gate| {
-        let gate =
-            gate.unwrap_or_else(|| panic!("a vLLM-shaped load from the {what} was not layered"));
-        layers_seen = gate.layers();
-        for l in 0..LAYERS {
-            gate.wait_layer(l, engine.raw() as u64).unwrap();
-            for (i, &d) in dsts.iter().enumerate() {
-                let mut chunks = Vec::new();
-                layout.chunks(d, &mut chunks).unwrap();
-                let mut at = (i * BPB + l * layer_bytes) as u64;
-                for c in &chunks[2 * l..2 * l + 2] {
-                    // Both ranges are live device allocations of this test.
-                    job::memcpy_async(seen.addr() + at, c.addr, c.len, &engine).unwrap();
-                    at += c.len as u64;
+    let (tx, rx) = std::sync::mpsc::channel::<Option<Arc<dyn kvtier::transfer::LayerGate>>>();
+    let (engine_ref, seen_ref) = (&engine, &seen);
+    let (out, layers_seen) = std::thread::scope(|sc| {
+        let reader = sc.spawn(move || {
+            let (engine, seen) = (engine_ref, seen_ref);
+            let gate = rx
+                .recv()
+                .unwrap()
+                .unwrap_or_else(|| panic!("a vLLM-shaped load from the {what} was not layered"));
+            for l in 0..LAYERS {
+                gate.wait_layer(l, engine.raw() as u64).unwrap();
+                for (i, &d) in dsts.iter().enumerate() {
+                    let mut chunks = Vec::new();
+                    layout.chunks(d, &mut chunks).unwrap();
+                    let mut at = (i * BPB + l * layer_bytes) as u64;
+                    for c in &chunks[2 * l..2 * l + 2] {
+                        // Both ranges are live device allocations of this test.
+                        job::memcpy_async(seen.addr() + at, c.addr, c.len, engine).unwrap();
+                        at += c.len as u64;
+                    }
                 }
             }
-        }
+            gate.layers()
+        });
+        let out = e.execute_layered(load, &f, engine.raw() as u64, &mut |gate| {
+            tx.send(gate).unwrap()
+        });
+        (out, reader.join().unwrap())
     });
     assert!(out.is_ok(), "layered load from the {what}: {out:?}");
     assert_eq!(layers_seen, LAYERS);
@@ -253,19 +266,39 @@ pub(crate) fn load_layered_and_check(
 }
 
 /// Rates (information, not asserted): `load` whole-ordered and layered, on a fresh stream, and
-/// when the engine got the load back (the gate, or the ordered return): an enqueue that blocks
-/// the CPU (a full launch queue) holds the engine's forward pass back until then.
+/// when the engine got the load back (the ordered return; for a layered load, when its first
+/// and its last layer could be waited for, from an engine thread): an enqueue that blocks the
+/// CPU (a full launch queue) holds the engine's forward pass back until then.
 pub(crate) fn print_layered_rates(e: &TransferEngine, load: &TransferJob, what: &str) {
     let engine = Stream::new(false).unwrap();
     let bytes = load.len() * BPB;
+    let ms = |d: Option<std::time::Duration>| d.map_or(f64::NAN, |h| h.as_secs_f64() * 1e3);
     for layered in [false, true] {
         let f = e.fence(Some(engine.raw() as u64)).unwrap();
         engine.synchronize().unwrap();
         let t = std::time::Instant::now();
         let mut handed = None;
+        let mut last = None;
         let out = if layered {
-            e.execute_layered(load, &f, engine.raw() as u64, &mut |_| {
-                handed = Some(t.elapsed())
+            let (tx, rx) =
+                std::sync::mpsc::channel::<Option<Arc<dyn kvtier::transfer::LayerGate>>>();
+            let engine_ref = &engine;
+            std::thread::scope(|sc| {
+                let reader = sc.spawn(move || {
+                    let engine = engine_ref;
+                    let gate = rx.recv().ok().flatten()?;
+                    gate.wait_layer(0, engine.raw() as u64).ok()?;
+                    let first = t.elapsed();
+                    gate.wait_layer(gate.layers() - 1, engine.raw() as u64)
+                        .ok()?;
+                    Some((first, t.elapsed()))
+                });
+                let out =
+                    e.execute_layered(load, &f, engine.raw() as u64, &mut |g| tx.send(g).unwrap());
+                if let Some((a, b)) = reader.join().unwrap() {
+                    (handed, last) = (Some(a), Some(b));
+                }
+                out
             })
         } else {
             e.execute_ordered(load, &f, engine.raw() as u64, &mut || {
@@ -275,12 +308,13 @@ pub(crate) fn print_layered_rates(e: &TransferEngine, load: &TransferJob, what: 
         assert!(out.is_ok());
         let s = t.elapsed().as_secs_f64();
         println!(
-            "{what}: {} load of {} MiB: {:.2} ms, {:.1} GB/s, handed to the engine after {:.2} ms",
+            "{what}: {} load of {} MiB: {:.2} ms, {:.1} GB/s, handed to the engine after {:.2} ms{}",
             if layered { "layered" } else { "whole-ordered" },
             bytes >> 20,
             s * 1e3,
             bytes as f64 / s / 1e9,
-            handed.map_or(f64::NAN, |h| h.as_secs_f64() * 1e3)
+            ms(handed),
+            if layered { format!(" (last layer after {:.2} ms)", ms(last)) } else { String::new() }
         );
     }
 }

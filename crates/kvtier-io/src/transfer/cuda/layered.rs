@@ -7,7 +7,8 @@
 //! pass of earlier ones (vLLM's `wait_for_layer_load`).
 //!
 //! Which way a layered load goes is its [`LayeredCopy`] (`Auto`: this kernel up to
-//! [`KERNEL_MAX_BYTES`], the copy engine through device staging above, `staged.rs`).
+//! [`KERNEL_MAX_BYTES`] where the GPU's SMs read host memory near the copy engine's rate,
+//! `probe.rs`; the copy engine through device staging otherwise, `staged.rs`).
 //!
 //! Invariants: the kernel-read way is used only when kernels may read the source at its host
 //! addresses (pinned, registered, `CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`) and every piece is
@@ -19,11 +20,11 @@
 //! `done` event completed (the direction's lock is held until then).
 use std::sync::Arc;
 
-use kvtier::transfer::{Fence, LayerGate, TransferError};
+use kvtier::transfer::Fence;
 
+use super::gate::{CloseOnDrop, CudaLayerGate, LayerEvents};
 use super::{launch_descs, staged, CudaFence, CudaMover, Dir};
-use crate::sys::cuda::{CuResult, Driver, Event, Kernel};
-use crate::sys::job;
+use crate::sys::cuda::{CuResult, Kernel};
 use crate::transfer::device::Ordering;
 use crate::transfer::layout::{split_layers, Chunk};
 
@@ -43,26 +44,14 @@ pub(crate) const KERNEL_MAX_BYTES: usize = 2 << 30;
 
 /// At most this many thread blocks per layer's launch: enough reads in flight to fill the link
 /// from host memory, few enough to leave the SMs to the forward pass.
-const MAX_GRID: usize = 512;
-
-/// The per-layer events of one layered load.
-pub(crate) struct CudaLayerGate {
-    driver: Arc<Driver>,
-    events: Vec<Event>,
-}
-
-impl CudaLayerGate {
-    /// The gate of a job whose layer `l` is complete once `events[l]` (recorded by the job) is.
-    pub(crate) fn new(driver: Arc<Driver>, events: Vec<Event>) -> Self {
-        CudaLayerGate { driver, events }
-    }
-}
+pub(crate) const MAX_GRID: usize = 512;
 
 /// How a layered load (a synchronous load the engine waits for layer by layer) moves its bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum LayeredCopy {
-    /// `Kernel` for loads up to 2 GiB, `Staged` (512 KiB slices) above (measured on the H200 and
-    /// the H100; a job the staged way cannot plan goes whole). Overridden by
+    /// `Kernel` for loads up to 2 GiB where the start-up probe found the kernel's host reads at
+    /// 0.7x of the copy engine's rate or faster (`probe.rs`; the H200, not the H100), `Staged`
+    /// (512 KiB slices) otherwise (measured on both; a job the staged way cannot plan goes whole). Overridden by
     /// `KVTIER_LAYERED_COPY` (`kernel`, `staged`, `staged2d`, `direct2d`, `whole`).
     #[default]
     Auto,
@@ -119,32 +108,15 @@ impl LayeredCopy {
         m
     }
 
-    /// The mode a load of `bytes` takes.
-    pub(crate) fn for_bytes(self, bytes: usize) -> Self {
+    /// The mode a load of `bytes` takes where `Auto` loads of up to `kernel_max` bytes go the
+    /// kernel's way ([`KERNEL_MAX_BYTES`], or 0 where the probe found the kernel's host reads
+    /// slow: `probe.rs`).
+    pub(crate) fn for_bytes(self, bytes: usize, kernel_max: usize) -> Self {
         match self {
-            Self::Auto if bytes <= KERNEL_MAX_BYTES => Self::Kernel,
+            Self::Auto if bytes <= kernel_max => Self::Kernel,
             Self::Auto => Self::Staged(staged::MIN_SLICE),
             m => m,
         }
-    }
-}
-
-impl LayerGate for CudaLayerGate {
-    fn layers(&self) -> usize {
-        self.events.len()
-    }
-
-    fn wait_layer(&self, layer: usize, engine_stream: u64) -> Result<(), TransferError> {
-        let ev = self.events.get(layer).ok_or_else(|| {
-            TransferError::Other(format!(
-                "layer {layer} is out of range ({} layers)",
-                self.events.len()
-            ))
-        })?;
-        self.driver.make_current().map_err(TransferError::Cuda)?;
-        // The engine passes the stream its forward pass runs on, a live stream of this device's
-        // primary context, or 0 (`BlockTransfer::execute_layered`).
-        job::engine_stream_wait(ev, engine_stream).map_err(TransferError::Cuda)
     }
 }
 
@@ -200,7 +172,7 @@ impl CudaMover {
             return Vec::new();
         }
         let bytes = items.len().saturating_mul(self.bytes_per_block);
-        let mut mode = self.layered_copy.for_bytes(bytes);
+        let mut mode = self.layered_copy.for_bytes(bytes, self.kernel_max_bytes);
         if mode == LayeredCopy::Direct2d {
             // A job the direct way cannot take (or would take in too many short copies) goes the
             // kernel's way.
@@ -277,36 +249,35 @@ impl CudaMover {
         fence: &Fence,
         order: Ordering<'_>,
     ) -> CuResult<()> {
-        self.layered_job(fence, false, order, |kernel, dir| {
+        self.layered_job(fence, false, descs.len(), order, |kernel, dir, events| {
             let base = dir.fill_job_descs(descs.iter().map(Vec::as_slice))?;
-            let mut events = Vec::with_capacity(descs.len());
             let mut first = 0u64;
-            for d in descs {
+            for (l, d) in descs.iter().enumerate() {
                 // Whole pieces of host tier blocks (or arena slots) held by this job, pinned and
                 // readable by kernels at their host addresses (checked at construction), into
                 // chunks of the engine's registered blocks.
                 let n = d.len() / 3;
                 launch_descs(kernel, &dir.kernel, base, first, n, MAX_GRID)?;
                 first += n as u64;
-                let ev = Event::new(false)?;
-                ev.record(&dir.kernel)?;
-                events.push(ev);
+                events.record(l, &dir.kernel)?;
             }
-            Ok(events)
+            Ok(())
         })
     }
 
     /// A layered load on the host-to-device direction, locked for the job: its kernel stream
-    /// (and its copy stream with `copy_too`) waits for `fence`, `enqueue` enqueues the job and
-    /// returns one event per layer, recorded after that layer's last write; the job's `done`
-    /// follows on the kernel stream, the engine gets the gate of those events, and this waits
-    /// for `done` (the job's host blocks stay held until then).
+    /// (and its copy stream with `copy_too`) waits for `fence`; the engine gets the gate of the
+    /// job's `layers` events at once (`gate.rs`: a wait for a layer blocks until the job recorded
+    /// it); `enqueue` enqueues the job, recording each layer's event after that layer's last
+    /// write; the job's `done` follows on the kernel stream, and this waits for `done` (the
+    /// job's host blocks stay held until then).
     pub(super) fn layered_job(
         &self,
         fence: &Fence,
         copy_too: bool,
+        layers: usize,
         order: Ordering<'_>,
-        enqueue: impl FnOnce(&Kernel, &mut Dir) -> CuResult<Vec<Event>>,
+        enqueue: impl FnOnce(&Kernel, &mut Dir, &LayerEvents) -> CuResult<()>,
     ) -> CuResult<()> {
         let entered = std::time::Instant::now();
         self.driver.make_current()?;
@@ -324,18 +295,21 @@ impl CudaMover {
             }
             dir.kernel.wait(&f.0)?;
         }
-        let events = enqueue(kernel, dir)?;
-        dir.done.record(&dir.kernel)?;
-        // Profiling aid: how long the engine's forward pass waited for the gate.
-        tracing::debug!(
-            enqueue_us = entered.elapsed().as_micros() as u64,
-            layers = events.len(),
-            "layered load enqueued"
-        );
+        let events = LayerEvents::new(layers)?;
+        let closing = CloseOnDrop(Arc::clone(&events));
         (order.enqueued)(Some(Arc::new(CudaLayerGate::new(
             Arc::clone(&self.driver),
-            events,
+            Arc::clone(&events),
         ))));
+        enqueue(kernel, dir, &events)?;
+        dir.done.record(&dir.kernel)?;
+        drop(closing);
+        // Profiling aid: how long the job's thread took to enqueue every layer.
+        tracing::debug!(
+            enqueue_us = entered.elapsed().as_micros() as u64,
+            layers,
+            "layered load enqueued"
+        );
         dir.done.wait()
     }
 }
@@ -405,20 +379,25 @@ mod tests {
         }
         // Auto: the kernel up to the cut, the staged copy above; explicit modes stay.
         assert_eq!(
-            LayeredCopy::Auto.for_bytes(KERNEL_MAX_BYTES),
+            LayeredCopy::Auto.for_bytes(KERNEL_MAX_BYTES, KERNEL_MAX_BYTES),
             LayeredCopy::Kernel
         );
         assert_eq!(
-            LayeredCopy::Auto.for_bytes(KERNEL_MAX_BYTES + 1),
+            LayeredCopy::Auto.for_bytes(KERNEL_MAX_BYTES + 1, KERNEL_MAX_BYTES),
             LayeredCopy::Staged(512 << 10)
         );
         assert_eq!(
-            LayeredCopy::Staged(1).for_bytes(usize::MAX),
+            LayeredCopy::Staged(1).for_bytes(usize::MAX, KERNEL_MAX_BYTES),
             LayeredCopy::Staged(1)
         );
         assert_eq!(
-            LayeredCopy::Direct2d.for_bytes(usize::MAX),
+            LayeredCopy::Direct2d.for_bytes(usize::MAX, KERNEL_MAX_BYTES),
             LayeredCopy::Direct2d
+        );
+        // Where the probe found the kernel's host reads slow, every `Auto` load goes staged.
+        assert_eq!(
+            LayeredCopy::Auto.for_bytes(1, 0),
+            LayeredCopy::Staged(512 << 10)
         );
     }
 

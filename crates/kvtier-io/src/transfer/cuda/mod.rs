@@ -27,7 +27,9 @@ use kvtier::transfer::{Fence, TransferError};
 use crate::transfer::device::{CopyDir, Order};
 
 mod direct2d;
+mod gate;
 mod layered;
+mod probe;
 mod staged;
 use crate::error::IoError;
 use crate::storage::host::HostStorage;
@@ -167,6 +169,33 @@ impl Dir {
     }
 }
 
+/// The probe's rates (`probe.rs`) where `Auto` layered loads could take the kernel-read way;
+/// `None` where they cannot or the probe failed (reported: the size cut then stays).
+fn probe_host_reads(
+    kernel: Option<&Kernel>,
+    host_pointers: bool,
+    layered: LayeredCopy,
+    h2d: &Mutex<Dir>,
+) -> Option<probe::HostReadRates> {
+    let kernel = kernel.filter(|_| host_pointers && layered == LayeredCopy::Auto)?;
+    let dir = h2d.lock().ok()?;
+    match probe::host_read_rates(kernel, &dir) {
+        Ok(r) => {
+            tracing::info!(
+                kernel_gb_s = r.kernel_gb_s,
+                copy_gb_s = r.copy_gb_s,
+                kernel_way = probe::kernel_cut(Some(r), 1) > 0,
+                "host reads probed: layered loads take the kernel way only where its rate is near the copy engine's"
+            );
+            Some(r)
+        }
+        Err(e) => {
+            tracing::warn!("host-read probe failed ({e}); layered loads keep the size cut");
+            None
+        }
+    }
+}
+
 /// Launch the copy kernel on `stream` over the `n` descriptors from number `first` of the
 /// pinned, device-mapped buffer at `base`, on at most `max_grid` thread blocks. The descriptors
 /// name memory the job holds (its staging, the host blocks or arena slots it leased, the
@@ -201,6 +230,8 @@ pub(crate) struct CudaMover {
     host_pointers: bool,
     /// How layered loads move their bytes (`KVTIER_LAYERED_COPY`).
     layered_copy: LayeredCopy,
+    /// `Auto` layered loads up to this many bytes take the kernel-read way (`probe.rs`).
+    kernel_max_bytes: usize,
     d2h: Mutex<Dir>,
     h2d: Mutex<Dir>,
 }
@@ -291,6 +322,11 @@ impl CudaMover {
             "CUDA transfers ready"
         );
         let host_pointers = driver.host_pointers_usable();
+        let layered_copy = LayeredCopy::from_env().unwrap_or(layered);
+        let kernel_max_bytes = probe::kernel_cut(
+            probe_host_reads(kernel.as_ref(), host_pointers, layered_copy, &h2d),
+            layered::KERNEL_MAX_BYTES,
+        );
         Ok(CudaMover {
             driver,
             bytes_per_block,
@@ -299,7 +335,8 @@ impl CudaMover {
             kernel,
             batch_available,
             host_pointers,
-            layered_copy: LayeredCopy::from_env().unwrap_or(layered),
+            layered_copy,
+            kernel_max_bytes,
             d2h,
             h2d,
         })

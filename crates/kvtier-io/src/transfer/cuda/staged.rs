@@ -20,7 +20,7 @@ use kvtier::transfer::Fence;
 
 use super::layered::KERNEL_ALIGN;
 use super::{coalesce, launch_descs, Copy, CudaMover};
-use crate::sys::cuda::{CuResult, Event, Stream};
+use crate::sys::cuda::{CuResult, Stream};
 use crate::sys::job;
 use crate::transfer::device::Ordering;
 use crate::transfer::layout::Chunk;
@@ -151,11 +151,8 @@ impl CudaMover {
         order: Ordering<'_>,
         two_d: bool,
     ) -> CuResult<()> {
-        self.layered_job(fence, true, order, |kernel, dir| {
+        self.layered_job(fence, true, layers, order, |kernel, dir, events| {
             let base = dir.fill_job_descs(rounds.iter().map(|r| r.descs.as_slice()))?;
-            let mut events: Vec<Event> = (0..layers)
-                .map(|_| Event::new(false))
-                .collect::<CuResult<_>>()?;
             let mut first = 0u64;
             for (r, round) in rounds.iter().enumerate() {
                 let h = r % 2;
@@ -174,12 +171,12 @@ impl CudaMover {
                 first += n as u64;
                 dir.half_done[h].record(&dir.kernel)?;
                 if let Some(ends) = &round.ends {
-                    for ev in events.get_mut(ends.clone()).unwrap_or_default() {
-                        ev.record(&dir.kernel)?;
+                    for l in ends.clone() {
+                        events.record(l, &dir.kernel)?;
                     }
                 }
             }
-            Ok(events)
+            Ok(())
         })
     }
 
