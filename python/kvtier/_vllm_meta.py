@@ -38,6 +38,9 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     group_plans: list[bytes] = field(default_factory=list)
     recv_groups: dict[str, list[int]] = field(default_factory=dict)
     delayed_groups: dict[str, list[int]] = field(default_factory=dict)
+    # The scheduler side's number of this step (1, 2, ...): a worker in the scheduler's own thread that started the
+    # step's loads as the scheduler built it (``early_sync_loads``) knows the step by it when vLLM hands it over.
+    step: int = 0
 
 
 @dataclass

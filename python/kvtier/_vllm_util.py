@@ -312,3 +312,26 @@ def _backend(settings: dict[str, Any]) -> Any:
     from kvtier import _native
 
     return _native
+
+
+def _publishes_kv_events(vllm_config: "VllmConfig") -> bool:
+    """Whether vLLM publishes KV cache events: it asks the connector for them every step (``take_events`` in
+    ``Scheduler.update_from_output``) and hands them to a publisher that drops them unless ``kv_events_config``
+    enables one (vllm/distributed/kv_events.py ``EventPublisherFactory.create``). Without one, building an event
+    per stored block is wasted on the step's critical path."""
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False)
+                and getattr(cfg, "publisher", "null") != "null")
+
+
+def _recompute_failed_loads(vllm_config: "VllmConfig") -> None:
+    """kvtier reports failed loads so that vLLM recomputes them; vLLM's default policy ("fail") would abort the
+    request instead. The scheduler reads the policy right after building its connector."""
+    ktc = vllm_config.kv_transfer_config
+    if getattr(ktc, "kv_load_failure_policy", "recompute") == "recompute":
+        return
+    try:
+        ktc.kv_load_failure_policy = "recompute"
+        logger.info("kvtier: kv_load_failure_policy set to 'recompute' (a failed load is recomputed)")
+    except Exception:  # frozen config: a failed load then fails its request, still never serves wrong KV
+        logger.warning("kvtier: could not set kv_load_failure_policy='recompute'; failed loads will fail requests")

@@ -76,8 +76,8 @@ from ._vllm_meta import KvtierConnectorMetadata, KvtierConnectorStats, KvtierWor
 from ._vllm_util import (_COUNTERS, _NULL_BLOCK, _PER_REQUEST_COUNTERS, _backend, _embeds_digest, _group_ids,
                          _group_settings, _identity, _kv_groups, _record, _require_async_loads_with_groups,
                          _required_layout, _resolved_layout, _trace, _trace_dump, _vllm_events)
-from ._vllm_util import _first_group  # noqa: F401  (tests reach it here)
-from ._vllm_worker import _WorkerSide
+from ._vllm_util import _first_group, _publishes_kv_events, _recompute_failed_loads  # noqa: F401  (tests reach them)
+from ._vllm_worker import _WorkerSide, peer
 
 logger = logging.getLogger("kvtier.vllm")
 
@@ -146,6 +146,9 @@ def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None"
     # ... and layer by layer where vLLM calls its per-layer hooks (eager and piecewise CUDA-graph steps): the forward
     # pass of layer l runs while layer l + 1 is copied (Worker::set_layered_sync_loads; issue 27).
     extra.setdefault("layered_sync_loads", True)
+    # ... and started as the scheduler builds the step where the worker runs in the scheduler's own thread (vLLM's
+    # uniproc executor): the copies run while vLLM prepares the step's inputs (Worker early_sync_loads; issue 27).
+    extra.setdefault("early_sync_loads", True)
     # The salt separates caches of different models and KV dtypes sharing a tier (disk, remote): every process
     # of one model (producer and consumer alike) must compute the same hashes.
     # Every vLLM release's tensors, detected by kvtier (4-D views in any KVCacheLayout, 5-D, MLA); never the
@@ -195,6 +198,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._settings = _settings(vllm_config, kv_cache_config)
         group_settings = _group_settings(self._settings, groups)
         self._block_size = int(vllm_config.cache_config.block_size)
+        # Both halves of one engine in one process find each other by it (early sync loads).
+        self._engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None)
         self._sched: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -202,13 +207,15 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             # With several groups a finished request's blocks are held until its stores are done: a block one group
             # gives back may be handed out in another group, which that group's fences would not see.
             fence = _fence_reuse(kv_cache_config) and len(group_settings) == 1
-            self._sched = _SchedulerSide(group_settings, self._block_size, fence, _publishes_kv_events(vllm_config))
+            self._sched = _SchedulerSide(group_settings, self._block_size, fence, _publishes_kv_events(vllm_config),
+                                         self._engine_id)
         else:
             rank = _rank()
             for s in group_settings:
                 s.setdefault("rank", rank)
             self._settings.setdefault("rank", rank)
             self._worker = _WorkerSide(group_settings, self._block_size, [g["layers"] for g in groups])
+            self._worker.zeroes_new_blocks = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
         with _LIVE_LOCK:
             _LIVE.add(self)
 
@@ -226,6 +233,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register(kv_caches)
+        self._worker.register_peer(self._engine_id)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM calls this before the step writes any device block: before the V1 runner's _update_states and the
@@ -233,17 +241,17 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         # delayed frees when the KV cache needs zeroing (_SchedulerSide).
         assert self._worker is not None
         meta = kv_connector_metadata
-        if not isinstance(meta, KvtierConnectorMetadata):
-            return
-        if meta.fence_all:
-            self._worker.drain_all()
-        elif meta.preempted or meta.fence:
-            self._worker.drain(list(meta.preempted) + list(meta.fence))
+        if isinstance(meta, KvtierConnectorMetadata) and not self._worker.started_early(meta):
+            self._worker.preempt(meta)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._connector_metadata
-        if isinstance(meta, KvtierConnectorMetadata):
+        if not isinstance(meta, KvtierConnectorMetadata):
+            return
+        if self._worker.started_early(meta):
+            self._worker.finish_early(_runs_layer_hooks(forward_context))
+        else:
             self._worker.start_step(meta, _runs_layer_hooks(forward_context))
 
     def has_connector_metadata(self) -> bool:
@@ -412,29 +420,6 @@ def _fence_reuse(kv_cache_config: "KVCacheConfig | None") -> bool:
     return not bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
 
 
-def _publishes_kv_events(vllm_config: "VllmConfig") -> bool:
-    """Whether vLLM publishes KV cache events: it asks the connector for them every step (``take_events`` in
-    ``Scheduler.update_from_output``) and hands them to a publisher that drops them unless ``kv_events_config``
-    enables one (vllm/distributed/kv_events.py ``EventPublisherFactory.create``). Without one, building an event
-    per stored block is wasted on the step's critical path."""
-    cfg = getattr(vllm_config, "kv_events_config", None)
-    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False)
-                and getattr(cfg, "publisher", "null") != "null")
-
-
-def _recompute_failed_loads(vllm_config: "VllmConfig") -> None:
-    """kvtier reports failed loads so that vLLM recomputes them; vLLM's default policy ("fail") would abort the
-    request instead. The scheduler reads the policy right after building its connector."""
-    ktc = vllm_config.kv_transfer_config
-    if getattr(ktc, "kv_load_failure_policy", "recompute") == "recompute":
-        return
-    try:
-        ktc.kv_load_failure_policy = "recompute"
-        logger.info("kvtier: kv_load_failure_policy set to 'recompute' (a failed load is recomputed)")
-    except Exception:  # frozen config: a failed load then fails its request, still never serves wrong KV
-        logger.warning("kvtier: could not set kv_load_failure_policy='recompute'; failed loads will fail requests")
-
-
 class _SchedulerSide:
     """Translation of the scheduler's calls into kvtier's leader. Keeps only what vLLM does not hand back later:
     the live Request objects (their token lists grow in place), how many of each request's tokens kvtier has
@@ -442,7 +427,7 @@ class _SchedulerSide:
     the leader's rules (docs/arch/vllm.md)."""
 
     def __init__(self, settings: "dict[str, Any] | list[dict[str, Any]]", block_size: int, fence_reuse: bool = True,
-                 publish_events: bool = True) -> None:
+                 publish_events: bool = True, engine_id: str | None = None) -> None:
         group_settings = settings if isinstance(settings, list) else [settings]
         backend = _backend(group_settings[0])
         # One leader per KV cache group (vLLM's hybrid KV cache manager), in vLLM's group order; group 0's answers
@@ -476,6 +461,10 @@ class _SchedulerSide:
         # Per request: its identity (built once: vLLM matches a request repeatedly).
         self._identities: dict[str, tuple[str | None, bool]] = {}
         self._uncacheable_logged: set[str] = set()
+        # This engine's id (its worker side in this process, if any, starts steps' sync loads early) and the step
+        # number each metadata carries.
+        self._engine_id = engine_id
+        self._step = 0
 
     def _error(self, what: str, e: BaseException) -> None:
         self._errors += 1
@@ -656,10 +645,21 @@ class _SchedulerSide:
         # loads refused here are failed by the workers themselves.
         sync, delayed, failed, failed_async, recv_groups, delayed_groups = self._books.take_step(built)
         _trace("meta", "", [len(records[0]), len(plan)])
-        return KvtierConnectorMetadata(plan=plan, sync_loads=sync, preempted=preempted, delayed_frees=delayed,
+        self._step += 1
+        meta = KvtierConnectorMetadata(plan=plan, sync_loads=sync, preempted=preempted, delayed_frees=delayed,
                                        failed_loads=failed, failed_loads_async=failed_async, fence=fence,
                                        fence_all=fence_all, group_plans=plans[1:], recv_groups=recv_groups,
-                                       delayed_groups=delayed_groups)
+                                       delayed_groups=delayed_groups, step=self._step)
+        if sync and plan and len(plans) == 1:
+            # The worker of this engine in this thread (vLLM's uniproc executor) starts the loads now, while vLLM
+            # prepares the step's inputs; it refuses where that would not equal starting them in start_load_kv.
+            worker = peer(self._engine_id)
+            if worker is not None:
+                try:
+                    worker.start_early(meta)
+                except Exception as e:
+                    self._error("start_early", e)
+        return meta
 
     def update_output(self, out: "KVConnectorOutput") -> None:
         # vLLM calls this just before it acts on the same output's finished sets.

@@ -205,6 +205,8 @@ pub(crate) struct PyWorker {
     disk_blocks: usize,
     /// `layered_group_loads`, checked as a boolean when the worker is built.
     layered_group_loads: bool,
+    /// `early_sync_loads`, checked as a boolean when the worker is built.
+    early_sync_loads: bool,
 }
 
 impl PyWorker {
@@ -386,6 +388,7 @@ impl PyWorker {
         // in steps the adapter starts layered (kvtier::connector::Worker::set_layered_sync_loads).
         worker.set_layered_sync_loads(settings.layered_sync_loads().map_err(BridgeError::from)?);
         let layered_group_loads = settings.layered_group_loads().map_err(BridgeError::from)?;
+        let early_sync_loads = settings.early_sync_loads().map_err(BridgeError::from)?;
         Ok(PyWorker {
             inner: Mutex::new(Inner {
                 worker: Some(worker),
@@ -399,6 +402,7 @@ impl PyWorker {
             host_blocks: caps.host_blocks,
             disk_blocks: caps.disk_blocks,
             layered_group_loads,
+            early_sync_loads,
         })
     }
 }
@@ -532,6 +536,12 @@ impl PyWorker {
     /// Whether a hybrid model's ordered loads may go layer by layer (`layered_group_loads`).
     fn layered_group_loads(&self) -> bool {
         self.layered_group_loads
+    }
+
+    /// Whether the adapter may start a step's sync loads when its scheduler builds the step
+    /// (`early_sync_loads`: vLLM's scheduler and worker in one thread).
+    fn early_sync_loads(&self) -> bool {
+        self.early_sync_loads
     }
 
     /// Whether the bound step has layered loads (the engine must call the per-layer hooks).

@@ -38,6 +38,7 @@ pub(crate) const ENGINE_KEYS: &[&str] = &[
     "ordered_sync_loads",
     "layered_sync_loads",
     "layered_group_loads",
+    "early_sync_loads",
     "recompute_tail_blocks",
     "recompute_tail_blocks_default",
     "zmq_endpoint",
@@ -334,6 +335,13 @@ impl EngineSettings {
         Ok(self.bool("layered_group_loads")?.unwrap_or(false))
     }
 
+    /// Whether an adapter whose scheduler and worker share the engine's thread may start a
+    /// step's synchronous loads when the scheduler builds the step, before the engine prepares
+    /// its inputs (`early_sync_loads`; vLLM's adapter asks the worker).
+    pub fn early_sync_loads(&self) -> Result<bool, ConfigError> {
+        Ok(self.bool("early_sync_loads")?.unwrap_or(false))
+    }
+
     /// A delay added to every load, for tests (`test_load_delay_ms`; 0 = none).
     pub fn test_load_delay_ms(&self) -> Result<Option<usize>, ConfigError> {
         Ok(self.usize("test_load_delay_ms")?.filter(|ms| *ms > 0))
@@ -442,6 +450,14 @@ mod tests {
         let s = settings(&[("layered_group_loads", Value::from(true))]);
         assert!(s.layered_group_loads().unwrap());
         assert!(!settings(&[]).layered_group_loads().unwrap());
+        assert!(!settings(&[]).early_sync_loads().unwrap());
+        let s = settings(&[("early_sync_loads", Value::from(true))]);
+        assert!(s.early_sync_loads().unwrap());
+        let e = settings(&[("early_sync_loads", Value::from("soon"))])
+            .early_sync_loads()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("early_sync_loads"), "{e}");
     }
 
     /// The engine's `async_loads` wins over the configuration's, which wins over the

@@ -146,6 +146,8 @@ pub struct Worker {
     saving: HashSet<RequestId>,
     finished_are_saving: bool,
     binds: u64,
+    /// The step of the last metadata bound: the same step bound again is refused.
+    bound_step: u64,
     loads_ready: Vec<(RequestId, bool)>,
     started_loading: HashSet<RequestId>,
     load_errors: Vec<DeviceBlockId>,
@@ -211,6 +213,7 @@ impl Worker {
             saving: HashSet::new(),
             finished_are_saving: false,
             binds: 0,
+            bound_step: 0,
             loads_ready: Vec::new(),
             started_loading: HashSet::new(),
             load_errors: Vec::new(),
@@ -283,6 +286,13 @@ impl Worker {
     /// blocks to other requests (the engine's adapter may have waited already, earlier in the
     /// step, with [`Worker::wait_for_requests`]; then this returns at once).
     pub fn bind(&mut self, meta: &StepMetadata) {
+        if meta.step != 0 && meta.step == std::mem::replace(&mut self.bound_step, meta.step) {
+            tracing::error!(
+                step = meta.step,
+                "a step's metadata was bound twice; ignored"
+            );
+            return;
+        }
         if !meta.fence.is_empty() {
             self.wait_for_requests(&meta.fence);
         }

@@ -71,3 +71,29 @@ fn waiting_for_requests_outlasts_its_log_interval() {
     assert_eq!(w.jobs_in_flight(), 0);
     releaser.join().unwrap();
 }
+
+/// A step's metadata bound a second time (an adapter that started the step early and then
+/// bound it again) is refused: bound twice, the request's store would be counted twice and run
+/// once, and the finished request would never be reported saved (its blocks held forever).
+#[test]
+fn a_step_bound_twice_is_bound_once() {
+    let mem = Arc::new(MemoryTransfer::new(8, 4, 4, 0));
+    let (tx, _rx) = channel();
+    let mut w = Worker::new(mem, WorkerLink::in_process(0, 1, tx));
+    let meta = StepMetadata {
+        version: PROTOCOL_VERSION,
+        step: 7,
+        stores: vec![RequestStore {
+            request: "a".into(),
+            job: TransferJob::from_pairs(JobId(1), [(DeviceBlockId(1), BlockId(1))]),
+        }],
+        saving: vec!["a".into()],
+        ..Default::default()
+    };
+    w.bind(&meta);
+    w.bind(&meta);
+    w.forward_done(None);
+    w.wait_for_all_requests();
+    let r = w.get_finished(&["a".into()], None);
+    assert_eq!(r.saved, vec![RequestId::from("a")], "{r:?}");
+}
