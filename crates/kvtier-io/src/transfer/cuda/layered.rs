@@ -33,14 +33,13 @@ pub(crate) const KERNEL_ALIGN: usize = 16;
 
 /// `Auto` loads larger than this go the staged way (copy engine into device staging, then the
 /// scatter kernel) instead of the kernel's. The kernel's reads of host memory run below the copy
-/// engine's rate (H200, PCIe Gen5: 43.7 GB/s for a 1 GiB layered load, H100 29.5-32.1, against
-/// 53-55 GB/s), which costs more than the overlap gains on long prompts: vLLM 0.33,
-/// Llama-3.1-8B shape, eager, H200, replay TTFT layered / whole: 23.7 / 29.5 ms at 2K (256 MiB),
-/// 35.0 / 43.4 ms at 8K (1 GiB), 121.5 / 116.2 ms at 32K (4 GiB) (docs/bench/vllm.md); the
-/// crossover lies near 2 GiB. At 32K the staged way beat the whole-job copy on the H100 in
-/// vLLM 0.33 and 0.32 (100.6 / 100.7 ms against 106.1 / 105.4, same runs) and on the H200
-/// (1.51x of the copy against 1.57x, 2026-12-05).
-pub(crate) const KERNEL_MAX_BYTES: usize = 2 << 30;
+/// engine's rate (H200, PCIe Gen5: 43.7 GB/s for a 1 GiB layered load; H100s 29.5-51.1, against
+/// 53-55 GB/s), which costs more than its quick start gains once a load is long. Since the gate
+/// comes before the staged rounds are enqueued (`gate.rs`) and the loads start as vLLM builds
+/// the step, the staged way won at 8K (1 GiB) on the H100 (vLLM 0.33, Llama-3.1-8B shape,
+/// eager: 28.3 ms against 35.2 for the kernel, 2026-12-06) and lost at 2K (256 MiB); the cut
+/// lies between (docs/bench/vllm.md). Before those changes the H200's crossover was near 2 GiB.
+pub(crate) const KERNEL_MAX_BYTES: usize = 512 << 20;
 
 /// At most this many thread blocks per layer's launch: enough reads in flight to fill the link
 /// from host memory, few enough to leave the SMs to the forward pass.
@@ -49,7 +48,7 @@ pub(crate) const MAX_GRID: usize = 512;
 /// How a layered load (a synchronous load the engine waits for layer by layer) moves its bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum LayeredCopy {
-    /// `Kernel` for loads up to 2 GiB where the start-up probe found the kernel's host reads at
+    /// `Kernel` for loads up to 512 MiB where the start-up probe found the kernel's host reads at
     /// 0.7x of the copy engine's rate or faster (`probe.rs`; the H200, not the H100), `Staged`
     /// (512 KiB slices) otherwise (measured on both; a job the staged way cannot plan goes whole). Overridden by
     /// `KVTIER_LAYERED_COPY` (`kernel`, `staged`, `staged2d`, `direct2d`, `whole`).
@@ -59,7 +58,7 @@ pub enum LayeredCopy {
     Kernel,
     /// The copy engine moves each layer group's slices (at least this many bytes of a block
     /// where it allows) into device staging, the scatter kernel writes them out (`staged.rs`;
-    /// `Auto`'s way above 2 GiB).
+    /// `Auto`'s way above 512 MiB).
     Staged(usize),
     /// As `Staged`, each round's slices of host blocks at a constant stride moved by one 2D
     /// copy (`cuMemcpy2DAsync`: the copy engine walks the rows) instead of one copy each
