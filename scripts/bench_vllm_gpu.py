@@ -42,7 +42,7 @@ ENGINE_ENV: dict[str, dict[str, str]] = {
     # crates/kvtier-io/src/transfer/cuda/staged.rs), and with 1 MiB slices.
     "kvtier-staged": {"KVTIER_LAYERED_COPY": "staged"},
     "kvtier-staged1m": {"KVTIER_LAYERED_COPY": "staged:1024"},
-    # The kernel reading host memory at every size (the default cuts over to staged loads above 2 GiB).
+    # The kernel reading host memory at every size (the default cuts over to staged loads above 512 MiB).
     "kvtier-kernel": {"KVTIER_LAYERED_COPY": "kernel"},
     # Staging halves of 64 blocks (128 MiB) instead of 8: an ordered load of 4 GiB in 32 rounds instead of 256
     # (crates/kvtier-io/src/transfer/cuda/mod.rs, KVTIER_STAGING_HALF_BLOCKS), with the default modes and staged at every size.
