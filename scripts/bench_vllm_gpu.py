@@ -407,8 +407,9 @@ def main() -> None:
             settings={"disk.gb": a.disk_gb, "disk.dir": str(Path(a.disk_dir or tmp / "disk").resolve())})),
         # Host hits ordered ahead of the whole forward pass (the default before layered loads, issue 27 item 1).
         "kvtier-whole": dict(base, kv_transfer_config=connector_config(settings={**kt, "layered_sync_loads": False})),
-        # Sync loads started in start_load_kv, as before early_sync_loads (issue 27: the scheduler's own thread starts
-        # them as it builds the step, while vLLM prepares the step's inputs).
+        # Sync loads started as the scheduler builds the step (early_sync_loads, opt-in; issue 27), and in
+        # start_load_kv (the default; "kvtier-late" named it while early loads were the default).
+        "kvtier-early": dict(base, kv_transfer_config=connector_config(settings={**kt, "early_sync_loads": True})),
         "kvtier-late": dict(base, kv_transfer_config=connector_config(settings={**kt, "early_sync_loads": False})),
         # A connector that does nothing (tests/vllm_support/null_connector.py): what any connector costs vLLM.
         "null": dict(base, kv_transfer_config={"kv_connector": "NullConnector", "kv_role": "kv_both",

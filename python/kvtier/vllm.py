@@ -146,9 +146,10 @@ def _settings(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None"
     # ... and layer by layer where vLLM calls its per-layer hooks (eager and piecewise CUDA-graph steps): the forward
     # pass of layer l runs while layer l + 1 is copied (Worker::set_layered_sync_loads; issue 27).
     extra.setdefault("layered_sync_loads", True)
-    # ... and started as the scheduler builds the step where the worker runs in the scheduler's own thread (vLLM's
-    # uniproc executor): the copies run while vLLM prepares the step's inputs (Worker early_sync_loads; issue 27).
-    extra.setdefault("early_sync_loads", True)
+    # Sync loads may start as the scheduler builds the step where the worker runs in the scheduler's own thread
+    # (vLLM's uniproc executor; `"early_sync_loads": true`). Opt-in: on the H100 it gained 1-2.5 ms on vLLM 0.33 but
+    # cost 6-16 ms at 2K/8K on vLLM 0.32 (docs/bench/vllm.md, 2026-12-06).
+    extra.setdefault("early_sync_loads", False)
     # The salt separates caches of different models and KV dtypes sharing a tier (disk, remote): every process
     # of one model (producer and consumer alike) must compute the same hashes.
     # Every vLLM release's tensors, detected by kvtier (4-D views in any KVCacheLayout, 5-D, MLA); never the
