@@ -22,11 +22,81 @@ struct Recorded {
     closed: bool,
 }
 
+/// The recording side of a layered load's gate, without the events (tested on the CPU).
+struct LayerProgress {
+    recorded: Mutex<Recorded>,
+    cv: Condvar,
+}
+
+impl LayerProgress {
+    fn new(layers: usize) -> Self {
+        LayerProgress {
+            recorded: Mutex::new(Recorded {
+                layers: vec![false; layers],
+                closed: false,
+            }),
+            cv: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Recorded> {
+        // Plain flags behind the lock: still meaningful after a panic elsewhere.
+        self.recorded.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether layer `l` may be recorded now: in range, not recorded, the job not closed.
+    fn may_record(&self, l: usize) -> Result<(), String> {
+        let r = self.lock();
+        match r.layers.get(l) {
+            None => Err(format!(
+                "layer {l} is out of range ({} layers)",
+                r.layers.len()
+            )),
+            Some(true) => Err(format!("layer {l} recorded twice")),
+            Some(false) if r.closed => Err(format!("layer {l} recorded after the job closed")),
+            Some(false) => Ok(()),
+        }
+    }
+
+    /// Layer `l`'s event is recorded: its waiters go on.
+    fn mark(&self, l: usize) {
+        if let Some(x) = self.lock().layers.get_mut(l) {
+            *x = true;
+        }
+        self.cv.notify_all();
+    }
+
+    fn close(&self) {
+        self.lock().closed = true;
+        self.cv.notify_all();
+    }
+
+    /// Block until layer `l` is recorded; an error if it is out of range or the job closed
+    /// without recording it.
+    fn wait(&self, l: usize) -> Result<(), TransferError> {
+        let mut r = self.lock();
+        if l >= r.layers.len() {
+            return Err(TransferError::Other(format!(
+                "layer {l} is out of range ({} layers)",
+                r.layers.len()
+            )));
+        }
+        while !r.layers[l] && !r.closed {
+            r = self.cv.wait(r).unwrap_or_else(|e| e.into_inner());
+        }
+        if !r.layers[l] {
+            return Err(TransferError::Other(format!(
+                "layer {l} of a layered load was never enqueued (the load failed)"
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// One layered load's events, shared by the job (which records them) and the engine's gate.
 pub(crate) struct LayerEvents {
     events: Vec<Event>,
-    recorded: Mutex<Recorded>,
-    cv: Condvar,
+    progress: LayerProgress,
 }
 
 impl LayerEvents {
@@ -37,11 +107,7 @@ impl LayerEvents {
             .collect::<CuResult<Vec<_>>>()?;
         Ok(Arc::new(LayerEvents {
             events,
-            recorded: Mutex::new(Recorded {
-                layers: vec![false; layers],
-                closed: false,
-            }),
-            cv: Condvar::new(),
+            progress: LayerProgress::new(layers),
         }))
     }
 
@@ -52,49 +118,26 @@ impl LayerEvents {
     /// Record layer `l`'s event on `stream` (after the last write of layer `l` was enqueued
     /// there) and let the engine's waits for that layer go on. A layer is recorded once.
     pub(crate) fn record(&self, l: usize, stream: &Stream) -> CuResult<()> {
+        self.progress.may_record(l)?;
         let ev = self.events.get(l).ok_or("layer out of range")?;
-        let poisoned = || "layer events poisoned".to_string();
-        {
-            let r = self.recorded.lock().map_err(|_| poisoned())?;
-            if r.closed || r.layers[l] {
-                return Err(format!("layer {l} recorded twice or after the job closed"));
-            }
-        }
         // Outside the lock: with the driver's launch queue full this call waits for the GPU.
         // Only the job records, so the check above still holds.
         ev.record(stream)?;
-        self.recorded.lock().map_err(|_| poisoned())?.layers[l] = true;
-        self.cv.notify_all();
+        self.progress.mark(l);
         Ok(())
     }
 
     /// The job records no more layers: waits for a layer not recorded by now fail.
     pub(crate) fn close(&self) {
-        if let Ok(mut r) = self.recorded.lock() {
-            r.closed = true;
-        }
-        self.cv.notify_all();
+        self.progress.close();
     }
 
     /// Block until layer `l`'s event is recorded (or the job closed without recording it).
     fn recorded_event(&self, l: usize) -> Result<&Event, TransferError> {
-        let ev = self.events.get(l).ok_or_else(|| {
-            TransferError::Other(format!(
-                "layer {l} is out of range ({} layers)",
-                self.events.len()
-            ))
-        })?;
-        let poisoned = || TransferError::Other("layer events poisoned".into());
-        let mut r = self.recorded.lock().map_err(|_| poisoned())?;
-        while !r.layers[l] && !r.closed {
-            r = self.cv.wait(r).map_err(|_| poisoned())?;
-        }
-        if !r.layers[l] {
-            return Err(TransferError::Other(format!(
-                "layer {l} of a layered load was never enqueued (the load failed)"
-            )));
-        }
-        Ok(ev)
+        self.progress.wait(l)?;
+        self.events
+            .get(l)
+            .ok_or_else(|| TransferError::Other(format!("layer {l} is out of range")))
     }
 }
 
@@ -130,5 +173,58 @@ impl LayerGate for CudaLayerGate {
         // The engine passes the stream its forward pass runs on, a live stream of this device's
         // primary context, or 0 (`BlockTransfer::execute_layered`).
         job::engine_stream_wait(ev, engine_stream).map_err(TransferError::Cuda)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_wait_blocks_until_its_layer_is_recorded_and_no_longer() {
+        let p = Arc::new(LayerProgress::new(3));
+        let waiter = {
+            let p = Arc::clone(&p);
+            std::thread::spawn(move || p.wait(1))
+        };
+        p.mark(0);
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(
+            !waiter.is_finished(),
+            "the wait for layer 1 passed before it was recorded"
+        );
+        p.mark(1);
+        waiter.join().unwrap().unwrap();
+        p.wait(0).unwrap();
+    }
+
+    #[test]
+    fn a_closed_job_fails_the_waits_of_layers_it_never_recorded() {
+        let p = Arc::new(LayerProgress::new(2));
+        let waiter = {
+            let p = Arc::clone(&p);
+            std::thread::spawn(move || p.wait(1))
+        };
+        p.mark(0);
+        p.close();
+        assert!(
+            waiter.join().unwrap().is_err(),
+            "a never-recorded layer's wait passed"
+        );
+        p.wait(0).unwrap();
+        assert!(p.wait(2).is_err(), "out of range");
+        assert!(p.may_record(1).is_err(), "recorded after the job closed");
+    }
+
+    #[test]
+    fn a_layer_is_recorded_once() {
+        let p = LayerProgress::new(2);
+        p.may_record(0).unwrap();
+        p.mark(0);
+        assert!(p.may_record(0).is_err());
+        assert!(p.may_record(2).is_err());
+        p.may_record(1).unwrap();
     }
 }
