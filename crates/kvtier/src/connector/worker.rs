@@ -287,10 +287,7 @@ impl Worker {
     /// step, with [`Worker::wait_for_requests`]; then this returns at once).
     pub fn bind(&mut self, meta: &StepMetadata) {
         if meta.step != 0 && meta.step == std::mem::replace(&mut self.bound_step, meta.step) {
-            tracing::error!(
-                step = meta.step,
-                "a step's metadata was bound twice; ignored"
-            );
+            tracing::error!(step = meta.step, "step metadata bound twice; ignored");
             return;
         }
         if !meta.fence.is_empty() {
