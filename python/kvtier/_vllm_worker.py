@@ -138,7 +138,7 @@ class _WorkerSide:
         now follows every forward pass already enqueued, the asynchronously scheduled one included), no step is
         bound, one KV cache group, and vLLM does not zero new blocks. The forward pass's per-layer waits (or, in
         a step without layer hooks, one wait for every layer in ``start_load_kv``) stay where they were."""
-        if (not self._early_ok or self._in_step or self._early_step is not None or len(self._all()) != 1
+        if (not self._early_ok or self._in_step or len(self._all()) != 1
                 or self.zeroes_new_blocks or self._engine_thread != threading.get_ident()
                 or self._stream() != self._engine_stream or not meta.step):
             return False
@@ -174,8 +174,9 @@ class _WorkerSide:
 
     def start_step(self, meta: KvtierConnectorMetadata, layer_hooks: bool = False) -> None:
         self._in_step = True
-        self._engine_thread = threading.get_ident()
-        self._engine_stream = self._stream()
+        if self._early_ok:  # what start_early compares with; nothing to record otherwise
+            self._engine_thread = threading.get_ident()
+            self._engine_stream = self._stream()
         self._books.begin_step(list(meta.delayed_frees), dict(getattr(meta, "delayed_groups", {})),
                                dict(getattr(meta, "recv_groups", {})), dict(meta.failed_loads),
                                set(meta.failed_loads_async))

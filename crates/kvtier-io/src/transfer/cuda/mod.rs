@@ -184,7 +184,7 @@ fn probe_host_reads(
             tracing::info!(
                 kernel_gb_s = r.kernel_gb_s,
                 copy_gb_s = r.copy_gb_s,
-                kernel_way = probe::kernel_cut(Some(r), 1) > 0,
+                kernel_way = r.kernel_reads_fast(),
                 "host reads probed: layered loads take the kernel way only where its rate is near the copy engine's"
             );
             Some(r)

@@ -41,9 +41,18 @@ pub(crate) struct HostReadRates {
 /// host memory at [`KERNEL_MIN_SHARE`] of the copy engine's rate or faster, none where it is
 /// slower; `size_cut` where nothing was measured.
 pub(crate) fn kernel_cut(rates: Option<HostReadRates>, size_cut: usize) -> usize {
-    match rates {
-        Some(r) if r.copy_gb_s > 0.0 && r.kernel_gb_s < KERNEL_MIN_SHARE * r.copy_gb_s => 0,
-        _ => size_cut,
+    if rates.is_some_and(|r| !r.kernel_reads_fast()) {
+        0
+    } else {
+        size_cut
+    }
+}
+
+impl HostReadRates {
+    /// Whether the kernel read at [`KERNEL_MIN_SHARE`] of the copy engine's rate or faster (a
+    /// probe that timed no copy decides nothing: fast).
+    pub(crate) fn kernel_reads_fast(self) -> bool {
+        self.copy_gb_s <= 0.0 || self.kernel_gb_s >= KERNEL_MIN_SHARE * self.copy_gb_s
     }
 }
 
